@@ -1,0 +1,5 @@
+import sys
+
+from broky.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""The `broky` command: serve, pub, sub, info, bench.
+
+Each subcommand lives with its concern and registers itself here:
+broky.server.cli (serve), broky.client.cli (pub, sub, info),
+bench.__main__ (bench, available in a source checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from broky import __version__
+
+# module that defines register(subparsers) for each group of subcommands
+_COMMAND_MODULES = ("broky.server.cli", "broky.client.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="broky",
+        description="Broky: an in-memory, low-latency publish/subscribe server and its tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"broky {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Every error Broky raises, rooted at BrokyError.
+
+Protocol errors carry the wire ErrorCode (schema/broky.fbs) so the server can
+send them back unchanged. They are split by who broke the rules:
+RemoteProtocolError when the bytes came from the peer, LocalProtocolError when
+our own caller asked for something the protocol cannot carry.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from broky.fbs import ErrorCode as _WireErrorCode
+
+
+class ErrorCode(enum.IntEnum):
+    """Error codes of the Error frame; values are fixed by schema/broky.fbs."""
+
+    NONE = _WireErrorCode.NONE
+    MALFORMED_FRAME = _WireErrorCode.MALFORMED_FRAME
+    FRAME_TOO_LARGE = _WireErrorCode.FRAME_TOO_LARGE
+    UNKNOWN_FRAME = _WireErrorCode.UNKNOWN_FRAME
+    TRUNCATED_FRAME = _WireErrorCode.TRUNCATED_FRAME
+    EXPECTED_HELLO = _WireErrorCode.EXPECTED_HELLO
+    HELLO_TIMEOUT = _WireErrorCode.HELLO_TIMEOUT
+    UNSUPPORTED_VERSION = _WireErrorCode.UNSUPPORTED_VERSION
+    AUTH_FAILED = _WireErrorCode.AUTH_FAILED
+    NO_SUCH_WORKER = _WireErrorCode.NO_SUCH_WORKER
+    NOT_MY_VBUCKET = _WireErrorCode.NOT_MY_VBUCKET
+    BAD_PATTERN = _WireErrorCode.BAD_PATTERN
+    DUPLICATE_SID = _WireErrorCode.DUPLICATE_SID
+    UNKNOWN_SID = _WireErrorCode.UNKNOWN_SID
+    SLOW_CONSUMER = _WireErrorCode.SLOW_CONSUMER
+    UNEXPECTED_FRAME = _WireErrorCode.UNEXPECTED_FRAME
+    SERVER_BUSY = _WireErrorCode.SERVER_BUSY
+    INTERNAL = _WireErrorCode.INTERNAL
+
+
+class BrokyError(Exception):
+    """Root of every error raised by Broky."""
+
+
+class ProtocolError(BrokyError):
+    """A frame could not be read or written; `code` is the wire ErrorCode."""
+
+    code: ErrorCode = ErrorCode.MALFORMED_FRAME
+
+    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that break the protocol."""
+
+
+class MalformedFrameError(RemoteProtocolError):
+    """The bytes are not a valid Broky FlatBuffer frame."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class FrameTooLargeError(RemoteProtocolError):
+    """A size prefix announced more than the configured maximum frame size."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class UnknownFrameError(RemoteProtocolError):
+    """A well-formed frame whose body type this version does not know."""
+
+    code = ErrorCode.UNKNOWN_FRAME
+
+    def __init__(self, body_type: int) -> None:
+        super().__init__(f"unknown frame body type {body_type}")
+        self.body_type = body_type
+
+
+class TruncatedFrameError(RemoteProtocolError):
+    """The stream ended inside a frame."""
+
+    code = ErrorCode.TRUNCATED_FRAME
+
+    def __init__(self, buffered: int) -> None:
+        super().__init__(f"stream ended inside a frame ({buffered} bytes buffered)")
+        self.buffered = buffered
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to encode something the protocol cannot carry."""
+
+
+class PayloadTooLargeError(LocalProtocolError):
+    """A message would exceed the server's maximum frame size; nothing was sent."""
+
+    code = ErrorCode.FRAME_TOO_LARGE
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message frame of {size} bytes exceeds the server limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class BadPatternError(LocalProtocolError):
+    """A subscription pattern breaks the key pattern syntax."""
+
+    code = ErrorCode.BAD_PATTERN
+
+
+class ServerError(BrokyError):
+    """The server answered with an Error frame."""
+
+    def __init__(self, code: int, message: str, *, map_version: int = 0, sid: int = 0) -> None:
+        try:
+            self.code: ErrorCode | int = ErrorCode(code)
+            name = self.code.name
+        except ValueError:
+            self.code = code
+            name = str(code)
+        super().__init__(f"{name}: {message}" if message else name)
+        self.map_version = map_version
+        self.sid = sid
+
+
+class NotMyVBucketError(ServerError):
+    """A frame reached a worker that does not own its key_partition's vbucket."""
+
+
+class AuthenticationError(ServerError):
+    """The server refused the auth token."""
+
+
+class BrokyConnectionError(BrokyError, ConnectionError):
+    """No connection to the server could be made or kept."""
+
+
+class ClientClosedError(BrokyError):
+    """The client was used after close()."""
+
+
+class PublishBufferFullError(BrokyError):
+    """The client is disconnected and its publish buffer is full."""
+
+    def __init__(self, pending_bytes: int, limit: int) -> None:
+        super().__init__(f"disconnected, and {pending_bytes} bytes already wait to be sent (limit {limit})")
+        self.pending_bytes = pending_bytes
+        self.limit = limit
+
+
+class SlowConsumerError(BrokyError):
+    """A subscription dropped messages because its local queue was full."""
+
+    def __init__(self, sid: int, dropped: int) -> None:
+        super().__init__(f"subscription {sid} dropped {dropped} messages: its queue was full")
+        self.sid = sid
+        self.dropped = dropped

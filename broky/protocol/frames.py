@@ -1,0 +1,432 @@
+"""Control frames: values, encoders (flatbuffers.Builder) and decoders.
+
+Control frames are rare (handshake, subscriptions, flow control, errors), so
+they are built with the generated Builder helpers; they are read with the
+bounds-checked reader in broky.protocol.table. Message frames, the hot ones,
+live in broky.protocol.message. `decode_frame` reads any frame.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flatbuffers
+
+from broky import fbs
+from broky.errors import ErrorCode, MalformedFrameError, UnknownFrameError
+from broky.fbs import Body
+from broky.protocol.message import (
+    BODY_MESSAGE,
+    FILE_IDENTIFIER,
+    Message,
+    _canonical,
+    decode_message,
+)
+from broky.protocol.routing import VBUCKETS, NodeInfo, VBucketMap
+from broky.protocol.table import Buffer, Table, malformed, root
+
+PROTOCOL_VERSION = 1
+ANY_WORKER = -1
+
+_u32 = struct.Struct("<I").unpack_from
+_u64_into = struct.Struct("<Q").pack_into
+
+
+class LossReason:
+    """Values of the LossReason enum of the LossNotice frame."""
+
+    UNKNOWN = fbs.LossReason.UNKNOWN
+    SLOW_CONSUMER = fbs.LossReason.SLOW_CONSUMER
+
+
+class Hello(NamedTuple):
+    protocol_version: int = PROTOCOL_VERSION
+    worker: int = ANY_WORKER
+    client_name: str | None = None
+    auth_token: str | None = None
+
+
+class Welcome(NamedTuple):
+    node_id: str
+    worker: int
+    map: VBucketMap
+    max_frame_bytes: int
+    max_pending_bytes: int
+    connection_id: int = 0
+    server_version: str | None = None
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Subscribe(NamedTuple):
+    sid: int
+    pattern: bytes
+    key_partition: bytes | None = None
+
+
+class Unsubscribe(NamedTuple):
+    sid: int
+
+
+class Pause(NamedTuple):
+    pass
+
+
+class Resume(NamedTuple):
+    pass
+
+
+class Ping(NamedTuple):
+    id: int = 0
+
+
+class Pong(NamedTuple):
+    id: int = 0
+
+
+class Error(NamedTuple):
+    code: int
+    message: str | None = None
+    map_version: int = 0
+    fatal: bool = False
+    sid: int = 0
+
+
+class LossNotice(NamedTuple):
+    dropped: int
+    reason: int = LossReason.SLOW_CONSUMER
+
+
+class Goodbye(NamedTuple):
+    reason: str | None = None
+
+
+Frame = (
+    Message | Hello | Welcome | Subscribe | Unsubscribe | Pause | Resume | Ping | Pong | Error
+    | LossNotice | Goodbye
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _finish(builder: flatbuffers.Builder, body_type: int, body: int) -> bytes:
+    fbs.FrameStart(builder)
+    fbs.FrameAddBodyType(builder, body_type)
+    fbs.FrameAddBody(builder, body)
+    builder.FinishSizePrefixed(fbs.FrameEnd(builder), FILE_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def encode_hello(hello: Hello) -> bytes:
+    b = flatbuffers.Builder(64)
+    name = b.CreateString(hello.client_name) if hello.client_name is not None else 0
+    token = b.CreateString(hello.auth_token) if hello.auth_token is not None else 0
+    fbs.HelloStart(b)
+    fbs.HelloAddProtocolVersion(b, hello.protocol_version)
+    fbs.HelloAddWorker(b, hello.worker)
+    if name:
+        fbs.HelloAddClientName(b, name)
+    if token:
+        fbs.HelloAddAuthToken(b, token)
+    return _finish(b, Body.Hello, fbs.HelloEnd(b))
+
+
+def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
+    nodes = []
+    for node in vmap.nodes:
+        node_id = b.CreateString(node.node_id)
+        host = b.CreateString(node.host)
+        fbs.NodeStart(b)
+        fbs.NodeAddNodeId(b, node_id)
+        fbs.NodeAddHost(b, host)
+        fbs.NodeAddPort(b, node.port)
+        fbs.NodeAddWorkers(b, node.workers)
+        nodes.append(fbs.NodeEnd(b))
+    fbs.VBucketMapStartNodesVector(b, len(nodes))
+    for node_off in reversed(nodes):
+        b.PrependUOffsetTRelative(node_off)
+    nodes_vec = b.EndVector()
+    fbs.VBucketMapStartOwnersVector(b, len(vmap.owners))
+    for node_index, worker in reversed(vmap.owners):
+        fbs.CreateVBucketOwner(b, node_index, worker)
+    owners_vec = b.EndVector()
+    fbs.VBucketMapStart(b)
+    fbs.VBucketMapAddVersion(b, vmap.version)
+    fbs.VBucketMapAddNodes(b, nodes_vec)
+    fbs.VBucketMapAddOwners(b, owners_vec)
+    return int(fbs.VBucketMapEnd(b))
+
+
+def encode_welcome(welcome: Welcome) -> bytes:
+    b = flatbuffers.Builder(8192)
+    vmap = _encode_map(b, welcome.map)
+    node_id = b.CreateString(welcome.node_id)
+    version = b.CreateString(welcome.server_version) if welcome.server_version else 0
+    fbs.WelcomeStart(b)
+    fbs.WelcomeAddProtocolVersion(b, welcome.protocol_version)
+    if version:
+        fbs.WelcomeAddServerVersion(b, version)
+    fbs.WelcomeAddNodeId(b, node_id)
+    fbs.WelcomeAddWorker(b, welcome.worker)
+    fbs.WelcomeAddMap(b, vmap)
+    fbs.WelcomeAddMaxFrameBytes(b, welcome.max_frame_bytes)
+    fbs.WelcomeAddMaxPendingBytes(b, welcome.max_pending_bytes)
+    fbs.WelcomeAddConnectionId(b, welcome.connection_id)
+    return _finish(b, Body.Welcome, fbs.WelcomeEnd(b))
+
+
+class WelcomeTemplate:
+    """A Welcome encoded once; `for_connection` patches only connection_id.
+
+    Encoding the 1024-entry map costs milliseconds, too much per connection.
+    """
+
+    _CONNECTION_ID_FIELD = 7
+
+    def __init__(self, welcome: Welcome) -> None:
+        # A non-default placeholder forces the Builder to write the field.
+        self._bytes = encode_welcome(welcome._replace(connection_id=(1 << 64) - 1))
+        body = root(self._bytes, 0, len(self._bytes)).table(1)
+        assert body is not None
+        self._pos = body.field(self._CONNECTION_ID_FIELD, 8)
+        assert self._pos
+
+    def for_connection(self, connection_id: int) -> bytes:
+        out = bytearray(self._bytes)
+        _u64_into(out, self._pos, connection_id)
+        return bytes(out)
+
+
+def encode_subscribe(sub: Subscribe) -> bytes:
+    b = flatbuffers.Builder(64)
+    pattern = b.CreateByteVector(sub.pattern)
+    kp = b.CreateByteVector(sub.key_partition) if sub.key_partition is not None else 0
+    fbs.SubscribeStart(b)
+    fbs.SubscribeAddSid(b, sub.sid)
+    fbs.SubscribeAddPattern(b, pattern)
+    if sub.key_partition is not None:
+        fbs.SubscribeAddKeyPartition(b, kp)
+    return _finish(b, Body.Subscribe, fbs.SubscribeEnd(b))
+
+
+def encode_unsubscribe(unsub: Unsubscribe) -> bytes:
+    b = flatbuffers.Builder(32)
+    fbs.UnsubscribeStart(b)
+    fbs.UnsubscribeAddSid(b, unsub.sid)
+    return _finish(b, Body.Unsubscribe, fbs.UnsubscribeEnd(b))
+
+
+def _encode_empty(body_type: int) -> bytes:
+    b = flatbuffers.Builder(32)
+    b.StartObject(0)
+    return _finish(b, body_type, b.EndObject())
+
+
+PAUSE = _encode_empty(Body.Pause)
+RESUME = _encode_empty(Body.Resume)
+
+
+def encode_ping(ping: Ping) -> bytes:
+    b = flatbuffers.Builder(32)
+    fbs.PingStart(b)
+    fbs.PingAddId(b, ping.id)
+    return _finish(b, Body.Ping, fbs.PingEnd(b))
+
+
+def encode_pong(pong: Pong) -> bytes:
+    b = flatbuffers.Builder(32)
+    fbs.PongStart(b)
+    fbs.PongAddId(b, pong.id)
+    return _finish(b, Body.Pong, fbs.PongEnd(b))
+
+
+def encode_error(error: Error) -> bytes:
+    b = flatbuffers.Builder(128)
+    text = b.CreateString(error.message) if error.message is not None else 0
+    fbs.ErrorStart(b)
+    fbs.ErrorAddCode(b, int(error.code))
+    if text:
+        fbs.ErrorAddMessage(b, text)
+    fbs.ErrorAddMapVersion(b, error.map_version)
+    fbs.ErrorAddFatal(b, error.fatal)
+    fbs.ErrorAddSid(b, error.sid)
+    return _finish(b, Body.Error, fbs.ErrorEnd(b))
+
+
+def encode_loss_notice(notice: LossNotice) -> bytes:
+    b = flatbuffers.Builder(32)
+    fbs.LossNoticeStart(b)
+    fbs.LossNoticeAddDropped(b, notice.dropped)
+    fbs.LossNoticeAddReason(b, notice.reason)
+    return _finish(b, Body.LossNotice, fbs.LossNoticeEnd(b))
+
+
+def encode_goodbye(goodbye: Goodbye) -> bytes:
+    b = flatbuffers.Builder(64)
+    text = b.CreateString(goodbye.reason) if goodbye.reason is not None else 0
+    fbs.GoodbyeStart(b)
+    if text:
+        fbs.GoodbyeAddReason(b, text)
+    return _finish(b, Body.Goodbye, fbs.GoodbyeEnd(b))
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """Encode any frame value (Message frames take the fast path)."""
+    if isinstance(frame, Message):
+        from broky.protocol.message import encode_message
+
+        return encode_message(*frame)
+    if isinstance(frame, Pause):
+        return PAUSE
+    if isinstance(frame, Resume):
+        return RESUME
+    encoder = _ENCODERS.get(type(frame))
+    if encoder is None:
+        raise TypeError(f"not a Broky frame: {frame!r}")
+    return encoder(frame)
+
+
+_ENCODERS: dict[type, Callable[[Any], bytes]] = {
+    Hello: encode_hello,
+    Welcome: encode_welcome,
+    Subscribe: encode_subscribe,
+    Unsubscribe: encode_unsubscribe,
+    Ping: encode_ping,
+    Pong: encode_pong,
+    Error: encode_error,
+    LossNotice: encode_loss_notice,
+    Goodbye: encode_goodbye,
+}
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def _required(value: object, what: str) -> object:
+    if value is None:
+        raise malformed(f"{what} is required")
+    return value
+
+
+def _decode_map(t: Table) -> VBucketMap:
+    nodes_start, n_nodes = t.vector(1, 4)
+    if not nodes_start:
+        raise malformed("VBucketMap.nodes is required")
+    nodes = []
+    for i in range(n_nodes):
+        node = t.table_at(nodes_start + 4 * i)
+        nodes.append(
+            NodeInfo(
+                str(_required(node.string(0), "Node.node_id")),
+                str(_required(node.string(1), "Node.host")),
+                node.u16(2),
+                node.u16(3),
+            )
+        )
+    owners_start, n_owners = t.vector(2, 4)
+    if not owners_start:
+        raise malformed("VBucketMap.owners is required")
+    if n_owners != VBUCKETS:
+        raise malformed(f"VBucketMap.owners has {n_owners} entries, not {VBUCKETS}")
+    raw = bytes(t.buf[owners_start : owners_start + 4 * n_owners])
+    owners = tuple(struct.iter_unpack("<HH", raw))
+    for node_index, _ in owners:
+        if node_index >= n_nodes:
+            raise malformed(f"vbucket owner names node {node_index} of {n_nodes}")
+    return VBucketMap(t.u64(0), tuple(nodes), owners)
+
+
+def _decode_body(kind: int, t: Table) -> Frame:
+    if kind == Body.Hello:
+        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3))
+    if kind == Body.Welcome:
+        vmap = t.table(4)
+        return Welcome(
+            node_id=str(_required(t.string(2), "Welcome.node_id")),
+            worker=t.u16(3),
+            map=_decode_map(_required(vmap, "Welcome.map")),  # type: ignore[arg-type]
+            max_frame_bytes=t.u32(5),
+            max_pending_bytes=t.u64(6),
+            connection_id=t.u64(7),
+            server_version=t.string(1),
+            protocol_version=t.u16(0, 1),
+        )
+    if kind == Body.Subscribe:
+        pattern = t.byte_vector(1)
+        return Subscribe(t.u32(0), _required(pattern, "Subscribe.pattern"), t.byte_vector(2))  # type: ignore[arg-type]
+    if kind == Body.Unsubscribe:
+        return Unsubscribe(t.u32(0))
+    if kind == Body.Pause:
+        return Pause()
+    if kind == Body.Resume:
+        return Resume()
+    if kind == Body.Ping:
+        return Ping(t.u64(0))
+    if kind == Body.Pong:
+        return Pong(t.u64(0))
+    if kind == Body.Error:
+        return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4))
+    if kind == Body.LossNotice:
+        return LossNotice(t.u64(0), t.u8(1))
+    if kind == Body.Goodbye:
+        return Goodbye(t.string(0))
+    raise UnknownFrameError(kind)
+
+
+def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:
+    """Decode the size-prefixed frame in buf[f:end] (end defaults to its size prefix).
+
+    Raises:
+        MalformedFrameError, UnknownFrameError: the bytes are not a valid frame.
+    """
+    if end is None:
+        if len(buf) - f < 4:
+            raise malformed("shorter than a size prefix")
+        end = f + 4 + _u32(buf, f)[0]
+        if end > len(buf):
+            raise malformed("size prefix larger than the buffer")
+    if end - f >= 84 and _canonical(buf, f, end):
+        return decode_message(buf, f, end)
+    frame = root(buf, f, end)
+    kind = frame.u8(0)
+    if kind == BODY_MESSAGE:
+        return decode_message(buf, f, end)
+    if kind == Body.NONE:
+        raise malformed("frame has no body")
+    body = frame.table(1)
+    if body is None:
+        if kind > Body.Goodbye:
+            raise UnknownFrameError(kind)
+        raise malformed("frame has no body")
+    return _decode_body(kind, body)
+
+
+def error_frame(code: ErrorCode, message: str, *, fatal: bool, map_version: int = 0, sid: int = 0) -> bytes:
+    """Shortcut used by the server: the encoded Error frame."""
+    return encode_error(Error(int(code), message, map_version, fatal, sid))
+
+
+__all__ = [
+    "ANY_WORKER",
+    "PROTOCOL_VERSION",
+    "Error",
+    "Frame",
+    "Goodbye",
+    "Hello",
+    "LossNotice",
+    "LossReason",
+    "MalformedFrameError",
+    "Message",
+    "Pause",
+    "Ping",
+    "Pong",
+    "Resume",
+    "Subscribe",
+    "Unsubscribe",
+    "Welcome",
+    "WelcomeTemplate",
+    "decode_frame",
+    "encode_frame",
+]

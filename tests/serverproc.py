@@ -1,0 +1,109 @@
+"""Start and stop real `broky serve` processes for the tests.
+
+The server prints one ready line on stdout once every worker is up, e.g.
+``broky ready: listening on 127.0.0.1:41234, metrics on 127.0.0.1:41235, workers 2, pid 1234``;
+`ServerProcess.start` waits for it and reads the bound ports from it
+(the tests always pass --port 0 and --metrics-port 0). Every process is
+stopped by its pid (and its process group, for the workers) at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+READY = re.compile(rb"listening on (\S+):(\d+), metrics on (\S+):(\d+)")
+
+
+class ServerProcess:
+    def __init__(self, *args: str, workers: int = 2, env: dict[str, str] | None = None) -> None:
+        self.args = [
+            sys.executable, "-m", "broky", "serve",
+            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--workers", str(workers), *args,
+        ]  # fmt: skip
+        self.workers = workers
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.metrics_port = 0
+        self.ready_line = b""
+        self._log = tempfile.NamedTemporaryFile(prefix="broky-serve-", suffix=".log", delete=False)  # noqa: SIM115
+
+    @property
+    def url(self) -> str:
+        return f"broky://{self.host}:{self.port}"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 20.0) -> ServerProcess:
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=self._log, env=self.env, start_new_session=True
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            match = READY.search(line)
+            if match:
+                self.ready_line = line
+                self.host = match.group(1).decode()
+                self.port = int(match.group(2))
+                self.metrics_port = int(match.group(4))
+                return self
+        self.stop()
+        raise RuntimeError(f"broky serve did not become ready; log:\n{self.log()}")
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the master's live child processes (the workers)."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        try:
+            return [int(p) for p in children.read_text().split()]
+        except OSError:
+            return []
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:  # workers share the master's process group; none may outlive the test
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        os.unlink(self._log.name)
+        self.proc = None
