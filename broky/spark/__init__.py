@@ -1,0 +1,119 @@
+"""Push Spark DataFrames into Broky, with the conventions of Spark's Kafka sink.
+
+Batch::
+
+    import broky.spark
+    broky.spark.register(spark)
+    (df.write.format("broky")
+       .option("broky.servers", "127.0.0.1:4777")
+       .mode("append").save())
+
+Streaming::
+
+    (stream_df.writeStream.format("broky")
+       .option("broky.servers", "127.0.0.1:4777")
+       .option("checkpointLocation", path).start())
+
+``foreachPartition``::
+
+    df.foreachPartition(broky.spark.partition_writer(servers="127.0.0.1:4777"))
+
+Columns ``key_partition``, ``key``, ``payload`` (string or binary) and an
+optional ``ts_producer`` (long nanoseconds or timestamp); see
+`broky.spark.columns`. Delivery is at-least-once; see `broky.spark.sink`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from broky.spark.columns import (
+    KEY,
+    KEY_PARTITION,
+    PAYLOAD,
+    TS_PRODUCER,
+    BadColumnError,
+    SinkConfigError,
+    SinkSpec,
+)
+from broky.spark.sink import ClientConfig, log, write_task
+
+__all__ = ["BadColumnError", "SinkConfigError", "partition_writer", "register"]
+
+
+def register(spark: Any, *, discard: bool = False) -> None:
+    """Make ``format("broky")`` available in a Spark session.
+
+    Args:
+        spark: the ``pyspark.sql.SparkSession``.
+        discard: also register ``broky_discard``, a sink that drops its rows
+            (used to measure what Spark itself costs).
+    """
+    from broky.spark.datasource import BrokyDataSource
+
+    spark.dataSource.register(BrokyDataSource)
+    if discard:
+        from broky.spark.discard import DiscardDataSource
+
+        spark.dataSource.register(DiscardDataSource)
+
+
+def partition_writer(
+    servers: str,
+    *,
+    key_partition_col: str = KEY_PARTITION,
+    key_col: str = KEY,
+    payload_col: str = PAYLOAD,
+    ts_producer_col: str | None = TS_PRODUCER,
+    key_partition: str | bytes | None = None,
+    key: str | bytes | None = None,
+    **options: str,
+) -> Callable[[Iterator[Any]], None]:
+    """A function for ``df.foreachPartition`` that publishes every row to Broky.
+
+    Each call (one per partition, in the executors) opens a blocking client,
+    publishes every row, flushes and closes; any error raises so Spark fails
+    (and may retry) the task: delivery is at-least-once.
+
+    Args:
+        servers: ``host:port`` addresses, comma-separated, tried in order.
+        key_partition_col: column holding the key_partition (str or bytes).
+        key_col: column holding the key (str or bytes).
+        payload_col: column holding the payload (str or bytes).
+        ts_producer_col: column holding ts_producer (int nanoseconds or datetime);
+            used when the row has it and it is not null, else the SDK's clock.
+            None: never read it.
+        key_partition: a constant key_partition for every row (the column is not read).
+        key: a constant key for every row (the column is not read).
+        **options: the data source's other ``broky.*`` options, e.g.
+            ``**{"broky.linger.ms": "5"}``.
+
+    Returns:
+        A picklable function of a partition's row iterator.
+
+    Raises:
+        SinkConfigError: an option is not valid (raised at once, on the driver).
+    """
+    config = ClientConfig.from_options({**options, "broky.servers": servers})
+    spec = SinkSpec(
+        key_partition=_constant(key_partition),
+        key=_constant(key),
+        ts_kind="absent" if ts_producer_col is None else "auto",
+        key_partition_col=key_partition_col,
+        key_col=key_col,
+        payload_col=payload_col,
+        ts_producer_col=ts_producer_col or TS_PRODUCER,
+    )
+
+    def write_partition(rows: Iterator[Any]) -> None:
+        done = write_task(rows, spec, config)
+        log.info("broky partition_writer: partition %d published %d rows", done.partition, done.rows)
+
+    return write_partition
+
+
+def _constant(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return value.encode()

@@ -1,0 +1,96 @@
+"""The ``broky`` Python data source: batch and streaming writers (PySpark >= 4.0).
+
+``df.write.format("broky")`` and ``df.writeStream.format("broky")`` both land
+here. On the driver, `BrokyDataSource.writer` / `streamWriter` check the schema
+and the options once (a bad column or a missing ``broky.servers`` fails the
+write before any task runs); the writer object is then pickled to every task,
+whose ``write`` is `broky.spark.sink.write_task`. The writers take Arrow record
+batches (``DataSourceArrowWriter``; for streaming ``DataSourceStreamArrowWriter``
+from PySpark 4.1, row batches on 4.0), so strings are encoded in bulk and Spark
+skips building a Row per record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
+
+from broky.spark.columns import SinkConfigError, SinkSpec
+from broky.spark.sink import BrokyCommitMessage, ClientConfig, log_abort, log_commit, write_task
+
+try:
+    from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
+except ImportError:  # PySpark 4.0: rows instead of Arrow batches; write_task takes both
+    from pyspark.sql.datasource import DataSourceStreamWriter as _StreamWriterBase  # type: ignore[assignment]
+
+
+def _fields(schema: StructType) -> list[tuple[str, str]]:
+    return [(f.name, f.dataType.simpleString()) for f in schema.fields]
+
+
+class BrokyDataSource(DataSource):
+    """Writes each row of a DataFrame as one Broky message.
+
+    Options: ``broky.servers`` (required), ``key_partition`` / ``key`` (constants that
+    override the columns), ``broky.batch.size``, ``broky.linger.ms``,
+    ``broky.auth.token``, ``broky.connect.timeout.ms``, ``broky.flush.timeout.ms``,
+    ``broky.client.name``. Columns: see `broky.spark.columns`.
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return "broky"
+
+    def _resolve(self, schema: StructType, overwrite: bool) -> tuple[SinkSpec, ClientConfig]:
+        if overwrite:
+            raise SinkConfigError(
+                "broky sink: overwrite has no meaning for a message stream; use mode('append')"
+            )
+        return SinkSpec.resolve(_fields(schema), self.options), ClientConfig.from_options(self.options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> BrokyBatchWriter:
+        return BrokyBatchWriter(*self._resolve(schema, overwrite))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> BrokyStreamWriter:
+        return BrokyStreamWriter(*self._resolve(schema, overwrite))
+
+
+class BrokyBatchWriter(DataSourceArrowWriter):
+    """Batch writer: every task publishes its partition, flushes, reports its count."""
+
+    def __init__(self, spec: SinkSpec, config: ClientConfig) -> None:
+        self.spec = spec
+        self.config = config
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        return write_task(iterator, self.spec, self.config)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        log_commit(_ours(messages), "batch write")
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        log_abort(_ours(messages), "batch write")
+
+
+class BrokyStreamWriter(_StreamWriterBase):
+    """Streaming writer: the same per task, the total logged per micro-batch id."""
+
+    def __init__(self, spec: SinkSpec, config: ClientConfig) -> None:
+        self.spec = spec
+        self.config = config
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        return write_task(iterator, self.spec, self.config)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        log_commit(_ours(messages), f"micro-batch {batchId}")
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        log_abort(_ours(messages), f"micro-batch {batchId}")
+
+
+def _ours(messages: list[WriterCommitMessage | None]) -> list[BrokyCommitMessage | None]:
+    return [m if isinstance(m, BrokyCommitMessage) else None for m in messages]
