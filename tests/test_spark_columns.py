@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -85,8 +86,8 @@ def test_columns_of_encodes_strings_and_converts_timestamps() -> None:
 @pytest.mark.parametrize("column", ["key_partition", "key", "payload"])
 def test_columns_of_refuses_a_null_naming_the_column(column: str) -> None:
     spec = SinkSpec.resolve(TEXT, {})
-    data = {"key_partition": ["a", "b"], "key": [b"k", b"k"], "payload": ["x", "y"]}
-    data[column] = [data[column][0], None]  # type: ignore[list-item]
+    data: dict[str, list[Any]] = {"key_partition": ["a", "b"], "key": [b"k", b"k"], "payload": ["x", "y"]}
+    data[column] = [data[column][0], None]
     batch = pa.record_batch({name: pa.array(values) for name, values in data.items()})
     with pytest.raises(BadColumnError, match=f"column '{column}' is null in row 1"):
         spec.columns_of(batch)
