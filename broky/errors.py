@@ -160,3 +160,7 @@ class SlowConsumerError(BrokyError):
         super().__init__(f"subscription {sid} dropped {dropped} messages: its queue was full")
         self.sid = sid
         self.dropped = dropped
+
+
+class BrokyTimeoutError(BrokyError, TimeoutError):
+    """An operation did not complete within its timeout."""

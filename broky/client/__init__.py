@@ -1,0 +1,20 @@
+"""The Broky client SDK: asyncio (`connect`, `Client`) and blocking (`connect_sync`)."""
+
+from broky.client.client import Client, ClientStats, ServerInfo, WorkerRef, connect
+from broky.client.subscription import Subscription
+from broky.client.sync import SyncClient, SyncSubscription, connect_sync
+from broky.client.url import ServerAddress, parse_server
+
+__all__ = [
+    "Client",
+    "ClientStats",
+    "ServerAddress",
+    "ServerInfo",
+    "Subscription",
+    "SyncClient",
+    "SyncSubscription",
+    "WorkerRef",
+    "connect",
+    "connect_sync",
+    "parse_server",
+]

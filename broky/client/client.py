@@ -1,0 +1,918 @@
+"""The shard-aware asyncio client.
+
+Theory of operation
+-------------------
+The first connection says Hello with worker=-1; its Welcome carries the
+vbucket map, the worker it landed on and the server's max_frame_bytes. From
+then on the client keeps one `Link` per (node, worker) it needs, created
+lazily: a Link is the logical connection to one worker and survives
+reconnects; under it, a `WorkerProtocol` is one TCP connection.
+
+Publishing: `publish` encodes the Message frame (fast path), checks its size
+against max_frame_bytes, picks the Link owning `vbucket_of(key_partition)`
+(a 1024-entry route table) and appends the frame to the Link's outbound list.
+The list is written in one `transport.write` when it reaches `batch_size`
+bytes or `linger` seconds later (linger=0: at the next loop iteration, which
+already coalesces every publish made in between). While a Link is down its
+outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
+`publish` raises PublishBufferFullError.
+
+Subscribing: an all-partition subscription goes to every worker of the map
+(the Links for all of them are opened then); a partition-scoped one goes to
+the owner of its partition. Deliveries carry no sid: each Link has a Matcher
+of its subscriptions (cached by key) and hands each delivery to every
+subscription whose pattern, and partition if scoped, matches. `subscribe`
+waits for a Ping/Pong round trip, so the server has the subscription when it
+returns.
+
+Reconnecting: when a Link's connection drops (or the server says Goodbye),
+the Link reconnects to the same worker with jittered exponential backoff,
+re-sends every subscription it carries (same sids), then its buffered
+publishes. NOT_MY_VBUCKET makes the client fetch a fresh map (a new Hello)
+and move partition-scoped subscriptions to their new owners. A publish the
+server refused this way is lost: the Error frame does not say which one, so
+it is counted (`stats.misrouted`) and reported to `on_error`.
+
+`flush` sends a Ping on every Link and waits for every Pong: the server
+answers only after processing every frame received before the Ping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple
+
+from broky.client.connection import WorkerProtocol, open_connection, server_error
+from broky.client.subscription import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_PENDING_MSGS,
+    Callback,
+    Subscription,
+)
+from broky.client.url import ServerAddress, parse_server
+from broky.errors import (
+    AuthenticationError,
+    BrokyConnectionError,
+    BrokyError,
+    BrokyTimeoutError,
+    ClientClosedError,
+    ErrorCode,
+    PayloadTooLargeError,
+    PublishBufferFullError,
+    RemoteProtocolError,
+    ServerError,
+)
+from broky.matching import Matcher, parse_pattern
+from broky.protocol import (
+    VBUCKETS,
+    Error,
+    Frame,
+    Goodbye,
+    Hello,
+    LossNotice,
+    Message,
+    Ping,
+    Pong,
+    Subscribe,
+    Unsubscribe,
+    VBucketMap,
+    Welcome,
+    encode_message,
+    new_ksuid,
+    vbucket_of,
+)
+from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
+
+log = logging.getLogger("broky.client")
+
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_LINGER = 0.0
+DEFAULT_BATCH_SIZE = 64 << 10
+DEFAULT_MAX_RECONNECT_BUFFER_BYTES = 8 << 20
+DEFAULT_FLUSH_TIMEOUT = 10.0
+DEFAULT_RECONNECT_MIN_DELAY = 0.05
+DEFAULT_RECONNECT_MAX_DELAY = 2.0
+
+_time_ns = time.time_ns
+
+
+class WorkerRef(NamedTuple):
+    """One worker of one node, as named in callbacks."""
+
+    node_id: str
+    worker: int
+
+
+class ServerInfo(NamedTuple):
+    """What the server said about itself in its latest Welcome."""
+
+    node_id: str
+    server_version: str | None
+    workers: int
+    map: VBucketMap
+    max_frame_bytes: int
+    max_pending_bytes: int
+
+
+@dataclass
+class ClientStats:
+    """Plain counters of one client (read them at any time)."""
+
+    published: int = 0
+    received: int = 0
+    unmatched: int = 0  # deliveries no local subscription matched (e.g. after unsubscribe)
+    dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
+    server_lost: int = 0  # deliveries the server reported lost (LossNotice)
+    misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET
+    unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
+    reconnects: int = 0
+    errors: int = 0
+    map_refreshes: int = 0
+
+
+class Link:
+    """The logical connection to one worker; survives reconnects."""
+
+    def __init__(self, client: Client, node_id: str, worker: int) -> None:
+        self.client = client
+        self.ref = WorkerRef(node_id, worker)
+        self.proto: WorkerProtocol | None = None
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.flush_handle: asyncio.Handle | None = None
+        self.subs: dict[int, Subscription] = {}
+        self.matcher: Matcher[Subscription, tuple[Subscription, ...]] = Matcher(tuple)
+        self.pings: dict[int, asyncio.Future[None]] = {}
+        self.next_ping = 0
+        self.up = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.failed: BrokyError | None = None
+
+    def __repr__(self) -> str:
+        state = "up" if self.proto is not None else "down"
+        return f"<Link {self.ref.node_id}/{self.ref.worker} {state}>"
+
+    # ---------------------------------------------------------------- connection state
+
+    def start(self, reconnect: bool) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._connect_loop(reconnect))
+
+    def attach(self, proto: WorkerProtocol, welcome: Welcome, reconnect: bool) -> None:
+        client = self.client
+        proto.attach(self)
+        self.proto = proto
+        client._welcome(welcome)
+        frames = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
+        if self.out:
+            frames += self.out
+            self.out = []
+            self.out_bytes = 0
+        if frames:
+            proto.write(b"".join(frames))
+        self.up.set()
+        if reconnect:
+            client.stats.reconnects += 1
+            client._emit(client.on_reconnect, self.ref)
+
+    async def _connect_loop(self, reconnect: bool) -> None:
+        client = self.client
+        delay = client.reconnect_min_delay
+        attempts = 0
+        last: BaseException | None = None
+        while not client._closed:
+            host, port = client._address_of(self.ref.node_id)
+            hello = Hello(worker=self.ref.worker, client_name=client.name, auth_token=client.auth_token)
+            try:
+                proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
+            except BrokyError as exc:
+                last = exc
+                if isinstance(exc, ServerError):
+                    client._report(exc)
+            else:
+                if client._closed:
+                    proto.abort()
+                    return
+                self.attach(proto, welcome, reconnect)
+                return
+            attempts += 1
+            limit = client.max_reconnect_attempts
+            if limit is not None and attempts >= limit:
+                self._give_up(
+                    BrokyConnectionError(
+                        f"gave up on worker {self.ref.worker} after {attempts} attempts: {last}"
+                    )
+                )
+                return
+            await asyncio.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, client.reconnect_max_delay)
+
+    def _give_up(self, exc: BrokyError) -> None:
+        self.failed = exc
+        self.out = []
+        self.out_bytes = 0
+        for fut in self.pings.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self.pings.clear()
+        self.up.set()  # wake round trips; they see `failed`
+        self.client._report(exc)
+
+    def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
+        if proto is not self.proto:
+            return
+        self.proto = None
+        self.up.clear()
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        lost = BrokyConnectionError(f"connection to worker {self.ref.worker} lost: {exc or 'closed'}")
+        for fut in self.pings.values():
+            if not fut.done():
+                fut.set_exception(lost)
+        self.pings.clear()
+        client = self.client
+        if client._closed:
+            return
+        if isinstance(exc, BrokyError):
+            client._report(exc)
+        client._emit(client.on_disconnect, self.ref, exc)
+        self.start(reconnect=True)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        if self.proto is not None:
+            self.flush_out()
+            self.proto.close()
+        for fut in self.pings.values():
+            if not fut.done():
+                fut.set_exception(ClientClosedError("the client was closed"))
+        self.pings.clear()
+
+    # ---------------------------------------------------------------- outbound
+
+    def send(self, frame: bytes) -> bool:
+        """Queue a publish; return True if it completed a batch that was written now."""
+        n = self.out_bytes + len(frame)
+        if self.proto is None:
+            if self.failed is not None:
+                raise self.failed
+            limit = self.client.max_reconnect_buffer_bytes
+            if n > limit:
+                raise PublishBufferFullError(self.out_bytes, limit)
+            self.out.append(frame)
+            self.out_bytes = n
+            return False
+        self.out.append(frame)
+        self.out_bytes = n
+        if n >= self.client.batch_size:
+            self.flush_out()
+            return True
+        if self.flush_handle is None:
+            linger = self.client.linger
+            loop = self.client._loop
+            self.flush_handle = (
+                loop.call_soon(self.flush_out) if linger <= 0 else loop.call_later(linger, self.flush_out)
+            )
+        return False
+
+    def flush_out(self) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        proto = self.proto
+        if proto is None or not self.out:
+            return
+        out = self.out
+        proto.write(out[0] if len(out) == 1 else b"".join(out))
+        self.out = []
+        self.out_bytes = 0
+
+    def send_control(self, frame: bytes) -> None:
+        """Write a control frame now, after every publish queued before it."""
+        if self.proto is not None:
+            self.out.append(frame)
+            self.out_bytes += len(frame)
+            self.flush_out()
+
+    async def round_trip(self) -> None:
+        """Return once the worker has processed every frame sent before now."""
+        while True:
+            if self.failed is not None:
+                raise self.failed
+            await self.up.wait()
+            proto = self.proto
+            if proto is None:
+                continue
+            self.next_ping += 1
+            ping_id = self.next_ping
+            fut = self.client._loop.create_future()
+            self.pings[ping_id] = fut
+            self.send_control(encode_ping(Ping(ping_id)))
+            await fut
+            return
+
+    # ---------------------------------------------------------------- subscriptions
+
+    def add_sub(self, sub: Subscription) -> None:
+        self.subs[sub.sid] = sub
+        self.matcher.add(sub.pattern, sub)
+        self.send_control(encode_subscribe(Subscribe(sub.sid, sub.pattern, sub.partition)))
+
+    def remove_sub(self, sub: Subscription, tell_server: bool = True) -> None:
+        if self.subs.pop(sub.sid, None) is None:
+            return
+        self.matcher.remove(sub.pattern, sub)
+        if tell_server:
+            self.send_control(encode_unsubscribe(Unsubscribe(sub.sid)))
+
+    # ---------------------------------------------------------------- inbound (WorkerProtocol handler)
+
+    def on_message(self, msg: Message) -> None:
+        stats = self.client.stats
+        stats.received += 1
+        subs = self.matcher.match(msg.key)
+        if not subs:
+            stats.unmatched += 1
+            return
+        kp = msg.key_partition
+        for sub in subs:
+            if sub.partition is None or sub.partition == kp:
+                sub._deliver(msg)
+
+    def on_frame(self, frame: Frame) -> None:
+        client = self.client
+        if isinstance(frame, Pong):
+            fut = self.pings.pop(frame.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif isinstance(frame, Error):
+            err = server_error(frame)
+            if err.code == ErrorCode.NOT_MY_VBUCKET:
+                client._not_my_vbucket(self, err)
+            client._report(err)
+        elif isinstance(frame, LossNotice):
+            client.stats.server_lost += frame.dropped
+            client._emit(client.on_loss, self.ref, frame.dropped, frame.reason)
+        elif isinstance(frame, Goodbye):
+            log.info("worker %s says goodbye: %s", self.ref, frame.reason)
+        else:
+            if self.proto is not None:
+                self.proto.failure = RemoteProtocolError(
+                    f"unexpected {type(frame).__name__} frame from the server"
+                )
+                self.proto.abort()
+
+
+class Client:
+    """A shard-aware Broky client for asyncio; see `broky.connect`.
+
+    Use `await broky.connect(...)` or ``async with broky.connect(...) as client``.
+    Every method must be called from the event loop the client connected on.
+    """
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        name: str | None = None,
+        auth_token: str | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        linger: float = DEFAULT_LINGER,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_reconnect_buffer_bytes: int = DEFAULT_MAX_RECONNECT_BUFFER_BYTES,
+        flush_timeout: float = DEFAULT_FLUSH_TIMEOUT,
+        reconnect_min_delay: float = DEFAULT_RECONNECT_MIN_DELAY,
+        reconnect_max_delay: float = DEFAULT_RECONNECT_MAX_DELAY,
+        max_reconnect_attempts: int | None = None,
+        on_error: Callable[[BaseException], Any] | None = None,
+        on_disconnect: Callable[[WorkerRef, BaseException | None], Any] | None = None,
+        on_reconnect: Callable[[WorkerRef], Any] | None = None,
+        on_loss: Callable[[WorkerRef, int, int], Any] | None = None,
+    ) -> None:
+        """Configure a client; `connect()` makes the first connection. See `broky.connect`."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be positive")
+        if linger < 0 or connect_timeout <= 0 or flush_timeout <= 0:
+            raise ValueError("linger must be >= 0, connect_timeout and flush_timeout > 0")
+        self.address: ServerAddress = parse_server(server)
+        self.name = name
+        self.auth_token = auth_token
+        self.connect_timeout = connect_timeout
+        self.linger = linger
+        self.batch_size = batch_size
+        self.max_reconnect_buffer_bytes = max_reconnect_buffer_bytes
+        self.flush_timeout = flush_timeout
+        self.reconnect_min_delay = reconnect_min_delay
+        self.reconnect_max_delay = reconnect_max_delay
+        self.max_reconnect_attempts = max_reconnect_attempts
+        self.on_error = on_error
+        self.on_disconnect = on_disconnect
+        self.on_reconnect = on_reconnect
+        self.on_loss = on_loss
+        self.stats = ClientStats()
+        self.server_info: ServerInfo | None = None
+        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._map: VBucketMap | None = None
+        self._max_frame = 0
+        self._seed_node = ""
+        self._links: dict[WorkerRef, Link] = {}
+        self._route: list[Link | None] = [None] * VBUCKETS
+        self._subs: dict[int, Subscription] = {}
+        self._sub_links: dict[int, list[Link]] = {}
+        self._rejected: dict[int, Link] = {}
+        self._next_sid = 0
+        self._connected = False
+        self._closed = False
+        self._refreshing: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __repr__(self) -> str:
+        return f"<broky.Client {self.address} links={list(self._links.values())}>"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def connect(self) -> Client:
+        """Make the first connection (retrying until connect_timeout) and read the map.
+
+        Returns:
+            The client itself.
+
+        Raises:
+            BrokyConnectionError: no Welcome from the server within connect_timeout.
+            AuthenticationError: the server refused the auth token.
+            ServerError: the server refused the Hello for another reason.
+            ClientClosedError: the client was closed.
+        """
+        self._check_open()
+        if self._connected:
+            return self
+        self._loop = asyncio.get_running_loop()
+        host, port = self.address
+        deadline = self._loop.time() + self.connect_timeout
+        delay = self.reconnect_min_delay
+        hello = Hello(client_name=self.name, auth_token=self.auth_token)
+        while True:
+            left = deadline - self._loop.time()
+            try:
+                proto, welcome = await open_connection(host, port, hello, max(left, 0.001))
+                break
+            except ServerError:
+                raise
+            except BrokyError as exc:
+                left = deadline - self._loop.time()
+                if left <= 0:
+                    raise BrokyConnectionError(
+                        f"cannot connect to {self.address} within {self.connect_timeout:g} s: {exc}"
+                    ) from None
+                await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
+                delay = min(delay * 2, self.reconnect_max_delay)
+        self._seed_node = welcome.node_id
+        self._welcome(welcome)
+        link = Link(self, welcome.node_id, welcome.worker)
+        self._links[link.ref] = link
+        link.attach(proto, welcome, reconnect=False)
+        self._connected = True
+        return self
+
+    async def close(self) -> None:
+        """Flush what can be flushed (up to flush_timeout), close every connection.
+
+        Publishes still buffered for a worker that is down are dropped and
+        counted in `stats.unsent_on_close`. Iterators of subscriptions end
+        after the messages already received. Closing twice is harmless.
+        """
+        if self._closed:
+            return
+        up = [link for link in self._links.values() if link.proto is not None]
+        if up:
+            try:
+                async with asyncio.timeout(self.flush_timeout):
+                    await asyncio.gather(*(link.round_trip() for link in up))
+            except (TimeoutError, BrokyError) as exc:
+                log.warning("close: flush incomplete: %s", exc)
+        self._closed = True
+        for link in self._links.values():
+            self.stats.unsent_on_close += len(link.out) if link.proto is None else 0
+            link.close()
+        for sub in self._subs.values():
+            sub._close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+        # let the transports deliver connection_lost
+        await asyncio.sleep(0)
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+
+    # ---------------------------------------------------------------- publishing
+
+    def publish_nowait(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        """Queue one message without awaiting; same arguments and errors as `publish`.
+
+        Unlike `publish` it never yields to the event loop, so a loop of
+        publish_nowait calls must await something now and then (the writes
+        happen when `batch_size` is reached or when the loop runs).
+        """
+        self._publish(key_partition, key, payload, ts_producer, uid)
+
+    async def publish(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        """Publish one message to the worker that owns its key_partition.
+
+        The frame is queued and written with others (see `linger` and
+        `batch_size`); `flush` tells when the server has processed it. When a
+        batch has just been written, `publish` yields to the event loop once
+        (or until the socket drains, if its write buffer is over its
+        high-water mark), so a tight publish loop cannot starve the readers.
+
+        Args:
+            key_partition: chooses the shard; bytes, or str (UTF-8).
+            key: matched against subscription patterns; bytes, or str (UTF-8).
+            payload: the message body (bytes).
+            ts_producer: nanoseconds since the epoch; None = now, 0 = not set.
+            uid: True = a new KSUID, False = none, or the 20 bytes to use.
+
+        Raises:
+            PayloadTooLargeError: the frame exceeds the server's max_frame_bytes
+                (nothing is sent; `size` and `limit` carry the numbers).
+            PublishBufferFullError: the owning worker is disconnected and
+                `max_reconnect_buffer_bytes` already wait for it.
+            BrokyConnectionError: reconnecting was given up (max_reconnect_attempts).
+            ClientClosedError: the client is closed.
+            LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
+        """
+        link = self._publish(key_partition, key, payload, ts_producer, uid)
+        if link is not None:
+            proto = link.proto
+            if proto is not None and proto.write_paused:
+                await proto.drain()
+            else:
+                await asyncio.sleep(0)
+
+    def _publish(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        ts_producer: int | None,
+        uid: bool | bytes,
+    ) -> Link | None:
+        """Queue one publish; return its Link if that completed a batch written now."""
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        if key_partition.__class__ is str:
+            key_partition = key_partition.encode()
+        if key.__class__ is str:
+            key = key.encode()
+        frame = encode_message(
+            key_partition,  # type: ignore[arg-type]
+            key,  # type: ignore[arg-type]
+            payload,
+            _time_ns() if ts_producer is None else ts_producer,
+            0,
+            new_ksuid() if uid is True else (uid or None),
+        )
+        size = len(frame) - 4
+        if size > self._max_frame:
+            if not self._connected:
+                raise BrokyConnectionError("the client is not connected; await connect() first")
+            raise PayloadTooLargeError(size, self._max_frame)
+        vb = vbucket_of(key_partition)  # type: ignore[arg-type]
+        link = self._route[vb] or self._route_slow(vb)
+        self.stats.published += 1
+        return link if link.send(frame) else None
+
+    def _send_encoded(self, key_partition: bytes, frame: bytes) -> Link | None:
+        """Queue an already encoded and size-checked publish (the blocking client's path)."""
+        vb = vbucket_of(key_partition)
+        link = self._route[vb] or self._route_slow(vb)
+        self.stats.published += 1
+        return link if link.send(frame) else None
+
+    def _route_slow(self, vb: int) -> Link:
+        assert self._map is not None
+        node, worker = self._map.owners[vb]
+        link = self._link(self._map.nodes[node].node_id, worker)
+        self._route[vb] = link
+        return link
+
+    def _link(self, node_id: str, worker: int) -> Link:
+        ref = WorkerRef(node_id, worker)
+        link = self._links.get(ref)
+        if link is None:
+            link = self._links[ref] = Link(self, node_id, worker)
+            link.start(reconnect=False)
+        return link
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every worker has processed everything published so far.
+
+        A worker that is disconnected is waited for (it reconnects first).
+
+        Args:
+            timeout: seconds; default `flush_timeout`.
+
+        Raises:
+            BrokyTimeoutError: not every worker answered in time.
+            BrokyConnectionError: a connection dropped before it answered.
+            ClientClosedError: the client is closed.
+        """
+        self._check_open()
+        links = [link for link in self._links.values() if link.proto is not None or link.out]
+        timeout = self.flush_timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(link.round_trip() for link in links))
+        except TimeoutError:
+            down = [link.ref.worker for link in links if link.proto is None]
+            why = f" (down: workers {down})" if down else ""
+            raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
+
+    # ---------------------------------------------------------------- subscribing
+
+    async def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        callback: Callback | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> Subscription:
+        """Subscribe to keys matching `pattern`.
+
+        Args:
+            pattern: dot-separated tokens; `*` = one token, `>` (last) = one or more.
+            partition: only messages of this key_partition (sent to its owner
+                worker only); None = every partition (sent to every worker).
+            callback: called with each Message instead of queueing it for
+                iteration; a coroutine function is awaited, one message at a time.
+            max_pending_msgs, max_pending_bytes: bound of the local queue;
+                overflow is dropped, counted and reported as SlowConsumerError.
+
+        Returns:
+            The Subscription, already known to the server (one round trip) unless
+            a worker is down, in which case it is restored when it reconnects.
+
+        Raises:
+            BadPatternError: the pattern is not valid.
+            ClientClosedError: the client is closed.
+        """
+        self._check_open()
+        if not self._connected:
+            raise BrokyConnectionError("the client is not connected; await connect() first")
+        pat = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
+        parse_pattern(pat)
+        part = partition.encode() if isinstance(partition, str) else partition
+        self._next_sid += 1
+        sub = Subscription(self, self._next_sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
+        self._subs[sub.sid] = sub
+        links = self._all_links() if part is None else [self._owner_link(part)]
+        self._sub_links[sub.sid] = links
+        for link in links:
+            link.add_sub(sub)
+        try:
+            async with asyncio.timeout(self.flush_timeout):
+                await asyncio.gather(*(link.round_trip() for link in links))
+        except (TimeoutError, BrokyConnectionError) as exc:
+            self._report(
+                BrokyTimeoutError(
+                    f"{sub!r} not confirmed by every worker ({exc}); it is restored on reconnect"
+                )
+            )
+        return sub
+
+    def _owner_link(self, partition: bytes) -> Link:
+        vb = vbucket_of(partition)
+        return self._route[vb] or self._route_slow(vb)
+
+    def _all_links(self) -> list[Link]:
+        assert self._map is not None
+        return [self._link(node.node_id, w) for node in self._map.nodes for w in range(node.workers)]
+
+    async def _unsubscribe(self, sub: Subscription) -> None:
+        self._check_open()
+        self._subs.pop(sub.sid, None)
+        self._rejected.pop(sub.sid, None)
+        for link in self._sub_links.pop(sub.sid, []):
+            link.remove_sub(sub)
+        sub._close()
+
+    # ---------------------------------------------------------------- map
+
+    def _welcome(self, welcome: Welcome) -> None:
+        vmap = welcome.map
+        self._max_frame = welcome.max_frame_bytes
+        self.server_info = ServerInfo(
+            welcome.node_id,
+            welcome.server_version,
+            sum(n.workers for n in vmap.nodes),
+            vmap,
+            welcome.max_frame_bytes,
+            welcome.max_pending_bytes,
+        )
+        if self._map is None:
+            self._map = vmap
+        elif vmap.version != self._map.version:
+            self._apply_map(vmap)
+
+    def _address_of(self, node_id: str) -> tuple[str, int]:
+        if node_id == self._seed_node or self._map is None:
+            return self.address
+        for node in self._map.nodes:
+            if node.node_id == node_id:
+                return node.host, node.port
+        return self.address
+
+    def _apply_map(self, vmap: VBucketMap) -> None:
+        """Adopt a new map: re-route publishes, move partition-scoped subscriptions."""
+        self._map = vmap
+        self._route = [None] * VBUCKETS
+        self.stats.map_refreshes += 1
+        all_partition = [s for s in self._subs.values() if s.partition is None]
+        if all_partition:
+            for link in self._all_links():
+                for sub in all_partition:
+                    if sub.sid not in link.subs:
+                        link.add_sub(sub)
+                        self._sub_links[sub.sid].append(link)
+        for sub in list(self._subs.values()):
+            if sub.partition is None:
+                continue
+            owner = self._owner_link(sub.partition)
+            current = self._sub_links.get(sub.sid, [])
+            if current == [owner]:
+                continue
+            rejected_by = self._rejected.pop(sub.sid, None)
+            if rejected_by is owner:
+                self._report(
+                    BrokyError(f"{sub!r}: worker {owner.ref.worker} refuses it but owns it per the map")
+                )
+                continue
+            for link in current:
+                link.remove_sub(sub)
+            owner.add_sub(sub)
+            self._sub_links[sub.sid] = [owner]
+
+    def _not_my_vbucket(self, link: Link, err: ServerError) -> None:
+        if err.sid:
+            sub = self._subs.get(err.sid)
+            if sub is not None:
+                link.remove_sub(sub, tell_server=False)
+                self._sub_links[sub.sid] = []
+                self._rejected[sub.sid] = link
+        else:
+            self.stats.misrouted += 1
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = self._loop.create_task(self._refresh_map())
+
+    async def _refresh_map(self) -> None:
+        host, port = self._address_of(self._seed_node)
+        hello = Hello(client_name=self.name, auth_token=self.auth_token)
+        try:
+            proto, welcome = await open_connection(host, port, hello, self.connect_timeout)
+        except BrokyError as exc:
+            self._report(BrokyConnectionError(f"cannot refresh the vbucket map: {exc}"))
+            return
+        proto.close()
+        self._welcome(welcome)
+        self._apply_map(welcome.map)
+
+    # ---------------------------------------------------------------- callbacks
+
+    def _report(self, exc: BaseException) -> None:
+        self.stats.errors += 1
+        if self.on_error is None:
+            log.warning("broky client: %s", exc)
+        else:
+            self._emit(self.on_error, exc)
+
+    def _emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
+        if callback is None:
+            return
+        try:
+            result = callback(*args)
+        except Exception:
+            log.exception("broky client: callback %r raised", callback)
+            return
+        if inspect.isawaitable(result):
+            task = self._loop.create_task(_await(result))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+async def _await(awaitable: Any) -> None:
+    try:
+        await awaitable
+    except Exception:
+        log.exception("broky client: async callback raised")
+
+
+class Connecting:
+    """What `broky.connect` returns: await it, or use it as an async context manager."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self.client.connect().__await__()
+
+    async def __aenter__(self) -> Client:
+        return await self.client.connect()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.client.close()
+
+
+def connect(server: str | None = None, **options: Any) -> Connecting:
+    """Connect to a Broky server (asyncio).
+
+    ``client = await broky.connect(url)`` or ``async with broky.connect(url) as client``.
+
+    Args:
+        server: ``broky://host:port`` or ``host:port`` (port 4777 by default);
+            None = $BROKY_SERVER or 127.0.0.1:4777.
+        name: client name shown by the server's monitoring.
+        auth_token: the server's token, if it has one.
+        connect_timeout: seconds to keep trying the first connection (default 5),
+            and the handshake timeout of every later connection.
+        linger: seconds a publish may wait for others to share its write
+            (Kafka's linger.ms); 0 (default) = the next event loop iteration.
+        batch_size: bytes after which the queued publishes of one worker are
+            written at once (Kafka's batch.size), default 64 KiB.
+        max_reconnect_buffer_bytes: publishes kept for a disconnected worker
+            (default 8 MiB); past it `publish` raises PublishBufferFullError.
+        flush_timeout: default timeout of `flush`, of `subscribe`'s confirmation
+            and of the flush in `close` (default 10 s).
+        reconnect_min_delay, reconnect_max_delay: bounds of the jittered
+            exponential backoff between reconnect attempts (0.05 s, 2 s).
+        max_reconnect_attempts: give up on a worker after that many failed
+            attempts in a row (default None: never).
+        on_error(exc): errors from the server (ServerError), local drops
+            (SlowConsumerError), exceptions raised by subscription callbacks.
+        on_disconnect(worker_ref, exc): a connection dropped (reconnecting follows).
+        on_reconnect(worker_ref): a connection came back, subscriptions restored.
+        on_loss(worker_ref, dropped, reason): the server lost deliveries to us.
+
+    Callbacks may be plain functions or coroutine functions.
+
+    Raises (when awaited):
+        BrokyConnectionError: no server answered within connect_timeout.
+        AuthenticationError: wrong or missing auth token.
+    """
+    return Connecting(Client(server, **options))
+
+
+__all__ = [
+    "AuthenticationError",
+    "Client",
+    "ClientStats",
+    "Connecting",
+    "ServerInfo",
+    "WorkerRef",
+    "connect",
+]

@@ -1,0 +1,204 @@
+"""A thin asyncio Protocol over one TCP connection to one worker.
+
+It feeds the sans-IO `FrameReader`, decodes Message frames on the fast path
+(canonical layout check, then `decode_message`) and every other frame with
+`decode_frame`, and hands the results to its owner (a `Link` of the client).
+It knows nothing about routing, subscriptions or reconnecting.
+
+Handshake: `open_connection` connects, writes the Hello and waits for the
+Welcome (or a fatal Error) within the timeout; from then on frames go to the
+owner's handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Protocol
+
+from broky.errors import (
+    AuthenticationError,
+    BrokyConnectionError,
+    BrokyError,
+    BrokyTimeoutError,
+    ErrorCode,
+    NotMyVBucketError,
+    ProtocolError,
+    RemoteProtocolError,
+    ServerError,
+)
+from broky.protocol import NEED_DATA, Error, Frame, FrameReader, Hello, Message, Welcome, decode_frame
+from broky.protocol.frames import encode_hello
+from broky.protocol.message import HEADER_NO_UID, HEADER_UID, decode_message
+
+# Inbound frames are deliveries (bounded by the server's max_frame_bytes) and
+# control frames; a Welcome with a large map is a few KiB.
+INBOUND_MAX_FRAME_BYTES = 64 << 20
+WRITE_HIGH_WATER = 1 << 20
+
+
+class Handler(Protocol):
+    """What a WorkerProtocol reports to its owner after the handshake."""
+
+    def on_message(self, msg: Message) -> None: ...
+    def on_frame(self, frame: Frame) -> None: ...
+    def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None: ...
+
+
+def server_error(err: Error) -> ServerError:
+    """The exception for an Error frame from the server."""
+    text = err.message or ""
+    if err.code == ErrorCode.AUTH_FAILED:
+        return AuthenticationError(err.code, text)
+    if err.code == ErrorCode.NOT_MY_VBUCKET:
+        return NotMyVBucketError(err.code, text, map_version=err.map_version, sid=err.sid)
+    return ServerError(err.code, text, map_version=err.map_version, sid=err.sid)
+
+
+class WorkerProtocol(asyncio.Protocol):
+    """One connection; the owner is set once the Welcome has arrived."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.handler: Handler | None = None
+        self.welcome: asyncio.Future[Welcome] = asyncio.get_running_loop().create_future()
+        self.write_paused = False
+        self.closed = False
+        self.failure: BrokyError | None = None
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._reader = FrameReader(INBOUND_MAX_FRAME_BYTES)
+        self._on_message: Callable[[Message], None] | None = None
+
+    # ---------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        reader.feed(data)
+        on_message = self._on_message
+        try:
+            while True:
+                frame = reader.next_frame()
+                if frame is NEED_DATA:
+                    return
+                if on_message is not None and (
+                    frame.startswith(HEADER_UID, 4) or frame.startswith(HEADER_NO_UID, 4)
+                ):
+                    on_message(decode_message(frame, 0, len(frame)))
+                else:
+                    self._control(decode_frame(frame))
+                    on_message = self._on_message
+        except ProtocolError as exc:
+            self._fail(exc)
+
+    def _control(self, frame: Frame) -> None:
+        handler = self.handler
+        if handler is not None:
+            if isinstance(frame, Message):
+                handler.on_message(frame)
+            else:
+                handler.on_frame(frame)
+            return
+        # handshake: only Welcome or Error may arrive
+        if isinstance(frame, Welcome):
+            if not self.welcome.done():
+                self.welcome.set_result(frame)
+            return
+        if isinstance(frame, Error):
+            self._fail(server_error(frame))
+            return
+        self._fail(RemoteProtocolError(f"expected Welcome, got {type(frame).__name__}"))
+
+    def _fail(self, exc: BrokyError) -> None:
+        """The server broke the protocol (or refused us): remember why and close."""
+        if self.failure is None:
+            self.failure = exc
+        if not self.welcome.done():
+            self.welcome.set_exception(exc)
+        self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.welcome.done():
+            self.welcome.set_exception(BrokyConnectionError(f"connection closed during the handshake: {exc}"))
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+        if self.handler is not None:
+            self.handler.on_lost(self, self.failure or exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    # ---------------------------------------------------------------- owner API
+
+    def attach(self, handler: Handler) -> None:
+        """Route frames to `handler` from now on (after the Welcome)."""
+        self.handler = handler
+        self._on_message = handler.on_message
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is under its high-water mark."""
+        if self.write_paused and not self.closed:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+async def open_connection(
+    host: str, port: int, hello: Hello, timeout: float
+) -> tuple[WorkerProtocol, Welcome]:
+    """Connect, send Hello and wait for the Welcome.
+
+    Raises:
+        BrokyConnectionError: the TCP connection failed or closed during the handshake.
+        BrokyTimeoutError: no Welcome within `timeout` seconds.
+        ServerError: the server answered with an Error (AuthenticationError for AUTH_FAILED).
+    """
+    loop = asyncio.get_running_loop()
+    proto: WorkerProtocol | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                _, proto = await loop.create_connection(WorkerProtocol, host, port)
+            except OSError as exc:
+                raise BrokyConnectionError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+            proto.write(encode_hello(hello))
+            welcome = await proto.welcome
+    except TimeoutError:
+        if proto is not None:
+            proto.abort()
+        raise BrokyTimeoutError(f"no Welcome from {host}:{port} within {timeout:g} s") from None
+    except BaseException:
+        if proto is not None:
+            proto.abort()
+        raise
+    return proto, welcome

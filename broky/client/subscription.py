@@ -1,0 +1,196 @@
+"""A subscription's local end: a bounded queue, an async iterator, or a callback.
+
+Deliveries arrive on the connection's reader (inside `data_received`); they
+must never block it. So each subscription has a bounded pending queue
+(`max_pending_msgs` messages and `max_pending_bytes` payload bytes): a
+message that does not fit is dropped, counted in `dropped`, and reported to
+the client's error callback as a `SlowConsumerError` (one report per burst of
+drops, with the count of that burst).
+
+Three ways to consume:
+- iterate: ``async for msg in sub`` (ends when the subscription is closed);
+- `await sub.next_msg(timeout)`;
+- a callback given to `Client.subscribe`: a plain function is called inline
+  by the reader (keep it short); a coroutine function is awaited by a task of
+  the subscription, one message at a time, in order, fed by the bounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from broky.errors import BrokyTimeoutError, ClientClosedError, SlowConsumerError
+from broky.protocol import Message
+
+if TYPE_CHECKING:
+    from broky.client.client import Client
+
+DEFAULT_MAX_PENDING_MSGS = 65536
+DEFAULT_MAX_PENDING_BYTES = 64 << 20
+
+Callback = Callable[[Message], Any]
+
+
+class Subscription:
+    """Interest in keys matching `pattern` (and only `partition`, if given).
+
+    Created by `Client.subscribe`; not constructed directly. Attributes
+    `delivered` (messages handed to the consumer), `dropped` (messages lost
+    because the local queue was full) and `pending` are plain counters.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        sid: int,
+        pattern: bytes,
+        partition: bytes | None,
+        callback: Callback | None,
+        max_pending_msgs: int,
+        max_pending_bytes: int,
+    ) -> None:
+        if max_pending_msgs < 1 or max_pending_bytes < 1:
+            raise ValueError("max_pending_msgs and max_pending_bytes must be positive")
+        self._client = client
+        self.sid = sid
+        self.pattern = pattern
+        self.partition = partition
+        self.max_pending_msgs = max_pending_msgs
+        self.max_pending_bytes = max_pending_bytes
+        self.delivered = 0
+        self.dropped = 0
+        self.closed = False
+        self._queue: collections.deque[Message] = collections.deque()
+        self._queue_bytes = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._unreported_drops = 0
+        self._task: asyncio.Task[None] | None = None
+        self._inline: Callback | None = None
+        if callback is not None:
+            if inspect.iscoroutinefunction(callback):
+                self._task = asyncio.get_running_loop().create_task(self._run_callback(callback))
+            else:
+                self._inline = callback
+
+    def __repr__(self) -> str:
+        scope = f" partition={self.partition!r}" if self.partition is not None else ""
+        return f"<Subscription sid={self.sid} pattern={self.pattern!r}{scope}>"
+
+    @property
+    def pending(self) -> int:
+        """Messages received but not yet consumed."""
+        return len(self._queue)
+
+    # ---------------------------------------------------------------- reader side
+
+    def _deliver(self, msg: Message) -> None:
+        """Called by the reader for every matching delivery; never blocks."""
+        inline = self._inline
+        if inline is not None:
+            self.delivered += 1
+            try:
+                inline(msg)
+            except Exception as exc:
+                self._client._report(exc)
+            return
+        size = len(msg.payload)
+        if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
+            self.dropped += 1
+            self._client.stats.dropped_local += 1
+            if not self._unreported_drops:
+                asyncio.get_running_loop().call_soon(self._report_drops)
+            self._unreported_drops += 1
+            return
+        self._queue.append(msg)
+        self._queue_bytes += size
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _report_drops(self) -> None:
+        dropped, self._unreported_drops = self._unreported_drops, 0
+        if dropped:
+            self._client._report(SlowConsumerError(self.sid, dropped))
+
+    def _close(self) -> None:
+        """No more messages: wake the consumer, stop the callback task."""
+        self.closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._waiter = None
+        if self._task is not None and not self._queue:
+            self._task.cancel()
+
+    # ---------------------------------------------------------------- consumer side
+
+    async def next_msg(self, timeout: float | None = None) -> Message:
+        """Return the next message.
+
+        Args:
+            timeout: seconds to wait; None waits for ever.
+
+        Raises:
+            BrokyTimeoutError: no message within `timeout`.
+            ClientClosedError: the subscription was unsubscribed or its client closed
+                (and every message already received has been consumed).
+        """
+        while not self._queue:
+            if self.closed:
+                raise ClientClosedError(f"subscription {self.sid} is closed")
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiter = waiter
+            try:
+                if timeout is None:
+                    await waiter
+                else:
+                    async with asyncio.timeout(timeout):
+                        await waiter
+            except TimeoutError:
+                raise BrokyTimeoutError(f"no message within {timeout:g} s") from None
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        msg = self._queue.popleft()
+        self._queue_bytes -= len(msg.payload)
+        self.delivered += 1
+        return msg
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self
+
+    async def __anext__(self) -> Message:
+        try:
+            return await self.next_msg()
+        except ClientClosedError:
+            raise StopAsyncIteration from None
+
+    async def _run_callback(self, callback: Callable[[Message], Awaitable[Any]]) -> None:
+        while True:
+            try:
+                msg = await self.next_msg()
+            except ClientClosedError:
+                return
+            try:
+                await callback(msg)
+            except Exception as exc:
+                self._client._report(exc)
+
+    async def unsubscribe(self) -> None:
+        """Stop the subscription; iteration ends once the queued messages are consumed.
+
+        Raises:
+            ClientClosedError: the client is closed.
+        """
+        if self.closed:
+            return
+        await self._client._unsubscribe(self)
+
+
+__all__ = ["DEFAULT_MAX_PENDING_BYTES", "DEFAULT_MAX_PENDING_MSGS", "Subscription"]

@@ -1,0 +1,390 @@
+"""The blocking client: `broky.connect_sync`, for scripts and Spark executors.
+
+Theory of operation
+-------------------
+A SyncClient owns one daemon I/O thread running its own event loop (uvloop
+when available) and an asyncio `Client` inside it. Calls from user threads
+cross over in two ways:
+
+- `publish` encodes and size-checks the frame in the caller's thread (so
+  PayloadTooLargeError is raised at once), appends it to a hand-off list
+  under a lock and, if the I/O thread has not been woken yet, wakes it with
+  one `call_soon_threadsafe`. The I/O thread moves the whole list into the
+  client's per-worker buffers. The caller blocks while the hand-off list is
+  over `handoff_bytes` or a socket's write buffer is over its high-water
+  mark, so a fast producer cannot grow memory without bound. An error the
+  I/O thread meets while queueing (PublishBufferFullError when a worker has
+  been down too long) is raised by the next `publish` or `flush`.
+- every other call (`flush`, `subscribe`, `close`, ...) runs a coroutine on
+  the loop and waits for its result.
+
+Subscriptions deliver into a thread-safe bounded queue (messages and bytes);
+overflow is dropped, counted and reported to `on_error` as SlowConsumerError.
+Callbacks (`on_error`, `on_disconnect`, ...) run in the I/O thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from types import TracebackType
+from typing import Any, TypeVar
+
+from broky.client.client import Client, ServerInfo
+from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Subscription
+from broky.errors import (
+    BrokyError,
+    BrokyTimeoutError,
+    ClientClosedError,
+    PayloadTooLargeError,
+    SlowConsumerError,
+)
+from broky.protocol import Message, encode_message, new_ksuid
+
+T = TypeVar("T")
+
+DEFAULT_HANDOFF_BYTES = 1 << 20
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class SyncSubscription:
+    """A subscription of a SyncClient: a thread-safe bounded queue of Messages."""
+
+    def __init__(self, client: SyncClient, max_pending_msgs: int, max_pending_bytes: int) -> None:
+        self._client = client
+        self._sub: Subscription | None = None
+        self.max_pending_msgs = max_pending_msgs
+        self.max_pending_bytes = max_pending_bytes
+        self.delivered = 0
+        self.dropped = 0
+        self.closed = False
+        self._queue: collections.deque[Message] = collections.deque()
+        self._bytes = 0
+        self._cond = threading.Condition()
+        self._unreported = 0
+
+    def __repr__(self) -> str:
+        return f"<SyncSubscription {self._sub!r}>"
+
+    @property
+    def sid(self) -> int:
+        assert self._sub is not None
+        return self._sub.sid
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def _push(self, msg: Message) -> None:
+        """I/O thread: queue one delivery, or drop it if the queue is full."""
+        size = len(msg.payload)
+        with self._cond:
+            if len(self._queue) >= self.max_pending_msgs or self._bytes + size > self.max_pending_bytes:
+                self.dropped += 1
+                first = not self._unreported
+                self._unreported += 1
+            else:
+                self._queue.append(msg)
+                self._bytes += size
+                self._cond.notify()
+                return
+        client = self._client._client
+        client.stats.dropped_local += 1
+        if first:
+            client._loop.call_soon(self._report_drops)
+
+    def _report_drops(self) -> None:
+        with self._cond:
+            dropped, self._unreported = self._unreported, 0
+        if dropped:
+            self._client._client._report(SlowConsumerError(self.sid, dropped))
+
+    def _close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def next(self, timeout: float | None = None) -> Message:
+        """Return the next message, waiting up to `timeout` seconds (None: for ever).
+
+        Raises:
+            BrokyTimeoutError: no message within `timeout`.
+            ClientClosedError: unsubscribed or client closed, and the queue is empty.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._queue:
+                if self.closed:
+                    raise ClientClosedError("the subscription is closed")
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise BrokyTimeoutError(f"no message within {timeout:g} s")
+                    self._cond.wait(left)
+            msg = self._queue.popleft()
+            self._bytes -= len(msg.payload)
+            self.delivered += 1
+            return msg
+
+    def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[Message]:
+        """Yield messages until none arrives within `timeout`, `count` were yielded, or close."""
+        n = 0
+        while count is None or n < count:
+            try:
+                yield self.next(timeout)
+            except (BrokyTimeoutError, ClientClosedError):
+                return
+            n += 1
+
+    def __iter__(self) -> Iterator[Message]:
+        """Yield messages until the subscription or its client is closed."""
+        return self.iter()
+
+    def unsubscribe(self) -> None:
+        """Stop the subscription; messages already queued can still be read."""
+        if self._sub is not None and not self.closed:
+            self._client._call(self._sub.unsubscribe())
+        self._close()
+
+
+class SyncClient:
+    """A blocking Broky client running its own I/O thread; see `broky.connect_sync`.
+
+    Methods may be called from any thread.
+    """
+
+    def __init__(
+        self, server: str | None = None, *, handoff_bytes: int = DEFAULT_HANDOFF_BYTES, **options: Any
+    ) -> None:
+        """Connect; same options as `broky.connect` (see there), plus `handoff_bytes`.
+
+        Raises:
+            BrokyConnectionError, AuthenticationError: as `broky.connect`.
+        """
+        self._client = Client(server, **options)
+        self._handoff: list[tuple[bytes, bytes]] = []
+        self._handoff_bytes = 0
+        self._handoff_limit = handoff_bytes
+        self._io_paused = False
+        self._scheduled = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._subs: list[SyncSubscription] = []
+        self._closed = False
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._run, name="broky-io", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._client.connect())
+        except BaseException:
+            self._stop_thread()
+            raise
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def _stop_thread(self) -> None:
+        self._closed = True
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if not self._loop.is_closed() and not self._thread.is_alive():
+            self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self._closed:
+            coro.close()
+            raise ClientClosedError("the client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---------------------------------------------------------------- publishing
+
+    def publish(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        """Publish one message (queued; see `Client.publish` for the arguments).
+
+        Raises:
+            PayloadTooLargeError: the frame exceeds the server's limit (nothing sent).
+            PublishBufferFullError: an earlier publish could not be queued because
+                its worker has been down too long (raised once, by the next call).
+            ClientClosedError: the client is closed.
+            LocalProtocolError: a field cannot be encoded.
+        """
+        if self._closed:
+            raise ClientClosedError("the client is closed")
+        if key_partition.__class__ is str:
+            key_partition = key_partition.encode()
+        if key.__class__ is str:
+            key = key.encode()
+        limit = self._client._max_frame
+        with self._cond:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            frame = encode_message(
+                key_partition,  # type: ignore[arg-type]
+                key,  # type: ignore[arg-type]
+                payload,
+                time.time_ns() if ts_producer is None else ts_producer,
+                0,
+                new_ksuid() if uid is True else (uid or None),
+            )
+            if len(frame) - 4 > limit:
+                raise PayloadTooLargeError(len(frame) - 4, limit)
+            self._handoff.append((key_partition, frame))  # type: ignore[arg-type]
+            self._handoff_bytes += len(frame)
+            if not self._scheduled:
+                self._scheduled = True
+                self._loop.call_soon_threadsafe(self._drain)
+            while (self._handoff_bytes > self._handoff_limit or self._io_paused) and not self._closed:
+                self._cond.wait(1.0)
+
+    def _drain(self) -> None:
+        """I/O thread: move the hand-off list into the client's buffers."""
+        with self._cond:
+            items, self._handoff = self._handoff, []
+            self._handoff_bytes = 0
+            self._scheduled = False
+        client = self._client
+        paused = None
+        for kp, frame in items:
+            try:
+                link = client._send_encoded(kp, frame)
+            except BrokyError as exc:
+                with self._cond:
+                    if self._error is None:
+                        self._error = exc
+                continue
+            if link is not None and link.proto is not None and link.proto.write_paused:
+                paused = link.proto
+        with self._cond:
+            self._io_paused = paused is not None
+            self._cond.notify_all()
+        if paused is not None:
+            self._loop.create_task(self._unpause(paused.drain()))
+
+    async def _unpause(self, drained: Coroutine[Any, Any, None]) -> None:
+        await drained
+        with self._cond:
+            self._io_paused = False
+            self._cond.notify_all()
+
+    async def _flush(self, timeout: float | None) -> None:
+        self._drain()
+        await self._client.flush(timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until the server has processed every message published so far.
+
+        Raises:
+            BrokyTimeoutError: not done within `timeout` (default flush_timeout).
+            BrokyConnectionError: a connection dropped before it answered.
+            PublishBufferFullError: an earlier publish could not be queued.
+            ClientClosedError: the client is closed.
+        """
+        self._call(self._flush(timeout))
+        with self._cond:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+
+    # ---------------------------------------------------------------- subscribing
+
+    def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ) -> SyncSubscription:
+        """Subscribe (see `Client.subscribe`); read with `next(timeout)` or iterate.
+
+        Raises:
+            BadPatternError: the pattern is not valid.
+            ClientClosedError: the client is closed.
+        """
+        sync_sub = SyncSubscription(self, max_pending_msgs, max_pending_bytes)
+        sync_sub._sub = self._call(
+            self._client.subscribe(pattern, partition=partition, callback=sync_sub._push)
+        )
+        self._subs.append(sync_sub)
+        return sync_sub
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def stats(self) -> Any:
+        """The underlying client's counters (ClientStats)."""
+        return self._client.stats
+
+    @property
+    def server_info(self) -> ServerInfo | None:
+        return self._client.server_info
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    async def _close(self) -> None:
+        self._drain()
+        await self._client.close()
+
+    def close(self) -> None:
+        """Flush (up to flush_timeout), close the connections, stop the I/O thread."""
+        if self._closed:
+            return
+        try:
+            self._call(self._close())
+        finally:
+            for sub in self._subs:
+                sub._close()
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._stop_thread()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def connect_sync(server: str | None = None, **options: Any) -> SyncClient:
+    """Connect a blocking client; same arguments as `broky.connect`.
+
+    ``with broky.connect_sync("127.0.0.1:4777", name="job") as c: c.publish(kp, key, payload); c.flush()``
+
+    Raises:
+        BrokyConnectionError: no server answered within connect_timeout.
+        AuthenticationError: wrong or missing auth token.
+    """
+    return SyncClient(server, **options)
+
+
+__all__ = ["SyncClient", "SyncSubscription", "connect_sync"]

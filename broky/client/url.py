@@ -1,0 +1,67 @@
+"""Server addresses: `broky://host:port`, `host:port`, `host` or `[v6]:port`."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+DEFAULT_PORT = 4777
+DEFAULT_HOST = "127.0.0.1"
+SCHEME = "broky://"
+ENV_SERVER = "BROKY_SERVER"
+
+
+class ServerAddress(NamedTuple):
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{SCHEME}{host}:{self.port}"
+
+
+def parse_server(url: str | None) -> ServerAddress:
+    """Parse a server address; None means $BROKY_SERVER or 127.0.0.1:4777.
+
+    Accepted forms: ``broky://host:port``, ``host:port``, ``host``,
+    ``broky://host``, ``[::1]:4777``; the port defaults to 4777.
+
+    Raises:
+        ValueError: the text is not a server address (the message says why).
+    """
+    if url is None:
+        url = os.environ.get(ENV_SERVER) or f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+    text = url.strip()
+    if "://" in text:
+        if not text.lower().startswith(SCHEME):
+            raise ValueError(f"unsupported scheme in {url!r}: use broky://host:port")
+        text = text[len(SCHEME) :]
+    text = text.rstrip("/")
+    if not text:
+        raise ValueError(f"no host in server address {url!r}")
+    if "/" in text or "@" in text or "?" in text:
+        raise ValueError(f"server address {url!r} must be host[:port] (no path, user or query)")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"unclosed '[' in server address {url!r}")
+        host, rest = text[1:end], text[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"unexpected {rest!r} after the host in {url!r}")
+        port_text = rest[1:] if rest else ""
+    elif text.count(":") > 1:
+        raise ValueError(f"write IPv6 addresses in brackets: [{text}]:{DEFAULT_PORT}")
+    else:
+        host, _, port_text = text.partition(":")
+        if _ and not port_text:
+            raise ValueError(f"empty port in server address {url!r}")
+    if not host:
+        raise ValueError(f"no host in server address {url!r}")
+    if not port_text:
+        return ServerAddress(host, DEFAULT_PORT)
+    if not port_text.isdigit():
+        raise ValueError(f"port {port_text!r} in {url!r} is not a number")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} in {url!r} is out of range 1..65535")
+    return ServerAddress(host, port)
