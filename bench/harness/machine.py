@@ -1,0 +1,90 @@
+"""What a benchmark ran on: CPU model, cores, memory, OS, Python and versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import broky
+
+
+def _first_line(cmd: list[str]) -> str:
+    if shutil.which(cmd[0]) is None:
+        return "not installed"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.strip().splitlines()[0] if out.strip() else "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def nats_version() -> str:
+    match = re.search(r"v?(\d+\.\d+\.\d+)", _first_line(["nats-server", "--version"]))
+    return match.group(1) if match else "unknown"
+
+
+def redis_version() -> str:
+    match = re.search(r"v=(\S+)", _first_line(["redis-server", "--version"]))
+    return match.group(1) if match else "unknown"
+
+
+def broky_revision() -> str:
+    """`git describe` of the checkout the harness runs from, if it is one."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown"
+    line = _first_line(["git", "-C", str(root), "describe", "--always", "--dirty"])
+    return line if line not in ("not installed", "unknown") else "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Everything a reader needs to judge the figures."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = -1.0
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "memory_bytes": memory_bytes(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "broky": f"{broky.__version__} ({broky_revision()})",
+        "nats_server": nats_version(),
+        "redis_server": redis_version(),
+        "load_average_at_start": round(load, 2),
+    }
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line naming the machine and versions, for every result file."""
+    return (
+        f"{info['cpu_model']}, {info['cores']} cores, {info['memory_bytes'] / 2**30:.1f} GiB, "
+        f"{info['os']}, {info['python']}; Broky {info['broky']}, "
+        f"nats-server {info['nats_server']}, redis-server {info['redis_server']}"
+    )

@@ -1,0 +1,150 @@
+"""Start and stop the three servers on loopback ports of the harness's own.
+
+Each server runs in its own session (process group), is stopped with SIGTERM
+and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
+Broky worker can outlive the run. `pids()` lists every process whose CPU and
+memory count as the server's: Broky's master and all its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import procstat
+
+HOST = "127.0.0.1"
+READY = re.compile(rb"listening on (\S+):(\d+), metrics on (\S+):(\d+), workers (\d+)")
+
+
+class ServerError(RuntimeError):
+    """A server could not be started."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One running server process (and, for Broky, its workers)."""
+
+    def __init__(self, name: str, args: list[str], port: int = 0) -> None:
+        self.name = name
+        self.args = args
+        self.host = HOST
+        self.port = port
+        self.workers = 1
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def pids(self) -> list[int]:
+        """The server's own pid and those of its child processes."""
+        if self.proc is None:
+            return []
+        return [self.pid, *procstat.children(self.pid)]
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")[-4000:]
+
+    def _spawn(self, stdout: int) -> subprocess.Popen[bytes]:
+        if shutil.which(self.args[0]) is None:
+            raise ServerError(f"{self.args[0]} is not installed")
+        self.proc = subprocess.Popen(
+            self.args, stdout=stdout, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        return self.proc
+
+    def _wait_port(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(self.address, timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise ServerError(f"{self.name} did not start; log:\n{self.log()}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(8)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: workers too
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._log.name)
+
+
+def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 30.0) -> Server:
+    """`python -m broky serve` on free ports; waits for its ready line."""
+    args = [sys.executable, "-m", "broky", "serve", "--host", HOST, "--port", "0",
+            "--metrics-port", "0", "--workers", str(workers), "--log-level", "warning",
+            *(extra or [])]  # fmt: skip
+    server = Server("broky", args)
+    proc = server._spawn(subprocess.PIPE)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()  # the ready line comes quickly or the server died
+        if not line:
+            break
+        match = READY.search(line)
+        if match:
+            server.port = int(match.group(2))
+            server.workers = int(match.group(5))
+            return server
+    server.stop()
+    raise ServerError(f"broky serve did not become ready; log:\n{server.log()}")
+
+
+def start_nats(timeout: float = 15.0) -> Server:
+    port = free_port()
+    server = Server("nats", ["nats-server", "-a", HOST, "-p", str(port)], port)
+    server._spawn(subprocess.DEVNULL)
+    server._wait_port(timeout)
+    return server
+
+
+def start_redis(timeout: float = 15.0) -> Server:
+    port = free_port()
+    args = ["redis-server", "--bind", HOST, "--port", str(port), "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--protected-mode", "no", "--logfile", ""]  # fmt: skip
+    server = Server("redis", args, port)
+    server._spawn(subprocess.DEVNULL)
+    server._wait_port(timeout)
+    return server
+
+
+STARTERS = {"nats": start_nats, "redis": start_redis}
