@@ -163,10 +163,10 @@ def encode_welcome(welcome: Welcome) -> bytes:
     b = flatbuffers.Builder(8192)
     vmap = _encode_map(b, welcome.map)
     node_id = b.CreateString(welcome.node_id)
-    version = b.CreateString(welcome.server_version) if welcome.server_version else 0
+    version = b.CreateString(welcome.server_version) if welcome.server_version is not None else 0
     fbs.WelcomeStart(b)
     fbs.WelcomeAddProtocolVersion(b, welcome.protocol_version)
-    if version:
+    if welcome.server_version is not None:
         fbs.WelcomeAddServerVersion(b, version)
     fbs.WelcomeAddNodeId(b, node_id)
     fbs.WelcomeAddWorker(b, welcome.worker)

@@ -1,0 +1,580 @@
+"""The hand-written codec agrees with the code flatc generated, in both directions.
+
+1. Whatever the codec writes (`encode_message`, `encode_frame`), the generated
+   accessors in broky.fbs read back the same values.
+2. Whatever `flatbuffers.Builder` writes through the generated helpers (fields
+   added in any order, defaults omitted or forced, optional fields absent,
+   vectors created in any order, unreferenced bytes in between), the codec
+   (`decode_frame`, `decode_message`, `route_message`) reads the same values.
+
+The strategies and the reference reader/writer here are reused by the other
+protocol tests (reader chunking, fuzzing).
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import flatbuffers
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broky import fbs
+from broky.errors import FrameTooLargeError
+from broky.fbs import Body
+from broky.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    VBUCKETS,
+    Error,
+    Frame,
+    FrameReader,
+    Goodbye,
+    Hello,
+    LossNotice,
+    Message,
+    NodeInfo,
+    Pause,
+    Ping,
+    Pong,
+    Resume,
+    Subscribe,
+    Unsubscribe,
+    VBucketMap,
+    Welcome,
+    WelcomeTemplate,
+    decode_frame,
+    decode_message,
+    encode_frame,
+    encode_message,
+    route_message,
+)
+from broky.protocol.message import TS_BROKER_OFFSET, message_size
+
+# ---------------------------------------------------------------- strategies
+
+u8 = st.integers(0, 2**8 - 1)
+u16 = st.integers(0, 2**16 - 1)
+i16 = st.integers(-(2**15), 2**15 - 1)
+u32 = st.integers(0, 2**32 - 1)
+u64 = st.integers(0, 2**64 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+# Values near the edges of each width are where encoders go wrong.
+i64_edges = i64 | st.sampled_from([0, -1, 1, 2**63 - 1, -(2**63)])
+texts = st.text(max_size=40)
+uids = st.none() | st.binary(min_size=20, max_size=20)
+
+messages = st.builds(
+    Message,
+    key_partition=st.binary(max_size=80),
+    key=st.binary(max_size=120),
+    payload=st.binary(max_size=3000),
+    ts_producer=i64_edges,
+    ts_broker=i64_edges,
+    uid=uids,
+)
+
+
+@st.composite
+def vbucket_maps(draw: st.DrawFn) -> VBucketMap:
+    nodes = draw(st.lists(st.builds(NodeInfo, texts, texts, u16, u16), min_size=1, max_size=3))
+    if draw(st.booleans()):
+        return VBucketMap.single_node(nodes[0]._replace(workers=max(1, nodes[0].workers % 64)), draw(u64))
+    rng = random.Random(draw(st.integers(0, 2**32)))
+    owners = tuple((rng.randrange(len(nodes)), rng.randrange(2**16)) for _ in range(VBUCKETS))
+    return VBucketMap(draw(u64), tuple(nodes), owners)
+
+
+welcomes = st.builds(
+    Welcome,
+    node_id=texts,
+    worker=u16,
+    map=vbucket_maps(),
+    max_frame_bytes=u32,
+    max_pending_bytes=u64,
+    connection_id=u64,
+    server_version=st.none() | texts,
+    protocol_version=u16,
+)
+
+control_frames: st.SearchStrategy[Frame] = st.one_of(
+    st.builds(Hello, u16, i16, st.none() | texts, st.none() | texts),
+    st.builds(Subscribe, u32, st.binary(max_size=100), st.none() | st.binary(max_size=40)),
+    st.builds(Unsubscribe, u32),
+    st.just(Pause()),
+    st.just(Resume()),
+    st.builds(Ping, u64),
+    st.builds(Pong, u64),
+    st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32),
+    st.builds(LossNotice, u64, u8),
+    st.builds(Goodbye, st.none() | texts),
+)
+small_frames: st.SearchStrategy[Frame] = messages | control_frames
+
+# ---------------------------------------------------------------- reference reader (generated code)
+
+
+def _vec(tab: Any, vt_offset: int) -> bytes | None:
+    """A byte vector through the flatbuffers runtime Table the accessors use."""
+    o = tab.Offset(vt_offset)
+    if not o:
+        return None
+    start = tab.Vector(o)
+    return bytes(tab.Bytes[start : start + tab.VectorLen(o)])
+
+
+def _text(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode("utf-8")
+
+
+def _read_message(m: Any) -> Message:
+    kp, key, payload = _vec(m._tab, 4), _vec(m._tab, 6), _vec(m._tab, 8)
+    assert kp is not None and key is not None and payload is not None
+    # The per-element accessors agree with the slices (first and last byte).
+    for accessor, length, vec in (
+        (m.KeyPartition, m.KeyPartitionLength(), kp),
+        (m.Key, m.KeyLength(), key),
+        (m.Payload, m.PayloadLength(), payload),
+    ):
+        assert length == len(vec)
+        if vec:
+            assert accessor(0) == vec[0] and accessor(length - 1) == vec[-1]
+    stamps, uid = m.Stamps(), m.Uid()
+    assert stamps is not None
+    return Message(
+        kp, key, payload, stamps.TsProducer(), stamps.TsBroker(), None if uid is None else bytes(uid.Bytes())
+    )
+
+
+def _read_map(vm: Any) -> VBucketMap:
+    nodes = []
+    for i in range(vm.NodesLength()):
+        n = vm.Nodes(i)
+        nodes.append(NodeInfo(_text(n.NodeId()) or "", _text(n.Host()) or "", n.Port(), n.Workers()))
+    owners = []
+    for i in range(vm.OwnersLength()):
+        o = vm.Owners(i)
+        owners.append((o.Node(), o.Worker()))
+    return VBucketMap(vm.Version(), tuple(nodes), tuple(owners))
+
+
+def generated_read(frame: bytes) -> Frame:
+    """Decode a whole size-prefixed frame with the generated accessors only."""
+    assert struct.unpack_from("<I", frame)[0] == len(frame) - 4
+    assert fbs.Frame.FrameBufferHasIdentifier(frame, 0, size_prefixed=True)
+    root = fbs.Frame.GetRootAs(frame, 4)
+    kind, tab = root.BodyType(), root.Body()
+    assert tab is not None
+
+    def body(cls: Any) -> Any:
+        obj = cls()
+        obj.Init(tab.Bytes, tab.Pos)
+        return obj
+
+    if kind == Body.Message:
+        return _read_message(body(fbs.Message))
+    if kind == Body.Hello:
+        h = body(fbs.Hello)
+        return Hello(h.ProtocolVersion(), h.Worker(), _text(h.ClientName()), _text(h.AuthToken()))
+    if kind == Body.Welcome:
+        w = body(fbs.Welcome)
+        return Welcome(
+            _text(w.NodeId()) or "",
+            w.Worker(),
+            _read_map(w.Map()),
+            w.MaxFrameBytes(),
+            w.MaxPendingBytes(),
+            w.ConnectionId(),
+            _text(w.ServerVersion()),
+            w.ProtocolVersion(),
+        )
+    if kind == Body.Subscribe:
+        s = body(fbs.Subscribe)
+        assert s.PatternLength() == len(_vec(s._tab, 6) or b"")
+        return Subscribe(s.Sid(), _vec(s._tab, 6) or b"", _vec(s._tab, 8))
+    if kind == Body.Unsubscribe:
+        return Unsubscribe(body(fbs.Unsubscribe).Sid())
+    if kind == Body.Pause:
+        return Pause()
+    if kind == Body.Resume:
+        return Resume()
+    if kind == Body.Ping:
+        return Ping(body(fbs.Ping).Id())
+    if kind == Body.Pong:
+        return Pong(body(fbs.Pong).Id())
+    if kind == Body.Error:
+        e = body(fbs.Error)
+        return Error(e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid())
+    if kind == Body.LossNotice:
+        n = body(fbs.LossNotice)
+        return LossNotice(n.Dropped(), n.Reason())
+    if kind == Body.Goodbye:
+        return Goodbye(_text(body(fbs.Goodbye).Reason()))
+    raise AssertionError(f"unknown body type {kind}")
+
+
+# ---------------------------------------------------------------- reference writer (flatbuffers.Builder)
+
+_BODY_TYPES: dict[type, int] = {
+    Message: Body.Message,
+    Hello: Body.Hello,
+    Welcome: Body.Welcome,
+    Subscribe: Body.Subscribe,
+    Unsubscribe: Body.Unsubscribe,
+    Pause: Body.Pause,
+    Resume: Body.Resume,
+    Ping: Body.Ping,
+    Pong: Body.Pong,
+    Error: Body.Error,
+    LossNotice: Body.LossNotice,
+    Goodbye: Body.Goodbye,
+}
+
+
+class Writer:
+    """Writes one frame with flatbuffers.Builder, every free choice drawn by hypothesis."""
+
+    def __init__(self, draw: st.DrawFn) -> None:
+        self.draw = draw
+        self.b = flatbuffers.Builder(draw(st.integers(0, 300)))
+        self.b.ForceDefaults(draw(st.booleans()))
+
+    def junk(self) -> None:
+        """Maybe write bytes nothing refers to, which shifts every later offset."""
+        if self.draw(st.booleans()):
+            self.b.CreateByteVector(self.draw(st.binary(max_size=11)))
+
+    def refs(self, values: dict[str, bytes | str | None]) -> dict[str, int]:
+        """Create the vectors/strings of one table in a drawn order."""
+        out: dict[str, int] = {}
+        for name in self.draw(st.permutations(sorted(values))):
+            value = values[name]
+            if value is None:
+                continue
+            self.junk()
+            out[name] = (
+                self.b.CreateString(value) if isinstance(value, str) else self.b.CreateByteVector(value)
+            )
+        return out
+
+    def table(
+        self, start: Callable[[Any], None], end: Callable[[Any], int], adders: list[Callable[[], None]]
+    ) -> int:
+        start(self.b)
+        for add in self.draw(st.permutations(adders)):
+            add()
+        return end(self.b)
+
+    def node(self, node: NodeInfo) -> int:
+        r = self.refs({"id": node.node_id, "host": node.host})
+        b = self.b
+        return self.table(
+            fbs.NodeStart,
+            fbs.NodeEnd,
+            [
+                lambda: fbs.NodeAddNodeId(b, r["id"]),
+                lambda: fbs.NodeAddHost(b, r["host"]),
+                lambda: fbs.NodeAddPort(b, node.port),
+                lambda: fbs.NodeAddWorkers(b, node.workers),
+            ],
+        )
+
+    def vmap(self, vmap: VBucketMap) -> int:
+        b = self.b
+        nodes = [self.node(n) for n in vmap.nodes]
+        fbs.VBucketMapStartNodesVector(b, len(nodes))
+        for off in reversed(nodes):
+            b.PrependUOffsetTRelative(off)
+        nodes_vec = b.EndVector()
+        self.junk()
+        fbs.VBucketMapStartOwnersVector(b, len(vmap.owners))
+        for node_index, worker in reversed(vmap.owners):
+            fbs.CreateVBucketOwner(b, node_index, worker)
+        owners_vec = b.EndVector()
+        return self.table(
+            fbs.VBucketMapStart,
+            fbs.VBucketMapEnd,
+            [
+                lambda: fbs.VBucketMapAddVersion(b, vmap.version),
+                lambda: fbs.VBucketMapAddNodes(b, nodes_vec),
+                lambda: fbs.VBucketMapAddOwners(b, owners_vec),
+            ],
+        )
+
+    def body(self, frame: Frame) -> int:
+        b = self.b
+        adders: list[Callable[[], None]]
+        if isinstance(frame, Message):
+            r = self.refs({"kp": frame.key_partition, "key": frame.key, "payload": frame.payload})
+            adders = [
+                lambda: fbs.MessageAddKeyPartition(b, r["kp"]),
+                lambda: fbs.MessageAddKey(b, r["key"]),
+                lambda: fbs.MessageAddPayload(b, r["payload"]),
+                # Structs are written inline, right before their slot.
+                lambda: fbs.MessageAddStamps(b, fbs.CreateStamps(b, frame.ts_producer, frame.ts_broker)),
+            ]
+            if frame.uid is not None:
+                uid = frame.uid
+                adders.append(lambda: fbs.MessageAddUid(b, fbs.CreateKsuid(b, uid)))
+            return self.table(fbs.MessageStart, fbs.MessageEnd, adders)
+        if isinstance(frame, Hello):
+            r = self.refs({"name": frame.client_name, "token": frame.auth_token})
+            adders = [
+                lambda: fbs.HelloAddProtocolVersion(b, frame.protocol_version),
+                lambda: fbs.HelloAddWorker(b, frame.worker),
+            ]
+            if "name" in r:
+                adders.append(lambda: fbs.HelloAddClientName(b, r["name"]))
+            if "token" in r:
+                adders.append(lambda: fbs.HelloAddAuthToken(b, r["token"]))
+            return self.table(fbs.HelloStart, fbs.HelloEnd, adders)
+        if isinstance(frame, Welcome):
+            vmap = self.vmap(frame.map)
+            r = self.refs({"node_id": frame.node_id, "version": frame.server_version})
+            adders = [
+                lambda: fbs.WelcomeAddProtocolVersion(b, frame.protocol_version),
+                lambda: fbs.WelcomeAddNodeId(b, r["node_id"]),
+                lambda: fbs.WelcomeAddWorker(b, frame.worker),
+                lambda: fbs.WelcomeAddMap(b, vmap),
+                lambda: fbs.WelcomeAddMaxFrameBytes(b, frame.max_frame_bytes),
+                lambda: fbs.WelcomeAddMaxPendingBytes(b, frame.max_pending_bytes),
+                lambda: fbs.WelcomeAddConnectionId(b, frame.connection_id),
+            ]
+            if "version" in r:
+                adders.append(lambda: fbs.WelcomeAddServerVersion(b, r["version"]))
+            return self.table(fbs.WelcomeStart, fbs.WelcomeEnd, adders)
+        if isinstance(frame, Subscribe):
+            r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
+            adders = [
+                lambda: fbs.SubscribeAddSid(b, frame.sid),
+                lambda: fbs.SubscribeAddPattern(b, r["pattern"]),
+            ]
+            if "kp" in r:
+                adders.append(lambda: fbs.SubscribeAddKeyPartition(b, r["kp"]))
+            return self.table(fbs.SubscribeStart, fbs.SubscribeEnd, adders)
+        if isinstance(frame, Unsubscribe):
+            return self.table(
+                fbs.UnsubscribeStart, fbs.UnsubscribeEnd, [lambda: fbs.UnsubscribeAddSid(b, frame.sid)]
+            )
+        if isinstance(frame, Pause):
+            return self.table(fbs.PauseStart, fbs.PauseEnd, [])
+        if isinstance(frame, Resume):
+            return self.table(fbs.ResumeStart, fbs.ResumeEnd, [])
+        if isinstance(frame, Ping):
+            return self.table(fbs.PingStart, fbs.PingEnd, [lambda: fbs.PingAddId(b, frame.id)])
+        if isinstance(frame, Pong):
+            return self.table(fbs.PongStart, fbs.PongEnd, [lambda: fbs.PongAddId(b, frame.id)])
+        if isinstance(frame, Error):
+            r = self.refs({"message": frame.message})
+            adders = [
+                lambda: fbs.ErrorAddCode(b, frame.code),
+                lambda: fbs.ErrorAddMapVersion(b, frame.map_version),
+                lambda: fbs.ErrorAddFatal(b, frame.fatal),
+                lambda: fbs.ErrorAddSid(b, frame.sid),
+            ]
+            if "message" in r:
+                adders.append(lambda: fbs.ErrorAddMessage(b, r["message"]))
+            return self.table(fbs.ErrorStart, fbs.ErrorEnd, adders)
+        if isinstance(frame, LossNotice):
+            return self.table(
+                fbs.LossNoticeStart,
+                fbs.LossNoticeEnd,
+                [
+                    lambda: fbs.LossNoticeAddDropped(b, frame.dropped),
+                    lambda: fbs.LossNoticeAddReason(b, frame.reason),
+                ],
+            )
+        if isinstance(frame, Goodbye):
+            r = self.refs({"reason": frame.reason})
+            adders = [lambda: fbs.GoodbyeAddReason(b, r["reason"])] if "reason" in r else []
+            return self.table(fbs.GoodbyeStart, fbs.GoodbyeEnd, adders)
+        raise AssertionError(frame)
+
+    def frame(self, frame: Frame) -> bytes:
+        body = self.body(frame)
+        self.junk()
+        b = self.b
+        root = self.table(
+            fbs.FrameStart,
+            fbs.FrameEnd,
+            [lambda: fbs.FrameAddBodyType(b, _BODY_TYPES[type(frame)]), lambda: fbs.FrameAddBody(b, body)],
+        )
+        b.FinishSizePrefixed(root, b"BRKY")
+        return bytes(b.Output())
+
+
+@st.composite
+def builder_frames(draw: st.DrawFn, frames: st.SearchStrategy[Frame]) -> tuple[Frame, bytes]:
+    """(value, the frame written by flatbuffers.Builder with drawn choices)."""
+    frame = draw(frames)
+    return frame, Writer(draw).frame(frame)
+
+
+@st.composite
+def encoded_frames(draw: st.DrawFn, frames: st.SearchStrategy[Frame] = small_frames) -> tuple[Frame, bytes]:
+    """(value, its bytes from the codec or from the Builder)."""
+    frame = draw(frames)
+    if draw(st.booleans()):
+        return frame, encode_frame(frame)
+    return frame, Writer(draw).frame(frame)
+
+
+# ---------------------------------------------------------------- codec -> generated code
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(messages)
+def test_encode_message_reads_back_through_generated_accessors(msg: Message) -> None:
+    frame = encode_message(*msg)
+    assert len(frame) == message_size(
+        len(msg.key_partition), len(msg.key), len(msg.payload), msg.uid is not None
+    )
+    assert len(frame) % 8 == 0
+    assert generated_read(frame) == msg
+    assert encode_frame(msg) == frame
+
+
+@SETTINGS
+@given(control_frames)
+def test_encode_frame_reads_back_through_generated_accessors(frame: Frame) -> None:
+    assert generated_read(encode_frame(frame)) == frame
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(welcomes)
+def test_welcome_reads_back_through_generated_accessors(welcome: Welcome) -> None:
+    assert generated_read(encode_frame(welcome)) == welcome
+    patched = WelcomeTemplate(welcome).for_connection(welcome.connection_id ^ 0x5A5A)
+    assert generated_read(patched) == welcome._replace(connection_id=welcome.connection_id ^ 0x5A5A)
+
+
+# ---------------------------------------------------------------- Builder -> codec
+
+
+def _check_message_readers(msg: Message, frame: bytes) -> None:
+    assert decode_frame(frame) == msg
+    assert decode_message(frame) == msg
+    # The readers take (buffer, start, end): the frame in the middle of a larger buffer.
+    padded = b"\xa5" * 13 + frame + b"\x5a" * 7
+    assert decode_message(padded, 13, 13 + len(frame)) == msg
+    assert decode_frame(padded, 13) == msg
+    kp, key, ts_pos = route_message(padded, 13, 13 + len(frame))
+    assert (kp, key) == (msg.key_partition, msg.key)
+    assert type(kp) is bytes and type(key) is bytes
+    # ts_broker sits where route_message says: stamping it changes only ts_broker.
+    stamped = bytearray(frame)
+    struct.pack_into("<q", stamped, ts_pos - 13, -12345)
+    expected = msg._replace(ts_broker=-12345)
+    assert decode_message(stamped) == expected
+    assert generated_read(bytes(stamped)) == expected
+
+
+@SETTINGS
+@given(builder_frames(messages))
+def test_builder_messages_read_by_fast_decoder(case: tuple[Frame, bytes]) -> None:
+    msg, frame = case
+    assert isinstance(msg, Message)
+    assert generated_read(frame) == msg  # the writer itself is right
+    _check_message_readers(msg, frame)
+
+
+@SETTINGS
+@given(messages)
+def test_canonical_messages_read_and_route(msg: Message) -> None:
+    frame = encode_message(*msg)
+    _check_message_readers(msg, frame)
+    assert route_message(frame, 0, len(frame))[2] == TS_BROKER_OFFSET
+
+
+@SETTINGS
+@given(builder_frames(control_frames))
+def test_builder_control_frames_read_by_decode_frame(case: tuple[Frame, bytes]) -> None:
+    frame, data = case
+    assert generated_read(data) == frame
+    assert decode_frame(data) == frame
+    assert decode_frame(b"\x00" * 5 + data + b"\x00", 5) == frame
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(builder_frames(welcomes))
+def test_builder_welcome_read_by_decode_frame(case: tuple[Frame, bytes]) -> None:
+    frame, data = case
+    assert decode_frame(data) == frame
+
+
+# ---------------------------------------------------------------- large frames
+
+
+def _payload_for_frame_size(size: int, has_uid: bool) -> int:
+    """Payload length whose canonical frame (prefix included) is exactly `size` bytes."""
+    n = size - message_size(2, 5, 0, has_uid) + 8
+    while message_size(2, 5, n, has_uid) > size:
+        n -= 1
+    assert message_size(2, 5, n, has_uid) == size
+    return n
+
+
+@pytest.mark.parametrize("has_uid", [True, False])
+def test_largest_frame_round_trips_and_one_more_byte_is_refused(has_uid: bool) -> None:
+    # Canonical frames are padded to 8 bytes, so the largest one is 1 MiB in all
+    # (prefix value 1 MiB - 4); one more payload byte makes it 1 MiB + 4.
+    uid = bytes(range(20)) if has_uid else None
+    n = _payload_for_frame_size(DEFAULT_MAX_FRAME_BYTES, has_uid)
+    payload = random.Random(n).randbytes(n)
+    msg = Message(b"kp", b"a.b.c", payload, 1, 2, uid)
+    frame = encode_message(*msg)
+    assert len(frame) == DEFAULT_MAX_FRAME_BYTES
+    assert generated_read(frame) == msg
+    assert decode_frame(frame) == msg
+    assert route_message(frame, 0, len(frame))[:2] == (b"kp", b"a.b.c")
+    reader = FrameReader()
+    reader.feed(frame)
+    assert reader.frames() == [frame]
+    # The limit is inclusive: a prefix equal to it is accepted, one less refuses.
+    exact = FrameReader(max_frame_bytes=len(frame) - 4)
+    exact.feed(frame)
+    assert exact.frames() == [frame]
+    under = FrameReader(max_frame_bytes=len(frame) - 5)
+    under.feed(frame)
+    with pytest.raises(FrameTooLargeError):
+        under.next_frame()
+
+    bigger = encode_message(b"kp", b"a.b.c", payload + b"x", 1, 2, uid)
+    assert len(bigger) - 4 > DEFAULT_MAX_FRAME_BYTES
+    reader = FrameReader()
+    reader.feed(bigger[:4])  # the prefix alone is enough to refuse it
+    with pytest.raises(FrameTooLargeError) as info:
+        reader.next_frame()
+    assert info.value.size == len(bigger) - 4
+    assert info.value.limit == DEFAULT_MAX_FRAME_BYTES
+    assert reader.buffered == 4
+
+
+def test_large_builder_message_read_by_fast_decoder() -> None:
+    payload = random.Random(1).randbytes(700_000)
+    key = b"k." * 30_000 + b"end"
+    kp = random.Random(2).randbytes(60_000)
+    b = flatbuffers.Builder(0)
+    pay_off = b.CreateByteVector(payload)
+    kp_off = b.CreateByteVector(kp)
+    key_off = b.CreateByteVector(key)
+    fbs.MessageStart(b)
+    fbs.MessageAddKey(b, key_off)
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 7, 8))
+    fbs.MessageAddPayload(b, pay_off)
+    fbs.MessageAddKeyPartition(b, kp_off)
+    body = fbs.MessageEnd(b)
+    fbs.FrameStart(b)
+    fbs.FrameAddBody(b, body)
+    fbs.FrameAddBodyType(b, Body.Message)
+    b.FinishSizePrefixed(fbs.FrameEnd(b), b"BRKY")
+    frame = bytes(b.Output())
+    assert len(frame) - 4 <= DEFAULT_MAX_FRAME_BYTES
+    msg = Message(kp, key, payload, 7, 8, None)
+    _check_message_readers(msg, frame)
+    assert encode_message(*msg) != frame and decode_frame(encode_message(*msg)) == msg
