@@ -463,6 +463,7 @@ class Client:
         deadline = self._loop.time() + self.connect_timeout
         delay = self.reconnect_min_delay
         hello = Hello(client_name=self.name, auth_token=self.auth_token)
+        last: BrokyError | None = None
         while True:
             left = deadline - self._loop.time()
             try:
@@ -471,10 +472,12 @@ class Client:
             except ServerError:
                 raise
             except BrokyError as exc:
+                if last is None or not isinstance(exc, BrokyTimeoutError):
+                    last = exc  # keep "connection refused" rather than the last short timeout
                 left = deadline - self._loop.time()
                 if left <= 0:
                     raise BrokyConnectionError(
-                        f"cannot connect to {self.address} within {self.connect_timeout:g} s: {exc}"
+                        f"cannot connect to {self.address} within {self.connect_timeout:g} s: {last}"
                     ) from None
                 await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
                 delay = min(delay * 2, self.reconnect_max_delay)

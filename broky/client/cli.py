@@ -1,0 +1,289 @@
+"""`broky pub`, `broky sub` and `broky info`: the SDK from the command line.
+
+Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777)
+and `--auth-token` (default $BROKY_AUTH_TOKEN). Errors are one line on stderr
+and a non-zero exit status: 1 for a failure (no server, refused token, ...),
+2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from broky.client.client import Client, connect
+from broky.client.sync import connect_sync
+from broky.client.url import parse_server
+from broky.errors import BrokyError
+from broky.matching import parse_pattern
+from broky.protocol import Message
+from broky.protocol.routing import to_ranges
+
+ENV_TOKEN = "BROKY_AUTH_TOKEN"
+ENV_METRICS = "BROKY_METRICS"
+DEFAULT_METRICS_PORT = 9477
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server",
+        metavar="URL",
+        default=None,
+        help="broky://host:port or host:port (default: $BROKY_SERVER, else 127.0.0.1:4777)",
+    )
+    p.add_argument(
+        "--auth-token", metavar="TOKEN", default=None, help=f"the server's auth token (default: ${ENV_TOKEN})"
+    )
+    p.add_argument(
+        "--connect-timeout", metavar="SECONDS", type=float, default=5.0, help="give up connecting after (5)"
+    )
+
+
+def register(subparsers: Any) -> None:
+    """Add the pub, sub and info subcommands to the `broky` parser."""
+    p = subparsers.add_parser(
+        "pub",
+        help="publish messages",
+        description="Publish PAYLOAD under KEY; without PAYLOAD every line of stdin is one message "
+        "(newline removed), published in order.",
+    )
+    p.add_argument("key", metavar="KEY", help="the message key (dot-separated tokens)")
+    p.add_argument("payload", metavar="PAYLOAD", nargs="?", help="message body (UTF-8); omit to read stdin")
+    p.add_argument(
+        "--partition",
+        metavar="P",
+        help="key_partition (chooses the shard; ordering holds per partition). Default: KEY",
+    )
+    _common(p)
+    p.set_defaults(func=cmd_pub)
+
+    s = subparsers.add_parser(
+        "sub",
+        help="print messages",
+        description="Subscribe to PATTERN and print one line per message: its payload, or with --json "
+        "a JSON object with every field. A status line goes to stderr once subscribed.",
+    )
+    s.add_argument(
+        "pattern", metavar="PATTERN", help="key pattern: `*` matches one token, `>` (last) the rest"
+    )
+    s.add_argument("--partition", metavar="P", help="only messages of this key_partition (default: all)")
+    s.add_argument("--count", metavar="N", type=int, help="exit after N messages")
+    s.add_argument("--json", action="store_true", help="print every field as one JSON object per line")
+    _common(s)
+    s.set_defaults(func=cmd_sub)
+
+    i = subparsers.add_parser(
+        "info",
+        help="describe a server",
+        description="Print the node, its workers, the vbucket map (version and ranges per worker), "
+        "its limits and live counters from its metrics port.",
+    )
+    i.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help=f"metrics endpoint for live counters (default: ${ENV_METRICS}, else the server host, port 9477)",
+    )
+    _common(i)
+    i.set_defaults(func=cmd_info)
+
+
+def _fail(command: str, message: object) -> int:
+    print(f"broky {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _options(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
+        "connect_timeout": args.connect_timeout,
+    }
+
+
+# ---------------------------------------------------------------- pub
+
+
+def cmd_pub(args: argparse.Namespace) -> int:
+    key = os.fsencode(args.key)
+    if not key:
+        return _fail("pub", "KEY must not be empty")
+    partition = os.fsencode(args.partition) if args.partition is not None else key
+    try:
+        parse_server(args.server)
+        with connect_sync(args.server, **_options(args, "broky-pub")) as client:
+            if args.payload is not None:
+                client.publish(partition, key, os.fsencode(args.payload))
+            else:
+                for line in sys.stdin.buffer:
+                    client.publish(partition, key, line[:-1] if line.endswith(b"\n") else line)
+            client.flush()
+    except (BrokyError, ValueError) as exc:
+        return _fail("pub", exc)
+    return 0
+
+
+# ---------------------------------------------------------------- sub
+
+
+def _field(value: bytes) -> str | dict[str, str]:
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(value).decode()}
+
+
+def message_json(msg: Message) -> str:
+    """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...}."""
+    return json.dumps(
+        {
+            "key_partition": _field(msg.key_partition),
+            "key": _field(msg.key),
+            "payload": _field(msg.payload),
+            "ts_producer": msg.ts_producer,
+            "ts_broker": msg.ts_broker,
+            "uid": msg.uid_text,
+        },
+        ensure_ascii=False,
+    )
+
+
+async def _sub(args: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    async with connect(args.server, **_options(args, "broky-sub")) as client:
+        sub = await client.subscribe(args.pattern, partition=args.partition)
+        scope = f" partition {args.partition}" if args.partition is not None else ""
+        print(
+            f"broky sub: subscribed to {args.pattern}{scope} on {client.address}", file=sys.stderr, flush=True
+        )
+        n = 0
+        async for msg in sub:
+            if args.json:
+                out.write(message_json(msg).encode() + b"\n")
+            else:
+                out.write(msg.payload + b"\n")
+            n += 1
+            if n == args.count:
+                break
+            if not sub.pending:
+                out.flush()
+        out.flush()
+    return 0
+
+
+def cmd_sub(args: argparse.Namespace) -> int:
+    if args.count is not None and args.count < 1:
+        return _fail("sub", "--count must be at least 1")
+    try:
+        parse_server(args.server)
+        parse_pattern(os.fsencode(args.pattern))
+        return _run(_sub(args))
+    except (BrokyError, ValueError) as exc:
+        return _fail("sub", exc)
+    except BrokenPipeError:
+        # the reader went away (e.g. `broky sub k | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(coro: Any) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return int(asyncio.run(coro))
+    return int(uvloop.run(coro))
+
+
+# ---------------------------------------------------------------- info
+
+
+def fetch_counters(url: str, timeout: float = 2.0) -> dict[str, float]:
+    """Live counters from a metrics endpoint: JSON /stats, else Prometheus /metrics.
+
+    Raises:
+        OSError: neither endpoint answered.
+    """
+    base = url if "://" in url else f"http://{url}"
+    try:
+        with urllib.request.urlopen(f"{base}/stats", timeout=timeout) as resp:
+            data = json.load(resp)
+        flat: dict[str, float] = {}
+        _flatten("", data, flat)
+        return flat
+    except (urllib.error.HTTPError, ValueError):
+        pass
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode(errors="replace")
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("broky_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.split("{")[0].endswith(("_bucket", "_created")):
+            continue
+        try:
+            counters[name] = float(value)
+        except ValueError:
+            continue
+    return counters
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, list):
+        for k, v in enumerate(value):
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(value, bool | int | float):
+        out[prefix] = float(value)
+
+
+def _fmt(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+async def _info(args: argparse.Namespace) -> int:
+    client = Client(args.server, **_options(args, "broky-info"))
+    await client.connect()
+    try:
+        info = client.server_info
+        assert info is not None
+        vmap = info.map
+        print(f"server    {client.address}")
+        print(f"version   {info.server_version or 'unknown'}")
+        print(f"map       version {vmap.version}, {len(vmap.owners)} vbuckets, {len(vmap.nodes)} node(s)")
+        for n, node in enumerate(vmap.nodes):
+            print(f"node      {node.node_id} at {node.host}:{node.port}, workers {node.workers}")
+            for w in range(node.workers):
+                vbs = vmap.vbuckets_of(n, w)
+                ranges = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in to_ranges(vbs))
+                print(f"  worker {w}: {len(vbs)} vbuckets: {ranges}")
+        print(f"limits    max_frame_bytes {info.max_frame_bytes}, max_pending_bytes {info.max_pending_bytes}")
+    finally:
+        await client.close()
+    metrics = args.metrics or os.environ.get(ENV_METRICS) or f"{client.address.host}:{DEFAULT_METRICS_PORT}"
+    try:
+        counters = await asyncio.to_thread(fetch_counters, metrics)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"counters  unavailable from {metrics}: {reason} (pass --metrics HOST:PORT)")
+        return 0
+    print(f"counters  from {metrics}")
+    for name in sorted(counters):
+        print(f"  {name} {_fmt(counters[name])}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    try:
+        parse_server(args.server)
+        return _run(_info(args))
+    except (BrokyError, ValueError) as exc:
+        return _fail("info", exc)

@@ -1,0 +1,341 @@
+"""The asyncio and blocking clients against a real `broky serve` with 2 workers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+import broky
+from broky.protocol import VBucketMap, vbucket_of
+from tests.serverproc import ServerProcess
+
+
+def partitions_by_worker(vmap: VBucketMap, per_worker: int = 2) -> dict[int, list[bytes]]:
+    """Some key_partitions owned by each worker of the (single-node) map."""
+    found: dict[int, list[bytes]] = {}
+    workers = vmap.nodes[0].workers
+    i = 0
+    while any(len(found.get(w, [])) < per_worker for w in range(workers)):
+        kp = f"p{i}".encode()
+        w = vmap.owners[vbucket_of(kp)][1]
+        if len(found.setdefault(w, [])) < per_worker:
+            found[w].append(kp)
+        i += 1
+    return found
+
+
+def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 30) -> None:
+    async def main() -> None:
+        async with asyncio.timeout(timeout):
+            await coro_fn()
+
+    asyncio.run(main())
+
+
+async def take(sub: broky.Subscription, n: int, timeout: float = 5) -> list[broky.Message]:
+    return [await sub.next_msg(timeout) for _ in range(n)]
+
+
+def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server: ServerProcess) -> None:
+    async def main() -> None:
+        errors: list[BaseException] = []
+        async with broky.connect(server.url, name="t", on_error=errors.append) as client:
+            assert client.server_info is not None
+            vmap = client.server_info.map
+            assert client.server_info.workers == 2
+            # only the first connection exists until something needs another worker
+            assert len(client._links) == 1
+            by_worker = partitions_by_worker(vmap)
+            sub = await client.subscribe("orders.*")
+            assert sorted(ref.worker for ref, link in client._links.items() if link.proto) == [0, 1]
+            sent = []
+            for w in (0, 1):
+                for kp in by_worker[w]:
+                    await client.publish(kp, b"orders.created", b"from " + kp)
+                    sent.append(kp)
+            await client.flush()
+            got = await take(sub, len(sent))
+            assert sorted(m.key_partition for m in got) == sorted(sent)
+            assert {m.payload for m in got} == {b"from " + kp for kp in sent}
+            # every publish reached its owner: no NOT_MY_VBUCKET, nothing else
+            assert client.stats.misrouted == 0
+            assert errors == []
+            assert client.stats.published == len(sent)
+
+    run(main)
+
+
+def test_message_fields_are_filled_and_stamped(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.address[0] + f":{server.port}") as client:
+            sub = await client.subscribe("k")
+            before = time.time_ns()
+            await client.publish("t1", "k", b"x")
+            await client.publish(b"t1", b"k", b"y", ts_producer=0, uid=False)
+            uid = bytes(range(20))
+            await client.publish(b"t1", b"k", b"z", ts_producer=123, uid=uid)
+            a, b, c = await take(sub, 3)
+            after = time.time_ns()
+            assert isinstance(a, broky.Message)
+            assert (a.key_partition, a.key, a.payload) == (b"t1", b"k", b"x")
+            assert before <= a.ts_producer <= a.ts_broker <= after
+            assert a.uid is not None and len(a.uid) == 20
+            assert a.uid_text is not None and len(a.uid_text) == 27
+            assert (b.ts_producer, b.uid, b.uid_text) == (0, None, None)
+            assert before <= b.ts_broker <= after
+            assert (c.ts_producer, c.uid) == (123, uid)
+            with pytest.raises(AttributeError):
+                a.payload = b"changed"  # type: ignore[misc]
+
+    run(main)
+
+
+def test_partition_subscription_gets_only_its_partition(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            assert client.server_info is not None
+            by_worker = partitions_by_worker(client.server_info.map)
+            mine = by_worker[1][0]
+            other = by_worker[0][0]
+            one = await client.subscribe("orders.>", partition=mine)
+            every = await client.subscribe("orders.>")
+            for kp in (other, mine, other, mine):
+                await client.publish(kp, b"orders.eu.created", kp)
+            await client.flush()
+            got = await take(one, 2)
+            assert [m.key_partition for m in got] == [mine, mine]
+            assert sorted(m.key_partition for m in await take(every, 4)) == sorted([other, mine] * 2)
+            with pytest.raises(broky.BrokyTimeoutError):
+                await one.next_msg(0.2)
+            # one message matching two subscriptions crossed the wire once per connection
+            assert client.stats.received == 4
+
+    run(main)
+
+
+def test_publish_order_is_kept_per_partition(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as sub_client, broky.connect(server.url) as pub_client:
+            sub = await sub_client.subscribe("seq")
+            n = 3000
+            for i in range(n):
+                await pub_client.publish(b"one", b"seq", str(i).encode())
+            await pub_client.flush()
+            got = await take(sub, n)
+            assert [int(m.payload) for m in got] == list(range(n))
+
+    run(main)
+
+
+def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            plain: list[bytes] = []
+            awaited: list[bytes] = []
+            done = asyncio.Event()
+
+            async def slow(msg: broky.Message) -> None:
+                await asyncio.sleep(0.001)
+                awaited.append(msg.payload)
+                if len(awaited) == 3:
+                    done.set()
+
+            await client.subscribe("a.*", callback=lambda m: plain.append(m.payload))
+            await client.subscribe("a.b", callback=slow)
+            it = await client.subscribe("a.>")
+            for p in (b"1", b"2", b"3"):
+                await client.publish(b"kp", b"a.b", p)
+            await client.flush()
+            await asyncio.wait_for(done.wait(), 5)
+            assert plain == [b"1", b"2", b"3"]
+            assert awaited == [b"1", b"2", b"3"]
+            received = []
+            async for msg in it:
+                received.append(msg.payload)
+                if len(received) == 3:
+                    await it.unsubscribe()
+            assert received == [b"1", b"2", b"3"]
+            await client.publish(b"kp", b"a.b", b"4")
+            await client.flush()
+            assert it.pending == 0
+            with pytest.raises(broky.ClientClosedError):
+                await it.next_msg(0.1)
+
+    run(main)
+
+
+def test_local_slow_consumer_drops_counts_and_reports(server: ServerProcess) -> None:
+    async def main() -> None:
+        errors: list[BaseException] = []
+        async with broky.connect(server.url, on_error=errors.append) as client:
+            sub = await client.subscribe("s", max_pending_msgs=5)
+            small = await client.subscribe("s", max_pending_bytes=10)
+            for i in range(50):
+                await client.publish(b"kp", b"s", b"%03d" % i)
+            await client.flush()
+            await asyncio.sleep(0.05)
+            assert sub.pending == 5 and sub.dropped == 45
+            assert small.pending == 3 and small.dropped == 47
+            assert [m.payload for m in await take(sub, 5)] == [b"000", b"001", b"002", b"003", b"004"]
+            slow = [e for e in errors if isinstance(e, broky.SlowConsumerError)]
+            assert {e.sid for e in slow} == {sub.sid, small.sid}
+            assert sum(e.dropped for e in slow) == 45 + 47
+            assert client.stats.dropped_local == 45 + 47
+
+    run(main)
+
+
+def test_payload_over_the_server_limit_raises_before_sending(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server("--max-frame-bytes", "4096")
+
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            sub = await client.subscribe("big")
+            with pytest.raises(broky.PayloadTooLargeError) as info:
+                await client.publish(b"kp", b"big", b"x" * 5000)
+            assert info.value.limit == 4096 and info.value.size > 5000
+            assert "4096" in str(info.value)
+            await client.publish(b"kp", b"big", b"x" * 3000)
+            await client.flush()
+            assert len((await sub.next_msg(5)).payload) == 3000
+            assert client.stats.published == 1
+
+    run(main)
+    with broky.connect_sync(server.url) as c, pytest.raises(broky.PayloadTooLargeError):
+        c.publish(b"kp", b"big", b"x" * 5000)
+
+
+def test_auth_token(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--auth-token", "s3cret")
+
+    async def main() -> None:
+        with pytest.raises(broky.AuthenticationError):
+            await broky.connect(server.url, auth_token="wrong")
+        with pytest.raises(broky.AuthenticationError):
+            await broky.connect(server.url)
+        async with broky.connect(server.url, auth_token="s3cret") as client:
+            sub = await client.subscribe("x")
+            await client.publish(b"kp", b"x", b"ok")
+            assert (await sub.next_msg(5)).payload == b"ok"
+
+    run(main)
+    with pytest.raises(broky.AuthenticationError):
+        broky.connect_sync(server.url, auth_token="wrong")
+
+
+def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:
+    async def main() -> None:
+        client = await broky.connect(server.url)
+        sub = await client.subscribe("x")
+        await client.close()
+        await client.close()
+        for call in (
+            lambda: client.publish(b"a", b"x", b"1"),
+            lambda: client.flush(),
+            lambda: client.subscribe("x"),
+        ):
+            with pytest.raises(broky.ClientClosedError, match="closed"):
+                await call()
+        assert [m async for m in sub] == []
+
+    run(main)
+    c = broky.connect_sync(server.url)
+    c.close()
+    with pytest.raises(broky.ClientClosedError):
+        c.publish(b"a", b"x", b"1")
+    with pytest.raises(broky.ClientClosedError):
+        c.flush()
+
+
+def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: ServerProcess) -> None:
+    """A client whose map is wrong (every vbucket shifted to the other worker) recovers."""
+
+    async def main() -> None:
+        errors: list[BaseException] = []
+        async with broky.connect(server.url, on_error=errors.append) as client:
+            assert client._map is not None
+            good = client._map
+            client._map = good._replace(owners=tuple((n, 1 - w) for n, w in good.owners))
+            client._route = [None] * len(client._route)
+            by_worker = partitions_by_worker(good)
+            kp = by_worker[0][0]
+            sub = await client.subscribe("m", partition=kp)
+            await client.publish(kp, b"m", b"lost")  # goes to the wrong worker
+            await client.flush()
+            for _ in range(100):
+                if client._map == good and client._sub_links[sub.sid][0].ref.worker == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert client._map == good
+            assert client.stats.misrouted == 1
+            assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == sub.sid for e in errors)
+            assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == 0 for e in errors)
+            await client.flush()
+            await client.publish(kp, b"m", b"found")
+            await client.flush()
+            assert (await sub.next_msg(5)).payload == b"found"
+            assert client.stats.misrouted == 1
+
+    run(main)
+
+
+def test_blocking_client(server: ServerProcess) -> None:
+    errors: list[BaseException] = []
+    with broky.connect_sync(server.url, name="sync", on_error=errors.append) as c:
+        assert isinstance(c, broky.SyncClient)
+        assert c.server_info is not None and c.server_info.workers == 2
+        by_worker = partitions_by_worker(c.server_info.map)
+        sub = c.subscribe("jobs.*")
+        one = c.subscribe("jobs.>", partition=by_worker[1][0])
+        for w in (0, 1):
+            for kp in by_worker[w]:
+                c.publish(kp, "jobs.done", kp, ts_producer=None)
+        c.flush()
+        got = list(sub.iter(timeout=2, count=4))
+        assert sorted(m.key_partition for m in got) == sorted(by_worker[0] + by_worker[1])
+        assert [m.key_partition for m in one.iter(timeout=0.5)] == [by_worker[1][0]]
+        with pytest.raises(broky.BrokyTimeoutError):
+            sub.next(timeout=0.1)
+
+        # publish from several threads at once: nothing lost
+        def burst(t: int) -> None:
+            for i in range(500):
+                c.publish(b"t%d" % t, b"jobs.bulk", b"%d" % i)
+
+        threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        c.flush()
+        got = list(sub.iter(timeout=2, count=2000))
+        assert len(got) == 2000
+        for t in range(4):
+            mine = [int(m.payload) for m in got if m.key_partition == b"t%d" % t]
+            assert mine == list(range(500))
+        sub.unsubscribe()
+        assert list(sub) == []
+        assert errors == []
+
+
+def test_sync_iteration_with_a_consumer_thread(server: ServerProcess) -> None:
+    with broky.connect_sync(server.url) as c:
+        sub = c.subscribe("it")
+        received: list[bytes] = []
+        reader = threading.Thread(target=lambda: received.extend(m.payload for m in sub))
+        reader.start()
+        for i in range(100):
+            c.publish(b"p", b"it", b"%d" % i)
+        c.flush()
+        deadline = time.monotonic() + 5
+        while len(received) < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    reader.join(5)
+    assert not reader.is_alive()
+    assert received == [b"%d" % i for i in range(100)]
