@@ -316,8 +316,8 @@ def test_blocking_client(server: ServerProcess) -> None:
         c.flush()
         got = list(sub.iter(timeout=2, count=2000))
         assert len(got) == 2000
-        for t in range(4):
-            mine = [int(m.payload) for m in got if m.key_partition == b"t%d" % t]
+        for n in range(4):
+            mine = [int(m.payload) for m in got if m.key_partition == b"t%d" % n]
             assert mine == list(range(500))
         sub.unsubscribe()
         assert list(sub) == []

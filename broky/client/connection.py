@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from broky.errors import (
     AuthenticationError,
@@ -73,11 +73,12 @@ class WorkerProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        # uvloop's transports are not subclasses of asyncio.Transport
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
         reader = self._reader
