@@ -1,0 +1,8 @@
+"""The Broky server: a master process that accepts and hands sockets to worker shards.
+
+Modules, one concern each: config (flags and BROKY_* environment), cli (the
+`serve` subcommand), master (accept, Hello, auth, hand-off, HTTP), handoff
+(SCM_RIGHTS over the control channel), supervisor (start, reap, restart
+workers), worker (one shard's process), connection (the asyncio Protocol
+adapter) and fanout (the hot path and the subscription table).
+"""

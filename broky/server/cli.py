@@ -1,0 +1,37 @@
+"""The `broky serve` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from broky.server import config
+
+
+def register(subparsers: Any) -> None:
+    """Add `serve` to the `broky` command."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="run a Broky server",
+        description=(
+            "Run a Broky server: a master process that accepts clients and hands them to "
+            "one worker process per shard. Every option can also be set with BROKY_<OPTION> "
+            "(e.g. BROKY_PORT=4778, BROKY_MAX_PENDING_BYTES=16M)."
+        ),
+    )
+    config.add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config.from_args(args)
+    except ValueError as exc:
+        print(f"broky serve: {exc}", file=sys.stderr)
+        return 2
+    from broky.server.logs import setup_logging
+    from broky.server.master import serve
+
+    setup_logging(cfg, "master")
+    return serve(cfg)

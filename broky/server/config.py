@@ -1,0 +1,161 @@
+"""Server settings: `broky serve` flags, each also read from a BROKY_<NAME> variable.
+
+Precedence: command-line flag, then environment variable, then default.
+Defaults work with no flags at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from broky.protocol import DEFAULT_MAX_FRAME_BYTES
+
+DEFAULT_PORT = 4777
+DEFAULT_METRICS_PORT = 9477
+DEFAULT_MAX_PENDING_BYTES = 8 << 20
+# Largest Hello the master reads (the frame carries a name and a token only).
+MAX_HELLO_BYTES = 64 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of one `broky serve` (master and workers)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    metrics_port: int = DEFAULT_METRICS_PORT
+    auth_token: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    log_level: str = "info"
+    log_format: str = "text"
+    node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    hello_timeout: float = 5.0
+    frame_timeout: float = 10.0
+    slow_consumer_deadline: float = 10.0
+    shutdown_timeout: float = 4.0
+
+    def to_worker_json(self) -> dict[str, Any]:
+        """The settings a worker needs (the auth token stays in the master)."""
+        data = dataclasses.asdict(self)
+        data["auth_token"] = None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServerConfig:
+        return cls(**data)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return value
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = 1
+    if t and t[-1] in units:
+        mult = units[t[-1]]
+        t = t[:-1]
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return value
+
+
+# (flag, dest, type, help); the default comes from ServerConfig.
+_FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
+    ("--host", "host", str, "address to bind (default %(default)s)"),
+    ("--port", "port", _port, "TCP port for clients, 0 = any free port (default %(default)s)"),
+    ("--workers", "workers", _positive_int, "worker processes, one shard each (default: CPU cores)"),
+    ("--metrics-port", "metrics_port", _port, "HTTP port for /healthz and metrics (default %(default)s)"),
+    ("--auth-token", "auth_token", str, "token every Hello must carry (default: none)"),
+    ("--max-frame-bytes", "max_frame_bytes", _size, "largest accepted frame (default %(default)s)"),
+    (
+        "--max-pending-bytes",
+        "max_pending_bytes",
+        _size,
+        "bound of one connection's pending outbound bytes (default %(default)s)",
+    ),
+    ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
+    ("--log-format", "log_format", str, "text or json (default %(default)s)"),
+    ("--node-id", "node_id", str, "node id in the vbucket map (default: host name)"),
+    ("--hello-timeout", "hello_timeout", _seconds, "seconds to wait for the Hello (default %(default)s)"),
+    (
+        "--frame-timeout",
+        "frame_timeout",
+        _seconds,
+        "seconds of silence inside a frame before TRUNCATED_FRAME (default %(default)s)",
+    ),
+    (
+        "--slow-consumer-deadline",
+        "slow_consumer_deadline",
+        _seconds,
+        "seconds over the pending bound before a connection is closed (default %(default)s)",
+    ),
+]
+
+
+def env_name(dest: str) -> str:
+    return "BROKY_" + dest.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
+    """Add every server flag; defaults come from BROKY_* variables, then ServerConfig."""
+    env = os.environ if environ is None else environ
+    defaults = ServerConfig()
+    for flag, dest, kind, help_text in _FLAGS:
+        default = getattr(defaults, dest)
+        raw = env.get(env_name(dest))
+        if raw is not None and raw != "":
+            try:
+                default = kind(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{env_name(dest)}={raw!r}: {exc}")
+        parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build and check a ServerConfig from parsed flags.
+
+    Raises:
+        ValueError: a setting is out of range.
+    """
+    values = {dest: getattr(args, dest) for _, dest, _, _ in _FLAGS}
+    config = ServerConfig(**values)
+    if config.log_format not in ("text", "json"):
+        raise ValueError(f"--log-format must be text or json, not {config.log_format!r}")
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"unknown --log-level {config.log_level!r}")
+    if config.max_frame_bytes > 0xFFFFFFFF:
+        raise ValueError("--max-frame-bytes must fit in 32 bits")
+    if config.workers > 1024:
+        raise ValueError("--workers cannot exceed the 1024 vbuckets")
+    return config

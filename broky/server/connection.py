@@ -1,0 +1,89 @@
+"""The asyncio Protocol of one client connection: a thin adapter over the shard.
+
+It holds the connection's state that the hot path in broky.server.fanout
+reads and writes (outbound list, pending byte counts, flow control flags),
+sets TCP_NODELAY and the transport's write limits, and forwards every event
+to the shard. It parses nothing itself.
+
+Pending bytes of a connection = bytes in its transport's write buffer (`base`,
+refreshed at every flush and before any drop) + bytes appended to `out` since
+the last flush or held while paused (`unflushed`). The write buffer's high-water
+mark is half the pending bound; `pause_writing`/`resume_writing` tell the shard
+when the connection stalls and when it has drained again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from broky.server.fanout import Shard, Subscription
+
+OPEN = 1
+CLOSING = 2  # a final frame was written; waiting for the peer's EOF or the linger deadline
+CLOSED = 3
+
+
+class Connection(asyncio.Protocol):
+    __slots__ = (
+        "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
+        "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
+        "paused", "write_paused", "dropped", "over_since", "subs", "linger",
+    )  # fmt: skip
+
+    def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
+        self.shard = shard
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.initial = initial  # the Hello frame the master read
+        self.conn_id = conn_id
+        self.peer = "?"
+        self.client_name: str | None = None
+        self.state = OPEN
+        self.rest = b""  # start of an incomplete frame
+        self.partial_since = 0.0  # monotonic time of the last read that left `rest`
+        self.out: list[bytes | bytearray] = []  # frames to write at the end of this read (or held)
+        self.touched = False  # already in the shard's list of connections to flush
+        self.unflushed = 0
+        self.base = 0
+        self.limit = shard.config.max_pending_bytes
+        self.paused = False  # the client sent Pause: deliveries stay in `out`
+        self.write_paused = False  # the transport's buffer is over its high-water mark
+        self.dropped = 0  # deliveries lost since the last LossNotice
+        self.over_since = 0.0  # monotonic time of the first drop since the last notice
+        self.subs: dict[int, Subscription] = {}
+        self.linger: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer = f"{peer[0]}:{peer[1]}"
+        self.transport.set_write_buffer_limits(high=max(self.limit // 2, 1), low=self.limit // 4)
+        self.shard.opened(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.shard.feed(self, data)
+
+    def eof_received(self) -> bool:
+        return self.shard.eof(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.shard.lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.shard.drained(self)
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.conn_id} {self.peer}>"

@@ -1,0 +1,560 @@
+"""One worker's shard: its subscription table and the fan-out fast path.
+
+Theory of operation
+-------------------
+`Shard.feed(conn, data)` handles one read of one connection, top to bottom:
+
+1. Parse every whole frame of the read (uint32 size prefix, checked against
+   max_frame_bytes before anything is buffered). A Message frame in the
+   canonical layout is recognised by its fixed header and read with
+   `route_message` (key_partition, key, position of ts_broker); any other
+   frame goes through `decode_frame` and `control`.
+2. Check that this worker owns the key_partition's vbucket: one index into a
+   1024-byte table. Not ours: a non-fatal NOT_MY_VBUCKET error, the message is
+   dropped and counted.
+3. Match the key: `Matcher.match` is one dict lookup when its cache is warm
+   and returns a ready delivery plan: the distinct connections with an
+   all-partition subscription, plus (only when scoped subscriptions match) a
+   dict key_partition -> further connections. A connection appears at most
+   once in a plan, so a message travels once per connection however many of
+   its subscriptions match; the client dispatches locally.
+4. Stamp ts_broker: the read is copied once into a bytearray (only when it
+   holds a message with subscribers), every message is stamped in place with
+   the one time.time_ns() taken for the read, and slices of that copy are
+   forwarded. The publisher's bytes are never re-encoded.
+5. Append each delivery to the subscriber's `out` list and remember the
+   connection; a connection over its pending bound drops the delivery and
+   counts it instead (see broky.server.connection for how pending bytes are
+   counted).
+6. After the whole read, write once per touched connection (`b"".join`).
+
+Order: frames of one connection are handled in order and every delivery to a
+connection goes through its single `out` list, so the messages of one
+key_partition from one publisher reach each subscriber in publish order.
+
+Slow consumers: the first drop starts a clock (`over_since`). When the
+connection drains below the low-water mark (a quarter of the bound) or, for a
+paused connection, when it resumes, it gets LossNotice{dropped} and the clock
+stops. The periodic `tick` closes a connection whose clock ran past
+--slow-consumer-deadline with a fatal SLOW_CONSUMER error (preceded by a
+LossNotice). A paused connection keeps its deliveries in `out` under the same
+bound.
+
+Closing: a fatal error writes what the connection still had queued, then the
+Error frame, then half-closes (write_eof) and discards further input until the
+peer closes or --frame-timeout passes (then the socket is reset). This lingering
+close lets the client read the Error even if it had more bytes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from broky import __version__
+from broky.errors import BadPatternError, ErrorCode, RemoteProtocolError
+from broky.matching import Matcher, parse_pattern
+from broky.protocol import (
+    PROTOCOL_VERSION,
+    Goodbye,
+    Hello,
+    LossNotice,
+    LossReason,
+    NodeInfo,
+    Pause,
+    Ping,
+    Pong,
+    Resume,
+    Subscribe,
+    Unsubscribe,
+    VBucketMap,
+    Welcome,
+    WelcomeTemplate,
+    decode_frame,
+    encode_frame,
+    route_message,
+)
+from broky.protocol.frames import error_frame
+from broky.protocol.framing import MIN_FRAME_SIZE, check_size
+from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body_type, pack_ts_into
+from broky.protocol.routing import VBUCKETS, vbucket_of
+from broky.server.config import ServerConfig
+from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
+
+log = logging.getLogger("broky.worker")
+
+_u32 = struct.Struct("<I").unpack_from
+_time_ns = time.time_ns
+_monotonic = time.monotonic
+_VB_MASK = VBUCKETS - 1
+_LATENCY_BUCKETS = 32  # log2 buckets of microseconds
+
+
+class Subscription:
+    """One subscription of one connection (hashed by identity)."""
+
+    __slots__ = ("conn", "sid", "pattern", "key_partition")
+
+    def __init__(self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.pattern = pattern
+        self.key_partition = key_partition
+
+
+class Plan(NamedTuple):
+    """Where a message with a given key goes."""
+
+    everyone: tuple[Connection, ...]  # connections with an all-partition subscription
+    scoped: dict[bytes, tuple[Connection, ...]] | None  # further connections by key_partition
+
+
+def compile_plan(subs: list[Subscription]) -> Plan:
+    """Turn the subscriptions matching a key into a delivery plan (distinct connections)."""
+    everyone = dict.fromkeys(s.conn for s in subs if s.key_partition is None)
+    scoped: dict[bytes, dict[Connection, None]] = {}
+    for s in subs:
+        if s.key_partition is not None and s.conn not in everyone:
+            scoped.setdefault(s.key_partition, {})[s.conn] = None
+    return Plan(tuple(everyone), {kp: tuple(c) for kp, c in scoped.items()} if scoped else None)
+
+
+class WorkerStats:
+    """Plain counters of one worker, read at scrape time (never locked)."""
+
+    def __init__(self) -> None:
+        self.messages_published = 0
+        self.messages_delivered = 0
+        self.dropped: dict[str, int] = {
+            "no_subscribers": 0,
+            "slow_consumer": 0,
+            "not_my_vbucket": 0,
+            "shutdown": 0,
+        }
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.connections = 0  # open now
+        self.connections_total = 0
+        self.subscriptions = 0  # now
+        self.slow_consumer_disconnects = 0
+        self.errors: dict[str, int] = {}  # Error frames sent, by code name
+        self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
+        # Reads that delivered something, by log2 of the receive-to-write time
+        # in microseconds: bucket i counts times in [2**(i-1), 2**i) us.
+        self.latency_us = [0] * _LATENCY_BUCKETS
+
+    def count_error(self, code: ErrorCode) -> None:
+        self.errors[code.name] = self.errors.get(code.name, 0) + 1
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class Shard:
+    """The state of one worker: owned vbuckets, connections, subscription table."""
+
+    def __init__(self, config: ServerConfig, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.index = index
+        self.loop = loop
+        node = NodeInfo(config.node_id, config.host, config.port, config.workers)
+        self.map = VBucketMap.single_node(node)
+        self.owned = bytes(1 if owner == (0, index) else 0 for owner in self.map.owners)
+        self.welcome = WelcomeTemplate(
+            Welcome(
+                node_id=config.node_id,
+                worker=index,
+                map=self.map,
+                max_frame_bytes=config.max_frame_bytes,
+                max_pending_bytes=config.max_pending_bytes,
+                server_version=__version__,
+            )
+        )
+        self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
+        self.stats = WorkerStats()
+        self.conns: dict[int, Connection] = {}
+        self._touched: list[Connection] = []
+        self._next_id = 0
+        self.closing = False
+        self.on_empty: Callable[[], None] | None = None  # called when the last connection is gone
+
+    # ------------------------------------------------------------ connections
+
+    def new_connection(self, initial: bytes) -> Connection:
+        self._next_id += 1
+        return Connection(self, initial, (self.index << 40) | self._next_id)
+
+    def opened(self, c: Connection) -> None:
+        """A handed-over socket is adopted: answer its Hello with a Welcome."""
+        self.conns[c.conn_id] = c
+        self.stats.connections += 1
+        self.stats.connections_total += 1
+        if self.closing:
+            self.goodbye(c, "server shutting down")
+            return
+        try:
+            hello = decode_frame(c.initial) if c.initial else None
+        except RemoteProtocolError as exc:
+            self.fatal(c, exc.code, str(exc))
+            return
+        c.initial = b""
+        if not isinstance(hello, Hello):
+            self.fatal(c, ErrorCode.EXPECTED_HELLO, "the first frame must be a Hello")
+            return
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
+            return
+        c.client_name = hello.client_name
+        c.transport.write(self.welcome.for_connection(c.conn_id))
+        log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
+
+    def eof(self, c: Connection) -> bool:
+        """The peer half-closed. Returning False lets the transport close."""
+        if c.state == OPEN and c.rest:
+            self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"end of stream inside a frame ({len(c.rest)} bytes)")
+        return False
+
+    def lost(self, c: Connection, exc: Exception | None) -> None:
+        if c.state == OPEN and c.paused and c.out:
+            self.stats.dropped["slow_consumer"] += len(c.out)
+        c.state = CLOSED
+        c.out.clear()
+        self.detach(c)
+        if c.linger is not None:
+            c.linger.cancel()
+            c.linger = None
+        if self.conns.pop(c.conn_id, None) is not None:
+            self.stats.connections -= 1
+        if exc is not None:
+            log.debug("connection %d lost: %s", c.conn_id, exc)
+        if self.closing and not self.conns and self.on_empty is not None:
+            self.on_empty()
+
+    def detach(self, c: Connection) -> None:
+        """Remove every subscription of a connection."""
+        for sub in c.subs.values():
+            self.matcher.remove(sub.pattern, sub)
+        self.stats.subscriptions -= len(c.subs)
+        c.subs.clear()
+
+    # ------------------------------------------------------------ the fast path
+
+    def feed(self, c: Connection, data: bytes) -> None:
+        """Handle one read of connection c (see the theory of operation)."""
+        if c.state != OPEN:
+            return  # lingering close: input is discarded
+        if c.rest:
+            data = c.rest + data
+            c.rest = b""
+        t0 = _time_ns()
+        n = len(data)
+        stats = self.stats
+        stats.bytes_received += n
+        max_frame = self.config.max_frame_bytes
+        owned = self.owned
+        match = self.matcher.match
+        touched = self._touched
+        startswith = data.startswith
+        buf: bytearray | None = None
+        published = delivered = unmatched = 0
+        pos = 0
+        try:
+            while n - pos >= 4:
+                size = _u32(data, pos)[0]
+                if size > max_frame or size < MIN_FRAME_SIZE:
+                    check_size(size, max_frame)
+                end = pos + 4 + size
+                if end > n:
+                    break
+                if (
+                    startswith(HEADER_NO_UID, pos + 4)  # canonical Message: no table walk
+                    or startswith(HEADER_UID, pos + 4)
+                    or body_type(data, pos, end) == BODY_MESSAGE
+                ):
+                    kp, key, ts_at = route_message(data, pos, end)
+                else:
+                    self.control(c, data, pos, end)
+                    pos = end
+                    if c.state != OPEN:
+                        break
+                    continue
+                published += 1
+                if not owned[vbucket_of(kp)]:
+                    self.not_mine(c, kp)
+                    pos = end
+                    continue
+                everyone, scoped = match(key)
+                if scoped is not None:
+                    more = scoped.get(kp)
+                    if more:
+                        everyone = everyone + more
+                if not everyone:
+                    unmatched += 1
+                    pos = end
+                    continue
+                if buf is None:
+                    buf = bytearray(data)
+                pack_ts_into(buf, ts_at, t0)
+                frame = buf[pos:end]
+                flen = end - pos
+                for t in everyone:
+                    if t.base + t.unflushed + flen > t.limit and self.over_bound(t, flen):
+                        continue
+                    t.unflushed += flen
+                    t.out.append(frame)
+                    if not t.touched:
+                        t.touched = True
+                        touched.append(t)
+                    delivered += 1
+                pos = end
+        except RemoteProtocolError as exc:
+            self.fatal(c, exc.code, str(exc))
+        if pos < n and c.state == OPEN:
+            c.rest = data[pos:]
+            c.partial_since = _monotonic()
+        stats.messages_published += published
+        stats.messages_delivered += delivered
+        if unmatched:
+            stats.dropped["no_subscribers"] += unmatched
+        if touched:
+            self.flush()
+            if delivered:
+                stats.latency_us[min((_time_ns() - t0) >> 10, 1 << 30).bit_length()] += 1
+
+    def flush(self) -> None:
+        """Write once to every connection touched during this read."""
+        sent = 0
+        for t in self._touched:
+            t.touched = False
+            if t.paused or t.state != OPEN:
+                continue
+            out = t.out
+            chunk = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            transport = t.transport
+            transport.write(chunk)
+            sent += len(chunk)
+            t.unflushed = 0
+            t.base = transport.get_write_buffer_size()
+            if t.dropped and not t.write_paused:
+                self.notify_loss(t)
+        self._touched.clear()
+        self.stats.bytes_sent += sent
+
+    def over_bound(self, c: Connection, flen: int) -> bool:
+        """c looks over its pending bound: refresh, and drop (True) if it really is."""
+        if c.state != OPEN:
+            return True
+        c.base = c.transport.get_write_buffer_size()
+        if c.base + c.unflushed + flen <= c.limit:
+            return False
+        c.dropped += 1
+        self.stats.dropped["slow_consumer"] += 1
+        if not c.over_since:
+            c.over_since = _monotonic()
+        return True
+
+    def notify_loss(self, c: Connection) -> None:
+        """Tell c how many deliveries it lost since the last notice; stop its clock."""
+        frame = encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER))
+        c.dropped = 0
+        c.over_since = 0.0
+        c.transport.write(frame)
+        self.stats.bytes_sent += len(frame)
+
+    def drained(self, c: Connection) -> None:
+        """c's write buffer fell below its low-water mark."""
+        if c.state == OPEN and c.dropped and not c.paused:
+            c.base = c.transport.get_write_buffer_size()
+            self.notify_loss(c)
+
+    def reply(self, c: Connection, frame: bytes) -> None:
+        """Queue a control frame to c behind what this read already queued for it."""
+        if c.paused:
+            c.transport.write(frame)  # not held: only deliveries wait for Resume
+            self.stats.bytes_sent += len(frame)
+            return
+        c.out.append(frame)
+        if not c.touched:
+            c.touched = True
+            self._touched.append(c)
+
+    def not_mine(self, c: Connection, kp: bytes) -> None:
+        self.stats.dropped["not_my_vbucket"] += 1
+        self.error(c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker")
+
+    def error(self, c: Connection, code: ErrorCode, message: str, sid: int = 0) -> None:
+        """A non-fatal Error frame."""
+        self.stats.count_error(code)
+        self.reply(c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid))
+
+    # ------------------------------------------------------------ control frames
+
+    def control(self, c: Connection, data: bytes, pos: int, end: int) -> None:
+        frame = decode_frame(data, pos, end)
+        kind = type(frame)
+        if kind is Subscribe:
+            self.subscribe(c, frame)  # type: ignore[arg-type]
+        elif kind is Unsubscribe:
+            self.unsubscribe(c, frame.sid)  # type: ignore[union-attr]
+        elif kind is Ping:
+            self.reply(c, encode_frame(Pong(frame.id)))  # type: ignore[union-attr]
+        elif kind is Pause:
+            c.paused = True
+        elif kind is Resume:
+            self.resume(c)
+        else:
+            name = kind.__name__
+            self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
+
+    def subscribe(self, c: Connection, sub: Subscribe) -> None:
+        if sub.sid in c.subs:
+            self.error(c, ErrorCode.DUPLICATE_SID, f"sid {sub.sid} is already in use", sub.sid)
+            return
+        try:
+            parse_pattern(sub.pattern)
+        except BadPatternError as exc:
+            self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
+            return
+        kp = sub.key_partition
+        if kp is not None and not self.owned[vbucket_of(kp)]:
+            self.error(
+                c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker", sub.sid
+            )
+            return
+        s = Subscription(c, sub.sid, sub.pattern, kp)
+        c.subs[sub.sid] = s
+        self.matcher.add(sub.pattern, s)
+        self.stats.subscriptions += 1
+
+    def unsubscribe(self, c: Connection, sid: int) -> None:
+        s = c.subs.pop(sid, None)
+        if s is None:
+            self.error(c, ErrorCode.UNKNOWN_SID, f"no subscription with sid {sid}", sid)
+            return
+        self.matcher.remove(s.pattern, s)
+        self.stats.subscriptions -= 1
+
+    def resume(self, c: Connection) -> None:
+        if not c.paused:
+            return
+        c.paused = False
+        if c.out and not c.touched:
+            c.touched = True
+            self._touched.append(c)
+        if c.dropped:
+            # After the held deliveries, which this read's flush writes first.
+            c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
+            c.dropped = 0
+            c.over_since = 0.0
+            if not c.touched:
+                c.touched = True
+                self._touched.append(c)
+
+    # ------------------------------------------------------------ closing
+
+    def fatal(self, c: Connection, code: ErrorCode, message: str) -> None:
+        """Send a fatal Error, then close c (lingering); one log line."""
+        if c.state != OPEN:
+            return
+        log.warning("connection %d from %s: %s: %s; closing", c.conn_id, c.peer, code.name, message)
+        self.stats.count_error(code)
+        self.final_frame(c, error_frame(code, message, fatal=True, map_version=self.map.version))
+
+    def goodbye(self, c: Connection, reason: str) -> None:
+        if c.state != OPEN:
+            return
+        if c.paused and c.out:
+            self.stats.dropped["shutdown"] += len(c.out)
+            c.out.clear()
+        self.final_frame(c, encode_frame(Goodbye(reason)))
+
+    def final_frame(self, c: Connection, frame: bytes) -> None:
+        self.detach(c)
+        c.state = CLOSING
+        c.rest = b""
+        chunk = b"".join([*c.out, frame])
+        c.out.clear()
+        c.unflushed = 0
+        transport = c.transport
+        transport.write(chunk)
+        self.stats.bytes_sent += len(chunk)
+        try:
+            transport.write_eof()
+        except (OSError, RuntimeError):
+            transport.close()
+        c.linger = self.loop.call_later(self.config.frame_timeout, self._reset, c)
+
+    def _reset(self, c: Connection) -> None:
+        c.linger = None
+        if c.state == CLOSING:
+            self.stats.bytes_discarded += c.transport.get_write_buffer_size()
+            log.info("connection %d did not close within %.0f s; reset", c.conn_id, self.config.frame_timeout)
+            c.transport.abort()
+
+    def slow_disconnect(self, c: Connection) -> None:
+        self.stats.slow_consumer_disconnects += 1
+        if c.dropped:
+            c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
+            c.dropped = 0
+        deadline = self.config.slow_consumer_deadline
+        self.fatal(c, ErrorCode.SLOW_CONSUMER, f"over {c.limit} pending bytes for more than {deadline:g} s")
+
+    def tick(self) -> None:
+        """Periodic: slow consumer and truncated frame deadlines."""
+        now = _monotonic()
+        deadline = self.config.slow_consumer_deadline
+        frame_timeout = self.config.frame_timeout
+        for c in list(self.conns.values()):
+            if c.state != OPEN:
+                continue
+            if c.over_since and now - c.over_since > deadline:
+                self.slow_disconnect(c)
+            elif c.rest and now - c.partial_since > frame_timeout:
+                self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
+
+    def shutdown(self) -> None:
+        """Goodbye to every connection; on_empty fires when the last one is gone."""
+        self.closing = True
+        for c in list(self.conns.values()):
+            self.goodbye(c, "server shutting down")
+        if not self.conns and self.on_empty is not None:
+            self.on_empty()
+
+    def abort_all(self) -> None:
+        for c in list(self.conns.values()):
+            if c.state != CLOSED:
+                self.stats.bytes_discarded += c.transport.get_write_buffer_size()
+                c.transport.abort()
+
+    # ------------------------------------------------------------ monitoring
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, for the master's /debug/stats and the metrics exporter."""
+        s = self.stats
+        data = dict(vars(s))
+        data["dropped"] = dict(s.dropped)
+        data["errors"] = dict(s.errors)
+        data["latency_us"] = list(s.latency_us)
+        data.update(
+            worker=self.index,
+            pid=os.getpid(),
+            topics=len(self.matcher.patterns),
+            match_cache_entries=self.matcher.cache_len,
+            match_cache_hits=self.matcher.cache_hits,
+            match_cache_misses=self.matcher.cache_misses,
+            matcher_empty=self.matcher.is_empty(),
+            rss_bytes=_rss_bytes(),
+            map_version=self.map.version,
+        )
+        return data

@@ -1,0 +1,82 @@
+"""The control channel between the master and one worker, and the socket hand-off.
+
+Each worker has one AF_UNIX SOCK_SEQPACKET socketpair with the master. Every
+datagram is one explicit message: a one-byte kind, then its payload. Messages
+keep their boundaries, so no framing is needed, and a client socket travels
+with its message as SCM_RIGHTS ancillary data (`socket.send_fds`).
+
+master -> worker
+    CONFIG   JSON settings (the first message; the worker boots from it)
+    CONN     the bytes already read from the client (its Hello frame),
+             with the client socket's fd attached
+    STATS    uint32 request id: ask for a stats snapshot
+worker -> master
+    READY    the worker serves (sent once after boot)
+    STATS    uint32 request id + JSON snapshot
+    LOAD     uint32 number of open connections (sent when it changes)
+
+After a CONN the master closes its own copy of the socket; the worker owns it.
+A worker that reads EOF on the channel knows the master is gone and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+CONFIG = b"K"
+CONN = b"C"
+STATS = b"S"
+READY = b"R"
+LOAD = b"L"
+
+MAX_MESSAGE = 1 << 20  # larger than any Hello or stats snapshot
+_u32 = struct.Struct("<I")
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(master end, worker end) of a new control channel."""
+    master, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (master, worker):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE + 4096)
+    return master, worker
+
+
+def send(chan: socket.socket, kind: bytes, payload: bytes = b"") -> None:
+    """Send one message; a datagram goes whole or raises (BlockingIOError when full)."""
+    chan.send(kind + payload)
+
+
+def send_socket(chan: socket.socket, client: socket.socket, already_read: bytes) -> None:
+    """Hand a client socket and the bytes read from it so far to the worker."""
+    socket.send_fds(chan, [CONN + already_read], [client.fileno()])
+
+
+def send_json(chan: socket.socket, kind: bytes, request_id: int, data: Any) -> None:
+    send(chan, kind, _u32.pack(request_id) + json.dumps(data).encode())
+
+
+def recv(chan: socket.socket) -> tuple[bytes, bytes, int | None]:
+    """Receive one message: (kind, payload, fd or None); kind b"" at EOF.
+
+    Raises:
+        BlockingIOError: nothing to read on a non-blocking channel.
+    """
+    data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, 1)
+    fd = fds[0] if fds else None
+    if not data:
+        if fd is not None:
+            socket.close(fd)
+        return b"", b"", None
+    return data[:1], data[1:], fd
+
+
+def split_id(payload: bytes) -> tuple[int, bytes]:
+    """(request id, rest) of a STATS or LOAD payload."""
+    return _u32.unpack_from(payload)[0], payload[4:]
+
+
+def pack_id(value: int) -> bytes:
+    return _u32.pack(value)

@@ -1,0 +1,80 @@
+"""A minimal HTTP/1.0 server on the metrics port (asyncio, no dependency).
+
+Routes are a dict path -> async handler returning (status, content type,
+body); the master registers /healthz and /debug/stats, and a metrics exporter
+can add /metrics the same way. GET and HEAD only; one request per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger("broky.master")
+
+Response = tuple[int, str, bytes]
+Handler = Callable[[], Awaitable[Response]]
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    503: "Service Unavailable",
+}
+MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT = 5.0
+
+
+class HttpServer:
+    def __init__(self) -> None:
+        self.routes: dict[str, Handler] = {}
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; return the bound port."""
+        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            status, ctype, body, send_body = await self._respond(head)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            writer.close()
+            return
+        reason = _REASONS.get(status, "")
+        header = (
+            f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        try:
+            writer.write(header + (body if send_body else b""))
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def _respond(self, head: bytes) -> tuple[int, str, bytes, bool]:
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3:
+            return 400, "text/plain", b"bad request\n", True
+        method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"GET or HEAD only\n", True
+        handler = self.routes.get(target.split("?", 1)[0])
+        if handler is None:
+            return 404, "text/plain", b"not found\n", method == "GET"
+        try:
+            status, ctype, body = await handler()
+        except Exception:
+            log.exception("HTTP handler for %s failed", target)
+            return 500, "text/plain", b"internal error\n", method == "GET"
+        return status, ctype, body, method == "GET"

@@ -1,0 +1,43 @@
+"""Logging of the server processes: one line per event on stderr, text or JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from broky.server.config import ServerConfig
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        data = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "process": self.role,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            data["exc"] = self.formatException(record.exc_info)
+        return json.dumps(data)
+
+
+def setup_logging(config: ServerConfig, role: str) -> None:
+    """Send the `broky` loggers to stderr in the configured format and level."""
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(_JsonFormatter(role))
+    else:
+        fmt = f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
+    logger = logging.getLogger("broky")
+    logger.handlers[:] = [handler]
+    logger.setLevel(config.log_level.upper())
+    logger.propagate = False

@@ -1,0 +1,224 @@
+"""A boring supervisor of the worker processes, in the style of gunicorn's arbiter.
+
+Each worker is a fresh interpreter (`python -m broky.server.worker INDEX FD`)
+holding the worker end of its control channel; nothing is forked from the
+running event loop. The supervisor loop wakes every REAP_SECONDS or when a
+signal handler enqueues something (handlers only enqueue), reaps dead workers
+without blocking and restarts each at once with the same index, hence the
+same vbuckets: a dead worker is back within a second. A worker that exits
+before it is READY, or is not READY within BOOT_TIMEOUT, failed to boot;
+MAX_BOOT_FAILURES in a row for one index stop the whole server with a clear
+message and exit status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from broky.server import handoff
+from broky.server.config import ServerConfig
+
+log = logging.getLogger("broky.master")
+
+REAP_SECONDS = 0.1
+BOOT_TIMEOUT = 15.0
+MAX_BOOT_FAILURES = 3
+
+
+class WorkerProcess:
+    """The master's view of one worker."""
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes], chan: socket.socket) -> None:
+        self.index = index
+        self.proc = proc
+        self.chan = chan
+        self.started = time.monotonic()
+        self.ready = False
+        self.load = 0  # connections the worker last reported
+        self.handed = 0  # connections handed since that report
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Supervisor:
+    """Starts, reaps and restarts the workers; `run` returns the exit status."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        on_message: Callable[[WorkerProcess, bytes, bytes], None],
+    ) -> None:
+        self.config = config
+        self.on_message = on_message
+        self.loop = asyncio.get_running_loop()
+        self.workers: list[WorkerProcess | None] = [None] * config.workers
+        self.boot_failures = [0] * config.workers
+        self.events: asyncio.Queue[str] = asyncio.Queue()
+        self.stopping = False
+        self.failure: str | None = None
+        self.restarts = 0
+        self._ready_changed = asyncio.Event()
+
+    # ------------------------------------------------------------ processes
+
+    def spawn(self, index: int) -> WorkerProcess:
+        master_end, worker_end = handoff.channel_pair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "broky.server.worker", str(index), str(worker_end.fileno())],
+                pass_fds=[worker_end.fileno()],
+            )
+        finally:
+            worker_end.close()
+        handoff.send(master_end, handoff.CONFIG, json.dumps(self.config.to_worker_json()).encode())
+        master_end.setblocking(False)
+        wp = WorkerProcess(index, proc, master_end)
+        self.workers[index] = wp
+        self.loop.add_reader(master_end.fileno(), self._on_channel, wp)
+        log.debug("worker %d started, pid %d", index, proc.pid)
+        return wp
+
+    def start_all(self) -> None:
+        for index in range(self.config.workers):
+            self.spawn(index)
+
+    def _on_channel(self, wp: WorkerProcess) -> None:
+        while True:
+            try:
+                kind, payload, fd = handoff.recv(wp.chan)
+            except BlockingIOError:
+                return
+            except OSError:
+                kind, payload, fd = b"", b"", None
+            if fd is not None:
+                socket.close(fd)
+            if kind == b"":
+                self.loop.remove_reader(wp.chan.fileno())
+                self.events.put_nowait("channel")  # reap soon
+                return
+            if kind == handoff.READY:
+                wp.ready = True
+                self.boot_failures[wp.index] = 0
+                self._ready_changed.set()
+            elif kind == handoff.LOAD:
+                wp.load, _ = handoff.split_id(payload)
+                wp.handed = 0
+            else:
+                self.on_message(wp, kind, payload)
+
+    def live(self) -> list[WorkerProcess]:
+        return [wp for wp in self.workers if wp is not None]
+
+    def all_ready(self) -> bool:
+        return all(wp is not None and wp.ready for wp in self.workers)
+
+    async def wait_ready(self) -> bool:
+        """Wait until every worker is READY; False if the supervisor gave up."""
+        while not self.all_ready():
+            if self.failure is not None:
+                return False
+            self._ready_changed.clear()
+            try:
+                await asyncio.wait_for(self._ready_changed.wait(), REAP_SECONDS)
+            except TimeoutError:
+                self.reap()
+        return self.failure is None
+
+    def reap(self) -> None:
+        """Collect dead workers without blocking; restart them unless stopping."""
+        now = time.monotonic()
+        for index, wp in enumerate(self.workers):
+            if wp is None:
+                continue
+            code = wp.proc.poll()
+            if code is None:
+                if not wp.ready and now - wp.started > BOOT_TIMEOUT and not self.stopping:
+                    log.error(
+                        "worker %d (pid %d) not ready after %.0f s; killing it", index, wp.pid, BOOT_TIMEOUT
+                    )
+                    wp.proc.kill()
+                continue
+            self._forget(wp)
+            if self.stopping:
+                continue
+            if wp.ready:
+                log.error("worker %d (pid %d) died (%s); restarting it", index, wp.pid, _describe(code))
+            else:
+                self.boot_failures[index] += 1
+                log.error(
+                    "worker %d (pid %d) failed to boot (%s), %d time(s) in a row",
+                    index, wp.pid, _describe(code), self.boot_failures[index],
+                )  # fmt: skip
+                if self.boot_failures[index] >= MAX_BOOT_FAILURES:
+                    self.failure = (
+                        f"worker {index} failed to boot {MAX_BOOT_FAILURES} times in a row; giving up"
+                    )
+                    log.critical("%s", self.failure)
+                    self.events.put_nowait("failure")
+                    return
+            self.restarts += 1
+            self.spawn(index)
+
+    def _forget(self, wp: WorkerProcess) -> None:
+        try:
+            self.loop.remove_reader(wp.chan.fileno())
+        except (ValueError, OSError):
+            pass
+        wp.chan.close()
+        wp.ready = False
+        self.workers[wp.index] = None
+
+    # ------------------------------------------------------------ the loop
+
+    def install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.events.put_nowait, sig.name)
+
+    async def run(self) -> int:
+        """Supervise until SIGTERM/SIGINT (exit 0) or a boot failure (exit 1)."""
+        while self.failure is None:
+            try:
+                event = await asyncio.wait_for(self.events.get(), REAP_SECONDS)
+            except TimeoutError:
+                event = "tick"
+            if event in ("SIGTERM", "SIGINT"):
+                log.info("%s received: shutting down", event)
+                return 0
+            self.reap()
+        return 1
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM every worker, wait up to `timeout` s, then SIGKILL the rest."""
+        self.stopping = True
+        for wp in self.live():
+            _signal(wp.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.live() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            self.reap()
+        for wp in self.live():
+            log.warning("worker %d (pid %d) did not stop in time; killing it", wp.index, wp.pid)
+            _signal(wp.proc, signal.SIGKILL)
+            wp.proc.wait()
+            self._forget(wp)
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    if proc.poll() is None:  # never signal a pid that was already reaped
+        proc.send_signal(sig)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"

@@ -1,0 +1,180 @@
+"""One worker process: a shared-nothing shard with its own uvloop.
+
+Theory of operation
+-------------------
+Ownership. A worker owns, and never shares:
+  * a fixed set of vbuckets (those with `vb * workers // 1024 == index`, the
+    single-node VBucketMap); the same index always gets the same vbuckets, so
+    a restarted worker serves the same shard;
+  * every client connection the master handed to it, until it closes;
+  * the subscription table (a `broky.matching.Matcher`) of those connections;
+  * its counters (`WorkerStats`).
+Nothing on the data path crosses processes. The only link to the master is the
+control channel (broky.server.handoff): every message on it is explicit
+(CONFIG, CONN with the socket's fd, STATS request/answer, READY, LOAD). There
+is no shared memory and no lock.
+
+Life. `python -m broky.server.worker INDEX FD` is started by the supervisor
+with the worker end of the channel as FD. It reads CONFIG (blocking), starts
+uvloop, adopts each handed socket with `loop.connect_accepted_socket`, and
+sends READY. SIGTERM, or EOF on the channel (the master is gone), starts the
+shutdown: Goodbye to every connection, wait for them to close for at most
+shutdown_timeout seconds, reset the rest, exit 0. SIGINT is ignored: a Ctrl-C
+reaches the whole process group, and the master decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from broky.server import handoff
+from broky.server.config import ServerConfig
+from broky.server.connection import Connection
+from broky.server.fanout import Shard
+from broky.server.logs import setup_logging
+
+log = logging.getLogger("broky.worker")
+
+TICK_SECONDS = 0.25
+
+
+class Worker:
+    def __init__(self, config: ServerConfig, index: int, chan: socket.socket) -> None:
+        self.config = config
+        self.index = index
+        self.chan = chan
+        self.loop = asyncio.get_running_loop()
+        self.shard = Shard(config, index, self.loop)
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self._reported_load = -1
+        self._stopping = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    async def run(self) -> None:
+        loop = self.loop
+        self.chan.setblocking(False)
+        loop.add_reader(self.chan.fileno(), self._on_channel)
+        loop.add_signal_handler(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ticker = loop.create_task(self._ticker())
+        handoff.send(self.chan, handoff.READY)
+        log.info("worker %d ready, pid %d", self.index, os.getpid())
+        try:
+            await self.done
+        finally:
+            ticker.cancel()
+            loop.remove_reader(self.chan.fileno())
+
+    def _on_channel(self) -> None:
+        while True:
+            try:
+                kind, payload, fd = handoff.recv(self.chan)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.error("control channel failed: %s", exc)
+                kind, payload, fd = b"", b"", None
+            if kind == handoff.CONN and fd is not None:
+                self._adopt(fd, payload)
+            elif kind == handoff.STATS:
+                request_id, _ = handoff.split_id(payload)
+                with contextlib.suppress(OSError):
+                    handoff.send_json(self.chan, handoff.STATS, request_id, self.shard.snapshot())
+            elif kind == b"":
+                log.warning("master is gone; worker %d shutting down", self.index)
+                self.loop.remove_reader(self.chan.fileno())
+                self.stop()
+                return
+            else:
+                if fd is not None:
+                    socket.close(fd)
+                log.error("unexpected control message %r", kind)
+
+    def _adopt(self, fd: int, hello: bytes) -> None:
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        if self._stopping:
+            sock.close()
+            return
+        conn = self.shard.new_connection(hello)
+        self.loop.create_task(self._connect(sock, conn))
+
+    async def _connect(self, sock: socket.socket, conn: Connection) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: conn, sock=sock)
+        except OSError as exc:
+            log.info("could not adopt a connection: %s", exc)
+            sock.close()
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            self.shard.tick()
+            load = len(self.shard.conns)
+            if load != self._reported_load:
+                try:
+                    handoff.send(self.chan, handoff.LOAD, handoff.pack_id(load))
+                    self._reported_load = load
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        shard = self.shard
+        log.info("worker %d stopping: goodbye to %d connections", self.index, len(shard.conns))
+        self._deadline = self.loop.call_later(self.config.shutdown_timeout, self._finish, True)
+        shard.on_empty = self._all_closed
+        shard.shutdown()
+
+    def _all_closed(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._finish(False)
+
+    def _finish(self, timed_out: bool) -> None:
+        if self.done.done():
+            return
+        if timed_out:
+            log.warning(
+                "worker %d: %d connections did not close in time; reset", self.index, len(self.shard.conns)
+            )
+            self.shard.abort_all()
+        # Let aborted transports run their callbacks before the loop stops.
+        self.loop.call_soon(self.done.set_result, None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m broky.server.worker INDEX FD (started by broky serve)", file=sys.stderr)
+        return 2
+    index, fd = int(args[0]), int(args[1])
+    chan = socket.socket(fileno=fd)
+    kind, payload, _ = handoff.recv(chan)
+    if kind != handoff.CONFIG:
+        print(f"worker {index}: expected CONFIG on the control channel, got {kind!r}", file=sys.stderr)
+        return 2
+    config = ServerConfig.from_json(json.loads(payload))
+    setup_logging(config, f"worker-{index}")
+
+    async def run() -> None:
+        await Worker(config, index, chan).run()
+
+    uvloop.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
