@@ -61,6 +61,10 @@ def stop_session(spark: Any) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+    if proc is not None:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ from broky.spark.columns import (
     SinkConfigError,
     SinkSpec,
 )
-from broky.spark.sink import ClientConfig, log, write_task
+from broky.spark.sink import ClientConfig, UidPlan, log, write_task
 
 __all__ = ["BadColumnError", "SinkConfigError", "partition_writer", "register"]
 
@@ -74,7 +74,8 @@ def partition_writer(
 
     Each call (one per partition, in the executors) opens a blocking client,
     publishes every row, flushes and closes; any error raises so Spark fails
-    (and may retry) the task: delivery is at-least-once.
+    (and may retry) the task: delivery is at-least-once, and a retried task
+    republishes the same uids (see `broky.spark.sink`).
 
     Args:
         servers: ``host:port`` addresses, comma-separated, tried in order.
@@ -106,8 +107,10 @@ def partition_writer(
         ts_producer_col=ts_producer_col or TS_PRODUCER,
     )
 
+    uids = UidPlan.new(streaming=False)
+
     def write_partition(rows: Iterator[Any]) -> None:
-        done = write_task(rows, spec, config)
+        done = write_task(rows, spec, config, uids)
         log.info("broky partition_writer: partition %d published %d rows", done.partition, done.rows)
 
     return write_partition

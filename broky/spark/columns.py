@@ -186,9 +186,10 @@ def _check_type(name: str, types: Mapping[str, str], allowed: tuple[str, ...]) -
         hint = f" (or set option {name!r})" if name in (KEY_PARTITION, KEY) else ""
         raise BadColumnError(name, f"is missing{hint}; columns are {sorted(types)}")
     if types[name] not in allowed:
+        target = "STRING" if allowed == _TEXT_TYPES else "TIMESTAMP"
         raise BadColumnError(
             name,
-            f"has type {types[name]}, expected {' or '.join(allowed)}; cast it, e.g. CAST({name} AS STRING)",
+            f"has type {types[name]}, expected {' or '.join(allowed)}; cast it, e.g. CAST({name} AS {target})",
         )
 
 

@@ -19,7 +19,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterComm
 from pyspark.sql.types import StructType
 
 from broky.spark.columns import SinkConfigError, SinkSpec
-from broky.spark.sink import BrokyCommitMessage, ClientConfig, log_abort, log_commit, write_task
+from broky.spark.sink import BrokyCommitMessage, ClientConfig, UidPlan, log_abort, log_commit, write_task
 
 try:
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
@@ -52,21 +52,22 @@ class BrokyDataSource(DataSource):
         return SinkSpec.resolve(_fields(schema), self.options), ClientConfig.from_options(self.options)
 
     def writer(self, schema: StructType, overwrite: bool) -> BrokyBatchWriter:
-        return BrokyBatchWriter(*self._resolve(schema, overwrite))
+        return BrokyBatchWriter(*self._resolve(schema, overwrite), UidPlan.new(streaming=False))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> BrokyStreamWriter:
-        return BrokyStreamWriter(*self._resolve(schema, overwrite))
+        return BrokyStreamWriter(*self._resolve(schema, overwrite), UidPlan.new(streaming=True))
 
 
 class BrokyBatchWriter(DataSourceArrowWriter):
     """Batch writer: every task publishes its partition, flushes, reports its count."""
 
-    def __init__(self, spec: SinkSpec, config: ClientConfig) -> None:
+    def __init__(self, spec: SinkSpec, config: ClientConfig, uids: UidPlan) -> None:
         self.spec = spec
         self.config = config
+        self.uids = uids
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
-        return write_task(iterator, self.spec, self.config)
+        return write_task(iterator, self.spec, self.config, self.uids)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         log_commit(_ours(messages), "batch write")
@@ -78,12 +79,13 @@ class BrokyBatchWriter(DataSourceArrowWriter):
 class BrokyStreamWriter(_StreamWriterBase):
     """Streaming writer: the same per task, the total logged per micro-batch id."""
 
-    def __init__(self, spec: SinkSpec, config: ClientConfig) -> None:
+    def __init__(self, spec: SinkSpec, config: ClientConfig, uids: UidPlan) -> None:
         self.spec = spec
         self.config = config
+        self.uids = uids
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
-        return write_task(iterator, self.spec, self.config)
+        return write_task(iterator, self.spec, self.config, self.uids)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         log_commit(_ours(messages), f"micro-batch {batchId}")

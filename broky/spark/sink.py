@@ -16,11 +16,22 @@ Delivery is at-least-once. Any error (a bad row, the broker unreachable, a
 connection lost before the flush completed) raises, the task fails and Spark
 may run it again (``spark.task.maxFailures``; local mode does not retry unless
 the master is ``local[N,F]``). A retried task publishes its rows again, so
-subscribers may see a message twice: each publish carries a fresh KSUID `uid`
-set by the SDK, but the retry gets new ones, so consumers that must not see
-duplicates should deduplicate on a business key they put in the payload (or
-on (key_partition, key, ts_producer) when ts_producer comes from a column,
-which a retry reproduces exactly).
+subscribers may see a message twice, with the same `uid`: the sink sets each
+message's uid (a valid KSUID) itself, deterministically::
+
+    uid = 4 bytes  KSUID seconds when the write was planned (driver)
+        + 8 bytes  write id: a hash of a random number drawn when the write was
+                   planned and the Spark stage id; for streaming, a hash of
+                   the query id and the micro-batch id
+        + 4 bytes  Spark partition id
+        + 4 bytes  row index within the partition
+
+A retry of a task reads the same partition in the same order (Spark's
+contract for deterministic input) and so republishes the same uids: consumers
+drop duplicates by uid. A micro-batch replayed after a streaming query
+restarts was planned at another second; its uids differ in their first 4
+bytes only, so a consumer of a streaming sink that must survive restarts
+deduplicates on ``uid[4:]``.
 
 Nothing here waits without a bound: connecting gives up after
 ``broky.connect.timeout.ms``, and the final flush after ``broky.flush.timeout.ms``.
@@ -28,7 +39,10 @@ Nothing here waits without a bound: connecting gives up after
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import struct
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -44,6 +58,7 @@ log = logging.getLogger("broky.spark")
 
 DEFAULT_CONNECT_TIMEOUT_MS = 5_000
 DEFAULT_FLUSH_TIMEOUT_MS = 60_000
+KSUID_EPOCH = 1_400_000_000
 
 
 @dataclass(frozen=True)
@@ -106,16 +121,53 @@ class ClientConfig:
         errors = []
         for server in self.servers:
             try:
-                return broky.connect_sync(  # type: ignore[attr-defined]
+                return broky.connect_sync(
                     server,
                     name=name,
                     auth_token=self.auth_token,
                     connect_timeout=self.connect_timeout,
+                    flush_timeout=self.flush_timeout,
                     **self.sdk_options,
                 )
             except BrokyConnectionError as exc:
                 errors.append(f"{server}: {exc}")
         raise BrokyConnectionError(f"broky sink: no broker reachable ({'; '.join(errors)})")
+
+
+@dataclass(frozen=True)
+class UidPlan:
+    """The first 12 bytes of every uid of one write, fixed on the driver.
+
+    Attributes:
+        seconds: KSUID time (seconds since 1400000000) when the write was planned.
+        nonce: random bytes drawn on the driver; None for streaming, where each
+            task derives the write id from the query id and micro-batch id.
+    """
+
+    seconds: int
+    nonce: bytes | None
+
+    @classmethod
+    def new(cls, streaming: bool) -> UidPlan:
+        seconds = max(0, int(time.time()) - KSUID_EPOCH)
+        return cls(seconds, None if streaming else os.urandom(16))
+
+    def prefix(self, partition: int) -> bytes:
+        """The 16 bytes shared by every uid of one task (all but the row index).
+
+        The stage id keeps two jobs apart that reuse one writer (a function given
+        to ``foreachPartition`` twice); a retried task keeps its stage id.
+        """
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if self.nonce is None:
+            query, batch = task_property("sql.streaming.queryId"), task_property("streaming.sql.batchId")
+            key = f"{query}/{batch}".encode()
+        else:
+            key = self.nonce + str(-1 if ctx is None else ctx.stageId()).encode()
+        write_id = hashlib.blake2b(key, digest_size=8).digest()
+        return struct.pack(">I8sI", self.seconds, write_id, partition & 0xFFFFFFFF)
 
 
 @dataclass
@@ -138,13 +190,24 @@ def task_identity() -> tuple[int, int]:
     return ctx.partitionId(), ctx.attemptNumber()
 
 
-def write_task(items: Iterable[Any], spec: SinkSpec, config: ClientConfig) -> BrokyCommitMessage:
+def task_property(name: str) -> str | None:
+    """A local property of the running Spark task (None outside a task)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return None if ctx is None else ctx.getLocalProperty(name)
+
+
+def write_task(
+    items: Iterable[Any], spec: SinkSpec, config: ClientConfig, uids: UidPlan | None = None
+) -> BrokyCommitMessage:
     """Publish every row of one task and flush; the body of every writer's ``write``.
 
     Args:
         items: Arrow record batches (Arrow writers) or Spark Rows (row writers).
         spec: where each message field comes from.
         config: how to reach the broker.
+        uids: how to make each message's uid; None: the SDK's random KSUIDs.
 
     Returns:
         The task's commit message with its row count.
@@ -155,6 +218,7 @@ def write_task(items: Iterable[Any], spec: SinkSpec, config: ClientConfig) -> Br
     """
     partition, attempt = task_identity()
     started = time.perf_counter()
+    prefix = uids.prefix(partition) if uids is not None else None
     rows = 0
     client = None  # connected at the first row: an empty partition costs nothing
     try:
@@ -165,17 +229,21 @@ def write_task(items: Iterable[Any], spec: SinkSpec, config: ClientConfig) -> Br
                     client = config.connect(f"{config.name}-p{partition}-a{attempt}")
                 publish = client.publish
                 if ts is None:
-                    for kp, key, payload in zip(kps, keys, payloads):
-                        publish(kp, key, payload)
-                else:
+                    ts = [None] * n
+                if prefix is None:
                     for kp, key, payload, t in zip(kps, keys, payloads, ts):
                         publish(kp, key, payload, ts_producer=t)
+                else:
+                    ids = [prefix + i.to_bytes(4, "big") for i in range(rows, rows + n)]
+                    for kp, key, payload, t, uid in zip(kps, keys, payloads, ts, ids):
+                        publish(kp, key, payload, ts_producer=t, uid=uid)
                 rows += n
             else:
                 kp, key, payload, t = spec.values_of(item)
                 if client is None:
                     client = config.connect(f"{config.name}-p{partition}-a{attempt}")
-                client.publish(kp, key, payload, ts_producer=t)
+                row_uid = True if prefix is None else prefix + rows.to_bytes(4, "big")
+                client.publish(kp, key, payload, ts_producer=t, uid=row_uid)
                 rows += 1
         if client is not None:
             client.flush(timeout=config.flush_timeout)
