@@ -80,9 +80,15 @@ def _observer(
 
 
 def publisher_main(
-    driver: Driver, address: tuple[str, int], load: Load, shared: Shared,
-    conn: Connection, rate: float, count: int, start: Any,
-) -> None:  # fmt: skip
+    driver: Driver,
+    address: tuple[str, int],
+    load: Load,
+    shared: Shared,
+    conn: Connection,
+    rate: float,
+    count: int,
+    start: Any,
+) -> None:
     """Body of the open-loop publisher process."""
     try:
         key = load.key_list()[0]
@@ -128,9 +134,14 @@ def publisher_main(
 
 
 def run_latency(
-    driver: Driver, address: tuple[str, int], server_pids: Callable[[], list[int]],
-    payload: int, rate: float, warmup: float, duration: float,
-) -> dict[str, Any]:  # fmt: skip
+    driver: Driver,
+    address: tuple[str, int],
+    server_pids: Callable[[], list[int]],
+    payload: int,
+    rate: float,
+    warmup: float,
+    duration: float,
+) -> dict[str, Any]:
     """One open-loop 1 -> 1 run at `rate` msgs/s; percentiles in microseconds."""
     if payload < 8:
         raise ValueError("the payload carries an 8-byte timestamp")

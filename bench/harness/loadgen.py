@@ -566,8 +566,12 @@ def subscriber_main(
                     or closed == len(streams)
                 ):
                     break
-        result: dict[str, Any] = {"delivered": sum(counts), "errors": counters.errors,
-                                  "server_reported_lost": counters.lost, "notes": counters.notes}  # fmt: skip
+        result: dict[str, Any] = {
+            "delivered": sum(counts),
+            "errors": counters.errors,
+            "server_reported_lost": counters.lost,
+            "notes": counters.notes,
+        }
         if finish is not None:
             result.update(finish())
         for _, stream in streams:
@@ -705,9 +709,13 @@ def kill_generator(gen: Generator) -> None:
 
 
 def run_throughput(
-    driver: Driver, address: tuple[str, int], server_pids: Callable[[], list[int]], load: Load,
-    warmup: float, duration: float,
-) -> dict[str, Any]:  # fmt: skip
+    driver: Driver,
+    address: tuple[str, int],
+    server_pids: Callable[[], list[int]],
+    load: Load,
+    warmup: float,
+    duration: float,
+) -> dict[str, Any]:
     """One closed-loop run: deliveries/s, server CPU per delivery, peak RSS, generator CPU."""
     from bench.harness import procstat
 

@@ -109,9 +109,23 @@ class Server:
 
 def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 30.0) -> Server:
     """`python -m broky serve` on free ports; waits for its ready line."""
-    args = [sys.executable, "-m", "broky", "serve", "--host", HOST, "--port", "0",
-            "--metrics-port", "0", "--workers", str(workers), "--log-level", "warning",
-            *(extra or [])]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "broky",
+        "serve",
+        "--host",
+        HOST,
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--workers",
+        str(workers),
+        "--log-level",
+        "warning",
+        *(extra or []),
+    ]
     server = Server("broky", args)
     proc = server._spawn(subprocess.PIPE)
     assert proc.stdout is not None
@@ -139,8 +153,23 @@ def start_nats(timeout: float = 15.0) -> Server:
 
 def start_redis(timeout: float = 15.0) -> Server:
     port = free_port()
-    args = ["redis-server", "--bind", HOST, "--port", str(port), "--save", "", "--appendonly", "no",
-            "--daemonize", "no", "--protected-mode", "no", "--logfile", ""]  # fmt: skip
+    args = [
+        "redis-server",
+        "--bind",
+        HOST,
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "no",
+        "--protected-mode",
+        "no",
+        "--logfile",
+        "",
+    ]
     server = Server("redis", args, port)
     server._spawn(subprocess.DEVNULL)
     server._wait_port(timeout)

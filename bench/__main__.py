@@ -1,0 +1,248 @@
+"""`python -m bench`: Broky side by side with nats-server and redis-server.
+
+Starts the three servers on loopback ports of its own, drives each one with
+the same load generator (bench/harness/loadgen.py) scenario by scenario —
+systems interleaved, so drift on a shared machine hits all of them alike —
+then writes bench.md (tables with ratios), bench.json and PNG plots into the
+output directory (default bench/results). `--quick` is the CI smoke run
+(under a minute). A progress line goes to stderr.
+
+The method is "Benchmark method" in the design notes: peers in the same run,
+ratios quoted, server CPU per delivered message from /proc as the steadiest
+figure, latency open-loop from the intended send time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench.harness import latency, loadgen, machine, report, servers
+from bench.harness.loadgen import Load
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Scenario:
+    id: str
+    title: str
+    load: Load
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    out = [
+        Scenario("1to1_100", "1 → 1, 100 B", Load(1, 1, 100)),
+        Scenario("1to4_16", "1 → 4 fan-out, 16 B", Load(1, 4, 16)),
+        Scenario("4to1_100", "4 → 1 fan-in, 100 B", Load(4, 1, 100)),
+        Scenario(
+            "keys256_100", "256 key_partitions, wildcard sub, 100 B", Load(1, 1, 100, keys=256, wildcard=True)
+        ),
+    ]
+    sizes = (16, 16384) if quick else (16, 256, 1024, 4096, 16384)
+    for size in sizes:
+        out.append(Scenario(f"1to1_{size}", f"1 → 1, {size:,} B", Load(1, 1, size)))
+    return out
+
+
+class Progress:
+    """One line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+        self.started = time.monotonic()
+
+    def show(self, text: str, step: bool = False) -> None:
+        if step:
+            self.done += 1
+        line = f"[{self.done}/{self.total} {time.monotonic() - self.started:5.1f}s] {text}"
+        if self.tty:
+            sys.stderr.write("\r\x1b[K" + line)
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def sdk_section(address: tuple[str, int] | None, quick: bool) -> dict[str, Any]:
+    """Client-side publish rates from bench/sdk_bench.py (written with the SDK)."""
+    try:
+        from bench import sdk_bench  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return {"skipped": f"bench/sdk_bench.py is not available ({exc})"}
+    run = getattr(sdk_bench, "run", None)
+    if run is None:
+        return {"skipped": "bench/sdk_bench.py has no run() function"}
+    try:
+        result = run(quick=quick, broky_address=address)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return dict(result)
+
+
+def _safe(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return call()
+    except (loadgen.LoadError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs for CI (under a minute)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results)")
+    parser.add_argument(
+        "--systems", default="broky,nats,redis", help="comma-separated subset of broky,nats,redis"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="Broky workers (default: cores)"
+    )
+    parser.add_argument("--warmup", type=float, help="seconds before measuring each run")
+    parser.add_argument("--duration", type=float, help="measured seconds of each throughput run")
+    parser.add_argument("--rate", type=float, default=5000.0, help="latency run publish rate (msgs/s)")
+    parser.add_argument("--latency-duration", type=float, help="measured seconds of each latency run")
+    parser.add_argument(
+        "--only", help="comma-separated scenario ids (e.g. 1to1_100,1to4_16); 'none' skips them"
+    )
+    parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--no-sdk", action="store_true", help="skip the client-side SDK comparison")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    warmup = args.warmup if args.warmup is not None else (0.3 if quick else 1.0)
+    duration = args.duration if args.duration is not None else (0.6 if quick else 4.0)
+    lat_duration = args.latency_duration if args.latency_duration is not None else (1.0 if quick else 10.0)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(report.SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    chosen = scenarios(quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [s for s in chosen if s.id in wanted]
+
+    # SIGTERM (e.g. a test timeout) unwinds through the finally below: no server outlives us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = datetime.datetime.now(datetime.UTC)
+    info = machine.machine_info()
+    progress = Progress(len(chosen) * len(systems) + (0 if args.no_latency else len(systems)) + 1)
+    running: dict[str, servers.Server] = {}
+    drivers: dict[str, loadgen.Driver] = {}
+    failed: dict[str, str] = {}
+    results: dict[str, Any] = {
+        "mode": "quick" if quick else "full",
+        "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": info,
+        "settings": {
+            "broky_workers": args.workers,
+            "warmup_s": warmup,
+            "duration_s": duration,
+            "batch_bytes": loadgen.BATCH_BYTES,
+            "window_bytes": loadgen.WINDOW_BYTES,
+            "systems": systems,
+        },
+        "throughput": [],
+    }
+    try:
+        for name in systems:
+            progress.show(f"starting {name}")
+            try:
+                server = servers.start_broky(args.workers) if name == "broky" else servers.STARTERS[name]()
+                running[name] = server
+                driver = loadgen.DRIVERS[name]()
+                driver.prepare(server.address)
+                drivers[name] = driver
+            except (servers.ServerError, loadgen.LoadError, OSError) as exc:
+                failed[name] = f"could not start: {exc}"
+        for scen in chosen:
+            entry: dict[str, Any] = {
+                "id": scen.id,
+                "title": scen.title,
+                "load": asdict(scen.load),
+                "results": {},
+            }
+            for name in systems:
+                progress.show(f"{scen.title}: {name}")
+                if name in failed:
+                    entry["results"][name] = {"skipped": failed[name]}
+                else:
+                    server, driver = running[name], drivers[name]
+                    run = partial(loadgen.run_throughput, driver, server.address, server.pids, scen.load)
+                    entry["results"][name] = _safe(partial(run, warmup, duration))
+                res = entry["results"][name]
+                progress.show(
+                    f"{scen.title}: {name} {report._fmt_rate(res.get('deliveries_per_s'))}/s", step=True
+                )
+            results["throughput"].append(entry)
+        if not args.no_latency:
+            lat: dict[str, Any] = {
+                "rate_per_s": args.rate,
+                "payload": 100,
+                "warmup_s": warmup,
+                "duration_s": lat_duration,
+                "results": {},
+            }
+            for name in systems:
+                progress.show(f"latency at {args.rate:,.0f} msgs/s: {name}")
+                if name in failed:
+                    lat["results"][name] = {"skipped": failed[name]}
+                else:
+                    server, driver = running[name], drivers[name]
+                    run = partial(latency.run_latency, driver, server.address, server.pids, 100)
+                    lat["results"][name] = _safe(partial(run, args.rate, warmup, lat_duration))
+                progress.show(f"latency: {name} done", step=True)
+            results["latency"] = lat
+        progress.show("client-side SDK publish rates")
+        if args.no_sdk:
+            results["sdk"] = {"skipped": "--no-sdk"}
+        else:
+            broky = running.get("broky")
+            results["sdk"] = sdk_section(broky.address if broky else None, quick)
+        progress.show("SDK done", step=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted; no results written", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        for server in running.values():
+            server.stop()
+        progress.end()
+    results["elapsed_s"] = round(time.monotonic() - progress.started, 1)
+    paths = report.write(results, args.out, plots=not args.no_plots)
+    print(report.markdown(results))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    bad = [
+        f"{s['id']}/{n}"
+        for s in results["throughput"]
+        for n, r in s["results"].items()
+        if "error" in r or "skipped" in r
+    ] + [
+        f"latency/{n}"
+        for n, r in results.get("latency", {}).get("results", {}).items()
+        if "error" in r or "skipped" in r
+    ]
+    if bad:
+        print(f"runs that failed or were skipped: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

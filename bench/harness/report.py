@@ -1,0 +1,345 @@
+"""Results of a run: the Markdown table with ratios, the JSON file and the plots.
+
+Every file names the machine and the versions (machine.describe). Ratios are
+Broky / peer: above 1 is better for Broky in deliveries per second, below 1
+is better in CPU per delivery, latency and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from bench.harness.machine import describe
+
+SYSTEMS = ("broky", "nats", "redis")
+TITLES = {"broky": "Broky", "nats": "NATS", "redis": "Redis"}
+COLORS = {"broky": "tab:blue", "nats": "tab:green", "redis": "tab:red"}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _fmt_rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f} M"
+    if v >= 1e3:
+        return f"{v / 1e3:.1f} k"
+    return f"{v:.0f}"
+
+
+def _fmt_num(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _get(result: dict[str, Any] | None, name: str) -> float | None:
+    if not result or "error" in result or "skipped" in result:
+        return None
+    value = result.get(name)
+    return None if value is None else float(value)
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured ratio and whether it is met."""
+    out: list[dict[str, Any]] = []
+    by_id = {s["id"]: s["results"] for s in results["throughput"]}
+    for sid in ("1to1_100", "1to4_16"):
+        res = by_id.get(sid)
+        if res is None:
+            continue
+        cpu = ratio(
+            _get(res.get("broky"), "server_cpu_us_per_delivery"),
+            _get(res.get("redis"), "server_cpu_us_per_delivery"),
+        )
+        out.append(
+            {
+                "target": f"server CPU per delivery, {sid}: Broky <= Redis",
+                "ratio": cpu,
+                "met": cpu is not None and cpu <= 1.0,
+            }
+        )
+        nats = ratio(
+            _get(res.get("broky"), "server_cpu_us_per_delivery"),
+            _get(res.get("nats"), "server_cpu_us_per_delivery"),
+        )
+        out.append(
+            {"target": f"server CPU per delivery, {sid}: Broky / NATS (reported)", "ratio": nats, "met": None}
+        )
+        rate = ratio(_get(res.get("broky"), "deliveries_per_s"), _get(res.get("redis"), "deliveries_per_s"))
+        out.append(
+            {
+                "target": f"deliveries/s, {sid}: Broky >= Redis",
+                "ratio": rate,
+                "met": rate is not None and rate >= 1.0,
+            }
+        )
+    lat = results.get("latency", {}).get("results", {})
+    p99 = ratio(_p(lat.get("broky"), "p99"), _p(lat.get("nats"), "p99"))
+    out.append(
+        {
+            "target": "p99 latency at 5,000 msgs/s (100 B): Broky <= 1.5x NATS",
+            "ratio": p99,
+            "met": p99 is not None and p99 <= 1.5,
+        }
+    )
+    sdk = results.get("sdk", {})
+    sdk_ratio = sdk.get("broky_over_nats_py") if isinstance(sdk, dict) else None
+    out.append(
+        {
+            "target": "SDK publish rate >= 3x nats.py",
+            "ratio": sdk_ratio,
+            "met": None if sdk_ratio is None else sdk_ratio >= 3.0,
+        }
+    )
+    return out
+
+
+def _p(result: dict[str, Any] | None, name: str) -> float | None:
+    if not result or "percentiles_us" not in result:
+        return None
+    return float(result["percentiles_us"][name])
+
+
+def _cell_error(result: dict[str, Any] | None) -> str | None:
+    if result is None:
+        return "not run"
+    if "skipped" in result:
+        return "skipped"
+    if "error" in result:
+        return "failed"
+    return None
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"# Broky benchmark ({results['mode']} run, {results['started']})",
+        "",
+        f"Machine: {describe(m)}. Broky ran with {results['settings']['broky_workers']} workers.",
+        f"Load average when the run started: {m['load_average_at_start']}.",
+        "",
+        "Same load generator for every system (pre-encoded publishes, counting subscribers, "
+        "`bench/harness/loadgen.py`), in the same run on the same machine. Throughput runs are "
+        f"closed-loop with a bounded in-flight window, {results['settings']['warmup_s']} s warm-up then "
+        f"{results['settings']['duration_s']} s measured. Ratios are Broky / peer.",
+        "",
+        "## Deliveries per second (higher is better)",
+        "",
+        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in results["throughput"]:
+        r = s["results"]
+        cells = [_cell_error(r.get(n)) or _fmt_rate(_get(r.get(n), "deliveries_per_s")) for n in SYSTEMS]
+        b = _get(r.get("broky"), "deliveries_per_s")
+        lines.append(
+            f"| {s['title']} | {' | '.join(cells)} | "
+            f"{_fmt_ratio(ratio(b, _get(r.get('nats'), 'deliveries_per_s')))} | "
+            f"{_fmt_ratio(ratio(b, _get(r.get('redis'), 'deliveries_per_s')))} |"
+        )
+    lines += [
+        "",
+        "## Server CPU µs per delivered message (lower is better)",
+        "",
+        "From `/proc/<pid>/stat` utime+stime of every server process (Broky: master and all workers). "
+        "Last column: the load generator's own CPU per delivery (Broky / NATS / Redis runs).",
+        "",
+        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis | generator B / N / R |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    key = "server_cpu_us_per_delivery"
+    for s in results["throughput"]:
+        r = s["results"]
+        cells = [_cell_error(r.get(n)) or _fmt_num(_get(r.get(n), key)) for n in SYSTEMS]
+        gen = " / ".join(_fmt_num(_get(r.get(n), "generator_cpu_us_per_delivery")) for n in SYSTEMS)
+        b = _get(r.get("broky"), key)
+        to_nats = _fmt_ratio(ratio(b, _get(r.get("nats"), key)))
+        to_redis = _fmt_ratio(ratio(b, _get(r.get("redis"), key)))
+        lines.append(f"| {s['title']} | {' | '.join(cells)} | {to_nats} | {to_redis} | {gen} |")
+    lines += [
+        "",
+        "## Server peak RSS, MiB (all server processes, peak during the scenario)",
+        "",
+        "| Scenario | Broky | NATS | Redis |",
+        "|---|---:|---:|---:|",
+    ]
+    for s in results["throughput"]:
+        r = s["results"]
+        cells = []
+        for n in SYSTEMS:
+            v = _get(r.get(n), "server_peak_rss_bytes")
+            cells.append(_cell_error(r.get(n)) or _fmt_num(None if v is None else v / 2**20, 1))
+        lines.append(f"| {s['title']} | {' | '.join(cells)} |")
+    lat = results.get("latency")
+    if lat:
+        lines += [
+            "",
+            f"## End-to-end latency, µs, open loop at {lat['rate_per_s']:,.0f} msgs/s, "
+            f"{lat['payload']} B, 1 → 1",
+            "",
+            f"{lat['duration_s']} s measured after {lat['warmup_s']} s warm-up; latency from the intended "
+            "send time (HdrHistogram), generator delay included and equal for all systems.",
+            "",
+            "| System | p50 | p90 | p99 | p99.9 | max | samples |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n in SYSTEMS:
+            res = lat["results"].get(n)
+            err = _cell_error(res)
+            if err or res is None:
+                lines.append(f"| {TITLES[n]} | {err} | | | | | |")
+                continue
+            p = res["percentiles_us"]
+            row = " | ".join(f"{p[q]:.0f}" for q in ("p50", "p90", "p99", "p99.9"))
+            lines.append(f"| {TITLES[n]} | {row} | {res['max_us']:.0f} | {res['samples']} |")
+        for peer in ("nats", "redis"):
+            cells = [
+                _fmt_ratio(ratio(_p(lat["results"].get("broky"), q), _p(lat["results"].get(peer), q)))
+                for q in ("p50", "p90", "p99", "p99.9")
+            ]
+            ours, theirs = lat["results"].get("broky") or {}, lat["results"].get(peer) or {}
+            mx = _fmt_ratio(ratio(ours.get("max_us"), theirs.get("max_us")))
+            lines.append(f"| Broky/{TITLES[peer]} | {' | '.join(cells)} | {mx} | |")
+    sdk = results.get("sdk") or {}
+    lines += ["", "## Client side: SDK publish rate (100 B, one process)", ""]
+    if "skipped" in sdk or "error" in sdk:
+        lines.append(f"Not measured: {sdk.get('skipped') or sdk.get('error')}")
+    else:
+        lines += ["| Client | msgs/s |", "|---|---:|"]
+        for name, value in sdk.get("rates", {}).items():
+            lines.append(f"| {name} | {_fmt_rate(value)} |")
+    lines += ["", "## Targets", "", "| Target | Broky / peer | Met |", "|---|---:|---|"]
+    for t in results["targets"]:
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['target']} | {_fmt_ratio(t['ratio'])} | {met} |")
+    problems = [
+        f"- {s['title']} / {TITLES[n]}: {res.get('error') or res.get('skipped') or res.get('notes')}"
+        for s in results["throughput"]
+        for n, res in s["results"].items()
+        if "error" in res or "skipped" in res or res.get("errors") or res.get("not_delivered")
+    ]
+    if problems:
+        lines += ["", "## Problems seen during the run", "", *problems]
+    flag = " --quick" if results["mode"] == "quick" else ""
+    lines += ["", f"Raw figures: `bench.json`. Reproduce: `python -m bench{flag}`."]
+    return "\n".join(lines) + "\n"
+
+
+def _footer(fig: Any, results: dict[str, Any]) -> None:
+    fig.text(0.01, 0.005, describe(results["machine"]), fontsize=6.5, color="0.35", ha="left", va="bottom")
+
+
+def plot_latency(results: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+
+    lat = results["latency"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    top = 10.0
+    for n in SYSTEMS:
+        res = lat["results"].get(n)
+        if not res or "distribution" not in res:
+            continue
+        xs, ys = [], []
+        for p, v in res["distribution"]:
+            if p >= 100:
+                continue
+            xs.append(1 / (1 - p / 100))
+            ys.append(max(v, 0.001))
+        top = max(top, xs[-1])
+        ax.plot(xs, ys, marker=".", color=COLORS[n], label=f"{TITLES[n]} (max {res['max_us']:.0f} µs)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [2.0, 10.0, 100.0, 1e3, 1e4, 1e5]
+    labels = ["50%", "90%", "99%", "99.9%", "99.99%", "99.999%"]
+    keep = [i for i, t in enumerate(ticks) if t <= top * 1.01]
+    ax.xaxis.set_major_locator(FixedLocator([ticks[i] for i in keep]))
+    ax.xaxis.set_major_formatter(FixedFormatter([labels[i] for i in keep]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("percentile")
+    ax.set_ylabel("end-to-end latency (µs, log)")
+    ax.set_title(
+        f"Latency at {lat['rate_per_s']:,} msgs/s, {lat['payload']} B, open loop ({results['mode']} run)"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    _footer(fig, results)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(results: dict[str, Any], path: Path, key: str, ylabel: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    scen = results["throughput"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(scen)), 5))
+    width = 0.26
+    for i, n in enumerate(SYSTEMS):
+        xs, ys = [], []
+        for j, s in enumerate(scen):
+            v = _get(s["results"].get(n), key)
+            if v is not None and v > 0:
+                xs.append(j + (i - 1) * width)
+                ys.append(v)
+        ax.bar(xs, ys, width, color=COLORS[n], label=TITLES[n])
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(scen)))
+    ax.set_xticklabels([s["title"].replace(", ", "\n", 1) for s in scen], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title} ({results['mode']} run)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend()
+    _footer(fig, results)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    """Write bench.json, bench.md and the PNGs into out; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out.mkdir(parents=True, exist_ok=True)
+    results["targets"] = targets(results)
+    paths = [out / "bench.json", out / "bench.md"]
+    paths[0].write_text(json.dumps(results, indent=1, default=_json_default, allow_nan=False) + "\n")
+    paths[1].write_text(markdown(results))
+    if plots:
+        if results.get("latency"):
+            plot_latency(results, out / "latency.png")
+            paths.append(out / "latency.png")
+        _bars(
+            results,
+            out / "throughput.png",
+            "deliveries_per_s",
+            "deliveries per second (log)",
+            "Deliveries per second per scenario",
+        )
+        _bars(
+            results,
+            out / "cpu.png",
+            "server_cpu_us_per_delivery",
+            "server CPU µs per delivery (log)",
+            "Server CPU per delivered message",
+        )
+        paths += [out / "throughput.png", out / "cpu.png"]
+    return paths
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"not JSON serialisable: {value!r}")
