@@ -189,7 +189,7 @@ def _check_type(name: str, types: Mapping[str, str], allowed: tuple[str, ...]) -
         target = "STRING" if allowed == _TEXT_TYPES else "TIMESTAMP"
         raise BadColumnError(
             name,
-            f"has type {types[name]}, expected {' or '.join(allowed)}; cast it, e.g. CAST({name} AS {target})",
+            f"has type {types[name]}, expected {' or '.join(allowed)}; cast it: CAST({name} AS {target})",
         )
 
 
