@@ -11,9 +11,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,3 +88,64 @@ def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
     for png in ("latency.png", "throughput.png", "cpu.png"):
         assert (out / png).read_bytes().startswith(PNG_MAGIC), png
     assert stdout.decode().startswith("# Broky benchmark")
+
+
+def _stream(driver_name: str, wildcard: bool = False) -> tuple[Any, Any, Any, socket.socket]:
+    from bench.harness import loadgen
+
+    driver = loadgen.DRIVERS[driver_name]()
+    key = loadgen.make_keys(1)[0]
+    rec = driver.record(key, b"y" * 100, wildcard)
+    ours, theirs = socket.socketpair()
+    counters = loadgen.Counters()
+    return loadgen.SubscriberStream(driver, ours, rec, counters), counters, rec, theirs
+
+
+def _deliver(stream: Any, peer: socket.socket, data: bytes, chunk: int) -> None:
+    for i in range(0, len(data), chunk):
+        peer.sendall(data[i : i + chunk])
+        assert stream.read()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 4096, 1 << 20])
+def test_counting_subscriber_broky_records_and_foreign_frames(chunk: int) -> None:
+    """Deliveries are counted across any split of the stream; other frames are read, not counted."""
+    from broky.errors import ErrorCode
+    from broky.protocol import LossNotice, Pong, encode_frame, encode_message
+    from broky.protocol.frames import error_frame
+
+    stream, counters, rec, peer = _stream("broky")
+    with stream.sock, peer:
+        msg = encode_message(b"p0000", b"bench.k0000", b"y" * 100)
+        assert len(msg) == rec.length
+        data = msg * 5 + encode_frame(Pong(3)) + msg * 3 + encode_frame(LossNotice(4)) + msg
+        data += error_frame(ErrorCode.NOT_MY_VBUCKET, "not mine", fatal=False, map_version=1) + msg * 2
+        _deliver(stream, peer, data, chunk)
+        assert stream.n == 11
+        assert counters.lost == 4
+        assert counters.errors == 1 and "code=10" in counters.notes[0], counters.notes
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+def test_counting_subscriber_nats_answers_ping_and_counts_errors(chunk: int) -> None:
+    stream, counters, rec, peer = _stream("nats")
+    with stream.sock, peer:
+        msg = b"MSG bench.k0000 1 100\r\n" + b"y" * 100 + b"\r\n"
+        assert len(msg) == rec.length
+        data = msg * 3 + b"PING\r\n" + msg + b"-ERR 'Slow Consumer'\r\n" + msg * 2
+        _deliver(stream, peer, data, chunk)
+        assert stream.n == 6
+        assert counters.errors == 1
+        peer.settimeout(5)
+        assert peer.recv(100) == b"PONG\r\n"
+
+
+def test_counting_subscriber_redis_pattern_records() -> None:
+    stream, counters, rec, peer = _stream("redis", wildcard=True)
+    with stream.sock, peer:
+        msg = (
+            b"*4\r\n$8\r\npmessage\r\n$7\r\nbench.*\r\n$11\r\nbench.k0000\r\n$100\r\n" + b"y" * 100 + b"\r\n"
+        )
+        assert len(msg) == rec.length
+        _deliver(stream, peer, msg * 10, 333)
+        assert stream.n == 10 and counters.errors == 0
