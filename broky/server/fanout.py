@@ -53,7 +53,6 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from broky import __version__
@@ -186,7 +185,6 @@ class Shard:
         self._touched: list[Connection] = []
         self._next_id = 0
         self.closing = False
-        self.on_empty: Callable[[], None] | None = None  # called when the last connection is gone
 
     # ------------------------------------------------------------ connections
 
@@ -237,8 +235,6 @@ class Shard:
             self.stats.connections -= 1
         if exc is not None:
             log.debug("connection %d lost: %s", c.conn_id, exc)
-        if self.closing and not self.conns and self.on_empty is not None:
-            self.on_empty()
 
     def detach(self, c: Connection) -> None:
         """Remove every subscription of a connection."""
@@ -524,12 +520,14 @@ class Shard:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
 
     def shutdown(self) -> None:
-        """Goodbye to every connection; on_empty fires when the last one is gone."""
+        """Goodbye to every connection (then half-close it)."""
         self.closing = True
         for c in list(self.conns.values()):
             self.goodbye(c, "server shutting down")
-        if not self.conns and self.on_empty is not None:
-            self.on_empty()
+
+    def flushed(self) -> bool:
+        """True when every connection is closed or has handed its last byte to the kernel."""
+        return all(c.state == CLOSED or c.transport.get_write_buffer_size() == 0 for c in self.conns.values())
 
     def abort_all(self) -> None:
         for c in list(self.conns.values()):

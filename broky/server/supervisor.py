@@ -148,10 +148,11 @@ class Supervisor:
                     )
                     wp.proc.kill()
                 continue
+            was_ready = wp.ready
             self._forget(wp)
             if self.stopping:
                 continue
-            if wp.ready:
+            if was_ready:
                 log.error("worker %d (pid %d) died (%s); restarting it", index, wp.pid, _describe(code))
             else:
                 self.boot_failures[index] += 1

@@ -58,7 +58,6 @@ class Worker:
         self.done: asyncio.Future[None] = self.loop.create_future()
         self._reported_load = -1
         self._stopping = False
-        self._deadline: asyncio.TimerHandle | None = None
 
     async def run(self) -> None:
         loop = self.loop
@@ -129,30 +128,24 @@ class Worker:
                     pass
 
     def stop(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
+        if not self._stopping:
+            self._stopping = True
+            self.loop.create_task(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        """Goodbye to everyone, wait until every final byte left the process, stop."""
         shard = self.shard
         log.info("worker %d stopping: goodbye to %d connections", self.index, len(shard.conns))
-        self._deadline = self.loop.call_later(self.config.shutdown_timeout, self._finish, True)
-        shard.on_empty = self._all_closed
         shard.shutdown()
-
-    def _all_closed(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._finish(False)
-
-    def _finish(self, timed_out: bool) -> None:
-        if self.done.done():
-            return
-        if timed_out:
-            log.warning(
-                "worker %d: %d connections did not close in time; reset", self.index, len(self.shard.conns)
-            )
-            self.shard.abort_all()
-        # Let aborted transports run their callbacks before the loop stops.
-        self.loop.call_soon(self.done.set_result, None)
+        deadline = self.loop.time() + self.config.shutdown_timeout
+        while not shard.flushed():
+            if self.loop.time() > deadline:
+                log.warning("worker %d: connections not flushed in time; reset", self.index)
+                shard.abort_all()
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)  # let aborted transports run their callbacks
+        self.done.set_result(None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
