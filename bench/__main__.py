@@ -102,6 +102,21 @@ def _safe(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
 
 
+def _command(argv: list[str]) -> str:
+    """The command line to reproduce the run, without the (machine-specific) output path."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip or arg.startswith("--out="):
+            skip = False
+            continue
+        if arg == "--out":
+            skip = True
+            continue
+        kept.append(arg)
+    return " ".join(["python -m bench", *kept])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for CI (under a minute)")
@@ -146,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: dict[str, str] = {}
     results: dict[str, Any] = {
         "mode": "quick" if quick else "full",
+        "command": _command(sys.argv[1:] if argv is None else list(argv)),
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": info,
         "settings": {
