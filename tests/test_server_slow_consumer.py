@@ -1,0 +1,128 @@
+"""Slow consumers and the topic table, against a real `broky serve`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broky.errors import ErrorCode
+from broky.protocol import Error, LossNotice, Message, Subscribe, Unsubscribe, encode_frame, encode_message
+from tests.serverproc import ServerProcess
+from tests.test_server_pubsub import debug_stats
+from tests.wire import Wire, kp_for_worker
+
+KP0 = kp_for_worker(0, 2)
+
+
+def rss(pid: int) -> int:
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * 4096
+
+
+class ByteCounter(threading.Thread):
+    """Reads a socket as fast as it can and counts bytes, until `target` or EOF."""
+
+    def __init__(self, wire: Wire, target: int) -> None:
+        super().__init__(daemon=True)
+        self.wire = wire
+        self.target = target
+        self.count = 0
+        self.head = b""
+
+    def run(self) -> None:
+        self.wire.sock.settimeout(60)
+        while self.count < self.target:
+            data = self.wire.sock.recv(1 << 20)
+            if not data:
+                return
+            if len(self.head) < 4096:
+                self.head += data[:4096]
+            self.count += len(data)
+
+
+@pytest.mark.slow
+def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) -> None:
+    server: ServerProcess = start_server(
+        "--max-pending-bytes", "4M", "--slow-consumer-deadline", "1", "--frame-timeout", "60"
+    )
+    n = 1_000_000
+    frame = encode_message(KP0, b"t.x", b"p" * 16)
+    fast = Wire.hello(server.address, worker=0)
+    slow = Wire.hello(server.address, worker=0, rcvbuf=8192)
+    fast.subscribe(1, b"t.*")
+    slow.subscribe(1, b"t.>")
+    fast.flush()
+    slow.flush()
+    worker = debug_stats(server)["workers"][0]["pid"]
+    baseline = rss(worker)
+    peak = baseline
+    counter = ByteCounter(fast, n * len(frame))
+    counter.start()
+    batch = frame * 1000
+    with Wire.hello(server.address, worker=0) as pub:
+        for i in range(n // 1000):
+            pub.sock.sendall(batch)
+            if i % 50 == 0:
+                peak = max(peak, rss(worker))
+        pub.flush(timeout=120)
+    counter.join(60)
+    peak = max(peak, rss(worker))
+
+    # Every message reached the fast subscriber, in full and nothing else.
+    assert counter.count == n * len(frame)
+    assert counter.head.startswith(frame[:60])
+    # The server's memory stayed bounded (120 MB were published to each subscriber).
+    assert peak - baseline < 48 << 20, (baseline, peak)
+
+    # The stalled one: what was pending, then how many it lost, then the fatal error.
+    got = 0
+    frames = slow.expect_closed(timeout=30)
+    slow.close()
+    fast.close()
+    notices = [f for f in frames if isinstance(f, LossNotice)]
+    got = sum(1 for f in frames if isinstance(f, Message))
+    assert isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
+    assert len(notices) == 1 and isinstance(frames[-2], LossNotice)
+    assert notices[0].dropped > 0 and got + notices[0].dropped <= n
+    assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
+    stats = debug_stats(server)["workers"][0]
+    assert stats["slow_consumer_disconnects"] == 1
+    assert stats["dropped"]["slow_consumer"] == notices[0].dropped
+    assert stats["messages_delivered"] == n + got
+
+
+@pytest.mark.slow
+def test_topic_table_is_empty_after_100k_subscribe_unsubscribe_cycles(server: ServerProcess) -> None:
+    template = encode_frame(Subscribe(1, b"topic.000000.*"))
+    unsubscribe = encode_frame(Unsubscribe(1))
+
+    def cycles(start: int, stop: int) -> bytes:
+        return b"".join(
+            template.replace(b"topic.000000.*", b"topic.%06d.*" % i) + unsubscribe for i in range(start, stop)
+        )
+
+    kp_topic = encode_message(KP0, b"topic.000001.x", b"m")
+    with Wire.hello(server.address, worker=0) as w:
+        w.send(cycles(0, 10_000))  # warm up the allocator
+        w.flush(timeout=60)
+        before = debug_stats(server)["workers"][0]
+        for start in range(0, 100_000, 10_000):
+            w.send(cycles(start, start + 10_000))
+            w.send(template.replace(b"topic.000000.*", b"topic.000001.*"), kp_topic, unsubscribe)
+            assert [m.payload for m in w.messages(timeout=60)] == [b"m"]
+        during = debug_stats(server)["workers"][0]
+        # Many subscriptions on one connection, then a disconnect: also leaves no trace.
+        w.send(*(Subscribe(sid, b"conn.%d.>" % sid) for sid in range(1, 2001)))
+        w.flush()
+        assert debug_stats(server)["workers"][0]["topics"] == 2000
+    deadline = time.monotonic() + 5
+    while (after := debug_stats(server)["workers"][0])["connections"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for snap in (during, after):
+        assert snap["topics"] == 0 and snap["subscriptions"] == 0 and snap["matcher_empty"]
+    assert after["connections"] == 0
+    assert after["rss_bytes"] - before["rss_bytes"] < 8 << 20, (before["rss_bytes"], after["rss_bytes"])
