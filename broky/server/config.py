@@ -36,10 +36,19 @@ class ServerConfig:
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
+    advertise_host: str | None = None  # host put in the vbucket map; see advertised_host()
     hello_timeout: float = 5.0
     frame_timeout: float = 10.0
     slow_consumer_deadline: float = 10.0
     shutdown_timeout: float = 4.0
+
+    def advertised_host(self) -> str:
+        """The host clients should dial, as written in the vbucket map."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.host
 
     def to_worker_json(self) -> dict[str, Any]:
         """The settings a worker needs (the auth token stays in the master)."""
@@ -107,6 +116,12 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),
     ("--node-id", "node_id", str, "node id in the vbucket map (default: host name)"),
+    (
+        "--advertise-host",
+        "advertise_host",
+        str,
+        "host clients should dial, put in the vbucket map (default: --host, or the host name for 0.0.0.0)",
+    ),
     ("--hello-timeout", "hello_timeout", _seconds, "seconds to wait for the Hello (default %(default)s)"),
     (
         "--frame-timeout",

@@ -166,7 +166,7 @@ class Shard:
         self.config = config
         self.index = index
         self.loop = loop
-        node = NodeInfo(config.node_id, config.host, config.port, config.workers)
+        node = NodeInfo(config.node_id, config.advertised_host(), config.port, config.workers)
         self.map = VBucketMap.single_node(node)
         self.owned = bytes(1 if owner == (0, index) else 0 for owner in self.map.owners)
         self.welcome = WelcomeTemplate(

@@ -1,0 +1,25 @@
+# Broky server image: `docker build -t broky .` then
+# `docker run --rm -p 4777:4777 -p 9477:9477 broky` (any `broky serve` option may follow).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY broky ./broky
+RUN pip install . && rm -rf /src
+
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin broky
+USER broky
+WORKDIR /
+
+# Clients, then HTTP (/healthz and metrics).
+EXPOSE 4777 9477
+
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('BROKY_METRICS_PORT', '9477'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=2).status == 200 else 1)"]
+
+ENTRYPOINT ["broky", "serve", "--host", "0.0.0.0"]

@@ -1,0 +1,130 @@
+"""`broky serve` settings (flags, BROKY_* variables, defaults) and the Dockerfile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broky.server import config
+from broky.server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServerConfig
+from tests.wire import Wire
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, env or {})
+    return config.from_args(parser.parse_args(argv))
+
+
+def test_defaults_need_no_flags() -> None:
+    cfg = parse([])
+    assert (cfg.host, cfg.port, cfg.metrics_port) == ("127.0.0.1", 4777, 9477)
+    assert cfg.workers >= 1 and cfg.auth_token is None
+    assert cfg.max_frame_bytes == 1 << 20 and cfg.max_pending_bytes == 8 << 20
+    assert (cfg.hello_timeout, cfg.frame_timeout, cfg.slow_consumer_deadline) == (5.0, 10.0, 10.0)
+
+
+def test_environment_then_flags() -> None:
+    env = {
+        "BROKY_PORT": "5000",
+        "BROKY_MAX_PENDING_BYTES": "16M",
+        "BROKY_AUTH_TOKEN": "t",
+        "BROKY_WORKERS": "3",
+    }
+    cfg = parse([], env)
+    assert (cfg.port, cfg.max_pending_bytes, cfg.auth_token, cfg.workers) == (5000, 16 << 20, "t", 3)
+    cfg = parse(["--port", "6000", "--max-pending-bytes", "512K"], env)
+    assert (cfg.port, cfg.max_pending_bytes, cfg.workers) == (6000, 512 << 10, 3)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "70000"],
+        ["--workers", "0"],
+        ["--max-pending-bytes", "lots"],
+        ["--slow-consumer-deadline", "0"],
+    ],
+)
+def test_bad_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(argv)
+
+
+def test_bad_environment_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse([], {"BROKY_PORT": "http"})
+    assert "BROKY_PORT='http'" in capsys.readouterr().err
+
+
+def test_bad_log_format_exits_2() -> None:
+    cmd = [sys.executable, "-m", "broky", "serve", "--log-format", "xml"]
+    proc = subprocess.run(cmd, capture_output=True, timeout=30)
+    assert proc.returncode == 2 and b"--log-format must be text or json" in proc.stderr
+
+
+def test_advertised_host() -> None:
+    assert ServerConfig(host="10.1.2.3").advertised_host() == "10.1.2.3"
+    assert ServerConfig(host="0.0.0.0", advertise_host="broky.example").advertised_host() == "broky.example"
+    assert ServerConfig(host="0.0.0.0").advertised_host() not in ("0.0.0.0", "")
+
+
+def test_serve_help_lists_every_flag() -> None:
+    proc = subprocess.run([sys.executable, "-m", "broky", "serve", "--help"], capture_output=True, timeout=30)
+    assert proc.returncode == 0
+    flags = "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes log-level log-format"
+    for flag in flags.split():
+        assert f"--{flag} ".encode() in proc.stdout
+
+
+def test_environment_reaches_a_real_server_and_json_logs(start_server: Any) -> None:
+    server = start_server(workers=1, env={"BROKY_MAX_PENDING_BYTES": "1M", "BROKY_LOG_FORMAT": "json"})
+    assert b"workers 1," in server.ready_line
+    with Wire.hello(server.address) as w:
+        assert w.welcome is not None and w.welcome.max_pending_bytes == 1 << 20
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    assert any(line["msg"].startswith("worker 0 ready") for line in lines)
+    assert {"ts", "level", "process", "logger", "msg"} <= set(lines[0])
+
+
+def test_dockerfile_matches_the_cli() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
+    assert re.search(r"^RUN pip install \.", text, re.M)
+    user = re.search(r"^USER (\S+)", text, re.M)
+    assert user and user.group(1) not in ("root", "0")
+    assert re.search(r"^RUN useradd .*\b" + user.group(1) + r"$", text, re.M)
+    expose = re.search(r"^EXPOSE (.+)$", text, re.M)
+    assert expose and expose.group(1).split() == [str(DEFAULT_PORT), str(DEFAULT_METRICS_PORT)]
+    entry = re.search(r"^ENTRYPOINT (.+)$", text, re.M)
+    assert entry and json.loads(entry.group(1)) == ["broky", "serve", "--host", "0.0.0.0"]
+    health = re.search(r"^HEALTHCHECK (.+?)CMD (\[[^\n]+\])$", text, re.M | re.S)
+    assert health
+    probe = json.loads(health.group(2))
+    assert probe[:2] == ["python", "-c"] and "/healthz" in probe[2] and str(DEFAULT_METRICS_PORT) in probe[2]
+    compile(probe[2], "healthcheck", "exec")
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert "*" in ignore and "!broky/" in ignore and "!pyproject.toml" in ignore
+
+
+def test_healthcheck_command_against_a_real_server(start_server: Any) -> None:
+    server = start_server(workers=1)
+    text = (ROOT / "Dockerfile").read_text()
+    health = re.search(r"^HEALTHCHECK .+?CMD (\[[^\n]+\])$", text, re.M | re.S)
+    assert health
+    probe = json.loads(health.group(1))
+    env = {"BROKY_METRICS_PORT": str(server.metrics_port)}
+    ok = subprocess.run([sys.executable, *probe[1:]], env=env, timeout=30, capture_output=True)
+    assert ok.returncode == 0
+    server.stop()
+    down = subprocess.run([sys.executable, *probe[1:]], env=env, timeout=30, capture_output=True)
+    assert down.returncode != 0
