@@ -58,8 +58,8 @@ HEADER_NO_UID = _HEAD.pack(16, FILE_IDENTIFIER, 8, 12, 8, 4, 8, 24, BODY_MESSAGE
                            14, 32, 4, 24, 28, 8, 0, 16, 28)  # fmt: skip
 HEADER_SIZE = len(HEADER_UID)  # 52: bytes f+4 .. f+56
 TS_BROKER_OFFSET = 64  # canonical position of ts_broker from f
-_route_no_uid = struct.Struct("<I4xI").unpack_from  # key offset @72, kp length @80
-_route_uid = struct.Struct("<I24xI").unpack_from  # key offset @72, kp length @100
+_route_no_uid = struct.Struct("<III").unpack_from  # @72: key offset, payload offset, kp length
+_route_uid = struct.Struct("<II20xI").unpack_from  # @72: key offset, payload offset, uid, kp length
 _decode_no_uid = struct.Struct("<qqIII").unpack_from  # @56: ts, ts, key, payload, kp length
 _decode_uid = struct.Struct("<qqII20sI").unpack_from  # @56: ... uid, kp length
 
@@ -162,7 +162,10 @@ def _canonical(buf: Buffer, f: int, end: int) -> bool:
 
 
 def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
-    """Routing read of the Message frame in buf[f:end] (buf: bytes).
+    """Routing read of the Message frame in buf[f:end] (buf: bytes, end <= len(buf)).
+
+    The three vectors are bounds-checked (payload included, so a frame that
+    routes is a frame every subscriber can decode); the payload is not copied.
 
     Returns:
         (key_partition, key, position of the 8-byte ts_broker to stamp).
@@ -171,20 +174,21 @@ def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
         MalformedFrameError: the frame is not a valid Message frame.
         UnknownFrameError: its body type is unknown to this version.
     """
-    if buf.startswith(HEADER_NO_UID, f + 4):
-        key_off, kp_len = _route_no_uid(buf, f + 72)
+    if buf.startswith(HEADER_NO_UID, f + 4) and end - f >= 84:
+        key_off, pay_off, kp_len = _route_no_uid(buf, f + 72)
         kp_start = f + 84
-    elif buf.startswith(HEADER_UID, f + 4):
-        key_off, kp_len = _route_uid(buf, f + 72)
+    elif buf.startswith(HEADER_UID, f + 4) and end - f >= 104:
+        key_off, pay_off, kp_len = _route_uid(buf, f + 72)
         kp_start = f + 104
     else:
         return _route_generic(buf, f, end)
     kp_stop = kp_start + kp_len
     k = f + 72 + key_off
-    if kp_stop > end or k + 4 > end:
+    p = f + 76 + pay_off
+    if kp_stop > end or k + 4 > end or p + 4 > end:
         raise malformed("vector overruns the frame")
     key_stop = k + 4 + _u32(buf, k)[0]
-    if key_stop > end:
+    if key_stop > end or p + 4 + _u32(buf, p)[0] > end:
         raise malformed("vector overruns the frame")
     return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + 64
 
@@ -192,6 +196,7 @@ def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
 def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, int]:
     msg = _generic_table(buf, f, end)
     kp, key, _, stamps = _generic_refs(msg)
+    msg.field(F_UID, UID_SIZE)  # validated like decode_message does
     return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), stamps + 8
 
 

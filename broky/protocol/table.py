@@ -149,4 +149,6 @@ def root(buf: Buffer, start: int, end: int) -> Table:
     base = start + 4
     if end - base < 8:
         raise malformed("shorter than a FlatBuffer header")
+    if buf[base + 4 : base + 8] != b"BRKY":
+        raise malformed("file identifier is not BRKY")
     return Table(buf, base + _u32(buf, base)[0], base, end)
