@@ -84,7 +84,7 @@ def test_batch_write_of_100k_rows_is_received_in_full(spark: Any, server: Server
 
 def test_options_override_columns_and_ts_producer_column(spark: Any, server: ServerProcess) -> None:  # noqa: F811
     df = spark.createDataFrame(
-        [(b"\x00\xffbin", "p1", 1_700_000_000_123_456_789), ("u2", "p2", None)],
+        [(b"\x00\xffbin", "p1", 1_700_000_000_123_456_789), (b"u2", "p2", None)],
         "key_partition binary, payload string, ts_producer bigint",
     )
     with subscriber(server, "orders.*") as sub:

@@ -1,0 +1,191 @@
+"""Example pipeline: Spark generates a clickstream and pushes it into Broky.
+
+    .venv/bin/python examples/clickstream.py                 # starts its own broky serve
+    .venv/bin/python examples/clickstream.py --server 127.0.0.1:4777 --events 200000
+
+Spark (``local[2]``) generates ``--events`` synthetic click events, one per
+row: key_partition = the user id (``user-42``), key = the event type
+(``clicks.view``, ``clicks.click``, ``clicks.add_to_cart``, ``clicks.purchase``)
+and a small JSON payload. The ``broky`` data source publishes them while a
+subscriber of ``clicks.>`` in this process counts what arrives. At the end it
+prints rows per second for the Spark write and for delivery to the subscriber,
+and the count per event type. Without ``--server`` it starts ``broky serve`` on
+free loopback ports and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+READY = re.compile(rb"listening on (\S+):(\d+)")
+EVENT_TYPES = ("view", "click", "add_to_cart", "purchase")
+
+
+def start_server(workers: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``broky serve`` on a free port; return it and its ``host:port``."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "broky",
+            "serve",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--workers",
+            str(workers),
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        match = READY.search(line)
+        if match:
+            return proc, f"{match.group(1).decode()}:{match.group(2).decode()}"
+    stop_server(proc)
+    raise SystemExit("broky serve did not start")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    try:  # the workers share the server's process group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+class Counter:
+    """Counts what a ``clicks.>`` subscription receives, in a thread."""
+
+    def __init__(self, server: str, expected: int) -> None:
+        import broky
+
+        self.expected = expected
+        self.by_type: collections.Counter[bytes] = collections.Counter()
+        self.received = 0
+        self.first = self.last = 0.0
+        self.client = broky.connect_sync(server, name="clickstream-counter")
+        self.sub = self.client.subscribe("clicks.>", max_pending_msgs=1 << 20, max_pending_bytes=1 << 30)
+        self.client.flush()
+        self.thread = threading.Thread(target=self._run, name="counter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for msg in self.sub.iter(timeout=30):
+            if not self.received:
+                self.first = time.perf_counter()
+            self.received += 1
+            self.by_type[msg.key] += 1
+            if self.received >= self.expected:
+                break
+        self.last = time.perf_counter()
+
+    def wait(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        self.client.close()
+
+
+def spark_session(partitions: int) -> Any:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master(f"local[{partitions}]")
+        .appName("broky-clickstream")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", str(partitions))
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.warehouse.dir", tempfile.mkdtemp(prefix="broky-clickstream-"))
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def clickstream(spark: Any, events: int, users: int, partitions: int) -> Any:
+    """``events`` rows: key_partition = user id, key = event type, a JSON payload."""
+    types = ", ".join(f"'{t}'" for t in EVENT_TYPES)
+    return spark.range(0, events, numPartitions=partitions).selectExpr(
+        f"concat('user-', CAST(pmod(xxhash64(id), {users}) AS STRING)) AS key_partition",
+        f"concat('clicks.', element_at(array({types}),"
+        f" CAST(pmod(xxhash64(id, 7), {len(EVENT_TYPES)}) AS INT) + 1)) AS key",
+        "to_json(named_struct('event', id, 'page', concat('/product/', CAST(id % 500 AS STRING)),"
+        " 'session', CAST(pmod(xxhash64(id, 3), 100000) AS INT))) AS payload",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", help="host:port of a running broker (default: start one)")
+    parser.add_argument("--events", type=int, default=1_000_000, help="rows to generate (default 1M)")
+    parser.add_argument("--users", type=int, default=10_000, help="distinct user ids (default 10k)")
+    parser.add_argument("--partitions", type=int, default=2, help="Spark partitions and cores (default 2)")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the broker it starts (default 2)")
+    args = parser.parse_args(argv)
+
+    import broky.spark
+
+    proc = None
+    server = args.server
+    if server is None:
+        proc, server = start_server(args.workers)
+        print(f"started broky serve on {server} (pid {proc.pid})")
+    spark = None
+    try:
+        spark = spark_session(args.partitions)
+        broky.spark.register(spark)
+        df = clickstream(spark, args.events, args.users, args.partitions)
+        counter = Counter(server, args.events)
+        started = time.perf_counter()
+        df.write.format("broky").option("broky.servers", server).mode("append").save()
+        written = time.perf_counter() - started
+        counter.wait(60)
+        delivered = (counter.last or time.perf_counter()) - started
+        print(f"spark wrote {args.events:,} events in {written:.2f} s: {args.events / written:,.0f} rows/s")
+        print(
+            f"subscriber received {counter.received:,} events in {delivered:.2f} s: "
+            f"{counter.received / delivered:,.0f} rows/s"
+        )
+        for key, n in sorted(counter.by_type.items()):
+            print(f"  {key.decode():<22} {n:>9,}")
+        lost = args.events - counter.received
+        if lost:
+            print(f"MISSING {lost:,} events (see the server's drop counters)", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        if spark is not None:
+            spark.stop()
+        if proc is not None:
+            stop_server(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
