@@ -31,6 +31,8 @@ from bench.harness import latency, loadgen, machine, report, servers
 from bench.harness.loadgen import Load
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# scenarios also run with Broky's publisher going through the SDK
+SDK_SCENARIOS = ("1to1_100", "1to4_16")
 
 
 @dataclass
@@ -79,20 +81,71 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def sdk_section(address: tuple[str, int] | None, quick: bool) -> dict[str, Any]:
-    """Client-side publish rates from bench/sdk_bench.py (written with the SDK)."""
+def redis_py_publish(address: tuple[str, int], n: int) -> dict[str, float]:
+    """redis-py publishing n 100-byte messages, pipelined 1,000 per round trip (not in sdk_bench)."""
+    import redis
+
+    client = redis.Redis(host=address[0], port=address[1])
     try:
-        from bench import sdk_bench  # type: ignore[attr-defined]
+        client.ping()
+        payload = b"x" * 100
+        start = time.perf_counter()
+        for first in range(0, n, 1000):
+            pipe = client.pipeline(transaction=False)
+            for _ in range(min(1000, n - first)):
+                pipe.publish("bench.key", payload)
+            pipe.execute()
+        elapsed = time.perf_counter() - start
+    finally:
+        client.close()
+    return {"rate": n / elapsed, "seconds": elapsed}
+
+
+def sdk_section(running: dict[str, servers.Server], quick: bool) -> dict[str, Any]:
+    """Client-side publish rates: Broky SDK vs nats.py (bench/sdk_bench.py's cases) and redis-py.
+
+    One Python process each, 100-byte messages, publish then flush, against
+    the servers of this run; the median of alternating runs.
+    """
+    try:
+        from bench import sdk_bench
     except ImportError as exc:
         return {"skipped": f"bench/sdk_bench.py is not available ({exc})"}
-    run = getattr(sdk_bench, "run", None)
-    if run is None:
-        return {"skipped": "bench/sdk_bench.py has no run() function"}
+    broky_publish = getattr(sdk_bench, "broky_publish", None)
+    nats_publish = getattr(sdk_bench, "nats_publish", None)
+    if broky_publish is None or nats_publish is None:
+        return {"skipped": "bench/sdk_bench.py has no broky_publish/nats_publish"}
+    import statistics
+
+    import uvloop
+
+    n, runs = (20_000, 1) if quick else (200_000, 3)
+    clients: dict[str, Callable[[], dict[str, float]]] = {}
+    if "broky" in running:
+        url = "broky://{}:{}".format(*running["broky"].address)
+        clients["broky SDK"] = lambda: uvloop.run(broky_publish(url, n))
+    if "nats" in running:
+        nurl = "nats://{}:{}".format(*running["nats"].address)
+        clients["nats.py"] = lambda: uvloop.run(nats_publish(nurl, n))
+    if "redis" in running:
+        clients["redis-py (pipelined)"] = partial(redis_py_publish, running["redis"].address, n)
+    rates: dict[str, list[float]] = {name: [] for name in clients}
     try:
-        result = run(quick=quick, broky_address=address)
+        for r in range(runs):
+            for name in list(clients)[:: 1 if r % 2 == 0 else -1]:
+                rates[name].append(clients[name]()["rate"])
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return dict(result)
+    out: dict[str, Any] = {
+        "messages": n,
+        "runs": runs,
+        "rates": {name: statistics.median(v) for name, v in rates.items()},
+    }
+    if "broky SDK" in out["rates"] and "nats.py" in out["rates"]:
+        out["broky_over_nats_py"] = out["rates"]["broky SDK"] / out["rates"]["nats.py"]
+    if "broky SDK" in out["rates"] and "redis-py (pipelined)" in out["rates"]:
+        out["broky_over_redis_py"] = out["rates"]["broky SDK"] / out["rates"]["redis-py (pipelined)"]
+    return out
 
 
 def _safe(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -155,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = datetime.datetime.now(datetime.UTC)
     info = machine.machine_info()
-    progress = Progress(len(chosen) * len(systems) + (0 if args.no_latency else len(systems)) + 1)
+    with_sdk = not args.no_sdk and "broky" in systems
+    sdk_runs = sum(s.id in SDK_SCENARIOS for s in chosen) if with_sdk else 0
+    progress = Progress(len(chosen) * len(systems) + sdk_runs + (0 if args.no_latency else len(systems)) + 1)
     running: dict[str, servers.Server] = {}
     drivers: dict[str, loadgen.Driver] = {}
     failed: dict[str, str] = {}
@@ -204,6 +259,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.show(
                     f"{scen.title}: {name} {report._fmt_rate(res.get('deliveries_per_s'))}/s", step=True
                 )
+            if scen.id in SDK_SCENARIOS and with_sdk:
+                # Broky again, its publisher going through the SDK instead of pre-encoded frames
+                progress.show(f"{scen.title}: broky through the SDK")
+                if "broky" in failed:
+                    res = {"skipped": failed["broky"]}
+                else:
+                    server = running["broky"]
+                    sdk_driver = loadgen.BrokySdkDriver()
+                    sdk_driver.prepare(server.address)
+                    run = partial(loadgen.run_throughput, sdk_driver, server.address, server.pids)
+                    res = _safe(partial(run, scen.load, warmup, duration, loadgen.sdk_publisher_main))
+                entry["results"]["broky_sdk"] = res
+                progress.show(
+                    f"{scen.title}: broky_sdk {report._fmt_rate(res.get('deliveries_per_s'))}/s", step=True
+                )
             results["throughput"].append(entry)
         if not args.no_latency:
             lat: dict[str, Any] = {
@@ -224,11 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress.show(f"latency: {name} done", step=True)
             results["latency"] = lat
         progress.show("client-side SDK publish rates")
-        if args.no_sdk:
-            results["sdk"] = {"skipped": "--no-sdk"}
+        if not with_sdk:
+            results["sdk"] = {"skipped": "--no-sdk, or Broky not among --systems"}
         else:
-            broky = running.get("broky")
-            results["sdk"] = sdk_section(broky.address if broky else None, quick)
+            results["sdk"] = sdk_section(running, quick)
         progress.show("SDK done", step=True)
     except KeyboardInterrupt:
         print("\ninterrupted; no results written", file=sys.stderr)

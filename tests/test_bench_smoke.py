@@ -72,6 +72,11 @@ def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
             assert run["delivered_total"] > 0
             assert run["errors"] == 0, run["notes"]
             assert run["not_delivered"] == 0, (scenario["id"], name, run)
+    sdk_run = next(s for s in results["throughput"] if s["id"] == "1to1_100")["results"]["broky_sdk"]
+    assert "error" not in sdk_run and sdk_run["deliveries_per_s"] > 0 and sdk_run["not_delivered"] == 0, (
+        sdk_run
+    )
+    assert "rates" in results["sdk"] or "skipped" in results["sdk"] or "error" in results["sdk"]
     for name in SYSTEMS:
         lat = results["latency"]["results"][name]
         assert lat["samples"] > 0
@@ -84,7 +89,7 @@ def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
     assert (
         machine["cpu_model"] in table and machine["nats_server"] in table and machine["redis_server"] in table
     )
-    assert table.count("\n| 1 → 4 fan-out, 16 B |") == 3  # deliveries/s, CPU and RSS tables
+    assert table.count("\n| 1 → 4 fan-out, 16 B |") == 4  # deliveries/s, CPU, RSS and SDK tables
     for png in ("latency.png", "throughput.png", "cpu.png"):
         assert (out / png).read_bytes().startswith(PNG_MAGIC), png
     assert stdout.decode().startswith("# Broky benchmark")

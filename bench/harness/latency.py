@@ -128,6 +128,7 @@ def publisher_main(
             shared.sent[0] = sent
         driver.sync(sock, counters)
         sock.close()
+        shared.published.value = 1
         conn.send({"sent": sent, "errors": counters.errors, "notes": counters.notes})
     except Exception:
         conn.send({"error": traceback.format_exc()})

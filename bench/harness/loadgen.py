@@ -411,7 +411,23 @@ class RedisDriver(Driver):
             c.error(f"redis error: {data[:120]!r}")
 
 
-DRIVERS: dict[str, Callable[[], Driver]] = {"broky": BrokyDriver, "nats": NatsDriver, "redis": RedisDriver}
+class BrokySdkDriver(BrokyDriver):
+    """Broky with the SDK publishing (`broky.client`, defaults: a KSUID and ts_producer
+    per message); subscribers are the same raw counting ones."""
+
+    name = "broky_sdk"
+
+    def record(self, key: Key, payload: bytes, wildcard: bool) -> Record:
+        frame = encode_message(key[0], key[1], payload, 1, 0, bytes(20))
+        return Record(len(frame), frame[:4], len(frame) - len(payload) - (-len(frame) & 7))
+
+
+DRIVERS: dict[str, Callable[[], Driver]] = {
+    "broky": BrokyDriver,
+    "nats": NatsDriver,
+    "redis": RedisDriver,
+    "broky_sdk": BrokySdkDriver,
+}
 
 
 # ---------------------------------------------------------------- the run
@@ -438,12 +454,16 @@ class Shared:
     phase: Any
     sent: Any  # one slot per publisher
     delivered: Any  # one slot per subscriber
+    published: Any  # set by the publisher once the server has read its last publish
 
     @classmethod
     def create(cls, load: Load) -> Shared:
         ctx = multiprocessing.get_context("fork")
         return cls(
-            ctx.RawValue("i", SETUP), ctx.RawArray("q", load.publishers), ctx.RawArray("q", load.subscribers)
+            ctx.RawValue("i", SETUP),
+            ctx.RawArray("q", load.publishers),
+            ctx.RawArray("q", load.subscribers),
+            ctx.RawValue("i", 0),
         )
 
 
@@ -539,6 +559,7 @@ def subscriber_main(
         delivered = shared.delivered
         counts = [0] * load.subscribers
         last_progress = time.monotonic()
+        stopped_at = 0.0
         closed = 0
         while True:
             events = sel.select(0.05)
@@ -559,10 +580,15 @@ def subscriber_main(
             if events:
                 last_progress = time.monotonic()
             if shared.phase.value == STOP:
-                expected = sum(shared.sent) * load.subscribers
+                # every publish counted, or nothing more for 0.5 s; both only once the
+                # publisher is done, else its last batch could still be on its way
+                now = time.monotonic()
+                stopped_at = stopped_at or now
+                done = shared.published.value
                 if (
-                    sum(counts) >= expected
-                    or time.monotonic() - last_progress > 0.5
+                    (done and sum(counts) >= sum(shared.sent) * load.subscribers)
+                    or (done and now - last_progress > 0.5)
+                    or now - stopped_at > 10
                     or closed == len(streams)
                 ):
                     break
@@ -641,7 +667,62 @@ def publisher_main(
         for sock in socks:
             driver.sync(sock, counters)
             sock.close()
+        shared.published.value = 1
         conn.send({"sent": total, "errors": counters.errors, "notes": counters.notes})
+    except Exception:
+        conn.send({"error": traceback.format_exc()})
+
+
+def sdk_publisher_main(
+    driver: Driver,
+    address: tuple[str, int],
+    load: Load,
+    shared: Shared,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """Body of the throughput publisher process that publishes through the asyncio SDK.
+
+    Same closed loop and window as `publisher_main`; every message is one
+    `await client.publish(...)`, the SDK's documented way to publish.
+    """
+    import asyncio
+
+    import uvloop
+
+    from broky.client import connect
+
+    async def run() -> dict[str, Any]:
+        keys = load.key_list()
+        payload = b"x" * load.payload
+        client = await connect(f"broky://{address[0]}:{address[1]}", name="bench-sdk")
+        try:
+            publish = client.publish
+            fan = load.subscribers
+            record_len = driver.record(keys[0], payload, load.wildcard).length
+            window = max(512, WINDOW_BYTES // record_len) * fan
+            step = 256
+            conn.send({"ready": True})
+            while shared.phase.value == SETUP:
+                await asyncio.sleep(0.001)
+            delivered, phase = shared.delivered, shared.phase
+            total = 0
+            nkeys = len(keys)
+            while phase.value == RUN:
+                while (total + step) * fan - sum(delivered) > window and phase.value == RUN:
+                    await asyncio.sleep(0.0001)
+                for j in range(step):
+                    kp, key = keys[(total + j) % nkeys]
+                    await publish(kp, key, payload)
+                total += step
+                shared.sent[0] = total
+            await client.flush()
+            shared.published.value = 1
+            return {"sent": total, "errors": 0, "notes": [], "sdk_stats": repr(client.stats)}
+        finally:
+            await client.close()
+
+    try:
+        conn.send(uvloop.run(run()))
     except Exception:
         conn.send({"error": traceback.format_exc()})
 
@@ -715,6 +796,7 @@ def run_throughput(
     load: Load,
     warmup: float,
     duration: float,
+    publisher: Callable[..., None] = publisher_main,
 ) -> dict[str, Any]:
     """One closed-loop run: deliveries/s, server CPU per delivery, peak RSS, generator CPU."""
     from bench.harness import procstat
@@ -722,7 +804,7 @@ def run_throughput(
     shared = Shared.create(load)
     pids = server_pids()
     rss_reset = all([procstat.reset_peak_rss(pid) for pid in pids])
-    gen = start_generator(subscriber_main, publisher_main, (driver, address, load, shared))
+    gen = start_generator(subscriber_main, publisher, (driver, address, load, shared))
     try:
         shared.phase.value = RUN
         time.sleep(warmup)

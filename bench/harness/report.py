@@ -15,7 +15,7 @@ from typing import Any
 from bench.harness.machine import describe
 
 SYSTEMS = ("broky", "nats", "redis")
-TITLES = {"broky": "Broky", "nats": "NATS", "redis": "Redis"}
+TITLES = {"broky": "Broky", "nats": "NATS", "redis": "Redis", "broky_sdk": "Broky (SDK publisher)"}
 COLORS = {"broky": "tab:blue", "nats": "tab:green", "redis": "tab:red"}
 
 
@@ -181,6 +181,30 @@ def markdown(results: dict[str, Any]) -> str:
             v = _get(r.get(n), "server_peak_rss_bytes")
             cells.append(_cell_error(r.get(n)) or _fmt_num(None if v is None else v / 2**20, 1))
         lines.append(f"| {s['title']} | {' | '.join(cells)} |")
+    sdk_rows = [s for s in results["throughput"] if "broky_sdk" in s["results"]]
+    if sdk_rows:
+        lines += [
+            "",
+            "## Broky with its publisher going through the SDK",
+            "",
+            "The same runs with the raw publisher replaced by the asyncio SDK (`await client.publish(...)` "
+            "per message, a KSUID and ts_producer each); subscribers stay raw and counting.",
+            "",
+            "| Scenario | deliveries/s | server CPU µs/delivery | generator CPU µs/delivery "
+            "| vs raw publisher |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for s in sdk_rows:
+            sdk, raw = s["results"]["broky_sdk"], s["results"].get("broky")
+            if _cell_error(sdk):
+                lines.append(f"| {s['title']} | {_cell_error(sdk)} | | | |")
+                continue
+            rate = _get(sdk, "deliveries_per_s")
+            lines.append(
+                f"| {s['title']} | {_fmt_rate(rate)} | {_fmt_num(_get(sdk, 'server_cpu_us_per_delivery'))} | "
+                f"{_fmt_num(_get(sdk, 'generator_cpu_us_per_delivery'))} | "
+                f"{_fmt_ratio(ratio(rate, _get(raw, 'deliveries_per_s')))} |"
+            )
     lat = results.get("latency")
     if lat:
         lines += [
@@ -216,9 +240,18 @@ def markdown(results: dict[str, Any]) -> str:
     if "skipped" in sdk or "error" in sdk:
         lines.append(f"Not measured: {sdk.get('skipped') or sdk.get('error')}")
     else:
-        lines += ["| Client | msgs/s |", "|---|---:|"]
-        for name, value in sdk.get("rates", {}).items():
-            lines.append(f"| {name} | {_fmt_rate(value)} |")
+        lines += [
+            f"{sdk.get('messages', 0):,} messages per run, median of {sdk.get('runs')} alternating runs; "
+            "Broky SDK and nats.py cases from `bench/sdk_bench.py` (publish, then flush).",
+            "",
+            "| Client | msgs/s | Broky SDK / this |",
+            "|---|---:|---:|",
+        ]
+        rates = sdk.get("rates", {})
+        for name, value in rates.items():
+            lines.append(
+                f"| {name} | {_fmt_rate(value)} | {_fmt_ratio(ratio(rates.get('broky SDK'), value))} |"
+            )
     lines += ["", "## Targets", "", "| Target | Broky / peer | Met |", "|---|---:|---|"]
     for t in results["targets"]:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
