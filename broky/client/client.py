@@ -50,6 +50,7 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from broky.client.connection import WorkerProtocol, open_connection, server_error
+from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -64,7 +65,6 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     ErrorCode,
-    PayloadTooLargeError,
     PublishBufferFullError,
     RemoteProtocolError,
     ServerError,
@@ -84,8 +84,6 @@ from broky.protocol import (
     Unsubscribe,
     VBucketMap,
     Welcome,
-    encode_message,
-    new_ksuid,
     vbucket_of,
 )
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
@@ -435,6 +433,9 @@ class Client:
         self._next_sid = 0
         self._connected = False
         self._closed = False
+        self._open = False  # connected and not closed: the publish fast path's one check
+        self._encoder = PublishEncoder()
+        self._encode = self._encoder.encode
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -487,6 +488,7 @@ class Client:
         self._links[link.ref] = link
         link.attach(proto, welcome, reconnect=False)
         self._connected = True
+        self._open = True
         return self
 
     async def close(self) -> None:
@@ -506,6 +508,7 @@ class Client:
             except (TimeoutError, BrokyError) as exc:
                 log.warning("close: flush incomplete: %s", exc)
         self._closed = True
+        self._open = False
         for link in self._links.values():
             self.stats.unsent_on_close += len(link.out) if link.proto is None else 0
             link.close()
@@ -586,13 +589,42 @@ class Client:
             ClientClosedError: the client is closed.
             LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
         """
-        link = self._publish(key_partition, key, payload, ts_producer, uid)
-        if link is not None:
-            proto = link.proto
-            if proto is not None and proto.write_paused:
+        # The fast path, inlined (see _publish and Link.send for the same steps).
+        if not self._open:
+            self._check_usable()
+        if key_partition.__class__ is not bytes:
+            key_partition = as_bytes(key_partition, "key_partition")
+        if key.__class__ is not bytes:
+            key = as_bytes(key, "key")
+        if payload.__class__ is not bytes:
+            payload = payload_bytes(payload)
+        if uid is True:
+            frame, vb = self._encode(key_partition, key, payload, ts_producer)
+        else:
+            frame, vb = self._encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
+        link = self._route[vb] or self._route_slow(vb)
+        self.stats.published += 1
+        proto = link.proto
+        if proto is None:
+            link.send(frame)
+            return
+        link.out.append(frame)
+        n = link.out_bytes = link.out_bytes + len(frame)
+        if n >= self.batch_size:
+            link.flush_out()
+            # a batch was written: let the loop run once (readers, other tasks),
+            # or wait for the socket if its buffer is over the high-water mark
+            if proto.write_paused:
                 await proto.drain()
             else:
                 await asyncio.sleep(0)
+        elif link.flush_handle is None:
+            linger = self.linger
+            link.flush_handle = (
+                self._loop.call_soon(link.flush_out)
+                if linger <= 0
+                else self._loop.call_later(linger, link.flush_out)
+            )
 
     def _publish(
         self,
@@ -603,33 +635,35 @@ class Client:
         uid: bool | bytes,
     ) -> Link | None:
         """Queue one publish; return its Link if that completed a batch written now."""
-        if self._closed:
-            raise ClientClosedError("the client is closed")
-        if key_partition.__class__ is str:
-            key_partition = key_partition.encode()
-        if key.__class__ is str:
-            key = key.encode()
-        frame = encode_message(
-            key_partition,  # type: ignore[arg-type]
-            key,  # type: ignore[arg-type]
-            payload,
-            _time_ns() if ts_producer is None else ts_producer,
-            0,
-            new_ksuid() if uid is True else (uid or None),
-        )
-        size = len(frame) - 4
-        if size > self._max_frame:
-            if not self._connected:
-                raise BrokyConnectionError("the client is not connected; await connect() first")
-            raise PayloadTooLargeError(size, self._max_frame)
-        vb = vbucket_of(key_partition)  # type: ignore[arg-type]
+        if not self._open:
+            self._check_usable()
+        if key_partition.__class__ is not bytes:
+            key_partition = as_bytes(key_partition, "key_partition")
+        if key.__class__ is not bytes:
+            key = as_bytes(key, "key")
+        if payload.__class__ is not bytes:
+            payload = payload_bytes(payload)
+        if uid is True:
+            frame, vb = self._encoder.encode(key_partition, key, payload, ts_producer)
+        else:
+            frame, vb = self._encoder.encode_any(
+                key_partition,
+                key,
+                payload,
+                ts_producer,
+                uid or None,
+            )
         link = self._route[vb] or self._route_slow(vb)
         self.stats.published += 1
         return link if link.send(frame) else None
 
-    def _send_encoded(self, key_partition: bytes, frame: bytes) -> Link | None:
+    def _check_usable(self) -> None:
+        self._check_open()
+        if not self._connected:
+            raise BrokyConnectionError("the client is not connected; await connect() first")
+
+    def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
         """Queue an already encoded and size-checked publish (the blocking client's path)."""
-        vb = vbucket_of(key_partition)
         link = self._route[vb] or self._route_slow(vb)
         self.stats.published += 1
         return link if link.send(frame) else None
@@ -748,6 +782,7 @@ class Client:
     def _welcome(self, welcome: Welcome) -> None:
         vmap = welcome.map
         self._max_frame = welcome.max_frame_bytes
+        self._encoder.set_limit(welcome.max_frame_bytes)
         self.server_info = ServerInfo(
             welcome.node_id,
             welcome.server_version,

@@ -34,15 +34,15 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo
+from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
 from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Subscription
 from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ClientClosedError,
-    PayloadTooLargeError,
     SlowConsumerError,
 )
-from broky.protocol import Message, encode_message, new_ksuid
+from broky.protocol import Message
 
 T = TypeVar("T")
 
@@ -175,7 +175,8 @@ class SyncClient:
             BrokyConnectionError, AuthenticationError: as `broky.connect`.
         """
         self._client = Client(server, **options)
-        self._handoff: list[tuple[bytes, bytes]] = []
+        self._handoff: list[tuple[int, bytes]] = []
+        self._encoder = PublishEncoder()
         self._handoff_bytes = 0
         self._handoff_limit = handoff_bytes
         self._io_paused = False
@@ -234,26 +235,23 @@ class SyncClient:
         """
         if self._closed:
             raise ClientClosedError("the client is closed")
-        if key_partition.__class__ is str:
-            key_partition = key_partition.encode()
-        if key.__class__ is str:
-            key = key.encode()
-        limit = self._client._max_frame
+        if key_partition.__class__ is not bytes:
+            key_partition = as_bytes(key_partition, "key_partition")
+        if key.__class__ is not bytes:
+            key = as_bytes(key, "key")
+        if payload.__class__ is not bytes:
+            payload = payload_bytes(payload)
+        encoder = self._encoder
         with self._cond:
             if self._error is not None:
                 err, self._error = self._error, None
                 raise err
-            frame = encode_message(
-                key_partition,  # type: ignore[arg-type]
-                key,  # type: ignore[arg-type]
-                payload,
-                time.time_ns() if ts_producer is None else ts_producer,
-                0,
-                new_ksuid() if uid is True else (uid or None),
-            )
-            if len(frame) - 4 > limit:
-                raise PayloadTooLargeError(len(frame) - 4, limit)
-            self._handoff.append((key_partition, frame))  # type: ignore[arg-type]
+            encoder.set_limit(self._client._max_frame)
+            if uid is True:
+                frame, vb = encoder.encode(key_partition, key, payload, ts_producer)
+            else:
+                frame, vb = encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
+            self._handoff.append((vb, frame))
             self._handoff_bytes += len(frame)
             if not self._scheduled:
                 self._scheduled = True
@@ -269,9 +267,9 @@ class SyncClient:
             self._scheduled = False
         client = self._client
         paused = None
-        for kp, frame in items:
+        for vb, frame in items:
             try:
-                link = client._send_encoded(kp, frame)
+                link = client._send_encoded(vb, frame)
             except BrokyError as exc:
                 with self._cond:
                     if self._error is None:
