@@ -174,22 +174,25 @@ def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
         MalformedFrameError: the frame is not a valid Message frame.
         UnknownFrameError: its body type is unknown to this version.
     """
-    if buf.startswith(HEADER_NO_UID, f + 4) and end - f >= 84:
-        key_off, pay_off, kp_len = _route_no_uid(buf, f + 72)
-        kp_start = f + 84
-    elif buf.startswith(HEADER_UID, f + 4) and end - f >= 104:
-        key_off, pay_off, kp_len = _route_uid(buf, f + 72)
-        kp_start = f + 104
-    else:
-        return _route_generic(buf, f, end)
-    kp_stop = kp_start + kp_len
-    k = f + 72 + key_off
-    p = f + 76 + pay_off
-    if kp_stop > end or k + 4 > end or p + 4 > end:
-        raise malformed("vector overruns the frame")
-    key_stop = k + 4 + _u32(buf, k)[0]
-    if key_stop > end or p + 4 + _u32(buf, p)[0] > end:
-        raise malformed("vector overruns the frame")
+    # Every read below either lands inside buf (then the stop <= end checks
+    # decide) or past its end (struct.error): no separate length checks.
+    try:
+        if buf.startswith(HEADER_UID, f + 4):
+            key_off, pay_off, kp_len = _route_uid(buf, f + 72)
+            kp_start = f + 104
+        elif buf.startswith(HEADER_NO_UID, f + 4):
+            key_off, pay_off, kp_len = _route_no_uid(buf, f + 72)
+            kp_start = f + 84
+        else:
+            return _route_generic(buf, f, end)
+        kp_stop = kp_start + kp_len
+        k = f + 72 + key_off
+        key_stop = k + 4 + _u32(buf, k)[0]
+        p = f + 76 + pay_off
+        if kp_stop > end or key_stop > end or p + 4 + _u32(buf, p)[0] > end:
+            raise malformed("vector overruns the frame")
+    except struct.error:
+        raise malformed("vector overruns the frame") from None
     return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + 64
 
 
@@ -198,16 +201,6 @@ def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, int]:
     kp, key, _, stamps = _generic_refs(msg)
     msg.field(F_UID, UID_SIZE)  # validated like decode_message does
     return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), stamps + 8
-
-
-def _vector_at(buf: Buffer, v: int, end: int) -> bytes:
-    """The byte vector whose uint32 length is at v."""
-    if v + 4 > end:
-        raise malformed("vector offset outside the frame")
-    stop = v + 4 + _u32(buf, v)[0]
-    if stop > end:
-        raise malformed("vector overruns the frame")
-    return bytes(buf[v + 4 : stop])
 
 
 def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
@@ -225,22 +218,29 @@ def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
             raise malformed("size prefix larger than the buffer")
     head = buf[f + 4 : f + 56]
     uid: bytes | None
-    if head == HEADER_NO_UID and end - f >= 84:
-        ts_p, ts_b, key_off, pay_off, kp_len = _decode_no_uid(buf, f + 56)
-        kp_start = f + 84
-        uid = None
-    elif head == HEADER_UID and end - f >= 104:
-        ts_p, ts_b, key_off, pay_off, uid, kp_len = _decode_uid(buf, f + 56)
-        kp_start = f + 104
-    else:
-        return _decode_generic(buf, f, end)
-    kp_stop = kp_start + kp_len
-    if kp_stop > end:
+    try:  # reads past the buffer raise struct.error; past `end`, the checks below
+        if head == HEADER_UID:
+            ts_p, ts_b, key_off, pay_off, uid, kp_len = _decode_uid(buf, f + 56)
+            kp_start = f + 104
+        elif head == HEADER_NO_UID:
+            ts_p, ts_b, key_off, pay_off, kp_len = _decode_no_uid(buf, f + 56)
+            kp_start = f + 84
+            uid = None
+        else:
+            return _decode_generic(buf, f, end)
+        kp_stop = kp_start + kp_len
+        k = f + 72 + key_off
+        key_stop = k + 4 + _u32(buf, k)[0]
+        p = f + 76 + pay_off
+        pay_stop = p + 4 + _u32(buf, p)[0]
+    except struct.error:
+        raise malformed("vector overruns the frame") from None
+    if kp_stop > end or key_stop > end or pay_stop > end:
         raise malformed("vector overruns the frame")
     return Message(
         bytes(buf[kp_start:kp_stop]),
-        _vector_at(buf, f + 72 + key_off, end),
-        _vector_at(buf, f + 76 + pay_off, end),
+        bytes(buf[k + 4 : key_stop]),
+        bytes(buf[p + 4 : pay_stop]),
         ts_p,
         ts_b,
         uid,

@@ -1,0 +1,271 @@
+"""Micro-benchmarks of the codec and the matcher (pytest-benchmark).
+
+Not part of the test suite (pytest runs only tests/, with --benchmark-disable).
+Run them with:
+
+    .venv/bin/pytest bench/test_micro.py --benchmark-enable \\
+        --benchmark-json=bench/results/micro.json
+
+Results and the machine they ran on: bench/results/micro.md.
+
+The message is the one the pub/sub benchmarks send: a 100-byte payload, an
+8-byte key_partition, a 3-token key, ts_producer set and a KSUID. The
+flatbuffers.Builder and generated-accessor cases are the baseline the fast
+path exists to avoid.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import flatbuffers
+import pytest
+
+from broky import fbs
+from broky.fbs import Body
+from broky.matching import Matcher
+from broky.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    NEED_DATA,
+    FrameReader,
+    Ping,
+    decode_frame,
+    decode_message,
+    encode_frame,
+    encode_message,
+    ksuid_text,
+    new_ksuid,
+    route_message,
+    vbucket_of,
+)
+from broky.protocol.message import message_size
+
+KP = b"tenant-7"
+KEY = b"orders.eu.created"
+PAYLOAD = bytes(range(100))
+UID = new_ksuid()
+TS = time.time_ns()
+FRAME = encode_message(KP, KEY, PAYLOAD, TS, 0, UID)
+SCAN_BYTES = 1 << 20
+
+_u32 = struct.Struct("<I").unpack_from
+_stamp = struct.Struct("<q").pack_into
+
+
+# ---------------------------------------------------------------- Message frames
+
+
+def test_encode_message(benchmark) -> None:  # type: ignore[no-untyped-def]
+    out = benchmark(encode_message, KP, KEY, PAYLOAD, TS, 0, UID)
+    assert out == FRAME
+
+
+def test_encode_message_no_uid(benchmark) -> None:  # type: ignore[no-untyped-def]
+    out = benchmark(encode_message, KP, KEY, PAYLOAD, TS)
+    assert len(out) == message_size(len(KP), len(KEY), len(PAYLOAD), False)
+
+
+def test_encode_message_new_uid(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # What the SDK does per publish: a fresh KSUID and the current time.
+    def publish() -> bytes:
+        return encode_message(KP, KEY, PAYLOAD, time.time_ns(), 0, new_ksuid())
+
+    assert len(benchmark(publish)) == len(FRAME)
+
+
+def test_decode_message(benchmark) -> None:  # type: ignore[no-untyped-def]
+    msg = benchmark(decode_message, FRAME, 0, len(FRAME))
+    assert msg.payload == PAYLOAD and msg.uid == UID
+
+
+def test_decode_frame_message(benchmark) -> None:  # type: ignore[no-untyped-def]
+    msg = benchmark(decode_frame, FRAME)
+    assert msg.payload == PAYLOAD
+
+
+def test_route_message(benchmark) -> None:  # type: ignore[no-untyped-def]
+    kp, key, ts_pos = benchmark(route_message, FRAME, 0, len(FRAME))
+    assert (kp, key, ts_pos) == (KP, KEY, 64)
+
+
+# ---------------------------------------------------------------- the server's scan loop
+
+
+def _scan_buffer() -> tuple[bytes, int]:
+    count = SCAN_BYTES // len(FRAME)
+    return FRAME * count, count
+
+
+def scan_route(data: bytes) -> int:
+    """Frame boundaries and the routing read of every frame of one read."""
+    n = len(data)
+    pos = 0
+    count = 0
+    limit = DEFAULT_MAX_FRAME_BYTES
+    route = route_message
+    u32 = _u32
+    while n - pos >= 4:
+        size = u32(data, pos)[0]
+        if size > limit:
+            raise ValueError("frame too large")
+        end = pos + 4 + size
+        if end > n:
+            break
+        route(data, pos, end)
+        count += 1
+        pos = end
+    return count
+
+
+def scan_route_stamp(data: bytes) -> int:
+    """As scan_route, plus the vbucket check and stamping ts_broker in a mutable copy."""
+    out = bytearray(data)
+    n = len(data)
+    pos = 0
+    count = 0
+    limit = DEFAULT_MAX_FRAME_BYTES
+    route = route_message
+    u32 = _u32
+    stamp = _stamp
+    vb = vbucket_of
+    now = time.time_ns()
+    owned = range(0, 512)
+    while n - pos >= 4:
+        size = u32(data, pos)[0]
+        if size > limit:
+            raise ValueError("frame too large")
+        end = pos + 4 + size
+        if end > n:
+            break
+        kp, _key, ts_pos = route(data, pos, end)
+        if vb(kp) in owned:
+            stamp(out, ts_pos, now)
+        count += 1
+        pos = end
+    return count
+
+
+@pytest.mark.parametrize("loop", [scan_route, scan_route_stamp], ids=["route", "route+vbucket+stamp"])
+def test_scan_1mib(benchmark, loop) -> None:  # type: ignore[no-untyped-def]
+    data, count = _scan_buffer()
+    benchmark.extra_info["messages"] = count
+    benchmark.extra_info["frame_bytes"] = len(FRAME)
+    assert benchmark(loop, data) == count
+
+
+def test_scan_1mib_frame_reader(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # The same through FrameReader, which copies every frame out of its buffer.
+    data, count = _scan_buffer()
+    benchmark.extra_info["messages"] = count
+
+    def loop() -> int:
+        reader = FrameReader()
+        reader.feed(data)
+        n = 0
+        while (frame := reader.next_frame()) is not NEED_DATA:
+            route_message(frame, 0, len(frame))
+            n += 1
+        return n
+
+    assert benchmark(loop) == count
+
+
+# ---------------------------------------------------------------- baseline: generated code
+
+
+def _builder_encode() -> bytes:
+    b = flatbuffers.Builder(256)
+    pay = b.CreateByteVector(PAYLOAD)
+    key = b.CreateByteVector(KEY)
+    kp = b.CreateByteVector(KP)
+    fbs.MessageStart(b)
+    fbs.MessageAddKeyPartition(b, kp)
+    fbs.MessageAddKey(b, key)
+    fbs.MessageAddPayload(b, pay)
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, TS, 0))
+    fbs.MessageAddUid(b, fbs.CreateKsuid(b, UID))
+    body = fbs.MessageEnd(b)
+    fbs.FrameStart(b)
+    fbs.FrameAddBodyType(b, Body.Message)
+    fbs.FrameAddBody(b, body)
+    b.FinishSizePrefixed(fbs.FrameEnd(b), b"BRKY")
+    return bytes(b.Output())
+
+
+def test_baseline_builder_encode(benchmark) -> None:  # type: ignore[no-untyped-def]
+    assert decode_message(benchmark(_builder_encode)).payload == PAYLOAD
+
+
+def _generated_route(frame: bytes) -> tuple[bytes, bytes]:
+    root = fbs.Frame.GetRootAs(frame, 4)
+    tab = root.Body()
+    msg = fbs.Message()
+    msg.Init(tab.Bytes, tab.Pos)
+    return msg.KeyPartitionAsNumpy().tobytes(), msg.KeyAsNumpy().tobytes()
+
+
+def test_baseline_generated_route(benchmark) -> None:  # type: ignore[no-untyped-def]
+    assert benchmark(_generated_route, FRAME) == (KP, KEY)
+
+
+# ---------------------------------------------------------------- control frames, KSUID
+
+
+def test_encode_ping(benchmark) -> None:  # type: ignore[no-untyped-def]
+    benchmark(encode_frame, Ping(7))
+
+
+def test_decode_ping(benchmark) -> None:  # type: ignore[no-untyped-def]
+    raw = encode_frame(Ping(7))
+    assert benchmark(decode_frame, raw) == Ping(7)
+
+
+def test_new_ksuid(benchmark) -> None:  # type: ignore[no-untyped-def]
+    assert len(benchmark(new_ksuid)) == 20
+
+
+def test_ksuid_text(benchmark) -> None:  # type: ignore[no-untyped-def]
+    assert len(benchmark(ksuid_text, UID)) == 27
+
+
+def test_vbucket_of(benchmark) -> None:  # type: ignore[no-untyped-def]
+    assert 0 <= benchmark(vbucket_of, KP) < 1024
+
+
+# ---------------------------------------------------------------- matcher
+
+
+def _matcher(cache_size: int) -> Matcher[int, list[int]]:
+    """1,000 subscriptions: 900 literal keys, 50 `*` and 50 `>` patterns."""
+    m: Matcher[int, list[int]] = Matcher(list, cache_size=cache_size)
+    regions = [b"eu", b"us", b"ap", b"sa", b"af"]
+    item = 0
+    for i in range(900):
+        m.add(b"orders.%s.k%d" % (regions[i % 5], i), item)
+        item += 1
+    for i in range(50):
+        m.add(b"orders.*.k%d" % i, item)
+        m.add(b"orders.%s.>" % regions[i % 5], item + 1)
+        item += 2
+    return m
+
+
+def test_match_warm_cache(benchmark) -> None:  # type: ignore[no-untyped-def]
+    m = _matcher(65536)
+    m.match(b"orders.eu.k0")
+    assert len(benchmark(m.match, b"orders.eu.k0")) == 12
+
+
+def test_match_cold(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # A cache of one entry and two alternating keys: every call walks the trie.
+    m = _matcher(1)
+    keys = [b"orders.eu.k0", b"orders.us.k1"]
+    state = [0]
+
+    def cold() -> list[int]:
+        state[0] ^= 1
+        return m.match(keys[state[0]])
+
+    benchmark(cold)
+    assert m.cache_hits == 0
