@@ -412,14 +412,18 @@ class RedisDriver(Driver):
 
 
 class BrokySdkDriver(BrokyDriver):
-    """Broky with the SDK publishing (`broky.client`, defaults: a KSUID and ts_producer
-    per message); subscribers are the same raw counting ones."""
+    """Broky with the SDK publishing (`sdk_publisher_main`; every message gets a KSUID
+    and ts_producer, the SDK's defaults); subscribers are the same raw counting ones."""
 
     name = "broky_sdk"
 
     def record(self, key: Key, payload: bytes, wildcard: bool) -> Record:
-        frame = encode_message(key[0], key[1], payload, 1, 0, bytes(20))
-        return Record(len(frame), frame[:4], len(frame) - len(payload) - (-len(frame) & 7))
+        kp, k = key
+        frame = encode_message(kp, k, payload, 1, 0, bytes(20))
+        offset = 104 + len(kp) + (-len(kp) & 3) + 4 + len(k) + (-len(k) & 3) + 4  # canonical, with uid
+        if frame[offset : offset + len(payload)] != payload:
+            raise LoadError("unexpected Message layout; update BrokySdkDriver.record")
+        return Record(len(frame), frame[:4], offset)
 
 
 DRIVERS: dict[str, Callable[[], Driver]] = {
