@@ -1,0 +1,388 @@
+"""SDK benchmark: one Python process publishing through broky vs nats.py.
+
+Runs in one go, on the same machine, against servers it starts itself on
+free loopback ports and stops by pid:
+
+- publish: one asyncio client publishes N 100-byte messages (64 key
+  partitions) and flushes; msgs/s from the first publish to the flush's
+  return. Broky SDK -> `broky serve` vs nats.py -> nats-server.
+- end-to-end: in the same process a subscriber (callback) and a publisher
+  (a second client); msgs/s from the first publish until the subscriber has
+  received the last one, plus how many were lost.
+
+Each case runs `--runs` times, alternating Broky and NATS, and the median is
+reported with the ratio Broky / NATS. Results go to bench/results/sdk.md and
+sdk.json with the machine (CPU model, cores, memory, load) and versions.
+
+    python -m bench.sdk_bench [--messages 200000] [--runs 3] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import broky  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+READY = re.compile(rb"listening on (\S+):(\d+)")
+PAYLOAD = b"x" * 100
+PARTITIONS = [b"partition-%d" % i for i in range(64)]
+KEY = b"bench.key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Servers:
+    """A `broky serve` and a nats-server on free loopback ports."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.broky: subprocess.Popen[bytes] | None = None
+        self.nats: subprocess.Popen[bytes] | None = None
+        self.broky_url = ""
+        self.nats_url = ""
+
+    def start(self) -> Servers:
+        cmd = [sys.executable, "-m", "broky", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", "--workers", str(self.workers), "--log-level", "warning"]  # fmt: skip
+        self.broky = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        assert self.broky.stdout is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = self.broky.stdout.readline()
+            if not line:
+                break
+            m = READY.search(line)
+            if m:
+                self.broky_url = f"{m.group(1).decode()}:{m.group(2).decode()}"
+                break
+        if not self.broky_url:
+            self.stop()
+            raise SystemExit("broky serve did not become ready")
+        nats_bin = shutil.which("nats-server")
+        if nats_bin is None:
+            self.stop()
+            raise SystemExit("nats-server is not installed (./run test installs it)")
+        port = free_port()
+        self.nats = subprocess.Popen(
+            [nats_bin, "-a", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            self.stop()
+            raise SystemExit("nats-server did not start")
+        return self
+
+    def stop(self) -> None:
+        for proc in (self.broky, self.nats):
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self.broky is not None:
+            try:  # the workers share the master's process group
+                os.killpg(self.broky.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self.broky.stdout is not None:
+                self.broky.stdout.close()
+
+
+# ---------------------------------------------------------------- the cases
+
+
+async def broky_publish(url: str, n: int) -> dict[str, float]:
+    async with broky.connect(url, name="bench") as client:
+        for kp in PARTITIONS:  # open every connection before timing
+            await client.publish(kp, KEY, PAYLOAD)
+        await client.flush()
+        publish = client.publish
+        cpu = time.process_time()
+        start = time.perf_counter()
+        for i in range(n):
+            await publish(PARTITIONS[i & 63], KEY, PAYLOAD)
+        await client.flush(timeout=120)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+    return {"rate": n / elapsed, "seconds": elapsed, "client_cpu_us": cpu / n * 1e6}
+
+
+async def nats_publish(url: str, n: int) -> dict[str, float]:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        await nc.publish("bench.key", PAYLOAD)
+        await nc.flush()
+        publish = nc.publish
+        cpu = time.process_time()
+        start = time.perf_counter()
+        for _ in range(n):
+            await publish("bench.key", PAYLOAD)
+        await nc.flush(timeout=120)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+    finally:
+        await nc.close()
+    return {"rate": n / elapsed, "seconds": elapsed, "client_cpu_us": cpu / n * 1e6}
+
+
+def e2e_result(n: int, received: int, seconds: float, cpu: float, reported_lost: int) -> dict[str, float]:
+    return {
+        "rate": received / seconds,
+        "seconds": seconds,
+        "received": received,
+        "lost": n - received,
+        "reported_lost": reported_lost,
+        "client_cpu_us": cpu / max(received, 1) * 1e6,
+    }
+
+
+async def _wait_count(done: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    except TimeoutError:
+        pass
+
+
+async def broky_e2e(url: str, n: int) -> dict[str, float]:
+    received = 0
+    done = asyncio.Event()
+    last = 0.0
+
+    def on_message(msg: broky.Message) -> None:
+        nonlocal received, last
+        received += 1
+        if received == n:
+            last = time.perf_counter()
+            done.set()
+
+    async with broky.connect(url, name="bench-sub") as sub, broky.connect(url, name="bench-pub") as pub:
+        await sub.subscribe(KEY, callback=on_message)
+        for kp in PARTITIONS:
+            await pub.publish(kp, b"warm.up", PAYLOAD)
+        await pub.flush()
+        publish = pub.publish
+        cpu = time.process_time()
+        start = time.perf_counter()
+        for i in range(n):
+            await publish(PARTITIONS[i & 63], KEY, PAYLOAD)
+        await pub.flush(timeout=120)
+        await _wait_count(done, 10)
+        end = last if received == n else time.perf_counter()
+        cpu = time.process_time() - cpu
+        lost = sub.stats.server_lost + sub.stats.dropped_local
+    return e2e_result(n, received, end - start, cpu, lost)
+
+
+async def nats_e2e(url: str, n: int) -> dict[str, float]:
+    import nats
+
+    received = 0
+    done = asyncio.Event()
+    last = 0.0
+
+    async def on_message(msg: Any) -> None:
+        nonlocal received, last
+        received += 1
+        if received == n:
+            last = time.perf_counter()
+            done.set()
+
+    errors: list[BaseException] = []
+
+    async def on_error(exc: BaseException) -> None:
+        errors.append(exc)
+
+    sub_nc = await nats.connect(url, error_cb=on_error)
+    pub_nc = await nats.connect(url, error_cb=on_error)
+    try:
+        await sub_nc.subscribe("bench.key", cb=on_message)
+        await sub_nc.flush()
+        publish = pub_nc.publish
+        cpu = time.process_time()
+        start = time.perf_counter()
+        for _ in range(n):
+            await publish("bench.key", PAYLOAD)
+        await pub_nc.flush(timeout=120)
+        await _wait_count(done, 10)
+        end = last if received == n else time.perf_counter()
+        cpu = time.process_time() - cpu
+    finally:
+        await pub_nc.close()
+        await sub_nc.close()
+    return e2e_result(n, received, end - start, cpu, len(errors))
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) // 1024} MiB"
+    except OSError:
+        pass
+    nats_version = subprocess.run(["nats-server", "--version"], capture_output=True, text=True).stdout.strip()
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "load_average_at_start": os.getloadavg(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "broky": broky.__version__,
+        "uvloop": version("uvloop"),
+        "nats-py": version("nats-py"),
+        "nats-server": nats_version,
+    }
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    out = {
+        "rate": statistics.median(r["rate"] for r in runs),
+        "client_cpu_us": statistics.median(r["client_cpu_us"] for r in runs),
+        "runs": [round(r["rate"]) for r in runs],
+    }
+    if "lost" in runs[0]:
+        out["lost"] = sum(r["lost"] for r in runs)
+    return out  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--messages", type=int, default=200_000, help="messages per run (200000)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported (3)")
+    ap.add_argument("--workers", type=int, default=2, help="broky serve --workers (2)")
+    ap.add_argument("--no-save", action="store_true", help="print only, do not write bench/results")
+    args = ap.parse_args(argv)
+    info = machine()
+    servers = Servers(args.workers).start()
+    cases: dict[str, tuple[Callable[[str, int], Awaitable[dict[str, float]]], ...]] = {
+        "publish": (broky_publish, nats_publish),
+        "end-to-end": (broky_e2e, nats_e2e),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for case, (broky_fn, nats_fn) in cases.items():
+            b_runs: list[dict[str, float]] = []
+            n_runs: list[dict[str, float]] = []
+            for r in range(args.runs):
+                order = [(broky_fn, servers.broky_url, b_runs), (nats_fn, servers.nats_url, n_runs)]
+                for fn, url, runs in order if r % 2 == 0 else order[::-1]:
+                    runs.append(uvloop.run(fn(url, args.messages)))
+                    res = runs[-1]
+                    print(f"  {case:10} {fn.__name__:15} {res['rate']:>12,.0f} msgs/s"
+                          f" {res['client_cpu_us']:6.2f} µs client CPU/msg", file=sys.stderr)  # fmt: skip
+            results[case] = {"broky": median_of(b_runs), "nats": median_of(n_runs)}
+            results[case]["ratio"] = results[case]["broky"]["rate"] / results[case]["nats"]["rate"]
+            # how much less client CPU one message costs (nats / broky)
+            results[case]["cpu_ratio"] = (
+                results[case]["nats"]["client_cpu_us"] / results[case]["broky"]["client_cpu_us"]
+            )
+    finally:
+        servers.stop()
+    report = render(info, args, results)
+    print(report)
+    if not args.no_save:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "sdk.md").write_text(report)
+        payload = {"machine": info, "messages": args.messages, "runs": args.runs, "workers": args.workers,
+                   "payload_bytes": len(PAYLOAD), "results": results}  # fmt: skip
+        (RESULTS / "sdk.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# SDK benchmark: broky SDK vs nats.py, one Python process",
+        "",
+        f"`python -m bench.sdk_bench --messages {args.messages} --runs {args.runs} --workers {args.workers}`"
+        f" — {len(PAYLOAD)}-byte payloads, median of {args.runs} alternating runs, uvloop.",
+        "",
+        "| case | broky SDK msgs/s | nats.py msgs/s | ratio | client CPU µs/msg broky / nats | CPU ratio"
+        " | lost broky / nats | runs broky | runs nats |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for case, r in results.items():
+        b, n = r["broky"], r["nats"]
+        lost = f"{b['lost']} / {n['lost']}" if "lost" in b else "n/a"
+        lines.append(
+            f"| {case} | {b['rate']:,.0f} | {n['rate']:,.0f} | {r['ratio']:.2f}x"
+            f" | {b['client_cpu_us']:.2f} / {n['client_cpu_us']:.2f} | {r['cpu_ratio']:.2f}x"
+            f" | {lost} | {b['runs']} | {n['runs']} |"
+        )
+    lines += [
+        "",
+        "- publish: publish N messages then flush (Ping/Pong on every worker; PING/PONG for NATS).",
+        "- end-to-end: subscriber and publisher clients in the same process and event loop; time until",
+        "  the last message is received (broky: plain callback; nats.py: its coroutine callback).",
+        "",
+        "Machine:",
+        "",
+    ]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
