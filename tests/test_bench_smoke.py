@@ -154,3 +154,91 @@ def test_counting_subscriber_redis_pattern_records() -> None:
         assert len(msg) == rec.length
         _deliver(stream, peer, msg * 10, 333)
         assert stream.n == 10 and counters.errors == 0
+
+
+def _fake_results() -> dict[str, Any]:
+    def run(rate: float, cpu: float) -> dict[str, Any]:
+        return {
+            "deliveries_per_s": rate,
+            "server_cpu_us_per_delivery": cpu,
+            "generator_cpu_us_per_delivery": 0.1,
+            "server_peak_rss_bytes": 50 << 20,
+            "errors": 0,
+            "not_delivered": 0,
+            "notes": [],
+        }
+
+    def lat(p99: float) -> dict[str, Any]:
+        pct = {"p50": p99 / 4, "p90": p99 / 2, "p99": p99, "p99.9": p99 * 2, "p99.99": p99 * 3}
+        dist = [(0.0, 1.0), (50.0, p99 / 4), (90.0, p99 / 2), (99.0, p99), (99.9, p99 * 2), (100.0, p99 * 4)]
+        return {"percentiles_us": pct, "max_us": p99 * 4, "samples": 1000, "distribution": dist}
+
+    machine = {
+        "cpu_model": "Test CPU",
+        "cores": 2,
+        "memory_bytes": 2**31,
+        "os": "Linux",
+        "python": "CPython 3.11",
+        "broky": "0.1.0",
+        "nats_server": "2.9.10",
+        "redis_server": "7.0.15",
+        "load_average_at_start": 0.1,
+    }
+    return {
+        "mode": "quick",
+        "command": "python -m bench --quick",
+        "started": "2026-01-01 00:00 UTC",
+        "machine": machine,
+        "settings": {"broky_workers": 2, "warmup_s": 0.1, "duration_s": 0.2},
+        "throughput": [
+            {
+                "id": "1to1_100",
+                "title": "1 → 1, 100 B",
+                "results": {"broky": run(500e3, 1.0), "nats": run(1e6, 0.9), "redis": run(400e3, 1.25)},
+            },
+            {
+                "id": "1to4_16",
+                "title": "1 → 4 fan-out, 16 B",
+                "results": {"broky": run(1e6, 0.5), "nats": run(3e6, 0.25), "redis": {"error": "boom"}},
+            },
+        ],
+        "latency": {
+            "rate_per_s": 5000,
+            "payload": 100,
+            "warmup_s": 0.1,
+            "duration_s": 1,
+            "results": {"broky": lat(300.0), "nats": lat(100.0), "redis": lat(150.0)},
+        },
+        "sdk": {
+            "messages": 10,
+            "runs": 1,
+            "rates": {"broky SDK": 300e3, "nats.py": 100e3},
+            "broky_over_nats_py": 3.0,
+        },
+    }
+
+
+def test_report_targets_tables_and_plots(tmp_path: Path) -> None:
+    from bench.harness import report
+
+    results = _fake_results()
+    paths = report.write(results, tmp_path)
+    met = {t["target"]: (t["ratio"], t["met"]) for t in results["targets"]}
+    cpu = met["server CPU per delivery, 1to1_100: Broky <= Redis"]
+    assert cpu[0] == pytest.approx(0.8) and cpu[1] is True
+    assert met["deliveries/s, 1to1_100: Broky >= Redis"][1] is True
+    assert met["deliveries/s, 1to4_16: Broky >= Redis"] == (None, None)  # Redis failed: no verdict
+    p99 = met["p99 latency at 5,000 msgs/s (100 B): Broky <= 1.5x NATS"]
+    assert p99[0] == pytest.approx(3.0) and p99[1] is False
+    assert met["SDK publish rate >= 3x nats.py"] == (3.0, True)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 1 → 1, 100 B | 500.0 k | 1.00 M | 400.0 k | 0.50x | 1.25x |" in table
+    assert "| 1 → 4 fan-out, 16 B | 1.00 M | 3.00 M | failed | 0.33x | - |" in table
+    assert "| Broky/NATS | 3.00x | 3.00x | 3.00x | 3.00x | 3.00x | |" in table
+    assert "Test CPU, 2 cores, 2.0 GiB" in table and "nats-server 2.9.10" in table
+    assert "1to4_16 / Redis" not in table and "1 → 4 fan-out, 16 B / Redis: boom" in table
+    assert json.loads((tmp_path / "bench.json").read_text())["targets"] == results["targets"]
+    assert {p.name for p in paths} == {"bench.json", "bench.md", "latency.png", "throughput.png", "cpu.png"}
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes().startswith(PNG_MAGIC)
