@@ -256,16 +256,33 @@ def markdown(results: dict[str, Any]) -> str:
     for t in results["targets"]:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['target']} | {_fmt_ratio(t['ratio'])} | {met} |")
+    runs = [(s["title"], s["results"]) for s in results["throughput"]]
+    if lat:
+        runs.append(("latency", lat["results"]))
     problems = [
-        f"- {s['title']} / {TITLES[n]}: {res.get('error') or res.get('skipped') or res.get('notes')}"
-        for s in results["throughput"]
-        for n, res in s["results"].items()
-        if "error" in res or "skipped" in res or res.get("errors") or res.get("not_delivered")
+        f"- {title} / {TITLES[n]}: {_problem(res)}"
+        for title, by_system in runs
+        for n, res in by_system.items()
+        if _problem(res)
     ]
     if problems:
         lines += ["", "## Problems seen during the run", "", *problems]
     lines += ["", f"Raw figures: `bench.json`. Reproduce: `{results['command']}`."]
     return "\n".join(lines) + "\n"
+
+
+def _problem(res: dict[str, Any]) -> str:
+    """What went wrong in one run, or "" if nothing did."""
+    if "error" in res or "skipped" in res:
+        return str(res.get("error") or res.get("skipped"))
+    parts = []
+    if res.get("not_delivered"):
+        parts.append(f"{res['not_delivered']} deliveries missing ({res.get('published')} published)")
+    if res.get("server_reported_lost"):
+        parts.append(f"the server reported {res['server_reported_lost']} lost")
+    if res.get("errors"):
+        parts.append(f"{res['errors']} errors: {res.get('notes')}")
+    return "; ".join(parts)
 
 
 def _footer(fig: Any, results: dict[str, Any]) -> None:
