@@ -1,0 +1,48 @@
+"""The examples in schema/README.md are what the codec produces."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from broky.matching import parse_pattern, pattern_matches
+from broky.protocol import Message, decode_frame, encode_message, vbucket_of
+from tests.test_protocol_generated import generated_read
+
+DOC = (Path(__file__).resolve().parent.parent / "schema" / "README.md").read_text()
+
+
+def test_hex_dump_is_the_canonical_encoding() -> None:
+    rows = re.findall(r"^([0-9a-f]{4})  ((?:[0-9a-f]{2} ){0,15}[0-9a-f]{2})", DOC, re.MULTILINE)
+    assert rows, "no hex dump found in schema/README.md"
+    dump = b"".join(bytes.fromhex(hexes) for _, hexes in rows)
+    assert [int(offset, 16) for offset, _ in rows] == list(range(0, len(dump), 16))
+    uid = bytes.fromhex("11e1a300" + "0123456789abcdef" * 2)
+    msg = Message(b"t1", b"orders.eu", b"hello", 1_700_000_000_000_000_000, 0, uid)
+    assert dump == encode_message(*msg)
+    assert generated_read(dump) == msg == decode_frame(dump)
+    assert len(encode_message(b"t1", b"orders.eu", b"hello")) == 120
+
+
+def test_vbucket_example() -> None:
+    assert "`t1` → 0xc03234fac12ac33c → vbucket 828" in DOC
+    assert vbucket_of(b"t1") == 828
+
+
+@pytest.mark.parametrize(
+    ("pattern", "matching", "not_matching"),
+    [
+        (b"a.b", [b"a.b"], [b"a.b.c", b"a"]),
+        (b"a.*", [b"a.b", b"a."], [b"a", b"a.b.c"]),
+        (b"a.>", [b"a.b", b"a.b.c"], [b"a"]),
+        (b"*.*.>", [b"a.b.c", b"a.b.c.d"], [b"a.b"]),
+    ],
+)
+def test_pattern_table(pattern: bytes, matching: list[bytes], not_matching: list[bytes]) -> None:
+    row = f"| `{pattern.decode()}` "
+    assert row in DOC
+    tokens = parse_pattern(pattern)
+    assert all(pattern_matches(tokens, k) for k in matching)
+    assert not any(pattern_matches(tokens, k) for k in not_matching)
