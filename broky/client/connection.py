@@ -1,8 +1,9 @@
 """A thin asyncio Protocol over one TCP connection to one worker.
 
-It feeds the sans-IO `FrameReader`, decodes Message frames on the fast path
-(canonical layout check, then `decode_message`) and every other frame with
-`decode_frame`, and hands the results to its owner (a `Link` of the client).
+It cuts each read into frames (size prefix checked against the limit before
+anything is buffered, like the codec's `FrameReader`), decodes deliveries on
+a fast path (see `data_received`) and every other frame with `decode_frame`,
+and hands the results to its owner (a `Link` of the client).
 It knows nothing about routing, subscriptions or reconnecting.
 
 Handshake: `open_connection` connects, writes the Hello and waits for the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -23,19 +25,26 @@ from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ErrorCode,
+    MalformedFrameError,
     NotMyVBucketError,
     ProtocolError,
     RemoteProtocolError,
     ServerError,
 )
-from broky.protocol import NEED_DATA, Error, Frame, FrameReader, Hello, Message, Welcome, decode_frame
+from broky.protocol import Error, Frame, Hello, Message, Welcome, decode_frame
 from broky.protocol.frames import encode_hello
-from broky.protocol.message import HEADER_NO_UID, HEADER_UID, decode_message
+from broky.protocol.framing import MIN_FRAME_SIZE, check_size
+from broky.protocol.message import HEADER_UID
 
 # Inbound frames are deliveries (bounded by the server's max_frame_bytes) and
 # control frames; a Welcome with a large map is a few KiB.
 INBOUND_MAX_FRAME_BYTES = 64 << 20
 WRITE_HIGH_WATER = 1 << 20
+
+_u32 = struct.Struct("<I").unpack_from
+# canonical Message with uid, at f+56: ts_producer, ts_broker, key offset,
+# payload offset, uid, key_partition length (see broky.protocol.message)
+_uid_fields = struct.Struct("<qqII20sI").unpack_from
 
 
 class Handler(Protocol):
@@ -67,7 +76,8 @@ class WorkerProtocol(asyncio.Protocol):
         self.closed = False
         self.failure: BrokyError | None = None
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._reader = FrameReader(INBOUND_MAX_FRAME_BYTES)
+        self._partial = b""
+        self.max_frame_bytes = INBOUND_MAX_FRAME_BYTES
         self._on_message: Callable[[Message], None] | None = None
 
     # ---------------------------------------------------------------- asyncio callbacks
@@ -81,23 +91,60 @@ class WorkerProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
-        reader = self._reader
-        reader.feed(data)
+        # The fast path: frames are cut straight out of `data` (only a partial
+        # frame at the end is kept for the next read), and a delivery in the
+        # canonical layout with a uid -- what the SDK publishes -- is decoded
+        # inline, with the same bounds checks as broky.protocol.decode_message.
+        # Every other frame goes through decode_frame.
+        if self._partial:
+            data = self._partial + data
+            self._partial = b""
+        n = len(data)
+        pos = 0
         on_message = self._on_message
+        limit = self.max_frame_bytes
         try:
-            while True:
-                frame = reader.next_frame()
-                if frame is NEED_DATA:
-                    return
-                if on_message is not None and (
-                    frame.startswith(HEADER_UID, 4) or frame.startswith(HEADER_NO_UID, 4)
-                ):
-                    on_message(decode_message(frame, 0, len(frame)))
+            while n - pos >= 4:
+                size = _u32(data, pos)[0]
+                if size > limit or size < MIN_FRAME_SIZE:
+                    check_size(size, limit)
+                end = pos + 4 + size
+                if end > n:
+                    break
+                if on_message is not None and end - pos >= 104 and data.startswith(HEADER_UID, pos + 4):
+                    ts_p, ts_b, key_off, pay_off, uid, kp_len = _uid_fields(data, pos + 56)
+                    kp_stop = pos + 104 + kp_len
+                    k = pos + 72 + key_off
+                    p = pos + 76 + pay_off
+                    if kp_stop > end or k + 4 > end or p + 4 > end:
+                        raise MalformedFrameError("malformed frame: vector overruns the frame")
+                    key_stop = k + 4 + _u32(data, k)[0]
+                    pay_stop = p + 4 + _u32(data, p)[0]
+                    if key_stop > end or pay_stop > end:
+                        raise MalformedFrameError("malformed frame: vector overruns the frame")
+                    on_message(
+                        Message(
+                            data[pos + 104 : kp_stop],
+                            data[k + 4 : key_stop],
+                            data[p + 4 : pay_stop],
+                            ts_p,
+                            ts_b,
+                            uid,
+                        )
+                    )
                 else:
-                    self._control(decode_frame(frame))
-                    on_message = self._on_message
+                    frame = decode_frame(data, pos, end)
+                    if on_message is not None and isinstance(frame, Message):
+                        on_message(frame)
+                    else:
+                        self._control(frame)
+                        on_message = self._on_message
+                pos = end
         except ProtocolError as exc:
             self._fail(exc)
+            return
+        if pos < n:
+            self._partial = data[pos:]
 
     def _control(self, frame: Frame) -> None:
         handler = self.handler
@@ -121,13 +168,13 @@ class WorkerProtocol(asyncio.Protocol):
         """The server broke the protocol (or refused us): remember why and close."""
         if self.failure is None:
             self.failure = exc
-        if not self.welcome.done():
+        if self.handler is None and not self.welcome.done():
             self.welcome.set_exception(exc)
         self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.welcome.done():
+        if self.handler is None and not self.welcome.done():
             self.welcome.set_exception(BrokyConnectionError(f"connection closed during the handshake: {exc}"))
         for waiter in self._drain_waiters:
             if not waiter.done():

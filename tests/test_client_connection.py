@@ -1,0 +1,91 @@
+"""The client connection's inline frame cutting and delivery decoding agree with the codec."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broky.client.connection import WorkerProtocol
+from broky.errors import FrameTooLargeError, MalformedFrameError
+from broky.protocol import Frame, Message, Pong, decode_frame, encode_frame, encode_message
+
+messages = st.builds(
+    Message,
+    st.binary(max_size=30),
+    st.binary(max_size=30),
+    st.binary(max_size=200),
+    st.integers(0, 2**63 - 1),
+    st.integers(0, 2**63 - 1),
+    st.one_of(st.none(), st.binary(min_size=20, max_size=20)),
+)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        self.lost: list[BaseException | None] = []
+
+    def on_message(self, msg: Message) -> None:
+        self.frames.append(msg)
+
+    def on_frame(self, frame: Frame) -> None:
+        self.frames.append(frame)
+
+    def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
+        self.lost.append(exc)
+
+
+class FakeTransport:
+    def __init__(self, proto: WorkerProtocol) -> None:
+        self.proto = proto
+        self.closed = False
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.proto.connection_lost(None)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
+    async def main() -> tuple[Recorder, WorkerProtocol]:
+        proto = WorkerProtocol()
+        proto.transport = FakeTransport(proto)  # type: ignore[assignment]
+        rec = Recorder()
+        proto.attach(rec)
+        for chunk in chunks:
+            proto.data_received(chunk)
+        return rec, proto
+
+    return asyncio.run(main())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(messages, st.builds(Pong, st.integers(0, 2**64 - 1))), max_size=12), st.data())
+def test_any_split_gives_the_codec_frames(frames: list[Frame], data: st.DataObject) -> None:
+    stream = b"".join(encode_frame(f) for f in frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    rec, _ = feed(chunks)
+    assert rec.frames == [decode_frame(encode_frame(f)) for f in frames]
+    assert rec.lost == []
+
+
+def test_a_vector_overrunning_the_frame_is_malformed() -> None:
+    frame = bytearray(encode_message(b"p", b"k", b"payload", 1, 2, bytes(20)))
+    # payload length (just before the payload) made larger than the frame
+    at = frame.index(b"payload") - 4
+    frame[at : at + 4] = (1000).to_bytes(4, "little")
+    rec, proto = feed([bytes(frame)])
+    assert rec.frames == []
+    assert isinstance(proto.failure, MalformedFrameError)
+
+
+def test_an_oversized_prefix_fails_before_buffering() -> None:
+    rec, proto = feed([(1 << 31).to_bytes(4, "little")])
+    assert isinstance(proto.failure, FrameTooLargeError)
+    assert rec.lost and isinstance(rec.lost[0], FrameTooLargeError)
