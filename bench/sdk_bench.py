@@ -111,6 +111,24 @@ class Servers:
             raise SystemExit("nats-server did not start")
         return self
 
+    def cpu_seconds(self, which: str) -> float:
+        """CPU time (user + system) used so far by a server: broky's master and workers, or nats."""
+        proc = self.broky if which == "broky" else self.nats
+        assert proc is not None
+        pids = [proc.pid]
+        try:
+            pids += [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        except OSError:
+            pass
+        total = 0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         for proc in (self.broky, self.nats):
             if proc is None or proc.poll() is not None:
@@ -301,6 +319,7 @@ def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     out = {
         "rate": statistics.median(r["rate"] for r in runs),
         "client_cpu_us": statistics.median(r["client_cpu_us"] for r in runs),
+        "server_cpu_us": statistics.median(r["server_cpu_us"] for r in runs),
         "runs": [round(r["rate"]) for r in runs],
     }
     if "lost" in runs[0]:
@@ -329,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.runs):
                 order = [(broky_fn, servers.broky_url, b_runs), (nats_fn, servers.nats_url, n_runs)]
                 for fn, url, runs in order if r % 2 == 0 else order[::-1]:
+                    which = "broky" if fn is broky_fn else "nats"
+                    server_cpu = servers.cpu_seconds(which)
                     runs.append(uvloop.run(fn(url, args.messages)))
+                    server_cpu = servers.cpu_seconds(which) - server_cpu
+                    runs[-1]["server_cpu_us"] = server_cpu / args.messages * 1e6
                     res = runs[-1]
                     print(f"  {case:10} {fn.__name__:15} {res['rate']:>12,.0f} msgs/s"
-                          f" {res['client_cpu_us']:6.2f} µs client CPU/msg", file=sys.stderr)  # fmt: skip
+                          f" {res['client_cpu_us']:6.2f} µs client CPU/msg"
+                          f" {res['server_cpu_us']:6.2f} µs server CPU/msg", file=sys.stderr)  # fmt: skip
             results[case] = {"broky": median_of(b_runs), "nats": median_of(n_runs)}
             results[case]["ratio"] = results[case]["broky"]["rate"] / results[case]["nats"]["rate"]
             # how much less client CPU one message costs (nats / broky)
@@ -360,8 +384,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, di
         f" — {len(PAYLOAD)}-byte payloads, median of {args.runs} alternating runs, uvloop.",
         "",
         "| case | broky SDK msgs/s | nats.py msgs/s | ratio | client CPU µs/msg broky / nats | CPU ratio"
-        " | lost broky / nats | runs broky | runs nats |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|",
+        " | server CPU µs/msg broky / nats-server | lost broky / nats | runs broky | runs nats |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for case, r in results.items():
         b, n = r["broky"], r["nats"]
@@ -369,6 +393,7 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, di
         lines.append(
             f"| {case} | {b['rate']:,.0f} | {n['rate']:,.0f} | {r['ratio']:.2f}x"
             f" | {b['client_cpu_us']:.2f} / {n['client_cpu_us']:.2f} | {r['cpu_ratio']:.2f}x"
+            f" | {b['server_cpu_us']:.2f} / {n['server_cpu_us']:.2f}"
             f" | {lost} | {b['runs']} | {n['runs']} |"
         )
     lines += [
