@@ -52,7 +52,7 @@ def test_killed_worker_is_back_within_a_second(server: ServerProcess) -> None:
     doomed.close()
     while True:
         pids = server.worker_pids()
-        if len(pids) == 2 and victim not in pids and http_get(server, "/healthz")[0] == 200:
+        if len(pids) == 2 and victim not in pids and http_get(server, "/readyz")[0] == 200:
             break
         assert time.monotonic() - killed < 1.0, f"worker not back within 1 s: {pids}"
         time.sleep(0.02)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class Connection(asyncio.Protocol):
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "dropped", "over_since", "subs", "linger",
+        "msgs_in", "msgs_out", "dropped_total", "connected_at",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -54,6 +56,11 @@ class Connection(asyncio.Protocol):
         self.over_since = 0.0  # monotonic time of the first drop since the last notice
         self.subs: dict[int, Subscription] = {}
         self.linger: asyncio.TimerHandle | None = None
+        # Per-connection totals for /connections (broky.server.monitor).
+        self.msgs_in = 0  # messages published by this connection
+        self.msgs_out = 0  # messages delivered to it
+        self.dropped_total = 0  # deliveries to it dropped (slow consumer)
+        self.connected_at = time.time()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport

@@ -146,6 +146,7 @@ class WorkerStats:
         # Reads that delivered something, by log2 of the receive-to-write time
         # in microseconds: bucket i counts times in [2**(i-1), 2**i) us.
         self.latency_us = [0] * _LATENCY_BUCKETS
+        self.latency_ns_sum = 0  # sum of the observed times (broky.server.histogram)
 
     def count_error(self, code: ErrorCode) -> None:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
@@ -311,6 +312,7 @@ class Shard:
                     if not t.touched:
                         t.touched = True
                         touched.append(t)
+                    t.msgs_out += 1
                     delivered += 1
                 pos = end
         except RemoteProtocolError as exc:
@@ -320,12 +322,15 @@ class Shard:
             c.partial_since = _monotonic()
         stats.messages_published += published
         stats.messages_delivered += delivered
+        c.msgs_in += published
         if unmatched:
             stats.dropped["no_subscribers"] += unmatched
         if touched:
             self.flush()
             if delivered:
-                stats.latency_us[min((_time_ns() - t0) >> 10, 1 << 30).bit_length()] += 1
+                dt = _time_ns() - t0
+                stats.latency_ns_sum += dt
+                stats.latency_us[min(dt >> 10, 1 << 30).bit_length()] += 1
 
     def flush(self) -> None:
         """Write once to every connection touched during this read."""
@@ -355,6 +360,7 @@ class Shard:
         if c.base + c.unflushed + flen <= c.limit:
             return False
         c.dropped += 1
+        c.dropped_total += 1
         self.stats.dropped["slow_consumer"] += 1
         if not c.over_since:
             c.over_since = _monotonic()

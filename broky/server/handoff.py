@@ -9,7 +9,8 @@ master -> worker
     CONFIG   JSON settings (the first message; the worker boots from it)
     CONN     the bytes already read from the client (its Hello frame),
              with the client socket's fd attached
-    STATS    uint32 request id: ask for a stats snapshot
+    STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
+             or another view (broky.server.monitor.answer)
 worker -> master
     READY    the worker serves (sent once after boot)
     STATS    uint32 request id + JSON snapshot

@@ -1,26 +1,31 @@
 """A minimal HTTP/1.0 server on the metrics port (asyncio, no dependency).
 
 Routes are a dict path -> async handler returning (status, content type,
-body); the master registers /healthz and /debug/stats, and a metrics exporter
-can add /metrics the same way. GET and HEAD only; one request per connection.
+body); the master registers /healthz and /debug/stats, and broky.server.monitor
+adds /metrics, /readyz, /stats, /connections and /topics. A handler in
+`query_routes` gets the query string as a dict (last value of each name wins).
+GET and HEAD only; one request per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger("broky.master")
 
 Response = tuple[int, str, bytes]
 Handler = Callable[[], Awaitable[Response]]
+QueryHandler = Callable[[dict[str, str]], Awaitable[Response]]
 
 _REASONS = {
     200: "OK",
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 MAX_REQUEST_BYTES = 8192
@@ -30,6 +35,7 @@ REQUEST_TIMEOUT = 5.0
 class HttpServer:
     def __init__(self) -> None:
         self.routes: dict[str, Handler] = {}
+        self.query_routes: dict[str, QueryHandler] = {}
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -69,11 +75,17 @@ class HttpServer:
         method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
         if method not in ("GET", "HEAD"):
             return 405, "text/plain", b"GET or HEAD only\n", True
-        handler = self.routes.get(target.split("?", 1)[0])
-        if handler is None:
+        path, _, query = target.partition("?")
+        handler = self.routes.get(path)
+        query_handler = self.query_routes.get(path)
+        if handler is None and query_handler is None:
             return 404, "text/plain", b"not found\n", method == "GET"
         try:
-            status, ctype, body = await handler()
+            if query_handler is not None:
+                status, ctype, body = await query_handler(dict(urllib.parse.parse_qsl(query)))
+            else:
+                assert handler is not None
+                status, ctype, body = await handler()
         except Exception:
             log.exception("HTTP handler for %s failed", target)
             return 500, "text/plain", b"internal error\n", method == "GET"

@@ -17,10 +17,12 @@ A refused handshake gets one fatal Error frame, one log line, and a lingering
 close: the master half-closes and discards input for up to a second so that
 the client reads the Error instead of a connection reset.
 
-The master also answers HTTP on the metrics port: /healthz (200 when every
-worker is ready, else 503) and /debug/stats (JSON: every worker's counters,
-asked over the control channels). SIGTERM or SIGINT: stop accepting, ask
-every worker to say Goodbye and close, exit 0 within 5 s.
+The master also answers HTTP on the metrics port: /healthz (200 while the
+master runs), /readyz (200 when every worker is ready, else 503) and
+/debug/stats (JSON: every worker's counters, asked over the control
+channels); broky.server.monitor adds /metrics, /stats, /connections and
+/topics. SIGTERM or SIGINT: stop accepting, ask every worker to say Goodbye
+and close, exit 0 within 5 s.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from broky.errors import ErrorCode, RemoteProtocolError
 from broky.protocol import ANY_WORKER, PROTOCOL_VERSION, Hello, decode_frame
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import handoff
+from broky.server import handoff, monitor
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
 from broky.server.supervisor import Supervisor, WorkerProcess
@@ -91,7 +93,9 @@ class Master:
         port = self.listener.getsockname()[1]
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
         self.http.routes["/healthz"] = self.healthz
+        self.http.routes["/readyz"] = self.readyz
         self.http.routes["/debug/stats"] = self.debug_stats
+        monitor.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
         sup.start_all()
@@ -273,8 +277,8 @@ class Master:
         else:
             log.error("unexpected message %r from worker %d", kind, wp.index)
 
-    async def worker_stats(self) -> list[dict[str, Any] | None]:
-        """A stats snapshot of every worker (None for one that did not answer)."""
+    async def worker_stats(self, what: bytes = b"") -> list[dict[str, Any] | None]:
+        """A stats snapshot (or the view `what`, see monitor.answer) of every worker (None: no answer)."""
         assert self.supervisor is not None
         waiters: list[asyncio.Future[dict[str, Any]] | None] = []
         for wp in self.supervisor.workers:
@@ -285,7 +289,7 @@ class Master:
             fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
             self._stats_waiters[self._next_request] = fut
             try:
-                handoff.send(wp.chan, handoff.STATS, handoff.pack_id(self._next_request))
+                handoff.send(wp.chan, handoff.STATS, handoff.pack_id(self._next_request) + what)
             except OSError:
                 self._stats_waiters.pop(self._next_request, None)
                 waiters.append(None)
@@ -300,6 +304,9 @@ class Master:
         return out
 
     async def healthz(self) -> Response:
+        return 200, "text/plain", b"ok\n"
+
+    async def readyz(self) -> Response:
         assert self.supervisor is not None
         if self.supervisor.all_ready():
             return 200, "text/plain", b"ok\n"

@@ -67,6 +67,7 @@ class Supervisor:
         self.stopping = False
         self.failure: str | None = None
         self.restarts = 0
+        self.restarts_of = [0] * config.workers  # by worker index, for broky_worker_restarts_total
         self._ready_changed = asyncio.Event()
 
     # ------------------------------------------------------------ processes
@@ -168,6 +169,7 @@ class Supervisor:
                     self.events.put_nowait("failure")
                     return
             self.restarts += 1
+            self.restarts_of[index] += 1
             self.spawn(index)
 
     def _forget(self, wp: WorkerProcess) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import uvloop
 
-from broky.server import handoff
+from broky.server import handoff, monitor
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
@@ -86,9 +86,9 @@ class Worker:
             if kind == handoff.CONN and fd is not None:
                 self._adopt(fd, payload)
             elif kind == handoff.STATS:
-                request_id, _ = handoff.split_id(payload)
+                request_id, what = handoff.split_id(payload)
                 with contextlib.suppress(OSError):
-                    handoff.send_json(self.chan, handoff.STATS, request_id, self.shard.snapshot())
+                    handoff.send_json(self.chan, handoff.STATS, request_id, monitor.answer(self.shard, what))
             elif kind == b"":
                 log.warning("master is gone; worker %d shutting down", self.index)
                 self.loop.remove_reader(self.chan.fileno())

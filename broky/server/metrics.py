@@ -1,0 +1,175 @@
+"""Prometheus metrics, gathered from the workers only when scraped.
+
+Theory of operation
+-------------------
+Nothing here runs per message. Workers keep plain integer counters
+(`WorkerStats` in broky.server.fanout) and a log2 latency histogram
+(broky.server.histogram); prometheus_client never runs in a worker. When
+/metrics is scraped, the master asks every worker for its snapshot over the
+control channel (broky.server.monitor), then this module's custom collector
+turns the snapshots into metric families and prometheus_client renders them.
+No multiprocess mode, no shared files, no lock.
+
+Names follow the Prometheus conventions: `broky_` prefix, base units
+(seconds, bytes), `_total` on counters. Every worker series carries a
+`worker` label; no label ever holds a key or a key_partition, so the number
+of series is bounded by workers x reasons. A worker that restarted starts its
+counters from zero again, which Prometheus' rate() treats as a counter reset;
+`broky_worker_restarts_total` says when that happened. A worker that did not
+answer the scrape has `broky_worker_up 0` and no other series in that scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from broky import __version__
+from broky.server import histogram
+
+# (metric name, snapshot field, help) of the per-worker counters and gauges.
+COUNTERS = (
+    ("broky_messages_published_total", "messages_published", "Messages received from publishers."),
+    (
+        "broky_messages_delivered_total",
+        "messages_delivered",
+        "Messages queued to subscribing connections (one per connection).",
+    ),
+    ("broky_bytes_received_total", "bytes_received", "Bytes read from client connections."),
+    ("broky_bytes_sent_total", "bytes_sent", "Bytes written to client connections."),
+    ("broky_connections_opened_total", "connections_total", "Client connections adopted by the worker."),
+    (
+        "broky_slow_consumer_disconnects_total",
+        "slow_consumer_disconnects",
+        "Connections closed for staying over their pending bound past the deadline.",
+    ),
+    (
+        "broky_bytes_discarded_total",
+        "bytes_discarded",
+        "Unsent bytes of connections reset at the end of a lingering close.",
+    ),
+    ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
+    ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
+)
+GAUGES = (
+    ("broky_connections", "connections", "Open client connections."),
+    ("broky_subscriptions", "subscriptions", "Active subscriptions."),
+    ("broky_topics", "topics", "Distinct subscription patterns."),
+    ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
+)
+# Every drop reason is exported, at 0 until it happens, so that alerts and
+# dashboards need no `or vector(0)`.
+DROP_REASONS = ("no_subscribers", "slow_consumer", "not_my_vbucket", "shutdown")
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over the snapshots of the latest scrape."""
+
+    def __init__(self) -> None:
+        self.snapshots: Sequence[dict[str, Any] | None] = ()
+        self.master: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        snaps = [(str(i), s) for i, s in enumerate(self.snapshots) if s is not None]
+        up = GaugeMetricFamily("broky_worker_up", "1 if the worker answered this scrape.", labels=["worker"])
+        for i, s in enumerate(self.snapshots):
+            up.add_metric([str(i)], 1.0 if s is not None else 0.0)
+        yield up
+        for name, field, doc in COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["worker"])
+            for w, s in snaps:
+                counter.add_metric([w], float(s.get(field, 0)))
+            yield counter
+        for name, field, doc in GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+            for w, s in snaps:
+                gauge.add_metric([w], float(s.get(field, 0)))
+            yield gauge
+        dropped = CounterMetricFamily(
+            "broky_messages_dropped_total",
+            "Messages or deliveries dropped, by reason.",
+            labels=["worker", "reason"],
+        )
+        errors = CounterMetricFamily(
+            "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
+        )
+        latency = HistogramMetricFamily(
+            "broky_broker_latency_seconds",
+            "Time inside the broker from a read's arrival to its writes (one observation per read).",
+            labels=["worker"],
+        )
+        for w, s in snaps:
+            reasons = dict.fromkeys(DROP_REASONS, 0) | s.get("dropped", {})
+            for reason, n in sorted(reasons.items()):
+                dropped.add_metric([w, reason], float(n))
+            for code, n in sorted(s.get("errors", {}).items()):
+                errors.add_metric([w, code.lower()], float(n))
+            counts = s.get("latency_us", [])
+            latency.add_metric(
+                [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
+            )
+        yield dropped
+        yield errors
+        yield latency
+        yield from self._master_metrics()
+
+    def _master_metrics(self) -> Iterator[Metric]:
+        m = self.master
+        if not m:
+            return
+        restarts = CounterMetricFamily(
+            "broky_worker_restarts_total", "Times the worker was restarted after dying.", labels=["worker"]
+        )
+        for i, n in enumerate(m.get("worker_restarts", [])):
+            restarts.add_metric([str(i)], float(n))
+        yield restarts
+        handed = CounterMetricFamily(
+            "broky_connections_accepted_total", "Connections whose Hello the master accepted and handed over."
+        )
+        handed.add_metric([], float(m.get("connections_handed", 0)))
+        yield handed
+        refused = CounterMetricFamily(
+            "broky_handshakes_refused_total",
+            "Connections refused at the handshake, by code.",
+            labels=["code"],
+        )
+        for code, n in sorted(m.get("handshakes_refused", {}).items()):
+            refused.add_metric([code.lower()], float(n))
+        yield refused
+        ready = GaugeMetricFamily("broky_workers_ready", "Workers ready to serve.")
+        ready.add_metric([], float(m.get("workers_ready", 0)))
+        yield ready
+        info = GaugeMetricFamily("broky_build_info", "Always 1; the version is a label.", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+
+
+class Exporter:
+    """Renders /metrics from the snapshots of one scrape."""
+
+    # The classic text format, understood by every Prometheus version; the
+    # names we use need none of the newer format's UTF-8 quoting.
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self) -> None:
+        self.collector = SnapshotCollector()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+
+    def render(self, snapshots: Sequence[dict[str, Any] | None], master: dict[str, Any]) -> bytes:
+        """The Prometheus text exposition of these snapshots."""
+        self.collector.snapshots = snapshots
+        self.collector.master = master
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self.collector.snapshots = ()
+            self.collector.master = {}

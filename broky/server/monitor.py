@@ -1,0 +1,267 @@
+"""Monitoring endpoints on the metrics port, and the worker views behind them.
+
+Theory of operation
+-------------------
+Workers count with plain integers (`WorkerStats`, per-connection attributes,
+the `Matcher`'s pattern counts) and never talk to the master on their own.
+When an endpoint is asked, the master sends each ready worker a STATS request
+over its control channel (broky.server.handoff) naming the view it wants, and
+each worker answers with `answer(shard, what)`:
+
+    b""                       the shard's counter snapshot (Shard.snapshot)
+    b"connections:LIMIT"      its LIMIT busiest connections
+    b"topics:LIMIT"           its LIMIT most subscribed patterns
+
+The master merges the answers into one response. A worker that is restarting
+or does not answer within the timeout is reported as down (`"up": false` in
+JSON, `broky_worker_up 0`), never waited for indefinitely. Every list is
+bounded (`?limit=`, at most MAX_LIMIT) and a worker's answer is trimmed to
+fit one control message, so no endpoint can grow with the traffic.
+
+Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
+    /metrics      Prometheus text format (broky.server.metrics)
+    /healthz      200 while the master runs (registered by the master)
+    /readyz       200 when every worker is ready, else 503 (master)
+    /stats        {"node_id", "version", "master", "workers": [...], "totals"}
+    /connections  {"total", "limit", "connections": [...]} busiest first
+    /topics       {"total", "limit", "topics": [...]} most subscribers first
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from broky import __version__
+from broky.protocol import NodeInfo, VBucketMap
+from broky.protocol.routing import to_ranges
+from broky.server import handoff, histogram
+from broky.server.httpd import Response
+from broky.server.metrics import Exporter
+
+if TYPE_CHECKING:
+    from broky.server.fanout import Shard
+    from broky.server.master import Master
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+MAX_SUBS_LISTED = 8  # patterns listed per connection (the count is always exact)
+MAX_PATTERN_CHARS = 256
+_ANSWER_BUDGET = handoff.MAX_MESSAGE - (64 << 10)  # leaves room for the header
+
+# Counters of a worker snapshot that /stats adds up into "totals".
+TOTALS = (
+    "connections", "connections_total", "subscriptions", "topics",
+    "messages_published", "messages_delivered", "bytes_received", "bytes_sent",
+    "slow_consumer_disconnects", "bytes_discarded",
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def answer(shard: Shard, what: bytes) -> dict[str, Any]:
+    """The worker's answer to a STATS request for the view `what`."""
+    view, _, arg = what.partition(b":")
+    limit = _clamp(int(arg) if arg.isdigit() else DEFAULT_LIMIT)
+    if view == b"connections":
+        return _fit(connections_view(shard, limit), "connections")
+    if view == b"topics":
+        return _fit(topics_view(shard, limit), "topics")
+    return shard.snapshot()
+
+
+def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
+    """The `limit` busiest connections of a shard (messages in + out)."""
+    conns = sorted(shard.conns.values(), key=lambda c: c.msgs_in + c.msgs_out, reverse=True)
+    now = time.time()
+    listed = []
+    for c in conns[:limit]:
+        transport = c.transport
+        pending = c.unflushed + (transport.get_write_buffer_size() if transport is not None else 0)
+        patterns = [_text(s.pattern) for s in list(c.subs.values())[:MAX_SUBS_LISTED]]
+        listed.append(
+            {
+                "id": c.conn_id,
+                "worker": shard.index,
+                "remote": c.peer,
+                "name": c.client_name,
+                "uptime_seconds": round(now - c.connected_at, 3),
+                "subscriptions": len(c.subs),
+                "patterns": patterns,
+                "pending_bytes": pending,
+                "paused": c.paused,
+                "messages_in": c.msgs_in,
+                "messages_out": c.msgs_out,
+                "dropped": c.dropped_total,
+            }
+        )
+    return {"worker": shard.index, "total": len(conns), "connections": listed}
+
+
+def topics_view(shard: Shard, limit: int) -> dict[str, Any]:
+    """The `limit` patterns of a shard with the most subscriptions."""
+    patterns = sorted(shard.matcher.patterns.items(), key=lambda kv: (-kv[1], kv[0]))
+    return {
+        "worker": shard.index,
+        "total": len(patterns),
+        "topics": [{"pattern": _text(p), "subscriptions": n} for p, n in patterns[:limit]],
+    }
+
+
+def _fit(view: dict[str, Any], key: str) -> dict[str, Any]:
+    """Halve the list until the JSON fits in one control message."""
+    while len(view[key]) > 1 and len(json.dumps(view)) > _ANSWER_BUDGET:
+        view[key] = view[key][: len(view[key]) // 2]
+    return view
+
+
+def _text(pattern: bytes) -> str:
+    text = pattern.decode("utf-8", "backslashreplace")
+    return text if len(text) <= MAX_PATTERN_CHARS else text[: MAX_PATTERN_CHARS - 1] + "…"
+
+
+def _clamp(limit: int) -> int:
+    return max(1, min(limit, MAX_LIMIT))
+
+
+# ---------------------------------------------------------------- master side
+
+
+class Monitor:
+    """The master's monitoring endpoints."""
+
+    def __init__(self, master: Master) -> None:
+        self.master = master
+        self.exporter = Exporter()
+        cfg = master.config
+        self.map = VBucketMap.single_node(NodeInfo(cfg.node_id, cfg.advertised_host(), cfg.port, cfg.workers))
+
+    async def metrics(self) -> Response:
+        snapshots = await self.master.worker_stats()
+        return 200, self.exporter.content_type, self.exporter.render(snapshots, self._master_view())
+
+    async def stats(self) -> Response:
+        snapshots = await self.master.worker_stats()
+        workers: list[dict[str, Any]] = []
+        totals: dict[str, Any] = dict.fromkeys(TOTALS, 0)
+        dropped: dict[str, int] = {}
+        master = self._master_view()
+        for index, snap in enumerate(snapshots):
+            entry: dict[str, Any] = {
+                "worker": index,
+                "up": snap is not None,
+                "vbuckets": [list(r) for r in to_ranges(self.map.vbuckets_of(0, index))],
+                "restarts": master["worker_restarts"][index],
+            }
+            if snap is not None:
+                entry.update(snap)
+                entry.pop("latency_us", None)
+                entry["latency_seconds"] = _latency_summary(snap)
+                for name in TOTALS:
+                    totals[name] += snap.get(name, 0)
+                for reason, n in snap.get("dropped", {}).items():
+                    dropped[reason] = dropped.get(reason, 0) + n
+            workers.append(entry)
+        totals["dropped"] = dropped
+        totals["workers_up"] = sum(1 for s in snapshots if s is not None)
+        body = {
+            "node_id": self.master.config.node_id,
+            "version": __version__,
+            "master": master,
+            "workers": workers,
+            "totals": totals,
+        }
+        return 200, "application/json", _json(body)
+
+    async def connections(self, query: dict[str, str]) -> Response:
+        limit, error = _limit(query)
+        if error:
+            return 400, "text/plain", error
+        views = await self.master.worker_stats(b"connections:%d" % limit)
+        listed = [c for v in views if v is not None for c in v["connections"]]
+        listed.sort(key=lambda c: c["messages_in"] + c["messages_out"], reverse=True)
+        body = {
+            "total": sum(v["total"] for v in views if v is not None),
+            "limit": limit,
+            "workers_up": sum(1 for v in views if v is not None),
+            "connections": listed[:limit],
+        }
+        return 200, "application/json", _json(body)
+
+    async def topics(self, query: dict[str, str]) -> Response:
+        limit, error = _limit(query)
+        if error:
+            return 400, "text/plain", error
+        views = await self.master.worker_stats(b"topics:%d" % limit)
+        merged: dict[str, dict[str, Any]] = {}
+        for v in views:
+            if v is None:
+                continue
+            for t in v["topics"]:
+                m = merged.setdefault(
+                    t["pattern"], {"pattern": t["pattern"], "subscriptions": 0, "workers": []}
+                )
+                m["subscriptions"] += t["subscriptions"]
+                m["workers"].append(v["worker"])
+        topics = sorted(merged.values(), key=lambda t: (-t["subscriptions"], t["pattern"]))
+        body = {
+            # Patterns per worker, summed: a pattern subscribed on two workers counts twice.
+            "total": sum(v["total"] for v in views if v is not None),
+            "limit": limit,
+            "workers_up": sum(1 for v in views if v is not None),
+            "topics": topics[:limit],
+        }
+        return 200, "application/json", _json(body)
+
+    def _master_view(self) -> dict[str, Any]:
+        m = self.master
+        sup = m.supervisor
+        assert sup is not None
+        return {
+            "pid": os.getpid(),
+            "uptime_seconds": round(time.time() - m.started, 3),
+            "workers": m.config.workers,
+            "workers_ready": sum(1 for wp in sup.workers if wp is not None and wp.ready),
+            "worker_pids": [wp.pid if wp is not None else None for wp in sup.workers],
+            "worker_restarts": list(sup.restarts_of),
+            "connections_handed": m.handed_total,
+            "handshakes_refused": dict(m.refused_total),
+        }
+
+
+def install(master: Master) -> Monitor:
+    """Register the monitoring endpoints on the master's HTTP server."""
+    mon = Monitor(master)
+    master.http.routes["/metrics"] = mon.metrics
+    master.http.routes["/stats"] = mon.stats
+    master.http.query_routes["/connections"] = mon.connections
+    master.http.query_routes["/topics"] = mon.topics
+    return mon
+
+
+def _limit(query: dict[str, str]) -> tuple[int, bytes]:
+    raw = query.get("limit")
+    if raw is None:
+        return DEFAULT_LIMIT, b""
+    if not raw.isdigit() or int(raw) < 1:
+        return 0, f"limit must be a positive integer, not {raw!r}\n".encode()
+    return min(int(raw), MAX_LIMIT), b""
+
+
+def _latency_summary(snap: dict[str, Any]) -> dict[str, Any]:
+    counts = snap.get("latency_us", [])
+    reads = sum(counts)
+    return {
+        "reads": reads,
+        "mean": (snap.get("latency_ns_sum", 0) / reads / 1e9) if reads else None,
+        "p50_le": histogram.quantile(counts, 0.5),
+        "p99_le": histogram.quantile(counts, 0.99),
+        "p999_le": histogram.quantile(counts, 0.999),
+    }
+
+
+def _json(body: Any) -> bytes:
+    return (json.dumps(body, indent=1) + "\n").encode()
