@@ -1,4 +1,10 @@
-"""Logging of the server processes: one line per event on stderr, text or JSON."""
+"""Logging of the server processes: one line per event on stderr, text or JSON.
+
+One event is one line in both formats: a traceback (only ever logged for our
+own bugs; a client's mistake is a warning with its reason and no traceback)
+stays on the event's line, its line breaks escaped as "\\n" in text and
+inside the "exc" string in JSON.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +35,11 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(data)
 
 
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\n", "\\n")
+
+
 def setup_logging(config: ServerConfig, role: str) -> None:
     """Send the `broky` loggers to stderr in the configured format and level."""
     handler = logging.StreamHandler(sys.stderr)
@@ -36,7 +47,7 @@ def setup_logging(config: ServerConfig, role: str) -> None:
         handler.setFormatter(_JsonFormatter(role))
     else:
         fmt = f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s"
-        handler.setFormatter(logging.Formatter(fmt))
+        handler.setFormatter(_TextFormatter(fmt))
     logger = logging.getLogger("broky")
     logger.handlers[:] = [handler]
     logger.setLevel(config.log_level.upper())
