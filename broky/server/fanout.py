@@ -6,26 +6,35 @@ Theory of operation
 
 1. Parse every whole frame of the read (uint32 size prefix, checked against
    max_frame_bytes before anything is buffered). A Message frame in the
-   canonical layout is recognised by its fixed header and read with
-   `route_message` (key_partition, key, position of ts_broker); any other
-   frame goes through `decode_frame` and `control`.
-2. Check that this worker owns the key_partition's vbucket: one index into a
-   1024-byte table. Not ours: a non-fatal NOT_MY_VBUCKET error, the message is
-   dropped and counted.
-3. Match the key: `Matcher.match` is one dict lookup when its cache is warm
-   and returns a ready delivery plan: the distinct connections with an
-   all-partition subscription, plus (only when scoped subscriptions match) a
-   dict key_partition -> further connections. A connection appears at most
-   once in a plan, so a message travels once per connection however many of
-   its subscriptions match; the client dispatches locally.
+   canonical layout (broky.protocol.message) is recognised by its fixed header;
+   its routing bytes (key_partition and key, with their lengths) are sliced out
+   at known offsets and every vector is bounds-checked, the payload included,
+   because subscribers receive these bytes. Any other valid layout takes
+   `route_message`; any other frame goes through `decode_frame` and `control`.
+2. Route through a cache: routing bytes -> the target connections (a tuple
+   interned per distinct target set), or None when this worker does not own
+   the key_partition's vbucket (a non-fatal NOT_MY_VBUCKET error; the message
+   is dropped and counted). On a miss, `route` checks ownership (one index into
+   a 1024-byte table) and asks `Matcher.match` for the delivery plan: the
+   distinct connections with an all-partition subscription, plus (only when
+   scoped subscriptions match) those subscribed to this key_partition. A
+   connection appears at most once, so a message travels once per connection
+   however many of its subscriptions match; the client dispatches locally.
+   Any subscription change (subscribe, unsubscribe, disconnect) empties the
+   cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries.
+3. Runs: consecutive messages with the same targets form a run. A message whose
+   size prefix, fixed header, routing bytes and payload length equal those of
+   the run's first message is known to have the same route and valid bounds
+   without any further parsing, so it only gets its stamp.
 4. Stamp ts_broker: the read is copied once into a bytearray (only when it
    holds a message with subscribers), every message is stamped in place with
    the one time.time_ns() taken for the read, and slices of that copy are
    forwarded. The publisher's bytes are never re-encoded.
-5. Append each delivery to the subscriber's `out` list and remember the
-   connection; a connection over its pending bound drops the delivery and
-   counts it instead (see broky.server.connection for how pending bytes are
-   counted).
+5. At the end of each run (`emit`) append one slice holding the whole run to
+   each target's `out` list and remember the connection; a target over its
+   pending bound takes the leading messages that fit and the others are
+   dropped and counted (`squeeze`; see broky.server.connection for how pending
+   bytes are counted).
 6. After the whole read, write once per touched connection (`b"".join`).
 
 Order: frames of one connection are handled in order and every delivery to a
@@ -56,7 +65,7 @@ import time
 from typing import Any, NamedTuple
 
 from broky import __version__
-from broky.errors import BadPatternError, ErrorCode, RemoteProtocolError
+from broky.errors import BadPatternError, ErrorCode, MalformedFrameError, RemoteProtocolError
 from broky.matching import Matcher, parse_pattern
 from broky.protocol import (
     PROTOCOL_VERSION,
@@ -80,18 +89,29 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
-from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body_type, pack_ts_into
-from broky.protocol.routing import VBUCKETS, vbucket_of
+from broky.protocol.message import (
+    BODY_MESSAGE,
+    HEADER_NO_UID,
+    HEADER_UID,
+    TS_BROKER_OFFSET,
+    body_type,
+    pack_ts_into,
+)
+from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
 
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
+# Canonical Message (broky.protocol.message): key offset @72, payload offset @76
+# (each relative to its own position), key_partition length @80 or @100 (uid).
+_offsets_no_uid = struct.Struct("<III").unpack_from
+_offsets_uid = struct.Struct("<II20xI").unpack_from
 _time_ns = time.time_ns
 _monotonic = time.monotonic
-_VB_MASK = VBUCKETS - 1
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
+ROUTE_CACHE_SIZE = 65536
 
 
 class Subscription:
@@ -181,6 +201,10 @@ class Shard:
             )
         )
         self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
+        # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
+        # for any other layout) -> target connections, or None when not our vbucket.
+        self.routes: dict[object, tuple[Connection, ...] | None] = {}
+        self._interned: dict[tuple[Connection, ...], tuple[Connection, ...]] = {}
         self.stats = WorkerStats()
         self.conns: dict[int, Connection] = {}
         self._touched: list[Connection] = []
@@ -239,10 +263,13 @@ class Shard:
 
     def detach(self, c: Connection) -> None:
         """Remove every subscription of a connection."""
+        if not c.subs:
+            return
         for sub in c.subs.values():
             self.matcher.remove(sub.pattern, sub)
         self.stats.subscriptions -= len(c.subs)
         c.subs.clear()
+        self.forget_routes()
 
     # ------------------------------------------------------------ the fast path
 
@@ -258,65 +285,136 @@ class Shard:
         stats = self.stats
         stats.bytes_received += n
         max_frame = self.config.max_frame_bytes
-        owned = self.owned
-        match = self.matcher.match
-        touched = self._touched
+        routes = self.routes
         startswith = data.startswith
         buf: bytearray | None = None
+        run: tuple[Connection, ...] | None = None  # targets of the current run of messages
+        run_start = run_end = run_n = 0
         published = delivered = unmatched = 0
+        # The first frame of the current run, for a cheap "same route again" test:
+        # size prefix and header, then the routing bytes that precede and follow
+        # the uid (the stamps and the uid differ from message to message).
+        same_head: bytes | None = None
+        same_route = b""
+        same_tail: bytes | None = None
+        same_plen = b""  # the payload length, so a follower's payload vector is known in bounds
+        same_plen_at = 0
+        same_len = 0
         pos = 0
         try:
             while n - pos >= 4:
+                if (
+                    same_head is not None
+                    and pos == run_end
+                    and startswith(same_head, pos)
+                    and startswith(same_route, pos + 72)
+                    and (same_tail is None or startswith(same_tail, pos + 100))
+                    and startswith(same_plen, pos + same_plen_at)
+                ):
+                    end = pos + same_len
+                    if end > n:
+                        break
+                    pack_ts_into(buf, pos + TS_BROKER_OFFSET, t0)  # type: ignore[arg-type]
+                    run_end = end
+                    run_n += 1
+                    published += 1
+                    pos = end
+                    continue
                 size = _u32(data, pos)[0]
                 if size > max_frame or size < MIN_FRAME_SIZE:
                     check_size(size, max_frame)
                 end = pos + 4 + size
                 if end > n:
                     break
-                if (
-                    startswith(HEADER_NO_UID, pos + 4)  # canonical Message: no table walk
-                    or startswith(HEADER_UID, pos + 4)
-                    or body_type(data, pos, end) == BODY_MESSAGE
-                ):
-                    kp, key, ts_at = route_message(data, pos, end)
+                # Canonical Message (layout in broky.protocol.message): the bytes from
+                # the key_partition length to the end of the key name the route.
+                if startswith(HEADER_NO_UID, pos + 4) and end - pos >= 92:
+                    key_off, pay_off, kp_len = _offsets_no_uid(data, pos + 72)
+                    span = pos + 80
+                elif startswith(HEADER_UID, pos + 4) and end - pos >= 112:
+                    key_off, pay_off, kp_len = _offsets_uid(data, pos + 72)
+                    span = pos + 100
                 else:
-                    self.control(c, data, pos, end)
-                    pos = end
-                    if c.state != OPEN:
-                        break
-                    continue
+                    span = 0
+                if span:
+                    k = pos + 72 + key_off
+                    if k == span + 4 + kp_len + (-kp_len & 3) and k + 4 <= end:
+                        key_stop = k + 4 + _u32(data, k)[0]
+                        p = pos + 76 + pay_off
+                        # Subscribers get these bytes: the payload must be in bounds too,
+                        # even when the route comes from the cache.
+                        if key_stop > end or p + 4 > end or p + 4 + _u32(data, p)[0] > end:
+                            raise MalformedFrameError("malformed frame: vector overruns the frame")
+                        rkey: object = data[span:key_stop]
+                        ts_at = pos + TS_BROKER_OFFSET
+                    else:
+                        span = 0  # valid maybe, but not canonical: take the generic read
+                if not span:
+                    try:
+                        kp, key, ts_at = route_message(data, pos, end)
+                    except MalformedFrameError:
+                        # Not a Message: a control frame, or really malformed (then re-raise).
+                        if body_type(data, pos, end) == BODY_MESSAGE:
+                            raise
+                        if run is not None:  # earlier deliveries go out before any reply
+                            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                            run = same_head = None
+                        self.control(c, data, pos, end)
+                        pos = end
+                        if c.state != OPEN:
+                            break
+                        continue
+                    rkey = (kp, key)
                 published += 1
-                if not owned[vbucket_of(kp)]:
-                    self.not_mine(c, kp)
-                    pos = end
-                    continue
-                everyone, scoped = match(key)
-                if scoped is not None:
-                    more = scoped.get(kp)
-                    if more:
-                        everyone = everyone + more
-                if not everyone:
-                    unmatched += 1
+                try:
+                    targets = routes[rkey]
+                except KeyError:
+                    kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
+                    targets = self.route(rkey, kp, key)
+                if not targets:
+                    if targets is None:
+                        if run is not None:
+                            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                            run = same_head = None
+                        self.not_mine(c, route_message(data, pos, end)[0])
+                    else:
+                        unmatched += 1
                     pos = end
                     continue
                 if buf is None:
                     buf = bytearray(data)
                 pack_ts_into(buf, ts_at, t0)
-                frame = buf[pos:end]
-                flen = end - pos
-                for t in everyone:
-                    if t.base + t.unflushed + flen > t.limit and self.over_bound(t, flen):
-                        continue
-                    t.unflushed += flen
-                    t.out.append(frame)
-                    if not t.touched:
-                        t.touched = True
-                        touched.append(t)
-                    t.msgs_out += 1
-                    delivered += 1
+                if targets is run and pos == run_end:
+                    run_end = end
+                    run_n += 1
+                else:
+                    if run is not None:
+                        delivered += self.emit(buf, run, run_start, run_end, run_n)
+                    run = targets
+                    run_start = pos
+                    run_end = end
+                    run_n = 1
+                    if span:
+                        same_head = data[pos : pos + 56]
+                        same_len = end - pos
+                        same_plen_at = 76 + pay_off
+                        same_plen = data[pos + same_plen_at : pos + same_plen_at + 4]
+                        if span == pos + 80:
+                            same_route = data[pos + 72 : key_stop]
+                            same_tail = None
+                        else:
+                            same_route = data[pos + 72 : pos + 80]
+                            same_tail = data[pos + 100 : key_stop]
+                    else:
+                        same_head = None
                 pos = end
         except RemoteProtocolError as exc:
+            if run is not None:
+                delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                run = None
             self.fatal(c, exc.code, str(exc))
+        if run is not None:
+            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
         if pos < n and c.state == OPEN:
             c.rest = data[pos:]
             c.partial_since = _monotonic()
@@ -325,12 +423,58 @@ class Shard:
         c.msgs_in += published
         if unmatched:
             stats.dropped["no_subscribers"] += unmatched
-        if touched:
+        if self._touched:
             self.flush()
             if delivered:
                 dt = _time_ns() - t0
                 stats.latency_ns_sum += dt
                 stats.latency_us[min(dt >> 10, 1 << 30).bit_length()] += 1
+
+    def emit(self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int) -> int:
+        """Queue a run of `count` consecutive stamped messages buf[start:end] to each target."""
+        chunk = buf[start:end]
+        size = end - start
+        touched = self._touched
+        delivered = 0
+        for t in targets:
+            if t.base + t.unflushed + size > t.limit:
+                c_base = t.transport.get_write_buffer_size()  # refresh: it only shrinks between flushes
+                t.base = c_base
+                if c_base + t.unflushed + size > t.limit:
+                    delivered += self.squeeze(t, buf, start, end, count)
+                    continue
+            t.unflushed += size
+            t.out.append(chunk)
+            if not t.touched:
+                t.touched = True
+                touched.append(t)
+            t.msgs_out += count
+            delivered += count
+        return delivered
+
+    def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[Connection, ...] | None:
+        """Slow path of the route cache: None if not our vbucket, else the target connections."""
+        targets: tuple[Connection, ...] | None
+        if not self.owned[vbucket_of(kp)]:
+            targets = None
+        else:
+            everyone, scoped = self.matcher.match(key)
+            if scoped is not None:
+                more = scoped.get(kp)
+                if more:
+                    everyone = everyone + more
+            # Equal target sets share one tuple, so runs of messages are found by identity.
+            targets = self._interned.setdefault(everyone, everyone)
+        if len(self.routes) >= ROUTE_CACHE_SIZE:
+            self.routes.clear()
+            self._interned.clear()
+        self.routes[rkey] = targets
+        return targets
+
+    def forget_routes(self) -> None:
+        """Subscriptions changed: every cached route may be wrong."""
+        self.routes.clear()
+        self._interned.clear()
 
     def flush(self) -> None:
         """Write once to every connection touched during this read."""
@@ -352,19 +496,35 @@ class Shard:
         self._touched.clear()
         self.stats.bytes_sent += sent
 
-    def over_bound(self, c: Connection, flen: int) -> bool:
-        """c looks over its pending bound: refresh, and drop (True) if it really is."""
+    def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
+        """c is at its pending bound: queue the leading messages of the run that fit,
+        drop and count the others; return how many were queued."""
         if c.state != OPEN:
-            return True
-        c.base = c.transport.get_write_buffer_size()
-        if c.base + c.unflushed + flen <= c.limit:
-            return False
-        c.dropped += 1
-        c.dropped_total += 1
-        self.stats.dropped["slow_consumer"] += 1
+            return 0
+        room = c.limit - c.base - c.unflushed
+        cut = start
+        fit = 0
+        while cut < end:
+            size = 4 + _u32(buf, cut)[0]
+            if size > room:
+                break
+            room -= size
+            cut += size
+            fit += 1
+        if fit:
+            c.unflushed += cut - start
+            c.out.append(buf[start:cut])
+            if not c.touched:
+                c.touched = True
+                self._touched.append(c)
+            c.msgs_out += fit
+        lost = count - fit
+        c.dropped += lost
+        c.dropped_total += lost
+        self.stats.dropped["slow_consumer"] += lost
         if not c.over_since:
             c.over_since = _monotonic()
-        return True
+        return fit
 
     def notify_loss(self, c: Connection) -> None:
         """Tell c how many deliveries it lost since the last notice; stop its clock."""
@@ -438,6 +598,7 @@ class Shard:
         c.subs[sub.sid] = s
         self.matcher.add(sub.pattern, s)
         self.stats.subscriptions += 1
+        self.forget_routes()
 
     def unsubscribe(self, c: Connection, sid: int) -> None:
         s = c.subs.pop(sid, None)
@@ -446,6 +607,7 @@ class Shard:
             return
         self.matcher.remove(s.pattern, s)
         self.stats.subscriptions -= 1
+        self.forget_routes()
 
     def resume(self, c: Connection) -> None:
         if not c.paused:
