@@ -25,6 +25,7 @@ from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
 pytestmark = pytest.mark.prometheus
+DASHBOARD = Path(__file__).resolve().parent.parent / "grafana" / "broky-dashboard.json"
 
 CONFIG = """\
 global:
@@ -150,6 +151,25 @@ def test_prometheus_reads_back_the_published_count(server: ServerProcess, promet
         assert prometheus.query("sum(broky_subscriptions)") == 2
         p99 = prometheus.query("histogram_quantile(0.99, sum by (le) (broky_broker_latency_seconds_bucket))")
         assert p99 is not None and 0 < p99 < 10
+        check_dashboard(prometheus)
     finally:
         for w in wires:
             w.close()
+
+
+def check_dashboard(prometheus: Prometheus) -> None:
+    """Every query of the Grafana dashboard is valid PromQL over series that exist."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    time.sleep(2.5)  # rate() over a 10 s window needs two scrapes after the traffic
+    empty = []
+    for expr in exprs:
+        concrete = expr.replace("$__rate_interval", "10s").replace("$instance", ".*")
+        result = prometheus.api("query", query=concrete)["result"]  # raises unless valid
+        if not result:
+            empty.append(expr)
+    # Only counters labelled by an error code may have no series yet: each code's
+    # series appears with its first event, and this run refuses nothing.
+    by_code = ("broky_errors_sent_total", "broky_handshakes_refused_total")
+    assert all(any(name in expr for name in by_code) for expr in empty), empty
