@@ -401,6 +401,23 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, di
         "- publish: publish N messages then flush (Ping/Pong on every worker; PING/PONG for NATS).",
         "- end-to-end: subscriber and publisher clients in the same process and event loop; time until",
         "  the last message is received (broky: plain callback; nats.py: its coroutine callback).",
+        "- client CPU: process time of the benchmark process per message (publish: publishing only;",
+        "  end-to-end: publishing and receiving). Server CPU: user+system time of the server processes",
+        "  (broky master and workers; nats-server) per message, from /proc/<pid>/stat.",
+        "",
+        "Where the time goes (medians above):",
+        "",
+    ]
+    for case, r in results.items():
+        b, n = r["broky"], r["nats"]
+        b_total = b["client_cpu_us"] + b["server_cpu_us"]
+        n_total = n["client_cpu_us"] + n["server_cpu_us"]
+        lines.append(
+            f"- {case}: CPU per message, client + server: broky {b['client_cpu_us']:.2f} + "
+            f"{b['server_cpu_us']:.2f} = {b_total:.2f} µs; nats "
+            f"{n['client_cpu_us']:.2f} + {n['server_cpu_us']:.2f} = {n_total:.2f} µs."
+        )
+    lines += [
         "",
         "Machine:",
         "",
