@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A write is planned on the driver and run by tasks in the executors' Python
-workers. Every task opens its own blocking SDK client (`broky.connect_sync`),
-which is shard-aware: it reads the vbucket map and sends each message straight
+workers. Every task runs its own asyncio SDK client (`broky.connect`) on an
+event loop of its own (uvloop), driven from the task's thread: no I/O thread,
+no lock per row. The client is shard-aware: it reads the vbucket map and sends each message straight
 to the worker that owns its key_partition, with the SDK's batching (options
 ``broky.batch.size`` and ``broky.linger.ms``, like Kafka's). The task publishes
 every row, then flushes: the flush returns once every worker connection has
@@ -45,7 +46,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ class ClientConfig:
         auth_token: option ``broky.auth.token``.
         connect_timeout: seconds, option ``broky.connect.timeout.ms``.
         flush_timeout: seconds, option ``broky.flush.timeout.ms``.
-        sdk_options: passed to `broky.connect_sync` as is (``batch_size``, ``linger``).
+        sdk_options: passed to `broky.connect` as is (``batch_size``, ``linger``).
     """
 
     servers: tuple[str, ...]
@@ -110,8 +111,8 @@ class ClientConfig:
             sdk_options=sdk,
         )
 
-    def connect(self, name: str) -> Any:
-        """Connect to the first server that answers.
+    async def connect(self, name: str) -> Any:
+        """Connect to the first server that answers; return the asyncio client.
 
         Raises:
             BrokyConnectionError: no server answered; the message names every address tried.
@@ -121,7 +122,7 @@ class ClientConfig:
         errors = []
         for server in self.servers:
             try:
-                return broky.connect_sync(
+                return await broky.connect(
                     server,
                     name=name,
                     auth_token=self.auth_token,
@@ -220,37 +221,65 @@ def write_task(
     started = time.perf_counter()
     prefix = uids.prefix(partition) if uids is not None else None
     rows = 0
+    loop = None
     client = None  # connected at the first row: an empty partition costs nothing
     try:
-        for item in items:
-            if hasattr(item, "num_rows") and hasattr(item, "column"):  # a pyarrow.RecordBatch
-                kps, keys, payloads, ts, n = spec.columns_of(item)
-                if client is None:
-                    client = config.connect(f"{config.name}-p{partition}-a{attempt}")
-                publish = client.publish
-                if ts is None:
-                    ts = [None] * n
-                if prefix is None:
-                    for kp, key, payload, t in zip(kps, keys, payloads, ts):
-                        publish(kp, key, payload, ts_producer=t)
-                else:
-                    ids = [prefix + i.to_bytes(4, "big") for i in range(rows, rows + n)]
-                    for kp, key, payload, t, uid in zip(kps, keys, payloads, ts, ids):
-                        publish(kp, key, payload, ts_producer=t, uid=uid)
-                rows += n
+        for kps, keys, payloads, ts, n in _chunks(items, spec):
+            if client is None:
+                import uvloop
+
+                loop = uvloop.new_event_loop()
+                client = loop.run_until_complete(config.connect(f"{config.name}-p{partition}-a{attempt}"))
+            if prefix is None:
+                ids: list[Any] = [True] * n
             else:
-                kp, key, payload, t = spec.values_of(item)
-                if client is None:
-                    client = config.connect(f"{config.name}-p{partition}-a{attempt}")
-                row_uid = True if prefix is None else prefix + rows.to_bytes(4, "big")
-                client.publish(kp, key, payload, ts_producer=t, uid=row_uid)
-                rows += 1
+                ids = [prefix + i.to_bytes(4, "big") for i in range(rows, rows + n)]
+            loop.run_until_complete(_publish(client, kps, keys, payloads, ts or [None] * n, ids))  # type: ignore[union-attr]
+            rows += n
         if client is not None:
-            client.flush(timeout=config.flush_timeout)
+            loop.run_until_complete(client.flush(timeout=config.flush_timeout))  # type: ignore[union-attr]
     finally:
-        if client is not None:
-            client.close()
+        if loop is not None:
+            if client is not None:
+                loop.run_until_complete(client.close())
+            loop.close()
     return BrokyCommitMessage(rows, partition, attempt, time.perf_counter() - started)
+
+
+ROW_CHUNK = 1024  # Spark Rows published per turn of the task's event loop
+
+
+def _chunks(
+    items: Iterable[Any], spec: SinkSpec
+) -> Iterator[tuple[list[Any], list[Any], list[Any], Any, int]]:
+    """(key_partitions, keys, payloads, ts_producers or None, count) per Arrow batch
+    or per ROW_CHUNK Spark Rows, checked by the column rules."""
+    kps: list[Any] = []
+    keys: list[Any] = []
+    payloads: list[Any] = []
+    ts: list[Any] = []
+    for item in items:
+        if hasattr(item, "num_rows") and hasattr(item, "column"):  # a pyarrow.RecordBatch
+            yield spec.columns_of(item)
+            continue
+        kp, key, payload, t = spec.values_of(item)
+        kps.append(kp)
+        keys.append(key)
+        payloads.append(payload)
+        ts.append(t)
+        if len(kps) >= ROW_CHUNK:
+            yield kps, keys, payloads, ts, len(kps)
+            kps, keys, payloads, ts = [], [], [], []
+    if kps:
+        yield kps, keys, payloads, ts, len(kps)
+
+
+async def _publish(
+    client: Any, kps: list[Any], keys: list[Any], payloads: list[Any], ts: list[Any], ids: list[Any]
+) -> None:
+    publish = client.publish  # waits for the socket when its buffer is over the high-water mark
+    for kp, key, payload, t, uid in zip(kps, keys, payloads, ts, ids):
+        await publish(kp, key, payload, ts_producer=t, uid=uid)
 
 
 def log_commit(messages: Iterable[BrokyCommitMessage | None], what: str) -> int:
