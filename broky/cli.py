@@ -1,14 +1,16 @@
-"""The `broky` command: serve, pub, sub, info, bench.
+"""The `broky` command: serve, pub, sub, info.
 
 Each subcommand lives with its concern and registers itself here:
-broky.server.cli (serve), broky.client.cli (pub, sub, info),
-bench.__main__ (bench, available in a source checkout).
+broky.server.cli (serve), broky.client.cli (pub, sub, info). The benchmark
+harness is `python -m bench` in a source checkout.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -43,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`broky info | head`): stop quietly, as coreutils do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
+        return 128 + signal.SIGPIPE
     return int(result or 0)
 
 
