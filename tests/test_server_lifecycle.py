@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from broky.protocol import Goodbye, Message
+from broky.protocol import Error, Goodbye, Hello, Message, Welcome
 from tests.serverproc import ServerProcess
 from tests.test_server_pubsub import http_get
 from tests.wire import Wire, kp_for_worker
@@ -65,6 +65,33 @@ def test_killed_worker_is_back_within_a_second(server: ServerProcess) -> None:
     assert [m.payload for m in keeper.messages()] == [b"k"]
     keeper.close()
     assert "worker 1" in server.log() and "died (killed by SIGKILL); restarting it" in server.log()
+
+
+def test_hello_for_a_worker_that_just_died_waits_for_its_successor(server: ServerProcess) -> None:
+    victim = worker_pid(server, 1)
+    os.kill(victim, signal.SIGKILL)
+    # Until the master reaps the dead worker it still looks ready: a hand-off then
+    # fails, and the connection must wait for the restarted worker instead of
+    # being refused. (A socket handed over in the instant of the kill dies with
+    # the worker: the client sees the connection close, and reconnects.)
+    outcomes = []
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        w = Wire(server.address, timeout=5)
+        w.send(Hello(worker=1, client_name="test"))
+        try:
+            frame = w.next()
+        except EOFError:
+            outcomes.append("closed")
+            continue
+        finally:
+            w.close()
+        outcomes.append(type(frame).__name__)
+        if isinstance(frame, Welcome):
+            break
+        assert not isinstance(frame, Error), f"refused: {frame}"
+    assert outcomes[-1] == "Welcome", outcomes
+    assert worker_pid(server, 1) != victim
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

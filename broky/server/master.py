@@ -57,6 +57,15 @@ _u32 = struct.Struct("<I").unpack_from
 LINGER_SECONDS = 1.0
 STATS_TIMEOUT = 2.0
 WAIT_FOR_WORKER = 2.0  # a Hello naming a restarting worker waits this long for it
+HAND_OVER_ATTEMPTS = 3  # hand-offs tried per connection when a worker turns out to be dead
+
+
+class _WorkerGone(Exception):
+    """The hand-off channel of a worker that looked ready is broken."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Refused(Exception):
@@ -76,6 +85,7 @@ class Master:
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_request = 0
         self.handed_total = 0
+        self.gone_pids: set[int] = set()  # workers whose hand-off channel broke (dead, not reaped yet)
         self.refused_total: dict[str, int] = {}
         self.started = time.time()
 
@@ -160,14 +170,23 @@ class Master:
         try:
             try:
                 hello_bytes, hello = await asyncio.wait_for(self._read_hello(sock), self.config.hello_timeout)
-                index = await self._pick_worker(hello)
             except TimeoutError:
                 raise Refused(
                     ErrorCode.HELLO_TIMEOUT, f"no Hello within {self.config.hello_timeout:g} s"
                 ) from None
             except RemoteProtocolError as exc:
                 raise Refused(exc.code, str(exc)) from None
-            self._hand_over(sock, hello_bytes, index)
+            for _ in range(HAND_OVER_ATTEMPTS):
+                index = await self._pick_worker(hello)
+                try:
+                    self._hand_over(sock, hello_bytes, index)
+                    break
+                except _WorkerGone as exc:
+                    # It died and the supervisor has not reaped it yet: wait for its
+                    # successor (or, for "any worker", take another one).
+                    log.info("worker %d is gone (%s); waiting for a ready worker", index, exc.reason)
+            else:
+                raise Refused(ErrorCode.SERVER_BUSY, f"worker {index} keeps refusing connections")
         except Refused as exc:
             await self._refuse(sock, peer, exc.code, str(exc))
         except EOFError:
@@ -224,7 +243,7 @@ class Master:
             raise Refused(ErrorCode.NO_SUCH_WORKER, f"worker {wanted} does not exist (workers: {n})")
         deadline = time.monotonic() + WAIT_FOR_WORKER
         while True:
-            ready = [wp for wp in self.supervisor.live() if wp.ready]
+            ready = [wp for wp in self.supervisor.live() if wp.ready and wp.pid not in self.gone_pids]
             if wanted != ANY_WORKER:
                 ready = [wp for wp in ready if wp.index == wanted]
             if ready:
@@ -241,9 +260,8 @@ class Master:
         try:
             handoff.send_socket(wp.chan, sock, hello_bytes)
         except OSError as exc:
-            raise Refused(
-                ErrorCode.SERVER_BUSY, f"worker {index} cannot take the connection: {exc}"
-            ) from None
+            self.gone_pids.add(wp.pid)  # skipped until the supervisor restarts it
+            raise _WorkerGone(str(exc)) from None
         wp.handed += 1
         self.handed_total += 1
         sock.close()
