@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -92,11 +93,13 @@ def test_info_shows_the_map(server: ServerProcess) -> None:
     assert "counters" in text
 
 
-def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess) -> None:
+def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess, tmp_path: Path) -> None:
     # `true` exits at once, long before info has connected: its output meets a closed pipe.
     script = 'set -o pipefail; "$@" 2>errors | true; echo "exit $?"; cat errors'
     info = [*BROKY, "info", "--server", server.url, "--metrics", f"127.0.0.1:{server.metrics_port}"]
-    done = subprocess.run(["bash", "-c", script, "-", *info], capture_output=True, timeout=30, check=False)
+    done = subprocess.run(
+        ["bash", "-c", script, "-", *info], cwd=tmp_path, capture_output=True, timeout=30, check=False
+    )
     assert done.stdout.decode().splitlines() == ["exit 141"]  # 128 + SIGPIPE, and no traceback
 
 
