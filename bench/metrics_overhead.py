@@ -1,0 +1,202 @@
+"""What do metrics cost? Throughput with /metrics scraped every second versus none.
+
+`python -m bench.metrics_overhead` starts one `broky serve` and drives it with
+the harness's raw load generator (bench/harness/loadgen.py: pre-encoded
+publishes, counting subscribers, closed loop), alternating runs without any
+scrape ("off") and runs during which a thread GETs /metrics every second
+("on", like Prometheus with scrape_interval 1s). Same server, same load, runs
+interleaved off/on/off/on... so drift on the shared machine hits both alike.
+It reports the median deliveries/s and server CPU per delivery of each side
+and their difference; the target is under 3 % throughput difference.
+
+Writes metrics_overhead.md and metrics_overhead.json into --out (default
+bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.harness import loadgen, machine, servers
+from bench.harness.loadgen import Load
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_PERCENT = 3.0
+
+
+class Scraper(threading.Thread):
+    """GET /metrics every `interval` seconds until stopped; counts scrapes and their time."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.interval = interval
+        self.stopping = threading.Event()
+        self.scrapes = 0
+        self.failures = 0
+        self.seconds: list[float] = []
+        self.body_bytes = 0
+
+    def run(self) -> None:
+        next_at = time.monotonic()
+        while not self.stopping.is_set():
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as resp:
+                    self.body_bytes = len(resp.read())
+                self.scrapes += 1
+                self.seconds.append(time.monotonic() - t0)
+            except OSError:
+                self.failures += 1
+            next_at += self.interval
+            self.stopping.wait(max(0.0, next_at - time.monotonic()))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(10)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    mport = servers.free_port()
+    server = servers.start_broky(args.workers, ["--metrics-port", str(mport)])
+    url = f"http://{servers.HOST}:{mport}/metrics"
+    load = Load(args.publishers, args.subscribers, args.payload)
+    runs: list[dict[str, Any]] = []
+    try:
+        driver = loadgen.BrokyDriver()
+        driver.prepare(server.address)
+        for r in range(args.rounds):
+            for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                scraper = Scraper(url, args.interval) if side == "on" else None
+                if scraper is not None:
+                    scraper.start()
+                try:
+                    res = loadgen.run_throughput(
+                        driver, server.address, server.pids, load, args.warmup, args.duration
+                    )
+                finally:
+                    if scraper is not None:
+                        scraper.stop()
+                res["side"] = side
+                res["round"] = r
+                if scraper is not None:
+                    res["scrapes"] = scraper.scrapes
+                    res["scrape_failures"] = scraper.failures
+                    res["scrape_median_ms"] = (
+                        statistics.median(scraper.seconds) * 1e3 if scraper.seconds else None
+                    )
+                    res["metrics_body_bytes"] = scraper.body_bytes
+                runs.append(res)
+                print(
+                    f"round {r} {side:>3}: {res['deliveries_per_s']:,.0f} deliveries/s, "
+                    f"{res['server_cpu_us_per_delivery']:.2f} us server CPU/delivery"
+                    + (f", {res['scrapes']} scrapes" if side == "on" else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        server.stop()
+    return summarize(args, load, runs)
+
+
+def summarize(args: argparse.Namespace, load: Load, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["side"] == side and r[key] is not None)
+
+    off, on = med("off", "deliveries_per_s"), med("on", "deliveries_per_s")
+    cpu_off, cpu_on = med("off", "server_cpu_us_per_delivery"), med("on", "server_cpu_us_per_delivery")
+    diff = (off - on) / off * 100
+
+    def spread(side: str) -> float:
+        rates = [r["deliveries_per_s"] for r in runs if r["side"] == side]
+        return (max(rates) - min(rates)) / statistics.median(rates) * 100
+
+    return {
+        "machine": machine.machine_info(),
+        "command": " ".join(["python -m bench.metrics_overhead", *sys.argv[1:]]),
+        "load": vars(load),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "runs": runs,
+        "median_deliveries_per_s": {"off": off, "on": on},
+        "median_server_cpu_us_per_delivery": {"off": cpu_off, "on": cpu_on},
+        "throughput_difference_percent": diff,
+        "target_percent": TARGET_PERCENT,
+        "met": diff < TARGET_PERCENT,  # a speed-up with scraping is noise, not a miss
+        "spread_percent": {"off": spread("off"), "on": spread("on")},
+        "errors": sum(r["errors"] for r in runs),
+        "not_delivered": sum(r["not_delivered"] for r in runs),
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    st = res["settings"]
+    lines = [
+        "# Metrics overhead: /metrics scraped every second vs none",
+        "",
+        f"Machine: {machine.describe(m)}; load average at start {m['load_average_at_start']}.",
+        f"Command: `{res['command']}`",
+        "",
+        f"Load: {res['load']['publishers']} publisher -> {res['load']['subscribers']} subscriber(s), "
+        f"{res['load']['payload']} B payloads, {st['workers']} workers, "
+        f"{st['rounds']} rounds of off/on runs ({st['warmup']:g} s warm-up + "
+        f"{st['duration']:g} s measured each), scrape interval {st['interval']:g} s.",
+        "",
+        "| run | round | deliveries/s | server CPU µs/delivery | scrapes | median scrape ms |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in res["runs"]:
+        scrape_ms = r.get("scrape_median_ms")
+        lines.append(
+            f"| {r['side']} | {r['round']} | {r['deliveries_per_s']:,.0f} | "
+            f"{r['server_cpu_us_per_delivery']:.3f} | {r.get('scrapes', '-')} | "
+            f"{f'{scrape_ms:.1f}' if scrape_ms is not None else '-'} |"
+        )
+    d, c = res["median_deliveries_per_s"], res["median_server_cpu_us_per_delivery"]
+    lines += [
+        "",
+        f"Median deliveries/s: off {d['off']:,.0f}, on {d['on']:,.0f}: "
+        f"**{res['throughput_difference_percent']:+.2f} %** with scraping "
+        f"(target: under {res['target_percent']:g} %; {'met' if res['met'] else 'NOT met'}).",
+        f"Median server CPU per delivery: off {c['off']:.3f} µs, on {c['on']:.3f} µs.",
+        f"Spread (max - min) / median of the runs of one side: off {res['spread_percent']['off']:.1f} %, "
+        f"on {res['spread_percent']['on']:.1f} %.",
+        f"Errors: {res['errors']}; messages not delivered: {res['not_delivered']}.",
+        "",
+        "A positive difference means slower with scraping. Runs alternate off/on and on/off",
+        "so that drift on the shared 2-core machine hits both sides alike; the spread",
+        "between runs of the same side is the noise floor to read the difference against.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.metrics_overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=4, help="off/on pairs (default %(default)s)")
+    p.add_argument("--duration", type=float, default=6.0, help="measured seconds per run")
+    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run")
+    p.add_argument("--interval", type=float, default=1.0, help="scrape interval in seconds")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--publishers", type=int, default=1)
+    p.add_argument("--subscribers", type=int, default=1)
+    p.add_argument("--payload", type=int, default=100)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    res = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "metrics_overhead.json").write_text(json.dumps(res, indent=1) + "\n")
+    (args.out / "metrics_overhead.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
