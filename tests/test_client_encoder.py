@@ -41,7 +41,7 @@ def test_template_frames_equal_encode_message(kp: bytes, key: bytes, payload: by
         assert abs(ksuid_time(uid) - time.time()) < 5
 
 
-def test_uids_are_unique_and_refilled() -> None:
+def test_uids_are_unique() -> None:
     enc = PublishEncoder(1 << 20)
     uids = {enc.encode(b"p", b"k", b"", None)[0][80:100] for _ in range(10_000)}
     assert len(uids) == 10_000

@@ -11,6 +11,10 @@ reconnects; under it, a `WorkerProtocol` is one TCP connection.
 Publishing: `publish` encodes the Message frame (fast path), checks its size
 against max_frame_bytes, picks the Link owning `vbucket_of(key_partition)`
 (a 1024-entry route table) and appends the frame to the Link's outbound list.
+The fast path does it with one cache lookup per publish: key_partition ->
+key -> payload length -> (encoder template, Link), dropped when the map or
+max_frame_bytes changes; anything else (a miss, other field types, a uid
+given) takes the general path, which fills the cache.
 The list is written in one `transport.write` when it reaches `batch_size`
 bytes or `linger` seconds later (linger=0: at the next loop iteration, which
 already coalesces every publish made in between). While a Link is down its
@@ -43,6 +47,7 @@ import asyncio
 import inspect
 import logging
 import random
+import struct
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -50,7 +55,7 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 from broky.client.connection import WorkerProtocol, open_connection, server_error
-from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
+from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, as_bytes, payload_bytes
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -435,7 +440,10 @@ class Client:
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
         self._encoder = PublishEncoder()
-        self._encode = self._encoder.encode
+        self._uids = self._encoder.uids
+        # publish's fast path: key_partition -> key -> payload length -> (pack, head, mid, block, Link)
+        self._fast: dict[object, dict[object, dict[int, tuple[Any, bytes, bytes, bytes, Link]]]] = {}
+        self._fast_count = 0
         self._refreshing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -589,20 +597,26 @@ class Client:
             ClientClosedError: the client is closed.
             LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
         """
-        # The fast path, inlined (see _publish and Link.send for the same steps).
-        if not self._open:
-            self._check_usable()
-        if key_partition.__class__ is not bytes:
-            key_partition = as_bytes(key_partition, "key_partition")
-        if key.__class__ is not bytes:
-            key = as_bytes(key, "key")
-        if payload.__class__ is not bytes:
-            payload = payload_bytes(payload)
-        if uid is True:
-            frame, vb = self._encode(key_partition, key, payload, ts_producer)
-        else:
-            frame, vb = self._encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
-        link = self._route[vb] or self._route_slow(vb)
+        # The fast path, inlined: one cached template and Link per (key_partition,
+        # key, payload length), then the steps of PublishEncoder.encode and Link.send.
+        # Anything unusual (a miss, str fields, wrong types, uid not True, closed
+        # client, a pack error) takes the general path, which raises the errors.
+        try:
+            pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
+        except Exception:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        if uid is not True or not self._open:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        ts = _time_ns()
+        seq = self._uids
+        if not seq.start <= ts < seq.until:
+            seq.roll(ts)
+        n = seq.next
+        seq.next = n + 1
+        try:
+            frame = pack(head, ts if ts_producer is None else ts_producer, mid, seq.pre, n, block, payload)
+        except struct.error:  # e.g. a str payload, a ts_producer out of range
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
         self.stats.published += 1
         proto = link.proto
         if proto is None:
@@ -626,6 +640,23 @@ class Client:
                 else self._loop.call_later(linger, link.flush_out)
             )
 
+    async def _publish_general(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        ts_producer: int | None,
+        uid: bool | bytes,
+    ) -> None:
+        link = self._publish(key_partition, key, payload, ts_producer, uid)
+        if link is None:
+            return
+        proto = link.proto
+        if proto is not None and proto.write_paused:
+            await proto.drain()
+        else:
+            await asyncio.sleep(0)
+
     def _publish(
         self,
         key_partition: bytes | str,
@@ -637,25 +668,47 @@ class Client:
         """Queue one publish; return its Link if that completed a batch written now."""
         if not self._open:
             self._check_usable()
-        if key_partition.__class__ is not bytes:
-            key_partition = as_bytes(key_partition, "key_partition")
-        if key.__class__ is not bytes:
-            key = as_bytes(key, "key")
+        kp = key_partition if key_partition.__class__ is bytes else as_bytes(key_partition, "key_partition")
+        k = key if key.__class__ is bytes else as_bytes(key, "key")
         if payload.__class__ is not bytes:
             payload = payload_bytes(payload)
         if uid is True:
-            frame, vb = self._encoder.encode(key_partition, key, payload, ts_producer)
+            encoder = self._encoder
+            vb = encoder.template(kp, k, len(payload))[4]  # PayloadTooLargeError before anything
+            link = self._route[vb] or self._route_slow(vb)
+            self._remember(key_partition, key, kp, k, len(payload), link)
+            frame, vb = encoder.encode(kp, k, payload, ts_producer)
         else:
-            frame, vb = self._encoder.encode_any(
-                key_partition,
-                key,
-                payload,
-                ts_producer,
-                uid or None,
-            )
-        link = self._route[vb] or self._route_slow(vb)
+            frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
+            link = self._route[vb] or self._route_slow(vb)
         self.stats.published += 1
         return link if link.send(frame) else None
+
+    def _remember(
+        self, key_partition: object, key: object, kp: bytes, k: bytes, pay_len: int, link: Link
+    ) -> None:
+        """Cache the template and Link of a publish for `publish`'s fast path.
+
+        Under the bytes fields, and also under the str ones if given as str.
+        Dropped whenever a template or the route may change (map, max_frame_bytes).
+        """
+        if self._fast_count >= MAX_TEMPLATES:
+            self._fast.clear()
+            self._fast_count = 0
+        pack, head, mid, block, _ = self._encoder.template(kp, k, pay_len)
+        entry = (pack, head, mid, block, link)
+        self._fast.setdefault(kp, {}).setdefault(k, {})[pay_len] = entry
+        self._fast_count += 1
+        if key_partition.__class__ is str or key.__class__ is str:
+            kp_str = key_partition if key_partition.__class__ is str else kp
+            k_str = key if key.__class__ is str else k
+            self._fast.setdefault(kp_str, {}).setdefault(k_str, {})[pay_len] = entry
+            self._fast_count += 1
+
+    def _forget_routes(self) -> None:
+        """Drop the fast path's cache (templates and Links)."""
+        self._fast.clear()
+        self._fast_count = 0
 
     def _check_usable(self) -> None:
         self._check_open()
@@ -782,7 +835,8 @@ class Client:
     def _welcome(self, welcome: Welcome) -> None:
         vmap = welcome.map
         self._max_frame = welcome.max_frame_bytes
-        self._encoder.set_limit(welcome.max_frame_bytes)
+        if self._encoder.set_limit(welcome.max_frame_bytes):
+            self._forget_routes()
         self.server_info = ServerInfo(
             welcome.node_id,
             welcome.server_version,
@@ -808,6 +862,7 @@ class Client:
         """Adopt a new map: re-route publishes, move partition-scoped subscriptions."""
         self._map = vmap
         self._route = [None] * VBUCKETS
+        self._forget_routes()
         self.stats.map_refreshes += 1
         all_partition = [s for s in self._subs.values() if s.partition is None]
         if all_partition:

@@ -1,0 +1,169 @@
+"""Client.publish's fast path (cached template and Link) behaves like the general path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import broky
+from broky.client.client import Client, Link
+from broky.protocol import VBUCKETS, decode_message, encode_message
+from broky.protocol.ksuid import EPOCH, KsuidSequence, ksuid_time
+from broky.protocol.routing import NodeInfo, VBucketMap
+
+
+class FakeProto:
+    write_paused = False
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        pass
+
+
+def _client(max_frame: int = 1 << 20) -> tuple[Client, Link]:
+    client = Client("127.0.0.1:1", batch_size=1 << 40)
+    client._loop = asyncio.get_running_loop()
+    client._open = client._connected = True
+    client._encoder.set_limit(max_frame)
+    link = Link(client, "n", 0)
+    link.proto = FakeProto()  # type: ignore[assignment]
+    client._route = [link] * VBUCKETS
+    return client, link
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())  # type: ignore[arg-type]
+
+
+small = st.binary(max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kp=st.one_of(small, st.text(max_size=10)),
+    key=st.one_of(small, st.text(max_size=10)),
+    payload=st.binary(max_size=300),
+    ts=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+)
+def test_fast_path_frames_equal_encode_message(
+    kp: bytes | str, key: bytes | str, payload: bytes, ts: int | None
+) -> None:
+    async def main() -> None:
+        client, link = _client()
+        before = time.time_ns()
+        for _ in range(3):  # the general path, then the cached fast path
+            await client.publish(kp, key, payload, ts_producer=ts)
+        assert client._fast_count >= 1
+        bkp = kp.encode() if isinstance(kp, str) else kp
+        bkey = key.encode() if isinstance(key, str) else key
+        uids = set()
+        for frame in link.out:
+            msg = decode_message(frame)
+            assert msg.uid is not None
+            uids.add(msg.uid)
+            assert frame == encode_message(bkp, bkey, payload, msg.ts_producer, 0, msg.uid)
+            if ts is None:
+                assert before <= msg.ts_producer <= time.time_ns()
+                assert ksuid_time(msg.uid) == msg.ts_producer // 1_000_000_000
+            else:
+                assert msg.ts_producer == ts
+            assert abs(ksuid_time(msg.uid) - time.time()) < 5
+        assert len(uids) == 3 and client.stats.published == 3
+
+    run(main)
+
+
+def test_fast_path_errors_and_other_types() -> None:
+    async def main() -> None:
+        client, link = _client(max_frame=300)
+        await client.publish(b"p", b"k", b"x" * 10)
+        # a cached template with wrong field types goes the general way and raises the same errors
+        with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
+            await client.publish(b"p", b"k", "x" * 10)  # type: ignore[arg-type]
+        with pytest.raises(broky.LocalProtocolError):
+            await client.publish(b"p", b"k", b"x" * 10, ts_producer=2**63)
+        with pytest.raises(broky.LocalProtocolError, match="key must be bytes or str"):
+            await client.publish(b"p", 3, b"x")  # type: ignore[arg-type]
+        with pytest.raises(broky.PayloadTooLargeError):
+            await client.publish(b"p", b"k", b"x" * 300)
+        assert len(link.out) == 1
+        # bytes-like fields are accepted and encoded like bytes
+        await client.publish(bytearray(b"p"), memoryview(b"k"), memoryview(b"x" * 10))  # type: ignore[arg-type]
+        await client.publish(b"p", b"k", bytearray(b"y" * 10))  # type: ignore[arg-type]
+        await client.publish(b"p", b"k", b"z", uid=False)
+        await client.publish(b"p", b"k", b"z" * 10, uid=bytes(range(20)))
+        msgs = [decode_message(f) for f in link.out]
+        assert [m.payload for m in msgs] == [b"x" * 10, b"x" * 10, b"y" * 10, b"z", b"z" * 10]
+        assert msgs[3].uid is None and msgs[4].uid == bytes(range(20))
+        assert client.stats.published == 5
+        # a closed client refuses even cached publishes
+        client._closed, client._open = True, False
+        with pytest.raises(broky.ClientClosedError):
+            await client.publish(b"p", b"k", b"x" * 10)
+
+    run(main)
+
+
+def test_fast_path_cache_follows_map_and_limit() -> None:
+    async def main() -> None:
+        client, link = _client()
+        await client.publish("p", "k", b"v")
+        assert client._fast["p"]["k"][1][4] is link and client._fast[b"p"][b"k"][1][4] is link
+        other = Link(client, "n", 1)
+        other.proto = FakeProto()  # type: ignore[assignment]
+        assert client._map is None
+        client._links[other.ref] = other
+        client._apply_map(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
+        assert client._fast == {}
+        await client.publish("p", "k", b"v")
+        assert other.out and decode_message(other.out[0]).key_partition == b"p"
+        client._encoder.set_limit(1 << 20)
+        assert client._fast
+        assert client._encoder.set_limit(100) and client._encoder._templates == {}
+
+    run(main)
+
+
+def test_ksuid_sequence_is_unique_and_reseeds() -> None:
+    seq = KsuidSequence()
+    now = time.time_ns()
+    uids = [seq.new(now) for _ in range(1000)]
+    assert len(set(uids)) == 1000
+    assert all(ksuid_time(u) == now // 1_000_000_000 for u in uids)
+    assert all(u[:12] == uids[0][:12] for u in uids)  # one seed per second
+    later = seq.new(now + 1_000_000_000)
+    assert later[4:12] != uids[0][4:12] and ksuid_time(later) == now // 1_000_000_000 + 1
+    back = seq.new(now)  # a clock going back means a new seed too
+    assert back[4:12] not in (uids[0][4:12], later[4:12])
+    assert KsuidSequence().new(now)[4:12] != back[4:12]
+    assert seq.next < 2**63 + 2  # starts below 2**63: cannot wrap within a second
+    with pytest.raises(ValueError):
+        seq.new((EPOCH - 1) * 1_000_000_000)
+
+
+def test_ksuid_sequence_reseeds_after_fork() -> None:
+    seq = KsuidSequence()
+    now = time.time_ns()
+    first = seq.new(now)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.write(w, seq.new(now))
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 20)
+    os.close(r)
+    os.waitpid(pid, 0)
+    parent = seq.new(now)
+    assert parent[:12] == first[:12] and child[4:12] != first[4:12]
