@@ -41,6 +41,24 @@ def test_template_frames_equal_encode_message(kp: bytes, key: bytes, payload: by
         assert abs(ksuid_time(uid) - time.time()) < 5
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    kp=small,
+    key=small,
+    payload=st.binary(max_size=300),
+    ts=st.integers(-(2**63), 2**63 - 1),
+    uid=st.one_of(st.none(), st.binary(min_size=20, max_size=20)),
+)
+def test_given_uid_frames_equal_encode_message(
+    kp: bytes, key: bytes, payload: bytes, ts: int, uid: bytes | None
+) -> None:
+    enc = PublishEncoder(1 << 20)
+    for _ in range(2):  # the second time comes from the cached template
+        frame, vb = enc.encode_any(kp, key, payload, ts, uid)
+        assert frame == encode_message(kp, key, payload, ts, 0, uid)
+        assert vb == vbucket_of(kp)
+
+
 def test_uids_are_unique() -> None:
     enc = PublishEncoder(1 << 20)
     uids = {enc.encode(b"p", b"k", b"", None)[0][80:100] for _ in range(10_000)}

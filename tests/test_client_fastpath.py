@@ -84,6 +84,36 @@ def test_fast_path_frames_equal_encode_message(
     run(main)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    kp=small,
+    key=small,
+    payload=st.binary(max_size=300),
+    ts=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    uids=st.lists(st.binary(min_size=20, max_size=20), min_size=3, max_size=3),
+)
+def test_fast_path_with_given_uids_equals_encode_message(
+    kp: bytes, key: bytes, payload: bytes, ts: int | None, uids: list[bytes]
+) -> None:
+    async def main() -> None:
+        client, link = _client()
+        before = time.time_ns()
+        for uid in uids:  # the general path, then the cached fast path
+            await client.publish(kp, key, payload, ts_producer=ts, uid=uid)
+        assert client._fast_count >= 1
+        for frame, uid in zip(link.out, uids):
+            msg = decode_message(frame)
+            assert msg.uid == uid
+            assert frame == encode_message(kp, key, payload, msg.ts_producer, 0, uid)
+            if ts is None:
+                assert before <= msg.ts_producer <= time.time_ns()
+            else:
+                assert msg.ts_producer == ts
+        assert client.stats.published == 3
+
+    run(main)
+
+
 def test_fast_path_errors_and_other_types() -> None:
     async def main() -> None:
         client, link = _client(max_frame=300)

@@ -599,22 +599,31 @@ class Client:
         """
         # The fast path, inlined: one cached template and Link per (key_partition,
         # key, payload length), then the steps of PublishEncoder.encode and Link.send.
-        # Anything unusual (a miss, str fields, wrong types, uid not True, closed
-        # client, a pack error) takes the general path, which raises the errors.
+        # Anything unusual (a miss, str fields, wrong types, uid neither True nor 20
+        # bytes, closed client, a pack error) takes the general path, which raises
+        # the errors.
         try:
             pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
         except Exception:
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        if uid is not True or not self._open:
+        if not self._open:
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        ts = _time_ns()
-        seq = self._uids
-        if not seq.start <= ts < seq.until:
-            seq.roll(ts)
-        n = seq.next
-        seq.next = n + 1
+        if uid is True:
+            ts = _time_ns()
+            seq = self._uids
+            if not seq.start <= ts < seq.until:
+                seq.roll(ts)
+            n = seq.next
+            seq.next = n + 1
+            pre = seq.pre
+        elif isinstance(uid, bytes) and len(uid) == 20:  # e.g. the Spark sink's deterministic uids
+            ts = _time_ns() if ts_producer is None else 0
+            pre = uid[:12]
+            n = int.from_bytes(uid[12:], "little")  # the template packs the last 8 bytes as "<Q"
+        else:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
         try:
-            frame = pack(head, ts if ts_producer is None else ts_producer, mid, seq.pre, n, block, payload)
+            frame = pack(head, ts if ts_producer is None else ts_producer, mid, pre, n, block, payload)
         except struct.error:  # e.g. a str payload, a ts_producer out of range
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
         self.stats.published += 1
@@ -672,12 +681,16 @@ class Client:
         k = key if key.__class__ is bytes else as_bytes(key, "key")
         if payload.__class__ is not bytes:
             payload = payload_bytes(payload)
-        if uid is True:
+        given = isinstance(uid, bytes) and len(uid) == 20
+        if uid is True or given:
             encoder = self._encoder
             vb = encoder.template(kp, k, len(payload))[4]  # PayloadTooLargeError before anything
             link = self._route[vb] or self._route_slow(vb)
             self._remember(key_partition, key, kp, k, len(payload), link)
-            frame, vb = encoder.encode(kp, k, payload, ts_producer)
+            if given:
+                frame, vb = encoder.encode_any(kp, k, payload, ts_producer, uid)  # type: ignore[arg-type]
+            else:
+                frame, vb = encoder.encode(kp, k, payload, ts_producer)
         else:
             frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
             link = self._route[vb] or self._route_slow(vb)

@@ -109,9 +109,30 @@ class PublishEncoder:
     ) -> tuple[bytes, int]:
         """Encode a publish with the given uid (or none); return (frame, vbucket).
 
+        A 20-byte uid (the Spark sink's deterministic ids) takes the template
+        like `encode`; no uid or anything else takes `encode_message`.
+
         Raises:
             PayloadTooLargeError, LocalProtocolError: as `encode`.
         """
+        if uid.__class__ is bytes and len(uid) == 20:
+            try:
+                pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
+            except KeyError:
+                pack, head, mid, block, vb = self.template(key_partition, key, len(payload))
+            try:
+                frame = pack(
+                    head,
+                    _time_ns() if ts_producer is None else ts_producer,
+                    mid,
+                    uid[:12],
+                    int.from_bytes(uid[12:], "little"),
+                    block,
+                    payload,
+                )
+            except struct.error as exc:
+                raise LocalProtocolError(f"cannot encode message: {exc}") from None
+            return frame, vb
         frame = encode_message(
             key_partition, key, payload, _time_ns() if ts_producer is None else ts_producer, 0, uid
         )
