@@ -51,48 +51,55 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
     )
     n = 1_000_000
     frame = encode_message(KP0, b"t.x", b"p" * 16)
-    fast = Wire.hello(server.address, worker=0)
-    slow = Wire.hello(server.address, worker=0, rcvbuf=8192)
-    fast.subscribe(1, b"t.*")
-    slow.subscribe(1, b"t.>")
-    fast.flush()
-    slow.flush()
-    worker = debug_stats(server)["workers"][0]["pid"]
-    baseline = rss(worker)
-    peak = baseline
-    counter = ByteCounter(fast, n * len(frame))
-    counter.start()
-    batch = frame * 1000
-    with Wire.hello(server.address, worker=0) as pub:
-        for i in range(n // 1000):
-            pub.sock.sendall(batch)
-            if i % 50 == 0:
-                peak = max(peak, rss(worker))
-        pub.flush(timeout=120)
-    counter.join(60)
-    peak = max(peak, rss(worker))
+    with (
+        Wire.hello(server.address, worker=0) as fast,
+        Wire.hello(server.address, worker=0, rcvbuf=8192) as slow,
+    ):
+        fast.subscribe(1, b"t.*")
+        slow.subscribe(1, b"t.>")
+        fast.flush()
+        slow.flush()
+        worker = debug_stats(server)["workers"][0]["pid"]
+        baseline = rss(worker)
+        peak = baseline
+        counter = ByteCounter(fast, n * len(frame))
+        counter.start()
+        batch = frame * 1000
+        with Wire.hello(server.address, worker=0) as pub:
+            for i in range(n // 1000):
+                pub.sock.sendall(batch)
+                if i % 50 == 0:
+                    peak = max(peak, rss(worker))
+            pub.flush(timeout=120)
+        counter.join(60)
+        peak = max(peak, rss(worker))
 
-    # Every message reached the fast subscriber, in full and nothing else.
-    assert counter.count == n * len(frame)
-    assert counter.head.startswith(frame[:60])
-    # The server's memory stayed bounded (120 MB were published to each subscriber).
-    assert peak - baseline < 48 << 20, (baseline, peak)
+        # Every message reached the fast subscriber, in full and nothing else.
+        assert counter.count == n * len(frame)
+        assert counter.head.startswith(frame[:60])
+        # The server's memory stayed bounded (120 MB were published to each subscriber).
+        assert peak - baseline < 48 << 20, (baseline, peak)
 
-    # The stalled one: what was pending, then how many it lost, then the fatal error.
-    got = 0
-    frames = slow.expect_closed(timeout=30)
-    slow.close()
-    fast.close()
-    notices = [f for f in frames if isinstance(f, LossNotice)]
-    got = sum(1 for f in frames if isinstance(f, Message))
-    assert isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
-    assert len(notices) == 1 and isinstance(frames[-2], LossNotice)
-    assert notices[0].dropped > 0 and got + notices[0].dropped <= n
-    assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
-    stats = debug_stats(server)["workers"][0]
-    assert stats["slow_consumer_disconnects"] == 1
-    assert stats["dropped"]["slow_consumer"] == notices[0].dropped
-    assert stats["messages_delivered"] == n + got
+        # The stalled one stays stalled past the deadline (1 s) even if publishing took
+        # less: reading it earlier would let it drain and stop its clock.
+        deadline = time.monotonic() + 15
+        while debug_stats(server)["workers"][0]["slow_consumer_disconnects"] == 0:
+            assert time.monotonic() < deadline, "the stalled subscriber was not disconnected"
+            time.sleep(0.1)
+        # What was pending, then how many it lost, then the fatal error.
+        frames = slow.expect_closed(timeout=30)
+        notices = [f for f in frames if isinstance(f, LossNotice)]
+        got = sum(1 for f in frames if isinstance(f, Message))
+        assert (
+            isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
+        )
+        assert len(notices) == 1 and isinstance(frames[-2], LossNotice)
+        assert notices[0].dropped > 0 and got + notices[0].dropped <= n
+        assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
+        stats = debug_stats(server)["workers"][0]
+        assert stats["slow_consumer_disconnects"] == 1
+        assert stats["dropped"]["slow_consumer"] == notices[0].dropped
+        assert stats["messages_delivered"] == n + got
 
 
 @pytest.mark.slow
