@@ -27,6 +27,7 @@ TARGETS: dict[str, tuple[str, float | None]] = {
     "test_encode_message_new_uid": ("encode a message with a new KSUID", 2.0),
     "test_route_message": ("read the routing fields", 1.0),
     "test_scan_1mib[route]": ("scan 1 MiB of messages: framing + routing read, per message", 1.0),
+    "test_shard_feed_1mib[no-subscriber]": ("the worker's read handler, 64 key_partitions, per message", None),
 }
 
 

@@ -171,6 +171,74 @@ def test_scan_1mib_frame_reader(benchmark) -> None:  # type: ignore[no-untyped-d
     assert benchmark(loop) == count
 
 
+# ---------------------------------------------------------------- the worker's read handler
+
+
+class _NullTransport:
+    """Just enough of a transport for Shard.feed: writes go nowhere."""
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def writelines(self, data: object) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _shard_and_read(subscribe: bool, loop: object) -> tuple[object, object, bytes, int]:
+    """A one-worker Shard, a publisher connection and 1 MiB of SDK-style publishes:
+    64 key_partitions in turn, each message with its own KSUID and timestamp."""
+    from broky.client.encoder import PublishEncoder
+    from broky.protocol import Subscribe
+    from broky.server.config import ServerConfig
+    from broky.server.connection import Connection
+    from broky.server.fanout import Shard
+
+    shard = Shard(ServerConfig(workers=1), 0, loop)  # type: ignore[arg-type]
+    conn = Connection(shard, b"", 1)
+    conn.transport = _NullTransport()  # type: ignore[assignment]
+    if subscribe:
+        shard.subscribe(conn, Subscribe(1, b"orders.>", None))
+    encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+    frames = []
+    size = 0
+    while size < SCAN_BYTES - 256:
+        frame = encoder.encode(b"tenant-%d" % (len(frames) & 63), KEY, PAYLOAD, None)[0]
+        frames.append(frame)
+        size += len(frame)
+    return shard, conn, b"".join(frames), len(frames)
+
+
+@pytest.mark.parametrize("subscribe", [False, True], ids=["no-subscriber", "one-subscriber"])
+def test_shard_feed_1mib(benchmark, subscribe) -> None:  # type: ignore[no-untyped-def]
+    # The server's real per-read path (broky.server.fanout.Shard.feed): framing,
+    # the canonical routing read with every bound checked, the route cache,
+    # stamping and queueing. Runs of one route are broken at every message here.
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        shard, conn, data, count = _shard_and_read(subscribe, loop)
+        benchmark.extra_info["messages"] = count
+
+        def feed() -> None:
+            shard.feed(conn, data)  # type: ignore[attr-defined]
+            conn.out.clear()  # type: ignore[attr-defined]
+            conn.unflushed = 0  # type: ignore[attr-defined]
+
+        benchmark(feed)
+        stats = shard.stats  # type: ignore[attr-defined]
+        assert stats.messages_published >= count
+        assert stats.messages_delivered == (stats.messages_published if subscribe else 0)
+    finally:
+        loop.close()
+
+
 # ---------------------------------------------------------------- baseline: generated code
 
 
