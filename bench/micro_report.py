@@ -24,10 +24,14 @@ RESULTS = ROOT / "bench" / "results"
 # test name -> (what it measures, target in µs per message or None)
 TARGETS: dict[str, tuple[str, float | None]] = {
     "test_encode_message": ("encode a message (given uid)", 2.0),
-    "test_encode_message_new_uid": ("encode a message with a new KSUID", 2.0),
+    "test_encode_message_new_uid": ("encode_message + new_ksuid, the generic path", None),
+    "test_sdk_encode_new_uid": ("the SDK's publish encoder: template, new KSUID, ts_producer", 2.0),
     "test_route_message": ("read the routing fields", 1.0),
     "test_scan_1mib[route]": ("scan 1 MiB of messages: framing + routing read, per message", 1.0),
-    "test_shard_feed_1mib[no-subscriber]": ("the worker's read handler, 64 key_partitions, per message", None),
+    "test_shard_feed_1mib[no-subscriber]": (
+        "the worker's read handler, 64 key_partitions, per message",
+        None,
+    ),
 }
 
 

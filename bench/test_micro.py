@@ -74,6 +74,15 @@ def test_encode_message_new_uid(benchmark) -> None:  # type: ignore[no-untyped-d
     assert len(benchmark(publish)) == len(FRAME)
 
 
+def test_sdk_encode_new_uid(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # What the SDK's publish does: a cached template, a new KSUID and ts_producer.
+    from broky.client.encoder import PublishEncoder
+
+    encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+    frame, _ = benchmark(encoder.encode, KP, KEY, PAYLOAD, None)
+    assert decode_message(frame).payload == PAYLOAD
+
+
 def test_decode_message(benchmark) -> None:  # type: ignore[no-untyped-def]
     msg = benchmark(decode_message, FRAME, 0, len(FRAME))
     assert msg.payload == PAYLOAD and msg.uid == UID
