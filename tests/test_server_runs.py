@@ -126,3 +126,27 @@ def test_bad_payload_length_inside_a_run_is_refused(server: ServerProcess) -> No
         other.publish(KP_A, b"run.key", b"still served")
         assert other.flush() == []
         assert [m.payload for m in sub.messages()] == [b"still served"]
+
+
+def overlapping_key(payload: bytes) -> tuple[bytes, bytes]:
+    """A valid but odd frame whose key vector runs on into the payload vector;
+    return it with the key a FlatBuffers reader sees."""
+    frame = bytearray(encode_message(KP_A, b"ab", payload))
+    k = 72 + struct.unpack_from("<I", frame, 72)[0]
+    p = 76 + struct.unpack_from("<I", frame, 76)[0]
+    key_len = p + 8 - (k + 4)  # through the payload's length and its first 4 bytes
+    struct.pack_into("<I", frame, k, key_len)
+    return bytes(frame), bytes(frame[k + 4 : k + 4 + key_len])
+
+
+def test_a_key_overlapping_the_payload_is_routed_by_its_real_bytes(server: ServerProcess) -> None:
+    first, first_key = overlapping_key(b"1111-rest")
+    second, second_key = overlapping_key(b"2222-rest")
+    assert first_key != second_key  # same bytes up to the payload length, other keys
+    with Wire.hello(server.address, worker=0) as sub, Wire.hello(server.address, worker=0) as pub:
+        sub.subscribe(1, first_key)
+        assert sub.messages() == []
+        pub.send(first + second + first)
+        assert pub.flush() == []
+        got = sub.messages()
+        assert [m.key for m in got] == [first_key, first_key]

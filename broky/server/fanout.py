@@ -7,9 +7,10 @@ Theory of operation
 1. Parse every whole frame of the read (uint32 size prefix, checked against
    max_frame_bytes before anything is buffered). A Message frame in the
    canonical layout (broky.protocol.message) is recognised by its fixed header;
-   its routing bytes (key_partition and key, with their lengths) are sliced out
-   at known offsets and every vector is bounds-checked, the payload included,
-   because subscribers receive these bytes. Any other valid layout takes
+   its routing bytes (the key_partition and key vectors, through the payload's
+   length) are sliced out at known offsets and the payload is bounds-checked,
+   because subscribers receive these bytes (a cache miss validates the whole
+   frame). Any other valid layout takes
    `route_message`; any other frame goes through `decode_frame` and `control`.
 2. Route through a cache: routing bytes -> the target connections (a tuple
    interned per distinct target set), or None when this worker does not own
@@ -23,9 +24,10 @@ Theory of operation
    Any subscription change (subscribe, unsubscribe, disconnect) empties the
    cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries.
 3. Runs: consecutive messages with the same targets form a run. A message whose
-   size prefix, fixed header, routing bytes and payload length equal those of
-   the run's first message is known to have the same route and valid bounds
-   without any further parsing, so it only gets its stamp.
+   size prefix, fixed header and routing bytes equal those of the run's first
+   message is known to have the same route and valid bounds without any
+   further parsing, so it only gets its stamp. Once a message of the run
+   differs, the rest of the run skips that comparison.
 4. Stamp ts_broker: the read is copied once into a bytearray (only when it
    holds a message with subscribers), every message is stamped in place with
    the one time.time_ns() taken for the read, and slices of that copy are
@@ -297,8 +299,6 @@ class Shard:
         same_head: bytes | None = None
         same_route = b""
         same_tail: bytes | None = None
-        same_plen = b""  # the payload length, so a follower's payload vector is known in bounds
-        same_plen_at = 0
         same_len = 0
         pos = 0
         try:
@@ -309,7 +309,6 @@ class Shard:
                     and startswith(same_head, pos)
                     and startswith(same_route, pos + 72)
                     and (same_tail is None or startswith(same_tail, pos + 100))
-                    and startswith(same_plen, pos + same_plen_at)
                 ):
                     end = pos + same_len
                     if end > n:
@@ -337,15 +336,16 @@ class Shard:
                 else:
                     span = 0
                 if span:
-                    k = pos + 72 + key_off
-                    if k == span + 4 + kp_len + (-kp_len & 3) and k + 4 <= end:
-                        key_stop = k + 4 + _u32(data, k)[0]
-                        p = pos + 76 + pay_off
-                        # Subscribers get these bytes: the payload must be in bounds too,
+                    k = pos + 72 + key_off  # the key vector
+                    p = pos + 76 + pay_off  # the payload vector
+                    if k == span + 4 + kp_len + (-kp_len & 3) and k <= p and p + 4 <= end:
+                        # Subscribers get these bytes: the payload must be in bounds,
                         # even when the route comes from the cache.
-                        if key_stop > end or p + 4 > end or p + 4 + _u32(data, p)[0] > end:
+                        if p + 4 + _u32(data, p)[0] > end:
                             raise MalformedFrameError("malformed frame: vector overruns the frame")
-                        rkey: object = data[span:key_stop]
+                        # The routing bytes: key_partition and key vectors, through the
+                        # payload's length (a cache miss checks the key ends before it).
+                        rkey: object = data[span : p + 4]
                         ts_at = pos + TS_BROKER_OFFSET
                     else:
                         span = 0  # valid maybe, but not canonical: take the generic read
@@ -370,6 +370,8 @@ class Shard:
                     targets = routes[rkey]
                 except KeyError:
                     kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
+                    if span and k + 4 + len(key) > p:
+                        rkey = None  # the key runs into the payload: not identified by rkey
                     targets = self.route(rkey, kp, key)
                 if not targets:
                     if targets is None:
@@ -387,6 +389,7 @@ class Shard:
                 if targets is run and pos == run_end:
                     run_end = end
                     run_n += 1
+                    same_head = None  # this run's messages differ: stop comparing them
                 else:
                     if run is not None:
                         delivered += self.emit(buf, run, run_start, run_end, run_n)
@@ -394,17 +397,15 @@ class Shard:
                     run_start = pos
                     run_end = end
                     run_n = 1
-                    if span:
+                    if span and k + 4 + _u32(data, k)[0] <= p:  # the key ends before the payload
                         same_head = data[pos : pos + 56]
                         same_len = end - pos
-                        same_plen_at = 76 + pay_off
-                        same_plen = data[pos + same_plen_at : pos + same_plen_at + 4]
                         if span == pos + 80:
-                            same_route = data[pos + 72 : key_stop]
+                            same_route = data[pos + 72 : p + 4]
                             same_tail = None
                         else:
                             same_route = data[pos + 72 : pos + 80]
-                            same_tail = data[pos + 100 : key_stop]
+                            same_tail = data[pos + 100 : p + 4]
                     else:
                         same_head = None
                 pos = end
@@ -465,6 +466,8 @@ class Shard:
                     everyone = everyone + more
             # Equal target sets share one tuple, so runs of messages are found by identity.
             targets = self._interned.setdefault(everyone, everyone)
+        if rkey is None:
+            return targets
         if len(self.routes) >= ROUTE_CACHE_SIZE:
             self.routes.clear()
             self._interned.clear()
