@@ -106,10 +106,11 @@ from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
-# Canonical Message (broky.protocol.message): key offset @72, payload offset @76
-# (each relative to its own position), key_partition length @80 or @100 (uid).
-_offsets_no_uid = struct.Struct("<III").unpack_from
-_offsets_uid = struct.Struct("<II20xI").unpack_from
+# Canonical Message (broky.protocol.message): size prefix @0, key offset @72,
+# payload offset @76 (each relative to its own position), key_partition length
+# @80, or @100 after a uid.
+_canonical_no_uid = struct.Struct("<I68xIII").unpack_from
+_canonical_uid = struct.Struct("<I68xII20xI").unpack_from
 _time_ns = time.time_ns
 _monotonic = time.monotonic
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -319,22 +320,23 @@ class Shard:
                     published += 1
                     pos = end
                     continue
-                size = _u32(data, pos)[0]
+                # Canonical Message (layout in broky.protocol.message): one read gives
+                # the size prefix and the offsets; the checks below make sure they all
+                # lie inside this frame before anything relies on them.
+                if n - pos >= 104 and startswith(HEADER_UID, pos + 4):
+                    size, key_off, pay_off, kp_len = _canonical_uid(data, pos)
+                    span = pos + 100
+                elif n - pos >= 84 and startswith(HEADER_NO_UID, pos + 4):
+                    size, key_off, pay_off, kp_len = _canonical_no_uid(data, pos)
+                    span = pos + 80
+                else:
+                    size = _u32(data, pos)[0]
+                    span = 0
                 if size > max_frame or size < MIN_FRAME_SIZE:
                     check_size(size, max_frame)
                 end = pos + 4 + size
                 if end > n:
                     break
-                # Canonical Message (layout in broky.protocol.message): the bytes from
-                # the key_partition length to the end of the key name the route.
-                if startswith(HEADER_NO_UID, pos + 4) and end - pos >= 92:
-                    key_off, pay_off, kp_len = _offsets_no_uid(data, pos + 72)
-                    span = pos + 80
-                elif startswith(HEADER_UID, pos + 4) and end - pos >= 112:
-                    key_off, pay_off, kp_len = _offsets_uid(data, pos + 72)
-                    span = pos + 100
-                else:
-                    span = 0
                 if span:
                     k = pos + 72 + key_off  # the key vector
                     p = pos + 76 + pay_off  # the payload vector
