@@ -150,3 +150,13 @@ def test_server_scan_stamps_every_message_in_place(stream: list[tuple[Message, b
         diff = [j for j in range(len(raw)) if buf[pos + j] != raw[j]]
         assert all(0 <= j - (diff[0] if diff else 0) < 8 for j in diff)
         pos += len(raw)
+
+
+def test_a_layout_where_ts_broker_overlaps_a_vector_does_not_route() -> None:
+    # Found by tests/test_server_fanout_fuzz.py: the key_partition offset moved
+    # so that its vector's length overlaps the stamps struct. The frame reads
+    # fine as it is, but the server's ts_broker stamp would break it.
+    frame = bytearray(encode_message(b"p1", b"k.a", b"\x00" * 5))
+    frame[52] = 9  # key_partition offset (Message table at 48): vector at 61, inside stamps (56..72)
+    with pytest.raises(MalformedFrameError, match="ts_broker overlaps another field"):
+        route_message(bytes(frame), 0, len(frame))

@@ -198,9 +198,39 @@ def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
 
 def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, int]:
     msg = _generic_table(buf, f, end)
-    kp, key, _, stamps = _generic_refs(msg)
-    msg.field(F_UID, UID_SIZE)  # validated like decode_message does
-    return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), stamps + 8
+    kp, key, payload, stamps = _generic_refs(msg)
+    uid = msg.field(F_UID, UID_SIZE)  # validated like decode_message does
+    ts_at = stamps + 8
+    # The server patches ts_broker in place. In a layout other than the canonical
+    # one the stamps struct could overlap an offset, a length or a vector, and the
+    # stamped frame would read differently (or not at all): stamp two copies with
+    # all-zero and all-one bits and require both to read exactly like the original.
+    fields = _generic_fields(buf, kp, key, payload, uid)
+    frame = bytes(buf[f:end])
+    at = ts_at - f
+    for fill in (b"\x00" * 8, b"\xff" * 8):
+        probe = frame[:at] + fill + frame[at + 8 :]
+        try:
+            p_msg = _generic_table(probe, 0, len(probe))
+            p_kp, p_key, p_payload, p_stamps = _generic_refs(p_msg)
+            p_uid = p_msg.field(F_UID, UID_SIZE)
+        except MalformedFrameError:
+            raise malformed("ts_broker overlaps another field") from None
+        if p_stamps + 8 != at or _generic_fields(probe, p_kp, p_key, p_payload, p_uid) != fields:
+            raise malformed("ts_broker overlaps another field")
+    return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), ts_at
+
+
+def _generic_fields(
+    buf: Buffer, kp: tuple[int, int], key: tuple[int, int], payload: tuple[int, int], uid: int
+) -> tuple[bytes, ...]:
+    """The bytes a subscriber decodes from a generic-layout Message (but the stamps)."""
+    return (
+        bytes(buf[kp[0] : kp[1]]),
+        bytes(buf[key[0] : key[1]]),
+        bytes(buf[payload[0] : payload[1]]),
+        bytes(buf[uid : uid + UID_SIZE]) if uid else b"",
+    )
 
 
 def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:

@@ -1,0 +1,178 @@
+"""Fuzzing the worker's read handler, `Shard.feed`, which parses publishes by hand.
+
+The Shard is the real one (broky.server.fanout); only its transports are
+in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
+feed raises nothing, every frame a subscriber receives decodes as a valid
+Message (or a LossNotice), and a publisher either stays open or receives one
+fatal Error and is closed. Unmutated streams are delivered exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broky.errors import ProtocolError
+from broky.protocol import (
+    NEED_DATA,
+    Error,
+    FrameReader,
+    LossNotice,
+    Message,
+    Ping,
+    Subscribe,
+    decode_frame,
+    encode_frame,
+    encode_message,
+    new_ksuid,
+)
+from broky.server.config import ServerConfig
+from broky.server.connection import CLOSING, OPEN, Connection
+from broky.server.fanout import Shard
+
+
+class Recorder:
+    """An in-memory transport: keeps what is written."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.eof = False
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.eof or self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def frames(self) -> list[object]:
+        reader = FrameReader(max_frame_bytes=1 << 30)
+        reader.feed(bytes(self.data))
+        out: list[object] = []
+        while (raw := reader.next_frame()) is not NEED_DATA:
+            out.append(decode_frame(raw))
+        assert reader.buffered == 0, "a partial frame was written"
+        return out
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def shard_with(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, list[Connection]]:
+    shard = Shard(ServerConfig(workers=1, node_id="fuzz"), 0, loop)
+
+    def connection(i: int) -> Connection:
+        c = Connection(shard, b"", i)
+        c.transport = Recorder()  # type: ignore[assignment]
+        shard.conns[i] = c
+        return c
+
+    subs = [connection(1), connection(2)]
+    shard.subscribe(subs[0], Subscribe(1, b"k.>", None))
+    shard.subscribe(subs[1], Subscribe(1, b"k.a", b"p1"))
+    return shard, connection(3), subs
+
+
+KEYS = st.sampled_from([b"k.a", b"k.b", b"k.a.c", b"other"])
+PARTS = st.sampled_from([b"p1", b"p2", b"p" * 40])
+MESSAGES = st.lists(
+    st.tuples(PARTS, KEYS, st.binary(max_size=40), st.booleans()), min_size=1, max_size=30
+).map(
+    lambda ms: [
+        encode_message(kp, key, pay, ts_producer=7, uid=new_ksuid() if u else None) for kp, key, pay, u in ms
+    ]
+)
+
+
+def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+def check_outputs(subs: list[Connection], publisher: Connection) -> list[list[Message]]:
+    got = []
+    for s in subs:
+        frames = s.transport.frames()  # type: ignore[attr-defined]
+        assert all(isinstance(f, Message | LossNotice) for f in frames), frames
+        got.append([f for f in frames if isinstance(f, Message)])
+    replies = publisher.transport.frames()  # type: ignore[attr-defined]
+    fatal = [f for f in replies if isinstance(f, Error) and f.fatal]
+    if publisher.state == OPEN:
+        assert not fatal
+    else:
+        assert publisher.state == CLOSING and len(fatal) == 1 and replies[-1] is fatal[0]
+    return got
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=MESSAGES, cuts=st.lists(st.integers(0, 1 << 16), max_size=6))
+def test_valid_streams_are_delivered_exactly(
+    loop: asyncio.AbstractEventLoop, frames: list[bytes], cuts: list[int]
+) -> None:
+    shard, publisher, subs = shard_with(loop)
+    data = b"".join(frames)
+    for chunk in chunked(data, cuts):
+        shard.feed(publisher, chunk)
+    got = check_outputs(subs, publisher)
+    assert publisher.state == OPEN
+    sent = [m for m in (decode_frame(f) for f in frames) if isinstance(m, Message)]
+    want_all = [m for m in sent if m.key.startswith(b"k.")]
+    want_one = [m for m in sent if m.key == b"k.a" and m.key_partition == b"p1"]
+    for received, wanted in zip(got, (want_all, want_one)):
+        assert [(m.key_partition, m.key, m.payload, m.uid) for m in received] == [
+            (m.key_partition, m.key, m.payload, m.uid) for m in wanted
+        ]
+        assert all(m.ts_broker > 0 and m.ts_producer == 7 for m in received)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=MESSAGES,
+    edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4),
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
+    ping=st.booleans(),
+    shrink=st.one_of(st.none(), st.tuples(st.integers(0, 1 << 16), st.integers(1, 64))),
+)
+def test_mutated_streams_never_escape_the_protocol(
+    loop: asyncio.AbstractEventLoop,
+    frames: list[bytes],
+    edits: list[tuple[int, int]],
+    cuts: list[int],
+    ping: bool,
+    shrink: tuple[int, int] | None,
+) -> None:
+    shard, publisher, subs = shard_with(loop)
+    if shrink is not None:  # one frame's size prefix claims fewer bytes than it has
+        i, by = shrink[0] % len(frames), shrink[1]
+        size = int.from_bytes(frames[i][:4], "little")
+        frames[i] = max(size - by, 0).to_bytes(4, "little") + frames[i][4:]
+    data = bytearray(b"".join(frames) + (encode_frame(Ping(1)) if ping else b""))
+    for at, value in edits:
+        data[at % len(data)] = value
+    for chunk in chunked(bytes(data), cuts):
+        shard.feed(publisher, chunk)  # must not raise
+    try:
+        check_outputs(subs, publisher)
+    except ProtocolError as exc:  # pragma: no cover - the failure this test looks for
+        raise AssertionError(f"a subscriber or the publisher got an undecodable frame: {exc}") from exc
