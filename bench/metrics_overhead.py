@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.harness import loadgen, machine, servers
+from bench.harness import loadgen, machine, procstat, servers
 from bench.harness.loadgen import Load
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,9 +102,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     file=sys.stderr,
                     flush=True,
                 )
+        scrape_cpu_ms = scrape_cost(url, server.pids(), SCRAPES_FOR_COST)
     finally:
         server.stop()
-    return summarize(args, load, runs)
+    result = summarize(args, load, runs)
+    # What one scrape costs the server, measured on the idle server (CPU time is
+    # far steadier than throughput on a shared machine), and that cost at the
+    # scrape interval as a share of the CPU the server spent per second under load.
+    busy_cpu_per_s = statistics.median(
+        r["deliveries_per_s"] * r["server_cpu_us_per_delivery"] / 1e6 for r in runs
+    )
+    result["scrape_cpu_ms"] = scrape_cpu_ms
+    result["scrape_share_percent"] = scrape_cpu_ms / 1e3 / args.interval / busy_cpu_per_s * 100
+    return result
+
+
+SCRAPES_FOR_COST = 200
+
+
+def scrape_cost(url: str, pids: list[int], count: int) -> float:
+    """Server CPU milliseconds per /metrics scrape, over `count` back-to-back scrapes."""
+    before = procstat.total_cpu_seconds(pids)
+    for _ in range(count):
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            resp.read()
+    return (procstat.total_cpu_seconds(pids) - before) / count * 1e3
 
 
 def summarize(args: argparse.Namespace, load: Load, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,6 +192,11 @@ def markdown(res: dict[str, Any]) -> str:
         f"Spread (max - min) / median of the runs of one side: off {res['spread_percent']['off']:.1f} %, "
         f"on {res['spread_percent']['on']:.1f} %.",
         f"Errors: {res['errors']}; messages not delivered: {res['not_delivered']}.",
+        "",
+        f"One scrape costs the server {res['scrape_cpu_ms']:.2f} ms of CPU (master and workers, "
+        f"{SCRAPES_FOR_COST} back-to-back scrapes of the idle server); at one scrape every "
+        f"{st['interval']:g} s that is **{res['scrape_share_percent']:.2f} %** of the CPU the server "
+        "spent per second under this load: the most scraping can take from a CPU-bound server.",
         "",
         "A positive difference means slower with scraping. Runs alternate off/on and on/off",
         "so that drift on the shared 2-core machine hits both sides alike; the spread",
