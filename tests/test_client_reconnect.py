@@ -135,6 +135,7 @@ def test_publish_raises_once_the_reconnect_buffer_is_full(server: ServerProcess,
             assert info.value.limit == 4000
             assert 4000 - 300 < info.value.pending_bytes <= 4000
             assert 10 < sent < 40
+            assert client.stats.published == sent  # the refused publish is not counted
             proxy.refuse(False)
             await client.flush(timeout=10)
             await client.publish(b"kp", b"k", b"x" * 100)  # accepted again once reconnected

@@ -626,11 +626,12 @@ class Client:
             frame = pack(head, ts if ts_producer is None else ts_producer, mid, pre, n, block, payload)
         except struct.error:  # e.g. a str payload, a ts_producer out of range
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        self.stats.published += 1
         proto = link.proto
         if proto is None:
-            link.send(frame)
+            link.send(frame)  # may raise PublishBufferFullError: then not counted
+            self.stats.published += 1
             return
+        self.stats.published += 1
         link.out.append(frame)
         n = link.out_bytes = link.out_bytes + len(frame)
         if n >= self.batch_size:
@@ -694,8 +695,9 @@ class Client:
         else:
             frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
             link = self._route[vb] or self._route_slow(vb)
+        wrote = link.send(frame)  # may raise PublishBufferFullError: then not counted
         self.stats.published += 1
-        return link if link.send(frame) else None
+        return link if wrote else None
 
     def _remember(
         self, key_partition: object, key: object, kp: bytes, k: bytes, pay_len: int, link: Link
@@ -731,8 +733,9 @@ class Client:
     def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
         """Queue an already encoded and size-checked publish (the blocking client's path)."""
         link = self._route[vb] or self._route_slow(vb)
+        wrote = link.send(frame)  # may raise PublishBufferFullError: then not counted
         self.stats.published += 1
-        return link if link.send(frame) else None
+        return link if wrote else None
 
     def _route_slow(self, vb: int) -> Link:
         assert self._map is not None
