@@ -7,10 +7,9 @@ Theory of operation
 1. Parse every whole frame of the read (uint32 size prefix, checked against
    max_frame_bytes before anything is buffered). A Message frame in the
    canonical layout (broky.protocol.message) is recognised by its fixed header;
-   its routing bytes (the key_partition and key vectors, through the payload's
-   length) are sliced out at known offsets and the payload is bounds-checked,
-   because subscribers receive these bytes (a cache miss validates the whole
-   frame). Any other valid layout takes
+   its routing bytes (the key_partition and key vectors) are sliced out at
+   known offsets and the payload is bounds-checked, because subscribers
+   receive these bytes (a cache miss validates the whole frame). Any other valid layout takes
    `route_message`; any other frame goes through `decode_frame` and `control`.
 2. Route through a cache: routing bytes -> the target connections (a tuple
    interned per distinct target set), or None when this worker does not own
@@ -340,14 +339,15 @@ class Shard:
                 if span:
                     k = pos + 72 + key_off  # the key vector
                     p = pos + 76 + pay_off  # the payload vector
-                    if k == span + 4 + kp_len + (-kp_len & 3) and k <= p and p + 4 <= end:
+                    if k == span + 4 + kp_len + (-kp_len & 3) and k + 4 <= end and p + 4 <= end:
+                        key_stop = k + 4 + _u32(data, k)[0]
                         # Subscribers get these bytes: the payload must be in bounds,
                         # even when the route comes from the cache.
-                        if p + 4 + _u32(data, p)[0] > end:
+                        if key_stop > end or p + 4 + _u32(data, p)[0] > end:
                             raise MalformedFrameError("malformed frame: vector overruns the frame")
-                        # The routing bytes: key_partition and key vectors, through the
-                        # payload's length (a cache miss checks the key ends before it).
-                        rkey: object = data[span : p + 4]
+                        # The routing bytes: the key_partition and key vectors. (Not the
+                        # payload's length: payloads of many sizes would multiply the routes.)
+                        rkey: object = data[span:key_stop]
                         ts_at = pos + TS_BROKER_OFFSET
                     else:
                         span = 0  # valid maybe, but not canonical: take the generic read
@@ -372,8 +372,6 @@ class Shard:
                     targets = routes[rkey]
                 except KeyError:
                     kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
-                    if span and k + 4 + len(key) > p:
-                        rkey = None  # the key runs into the payload: not identified by rkey
                     targets = self.route(rkey, kp, key)
                 if not targets:
                     if targets is None:
@@ -399,7 +397,7 @@ class Shard:
                     run_start = pos
                     run_end = end
                     run_n = 1
-                    if span and k + 4 + _u32(data, k)[0] <= p:  # the key ends before the payload
+                    if span and key_stop <= p:  # the key ends before the payload's length
                         same_head = data[pos : pos + 56]
                         same_len = end - pos
                         if span == pos + 80:
@@ -468,8 +466,6 @@ class Shard:
                     everyone = everyone + more
             # Equal target sets share one tuple, so runs of messages are found by identity.
             targets = self._interned.setdefault(everyone, everyone)
-        if rkey is None:
-            return targets
         if len(self.routes) >= ROUTE_CACHE_SIZE:
             self.routes.clear()
             self._interned.clear()
