@@ -149,6 +149,8 @@ def test_fast_path_cache_follows_map_and_limit() -> None:
     async def main() -> None:
         client, link = _client()
         await client.publish("p", "k", b"v")
+        assert client._fast == {}  # a shape met once gets no template
+        await client.publish("p", "k", b"v")
         assert client._fast["p"]["k"][1][4] is link and client._fast[b"p"][b"k"][1][4] is link
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]

@@ -685,13 +685,14 @@ class Client:
         given = isinstance(uid, bytes) and len(uid) == 20
         if uid is True or given:
             encoder = self._encoder
-            vb = encoder.template(kp, k, len(payload))[4]  # PayloadTooLargeError before anything
-            link = self._route[vb] or self._route_slow(vb)
-            self._remember(key_partition, key, kp, k, len(payload), link)
+            # PayloadTooLargeError before anything is queued; a shape seen twice gets a template
             if given:
                 frame, vb = encoder.encode_any(kp, k, payload, ts_producer, uid)  # type: ignore[arg-type]
             else:
                 frame, vb = encoder.encode(kp, k, payload, ts_producer)
+            link = self._route[vb] or self._route_slow(vb)
+            if encoder.has_template(kp, k, len(payload)):
+                self._remember(key_partition, key, kp, k, len(payload), link)
         else:
             frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
             link = self._route[vb] or self._route_slow(vb)

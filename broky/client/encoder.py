@@ -17,6 +17,13 @@ encoder keeps, for each (key_partition, key, payload length), a `Template`:
   `broky.protocol.ksuid.KsuidSequence`), the block and the payload in one call;
 - the vbucket of the key_partition (so routing needs no hash).
 
+A template costs several plain encodes to make, so a shape gets one only the
+second time it comes (`_admit`), while fewer than MAX_TEMPLATES exist; other
+publishes are encoded by `encode_message`. The templates are dropped (a
+refresh) after MAX_SEEN shapes were met once. A publisher with a
+key_partition per user and payloads of many sizes thus mostly pays a plain
+encode, not templates it never uses again, without churning the cache.
+
 The uid comes from the encoder's `KsuidSequence` and the same clock read as
 ts_producer. The bytes produced are exactly those of `encode_message` with
 the same fields (a property test checks it). The size limit is checked when
@@ -39,6 +46,7 @@ from broky.protocol.message import HEADER_UID
 _u32 = struct.Struct("<I").unpack_from
 _time_ns = time.time_ns
 MAX_TEMPLATES = 4096
+MAX_SEEN = 65536
 _ZERO_UID = bytes(20)
 
 # (pack, head, mid, block, vbucket); pack(head, ts_producer, mid, uid_pre, uid_counter, block, payload)
@@ -67,6 +75,7 @@ class PublishEncoder:
     def __init__(self, max_frame_bytes: int = 0) -> None:
         self.max_frame_bytes = max_frame_bytes
         self._templates: dict[tuple[bytes, bytes, int], Template] = {}
+        self._seen: set[tuple[bytes, bytes, int]] = set()  # shapes met once, without a template
         self.uids = KsuidSequence()
 
     def set_limit(self, max_frame_bytes: int) -> bool:
@@ -74,8 +83,48 @@ class PublishEncoder:
         if max_frame_bytes != self.max_frame_bytes:
             self.max_frame_bytes = max_frame_bytes
             self._templates.clear()
+            self._seen.clear()
             return True
         return False
+
+    def has_template(self, key_partition: bytes, key: bytes, pay_len: int) -> bool:
+        return (key_partition, key, pay_len) in self._templates
+
+    def _admit(self, shape: tuple[bytes, bytes, int]) -> bool:
+        """True the second time a shape without a template comes: making a template
+        costs several encodes, worth it only for a shape that repeats (a publisher
+        with a key_partition per user and payloads of many sizes repeats few)."""
+        seen = self._seen
+        if shape in seen:
+            if len(self._templates) >= MAX_TEMPLATES:
+                return False  # full: plain encodes until the next refresh
+            seen.discard(shape)
+            return True
+        if len(seen) >= MAX_SEEN:
+            # A refresh, after MAX_SEEN shapes met once: hot shapes may have changed.
+            seen.clear()
+            self._templates.clear()
+        seen.add(shape)
+        return False
+
+    def _encode_plain(
+        self, key_partition: bytes, key: bytes, payload: bytes, ts_producer: int | None, uid: bytes | None
+    ) -> tuple[bytes, int]:
+        """encode_message with a KSUID from the sequence when uid is None; size-checked."""
+        ts = _time_ns()
+        if uid is None:
+            seq = self.uids
+            if not seq.start <= ts < seq.until:
+                seq.roll(ts)
+            n = seq.next
+            seq.next = n + 1
+            uid = seq.pre + n.to_bytes(8, "little")
+        frame = encode_message(
+            key_partition, key, payload, ts if ts_producer is None else ts_producer, 0, uid
+        )
+        if len(frame) - 4 > self.max_frame_bytes:
+            raise PayloadTooLargeError(len(frame) - 4, self.max_frame_bytes)
+        return frame, vbucket_of(key_partition)
 
     def encode(
         self, key_partition: bytes, key: bytes, payload: bytes, ts_producer: int | None
@@ -91,6 +140,10 @@ class PublishEncoder:
         try:
             pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
         except KeyError:
+            if not self._admit((key_partition, key, len(payload))):
+                if payload.__class__ is not bytes:
+                    raise LocalProtocolError(f"payload must be bytes, not {type(payload).__name__}") from None
+                return self._encode_plain(key_partition, key, payload, ts_producer, None)
             pack, head, mid, block, vb = self.template(key_partition, key, len(payload))
         ts = _time_ns()
         seq = self.uids
@@ -119,6 +172,8 @@ class PublishEncoder:
             try:
                 pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
             except KeyError:
+                if not self._admit((key_partition, key, len(payload))):
+                    return self._encode_plain(key_partition, key, payload, ts_producer, uid)
                 pack, head, mid, block, vb = self.template(key_partition, key, len(payload))
             try:
                 frame = pack(
