@@ -1,0 +1,38 @@
+"""The README's example pipeline, examples/clickstream.py, end to end and small."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.spark
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "clickstream.py"
+
+
+def test_clickstream_example_delivers_every_event() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--events", "20000", "--users", "500"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # the example's own broky serve and Spark share its group
+    )
+    try:
+        out, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert "spark wrote 20,000 events" in text
+    assert "subscriber received 20,000 events" in text
+    counts = [
+        int(line.split()[-1].replace(",", "")) for line in text.splitlines() if line.startswith("  clicks.")
+    ]
+    assert len(counts) == 4 and sum(counts) == 20_000
