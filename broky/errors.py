@@ -3,7 +3,8 @@
 Protocol errors carry the wire ErrorCode (schema/broky.fbs) so the server can
 send them back unchanged. They are split by who broke the rules:
 RemoteProtocolError when the bytes came from the peer, LocalProtocolError when
-our own caller asked for something the protocol cannot carry.
+our own caller asked for something the protocol cannot carry. The table of
+classes and codes is in schema/README.md (section 9.1).
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ class TruncatedFrameError(RemoteProtocolError):
 
 
 class LocalProtocolError(ProtocolError):
-    """We were asked to encode something the protocol cannot carry."""
+    """We were asked to encode something the protocol cannot carry.
+
+    Never sent on the wire: nothing was encoded. Its code, MALFORMED_FRAME,
+    names the rule the frame would have broken (what a peer receiving it would
+    report); subclasses narrow it. The class says whose mistake it was.
+    """
 
 
 class PayloadTooLargeError(LocalProtocolError):

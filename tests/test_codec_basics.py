@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from broky.errors import FrameTooLargeError, MalformedFrameError
+from broky.errors import ErrorCode, FrameTooLargeError, LocalProtocolError, MalformedFrameError
 from broky.protocol import (
     NEED_DATA,
     Error,
@@ -33,6 +35,7 @@ from broky.protocol import (
     new_ksuid,
     route_message,
 )
+from broky.protocol.frames import error_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,6 +76,7 @@ def test_message_round_trip_and_route() -> None:
     assert decode_frame(frame) == Message(b"t1", b"orders.created", b"x" * 100, 5, 0, uid)
     kp, key, ts_pos = route_message(frame, 0, len(frame))
     assert (kp, key) == (b"t1", b"orders.created")
+    assert ts_pos is not None  # the canonical layout is stamped in place
     assert frame[ts_pos : ts_pos + 8] == bytes(8)
 
 
@@ -91,6 +95,44 @@ def test_reader_splits_and_checks_prefix_before_buffering() -> None:
     assert info.value.size == 0xFFFF_FFFF and info.value.limit == 1 << 20
 
 
+@pytest.mark.parametrize(
+    "frame",
+    [
+        Subscribe(-1, b"a.b"),
+        Subscribe(1, "a.b"),  # type: ignore[arg-type]
+        Subscribe(1, b"a.b", "kp"),  # type: ignore[arg-type]
+        Unsubscribe(2**32),
+        Ping(-1),
+        Ping(1.5),  # type: ignore[arg-type]
+        Pong(2**64),
+        Hello(worker=40000),
+        Hello(protocol_version=-1),
+        Hello(client_name=7),  # type: ignore[arg-type]
+        Hello(auth_token="\ud800"),  # not encodable as UTF-8
+        Error(70000),
+        Error(1, "x", fatal="yes"),  # type: ignore[arg-type]
+        LossNotice(1, 256),
+        Goodbye(b"bytes"),  # type: ignore[arg-type]
+        Welcome("n", 0, VBucketMap.single_node(NodeInfo("n", "h", 70000, 1)), 1, 1),
+        Message(b"k", b"k", b"v", 2**63),
+        Message(b"k", b"k", b"v", uid=b"short"),
+        Message(b"k", "k", b"v"),  # type: ignore[arg-type]
+        Message(None, b"k", b"v"),  # type: ignore[arg-type]
+        "not a frame",
+    ],
+    ids=repr,
+)
+def test_values_the_schema_cannot_carry_raise_local_protocol_error(frame: object) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frame(frame)  # type: ignore[arg-type]
+    assert info.value.code == ErrorCode.MALFORMED_FRAME
+
+
+def test_the_error_frame_shortcut_is_checked_too() -> None:
+    with pytest.raises(LocalProtocolError, match="cannot encode Error"):
+        error_frame(ErrorCode.INTERNAL, "x", fatal=True, sid=-1)
+
+
 def test_garbage_is_a_protocol_error() -> None:
     with pytest.raises(MalformedFrameError):
         decode_frame(b"\x10\x00\x00\x00" + b"\xff" * 16)
@@ -103,3 +145,35 @@ def test_generated_code_is_current() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generated_code_names_its_flatc_version() -> None:
+    version = subprocess.run(["flatc", "--version"], capture_output=True, text=True, check=True).stdout
+    header = (ROOT / "broky" / "fbs" / "broky_generated.py").read_text().splitlines()[:3]
+    assert f"# flatc version: {version.removeprefix('flatc version').strip()}" in header
+
+
+def test_check_with_another_flatc_release_names_both_versions(tmp_path: Path) -> None:
+    # A flatc that reports another version but generates exactly what the real one does.
+    real = shutil.which("flatc")
+    assert real is not None, "flatc is needed (Debian's flatbuffers-compiler)"
+    fake = tmp_path / "flatc"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "flatc version 99.1.2"; exit 0; fi\n'
+        f'exec "{real}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 1
+    committed = (ROOT / "broky" / "fbs" / "broky_generated.py").read_text().splitlines()[1]
+    assert committed.startswith("# flatc version: ")
+    assert "flatc version mismatch" in result.stdout
+    assert f"generated with flatc {committed.removeprefix('# flatc version: ')}" in result.stdout
+    assert "the installed flatc is 99.1.2" in result.stdout

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from broky import errors
 from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import Message, decode_frame, encode_message, vbucket_of
 from tests.test_protocol_generated import generated_read
@@ -46,3 +47,17 @@ def test_pattern_table(pattern: bytes, matching: list[bytes], not_matching: list
     tokens = parse_pattern(pattern)
     assert all(pattern_matches(tokens, k) for k in matching)
     assert not any(pattern_matches(tokens, k) for k in not_matching)
+
+
+def test_protocol_error_table_matches_the_classes() -> None:
+    rows = re.findall(
+        r"^\| `(\w+Error)` \| (?:([A-Z_]+) \((\d+)\)|as given) \| (ours|the peer's)", DOC, re.MULTILINE
+    )
+    assert len(rows) == 8, rows
+    for name, code_name, code, whose in rows:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.ProtocolError)
+        side = errors.LocalProtocolError if whose == "ours" else errors.RemoteProtocolError
+        assert issubclass(cls, side), name
+        if code_name:
+            assert cls.code == errors.ErrorCode[code_name] == int(code), name

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import flatbuffers
 import pytest
@@ -52,7 +52,7 @@ from broky.protocol import (
     encode_message,
     route_message,
 )
-from broky.protocol.message import TS_BROKER_OFFSET, message_size
+from broky.protocol.message import HEADER_NO_UID, HEADER_UID, TS_BROKER_OFFSET, canonical_copy, message_size
 
 # ---------------------------------------------------------------- strategies
 
@@ -100,6 +100,36 @@ welcomes = st.builds(
     protocol_version=u16,
 )
 
+
+_Seq = TypeVar("_Seq", bytes, str)
+
+
+def _pattern(seed: _Seq, n: int) -> _Seq:
+    """n bytes (or characters) repeating seed: cheap to make at any size, still not all equal."""
+    return (seed * (n // len(seed) + 1))[:n]
+
+
+@st.composite
+def large_messages(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) -> Message:
+    """Messages whose three vectors together take up to `limit` bytes (pattern bytes).
+
+    With the default limit the canonical frame, and a Builder's, fit the default
+    maximum frame size.
+    """
+    total = draw(st.integers(0, limit) | st.sampled_from([limit, limit - 1, limit // 2]))
+    kp_len = draw(st.integers(0, total) | st.integers(0, min(64, total)))
+    key_len = draw(st.integers(0, total - kp_len) | st.integers(0, min(64, total - kp_len)))
+    seeds = draw(st.lists(st.binary(min_size=1, max_size=7), min_size=3, max_size=3))
+    return Message(
+        _pattern(seeds[0], kp_len),
+        _pattern(seeds[1], key_len),
+        _pattern(seeds[2], total - kp_len - key_len),
+        draw(i64_edges),
+        draw(i64_edges),
+        draw(uids),
+    )
+
+
 control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Hello, u16, i16, st.none() | texts, st.none() | texts),
     st.builds(Subscribe, u32, st.binary(max_size=100), st.none() | st.binary(max_size=40)),
@@ -113,6 +143,26 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Goodbye, st.none() | texts),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
+
+
+@st.composite
+def large_control_frames(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) -> Frame:
+    """Control frames whose vectors or strings take up to `limit` bytes (patterns)."""
+    n = draw(st.integers(0, limit) | st.just(limit))
+    cut = draw(st.integers(0, n))
+    seed = draw(st.binary(min_size=1, max_size=7))
+    text = _pattern(draw(st.text(min_size=1, max_size=3)), n // 4)  # up to 4 UTF-8 bytes a character
+    choices: list[Frame] = [
+        Subscribe(draw(u32), _pattern(seed, cut), _pattern(seed[::-1], n - cut)),
+        Hello(1, -1, text[: len(text) // 2], text[len(text) // 2 :]),
+        Error(draw(u16), text, draw(u64), draw(st.booleans()), draw(u32)),
+        Goodbye(text),
+    ]
+    return draw(st.sampled_from(choices))
+
+
+# Every kind of frame, Welcome (a 1024-entry map, a few KiB, slower to make) included.
+all_frames: st.SearchStrategy[Frame] = small_frames | welcomes
 
 # ---------------------------------------------------------------- reference reader (generated code)
 
@@ -466,12 +516,22 @@ def _check_message_readers(msg: Message, frame: bytes) -> None:
     kp, key, ts_pos = route_message(padded, 13, 13 + len(frame))
     assert (kp, key) == (msg.key_partition, msg.key)
     assert type(kp) is bytes and type(key) is bytes
-    # ts_broker sits where route_message says: stamping it changes only ts_broker.
-    stamped = bytearray(frame)
-    struct.pack_into("<q", stamped, ts_pos - 13, -12345)
     expected = msg._replace(ts_broker=-12345)
-    assert decode_message(stamped) == expected
-    assert generated_read(bytes(stamped)) == expected
+    if frame[4:56] in (HEADER_UID, HEADER_NO_UID):
+        # The canonical layout: ts_broker sits where route_message says, and
+        # stamping it in place changes only ts_broker.
+        assert ts_pos == 13 + TS_BROKER_OFFSET
+        stamped = bytearray(frame)
+        struct.pack_into("<q", stamped, ts_pos - 13, -12345)
+        assert decode_message(stamped) == expected
+        assert generated_read(bytes(stamped)) == expected
+    else:
+        # Any other layout is not stamped in place: the server forwards a
+        # canonical copy that differs from the original in ts_broker only.
+        assert ts_pos is None
+        forwarded = canonical_copy(padded, 13, 13 + len(frame), -12345)
+        assert forwarded == encode_message(*expected)
+        assert generated_read(forwarded) == expected
 
 
 @SETTINGS
@@ -489,6 +549,44 @@ def test_canonical_messages_read_and_route(msg: Message) -> None:
     frame = encode_message(*msg)
     _check_message_readers(msg, frame)
     assert route_message(frame, 0, len(frame))[2] == TS_BROKER_OFFSET
+
+
+LARGE = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@LARGE
+@given(large_messages())
+def test_large_messages_read_back_through_generated_accessors(msg: Message) -> None:
+    frame = encode_message(*msg)
+    assert len(frame) - 4 <= DEFAULT_MAX_FRAME_BYTES
+    assert generated_read(frame) == msg
+    _check_message_readers(msg, frame)
+
+
+@LARGE
+@given(builder_frames(large_messages()))
+def test_large_builder_messages_read_by_fast_decoder(case: tuple[Frame, bytes]) -> None:
+    msg, frame = case
+    assert isinstance(msg, Message)
+    assert generated_read(frame) == msg
+    _check_message_readers(msg, frame)
+
+
+@LARGE
+@given(large_control_frames())
+def test_large_control_frames_agree_with_generated_code(frame: Frame) -> None:
+    raw = encode_frame(frame)
+    assert len(raw) - 4 <= DEFAULT_MAX_FRAME_BYTES
+    assert generated_read(raw) == frame
+    assert decode_frame(raw) == frame
+
+
+@LARGE
+@given(builder_frames(large_control_frames()))
+def test_large_builder_control_frames_read_by_decode_frame(case: tuple[Frame, bytes]) -> None:
+    frame, raw = case
+    assert generated_read(raw) == frame
+    assert decode_frame(raw) == frame
 
 
 @SETTINGS

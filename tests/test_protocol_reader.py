@@ -9,7 +9,12 @@ from hypothesis import strategies as st
 from broky.errors import FrameTooLargeError, MalformedFrameError, ProtocolError, TruncatedFrameError
 from broky.protocol import NEED_DATA, Frame, FrameReader, decode_frame, encode_message
 from broky.protocol.framing import MIN_FRAME_SIZE
-from tests.test_protocol_generated import encoded_frames
+from tests.test_protocol_generated import (
+    all_frames,
+    encoded_frames,
+    large_control_frames,
+    large_messages,
+)
 
 streams = st.lists(encoded_frames(), min_size=1, max_size=8)
 
@@ -42,6 +47,34 @@ def test_any_chunking_yields_the_same_frames(stream: list[tuple[Frame, bytes]], 
     assert got == frames
     assert [decode_frame(f) for f in got] == [value for value, _ in stream]
     reader.close()  # ended on a frame boundary: no error
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        encoded_frames(large_messages())
+        | encoded_frames(large_control_frames())
+        | encoded_frames(all_frames),
+        min_size=1,
+        max_size=4,
+    ),
+    st.data(),
+)
+def test_frames_up_to_the_limit_and_welcomes_in_any_chunks(
+    stream: list[tuple[Frame, bytes]], data: st.DataObject
+) -> None:
+    frames = [raw for _, raw in stream]
+    whole = b"".join(frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(whole)), max_size=30)))
+    reader = FrameReader()  # the default limit, 1 MiB
+    got: list[bytes] = []
+    prev = 0
+    for cut in [*cuts, len(whole)]:
+        reader.feed(whole[prev:cut])
+        got.extend(_read_all(reader))
+        prev = cut
+    assert got == frames
+    assert [decode_frame(f) for f in got] == [value for value, _ in stream]
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

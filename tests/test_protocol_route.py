@@ -3,18 +3,23 @@
 A canonical-looking frame (its 52 fixed header bytes match) takes the fast
 path, which trusts the header but not the variable offsets and lengths behind
 it. Whatever those say, route_message must either raise MalformedFrameError
-or return exactly what a FlatBuffers reader would read.
+or return exactly what a FlatBuffers reader would read. Only such a frame gets
+a stamp position; any other layout gets None and is forwarded as its
+canonical_copy, since its ts_broker may share bytes with another field.
 """
 
 from __future__ import annotations
 
 import struct
 
+import flatbuffers
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from broky.errors import MalformedFrameError, ProtocolError, UnknownFrameError
+from broky import fbs
+from broky.errors import ErrorCode, MalformedFrameError, ProtocolError, UnknownFrameError
+from broky.fbs import Body
 from broky.protocol import (
     Message,
     Ping,
@@ -24,7 +29,14 @@ from broky.protocol import (
     encode_message,
     route_message,
 )
-from broky.protocol.message import HEADER_NO_UID, HEADER_UID, TS_BROKER_OFFSET, _route_generic
+from broky.protocol.message import (
+    HEADER_NO_UID,
+    HEADER_UID,
+    TS_BROKER_OFFSET,
+    _route_generic,
+    body_type,
+    canonical_copy,
+)
 from tests.test_protocol_generated import builder_frames, generated_read, messages
 
 # Positions (from the start of the size prefix) of the canonical variable words.
@@ -77,12 +89,17 @@ def test_lying_offsets_are_refused_or_read_correctly(msg: Message, lie: dict[str
         with pytest.raises(MalformedFrameError):
             decode_message(raw)
         return
-    assert route_message(raw, 0, len(raw)) == expected
+    assert route_message(raw, 0, len(raw)) == (*expected[:2], TS_BROKER_OFFSET)
     # Valid by the bounds checks, so the generated code can read it too.
     reference = generated_read(raw)
     assert isinstance(reference, Message)
-    assert expected == (reference.key_partition, reference.key, TS_BROKER_OFFSET)
+    assert expected[:2] == (reference.key_partition, reference.key)
     assert decode_message(raw) == reference
+    # However the vectors lie, none of them covers ts_broker: stamping it in place
+    # changes nothing else.
+    stamped = bytearray(raw)
+    struct.pack_into("<q", stamped, TS_BROKER_OFFSET, -1)
+    assert decode_message(stamped) == reference._replace(ts_broker=-1)
 
 
 @pytest.mark.parametrize("has_uid", [False, True])
@@ -129,34 +146,176 @@ def test_control_frames_do_not_route() -> None:
 @given(
     st.lists(st.one_of(messages.map(lambda m: (m, encode_message(*m))), builder_frames(messages)), min_size=1)
 )
-def test_server_scan_stamps_every_message_in_place(stream: list[tuple[Message, bytes]]) -> None:
-    # The loop a worker runs over one read: frame boundaries, route, stamp.
-    buf = bytearray(b"".join(raw for _, raw in stream))
-    data = bytes(buf)
+def test_server_scan_stamps_or_copies_every_message(stream: list[tuple[Message, bytes]]) -> None:
+    # The loop a worker runs over one read: frame boundaries, route, then stamp
+    # in place or forward a canonical copy.
+    data = b"".join(raw for _, raw in stream)
+    buf = bytearray(data)
     pos = 0
     routed: list[tuple[bytes, bytes]] = []
-    while pos < len(data):
+    forwarded: list[bytes] = []
+    for _, raw in stream:
         end = pos + 4 + struct.unpack_from("<I", data, pos)[0]
         kp, key, ts_pos = route_message(data, pos, end)
-        struct.pack_into("<q", buf, ts_pos, 1_700_000_000_000_000_000 + len(routed))
+        stamp = 1_700_000_000_000_000_000 + len(routed)
+        if ts_pos is None:
+            assert raw[4:56] not in (HEADER_UID, HEADER_NO_UID)
+            forwarded.append(canonical_copy(data, pos, end, stamp))
+        else:
+            struct.pack_into("<q", buf, ts_pos, stamp)
+            forwarded.append(bytes(buf[pos:end]))
+            # Only the 8 ts_broker bytes changed.
+            diff = [j for j in range(len(raw)) if buf[pos + j] != raw[j]]
+            assert all(TS_BROKER_OFFSET <= j < TS_BROKER_OFFSET + 8 for j in diff)
         routed.append((kp, key))
         pos = end
     assert routed == [(m.key_partition, m.key) for m, _ in stream]
-    pos = 0
-    for i, (msg, raw) in enumerate(stream):
-        got = decode_frame(buf, pos)
-        assert got == msg._replace(ts_broker=1_700_000_000_000_000_000 + i)
-        # Only the 8 ts_broker bytes changed.
-        diff = [j for j in range(len(raw)) if buf[pos + j] != raw[j]]
-        assert all(0 <= j - (diff[0] if diff else 0) < 8 for j in diff)
-        pos += len(raw)
+    for i, ((msg, _), out) in enumerate(zip(stream, forwarded)):
+        assert decode_frame(out) == msg._replace(ts_broker=1_700_000_000_000_000_000 + i)
 
 
-def test_a_layout_where_ts_broker_overlaps_a_vector_does_not_route() -> None:
+def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> None:
     # Found by tests/test_server_fanout_fuzz.py: the key_partition offset moved
     # so that its vector's length overlaps the stamps struct. The frame reads
-    # fine as it is, but the server's ts_broker stamp would break it.
+    # fine as it is, but stamping ts_broker in place would break it.
     frame = bytearray(encode_message(b"p1", b"k.a", b"\x00" * 5))
     frame[52] = 9  # key_partition offset (Message table at 48): vector at 61, inside stamps (56..72)
-    with pytest.raises(MalformedFrameError, match="ts_broker overlaps another field"):
-        route_message(bytes(frame), 0, len(frame))
+    raw = bytes(frame)
+    ts = 1_700_000_000_123_456_789
+    published = decode_message(raw)
+    kp, key, ts_pos = route_message(raw, 0, len(raw))
+    assert (kp, key, ts_pos) == (published.key_partition, published.key, None)
+    copy = canonical_copy(raw, 0, len(raw), ts)
+    assert decode_message(copy) == published._replace(ts_broker=ts)
+    assert copy[4:56] == HEADER_NO_UID
+    # What stamping in place would have done: the key_partition's length changes.
+    stamped = bytearray(raw)
+    struct.pack_into("<q", stamped, 64, ts)
+    try:
+        broken: Message | None = decode_message(bytes(stamped))
+    except MalformedFrameError:
+        broken = None
+    assert broken != published._replace(ts_broker=ts)
+
+
+# The key offset of the crafted frame below: Message table at 48, field at table+23.
+OVERLAP_KEY_FIELD = 48 + 23
+
+
+def overlap_frame() -> bytes:
+    """A valid Message frame built to fool a stamp-and-compare check (from an audit).
+
+    Its vtable puts the key offset at table+23, so the offset's low byte is the
+    most significant byte of ts_broker (table+16..24). As published (ts_broker 0)
+    the key vector is at 71+0x100; stamped with all-0xFF bits it would be at
+    71+0x1FF, holding the same `a.b`; stamped with a real time (top byte 0x18,
+    2024 to 2026) it would be at 71+0x118, holding `x.y`.
+    """
+    frame = bytearray(600)
+    struct.pack_into("<I", frame, 0, len(frame) - 4)
+    # Root offset, identifier, Frame vtable and table: as in the canonical layout.
+    struct.pack_into("<I4sHHHHiIB", frame, 4, 16, b"BRKY", 8, 12, 8, 4, 8, 24, 1)
+    # Message vtable at 32: 14 bytes, table 32 bytes; kp@4, key@23, payload@28, stamps@8, no uid.
+    struct.pack_into("<HHHHHHH", frame, 32, 14, 32, 4, 23, 28, 8, 0)
+    struct.pack_into("<iI", frame, 48, 16, 80 - 52)  # soffset; kp vector at 80
+    struct.pack_into("<qq", frame, 56, 7, 0)  # ts_producer 7, ts_broker 0
+    struct.pack_into("<BBB", frame, 72, 0x01, 0, 0)  # key offset = 0x100 + ts_broker's top byte
+    struct.pack_into("<I", frame, 76, 88 - 76)  # payload vector at 88
+    struct.pack_into("<I2s", frame, 80, 2, b"p1")
+    struct.pack_into("<I5s", frame, 88, 5, b"hello")
+    for top, key in ((0x00, b"a.b"), (0xFF, b"a.b"), (0x18, b"x.y")):
+        struct.pack_into("<I3s", frame, OVERLAP_KEY_FIELD + 0x100 + top, 3, key)
+    return bytes(frame)
+
+
+def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:
+    raw = overlap_frame()
+    published = Message(b"p1", b"a.b", b"hello", 7, 0, None)
+    assert raw[4:56] not in (HEADER_UID, HEADER_NO_UID)
+    assert generated_read(raw) == published == decode_message(raw)
+    assert route_message(raw, 0, len(raw)) == (b"p1", b"a.b", None)
+    # The trap: probes with all-zero or all-one ts_broker read like the
+    # original, a real time does not.
+    for probe, key in ((0, b"a.b"), (-1, b"a.b"), (0x18 << 56 | 12345, b"x.y")):
+        stamped = bytearray(raw)
+        struct.pack_into("<q", stamped, 64, probe)
+        assert decode_message(bytes(stamped)).key == key
+    # What the server forwards instead: the canonical copy, stamped.
+    ts = 0x18 << 56 | 12345
+    copy = canonical_copy(raw, 0, len(raw), ts)
+    assert decode_message(copy) == generated_read(copy) == published._replace(ts_broker=ts)
+    assert route_message(copy, 0, len(copy)) == (b"p1", b"a.b", TS_BROKER_OFFSET)
+
+
+def test_a_canonical_copy_over_the_frame_limit_is_refused() -> None:
+    # Vectors that share bytes: a small frame whose copy is three times larger.
+    frame = bytearray(encode_message(b"", b"", b"x" * 1000))
+    payload_at = 76 + struct.unpack_from("<I", frame, 76)[0]
+    struct.pack_into("<H", frame, 34, 36)  # Message table size 36, not 32: not canonical, still valid
+    struct.pack_into("<I", frame, 52, payload_at - 52)  # key_partition = the payload
+    struct.pack_into("<I", frame, 72, payload_at - 72)  # key = the payload
+    raw = bytes(frame)
+    msg = decode_message(raw)
+    assert msg.key_partition == msg.key == msg.payload == b"x" * 1000
+    assert len(canonical_copy(raw, 0, len(raw), 1, max_frame_bytes=4000)) > len(raw)
+    with pytest.raises(ProtocolError, match="re-encoded in the canonical layout") as info:
+        canonical_copy(raw, 0, len(raw), 1, max_frame_bytes=len(raw))
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+
+
+# ---------------------------------------------------------------- bounds and buffer types
+
+
+def builder_message(kp: bytes, key: bytes, payload: bytes) -> bytes:
+    """A Message frame written by flatbuffers.Builder (not the canonical layout)."""
+    b = flatbuffers.Builder(0)
+    vectors = [b.CreateByteVector(v) for v in (payload, key, kp)]
+    fbs.MessageStart(b)
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 1, 0))
+    fbs.MessageAddPayload(b, vectors[0])
+    fbs.MessageAddKey(b, vectors[1])
+    fbs.MessageAddKeyPartition(b, vectors[2])
+    body = fbs.MessageEnd(b)
+    fbs.FrameStart(b)
+    fbs.FrameAddBodyType(b, Body.Message)
+    fbs.FrameAddBody(b, body)
+    b.FinishSizePrefixed(fbs.FrameEnd(b), b"BRKY")
+    return bytes(b.Output())
+
+
+def test_bounds_outside_the_buffer_are_malformed() -> None:
+    frame = encode_message(b"kp", b"a.b", b"payload", 1, 0, bytes(20))
+    ping = encode_frame(Ping(1))
+    for buf, f, end in (
+        (ping[:12], 0, 100),  # end past the buffer (was struct.error)
+        (frame, 0, len(frame) + 1),
+        (frame, -8, len(frame)),  # a negative start would read from the end
+        (frame + frame, -len(frame), len(frame)),
+    ):
+        for reader in (route_message, decode_message, decode_frame, body_type):
+            with pytest.raises(MalformedFrameError, match="outside the buffer"):
+                reader(buf, f, end)
+    with pytest.raises(MalformedFrameError):
+        decode_frame(frame, -4)
+    with pytest.raises(MalformedFrameError):
+        decode_message(frame, -4)
+
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+@pytest.mark.parametrize("has_uid", [False, True])
+def test_route_message_reads_bytearray_and_memoryview(kind: type, has_uid: bool) -> None:
+    frame = encode_message(b"kp", b"a.b", b"payload", 1, 0, bytes(20) if has_uid else None)
+    builder = builder_message(b"kp", b"a.b", b"payload")
+    for raw, ts in ((frame, 5 + TS_BROKER_OFFSET), (builder, None)):
+        buf = kind(b"\xee" * 5 + raw + b"\xee" * 3)
+        kp, key, ts_pos = route_message(buf, 5, 5 + len(raw))
+        assert (kp, key, ts_pos) == (b"kp", b"a.b", ts)
+        assert type(kp) is bytes and type(key) is bytes
+        with pytest.raises(MalformedFrameError, match="outside the buffer"):
+            route_message(buf, 5, len(buf) + 1)
+
+
+def test_route_message_refuses_other_types() -> None:
+    frame = encode_message(b"kp", b"a.b", b"payload")
+    with pytest.raises(TypeError, match="route_message reads bytes, bytearray or memoryview, not str"):
+        route_message(frame.decode("latin-1"), 0, len(frame))  # type: ignore[arg-type]

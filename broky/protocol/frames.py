@@ -4,18 +4,23 @@ Control frames are rare (handshake, subscriptions, flow control, errors), so
 they are built with the generated Builder helpers; they are read with the
 bounds-checked reader in broky.protocol.table. Message frames, the hot ones,
 live in broky.protocol.message. `decode_frame` reads any frame.
+
+Every encoder raises LocalProtocolError for a value the schema cannot carry
+(a number outside its field's range, a str where bytes are expected, ...),
+never the Builder's own TypeError or struct.error.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import flatbuffers
 
 from broky import fbs
-from broky.errors import ErrorCode, MalformedFrameError, UnknownFrameError
+from broky.errors import ErrorCode, LocalProtocolError, MalformedFrameError, UnknownFrameError
 from broky.fbs import Body
 from broky.protocol.message import (
     BODY_MESSAGE,
@@ -25,7 +30,7 @@ from broky.protocol.message import (
     decode_message,
 )
 from broky.protocol.routing import VBUCKETS, NodeInfo, VBucketMap
-from broky.protocol.table import Buffer, Table, malformed, root
+from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 PROTOCOL_VERSION = 1
 ANY_WORKER = -1
@@ -110,6 +115,28 @@ Frame = (
 
 # ---------------------------------------------------------------- encoding
 
+_F = TypeVar("_F")
+
+
+def _encoder(encode: Callable[[_F], bytes]) -> Callable[[_F], bytes]:
+    """Turn the Builder's errors for values the schema cannot carry into LocalProtocolError."""
+
+    @functools.wraps(encode)
+    def checked(frame: _F) -> bytes:
+        try:
+            return encode(frame)
+        except (TypeError, ValueError, OverflowError, struct.error) as exc:
+            raise LocalProtocolError(f"cannot encode {frame!r:.200}: {exc}") from None
+
+    return checked
+
+
+def _string(b: flatbuffers.Builder, text: str) -> int:
+    # The Builder also takes bytes, and would write bytes that are not UTF-8.
+    if not isinstance(text, str):
+        raise TypeError(f"a string field takes str, not {type(text).__name__}")
+    return int(b.CreateString(text))
+
 
 def _finish(builder: flatbuffers.Builder, body_type: int, body: int) -> bytes:
     fbs.FrameStart(builder)
@@ -119,10 +146,11 @@ def _finish(builder: flatbuffers.Builder, body_type: int, body: int) -> bytes:
     return bytes(builder.Output())
 
 
+@_encoder
 def encode_hello(hello: Hello) -> bytes:
     b = flatbuffers.Builder(64)
-    name = b.CreateString(hello.client_name) if hello.client_name is not None else 0
-    token = b.CreateString(hello.auth_token) if hello.auth_token is not None else 0
+    name = _string(b, hello.client_name) if hello.client_name is not None else 0
+    token = _string(b, hello.auth_token) if hello.auth_token is not None else 0
     fbs.HelloStart(b)
     fbs.HelloAddProtocolVersion(b, hello.protocol_version)
     fbs.HelloAddWorker(b, hello.worker)
@@ -136,8 +164,8 @@ def encode_hello(hello: Hello) -> bytes:
 def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
     nodes = []
     for node in vmap.nodes:
-        node_id = b.CreateString(node.node_id)
-        host = b.CreateString(node.host)
+        node_id = _string(b, node.node_id)
+        host = _string(b, node.host)
         fbs.NodeStart(b)
         fbs.NodeAddNodeId(b, node_id)
         fbs.NodeAddHost(b, host)
@@ -159,11 +187,12 @@ def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
     return int(fbs.VBucketMapEnd(b))
 
 
+@_encoder
 def encode_welcome(welcome: Welcome) -> bytes:
     b = flatbuffers.Builder(8192)
     vmap = _encode_map(b, welcome.map)
-    node_id = b.CreateString(welcome.node_id)
-    version = b.CreateString(welcome.server_version) if welcome.server_version is not None else 0
+    node_id = _string(b, welcome.node_id)
+    version = _string(b, welcome.server_version) if welcome.server_version is not None else 0
     fbs.WelcomeStart(b)
     fbs.WelcomeAddProtocolVersion(b, welcome.protocol_version)
     if welcome.server_version is not None:
@@ -199,6 +228,7 @@ class WelcomeTemplate:
         return bytes(out)
 
 
+@_encoder
 def encode_subscribe(sub: Subscribe) -> bytes:
     b = flatbuffers.Builder(64)
     pattern = b.CreateByteVector(sub.pattern)
@@ -211,6 +241,7 @@ def encode_subscribe(sub: Subscribe) -> bytes:
     return _finish(b, Body.Subscribe, fbs.SubscribeEnd(b))
 
 
+@_encoder
 def encode_unsubscribe(unsub: Unsubscribe) -> bytes:
     b = flatbuffers.Builder(32)
     fbs.UnsubscribeStart(b)
@@ -228,6 +259,7 @@ PAUSE = _encode_empty(Body.Pause)
 RESUME = _encode_empty(Body.Resume)
 
 
+@_encoder
 def encode_ping(ping: Ping) -> bytes:
     b = flatbuffers.Builder(32)
     fbs.PingStart(b)
@@ -235,6 +267,7 @@ def encode_ping(ping: Ping) -> bytes:
     return _finish(b, Body.Ping, fbs.PingEnd(b))
 
 
+@_encoder
 def encode_pong(pong: Pong) -> bytes:
     b = flatbuffers.Builder(32)
     fbs.PongStart(b)
@@ -242,9 +275,10 @@ def encode_pong(pong: Pong) -> bytes:
     return _finish(b, Body.Pong, fbs.PongEnd(b))
 
 
+@_encoder
 def encode_error(error: Error) -> bytes:
     b = flatbuffers.Builder(128)
-    text = b.CreateString(error.message) if error.message is not None else 0
+    text = _string(b, error.message) if error.message is not None else 0
     fbs.ErrorStart(b)
     fbs.ErrorAddCode(b, int(error.code))
     if text:
@@ -255,6 +289,7 @@ def encode_error(error: Error) -> bytes:
     return _finish(b, Body.Error, fbs.ErrorEnd(b))
 
 
+@_encoder
 def encode_loss_notice(notice: LossNotice) -> bytes:
     b = flatbuffers.Builder(32)
     fbs.LossNoticeStart(b)
@@ -263,9 +298,10 @@ def encode_loss_notice(notice: LossNotice) -> bytes:
     return _finish(b, Body.LossNotice, fbs.LossNoticeEnd(b))
 
 
+@_encoder
 def encode_goodbye(goodbye: Goodbye) -> bytes:
     b = flatbuffers.Builder(64)
-    text = b.CreateString(goodbye.reason) if goodbye.reason is not None else 0
+    text = _string(b, goodbye.reason) if goodbye.reason is not None else 0
     fbs.GoodbyeStart(b)
     if text:
         fbs.GoodbyeAddReason(b, text)
@@ -273,7 +309,12 @@ def encode_goodbye(goodbye: Goodbye) -> bytes:
 
 
 def encode_frame(frame: Frame) -> bytes:
-    """Encode any frame value (Message frames take the fast path)."""
+    """Encode any frame value (Message frames take the fast path).
+
+    Raises:
+        LocalProtocolError: not a frame value, or a field the schema cannot
+            carry (wrong type, out of its range, a uid that is not 20 bytes).
+    """
     if isinstance(frame, Message):
         from broky.protocol.message import encode_message
 
@@ -284,7 +325,7 @@ def encode_frame(frame: Frame) -> bytes:
         return RESUME
     encoder = _ENCODERS.get(type(frame))
     if encoder is None:
-        raise TypeError(f"not a Broky frame: {frame!r}")
+        raise LocalProtocolError(f"not a Broky frame: {frame!r:.200}")
     return encoder(frame)
 
 
@@ -379,14 +420,18 @@ def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:
     """Decode the size-prefixed frame in buf[f:end] (end defaults to its size prefix).
 
     Raises:
-        MalformedFrameError, UnknownFrameError: the bytes are not a valid frame.
+        MalformedFrameError: the bytes are not a valid frame, or f/end lie
+            outside buf.
+        UnknownFrameError: a valid frame of a body type this version does not know.
     """
     if end is None:
-        if len(buf) - f < 4:
+        if f < 0 or len(buf) - f < 4:
             raise malformed("shorter than a size prefix")
         end = f + 4 + _u32(buf, f)[0]
         if end > len(buf):
             raise malformed("size prefix larger than the buffer")
+    elif f < 0 or end > len(buf):
+        raise out_of_buffer(buf, f, end)
     if end - f >= 84 and _canonical(buf, f, end):
         return decode_message(buf, f, end)
     frame = root(buf, f, end)

@@ -26,7 +26,12 @@ Canonical layout, offsets from the first byte of the size prefix (f):
           the frame padded to a multiple of 8.
 
 The server stamps ts_broker in place (8 bytes at the offset the routing read
-returns) and forwards the publisher's bytes unchanged otherwise.
+returns) and forwards the publisher's bytes unchanged otherwise. It does so
+only for the canonical layout, where ts_broker (f+64..f+72) cannot share a
+byte with anything a reader reads: every vector starts at or after f+72. In
+any other layout the stamps struct may overlap an offset, a length or a
+vector, so `route_message` returns no stamp position for it and the server
+forwards `canonical_copy` instead (decoded, stamped and re-encoded).
 """
 
 from __future__ import annotations
@@ -34,10 +39,16 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-from broky.errors import LocalProtocolError, MalformedFrameError, UnknownFrameError
+from broky.errors import (
+    ErrorCode,
+    LocalProtocolError,
+    MalformedFrameError,
+    RemoteProtocolError,
+    UnknownFrameError,
+)
 from broky.fbs import Body
 from broky.protocol import ksuid
-from broky.protocol.table import Buffer, Table, malformed, root
+from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
 BODY_LAST: int = Body.Goodbye
@@ -58,8 +69,10 @@ HEADER_NO_UID = _HEAD.pack(16, FILE_IDENTIFIER, 8, 12, 8, 4, 8, 24, BODY_MESSAGE
                            14, 32, 4, 24, 28, 8, 0, 16, 28)  # fmt: skip
 HEADER_SIZE = len(HEADER_UID)  # 52: bytes f+4 .. f+56
 TS_BROKER_OFFSET = 64  # canonical position of ts_broker from f
-_route_no_uid = struct.Struct("<III").unpack_from  # @72: key offset, payload offset, kp length
-_route_uid = struct.Struct("<II20xI").unpack_from  # @72: key offset, payload offset, uid, kp length
+# From f: the fixed header bytes f+4..f+56, key offset, payload offset, and the
+# key_partition length (@100 after a uid; without uid @80, inside the "20x").
+_route_uid = struct.Struct("<4x52s16xII20xI").unpack_from
+_route_no_uid = struct.Struct("<4x52s16xIII").unpack_from
 _decode_no_uid = struct.Struct("<qqIII").unpack_from  # @56: ts, ts, key, payload, kp length
 _decode_uid = struct.Struct("<qqII20sI").unpack_from  # @56: ... uid, kp length
 
@@ -127,17 +140,18 @@ def encode_message(
     """Return the whole Message frame (size prefix included) in canonical layout.
 
     Raises:
-        LocalProtocolError: uid is not 20 bytes, or a timestamp is not an int64.
+        LocalProtocolError: a field is not bytes, uid is not 20 bytes, or a
+            timestamp is not an int64.
     """
-    kp_len = len(key_partition)
-    key_len = len(key)
-    pay_len = len(payload)
     has_uid = uid is not None
     try:
-        s, size, head, o_key, o_pay = _shapes[(kp_len, key_len, pay_len, has_uid)]
-    except KeyError:
-        s, size, head, o_key, o_pay = _shape(kp_len, key_len, pay_len, has_uid)
-    try:
+        kp_len = len(key_partition)
+        key_len = len(key)
+        pay_len = len(payload)
+        try:
+            s, size, head, o_key, o_pay = _shapes[(kp_len, key_len, pay_len, has_uid)]
+        except KeyError:
+            s, size, head, o_key, o_pay = _shape(kp_len, key_len, pay_len, has_uid)
         if has_uid:
             if len(uid) != UID_SIZE:  # type: ignore[arg-type]
                 raise LocalProtocolError(f"uid must be {UID_SIZE} bytes, got {len(uid)}")  # type: ignore[arg-type]
@@ -145,7 +159,7 @@ def encode_message(
                           kp_len, key_partition, key_len, key, pay_len, payload)  # fmt: skip
         return s.pack(size, head, ts_producer, ts_broker, o_key, o_pay,
                       kp_len, key_partition, key_len, key, pay_len, payload)  # fmt: skip
-    except struct.error as exc:
+    except (struct.error, TypeError) as exc:
         raise LocalProtocolError(f"cannot encode message: {exc}") from None
 
 
@@ -161,76 +175,105 @@ def _canonical(buf: Buffer, f: int, end: int) -> bool:
     return head == HEADER_NO_UID or head == HEADER_UID
 
 
-def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int]:
-    """Routing read of the Message frame in buf[f:end] (buf: bytes, end <= len(buf)).
+def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int | None]:
+    """Routing read of the Message frame in buf[f:end] (0 <= f, end <= len(buf)).
 
     The three vectors are bounds-checked (payload included, so a frame that
     routes is a frame every subscriber can decode); the payload is not copied.
+    buf is bytes; a bytearray or memoryview is accepted at the cost of a copy
+    of the frame.
 
     Returns:
-        (key_partition, key, position of the 8-byte ts_broker to stamp).
+        (key_partition, key, stamp position). The stamp position is where the
+        8 bytes of ts_broker lie in buf when the frame has the canonical
+        layout: it can be stamped in place and forwarded as is. It is None for
+        any other valid layout, where ts_broker may share bytes with another
+        field: such a frame cannot be stamped in place; forward
+        `canonical_copy(buf, f, end, ts_broker)` instead.
 
     Raises:
-        MalformedFrameError: the frame is not a valid Message frame.
+        MalformedFrameError: the frame is not a valid Message frame, or f/end
+            lie outside buf.
         UnknownFrameError: its body type is unknown to this version.
+        TypeError: buf is not bytes, bytearray or memoryview.
     """
-    # Every read below either lands inside buf (then the stop <= end checks
-    # decide) or past its end (struct.error): no separate length checks.
+    if type(buf) is not bytes:
+        return _route_copy(buf, f, end)
+    if f < 0 or end > len(buf):
+        raise out_of_buffer(buf, f, end)
+    # The fixed-size reads below lie inside buf[f:end]; the vector reads either
+    # land inside buf (then the stop <= end checks decide) or past its end
+    # (struct.error).
     try:
-        if buf.startswith(HEADER_UID, f + 4):
-            key_off, pay_off, kp_len = _route_uid(buf, f + 72)
-            kp_start = f + 104
-        elif buf.startswith(HEADER_NO_UID, f + 4):
-            key_off, pay_off, kp_len = _route_no_uid(buf, f + 72)
+        if end - f >= 104:
+            head, key_off, pay_off, kp_len = _route_uid(buf, f)
+            if head == HEADER_UID:
+                kp_start = f + 104
+            elif head == HEADER_NO_UID:
+                kp_len = _u32(buf, f + 80)[0]
+                kp_start = f + 84
+            else:
+                return _route_generic(buf, f, end)
+        elif end - f >= 84:
+            head, key_off, pay_off, kp_len = _route_no_uid(buf, f)
+            if head != HEADER_NO_UID:
+                return _route_generic(buf, f, end)
             kp_start = f + 84
         else:
             return _route_generic(buf, f, end)
-        kp_stop = kp_start + kp_len
         k = f + 72 + key_off
         key_stop = k + 4 + _u32(buf, k)[0]
         p = f + 76 + pay_off
-        if kp_stop > end or key_stop > end or p + 4 + _u32(buf, p)[0] > end:
-            raise malformed("vector overruns the frame")
+        pay_stop = p + 4 + _u32(buf, p)[0]
     except struct.error:
         raise malformed("vector overruns the frame") from None
-    return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + 64
+    kp_stop = kp_start + kp_len
+    if kp_stop > end or key_stop > end or pay_stop > end:
+        raise malformed("vector overruns the frame")
+    return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + TS_BROKER_OFFSET
 
 
-def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, int]:
+def _route_copy(buf: object, f: int, end: int) -> tuple[bytes, bytes, int | None]:
+    """route_message of a bytearray or memoryview: route a bytes copy of the frame."""
+    if not isinstance(buf, bytearray | memoryview):
+        raise TypeError(f"route_message reads bytes, bytearray or memoryview, not {type(buf).__name__}")
+    if f < 0 or end > len(buf):
+        raise out_of_buffer(buf, f, end)
+    kp, key, at = route_message(bytes(buf[f:end]), 0, end - f)
+    return kp, key, None if at is None else at + f
+
+
+def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, None]:
     msg = _generic_table(buf, f, end)
-    kp, key, payload, stamps = _generic_refs(msg)
-    uid = msg.field(F_UID, UID_SIZE)  # validated like decode_message does
-    ts_at = stamps + 8
-    # The server patches ts_broker in place. In a layout other than the canonical
-    # one the stamps struct could overlap an offset, a length or a vector, and the
-    # stamped frame would read differently (or not at all): stamp two copies with
-    # all-zero and all-one bits and require both to read exactly like the original.
-    fields = _generic_fields(buf, kp, key, payload, uid)
-    frame = bytes(buf[f:end])
-    at = ts_at - f
-    for fill in (b"\x00" * 8, b"\xff" * 8):
-        probe = frame[:at] + fill + frame[at + 8 :]
-        try:
-            p_msg = _generic_table(probe, 0, len(probe))
-            p_kp, p_key, p_payload, p_stamps = _generic_refs(p_msg)
-            p_uid = p_msg.field(F_UID, UID_SIZE)
-        except MalformedFrameError:
-            raise malformed("ts_broker overlaps another field") from None
-        if p_stamps + 8 != at or _generic_fields(probe, p_kp, p_key, p_payload, p_uid) != fields:
-            raise malformed("ts_broker overlaps another field")
-    return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), ts_at
+    kp, key, _, _ = _generic_refs(msg)
+    msg.field(F_UID, UID_SIZE)  # validated like decode_message does
+    return bytes(buf[kp[0] : kp[1]]), bytes(buf[key[0] : key[1]]), None
 
 
-def _generic_fields(
-    buf: Buffer, kp: tuple[int, int], key: tuple[int, int], payload: tuple[int, int], uid: int
-) -> tuple[bytes, ...]:
-    """The bytes a subscriber decodes from a generic-layout Message (but the stamps)."""
-    return (
-        bytes(buf[kp[0] : kp[1]]),
-        bytes(buf[key[0] : key[1]]),
-        bytes(buf[payload[0] : payload[1]]),
-        bytes(buf[uid : uid + UID_SIZE]) if uid else b"",
-    )
+def canonical_copy(
+    buf: Buffer, f: int, end: int, ts_broker: int, max_frame_bytes: int | None = None
+) -> bytes:
+    """The Message frame in buf[f:end] re-encoded in the canonical layout, ts_broker set.
+
+    What the server forwards for a Message whose stamp position route_message
+    gives as None (any layout but the canonical one): every field as the
+    publisher wrote it, but ts_broker.
+
+    Raises:
+        MalformedFrameError, UnknownFrameError: as decode_message.
+        RemoteProtocolError: code FRAME_TOO_LARGE, the copy's size prefix would
+            exceed max_frame_bytes (possible when the publisher's vectors share
+            bytes, or by a few bytes of padding at the very limit).
+    """
+    msg = decode_message(buf, f, end)
+    frame = encode_message(msg.key_partition, msg.key, msg.payload, msg.ts_producer, ts_broker, msg.uid)
+    if max_frame_bytes is not None and len(frame) - 4 > max_frame_bytes:
+        raise RemoteProtocolError(
+            f"this Message re-encoded in the canonical layout would be a frame of {len(frame) - 4} "
+            f"bytes, over the limit of {max_frame_bytes} bytes",
+            ErrorCode.FRAME_TOO_LARGE,
+        )
+    return frame
 
 
 def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
@@ -241,11 +284,13 @@ def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
         UnknownFrameError: its body type is unknown to this version.
     """
     if end is None:
-        if len(buf) - f < 4:
+        if f < 0 or len(buf) - f < 4:
             raise malformed("shorter than a size prefix")
         end = f + 4 + _u32(buf, f)[0]
         if end > len(buf):
             raise malformed("size prefix larger than the buffer")
+    elif f < 0 or end > len(buf):
+        raise out_of_buffer(buf, f, end)
     head = buf[f + 4 : f + 56]
     uid: bytes | None
     try:  # reads past the buffer raise struct.error; past `end`, the checks below
@@ -294,6 +339,8 @@ def _decode_generic(buf: Buffer, f: int, end: int) -> Message:
 
 def body_type(buf: Buffer, f: int, end: int) -> int:
     """The union type of the frame in buf[f:end] (validated root table)."""
+    if f < 0 or end > len(buf):
+        raise out_of_buffer(buf, f, end)
     if end - f >= 84 and _canonical(buf, f, end):
         return BODY_MESSAGE
     return root(buf, f, end).u8(0)

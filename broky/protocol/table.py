@@ -35,6 +35,11 @@ def malformed(what: str) -> MalformedFrameError:
     return MalformedFrameError(f"malformed frame: {what}")
 
 
+def out_of_buffer(buf: Buffer, start: int, end: int) -> MalformedFrameError:
+    """The error for a frame said to lie at buf[start:end] that buf does not hold."""
+    return malformed(f"frame bounds {start}..{end} lie outside the buffer of {len(buf)} bytes")
+
+
 class Table:
     """One table inside buf[base:end] (base = first byte after the size prefix)."""
 
@@ -146,6 +151,8 @@ class Table:
 
 def root(buf: Buffer, start: int, end: int) -> Table:
     """The root table of the size-prefixed frame occupying buf[start:end]."""
+    if start < 0 or end > len(buf):
+        raise out_of_buffer(buf, start, end)
     base = start + 4
     if end - base < 8:
         raise malformed("shorter than a FlatBuffer header")

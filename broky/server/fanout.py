@@ -30,7 +30,9 @@ Theory of operation
 4. Stamp ts_broker: the read is copied once into a bytearray (only when it
    holds a message with subscribers), every message is stamped in place with
    the one time.time_ns() taken for the read, and slices of that copy are
-   forwarded. The publisher's bytes are never re-encoded.
+   forwarded. The publisher's bytes are not re-encoded, except for a Message
+   in another layout than the canonical one (route_message gives no stamp
+   position): it ends the current run and its `canonical_copy` is queued alone.
 5. At the end of each run (`emit`) append one slice holding the whole run to
    each target's `out` list and remember the connection; a target over its
    pending bound takes the leading messages that fit and the others are
@@ -96,6 +98,7 @@ from broky.protocol.message import (
     HEADER_UID,
     TS_BROKER_OFFSET,
     body_type,
+    canonical_copy,
     pack_ts_into,
 )
 from broky.protocol.routing import vbucket_of
@@ -348,7 +351,7 @@ class Shard:
                         # The routing bytes: the key_partition and key vectors. (Not the
                         # payload's length: payloads of many sizes would multiply the routes.)
                         rkey: object = data[span:key_stop]
-                        ts_at = pos + TS_BROKER_OFFSET
+                        ts_at: int | None = pos + TS_BROKER_OFFSET
                     else:
                         span = 0  # valid maybe, but not canonical: take the generic read
                 if not span:
@@ -381,6 +384,17 @@ class Shard:
                         self.not_mine(c, route_message(data, pos, end)[0])
                     else:
                         unmatched += 1
+                    pos = end
+                    continue
+                if ts_at is None:
+                    # Not the canonical layout: its ts_broker may share bytes with another
+                    # field, so it is not stamped in place but forwarded re-encoded (rare:
+                    # Broky's SDK writes the canonical layout). The run so far goes first.
+                    if run is not None:
+                        delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                        run = same_head = None
+                    copy = bytearray(canonical_copy(data, pos, end, t0, max_frame))
+                    delivered += self.emit(copy, targets, 0, len(copy), 1)
                     pos = end
                     continue
                 if buf is None:
