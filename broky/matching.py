@@ -12,8 +12,9 @@ children, an optional `*` child, the items whose pattern ends there and the
 items whose pattern ends in `>` there. `match(key)` walks the trie and returns
 every item whose pattern matches, then passes the list through `compile` (the
 server turns it into a delivery plan) and caches the result by key. The
-cache is bounded (cleared when full) and cleared on every change, so a match
-on the hot path is one dict lookup. Nodes left empty by `remove` are pruned:
+cache is bounded (cleared when full), holds only keys of at most
+MAX_CACHED_KEY_BYTES (so its memory is bounded too) and is cleared on every
+change, so a match on the hot path is one dict lookup. Nodes left empty by `remove` are pruned:
 an unused pattern leaves no trace.
 """
 
@@ -30,6 +31,7 @@ P = TypeVar("P")
 STAR = b"*"
 GT = b">"
 MAX_PATTERN_BYTES = 4096
+MAX_CACHED_KEY_BYTES = 256  # longer keys are matched every time: the cache must not pin big keys
 
 
 def parse_pattern(pattern: bytes) -> list[bytes]:
@@ -165,6 +167,8 @@ class Matcher(Generic[T, P]):
         found: dict[T, None] = {}
         self._walk(self._root, key.split(b"."), 0, found)
         result = self._compile(list(found))
+        if len(key) > MAX_CACHED_KEY_BYTES:
+            return result
         if len(self._cache) >= self._cache_size:
             self._cache.clear()
         self._cache[key] = result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -55,20 +56,29 @@ class ServerProcess:
             self.args, stdout=subprocess.PIPE, stderr=self._log, env=self.env, start_new_session=True
         )
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            match = READY.search(line)
-            if match:
-                self.ready_line = line
-                self.host = match.group(1).decode()
-                self.port = int(match.group(2))
-                self.metrics_port = int(match.group(4))
-                return self
+        pending = b""
+        while (left := deadline - time.monotonic()) > 0:
+            if not poller.poll(left * 1000):
+                break  # timed out
+            chunk = os.read(fd, 4096)  # never blocks after poll said readable
+            if not chunk:
+                break  # the server exited
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                match = READY.search(line)
+                if match:
+                    self.ready_line = line + b"\n"
+                    self.host = match.group(1).decode()
+                    self.port = int(match.group(2))
+                    self.metrics_port = int(match.group(4))
+                    return self
         self.stop()
-        raise RuntimeError(f"broky serve did not become ready; log:\n{self.log()}")
+        raise RuntimeError(f"broky serve did not become ready within {timeout:g} s; log:\n{self.log()}")
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")

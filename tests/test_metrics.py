@@ -6,19 +6,25 @@ reasons move exactly as the traffic says they should.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from broky.errors import ErrorCode
-from broky.protocol import Error, Pause, Resume
+from broky.protocol import Error, Goodbye, LossNotice, Message, Pause, Resume, encode_message
+from broky.server import handoff
+from broky.server import master as master_module
+from broky.server.config import ServerConfig
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
@@ -106,9 +112,21 @@ def test_health_ready_and_errors(server: ServerProcess) -> None:
     assert get(server, "/metrics", "HEAD")[::2] == (200, b"")
     assert get(server, "/nope")[0] == 404
     assert get(server, "/metrics", "POST")[0] == 405
+    assert get(server, "/debug/stats")[0] == 404  # /stats says it all
     for bad in ("x", "0", "-3"):
         status, _, body = get(server, f"/connections?limit={bad}")
         assert status == 400 and b"limit must be a positive integer" in body
+
+
+def test_an_oversized_request_head_gets_431(server: ServerProcess) -> None:
+    with socket.create_connection((server.host, server.metrics_port), timeout=5) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.0\r\nX-Filler: " + b"a" * 20_000 + b"\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 431 Request Header Fields Too Large\r\n"), answer[:200]
+    assert answer.endswith(b"request head over 8192 bytes\n")
+    assert get(server, "/healthz")[0] == 200  # and the server keeps serving
 
 
 def test_stats_shape(server: ServerProcess) -> None:
@@ -124,7 +142,7 @@ def test_stats_shape(server: ServerProcess) -> None:
         for key in ("connections", "subscriptions", "topics", "messages_published", "messages_delivered"):
             assert w[key] == 0, key
         assert set(w["dropped"]) >= {"no_subscribers", "slow_consumer", "not_my_vbucket", "shutdown"}
-        assert w["latency_seconds"]["reads"] == 0
+        assert w["latency_seconds"]["deliveries"] == 0
     assert stats["totals"]["workers_up"] == 2 and stats["totals"]["dropped"]["no_subscribers"] == 0
 
 
@@ -166,9 +184,9 @@ def test_counters_and_drop_reasons_follow_the_traffic(server: ServerProcess) -> 
             assert value(s, "broky_topics", worker="0") == 2
             assert value(s, "broky_bytes_received_total", worker="0") > received_before
             assert value(s, "broky_bytes_sent_total", worker="0") > 0
-            reads = value(s, "broky_broker_latency_seconds_count", worker="0")
-            assert 1 <= reads <= n  # one observation per read that delivered
-            assert 0 < value(s, "broky_broker_latency_seconds_sum", worker="0") < reads
+            # One observation per delivered message, each well under a second.
+            assert value(s, "broky_broker_latency_seconds_count", worker="0") == n
+            assert 0 < value(s, "broky_broker_latency_seconds_sum", worker="0") < n
 
             conns = get_json(server, "/connections")
             by_name = {c["name"]: c for c in conns["connections"]}
@@ -188,27 +206,41 @@ def test_counters_and_drop_reasons_follow_the_traffic(server: ServerProcess) -> 
         assert value(s, "broky_subscriptions", worker="0") == 0 and value(s, "broky_topics", worker="0") == 0
 
 
-def test_topics_busiest_first_and_bounded(server: ServerProcess) -> None:
-    wires = [Wire.hello(server.address, worker=w % 2) for w in range(4)]
+def test_topics_are_exact_per_pattern_and_worker_busiest_first_and_bounded(server: ServerProcess) -> None:
+    w0 = [Wire.hello(server.address, worker=0) for _ in range(3)]
+    w1 = [Wire.hello(server.address, worker=1) for _ in range(2)]
     try:
-        for i, w in enumerate(wires):
-            w.subscribe(1, b"all.>")
-            if i < 2:
-                w.subscribe(2, b"half")
-            w.subscribe(3, b"own.%d" % i)
+        for w in w0:
+            w.subscribe(1, b"a")
+        w0[0].subscribe(2, b"b")
+        w0[0].subscribe(3, b"b")  # subscriptions count sids: two on one connection count 2
+        w1[0].subscribe(1, b"a")
+        for w in w1:
+            w.subscribe(2, b"c")
+        for w in w0 + w1:
             w.flush()
         topics = get_json(server, "/topics")
-        assert topics["total"] == 2 + 2 + 4  # patterns per worker: all.>, half on both; own.i on one
-        listed = topics["topics"]
-        assert listed[0] == {"pattern": "all.>", "subscriptions": 4, "workers": [0, 1]}
-        assert listed[1] == {"pattern": "half", "subscriptions": 2, "workers": [0, 1]}
-        assert {t["pattern"] for t in listed[2:]} == {f"own.{i}" for i in range(4)}
-        assert all(t["subscriptions"] == 1 for t in listed[2:])
-        assert [t["pattern"] for t in get_json(server, "/topics?limit=1")["topics"]] == ["all.>"]
+        assert topics["total"] == 4 and topics["limit"] == 100 and topics["workers_up"] == 2
+        assert topics["topics"] == [
+            {"pattern": "a", "worker": 0, "subscriptions": 3},
+            {"pattern": "b", "worker": 0, "subscriptions": 2},
+            {"pattern": "c", "worker": 1, "subscriptions": 2},
+            {"pattern": "a", "worker": 1, "subscriptions": 1},
+        ]
+        # Bounded, and still exact: summing each worker's top 1 would have said "a": 3
+        # (worker 1's "a" is not in its top 1) and hidden that it is not the node's count.
+        assert get_json(server, "/topics?limit=1")["topics"] == [
+            {"pattern": "a", "worker": 0, "subscriptions": 3}
+        ]
+        assert get_json(server, "/topics?limit=1")["total"] == 4
+        _, s = scrape(server)
+        assert value(s, "broky_topics", worker="0") + value(s, "broky_topics", worker="1") == 4
+        assert get_json(server, "/stats")["totals"]["topics"] == 4
+        assert value(s, "broky_subscriptions", worker="0") == 5
         assert len(get_json(server, "/connections?limit=3")["connections"]) == 3
-        assert get_json(server, "/connections?limit=3")["total"] == 4
+        assert get_json(server, "/connections?limit=3")["total"] == 5
     finally:
-        for w in wires:
+        for w in w0 + w1:
             w.close()
 
 
@@ -277,3 +309,192 @@ def test_bad_input_logs_one_warning_without_traceback(start_server: Any, fmt: st
         assert all("exc" not in r for r in warned)
     else:
         assert any("MALFORMED_FRAME" in ln and "worker-0" in ln for ln in warnings)
+
+
+def test_latency_histogram_counts_every_delivered_message(server: ServerProcess) -> None:
+    n, subscribers = 100, 3
+    subs = [Wire.hello(server.address, worker=0) for _ in range(subscribers)]
+    try:
+        for sub in subs:
+            sub.subscribe(1, b"fan")
+            sub.flush()
+        with Wire.hello(server.address, worker=0) as pub:
+            pub.send(b"".join(encode_message(KP0, b"fan", b"%d" % i) for i in range(n)))  # few reads
+            pub.flush()
+        assert all(len(sub.messages()) == n for sub in subs)
+        _, s = scrape(server)
+        delivered = value(s, "broky_messages_delivered_total", worker="0")
+        assert delivered == n * subscribers
+        # A read weighs as many messages as it delivered (counting reads would give at most n).
+        assert value(s, "broky_broker_latency_seconds_count", worker="0") == delivered
+        assert value(s, "broky_broker_latency_seconds_bucket", worker="0", le="+Inf") == delivered
+        assert 0 < value(s, "broky_broker_latency_seconds_sum", worker="0") < delivered
+        summary = get_json(server, "/stats")["workers"][0]["latency_seconds"]
+        assert summary["deliveries"] == delivered and 0 < summary["mean"] < 1
+    finally:
+        for sub in subs:
+            sub.close()
+
+
+def test_slow_consumer_disconnect_is_counted(start_server: Any) -> None:
+    server = start_server(
+        "--max-pending-bytes", "64K", "--slow-consumer-deadline", "0.5", "--frame-timeout", "30"
+    )
+    with (
+        Wire.hello(server.address, worker=0, name="stalled", rcvbuf=4096) as stalled,
+        Wire.hello(server.address, worker=0) as pub,
+    ):
+        stalled.subscribe(1, b"k")
+        stalled.flush()
+        batch = encode_message(KP0, b"k", b"x" * 1000) * 1000  # about 1 MB; it never reads
+        for _ in range(16):  # more than the socket buffers hold, then 64 KiB more
+            pub.sock.sendall(batch)
+        pub.flush(timeout=30)
+        deadline = time.monotonic() + 10
+        while value(s := scrape(server)[1], "broky_slow_consumer_disconnects_total", worker="0") == 0:
+            assert time.monotonic() < deadline, "the stalled subscriber was not disconnected"
+            time.sleep(0.1)
+        frames = stalled.expect_closed(timeout=30)
+    assert isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
+    lost = sum(f.dropped for f in frames if isinstance(f, LossNotice))
+    got = sum(1 for f in frames if isinstance(f, Message))
+    _, s = scrape(server)
+    # Published after the disconnect (the deadline may pass while publishing): nobody listened.
+    unheard = value(s, "broky_messages_dropped_total", worker="0", reason="no_subscribers")
+    assert lost > 0 and got + lost + unheard == 16_000
+    assert value(s, "broky_slow_consumer_disconnects_total", worker="0") == 1
+    assert value(s, "broky_messages_dropped_total", worker="0", reason="slow_consumer") == lost
+    assert value(s, "broky_messages_delivered_total", worker="0") == got
+    assert value(s, "broky_errors_sent_total", worker="0", code="slow_consumer") == 1
+    assert value(s, "broky_slow_consumer_disconnects_total", worker="1") == 0
+
+
+def test_deliveries_lost_to_a_shutdown_are_counted_as_shutdown(start_server: Any) -> None:
+    # Documented: messages that cannot be delivered because the server stops are
+    # dropped and counted under reason="shutdown". Here: deliveries held for a
+    # paused subscriber. A subscriber that does not read keeps the worker in its
+    # shutdown (up to 4 s, waiting for its bytes to leave), so /metrics still answers.
+    server = start_server("--max-pending-bytes", "1M")
+    held = 25
+    stuck = Wire.hello(server.address, worker=0, name="stuck", rcvbuf=4096)
+    paused = Wire.hello(server.address, worker=0, name="paused")
+    try:
+        stuck.subscribe(1, b"fill")
+        stuck.flush()
+        paused.subscribe(1, b"held")
+        paused.send(Pause())
+        paused.flush()
+        with Wire.hello(server.address, worker=0) as pub:
+            batch = encode_message(KP0, b"fill", b"x" * 1000) * 1000
+            for _ in range(8):
+                pub.sock.sendall(batch)
+            pub.send(b"".join(encode_message(KP0, b"held", b"%d" % i) for i in range(held)))
+            pub.flush(timeout=30)
+        lazy = next(c for c in get_json(server, "/connections")["connections"] if c["name"] == "paused")
+        assert lazy["messages_out"] == held and lazy["dropped"] == 0
+        _, s = scrape(server)
+        assert value(s, "broky_messages_dropped_total", worker="0", reason="shutdown") == 0
+        server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        while (
+            value(s := scrape(server)[1], "broky_messages_dropped_total", worker="0", reason="shutdown") == 0
+        ):
+            assert time.monotonic() < deadline, "no shutdown drop counted"
+            time.sleep(0.05)
+        assert value(s, "broky_messages_dropped_total", worker="0", reason="shutdown") == held
+        frames = paused.expect_closed()
+        assert not any(isinstance(f, Message) for f in frames) and isinstance(frames[-1], Goodbye)
+    finally:
+        stuck.close()
+        paused.close()
+    assert server.wait(10) == 0
+
+
+def test_readyz_reports_a_hung_worker(server: ServerProcess) -> None:
+    victim = get_json(server, "/stats")["workers"][1]["pid"]
+    assert get(server, "/readyz")[0] == 200
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 6
+        while (ready := get(server, "/readyz"))[0] != 503:
+            assert time.monotonic() < deadline, "/readyz still 200 with worker 1 stopped"
+            time.sleep(0.1)
+        assert ready[2] == b"workers silent for over 2 s: [1]\n"
+        _, s = scrape(server)
+        assert value(s, "broky_worker_up", worker="1") == 0 and value(s, "broky_worker_up", worker="0") == 1
+        assert get(server, "/healthz")[0] == 200  # the process is alive, just not ready
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    deadline = time.monotonic() + 6
+    while get(server, "/readyz")[0] != 200:
+        assert time.monotonic() < deadline, "/readyz not 200 again after SIGCONT"
+        time.sleep(0.1)
+    assert value(scrape(server)[1], "broky_worker_up", worker="1") == 1
+
+
+def test_endpoints_answer_within_one_deadline_however_many_workers_hang(start_server: Any) -> None:
+    server = start_server(workers=3)
+    kp0 = kp_for_worker(0, 3)
+    with Wire.hello(server.address, worker=0) as pub:
+        for _ in range(7):
+            pub.publish(kp0, b"nobody", b"x")
+        pub.flush()
+    stopped = [w["pid"] for w in get_json(server, "/stats")["workers"][1:]]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for path in ("/metrics", "/stats"):
+            started = time.monotonic()
+            status, _, body = get(server, path)
+            # One 2 s deadline for all the answers, not 2 s per hung worker.
+            assert status == 200 and time.monotonic() - started < 3.5, path
+        stats = json.loads(body)
+        assert stats["totals"]["workers_up"] == 1 and [w["up"] for w in stats["workers"]] == [
+            True,
+            False,
+            False,
+        ]
+        assert stats["totals"]["messages_published"] == 7
+        _, s = scrape(server)
+        assert [value(s, "broky_worker_up", worker=w) for w in "012"] == [1, 0, 0]
+        assert value(s, "broky_messages_published_total", worker="0") == 7
+        assert value(s, "broky_messages_dropped_total", worker="0", reason="no_subscribers") == 7
+        assert ("broky_messages_published_total", frozenset({("worker", "1")})) not in s
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 6  # late answers to the old requests are ignored
+    while [value(s := scrape(server)[1], "broky_worker_up", worker=w) for w in "012"] != [1, 1, 1]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert [value(s, "broky_messages_published_total", worker=w) for w in "012"] == [7, 0, 0]
+
+
+def test_worker_stats_forgets_the_requests_it_stopped_waiting_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(master_module, "STATS_TIMEOUT", 0.1)
+
+    async def main() -> None:
+        master = master_module.Master(ServerConfig(workers=2))
+        channels = [handoff.channel_pair() for _ in range(2)]
+        workers = [SimpleNamespace(index=i, ready=True, chan=chan[0]) for i, chan in enumerate(channels)]
+        master.supervisor = SimpleNamespace(workers=workers)  # type: ignore[assignment]
+
+        def worker_0_answers() -> None:
+            kind, payload, _ = handoff.recv(channels[0][1])
+            request_id, what = handoff.split_id(payload)
+            assert kind == handoff.STATS and what == b"topics:5"
+            answer = handoff.pack_id(request_id) + b'{"answered": true}'
+            master._on_worker_message(workers[0], handoff.STATS, answer)  # type: ignore[arg-type]
+
+        asyncio.get_running_loop().call_later(0.01, worker_0_answers)
+        try:
+            started = time.monotonic()
+            assert await master.worker_stats(b"topics:5") == [{"answered": True}, None]
+            assert time.monotonic() - started < 1
+            assert master._stats_waiters == {}  # worker 1's request is not kept forever
+        finally:
+            for pair in channels:
+                for end in pair:
+                    end.close()
+
+    asyncio.run(main())

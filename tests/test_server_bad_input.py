@@ -3,6 +3,7 @@ traceback, and the server keeps serving every other connection."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -72,7 +73,22 @@ def _half_close(data: bytes) -> Callable[[socket.socket], None]:
     return act
 
 
-CASES: list[tuple[str, Callable[[socket.socket], None], ErrorCode]] = [
+def _reset(data: bytes) -> Callable[[socket.socket], None]:
+    """Send data, then close with a TCP reset (SO_LINGER 0): the client is gone."""
+
+    def act(s: socket.socket) -> None:
+        s.sendall(data)
+        time.sleep(0.05)  # the master is reading the Hello when the reset comes
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    return act
+
+
+RESET = "lost during the handshake"  # the master's log line when the client is gone (no Error)
+
+# (name, what the client does, the Error it gets; None: it reset, nothing to read)
+CASES: list[tuple[str, Callable[[socket.socket], None], ErrorCode | None]] = [
     ("http instead of hello", _before_hello(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"), ErrorCode.FRAME_TOO_LARGE),
     (
         "garbage before hello",
@@ -100,11 +116,18 @@ CASES: list[tuple[str, Callable[[socket.socket], None], ErrorCode]] = [
     ("end of stream inside a frame", _half_close(half_message()), ErrorCode.TRUNCATED_FRAME),
     ("second hello", _after_hello(HELLO), ErrorCode.UNEXPECTED_FRAME),
     ("goodbye from a client", _after_hello(encode_frame(Goodbye("bye"))), ErrorCode.UNEXPECTED_FRAME),
+    ("reset inside the hello", _reset(HELLO[:2]), None),
+    ("reset before the hello", _reset(b""), None),
 ]
 
 
-def log_lines(server: ServerProcess, code: ErrorCode) -> int:
-    return sum(1 for line in server.log().splitlines() if f" {code.name}: " in line)
+def log_lines(server: ServerProcess, code: ErrorCode | None) -> int:
+    marker = RESET if code is None else f" {code.name}: "
+    return sum(1 for line in server.log().splitlines() if marker in line)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def healthy_pubsub(server: ServerProcess, tag: bytes) -> None:
@@ -121,31 +144,38 @@ def healthy_pubsub(server: ServerProcess, tag: bytes) -> None:
 
 @pytest.mark.parametrize(("name", "act", "code"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_an_error_and_a_close(
-    server: ServerProcess, name: str, act: Callable[[socket.socket], None], code: ErrorCode
+    server: ServerProcess, name: str, act: Callable[[socket.socket], None], code: ErrorCode | None
 ) -> None:
     # A connection that stays open across the bad one.
     bystander = Wire.hello(server.address, worker=0, token=TOKEN)
     bystander.subscribe(1, b"bystander")
     bystander.flush()
     lines_before = log_lines(server, code)
+    fds_before = open_fds(server.pid)  # the master's: a handshake that goes wrong must not leak
 
     w = Wire(server.address, timeout=5)
     act(w.sock)
-    frames = w.expect_closed()
-    w.close()
-    if frames and isinstance(frames[0], Welcome):
-        frames = frames[1:]
-    assert len(frames) == 1, frames
-    error = frames[0]
-    assert isinstance(error, Error)
-    assert (error.code, error.fatal) == (code, True), error
-    assert error.message
+    if code is None:  # the client reset: nothing to read
+        assert w.sock.fileno() == -1
+    else:
+        frames = w.expect_closed()
+        w.close()
+        if frames and isinstance(frames[0], Welcome):
+            frames = frames[1:]
+        assert len(frames) == 1, frames
+        error = frames[0]
+        assert isinstance(error, Error)
+        assert (error.code, error.fatal) == (code, True), error
+        assert error.message
 
     deadline = time.monotonic() + 3
     while log_lines(server, code) != lines_before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert log_lines(server, code) == lines_before + 1, server.log()
-    assert "Traceback" not in server.log()
+    assert "Traceback" not in server.log() and "never retrieved" not in server.log()
+    while open_fds(server.pid) > fds_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_fds(server.pid) <= fds_before
 
     healthy_pubsub(server, name.replace(" ", "_").replace(",", "").encode())
     with Wire.hello(server.address, worker=0, token=TOKEN) as pub:

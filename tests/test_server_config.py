@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,10 +20,13 @@ from tests.wire import Wire
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def parse(argv: list[str], env: dict[str, str] | None = None) -> ServerConfig:
+def parse(
+    argv: list[str], env: dict[str, str] | None = None, warnings: list[str] | None = None
+) -> ServerConfig:
     parser = argparse.ArgumentParser()
-    config.add_arguments(parser, env or {})
-    return config.from_args(parser.parse_args(argv))
+    config.add_arguments(parser)
+    sink = [] if warnings is None else warnings
+    return config.from_args(parser.parse_args(argv), env or {}, warn=sink.append)
 
 
 def test_defaults_need_no_flags() -> None:
@@ -60,10 +64,37 @@ def test_bad_flags_are_refused(argv: list[str]) -> None:
         parse(argv)
 
 
-def test_bad_environment_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+def test_bad_environment_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="BROKY_PORT='http'"):
         parse([], {"BROKY_PORT": "http"})
-    assert "BROKY_PORT='http'" in capsys.readouterr().err
+    assert parse(["--port", "5000"], {"BROKY_PORT": "http"}).port == 5000  # the flag wins, unread
+
+
+def test_a_bad_variable_breaks_only_serve() -> None:
+    env = {**os.environ, "BROKY_PORT": "http", "BROKY_MAX_PENDING_BYTES": "lots"}
+    for argv in (["pub", "--help"], ["sub", "--help"], ["serve", "--help"], ["--help"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "broky", *argv], env=env, capture_output=True, timeout=30
+        )
+        assert proc.returncode == 0, (argv, proc.stderr)
+        assert b"BROKY_PORT" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "broky", "serve", "--workers", "1"], env=env, capture_output=True, timeout=30
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith(b"broky serve: BROKY_PORT='http': "), proc.stderr
+    assert b"Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["BROKY_PORT", "BROKY_METRICS_PORT"])
+def test_a_kubernetes_service_link_is_ignored_with_a_warning(name: str) -> None:
+    # Kubernetes sets BROKY_PORT=tcp://<cluster ip>:<service port> for a Service named
+    # "broky" (BROKY_METRICS_PORT for "broky-metrics"): not this process's port.
+    warnings: list[str] = []
+    cfg = parse([], {name: "tcp://10.96.0.12:80", "BROKY_WORKERS": "3"}, warnings)
+    assert (cfg.port, cfg.metrics_port, cfg.workers) == (DEFAULT_PORT, DEFAULT_METRICS_PORT, 3)
+    assert len(warnings) == 1 and f"ignoring {name}='tcp://10.96.0.12:80'" in warnings[0]
+    cfg = parse(["--port", "5000", "--metrics-port", "5001"], {name: "tcp://10.96.0.12:80"}, warnings)
+    assert (cfg.port, cfg.metrics_port) == (5000, 5001) and len(warnings) == 1  # flags: not even read
 
 
 def test_bad_log_format_exits_2() -> None:

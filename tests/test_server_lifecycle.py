@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import resource
 import signal
 import subprocess
 import sys
@@ -12,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from broky.protocol import Error, Goodbye, Hello, Message, Welcome
+from broky.errors import ErrorCode
+from broky.protocol import Error, Goodbye, Hello, Message, Pause, Ping, Welcome, encode_frame, encode_message
 from tests.serverproc import ServerProcess
 from tests.test_server_pubsub import http_get
 from tests.wire import Wire, kp_for_worker
@@ -94,6 +97,13 @@ def test_hello_for_a_worker_that_just_died_waits_for_its_successor(server: Serve
     assert worker_pid(server, 1) != victim
 
 
+def shutdown_drops(server: ServerProcess, worker: int) -> int:
+    """The `shutdown` drops a worker logged as it stopped."""
+    found = re.findall(rf"worker {worker} stopped: (\d+) messages dropped at shutdown", server.log())
+    assert len(found) == 1, server.log()
+    return int(found[0])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_goodbye_and_exit_0_within_5_s(start_server: Any, sig: int) -> None:
     server = start_server()
@@ -101,36 +111,88 @@ def test_signal_goodbye_and_exit_0_within_5_s(start_server: Any, sig: int) -> No
     clients = [Wire.hello(server.address, worker=w) for w in (0, 1, 0)]
     clients[0].subscribe(1, b"k")
     clients[0].flush()
-    paused_reader = clients[2]
+    paused = clients[2]  # holds three deliveries when the signal comes: they are dropped
+    paused.subscribe(1, b"held")
+    paused.send(Pause())
+    assert paused.flush() == []
+    with Wire.hello(server.address, worker=0) as pub:
+        pub.send(*(encode_message(KP[0], b"held", b"%d" % i) for i in range(3)))  # one read, one run
+        assert pub.flush() == []
+    paused.expect_silence()
     started = time.monotonic()
     server.signal(sig)
     assert server.wait(5.0) == 0
     assert time.monotonic() - started < 5.0
     for c in clients:
         frames = c.expect_closed()
-        assert len(frames) == 1 and isinstance(frames[0], Goodbye), frames
+        assert len(frames) == 1 and isinstance(frames[0], Goodbye), frames  # Goodbye is not held
         c.close()
-    del paused_reader
+    assert (shutdown_drops(server, 0), shutdown_drops(server, 1)) == (3, 0)
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     assert "Traceback" not in server.log()
 
 
-def test_shutdown_does_not_wait_for_a_client_that_never_reads(start_server: Any) -> None:
-    server = start_server("--max-pending-bytes", "256K")
+def test_connections_still_in_the_handshake_get_a_goodbye(start_server: Any) -> None:
+    server = start_server()
+    silent = Wire(server.address)  # no Hello yet
+    partial = Wire(server.address)
+    partial.send(encode_frame(Hello())[:10])
+    # The master accepts in order: once a later connection is welcomed, both are in the handshake.
+    Wire.hello(server.address).close()
+    server.signal(signal.SIGTERM)
+    for w in (silent, partial):
+        frames = w.expect_closed()
+        assert len(frames) == 1 and isinstance(frames[0], Goodbye), frames
+        w.close()
+    assert server.wait(5.0) == 0
+    assert "goodbye to 2 connections in the handshake" in server.log()
+
+
+def test_publishes_after_the_goodbye_are_counted_as_shutdown(start_server: Any) -> None:
+    server = start_server()
+    # A subscriber that never reads keeps worker 0 flushing for the whole shutdown timeout,
+    # so the publisher's late messages certainly reach it.
+    stuck = stall(server)
+    pub = Wire.hello(server.address, worker=0)
+    server.signal(signal.SIGTERM)
+    pub.expect(Goodbye)
+    late = b"".join(
+        [
+            *(encode_message(KP[0], b"late", b"%d" % i) for i in range(100)),
+            encode_frame(Ping(1)),  # not a message: not counted
+            encode_message(KP[0], b"late", b"half")[:50],  # never completed: not counted
+        ]
+    )
+    pub.sock.sendall(late[:1001])  # frames split across reads
+    time.sleep(0.05)
+    pub.sock.sendall(late[1001:])
+    assert server.wait(5.0) == 0
+    assert shutdown_drops(server, 0) == 100
+    stuck.close()
+    pub.close()
+
+
+def stall(server: ServerProcess) -> Wire:
+    """A subscriber of worker 0 that never reads, with megabytes queued in the worker
+    (more than the kernel's socket buffers hold: 16 MB published, 8 MiB bound)."""
     stuck = Wire.hello(server.address, worker=0, rcvbuf=4096)
     stuck.subscribe(1, b"k")
     stuck.flush()
     with Wire.hello(server.address, worker=0) as pub:
-        from broky.protocol import encode_message
+        pub.sock.sendall(encode_message(KP[0], b"k", b"x" * 1000) * 16_000)
+        assert pub.flush(timeout=30) == []
+    return stuck
 
-        batch = encode_message(KP[0], b"k", b"x" * 1000) * 1000
-        pub.sock.sendall(batch)
-        pub.flush()
+
+def test_shutdown_does_not_wait_for_a_client_that_never_reads(start_server: Any) -> None:
+    server = start_server()
+    stuck = stall(server)
     started = time.monotonic()
     server.signal(signal.SIGTERM)
     assert server.wait(5.0) == 0
     assert time.monotonic() - started < 5.0
+    assert "worker 0: connections not flushed in time; reset" in server.log()
     stuck.close()
 
 
@@ -170,3 +232,92 @@ def test_a_delivery_in_flight_at_shutdown_arrives_before_goodbye(start_server: A
     assert isinstance(frames[0], Message) and isinstance(frames[-1], Goodbye)
     assert server.wait(5.0) == 0
     sub.close()
+
+
+def test_a_busy_worker_is_waited_for_not_written_off(start_server: Any) -> None:
+    server = start_server("--hello-timeout", "10")
+    victim = worker_pid(server, 0)
+    # 60 KB Hellos: a few dozen hand-offs fill a stopped worker's control channel.
+    hello = encode_frame(Hello(worker=0, client_name="x" * 60_000))
+    waiting: list[Wire] = []
+    outcomes = []
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        for _ in range(80):
+            waiting.append(Wire(server.address, timeout=10))
+            waiting[-1].send(hello)
+        while "its control channel is full" not in server.log():
+            assert time.monotonic() - stopped < 5, server.log()
+            time.sleep(0.05)
+        time.sleep(max(0.0, stopped + 3.0 - time.monotonic()))  # longer than the 2 s a hand-off waits
+        os.kill(victim, signal.SIGCONT)
+        for w in waiting:
+            frame = w.next()
+            outcomes.append(ErrorCode(frame.code).name if isinstance(frame, Error) else type(frame).__name__)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+        for w in waiting:
+            w.close()
+    # Those in the channel are served once the worker runs again; the others were refused
+    # after waiting 2 s, as busy, not because the worker was thought dead.
+    assert set(outcomes) == {"Welcome", "SERVER_BUSY"}, outcomes
+    assert outcomes.index("SERVER_BUSY") > outcomes.count("Welcome") // 2
+    # The worker is not written off: new connections to it work at once.
+    round_trip(server, 0, b"after SIGCONT")
+    assert worker_pid(server, 0) == victim
+    assert "is gone" not in server.log()
+    deadline = time.monotonic() + 3
+    while http_get(server, "/readyz")[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_least_loaded_means_fewest_open_connections(server: ServerProcess) -> None:
+    from tests.test_server_pubsub import debug_stats
+
+    time.sleep(0.5)  # past the workers' first LOAD reports
+    # Ten connections to worker 0 that open and close between two LOAD reports (10 ms).
+    for _ in range(10):
+        Wire.hello(server.address, worker=0).close()
+    deadline = time.monotonic() + 5
+    while debug_stats(server)["workers"][0]["connections"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.75)  # a LOAD report (every 0.25 s tick) says they are gone
+    held = [Wire.hello(server.address) for _ in range(4)]
+    assert [w.welcome.worker for w in held if w.welcome] == [0, 1, 0, 1]  # ties: the lower index
+    # Open connections are load: three more on worker 1 (5 against 2), then "any" fills worker 0.
+    held += [Wire.hello(server.address, worker=1) for _ in range(3)]
+    more = [Wire.hello(server.address) for _ in range(4)]
+    assert [w.welcome.worker for w in more if w.welcome] == [0, 0, 0, 0]
+    for w in held + more:
+        w.close()
+
+
+def test_out_of_file_descriptors_pauses_accepting(start_server: Any) -> None:
+    server = start_server("--hello-timeout", "1")
+    fds = len(os.listdir(f"/proc/{server.pid}/fd"))
+    _, hard = resource.prlimit(server.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (fds + 2, hard))  # room for about 2 more
+    clients = [Wire(server.address, timeout=10) for _ in range(5)]  # silent: they hold their fds
+    cpu_before = process_cpu_seconds(server.pid)
+    time.sleep(0.8)  # less than the Hello timeout: nothing is freed meanwhile
+    cpu = process_cpu_seconds(server.pid) - cpu_before
+    failures = [line for line in server.log().splitlines() if "accept failed" in line]
+    assert len(failures) == 1 and "Too many open files" in failures[0], failures
+    assert cpu < 0.3, f"the master spun: {cpu:.2f} s of CPU in 0.8 s"
+    # As Hello timeouts free descriptors the master accepts again: every client is answered.
+    for w in clients:
+        frames = w.expect_closed()
+        assert [(type(f), getattr(f, "code", None)) for f in frames] == [(Error, ErrorCode.HELLO_TIMEOUT)]
+        w.close()
+    resource.prlimit(server.pid, resource.RLIMIT_NOFILE, (hard, hard))
+    round_trip(server, 0, b"after EMFILE")
+    assert "accepting again after" in server.log()
+    assert "Traceback" not in server.log()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

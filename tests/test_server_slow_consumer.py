@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from pathlib import Path
@@ -10,12 +11,23 @@ from typing import Any
 import pytest
 
 from broky.errors import ErrorCode
-from broky.protocol import Error, LossNotice, Message, Subscribe, Unsubscribe, encode_frame, encode_message
+from broky.protocol import (
+    Error,
+    LossNotice,
+    Message,
+    Ping,
+    Pong,
+    Subscribe,
+    Unsubscribe,
+    encode_frame,
+    encode_message,
+)
 from tests.serverproc import ServerProcess
 from tests.test_server_pubsub import debug_stats
 from tests.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
+KP1 = kp_for_worker(1, 2)
 
 
 def rss(pid: int) -> int:
@@ -94,7 +106,7 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
             isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
         )
         assert len(notices) == 1 and isinstance(frames[-2], LossNotice)
-        assert notices[0].dropped > 0 and got + notices[0].dropped <= n
+        assert notices[0].dropped > 0 and got + notices[0].dropped == n  # each one delivered or counted
         assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
         stats = debug_stats(server)["workers"][0]
         assert stats["slow_consumer_disconnects"] == 1
@@ -133,3 +145,105 @@ def test_topic_table_is_empty_after_100k_subscribe_unsubscribe_cycles(server: Se
         assert snap["topics"] == 0 and snap["subscriptions"] == 0 and snap["matcher_empty"]
     assert after["connections"] == 0
     assert after["rss_bytes"] - before["rss_bytes"] < 8 << 20, (before["rss_bytes"], after["rss_bytes"])
+
+
+def test_a_subscriber_that_falls_behind_is_told_what_it_lost_and_stays(start_server: Any) -> None:
+    server = start_server("--max-pending-bytes", "64K")
+    n = 20_000  # 20 MB for a subscriber that reads nothing meanwhile: most are dropped
+    with (
+        Wire.hello(server.address, worker=0, rcvbuf=4096) as sub,
+        Wire.hello(server.address, worker=0) as pub,
+    ):
+        sub.subscribe(1, b"k")
+        sub.flush()
+        pub.sock.sendall(b"".join(encode_message(KP0, b"k", b"%06d" % i + b"x" * 994) for i in range(n)))
+        assert pub.flush(timeout=60) == []
+        # It reads now: what was queued, then (once drained) how many it lost.
+        got: list[int] = []
+        lost = 0
+        while len(got) + lost < n:
+            frame = sub.next(timeout=10)
+            if isinstance(frame, LossNotice):
+                lost += frame.dropped
+            else:
+                assert isinstance(frame, Message), frame
+                got.append(int(frame.payload[:6]))
+        assert isinstance(frame, LossNotice)  # the last word
+        assert 0 < len(got) < n and got == sorted(set(got))  # in order, no duplicates
+        stats = debug_stats(server)["workers"][0]
+        assert stats["dropped"]["slow_consumer"] == lost == n - len(got)
+        assert stats["slow_consumer_disconnects"] == 0
+        # Still connected, and caught up: the next message arrives and nothing else.
+        pub.publish(KP0, b"k", b"after")
+        assert pub.flush() == []
+        assert [m.payload for m in sub.messages()] == [b"after"]
+
+
+@pytest.mark.parametrize("flood", ["pings", "misrouted publishes"])
+def test_a_client_that_never_reads_its_replies_is_held_back(start_server: Any, flood: str) -> None:
+    server = start_server(
+        "--max-pending-bytes", "1M", "--slow-consumer-deadline", "2", "--frame-timeout", "30"
+    )
+    # A misrouted publish gets a NOT_MY_VBUCKET Error, larger than the publish.
+    chunk = encode_frame(Ping(7)) * 10_000 if flood == "pings" else encode_message(KP1, b"k", b"x") * 3_000
+    worker = debug_stats(server)["workers"][0]["pid"]
+    baseline = rss(worker)
+    limit = 64 << 20
+    with Wire.hello(server.address, worker=0, rcvbuf=4096) as w:
+        w.sock.setblocking(False)
+        sent = 0
+        while sent < limit:  # until the socket stays full for a second: TCP back-pressure
+            if not select.select([], [w.sock], [], 1.0)[1]:
+                break
+            try:
+                sent += w.sock.send(chunk)
+            except BlockingIOError:
+                continue
+        grown = rss(worker) - baseline
+        assert sent < limit, "the server kept reading"
+        assert grown < 16 << 20, (baseline, grown)
+        # Everyone else is served meanwhile.
+        with Wire.hello(server.address, worker=0) as sub, Wire.hello(server.address, worker=0) as pub:
+            sub.subscribe(1, b"other")
+            sub.flush()
+            pub.publish(KP0, b"other", b"fine")
+            assert pub.flush() == []
+            assert [m.payload for m in sub.messages()] == [b"fine"]
+        # Over the bound past the deadline (2 s): closed as a slow consumer, after its replies.
+        deadline = time.monotonic() + 10
+        while debug_stats(server)["workers"][0]["slow_consumer_disconnects"] == 0:
+            assert time.monotonic() < deadline, "not closed"
+            time.sleep(0.1)
+        frames = w.expect_closed(timeout=30)
+    last = frames[-1]
+    assert isinstance(last, Error) and last.code == ErrorCode.SLOW_CONSUMER and last.fatal
+    assert frames[:-1] and all(isinstance(f, Pong | Error) for f in frames[:-1])
+
+
+def test_large_unique_keys_do_not_stay_in_the_route_caches(start_server: Any) -> None:
+    server = start_server(workers=1)
+    kp = kp_for_worker(0, 1)
+    filler = b"x" * 200_000
+
+    def publish_unique(pub: Wire, start: int, count: int) -> None:
+        for i in range(start, start + count):
+            pub.publish(kp, b"big.%06d." % i + filler)
+        assert pub.flush(timeout=30) == []
+
+    with Wire.hello(server.address) as sub, Wire.hello(server.address) as pub:
+        sub.subscribe(1, b"wide.*")
+        sub.subscribe(2, b"big.*")  # matches none of them (three tokens): the matcher is asked
+        sub.flush()
+        worker = debug_stats(server)["workers"][0]["pid"]
+        publish_unique(pub, 0, 20)  # warm up the allocator
+        before = rss(worker)
+        publish_unique(pub, 20, 250)  # 50 MB of distinct keys
+        after = rss(worker)
+        assert after - before < 20 << 20, (before, after)
+        stats = debug_stats(server)["workers"][0]
+        assert stats["match_cache_entries"] == 0 and stats["dropped"]["no_subscribers"] == 270
+        # Big keys are still routed (each time anew).
+        for _ in range(2):
+            pub.publish(kp, b"wide." + filler, b"big one")
+        assert pub.flush() == []
+        assert [m.payload for m in sub.messages()] == [b"big one"] * 2

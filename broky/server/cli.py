@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
@@ -17,7 +18,7 @@ def register(subparsers: Any) -> None:
         description=(
             "Run a Broky server: a master process that accepts clients and hands them to "
             "one worker process per shard. Every option can also be set with BROKY_<OPTION> "
-            "(e.g. BROKY_PORT=4778, BROKY_MAX_PENDING_BYTES=16M)."
+            "(e.g. BROKY_PORT=4778, BROKY_MAX_PENDING_BYTES=16M); a flag wins over the variable."
         ),
     )
     config.add_arguments(parser)
@@ -25,8 +26,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    warnings: list[str] = []
     try:
-        cfg = config.from_args(args)
+        cfg = config.from_args(args, warn=warnings.append)  # reads the BROKY_* variables
     except ValueError as exc:
         print(f"broky serve: {exc}", file=sys.stderr)
         return 2
@@ -34,4 +36,6 @@ def run(args: argparse.Namespace) -> int:
     from broky.server.master import serve
 
     setup_logging(cfg, "master")
+    for message in warnings:
+        logging.getLogger("broky.master").warning("%s", message)
     return serve(cfg)

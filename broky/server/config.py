@@ -1,7 +1,12 @@
 """Server settings: `broky serve` flags, each also read from a BROKY_<NAME> variable.
 
 Precedence: command-line flag, then environment variable, then default.
-Defaults work with no flags at all.
+Defaults work with no flags at all. The environment is read only when `serve`
+runs (`from_args`), never when the parser is built, so a bad BROKY_* variable
+cannot break other broky commands. A port variable holding a service link
+(`tcp://10.0.0.7:4777`, what Kubernetes injects as BROKY_PORT for a Service
+named `broky`) is ignored with a warning: its port is the Service's, which
+need not be the one this process should bind.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ import argparse
 import dataclasses
 import os
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from broky.protocol import DEFAULT_MAX_FRAME_BYTES
@@ -142,28 +148,65 @@ def env_name(dest: str) -> str:
     return "BROKY_" + dest.upper()
 
 
-def add_arguments(parser: argparse.ArgumentParser, environ: dict[str, str] | None = None) -> None:
-    """Add every server flag; defaults come from BROKY_* variables, then ServerConfig."""
-    env = os.environ if environ is None else environ
+_PORTS = ("port", "metrics_port")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every server flag. A flag not given is None: `from_args` fills it in."""
     defaults = ServerConfig()
     for flag, dest, kind, help_text in _FLAGS:
-        default = getattr(defaults, dest)
-        raw = env.get(env_name(dest))
-        if raw is not None and raw != "":
-            try:
-                default = kind(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{env_name(dest)}={raw!r}: {exc}")
-        parser.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+        shown = str(getattr(defaults, dest)).replace("%", "%%")
+        parser.add_argument(flag, dest=dest, type=kind, help=help_text.replace("%(default)s", shown))
 
 
-def from_args(args: argparse.Namespace) -> ServerConfig:
-    """Build and check a ServerConfig from parsed flags.
+def _from_environment(
+    env: Mapping[str, str], flag: str, dest: str, kind: Callable[[str], Any], warn: Callable[[str], None]
+) -> Any:
+    """The value of BROKY_<DEST>, or None when it is unset, empty or ignored.
 
     Raises:
-        ValueError: a setting is out of range.
+        ValueError: the value is not valid for the flag.
     """
-    values = {dest: getattr(args, dest) for _, dest, _, _ in _FLAGS}
+    name = env_name(dest)
+    raw = env.get(name)
+    if not raw:
+        return None
+    if dest in _PORTS and "://" in raw:
+        service = name.removesuffix("_PORT").lower().replace("_", "-")
+        warn(
+            f"ignoring {name}={raw!r}: a service link (Kubernetes sets it for a Service named "
+            f"{service!r}), not a port number; set the port with {flag}"
+        )
+        return None
+    try:
+        return kind(raw)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+
+
+def _stderr_warning(message: str) -> None:
+    print(f"broky serve: warning: {message}", file=sys.stderr)
+
+
+def from_args(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    warn: Callable[[str], None] = _stderr_warning,
+) -> ServerConfig:
+    """Build and check a ServerConfig: flags, then BROKY_* variables (`environ`,
+    default os.environ), then defaults. `warn` receives each ignored variable.
+
+    Raises:
+        ValueError: a variable does not parse, or a setting is out of range.
+    """
+    env = os.environ if environ is None else environ
+    defaults = ServerConfig()
+    values: dict[str, Any] = {}
+    for flag, dest, kind, _ in _FLAGS:
+        value = getattr(args, dest, None)
+        if value is None:
+            value = _from_environment(env, flag, dest, kind, warn)
+        values[dest] = getattr(defaults, dest) if value is None else value
     config = ServerConfig(**values)
     if config.log_format not in ("text", "json"):
         raise ValueError(f"--log-format must be text or json, not {config.log_format!r}")

@@ -7,9 +7,14 @@ to the shard. It parses nothing itself.
 
 Pending bytes of a connection = bytes in its transport's write buffer (`base`,
 refreshed at every flush and before any drop) + bytes appended to `out` since
-the last flush or held while paused (`unflushed`). The write buffer's high-water
-mark is half the pending bound; `pause_writing`/`resume_writing` tell the shard
-when the connection stalls and when it has drained again.
+the last flush or held while paused (`unflushed`): deliveries and control
+replies alike. The write buffer's high-water mark is half the pending bound and
+its low-water mark a quarter; `pause_writing`/`resume_writing` tell the shard
+when the connection stalls and when it has drained again. Deliveries never
+take the pending bytes past the bound (they are dropped instead); replies are
+never dropped, so a client that keeps asking (Pings, bad requests) without
+reading can push them past it: the shard then stops reading from that
+connection (`transport.pause_reading`) until it drains (`reads_held`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
-        "paused", "write_paused", "dropped", "over_since", "subs", "linger",
+        "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at",
     )  # fmt: skip
 
@@ -52,6 +57,8 @@ class Connection(asyncio.Protocol):
         self.limit = shard.config.max_pending_bytes
         self.paused = False  # the client sent Pause: deliveries stay in `out`
         self.write_paused = False  # the transport's buffer is over its high-water mark
+        self.reads_held = False  # its unread replies are over the bound: reading is paused
+        self.said_goodbye = False  # the shutdown's Goodbye was sent: input is counted and dropped
         self.dropped = 0  # deliveries lost since the last LossNotice
         self.over_since = 0.0  # monotonic time of the first drop since the last notice
         self.subs: dict[int, Subscription] = {}

@@ -21,7 +21,9 @@ Theory of operation
    connection appears at most once, so a message travels once per connection
    however many of its subscriptions match; the client dispatches locally.
    Any subscription change (subscribe, unsubscribe, disconnect) empties the
-   cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries.
+   cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries. Routes
+   of keys (key_partition + key) over ROUTE_CACHE_MAX_KEY bytes are not cached,
+   here or in the matcher, so the caches hold at most ROUTE_CACHE_SIZE small keys.
 3. Runs: consecutive messages with the same targets form a run. A message whose
    size prefix, fixed header and routing bytes equal those of the run's first
    message is known to have the same route and valid bounds without any
@@ -45,17 +47,27 @@ connection goes through its single `out` list, so the messages of one
 key_partition from one publisher reach each subscriber in publish order.
 
 Slow consumers: the first drop starts a clock (`over_since`). When the
-connection drains below the low-water mark (a quarter of the bound) or, for a
-paused connection, when it resumes, it gets LossNotice{dropped} and the clock
-stops. The periodic `tick` closes a connection whose clock ran past
---slow-consumer-deadline with a fatal SLOW_CONSUMER error (preceded by a
-LossNotice). A paused connection keeps its deliveries in `out` under the same
-bound.
+connection's pending bytes are down to the low-water mark (a quarter of the
+bound: seen after a write, on resume_writing, or by `tick` when the buffer
+drained without ever reaching the high-water mark) or, for a paused
+connection, when it resumes, it gets LossNotice{dropped} and the clock stops.
+A quarter rather than "below the bound" leaves the subscriber room, so the
+notices do not flap and each carries a useful count. The periodic `tick`
+closes a connection whose clock ran past --slow-consumer-deadline with a
+fatal SLOW_CONSUMER error (preceded by a LossNotice). A paused connection
+keeps its deliveries in `out` under the same bound. Control replies (Pong,
+Error) count in the pending bytes but are never dropped: a connection whose
+replies alone exceed the bound is read no more until it drains (`hold_reads`),
+and its clock runs meanwhile.
 
 Closing: a fatal error writes what the connection still had queued, then the
 Error frame, then half-closes (write_eof) and discards further input until the
 peer closes or --frame-timeout passes (then the socket is reset). This lingering
 close lets the client read the Error even if it had more bytes in flight.
+At shutdown every connection gets the same treatment with a Goodbye: what was
+queued to it goes first (deliveries held for a paused connection are dropped),
+and the messages it publishes after the Goodbye are counted and dropped
+(`discard_after_goodbye`), both under the drop reason `shutdown`.
 """
 
 from __future__ import annotations
@@ -104,6 +116,7 @@ from broky.protocol.message import (
 from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
+from broky.server.logs import Throttle
 
 log = logging.getLogger("broky.worker")
 
@@ -117,6 +130,10 @@ _time_ns = time.time_ns
 _monotonic = time.monotonic
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
 ROUTE_CACHE_SIZE = 65536
+# Routes of messages whose key_partition and key together exceed this many bytes are
+# not cached: a cache bounded by entries must not hold megabytes of keys.
+ROUTE_CACHE_MAX_KEY = 256
+WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
 
 
 class Subscription:
@@ -168,10 +185,10 @@ class WorkerStats:
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
-        # Reads that delivered something, by log2 of the receive-to-write time
-        # in microseconds: bucket i counts times in [2**(i-1), 2**i) us.
+        # Delivered messages by log2 of their read's receive-to-write time: bucket i
+        # counts times under 2**(i+10) ns (about 2**i us; see broky.server.histogram).
         self.latency_us = [0] * _LATENCY_BUCKETS
-        self.latency_ns_sum = 0  # sum of the observed times (broky.server.histogram)
+        self.latency_ns_sum = 0  # sum of those times, one per delivered message
 
     def count_error(self, code: ErrorCode) -> None:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
@@ -215,6 +232,7 @@ class Shard:
         self._touched: list[Connection] = []
         self._next_id = 0
         self.closing = False
+        self.warnings = Throttle(WARNING_INTERVAL)  # of clients' non-fatal mistakes
 
     # ------------------------------------------------------------ connections
 
@@ -254,7 +272,7 @@ class Shard:
 
     def lost(self, c: Connection, exc: Exception | None) -> None:
         if c.state == OPEN and c.paused and c.out:
-            self.stats.dropped["slow_consumer"] += len(c.out)
+            self.stats.dropped["slow_consumer"] += self.count_messages(c.out)
         c.state = CLOSED
         c.out.clear()
         self.detach(c)
@@ -281,6 +299,8 @@ class Shard:
     def feed(self, c: Connection, data: bytes) -> None:
         """Handle one read of connection c (see the theory of operation)."""
         if c.state != OPEN:
+            if c.said_goodbye:
+                self.discard_after_goodbye(c, data)
             return  # lingering close: input is discarded
         if c.rest:
             data = c.rest + data
@@ -440,10 +460,10 @@ class Shard:
             stats.dropped["no_subscribers"] += unmatched
         if self._touched:
             self.flush()
-            if delivered:
+            if delivered:  # one observation per delivered message (broky.server.histogram)
                 dt = _time_ns() - t0
-                stats.latency_ns_sum += dt
-                stats.latency_us[min(dt >> 10, 1 << 30).bit_length()] += 1
+                stats.latency_ns_sum += dt * delivered
+                stats.latency_us[min(dt >> 10, 1 << 30).bit_length()] += delivered
 
     def emit(self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int) -> int:
         """Queue a run of `count` consecutive stamped messages buf[start:end] to each target."""
@@ -478,8 +498,12 @@ class Shard:
                 more = scoped.get(kp)
                 if more:
                     everyone = everyone + more
+            if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
+                return everyone  # neither cached nor interned: that would keep the big key alive
             # Equal target sets share one tuple, so runs of messages are found by identity.
             targets = self._interned.setdefault(everyone, everyone)
+        if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
+            return None
         if len(self.routes) >= ROUTE_CACHE_SIZE:
             self.routes.clear()
             self._interned.clear()
@@ -505,8 +529,10 @@ class Shard:
             transport.write(chunk)
             sent += len(chunk)
             t.unflushed = 0
-            t.base = transport.get_write_buffer_size()
-            if t.dropped and not t.write_paused:
+            t.base = base = transport.get_write_buffer_size()
+            if base > t.limit:  # only replies can go past the bound: stop reading their requests
+                self.hold_reads(t)
+            elif t.dropped and base <= t.limit >> 2:
                 self.notify_loss(t)
         self._touched.clear()
         self.stats.bytes_sent += sent
@@ -550,18 +576,44 @@ class Shard:
         self.stats.bytes_sent += len(frame)
 
     def drained(self, c: Connection) -> None:
-        """c's write buffer fell below its low-water mark."""
-        if c.state == OPEN and c.dropped and not c.paused:
+        """c's write buffer fell to its low-water mark (a quarter of the bound)."""
+        if c.state != OPEN:
+            return
+        if c.reads_held:
+            c.reads_held = False
+            c.transport.resume_reading()
+            if not c.dropped:
+                c.over_since = 0.0
+        if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
 
+    def hold_reads(self, c: Connection) -> None:
+        """c's unread replies are over its pending bound: read nothing more from it until
+        they drain (`drained`), so its own sends back up; the slow-consumer clock runs."""
+        if c.reads_held or c.state != OPEN:
+            return
+        c.reads_held = True
+        c.transport.pause_reading()
+        if not c.over_since:
+            c.over_since = _monotonic()
+        log.debug("connection %d from %s does not read its replies; reading paused", c.conn_id, c.peer)
+
     def reply(self, c: Connection, frame: bytes) -> None:
-        """Queue a control frame to c behind what this read already queued for it."""
+        """Queue a control frame to c behind what this read already queued for it.
+
+        Replies are never dropped; they count in the pending bytes, and a connection
+        whose replies pile up past the bound is read no more until they drain.
+        """
         if c.paused:
-            c.transport.write(frame)  # not held: only deliveries wait for Resume
+            transport = c.transport
+            transport.write(frame)  # not held: only deliveries wait for Resume
             self.stats.bytes_sent += len(frame)
+            if transport.get_write_buffer_size() > c.limit:
+                self.hold_reads(c)
             return
         c.out.append(frame)
+        c.unflushed += len(frame)
         if not c.touched:
             c.touched = True
             self._touched.append(c)
@@ -571,8 +623,12 @@ class Shard:
         self.error(c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker")
 
     def error(self, c: Connection, code: ErrorCode, message: str, sid: int = 0) -> None:
-        """A non-fatal Error frame."""
+        """A non-fatal Error frame, and a warning (at most one per connection and code per 10 s)."""
         self.stats.count_error(code)
+        held = self.warnings.allow((c.conn_id, code))
+        if held is not None:
+            more = f" ({held} more since the last warning)" if held else ""
+            log.warning("connection %d from %s: %s: %s%s", c.conn_id, c.peer, code.name, message, more)
         self.reply(c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid))
 
     # ------------------------------------------------------------ control frames
@@ -651,17 +707,65 @@ class Shard:
         self.final_frame(c, error_frame(code, message, fatal=True, map_version=self.map.version))
 
     def goodbye(self, c: Connection, reason: str) -> None:
+        """Queued deliveries, then Goodbye, then a lingering close. Deliveries held for a
+        paused connection are dropped, and so are the messages it publishes after the
+        Goodbye (`discard_after_goodbye`): both counted as `shutdown`."""
         if c.state != OPEN:
             return
         if c.paused and c.out:
-            self.stats.dropped["shutdown"] += len(c.out)
+            self.stats.dropped["shutdown"] += self.count_messages(c.out)
             c.out.clear()
-        self.final_frame(c, encode_frame(Goodbye(reason)))
+        c.said_goodbye = True
+        self.final_frame(c, encode_frame(Goodbye(reason)), keep_rest=True)
 
-    def final_frame(self, c: Connection, frame: bytes) -> None:
+    def count_messages(self, chunks: list[bytes | bytearray]) -> int:
+        """Messages among the frames queued in chunks (replies are not counted)."""
+        n = 0
+        for chunk in chunks:
+            pos, end = 0, len(chunk)
+            while end - pos >= 4:
+                stop = pos + 4 + _u32(chunk, pos)[0]
+                try:
+                    if body_type(chunk, pos, stop) == BODY_MESSAGE:
+                        n += 1
+                except RemoteProtocolError:
+                    pass
+                pos = stop
+        return n
+
+    def discard_after_goodbye(self, c: Connection, data: bytes) -> None:
+        """Count the messages in input read after the Goodbye (a walk over the size prefixes)."""
+        if c.rest:
+            data = c.rest + data
+        pos, n, count = 0, len(data), 0
+        max_frame = self.config.max_frame_bytes
+        while n - pos >= 4:
+            size = _u32(data, pos)[0]
+            if size > max_frame or size < MIN_FRAME_SIZE:
+                c.said_goodbye = False  # not frames: nothing further can be counted
+                pos = n
+                break
+            end = pos + 4 + size
+            if end > n:
+                break
+            try:
+                if body_type(data, pos, end) == BODY_MESSAGE:
+                    count += 1
+            except RemoteProtocolError:
+                pass
+            pos = end
+        c.rest = data[pos:] if pos < n else b""
+        if count:
+            self.stats.dropped["shutdown"] += count
+
+    def final_frame(self, c: Connection, frame: bytes, keep_rest: bool = False) -> None:
         self.detach(c)
         c.state = CLOSING
-        c.rest = b""
+        if not keep_rest:
+            c.rest = b""
+        if c.reads_held:  # a lingering close reads until the peer's EOF
+            c.reads_held = False
+            c.transport.resume_reading()
         chunk = b"".join([*c.out, frame])
         c.out.clear()
         c.unflushed = 0
@@ -697,7 +801,15 @@ class Shard:
         for c in list(self.conns.values()):
             if c.state != OPEN:
                 continue
-            if c.over_since and now - c.over_since > deadline:
+            if (
+                c.dropped
+                and not c.paused
+                and not c.write_paused
+                and c.transport.get_write_buffer_size() <= c.limit >> 2
+            ):  # drained without ever reaching the high-water mark (no resume_writing)
+                c.base = c.transport.get_write_buffer_size()
+                self.notify_loss(c)
+            elif c.over_since and now - c.over_since > deadline:
                 self.slow_disconnect(c)
             elif c.rest and now - c.partial_since > frame_timeout:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
@@ -721,7 +833,7 @@ class Shard:
     # ------------------------------------------------------------ monitoring
 
     def snapshot(self) -> dict[str, Any]:
-        """Every counter, for the master's /debug/stats and the metrics exporter."""
+        """Every counter, for the master's /stats and the metrics exporter."""
         s = self.stats
         data = dict(vars(s))
         data["dropped"] = dict(s.dropped)

@@ -14,7 +14,11 @@ master -> worker
 worker -> master
     READY    the worker serves (sent once after boot)
     STATS    uint32 request id + JSON snapshot
-    LOAD     uint32 number of open connections (sent when it changes)
+    LOAD     uint32 number of open connections + uint64 number of connections
+             received (CONN) since the worker started; sent when either
+             changes, and at least every 0.5 s: the master's heartbeat for
+             /readyz. The master subtracts the second from the connections it
+             handed to that worker to know how many are still in the channel.
 
 After a CONN the master closes its own copy of the socket; the worker owns it.
 A worker that reads EOF on the channel knows the master is gone and exits.
@@ -35,6 +39,7 @@ LOAD = b"L"
 
 MAX_MESSAGE = 1 << 20  # larger than any Hello or stats snapshot
 _u32 = struct.Struct("<I")
+_load = struct.Struct("<IQ")
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -81,3 +86,14 @@ def split_id(payload: bytes) -> tuple[int, bytes]:
 
 def pack_id(value: int) -> bytes:
     return _u32.pack(value)
+
+
+def pack_load(open_connections: int, adopted: int) -> bytes:
+    """The payload of a LOAD message."""
+    return _load.pack(open_connections, adopted)
+
+
+def split_load(payload: bytes) -> tuple[int, int]:
+    """(open connections, connections received since boot) of a LOAD payload."""
+    open_connections, adopted = _load.unpack_from(payload)
+    return open_connections, adopted

@@ -1,10 +1,12 @@
 """A minimal HTTP/1.0 server on the metrics port (asyncio, no dependency).
 
 Routes are a dict path -> async handler returning (status, content type,
-body); the master registers /healthz and /debug/stats, and broky.server.monitor
-adds /metrics, /readyz, /stats, /connections and /topics. A handler in
+body); the master registers /healthz and /readyz, and broky.server.monitor
+adds /metrics, /stats, /connections and /topics. A handler in
 `query_routes` gets the query string as a dict (last value of each name wins).
-GET and HEAD only; one request per connection.
+GET and HEAD only; one request per connection. A request head (request line
+and headers) longer than MAX_REQUEST_BYTES gets 431 and the connection is
+closed; one that does not arrive within REQUEST_TIMEOUT seconds is dropped.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ _REASONS = {
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT = 5.0
+LINGER_SECONDS = 1.0
 
 
 class HttpServer:
@@ -40,7 +44,9 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port."""
-        self.server = await asyncio.start_server(self._handle, host, port, reuse_address=True)
+        self.server = await asyncio.start_server(
+            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES
+        )
         return int(self.server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
@@ -51,10 +57,16 @@ class HttpServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            status, ctype, body, send_body = await self._respond(head)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+        except asyncio.LimitOverrunError:
+            head = b""
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             writer.close()
             return
+        if head:
+            status, ctype, body, send_body = await self._respond(head)
+        else:
+            status, ctype, send_body = 431, "text/plain", True
+            body = f"request head over {MAX_REQUEST_BYTES} bytes\n".encode()
         reason = _REASONS.get(status, "")
         header = (
             f"HTTP/1.0 {status} {reason}\r\nContent-Type: {ctype}\r\n"
@@ -63,7 +75,10 @@ class HttpServer:
         try:
             writer.write(header + (body if send_body else b""))
             await writer.drain()
-        except ConnectionError:
+            if not head:  # unread input: let the client read the answer before the close resets it
+                writer.write_eof()
+                await asyncio.wait_for(_discard(reader), LINGER_SECONDS)
+        except (ConnectionError, TimeoutError):
             pass
         finally:
             writer.close()
@@ -90,3 +105,8 @@ class HttpServer:
             log.exception("HTTP handler for %s failed", target)
             return 500, "text/plain", b"internal error\n", method == "GET"
         return status, ctype, body, method == "GET"
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(65536):
+        pass

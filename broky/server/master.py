@@ -11,17 +11,30 @@ behind its Hello stays in the kernel for the worker to read), within
 version 1, with the right auth token when one is configured, and picks the
 worker: Hello.worker, or the least-loaded one for -1. The socket and the Hello
 bytes then travel to that worker over its control channel
-(broky.server.handoff) and the master closes its copy.
+(broky.server.handoff) and the master closes its copy. Least-loaded means the
+fewest connections open (as the worker last reported, with LOAD) plus those
+handed to it that it has not adopted yet.
+
+A full control channel is back-pressure, not death: a busy (or stopped) worker
+is waited for until the channel is writable again, for at most
+HAND_OVER_TIMEOUT seconds, and the connection is then refused with
+SERVER_BUSY. Only a broken channel (EPIPE, ECONNRESET, ENOTCONN, or one the
+supervisor closed) marks the WorkerProcess gone; its successor is a new
+WorkerProcess, so nothing has to be cleared. A client that resets during the
+handshake costs one info line. When the master runs out of file descriptors
+it stops accepting for ACCEPT_PAUSE seconds (one log line per episode).
+At SIGTERM/SIGINT, connections still in the handshake get a Goodbye too.
 
 A refused handshake gets one fatal Error frame, one log line, and a lingering
 close: the master half-closes and discards input for up to a second so that
 the client reads the Error instead of a connection reset.
 
 The master also answers HTTP on the metrics port: /healthz (200 while the
-master runs), /readyz (200 when every worker is ready, else 503) and
-/debug/stats (JSON: every worker's counters, asked over the control
-channels); broky.server.monitor adds /metrics, /stats, /connections and
-/topics. SIGTERM or SIGINT: stop accepting, ask every worker to say Goodbye
+master runs) and /readyz (200 when every worker is ready and was heard from
+on its control channel within HEARTBEAT_TIMEOUT, else 503);
+broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
+worker counters the master asks for over the control channels
+(`worker_stats`). SIGTERM or SIGINT: stop accepting, ask every worker to say Goodbye
 and close, exit 0 within 5 s.
 """
 
@@ -29,13 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import hmac
 import json
 import logging
 import os
 import socket
 import struct
-import sys
 import time
 from typing import Any
 
@@ -43,7 +56,7 @@ import uvloop
 
 from broky import __version__
 from broky.errors import ErrorCode, RemoteProtocolError
-from broky.protocol import ANY_WORKER, PROTOCOL_VERSION, Hello, decode_frame
+from broky.protocol import ANY_WORKER, PROTOCOL_VERSION, Goodbye, Hello, decode_frame, encode_frame
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import handoff, monitor
@@ -55,9 +68,14 @@ log = logging.getLogger("broky.master")
 
 _u32 = struct.Struct("<I").unpack_from
 LINGER_SECONDS = 1.0
-STATS_TIMEOUT = 2.0
+STATS_TIMEOUT = 2.0  # one deadline for all the workers' answers to one stats request
+HEARTBEAT_TIMEOUT = 2.0  # a worker silent this long is not ready (it sends LOAD every 0.5 s)
 WAIT_FOR_WORKER = 2.0  # a Hello naming a restarting worker waits this long for it
 HAND_OVER_ATTEMPTS = 3  # hand-offs tried per connection when a worker turns out to be dead
+HAND_OVER_TIMEOUT = 2.0  # how long a hand-off waits for a full control channel to drain
+ACCEPT_PAUSE = 0.1  # accepting stops this long when the master is out of file descriptors
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_CHANNEL_BROKEN = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
 class _WorkerGone(Exception):
@@ -85,7 +103,8 @@ class Master:
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_request = 0
         self.handed_total = 0
-        self.gone_pids: set[int] = set()  # workers whose hand-off channel broke (dead, not reaped yet)
+        self.stopping = False
+        self._accept_paused_since = 0.0  # monotonic time accepting first stopped for lack of fds
         self.refused_total: dict[str, int] = {}
         self.started = time.time()
 
@@ -98,13 +117,11 @@ class Master:
             metrics_port = await self.http.start(cfg.host, cfg.metrics_port)
         except OSError as exc:
             log.critical("cannot listen on %s: %s", cfg.host, exc)
-            print(f"broky serve: cannot listen on {cfg.host}: {exc}", file=sys.stderr)
             return 1
         port = self.listener.getsockname()[1]
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
         self.http.routes["/healthz"] = self.healthz
         self.http.routes["/readyz"] = self.readyz
-        self.http.routes["/debug/stats"] = self.debug_stats
         monitor.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
@@ -118,8 +135,7 @@ class Master:
             return 0
         first_event.cancel()
         if not await boot:
-            await self.shutdown()
-            print(f"broky serve: {sup.failure}", file=sys.stderr)
+            await self.shutdown()  # the supervisor logged why
             return 1
         self.loop.add_reader(self.listener.fileno(), self._accept)
         print(
@@ -129,9 +145,7 @@ class Master:
         )
         log.info("broky %s serving on %s:%d with %d workers", __version__, cfg.host, port, cfg.workers)
         code = await sup.run()
-        await self.shutdown()
-        if code:
-            print(f"broky serve: {sup.failure}", file=sys.stderr)
+        await self.shutdown()  # on a failure (code 1) the supervisor logged why
         return code
 
     async def shutdown(self) -> None:
@@ -142,29 +156,52 @@ class Master:
             except (ValueError, OSError):
                 pass
             self.listener.close()
-        for task in list(self.handshakes):
+        self.stopping = True  # handshakes cancelled from now on say Goodbye (_handshake)
+        handshakes = list(self.handshakes)
+        if handshakes:
+            log.info("goodbye to %d connections in the handshake", len(handshakes))
+        for task in handshakes:
             task.cancel()
         if self.supervisor is not None:
             await self.supervisor.stop(self.config.shutdown_timeout + 0.5)
+        if handshakes:  # their lingering closes ran meanwhile; each is bounded by LINGER_SECONDS
+            await asyncio.wait(handshakes, timeout=2 * LINGER_SECONDS)
         await self.http.close()
         log.info("stopped in %.2f s", time.monotonic() - started)
 
     # ------------------------------------------------------------ accepting
 
     def _accept(self) -> None:
-        assert self.listener is not None
+        listener = self.listener
+        assert listener is not None
         for _ in range(256):
             try:
-                sock, addr = self.listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. EMFILE: log and keep serving
-                log.error("accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_FDS:  # e.g. ECONNABORTED: that client's problem
+                    log.info("accept failed: %s", exc)
+                    continue
+                # The listener stays readable: stop watching it for a while instead of spinning.
+                if not self._accept_paused_since:
+                    self._accept_paused_since = time.monotonic()
+                    log.error("accept failed: %s; accepting again every %g s", exc, ACCEPT_PAUSE)
+                self.loop.remove_reader(listener.fileno())
+                self.loop.call_later(ACCEPT_PAUSE, self._resume_accepting, listener)
                 return
+            if self._accept_paused_since:
+                log.warning("accepting again after %.1f s", time.monotonic() - self._accept_paused_since)
+                self._accept_paused_since = 0.0
             sock.setblocking(False)
             task = self.loop.create_task(self._handshake(sock, f"{addr[0]}:{addr[1]}"))
             self.handshakes.add(task)
             task.add_done_callback(self.handshakes.discard)
+
+    def _resume_accepting(self, listener: socket.socket) -> None:
+        if self.stopping or listener.fileno() < 0:
+            return
+        self.loop.add_reader(listener.fileno(), self._accept)
 
     async def _handshake(self, sock: socket.socket, peer: str) -> None:
         try:
@@ -177,23 +214,28 @@ class Master:
             except RemoteProtocolError as exc:
                 raise Refused(exc.code, str(exc)) from None
             for _ in range(HAND_OVER_ATTEMPTS):
-                index = await self._pick_worker(hello)
+                wp = await self._pick_worker(hello)
                 try:
-                    self._hand_over(sock, hello_bytes, index)
+                    await self._hand_over(sock, hello_bytes, wp)
                     break
                 except _WorkerGone as exc:
                     # It died and the supervisor has not reaped it yet: wait for its
                     # successor (or, for "any worker", take another one).
-                    log.info("worker %d is gone (%s); waiting for a ready worker", index, exc.reason)
+                    log.info("worker %d is gone (%s); waiting for a ready worker", wp.index, exc.reason)
             else:
-                raise Refused(ErrorCode.SERVER_BUSY, f"worker {index} keeps refusing connections")
+                raise Refused(ErrorCode.SERVER_BUSY, f"worker {wp.index} keeps refusing connections")
         except Refused as exc:
-            await self._refuse(sock, peer, exc.code, str(exc))
+            await self._refuse(sock, peer, exc.code, str(exc))  # (a cancel in there: no Goodbye)
         except EOFError:
-            sock.close()  # closed before sending anything
+            pass  # closed before sending anything
+        except OSError as exc:  # e.g. a reset during the Hello
+            log.info("connection from %s lost during the handshake: %s", peer, exc)
         except asyncio.CancelledError:
-            sock.close()
+            if self.stopping and sock.fileno() >= 0:
+                await self._linger_close(sock, encode_frame(Goodbye("server shutting down")))
             raise
+        finally:
+            sock.close()
 
     async def _recv_exact(self, sock: socket.socket, n: int, got: int) -> bytes:
         buf = bytearray()
@@ -235,7 +277,7 @@ class Master:
             raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token")
         return frame, hello
 
-    async def _pick_worker(self, hello: Hello) -> int:
+    async def _pick_worker(self, hello: Hello) -> WorkerProcess:
         assert self.supervisor is not None
         n = self.config.workers
         wanted = hello.worker
@@ -243,36 +285,63 @@ class Master:
             raise Refused(ErrorCode.NO_SUCH_WORKER, f"worker {wanted} does not exist (workers: {n})")
         deadline = time.monotonic() + WAIT_FOR_WORKER
         while True:
-            ready = [wp for wp in self.supervisor.live() if wp.ready and wp.pid not in self.gone_pids]
+            ready = [wp for wp in self.supervisor.live() if wp.ready and not wp.gone]
             if wanted != ANY_WORKER:
                 ready = [wp for wp in ready if wp.index == wanted]
             if ready:
-                return min(ready, key=lambda wp: (wp.load + wp.handed, wp.index)).index
+                return min(ready, key=lambda wp: (wp.load + wp.handed - wp.adopted, wp.index))
             if time.monotonic() > deadline:
                 raise Refused(ErrorCode.SERVER_BUSY, "no worker is ready")
             await asyncio.sleep(0.05)
 
-    def _hand_over(self, sock: socket.socket, hello_bytes: bytes, index: int) -> None:
+    async def _hand_over(self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess) -> None:
+        """Send the socket to wp; wait (bounded) while its channel is full.
+
+        Raises:
+            _WorkerGone: the channel is broken (the worker died).
+            Refused: the channel stayed full for HAND_OVER_TIMEOUT s, or another error.
+        """
         assert self.supervisor is not None
-        wp = self.supervisor.workers[index]
-        if wp is None:
-            raise Refused(ErrorCode.SERVER_BUSY, f"worker {index} is restarting")
-        try:
-            handoff.send_socket(wp.chan, sock, hello_bytes)
-        except OSError as exc:
-            self.gone_pids.add(wp.pid)  # skipped until the supervisor restarts it
-            raise _WorkerGone(str(exc)) from None
+        deadline = time.monotonic() + HAND_OVER_TIMEOUT
+        while True:
+            if wp.gone:
+                raise _WorkerGone("its control channel is closed")
+            try:
+                handoff.send_socket(wp.chan, sock, hello_bytes)
+                break
+            except (BlockingIOError, InterruptedError):
+                if not wp.backlogged:  # one line per episode
+                    wp.backlogged = True
+                    log.warning(
+                        "worker %d is not taking connections: its control channel is full; waiting",
+                        wp.index,
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self.supervisor.wait_writable(wp, left):
+                    raise Refused(
+                        ErrorCode.SERVER_BUSY,
+                        f"worker {wp.index} took no connection for {HAND_OVER_TIMEOUT:g} s",
+                    ) from None
+            except OSError as exc:
+                if exc.errno in _CHANNEL_BROKEN:
+                    wp.gone = True  # skipped until the supervisor restarts it
+                    raise _WorkerGone(str(exc)) from None
+                raise Refused(ErrorCode.SERVER_BUSY, f"hand-off to worker {wp.index} failed: {exc}") from None
+        if wp.backlogged:
+            wp.backlogged = False
+            log.info("worker %d takes connections again", wp.index)
         wp.handed += 1
         self.handed_total += 1
-        sock.close()
 
     async def _refuse(self, sock: socket.socket, peer: str, code: ErrorCode, message: str) -> None:
         log.warning("connection from %s refused: %s: %s", peer, code.name, message)
         self.refused_total[code.name] = self.refused_total.get(code.name, 0) + 1
+        await self._linger_close(sock, error_frame(code, message, fatal=True))
+
+    async def _linger_close(self, sock: socket.socket, frame: bytes) -> None:
+        """Send a last frame, half-close, and discard input until EOF (each step bounded)."""
         try:
-            await asyncio.wait_for(
-                self.loop.sock_sendall(sock, error_frame(code, message, fatal=True)), LINGER_SECONDS
-            )
+            await asyncio.wait_for(self.loop.sock_sendall(sock, frame), LINGER_SECONDS)
             sock.shutdown(socket.SHUT_WR)
             await asyncio.wait_for(self._discard_until_eof(sock), LINGER_SECONDS)
         except (OSError, TimeoutError):
@@ -296,60 +365,60 @@ class Master:
             log.error("unexpected message %r from worker %d", kind, wp.index)
 
     async def worker_stats(self, what: bytes = b"") -> list[dict[str, Any] | None]:
-        """A stats snapshot (or the view `what`, see monitor.answer) of every worker (None: no answer)."""
+        """A stats snapshot (or the view `what`, see monitor.answer) of every worker (None: no answer).
+
+        Every ready worker is asked at once and the answers share one deadline
+        (STATS_TIMEOUT), so hung workers cost STATS_TIMEOUT once, not each;
+        an answer that comes later is ignored.
+        """
         assert self.supervisor is not None
-        waiters: list[asyncio.Future[dict[str, Any]] | None] = []
-        for wp in self.supervisor.workers:
-            if wp is None or not wp.ready:
-                waiters.append(None)
-                continue
-            self._next_request = (self._next_request + 1) & 0xFFFFFFFF
-            fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
-            self._stats_waiters[self._next_request] = fut
-            try:
-                handoff.send(wp.chan, handoff.STATS, handoff.pack_id(self._next_request) + what)
-            except OSError:
-                self._stats_waiters.pop(self._next_request, None)
-                waiters.append(None)
-                continue
-            waiters.append(fut)
-        out: list[dict[str, Any] | None] = []
-        for w in waiters:
-            try:
-                out.append(await asyncio.wait_for(w, STATS_TIMEOUT) if w is not None else None)
-            except TimeoutError:
-                out.append(None)
-        return out
+        asked: list[tuple[int, asyncio.Future[dict[str, Any]]] | None] = []
+        try:
+            for wp in self.supervisor.workers:
+                if wp is None or not wp.ready:
+                    asked.append(None)
+                    continue
+                self._next_request = request_id = (self._next_request + 1) & 0xFFFFFFFF
+                fut: asyncio.Future[dict[str, Any]] = self.loop.create_future()
+                try:
+                    handoff.send(wp.chan, handoff.STATS, handoff.pack_id(request_id) + what)
+                except OSError:
+                    asked.append(None)
+                    continue
+                self._stats_waiters[request_id] = fut
+                asked.append((request_id, fut))
+            futures = [a[1] for a in asked if a is not None]
+            if futures:
+                await asyncio.wait(futures, timeout=STATS_TIMEOUT)
+            return [a[1].result() if a is not None and a[1].done() else None for a in asked]
+        finally:
+            for a in asked:
+                if a is not None:
+                    self._stats_waiters.pop(a[0], None)
+                    a[1].cancel()
 
     async def healthz(self) -> Response:
         return 200, "text/plain", b"ok\n"
 
     async def readyz(self) -> Response:
+        """200 when every worker is ready and answering; a hung worker (e.g. stopped) is not."""
         assert self.supervisor is not None
-        if self.supervisor.all_ready():
+        now = time.monotonic()
+        waiting: list[int] = []
+        silent: list[int] = []
+        for i, wp in enumerate(self.supervisor.workers):
+            if wp is None or not wp.ready or wp.gone:
+                waiting.append(i)
+            elif now - wp.heard > HEARTBEAT_TIMEOUT:
+                silent.append(i)
+        if not waiting and not silent:
             return 200, "text/plain", b"ok\n"
-        waiting = [i for i, wp in enumerate(self.supervisor.workers) if wp is None or not wp.ready]
-        return 503, "text/plain", f"workers not ready: {waiting}\n".encode()
-
-    async def debug_stats(self) -> Response:
-        assert self.supervisor is not None
-        stats = await self.worker_stats()
-        for index, wp in enumerate(self.supervisor.workers):
-            snap = stats[index]
-            if snap is not None and wp is not None:
-                snap["pid"] = wp.pid
-        body = {
-            "version": __version__,
-            "master": {
-                "pid": os.getpid(),
-                "uptime_seconds": time.time() - self.started,
-                "connections_handed": self.handed_total,
-                "handshakes_refused": self.refused_total,
-                "worker_restarts": self.supervisor.restarts,
-            },
-            "workers": stats,
-        }
-        return 200, "application/json", json.dumps(body, indent=1).encode()
+        why = []
+        if waiting:
+            why.append(f"workers not ready: {waiting}")
+        if silent:
+            why.append(f"workers silent for over {HEARTBEAT_TIMEOUT:g} s: {silent}")
+        return 503, "text/plain", ("; ".join(why) + "\n").encode()
 
 
 def _listen(host: str, port: int) -> socket.socket:

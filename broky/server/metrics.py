@@ -61,8 +61,8 @@ COUNTERS = (
 )
 GAUGES = (
     ("broky_connections", "connections", "Open client connections."),
-    ("broky_subscriptions", "subscriptions", "Active subscriptions."),
-    ("broky_topics", "topics", "Distinct subscription patterns."),
+    ("broky_subscriptions", "subscriptions", "Active subscriptions (sids of all connections)."),
+    ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
 )
 # Every drop reason is exported, at 0 until it happens, so that alerts and
@@ -103,7 +103,8 @@ class SnapshotCollector:
         )
         latency = HistogramMetricFamily(
             "broky_broker_latency_seconds",
-            "Time inside the broker from a read's arrival to its writes (one observation per read).",
+            "Time inside the broker per delivered message: from the arrival of its read "
+            "to that read's writes.",
             labels=["worker"],
         )
         for w, s in snaps:

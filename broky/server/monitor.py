@@ -10,7 +10,7 @@ each worker answers with `answer(shard, what)`:
 
     b""                       the shard's counter snapshot (Shard.snapshot)
     b"connections:LIMIT"      its LIMIT busiest connections
-    b"topics:LIMIT"           its LIMIT most subscribed patterns
+    b"topics:LIMIT"           its LIMIT patterns with the most subscriptions
 
 The master merges the answers into one response. A worker that is restarting
 or does not answer within the timeout is reported as down (`"up": false` in
@@ -21,10 +21,20 @@ fit one control message, so no endpoint can grow with the traffic.
 Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
     /metrics      Prometheus text format (broky.server.metrics)
     /healthz      200 while the master runs (registered by the master)
-    /readyz       200 when every worker is ready, else 503 (master)
+    /readyz       200 when every worker is ready and heard from lately, else 503 (master)
     /stats        {"node_id", "version", "master", "workers": [...], "totals"}
     /connections  {"total", "limit", "connections": [...]} busiest first
-    /topics       {"total", "limit", "topics": [...]} most subscribers first
+    /topics       {"total", "limit", "topics": [...]} most subscriptions first
+
+/topics is exact by construction: an entry is one pattern on one worker (a
+pattern subscribed on two workers is two entries), with the number of
+subscriptions (sids, over all of that worker's connections) having exactly
+that pattern. The node's `limit` busiest entries are each among their own
+worker's `limit` busiest, so merging the workers' top lists loses nothing,
+and "total" (entries on the node, the sum of broky_topics) counts every
+pattern once per worker that has it. Summing one pattern's entries over the
+workers is left to the reader: a pattern missing from a worker's list may
+still exist there with fewer subscriptions.
 """
 
 from __future__ import annotations
@@ -102,12 +112,14 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
 
 
 def topics_view(shard: Shard, limit: int) -> dict[str, Any]:
-    """The `limit` patterns of a shard with the most subscriptions."""
+    """The `limit` patterns of a shard with the most subscriptions (ties: by pattern)."""
     patterns = sorted(shard.matcher.patterns.items(), key=lambda kv: (-kv[1], kv[0]))
     return {
         "worker": shard.index,
         "total": len(patterns),
-        "topics": [{"pattern": _text(p), "subscriptions": n} for p, n in patterns[:limit]],
+        "topics": [
+            {"pattern": _text(p), "worker": shard.index, "subscriptions": n} for p, n in patterns[:limit]
+        ],
     }
 
 
@@ -196,20 +208,11 @@ class Monitor:
         if error:
             return 400, "text/plain", error
         views = await self.master.worker_stats(b"topics:%d" % limit)
-        merged: dict[str, dict[str, Any]] = {}
-        for v in views:
-            if v is None:
-                continue
-            for t in v["topics"]:
-                m = merged.setdefault(
-                    t["pattern"], {"pattern": t["pattern"], "subscriptions": 0, "workers": []}
-                )
-                m["subscriptions"] += t["subscriptions"]
-                m["workers"].append(v["worker"])
-        topics = sorted(merged.values(), key=lambda t: (-t["subscriptions"], t["pattern"]))
+        # One entry per (pattern, worker): exact, see the theory of operation.
+        topics = [t for v in views if v is not None for t in v["topics"]]
+        topics.sort(key=lambda t: (-t["subscriptions"], t["pattern"], t["worker"]))
         body = {
-            # Patterns per worker, summed: a pattern subscribed on two workers counts twice.
-            "total": sum(v["total"] for v in views if v is not None),
+            "total": sum(v["total"] for v in views if v is not None),  # (pattern, worker) entries
             "limit": limit,
             "workers_up": sum(1 for v in views if v is not None),
             "topics": topics[:limit],
@@ -253,10 +256,10 @@ def _limit(query: dict[str, str]) -> tuple[int, bytes]:
 
 def _latency_summary(snap: dict[str, Any]) -> dict[str, Any]:
     counts = snap.get("latency_us", [])
-    reads = sum(counts)
+    deliveries = sum(counts)
     return {
-        "reads": reads,
-        "mean": (snap.get("latency_ns_sum", 0) / reads / 1e9) if reads else None,
+        "deliveries": deliveries,
+        "mean": (snap.get("latency_ns_sum", 0) / deliveries / 1e9) if deliveries else None,
         "p50_le": histogram.quantile(counts, 0.5),
         "p99_le": histogram.quantile(counts, 0.99),
         "p999_le": histogram.quantile(counts, 0.999),

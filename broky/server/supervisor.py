@@ -42,8 +42,13 @@ class WorkerProcess:
         self.chan = chan
         self.started = time.monotonic()
         self.ready = False
-        self.load = 0  # connections the worker last reported
-        self.handed = 0  # connections handed since that report
+        self.load = 0  # connections open, as the worker last reported (LOAD)
+        self.adopted = 0  # connections it had received from the channel, in that report
+        self.handed = 0  # connections handed to it: handed - adopted are still in the channel
+        self.gone = False  # its channel broke or was closed: hand nothing more to this process
+        self.backlogged = False  # a hand-off found its channel full (logged once per episode)
+        self.writable: asyncio.Future[None] | None = None  # set when a full channel drains
+        self.heard = self.started  # last message from the worker (LOAD comes at least every 0.5 s)
 
     @property
     def pid(self) -> int:
@@ -103,6 +108,7 @@ class Supervisor:
                 kind, payload, fd = b"", b"", None
             if fd is not None:
                 socket.close(fd)
+            wp.heard = time.monotonic()
             if kind == b"":
                 self.loop.remove_reader(wp.chan.fileno())
                 self.events.put_nowait("channel")  # reap soon
@@ -112,10 +118,31 @@ class Supervisor:
                 self.boot_failures[wp.index] = 0
                 self._ready_changed.set()
             elif kind == handoff.LOAD:
-                wp.load, _ = handoff.split_id(payload)
-                wp.handed = 0
+                wp.load, wp.adopted = handoff.split_load(payload)
             else:
                 self.on_message(wp, kind, payload)
+
+    async def wait_writable(self, wp: WorkerProcess, timeout: float) -> bool:
+        """Wait until wp's channel is writable (or closed); False after `timeout` s.
+
+        One writer callback per channel, however many hand-offs wait on it.
+        """
+        if wp.gone:
+            return True
+        if wp.writable is None:
+            wp.writable = self.loop.create_future()
+            self.loop.add_writer(wp.chan.fileno(), self._on_writable, wp)
+        done, _ = await asyncio.wait({wp.writable}, timeout=timeout)
+        return bool(done)
+
+    def _on_writable(self, wp: WorkerProcess) -> None:
+        fut, wp.writable = wp.writable, None
+        try:
+            self.loop.remove_writer(wp.chan.fileno())
+        except (ValueError, OSError):
+            pass
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def live(self) -> list[WorkerProcess]:
         return [wp for wp in self.workers if wp is not None]
@@ -177,6 +204,9 @@ class Supervisor:
             self.loop.remove_reader(wp.chan.fileno())
         except (ValueError, OSError):
             pass
+        wp.gone = True
+        if wp.writable is not None:
+            self._on_writable(wp)  # wake the waiting hand-offs: they see `gone`
         wp.chan.close()
         wp.ready = False
         self.workers[wp.index] = None

@@ -17,10 +17,13 @@ is no shared memory and no lock.
 Life. `python -m broky.server.worker INDEX FD` is started by the supervisor
 with the worker end of the channel as FD. It reads CONFIG (blocking), starts
 uvloop, adopts each handed socket with `loop.connect_accepted_socket`, and
-sends READY. SIGTERM, or EOF on the channel (the master is gone), starts the
-shutdown: Goodbye to every connection, wait for them to close for at most
-shutdown_timeout seconds, reset the rest, exit 0. SIGINT is ignored: a Ctrl-C
-reaches the whole process group, and the master decides.
+sends READY; every tick it reports its LOAD. SIGTERM, or EOF on the channel
+(the master is gone), starts the shutdown: Goodbye to every connection (behind
+the deliveries already queued to it), wait until every final byte has left the
+process for at most shutdown_timeout seconds, reset the rest, log what the
+shutdown dropped, exit 0. A socket handed over after that gets a Goodbye and
+is closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and
+the master decides.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Sequence
 
 import uvloop
 
+from broky.protocol import Goodbye, encode_frame
 from broky.server import handoff, monitor
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
@@ -46,6 +50,7 @@ from broky.server.logs import setup_logging
 log = logging.getLogger("broky.worker")
 
 TICK_SECONDS = 0.25
+HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /readyz wants signs of life
 
 
 class Worker:
@@ -56,7 +61,9 @@ class Worker:
         self.loop = asyncio.get_running_loop()
         self.shard = Shard(config, index, self.loop)
         self.done: asyncio.Future[None] = self.loop.create_future()
-        self._reported_load = -1
+        self.adopted = 0  # connections received from the master (CONN), for LOAD
+        self._reported_load = (-1, -1)
+        self._reported_at = 0.0
         self._stopping = False
 
     async def run(self) -> None:
@@ -100,9 +107,12 @@ class Worker:
                 log.error("unexpected control message %r", kind)
 
     def _adopt(self, fd: int, hello: bytes) -> None:
+        self.adopted += 1
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)
-        if self._stopping:
+        if self._stopping:  # handed over just before the SIGTERM: a Goodbye, not a bare close
+            with contextlib.suppress(OSError):
+                sock.send(encode_frame(Goodbye("server shutting down")))
             sock.close()
             return
         conn = self.shard.new_connection(hello)
@@ -119,11 +129,15 @@ class Worker:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.shard.tick()
-            load = len(self.shard.conns)
-            if load != self._reported_load:
+            # Open connections and connections ever received: a connection that opened and
+            # closed between two ticks changes the second, so the master learns it is gone.
+            load = (len(self.shard.conns), self.adopted)
+            now = self.loop.time()
+            if load != self._reported_load or now - self._reported_at >= HEARTBEAT_SECONDS:
                 try:
-                    handoff.send(self.chan, handoff.LOAD, handoff.pack_id(load))
+                    handoff.send(self.chan, handoff.LOAD, handoff.pack_load(*load))
                     self._reported_load = load
+                    self._reported_at = now
                 except OSError:
                     pass
 
@@ -145,6 +159,10 @@ class Worker:
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)  # let aborted transports run their callbacks
+        log.info(
+            "worker %d stopped: %d messages dropped at shutdown, %d unsent bytes discarded",
+            self.index, shard.stats.dropped["shutdown"], shard.stats.bytes_discarded,
+        )  # fmt: skip
         self.done.set_result(None)
 
 
