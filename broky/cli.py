@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from broky import __version__
 
@@ -20,8 +21,19 @@ from broky import __version__
 _COMMAND_MODULES = ("broky.server.cli", "broky.client.cli")
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit status 2).
+
+    argparse prints the usage before the error; the usage is one `--help` away.
+    Subcommand parsers are made of the same class (add_subparsers' default).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="broky",
         description="Broky: an in-memory, low-latency publish/subscribe server and its tools.",
     )

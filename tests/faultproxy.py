@@ -5,8 +5,9 @@ every accepted connection to `target`, in a daemon thread with its own event
 loop (so it serves asyncio tests and blocking-client tests alike). Faults:
 
 - `cut()`: abort every connection now, both sides (a network cut or a reset);
-- `refuse(True)`: new connections are closed as soon as they are accepted,
-  until `refuse(False)` (a server that is down);
+- `refuse(True)`: new connections are reset as soon as they are accepted,
+  until `refuse(False)` (a server that is down: the client sees the
+  connection fail at once, not a handshake timeout);
 - `stall(True)`: stop forwarding in both directions (bytes are held, not lost)
   until `stall(False)`.
 
@@ -22,8 +23,9 @@ from typing import Any
 
 
 class _Pipe(asyncio.Protocol):
-    def __init__(self, proxy: FaultProxy) -> None:
+    def __init__(self, proxy: FaultProxy, accepted: bool = False) -> None:
         self.proxy = proxy
+        self.accepted = accepted  # the client's side (else the upstream side)
         self.transport: asyncio.Transport | None = None
         self.peer: _Pipe | None = None
         self.held: list[bytes] = []
@@ -31,6 +33,13 @@ class _Pipe(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self.accepted:
+            # decided here, once the transport exists (the factory runs before it does)
+            if self.proxy.refusing:
+                self.proxy.refused += 1
+                transport.abort()
+            else:
+                self.proxy._loop.create_task(self.proxy._connect_upstream(self))
 
     def data_received(self, data: bytes) -> None:
         if self.peer is None or self.peer.transport is None or self.proxy.stalled:
@@ -58,6 +67,7 @@ class FaultProxy:
         self.target = target
         self.port = 0
         self.accepted = 0
+        self.refused = 0
         self.refusing = False
         self.stalled = False
         self._pipes: set[_Pipe] = set()
@@ -89,16 +99,12 @@ class FaultProxy:
         return self
 
     def _client_pipe(self) -> _Pipe:
-        pipe = _Pipe(self)
+        pipe = _Pipe(self, accepted=True)
         self.accepted += 1
         self._pipes.add(pipe)
-        self._loop.create_task(self._connect_upstream(pipe))
         return pipe
 
     async def _connect_upstream(self, client: _Pipe) -> None:
-        if self.refusing:
-            client.abort()
-            return
         try:
             _, upstream = await self._loop.create_connection(lambda: _Pipe(self), *self.target)
         except OSError:

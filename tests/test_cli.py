@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -11,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from broky.client.cli import DEFAULT_METRICS_PORT
 from tests.serverproc import ServerProcess
 
 BROKY = [sys.executable, "-m", "broky"]
 
 
 def broky_cli(
-    *args: str, stdin: bytes | None = None, timeout: float = 30
+    *args: str | bytes, stdin: bytes | None = None, timeout: float = 30
 ) -> subprocess.CompletedProcess[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKY_")}
     return subprocess.run(
@@ -28,7 +32,7 @@ def broky_cli(
 class SubProcess:
     """A `broky sub` running in the background; started once it is subscribed."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str | bytes) -> None:
         self.proc = subprocess.Popen(
             [*BROKY, "sub", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
@@ -82,6 +86,8 @@ def test_sub_json_and_partition(server: ServerProcess, subs: list[SubProcess]) -
 
 
 def test_info_shows_the_map(server: ServerProcess) -> None:
+    pub = broky_cli("pub", "k", "--server", server.url, stdin=b"1\n2\n3\n")
+    assert pub.returncode == 0, pub.stderr
     done = broky_cli("info", "--server", server.url, "--metrics", f"127.0.0.1:{server.metrics_port}")
     assert done.returncode == 0, done.stderr
     text = done.stdout.decode()
@@ -90,7 +96,9 @@ def test_info_shows_the_map(server: ServerProcess) -> None:
     assert "worker 0: 512 vbuckets: 0-511" in text
     assert "worker 1: 512 vbuckets: 512-1023" in text
     assert "max_frame_bytes 1048576" in text
-    assert "counters" in text
+    assert f"counters  from 127.0.0.1:{server.metrics_port}" in text
+    # live values, not a placeholder: the three messages just published
+    assert re.search(r"^  \S*messages_published\S* 3$", text, re.MULTILINE), text
 
 
 def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess, tmp_path: Path) -> None:
@@ -103,16 +111,29 @@ def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess, tmp_path: Path)
     assert done.stdout.decode().splitlines() == ["exit 141"]  # 128 + SIGPIPE, and no traceback
 
 
-def test_info_without_metrics_degrades(server: ServerProcess, unused_port: int) -> None:
+def test_info_fails_when_the_metrics_it_was_given_are_unreachable(
+    server: ServerProcess, unused_port: int
+) -> None:
     done = broky_cli("info", "--server", server.url, "--metrics", f"127.0.0.1:{unused_port}")
+    assert done.returncode == 1
+    assert b"map       version 1" in done.stdout  # what could be read is printed
+    assert done.stderr.startswith(f"broky info: error: no counters from 127.0.0.1:{unused_port}".encode())
+    assert done.stderr.count(b"\n") == 1, done.stderr
+
+
+def test_info_without_metrics_degrades_and_says_how_to_find_them(server: ServerProcess) -> None:
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", DEFAULT_METRICS_PORT)) == 0:
+            pytest.skip(f"something listens on the default metrics port {DEFAULT_METRICS_PORT}")
+    done = broky_cli("info", "--server", server.url)  # this server's metrics are on another port
     assert done.returncode == 0, done.stderr
-    assert "counters  unavailable" in done.stdout.decode()
+    line = done.stdout.decode().splitlines()[-1]
+    assert line.startswith(f"counters  unavailable from 127.0.0.1:{DEFAULT_METRICS_PORT} (the default")
+    assert "--metrics HOST:PORT" in line and "$BROKY_METRICS" in line
 
 
 @pytest.fixture
 def unused_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -128,18 +149,29 @@ def test_help(command: list[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["pub", "k", "x", "--server", "nats://h:1"], b"unsupported scheme"),
-        (["sub", "a..b", "--server", "127.0.0.1:1"], b"empty token"),
-        (["sub", "k", "--count", "0"], b"--count must be at least 1"),
-        (["pub", "", "x"], b"KEY must not be empty"),
+        (["pub", "k", "x", "--server", "nats://h:1"], b"argument --server: unsupported scheme"),
+        (["sub", "a..b", "--server", "127.0.0.1:1"], b"argument PATTERN: empty token"),
+        (["sub", "k", "--count", "0"], b"argument --count: must be at least 1, not 0"),
+        (["sub", "k", "--count", "many"], b"argument --count: 'many' is not a whole number"),
+        (["pub", "", "x"], b"argument KEY: must not be empty"),
+        (["pub", "a.*", "x"], b"argument KEY: 'a.*' has a wildcard token"),
+        (["pub", "a.>", "x"], b"argument KEY: 'a.>' has a wildcard token"),
+        (["pub", "a..b", "x"], b"argument KEY: 'a..b' has an empty token"),
+        (["pub", "k.", "x"], b"argument KEY: 'k.' has an empty token"),
+        (["pub", "k", "x", "--connect-timeout", "-1"], b"argument --connect-timeout: must be a positive"),
+        (["info", "--connect-timeout", "nan"], b"argument --connect-timeout: must be a positive"),
+        (["sub", "k", "--no-such-option"], b"unrecognized arguments: --no-such-option"),
+        (["pub"], b"the following arguments are required: KEY"),
+        (["nosuchcommand"], b"argument COMMAND: invalid choice"),
     ],
 )
-def test_bad_input_is_one_line_and_nonzero(args: list[str], message: bytes) -> None:
+def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: bytes) -> None:
     done = broky_cli(*args)
-    assert done.returncode == 1
-    assert message in done.stderr
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
     assert done.stderr.count(b"\n") == 1, done.stderr
-    assert done.stderr.startswith(b"broky ")
+    assert re.match(rb"broky( [a-z]+)?: error: ", done.stderr), done.stderr
+    assert done.stdout == b""
 
 
 def test_no_server_is_a_clear_error(unused_port: int) -> None:
@@ -157,7 +189,24 @@ def test_wrong_token_is_a_clear_error(start_server: Callable[..., ServerProcess]
     assert done.returncode == 0, done.stderr
 
 
-def test_bad_arguments_exit_2() -> None:
-    done = broky_cli("sub", "k", "--count", "many")
-    assert done.returncode == 2
-    assert b"invalid int value" in done.stderr
+def test_an_unresolvable_host_is_one_clear_line() -> None:
+    for _ in range(3):  # the stray "Future exception was never retrieved" came and went
+        done = broky_cli("pub", "--server", "nosuchhost.invalid:4777", "k", "x")
+        assert done.returncode == 1
+        expected = b"broky pub: error: cannot resolve host 'nosuchhost.invalid'"
+        assert done.stderr.startswith(expected), done.stderr
+        assert done.stderr.count(b"\n") == 1, done.stderr
+
+
+def test_bytes_that_are_not_utf8_pass_through(server: ServerProcess, subs: list[SubProcess]) -> None:
+    key, partition = b"raw.\xff", b"p\xfe"
+    sub = SubProcess(b"raw.\xff", "--partition", partition, "--count", "1", "--json", "--server", server.url)
+    subs.append(sub)
+    for p in (b"other", partition):
+        pub = broky_cli("pub", key, b"\xfd", "--partition", p, "--server", server.url)
+        assert pub.returncode == 0, pub.stderr
+    code, out, err = sub.finish()
+    assert code == 0, err
+    record = json.loads(out)
+    b64 = {k: base64.b64decode(record[k]["base64"]) for k in ("key_partition", "key", "payload")}
+    assert b64 == {"key_partition": partition, "key": key, "payload": b"\xfd"}

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 import broky
-from broky.protocol import VBucketMap, vbucket_of
+from broky.protocol import LossReason, VBucketMap, encode_message, vbucket_of
 from tests.serverproc import ServerProcess
 
 
@@ -339,3 +339,142 @@ def test_sync_iteration_with_a_consumer_thread(server: ServerProcess) -> None:
     reader.join(5)
     assert not reader.is_alive()
     assert received == [b"%d" % i for i in range(100)]
+
+
+def test_linger_holds_a_publish_back(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as reader, broky.connect(server.url, linger=0.3) as lingering:
+            sub = await reader.subscribe("linger")
+            await lingering.subscribe("unused")  # its connections to both workers are up
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await lingering.publish(b"kp", b"linger", b"late")
+            with pytest.raises(broky.BrokyTimeoutError):
+                await sub.next_msg(0.15)  # still waiting for others to share its write
+            assert (await sub.next_msg(5)).payload == b"late"
+            assert loop.time() - started >= 0.29
+
+    run(main)
+
+
+def test_batch_size_writes_a_full_batch_at_once(server: ServerProcess) -> None:
+    async def main() -> None:
+        # a linger far beyond the test: only a full batch (or a flush) can write
+        async with (
+            broky.connect(server.url) as reader,
+            broky.connect(server.url, linger=60, batch_size=1000) as batching,
+        ):
+            sub = await reader.subscribe("batch")
+            await batching.subscribe("unused")  # its connections to both workers are up
+            frame = len(encode_message(b"kp", b"batch", bytes(100), 1, 0, bytes(20)))
+            per_batch = -(-1000 // frame)  # publishes that fill a batch
+            for i in range(3 * per_batch):
+                await batching.publish(b"kp", b"batch", b"%03d" % i + bytes(97))
+            got = await take(sub, 3 * per_batch)  # written as each batch filled, not after 60 s
+            assert [m.payload[:3] for m in got] == [b"%03d" % i for i in range(3 * per_batch)]
+            await batching.publish(b"kp", b"batch", b"tail")
+            with pytest.raises(broky.BrokyTimeoutError):
+                await sub.next_msg(0.2)  # below batch_size: it lingers
+            await batching.flush()  # a flush writes what waits
+            assert (await sub.next_msg(5)).payload == b"tail"
+
+    run(main)
+
+
+def test_on_loss_reports_what_the_server_dropped(start_server: Callable[..., ServerProcess]) -> None:
+    """A subscriber whose reader is stuck (a slow plain callback) loses deliveries; it is told how many."""
+    server = start_server("--max-pending-bytes", "64K", "--slow-consumer-deadline", "60")
+    n = 4000
+    losses: list[tuple[int, int, int]] = []
+    published = threading.Event()
+
+    def publish_all() -> None:
+        with broky.connect_sync(server.url) as pub:
+            kp = partitions_by_worker(pub.server_info.map)[0][0]  # type: ignore[union-attr]
+            for i in range(n):
+                pub.publish(kp, b"loss", b"%05d" % i + bytes(10_000))
+            pub.flush()  # the server has handled every publish: queued for us, or dropped
+        published.set()
+
+    async def main() -> None:
+        async with broky.connect(
+            server.url, on_loss=lambda ref, dropped, reason: losses.append((ref.worker, dropped, reason))
+        ) as client:
+            received: list[bytes] = []
+
+            def stuck(msg: broky.Message) -> None:
+                if not received:
+                    assert published.wait(30)  # blocks this client's reader meanwhile
+                received.append(msg.payload[:5])
+
+            await client.subscribe("loss", callback=stuck)
+            publisher = threading.Thread(target=publish_all)
+            publisher.start()
+            try:
+                async with asyncio.timeout(30):
+                    while len(received) + client.stats.server_lost < n:
+                        await asyncio.sleep(0.02)
+            finally:
+                publisher.join(30)
+            assert losses and {w for w, _, _ in losses} == {0}
+            assert {reason for _, _, reason in losses} == {LossReason.SLOW_CONSUMER}
+            assert sum(d for _, d, _ in losses) == client.stats.server_lost > 0
+            assert len(received) + client.stats.server_lost == n  # every message: received or reported
+            assert received == sorted(received)  # what arrived kept its order
+
+    run(main, timeout=60)
+
+
+def test_blocking_subscription_drops_counts_and_reports(server: ServerProcess) -> None:
+    errors: list[BaseException] = []
+    with broky.connect_sync(server.url, on_error=errors.append) as c:
+        by_count = c.subscribe("bs", max_pending_msgs=5)
+        by_bytes = c.subscribe("bs", max_pending_bytes=10)
+        for i in range(50):
+            c.publish(b"kp", b"bs", b"%03d" % i)
+        c.flush()
+        deadline = time.monotonic() + 5
+        while by_count.pending + by_count.dropped < 50 or by_bytes.pending + by_bytes.dropped < 50:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert (by_count.pending, by_count.dropped) == (5, 45)
+        assert (by_bytes.pending, by_bytes.dropped) == (3, 47)
+        assert [m.payload for m in by_count.iter(timeout=0.5)] == [b"%03d" % i for i in range(5)]
+        assert [m.payload for m in by_bytes.iter(timeout=0.5)] == [b"000", b"001", b"002"]
+        while sum(e.dropped for e in errors if isinstance(e, broky.SlowConsumerError)) < 92:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        slow = [e for e in errors if isinstance(e, broky.SlowConsumerError)]
+        assert {e.sid for e in slow} == {by_count.sid, by_bytes.sid}
+        assert c.stats.dropped_local == 45 + 47
+        # drained: the queue takes messages again
+        c.publish(b"kp", b"bs", b"new")
+        c.flush()
+        assert by_count.next(5).payload == b"new"
+
+
+def test_callbacks_returning_awaitables_are_awaited_in_order(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            seen: dict[str, list[bytes]] = {"lambda": [], "object": []}
+
+            async def record(name: str, msg: broky.Message) -> None:
+                await asyncio.sleep(0.02 if msg.payload == b"0" else 0)  # the first one is slowest
+                seen[name].append(msg.payload)
+
+            class Handler:
+                async def __call__(self, msg: broky.Message) -> None:
+                    await record("object", msg)
+
+            await client.subscribe("aw", callback=lambda msg: record("lambda", msg))
+            await client.subscribe("aw", callback=Handler())
+            for i in range(5):
+                await client.publish(b"kp", b"aw", b"%d" % i)
+            await client.flush()
+            async with asyncio.timeout(5):
+                while len(seen["lambda"]) < 5 or len(seen["object"]) < 5:
+                    await asyncio.sleep(0.01)
+            expected = [b"%d" % i for i in range(5)]
+            assert seen == {"lambda": expected, "object": expected}
+
+    run(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -135,7 +136,8 @@ def test_publish_raises_once_the_reconnect_buffer_is_full(server: ServerProcess,
             assert info.value.limit == 4000
             assert 4000 - 300 < info.value.pending_bytes <= 4000
             assert 10 < sent < 40
-            assert client.stats.published == sent  # the refused publish is not counted
+            assert client.stats.published == sent  # the refused publish is not counted as published
+            assert client.stats.refused == 1
             proxy.refuse(False)
             await client.flush(timeout=10)
             await client.publish(b"kp", b"k", b"x" * 100)  # accepted again once reconnected
@@ -169,10 +171,14 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
             by_worker = partitions_by_worker(publisher.server_info.map)
             sub = await subscriber.subscribe("kill.>")
             kps = [by_worker[0][0], by_worker[1][0]]
+            # one partition-scoped subscription per worker: whichever dies, one lives on it
+            scoped = [await subscriber.subscribe("kill.*", partition=kp) for kp in kps]
             for kp in kps:
                 await publisher.publish(kp, b"kill.me", b"before")
             await publisher.flush()
             await take(sub, 2)
+            for one in scoped:
+                assert (await one.next_msg(5)).payload == b"before"
             pids = server.worker_pids()
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
@@ -187,6 +193,11 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
             got = await take(sub, 2)
             assert sorted(m.key_partition for m in got) == sorted(kps)
             assert {m.payload for m in got} == {b"after"}
+            for kp, one in zip(kps, scoped, strict=True):
+                msg = await one.next_msg(5)
+                assert (msg.key_partition, msg.payload) == (kp, b"after")
+            killed = ev.reconnects[0]
+            assert subscriber._sub_links[scoped[killed].sid][0].ref.worker == killed
 
     run(main, timeout=60)
 
@@ -210,3 +221,201 @@ def test_blocking_client_survives_a_cut(server: ServerProcess, proxy: FaultProxy
         while c.stats.reconnects < len(c._client._links) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert c.stats.reconnects == len(c._client._links)
+
+
+def test_flush_fails_when_a_dropped_connection_may_have_lost_publishes(server: ServerProcess) -> None:
+    """Frames written to a socket that then drops are gone: the next flush says how many."""
+
+    async def main() -> None:
+        ev = Events()
+        # no keepalive: its Pongs would confirm publishes too, and the count must be exact
+        async with broky.connect(server.url, ping_interval=None, **ev.options()) as client:
+            assert client.server_info is not None
+            by_worker = partitions_by_worker(client.server_info.map)
+            kps = [by_worker[0][0], by_worker[1][0]]
+            for kp in kps:
+                await client.publish(kp, b"lost.x", b"warm")
+            await client.flush()
+            await client.flush()  # nothing dropped in between: succeeds
+            n = 50
+            for i in range(n):
+                for kp in kps:
+                    await client.publish(kp, b"lost.x", b"%d" % i)
+            await asyncio.sleep(0.05)  # written (linger 0), but no Pong has confirmed them
+            pids = server.worker_pids()
+            os.kill(pids[0], signal.SIGKILL)
+            await until(lambda: len(ev.disconnects) == 1, timeout=20)
+            killed = ev.disconnects[0]
+            for kp in kps:  # buffered while the worker restarts, sent after the reconnect
+                await client.publish(kp, b"lost.x", b"again")
+            with pytest.raises(broky.BrokyConnectionError) as info:
+                await client.flush(timeout=20)
+            text = str(info.value)
+            assert f"worker {killed}: {n} publishes may not have reached the server" in text
+            assert f"worker {1 - killed}" not in text
+            assert client.stats.unconfirmed_lost == n
+            assert any(f"{n} publishes written but not confirmed" in str(e) for e in ev.errors)
+            await client.flush()  # reported once: the next flush succeeds
+            await client.publish(kps[killed], b"lost.x", b"after")
+            await client.flush()
+
+    run(main, timeout=60)
+
+
+def test_control_frames_are_not_counted_as_unconfirmed_publishes(
+    server: ServerProcess, proxy: FaultProxy
+) -> None:
+    async def main() -> None:
+        ev = Events()
+        async with broky.connect(proxy.address, ping_interval=None, **ev.options()) as client:
+            for i in range(5):
+                sub = await client.subscribe(f"c.{i}")  # Subscribe + Ping per worker
+                await client.publish(b"kp", b"c.x", b"x")
+                await sub.unsubscribe()
+            await client.flush()
+            last = await client.subscribe("c.>")
+            await last.unsubscribe()  # written after the last Pong: a control frame, not a publish
+            proxy.cut()
+            await until(lambda: len(ev.reconnects) == 2)
+            await client.flush()  # nothing written was unconfirmed: no error
+            assert client.stats.unconfirmed_lost == 0
+            await client.publish(b"kp", b"c.x", b"unconfirmed")
+            await asyncio.sleep(0.05)
+            proxy.cut()
+            await until(lambda: len(ev.reconnects) >= 3)
+            with pytest.raises(broky.BrokyConnectionError, match=r": 1 publishes may not have reached"):
+                await client.flush(timeout=10)
+            assert client.stats.unconfirmed_lost == 1
+
+    run(main)
+
+
+def test_blocking_publish_raises_once_the_reconnect_buffer_is_full(
+    server: ServerProcess, proxy: FaultProxy
+) -> None:
+    down = threading.Event()
+    with broky.connect_sync(
+        proxy.address,
+        max_reconnect_buffer_bytes=4000,
+        reconnect_min_delay=0.02,
+        reconnect_max_delay=0.2,
+        on_disconnect=lambda *_: down.set(),
+    ) as c:
+        proxy.refuse(True)
+        assert down.wait(5)
+        sent = 0
+        with pytest.raises(broky.PublishBufferFullError) as info:
+            for _ in range(1000):
+                c.publish(b"kp", b"k", b"x" * 100)
+                sent += 1
+        assert info.value.limit == 4000
+        assert 4000 - 300 < info.value.pending_bytes <= 4000
+        assert 10 < sent < 40
+        with pytest.raises(broky.PublishBufferFullError):  # still full: raised again, at once
+            c.publish(b"kp", b"k", b"x" * 100)
+        proxy.refuse(False)
+        c.flush(timeout=10)  # nothing raised in the I/O thread is left over
+        assert c.stats.published == sent
+        assert c.stats.refused == 2
+        c.publish(b"kp", b"k", b"x" * 100)  # accepted again once reconnected
+        c.flush(timeout=10)
+        assert c.stats.published == sent + 1
+
+
+def test_giving_up_drops_counts_and_makes_publish_and_flush_raise(
+    server: ServerProcess, proxy: FaultProxy
+) -> None:
+    async def main() -> None:
+        ev = Events()
+        async with broky.connect(proxy.address, max_reconnect_attempts=3, **ev.options()) as client:
+            proxy.refuse(True)
+            await until(lambda: len(ev.disconnects) == 1)
+            for i in range(7):
+                await client.publish(b"kp", b"k", b"%d" % i)
+            await until(lambda: any("gave up" in str(e) for e in ev.errors))
+            await until(lambda: all(link.failed is not None for link in client._links.values()))
+            assert client.stats.unsent_gave_up == 7
+            with pytest.raises(broky.BrokyConnectionError, match="gave up on worker"):
+                await client.flush(timeout=5)
+            with pytest.raises(broky.BrokyConnectionError, match="7 buffered publishes dropped"):
+                await client.flush(timeout=5)  # every flush, as long as the worker is given up
+            with pytest.raises(broky.BrokyConnectionError, match="gave up"):
+                await client.publish(b"kp", b"k", b"late")
+            assert client.stats.refused == 1
+            assert client.stats.published == 7
+
+    run(main)
+
+
+def test_a_silent_network_cut_is_noticed_by_pings(server: ServerProcess, proxy: FaultProxy) -> None:
+    async def main() -> None:
+        ev = Events()
+        async with (
+            broky.connect(
+                proxy.address, ping_interval=0.1, max_outstanding_pings=2, connect_timeout=1, **ev.options()
+            ) as subscriber,
+            broky.connect(server.url) as publisher,
+        ):
+            assert publisher.server_info is not None
+            by_worker = partitions_by_worker(publisher.server_info.map)
+            kps = [by_worker[0][0], by_worker[1][0]]
+            every = await subscriber.subscribe("stall.*")
+            scoped = await subscriber.subscribe("stall.*", partition=kps[1])
+            await asyncio.sleep(0.5)  # several keepalive rounds on a healthy connection: no drop
+            assert ev.disconnects == [] and subscriber.stats.ping_timeouts == 0
+            proxy.stall(True)  # bytes held both ways, nothing closed: only Pings can tell
+            await until(lambda: sorted(ev.disconnects) == [0, 1])
+            assert subscriber.stats.ping_timeouts == 2
+            assert any("the connection is stale" in str(e) for e in ev.errors)
+            proxy.stall(False)
+            await until(lambda: sorted(ev.reconnects) == [0, 1])
+            await subscriber.flush(timeout=10)
+            for kp in kps:
+                await publisher.publish(kp, b"stall.x", kp)
+            await publisher.flush()
+            got = await take(every, 2)
+            assert sorted(m.payload for m in got) == sorted(kps)
+            assert (await scoped.next_msg(5)).payload == kps[1]
+
+    run(main)
+
+
+def test_subscribe_does_not_wait_for_a_worker_that_is_down(server: ServerProcess, proxy: FaultProxy) -> None:
+    async def main() -> None:
+        ev = Events()
+        async with (
+            broky.connect(proxy.address, flush_timeout=5, **ev.options()) as subscriber,
+            broky.connect(server.url) as publisher,
+        ):
+            assert publisher.server_info is not None
+            by_worker = partitions_by_worker(publisher.server_info.map)
+            kps = [by_worker[0][0], by_worker[1][0]]
+            await subscriber.subscribe("warm")  # opens the connections to both workers
+            proxy.refuse(True)
+            await until(lambda: sorted(ev.disconnects) == [0, 1])
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            every = await subscriber.subscribe("down.*")
+            scoped = await subscriber.subscribe("down.*", partition=kps[0])
+            assert loop.time() - started < 1  # not flush_timeout (5 s) per subscribe
+            assert not any(isinstance(e, broky.BrokyTimeoutError) for e in ev.errors)
+            proxy.refuse(False)
+            await until(lambda: sorted(ev.reconnects) == [0, 1])
+            await subscriber.flush(timeout=10)  # the restored Subscribe frames are processed
+            for kp in kps:
+                await publisher.publish(kp, b"down.x", kp)
+            await publisher.flush()
+            assert sorted(m.payload for m in await take(every, 2)) == sorted(kps)
+            assert (await scoped.next_msg(5)).payload == kps[0]
+
+    run(main)
+
+
+def test_the_proxy_refuses_at_once(proxy: FaultProxy) -> None:
+    proxy.refuse(True)
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        try:
+            assert sock.recv(1) == b""  # closed (or reset) right after the accept, not held open
+        except ConnectionResetError:
+            pass
+    assert proxy.refused == 1

@@ -3,7 +3,12 @@
 Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777)
 and `--auth-token` (default $BROKY_AUTH_TOKEN). Errors are one line on stderr
 and a non-zero exit status: 1 for a failure (no server, refused token, ...),
-2 for bad arguments.
+2 for bad arguments (checked by argparse `type` functions before anything
+connects; see broky.cli.Parser for the one-line form).
+
+Arguments are bytes where the protocol wants bytes: KEY, PAYLOAD, PATTERN and
+--partition go through `os.fsencode`, so any byte the shell can pass arrives
+unchanged (`$'a.\\xff'`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import json
+import math
 import os
 import sys
 import urllib.error
@@ -31,10 +37,85 @@ ENV_METRICS = "BROKY_METRICS"
 DEFAULT_METRICS_PORT = 9477
 
 
+# ---------------------------------------------------------------- argument types
+# Each raises ArgumentTypeError with its own message: argparse prefixes the
+# argument's name ("argument --count: must be at least 1, not 0").
+
+
+def _server(text: str) -> str:
+    try:
+        parse_server(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _key(text: str) -> bytes:
+    """A KEY to publish: literal tokens only.
+
+    A key is opaque bytes to the server, but a key with an empty token or a
+    `*` / `>` token is almost certainly a mistake on the command line (a
+    pattern given to `pub`): a wildcard in a published key does not fan out,
+    and no literal subscription can name such a key. The SDK still accepts
+    them; the CLI refuses them.
+    """
+    key = os.fsencode(text)
+    if not key:
+        raise argparse.ArgumentTypeError("must not be empty")
+    tokens = key.split(b".")
+    if b"" in tokens:
+        raise argparse.ArgumentTypeError(f"{_show(key)} has an empty token")
+    if b"*" in tokens or b">" in tokens:
+        raise argparse.ArgumentTypeError(
+            f"{_show(key)} has a wildcard token: a published key is literal (patterns are for `broky sub`)"
+        )
+    return key
+
+
+def _pattern(text: str) -> bytes:
+    pattern = os.fsencode(text)
+    try:
+        parse_pattern(pattern)
+    except BrokyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return pattern
+
+
+def _text(value: bytes) -> str:
+    """Bytes as the user typed them (non-UTF-8 bytes as \\xNN)."""
+    return value.decode(errors="backslashreplace")
+
+
+def _show(value: bytes) -> str:
+    """`_text`, quoted (for error messages)."""
+    return f"'{_text(value)}'"
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server",
         metavar="URL",
+        type=_server,
         default=None,
         help="broky://host:port or host:port (default: $BROKY_SERVER, else 127.0.0.1:4777)",
     )
@@ -42,7 +123,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--auth-token", metavar="TOKEN", default=None, help=f"the server's auth token (default: ${ENV_TOKEN})"
     )
     p.add_argument(
-        "--connect-timeout", metavar="SECONDS", type=float, default=5.0, help="give up connecting after (5)"
+        "--connect-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=5.0,
+        help="give up connecting after (5)",
     )
 
 
@@ -54,11 +139,17 @@ def register(subparsers: Any) -> None:
         description="Publish PAYLOAD under KEY; without PAYLOAD every line of stdin is one message "
         "(newline removed), published in order.",
     )
-    p.add_argument("key", metavar="KEY", help="the message key (dot-separated tokens)")
+    p.add_argument(
+        "key",
+        metavar="KEY",
+        type=_key,
+        help="the message key: dot-separated literal tokens (no empty, `*` or `>` token)",
+    )
     p.add_argument("payload", metavar="PAYLOAD", nargs="?", help="message body (UTF-8); omit to read stdin")
     p.add_argument(
         "--partition",
         metavar="P",
+        type=os.fsencode,
         help="key_partition (chooses the shard; ordering holds per partition). Default: KEY",
     )
     _common(p)
@@ -71,10 +162,18 @@ def register(subparsers: Any) -> None:
         "a JSON object with every field. A status line goes to stderr once subscribed.",
     )
     s.add_argument(
-        "pattern", metavar="PATTERN", help="key pattern: `*` matches one token, `>` (last) the rest"
+        "pattern",
+        metavar="PATTERN",
+        type=_pattern,
+        help="key pattern: `*` matches one token, `>` (last) the rest",
     )
-    s.add_argument("--partition", metavar="P", help="only messages of this key_partition (default: all)")
-    s.add_argument("--count", metavar="N", type=int, help="exit after N messages")
+    s.add_argument(
+        "--partition",
+        metavar="P",
+        type=os.fsencode,
+        help="only messages of this key_partition (default: all)",
+    )
+    s.add_argument("--count", metavar="N", type=_count, help="exit after N messages")
     s.add_argument("--json", action="store_true", help="print every field as one JSON object per line")
     _common(s)
     s.set_defaults(func=cmd_sub)
@@ -88,7 +187,9 @@ def register(subparsers: Any) -> None:
     i.add_argument(
         "--metrics",
         metavar="HOST:PORT",
-        help=f"metrics endpoint for live counters (default: ${ENV_METRICS}, else the server host, port 9477)",
+        help=f"metrics endpoint for live counters (default: ${ENV_METRICS}, else the server host, port "
+        f"{DEFAULT_METRICS_PORT}); a server started with another --metrics-port prints its metrics "
+        "address in its ready line. Given here or in the variable, a failure to read it is an error.",
     )
     _common(i)
     i.set_defaults(func=cmd_info)
@@ -111,12 +212,10 @@ def _options(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def cmd_pub(args: argparse.Namespace) -> int:
-    key = os.fsencode(args.key)
-    if not key:
-        return _fail("pub", "KEY must not be empty")
-    partition = os.fsencode(args.partition) if args.partition is not None else key
+    key: bytes = args.key
+    partition: bytes = args.partition if args.partition is not None else key
     try:
-        parse_server(args.server)
+        parse_server(args.server)  # $BROKY_SERVER
         with connect_sync(args.server, **_options(args, "broky-pub")) as client:
             if args.payload is not None:
                 client.publish(partition, key, os.fsencode(args.payload))
@@ -158,9 +257,11 @@ async def _sub(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     async with connect(args.server, **_options(args, "broky-sub")) as client:
         sub = await client.subscribe(args.pattern, partition=args.partition)
-        scope = f" partition {args.partition}" if args.partition is not None else ""
+        scope = f" partition {_text(args.partition)}" if args.partition is not None else ""
         print(
-            f"broky sub: subscribed to {args.pattern}{scope} on {client.address}", file=sys.stderr, flush=True
+            f"broky sub: subscribed to {_text(args.pattern)}{scope} on {client.address}",
+            file=sys.stderr,
+            flush=True,
         )
         n = 0
         async for msg in sub:
@@ -178,11 +279,8 @@ async def _sub(args: argparse.Namespace) -> int:
 
 
 def cmd_sub(args: argparse.Namespace) -> int:
-    if args.count is not None and args.count < 1:
-        return _fail("sub", "--count must be at least 1")
     try:
-        parse_server(args.server)
-        parse_pattern(os.fsencode(args.pattern))
+        parse_server(args.server)  # $BROKY_SERVER
         return _run(_sub(args))
     except (BrokyError, ValueError) as exc:
         return _fail("sub", exc)
@@ -268,12 +366,20 @@ async def _info(args: argparse.Namespace) -> int:
         print(f"limits    max_frame_bytes {info.max_frame_bytes}, max_pending_bytes {info.max_pending_bytes}")
     finally:
         await client.close()
-    metrics = args.metrics or os.environ.get(ENV_METRICS) or f"{client.address.host}:{DEFAULT_METRICS_PORT}"
+    explicit = args.metrics or os.environ.get(ENV_METRICS)
+    metrics = explicit or f"{client.address.host}:{DEFAULT_METRICS_PORT}"
     try:
         counters = await asyncio.to_thread(fetch_counters, metrics)
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        print(f"counters  unavailable from {metrics}: {reason} (pass --metrics HOST:PORT)")
+        if explicit:  # asked for: a failure
+            sys.stdout.flush()
+            return _fail("info", f"no counters from {metrics}: {reason}")
+        print(
+            f"counters  unavailable from {metrics} (the default metrics port): {reason}; "
+            f"pass --metrics HOST:PORT or set ${ENV_METRICS} (`broky serve` prints its metrics "
+            "address in its ready line)"
+        )
         return 0
     print(f"counters  from {metrics}")
     for name in sorted(counters):

@@ -26,8 +26,9 @@ Subscribing: an all-partition subscription goes to every worker of the map
 the owner of its partition. Deliveries carry no sid: each Link has a Matcher
 of its subscriptions (cached by key) and hands each delivery to every
 subscription whose pattern, and partition if scoped, matches. `subscribe`
-waits for a Ping/Pong round trip, so the server has the subscription when it
-returns.
+waits for a Ping/Pong round trip on every Link that is up (or making its first
+attempt), so those workers have the subscription when it returns; a Link that
+is down sends it when it reconnects.
 
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
@@ -35,15 +36,29 @@ re-sends every subscription it carries (same sids), then its buffered
 publishes. NOT_MY_VBUCKET makes the client fetch a fresh map (a new Hello)
 and move partition-scoped subscriptions to their new owners. A publish the
 server refused this way is lost: the Error frame does not say which one, so
-it is counted (`stats.misrouted`) and reported to `on_error`.
+it is counted (`stats.misrouted`) and reported to `on_error`. A Link that
+fails `max_reconnect_attempts` times in a row gives up: its buffered publishes
+are dropped and counted (`stats.unsent_gave_up`), and publishing to it or
+flushing raises from then on.
+
+Keepalive: every `ping_interval` a connected Link sends a Ping; if
+`max_outstanding_pings` are unanswered when the next is due, it aborts the
+connection and reconnects as for any drop. A timer per Link, nothing per
+message.
 
 `flush` sends a Ping on every Link and waits for every Pong: the server
-answers only after processing every frame received before the Ping.
+answers only after processing every frame received before the Ping. Frames
+written to a connection that then drops are gone (only what was still queued
+in the client is re-sent), so each Link counts the publishes it wrote to the
+current connection and how many the latest Pong confirmed (see `Link`); a drop
+turns the difference into "possibly lost" publishes, which the next `flush`
+reports by raising BrokyConnectionError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import random
@@ -54,7 +69,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from broky.client.connection import WorkerProtocol, open_connection, server_error
+from broky.client.connection import WorkerProtocol, open_connection, resolve, server_error
 from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, as_bytes, payload_bytes
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
@@ -102,6 +117,18 @@ DEFAULT_MAX_RECONNECT_BUFFER_BYTES = 8 << 20
 DEFAULT_FLUSH_TIMEOUT = 10.0
 DEFAULT_RECONNECT_MIN_DELAY = 0.05
 DEFAULT_RECONNECT_MAX_DELAY = 2.0
+# A connection that stops answering (a network cut that sends no reset, a
+# frozen peer) is noticed by Pings: one every DEFAULT_PING_INTERVAL while
+# connected; when DEFAULT_MAX_OUTSTANDING_PINGS are unanswered as the next is
+# due, the connection is closed and the normal reconnect follows, so a dead
+# link is found within 20-30 s. Why 10 s and not nats.py's 2 minutes: a
+# publisher blocked on a dead socket should give up on the scale of the other
+# deadlines (flush_timeout 10 s, the server's slow-consumer deadline 10 s),
+# and the server answers a Ping right after the frames before it, so 20 s of
+# silence is not a busy server. The cost is one small Ping and Pong per
+# connection per 10 s, nothing per message.
+DEFAULT_PING_INTERVAL = 10.0
+DEFAULT_MAX_OUTSTANDING_PINGS = 2
 
 _time_ns = time.time_ns
 
@@ -134,14 +161,30 @@ class ClientStats:
     dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
     server_lost: int = 0  # deliveries the server reported lost (LossNotice)
     misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET
+    refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
+    unconfirmed_lost: int = 0  # publishes written to a connection that dropped before a Pong confirmed them
+    unsent_gave_up: int = 0  # publishes buffered for a worker when reconnecting to it was given up
     unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
     reconnects: int = 0
+    ping_timeouts: int = 0  # connections closed because max_outstanding_pings went unanswered
     errors: int = 0
     map_refreshes: int = 0
 
 
 class Link:
-    """The logical connection to one worker; survives reconnects."""
+    """The logical connection to one worker; survives reconnects.
+
+    Delivery accounting (what `flush` can promise): `written` counts the
+    publishes written to the current connection (counted per write in
+    `flush_out`, not per publish; control frames are subtracted there),
+    `confirmed` how many of them the latest Pong covers (each Ping remembers
+    `written` when it was sent; the server answers a Ping after processing
+    every frame before it). When the connection drops, `written - confirmed`
+    publishes may or may not have reached the server: they are added to
+    `unconfirmed` (and `stats.unconfirmed_lost`), which the next `flush`
+    reports as a BrokyConnectionError. Publishes still in `out` are not lost:
+    they are sent after the reconnect.
+    """
 
     def __init__(self, client: Client, node_id: str, worker: int) -> None:
         self.client = client
@@ -152,11 +195,18 @@ class Link:
         self.flush_handle: asyncio.Handle | None = None
         self.subs: dict[int, Subscription] = {}
         self.matcher: Matcher[Subscription, tuple[Subscription, ...]] = Matcher(tuple)
-        self.pings: dict[int, asyncio.Future[None]] = {}
+        # ping id -> (future of the round trip, or None for a keepalive; `written` when sent)
+        self.pings: dict[int, tuple[asyncio.Future[None] | None, int]] = {}
         self.next_ping = 0
+        self.written = 0
+        self.confirmed = 0
+        self.unconfirmed = 0
+        self.outstanding = 0  # keepalive Pings sent since the last Pong
+        self.keepalive: asyncio.TimerHandle | None = None
         self.up = asyncio.Event()
+        self.tried = asyncio.Event()  # set once the first connection attempt has ended
         self.task: asyncio.Task[None] | None = None
-        self.failed: BrokyError | None = None
+        self.failed: BrokyConnectionError | None = None
 
     def __repr__(self) -> str:
         state = "up" if self.proto is not None else "down"
@@ -174,13 +224,20 @@ class Link:
         self.proto = proto
         client._welcome(welcome)
         frames = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
+        # a new connection: count from zero (`out` holds publishes only while down)
+        self.written = len(self.out)
+        self.confirmed = 0
+        self.outstanding = 0
         if self.out:
             frames += self.out
             self.out = []
             self.out_bytes = 0
         if frames:
             proto.write(b"".join(frames))
+        if client.ping_interval is not None:
+            self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
         self.up.set()
+        self.tried.set()
         if reconnect:
             client.stats.reconnects += 1
             client._emit(client.on_reconnect, self.ref)
@@ -197,6 +254,7 @@ class Link:
                 proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
             except BrokyError as exc:
                 last = exc
+                self.tried.set()
                 if isinstance(exc, ServerError):
                     client._report(exc)
             else:
@@ -208,25 +266,51 @@ class Link:
             attempts += 1
             limit = client.max_reconnect_attempts
             if limit is not None and attempts >= limit:
-                self._give_up(
-                    BrokyConnectionError(
-                        f"gave up on worker {self.ref.worker} after {attempts} attempts: {last}"
-                    )
-                )
+                self._give_up(attempts, last)
                 return
             await asyncio.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, client.reconnect_max_delay)
 
-    def _give_up(self, exc: BrokyError) -> None:
-        self.failed = exc
+    def _give_up(self, attempts: int, last: BaseException | None) -> None:
+        dropped = len(self.out)
+        self.client.stats.unsent_gave_up += dropped
         self.out = []
         self.out_bytes = 0
-        for fut in self.pings.values():
-            if not fut.done():
+        exc = BrokyConnectionError(
+            f"gave up on worker {self.ref.worker} after {attempts} attempts ({last}); "
+            f"{dropped} buffered publishes dropped"
+        )
+        self.failed = exc
+        for fut, _ in self.pings.values():
+            if fut is not None and not fut.done():
                 fut.set_exception(exc)
         self.pings.clear()
         self.up.set()  # wake round trips; they see `failed`
         self.client._report(exc)
+
+    def gave_up_error(self) -> BrokyConnectionError:
+        """A fresh copy of `failed` to raise (re-raising one instance grows its traceback)."""
+        assert self.failed is not None
+        return BrokyConnectionError(str(self.failed))
+
+    def _keepalive(self) -> None:
+        """Timer, every ping_interval while connected: Ping, or drop a connection that stopped answering."""
+        self.keepalive = None
+        proto = self.proto
+        client = self.client
+        if proto is None or client.ping_interval is None:
+            return
+        if self.outstanding >= client.max_outstanding_pings:
+            client.stats.ping_timeouts += 1
+            proto.failure = BrokyConnectionError(
+                f"no Pong from worker {self.ref.worker} to {self.outstanding} Pings in "
+                f"{self.outstanding * client.ping_interval:g} s: the connection is stale"
+            )
+            proto.abort()  # connection_lost -> on_lost -> reconnect
+            return
+        self.outstanding += 1
+        self._send_ping(None)
+        self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
 
     def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
         if proto is not self.proto:
@@ -236,9 +320,14 @@ class Link:
         if self.flush_handle is not None:
             self.flush_handle.cancel()
             self.flush_handle = None
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+            self.keepalive = None
+        unconfirmed = self.written - self.confirmed
+        self.written = self.confirmed = 0
         lost = BrokyConnectionError(f"connection to worker {self.ref.worker} lost: {exc or 'closed'}")
-        for fut in self.pings.values():
-            if not fut.done():
+        for fut, _ in self.pings.values():
+            if fut is not None and not fut.done():
                 fut.set_exception(lost)
         self.pings.clear()
         client = self.client
@@ -246,6 +335,15 @@ class Link:
             return
         if isinstance(exc, BrokyError):
             client._report(exc)
+        if unconfirmed > 0:
+            self.unconfirmed += unconfirmed
+            client.stats.unconfirmed_lost += unconfirmed
+            client._report(
+                BrokyConnectionError(
+                    f"connection to worker {self.ref.worker} lost with {unconfirmed} publishes "
+                    "written but not confirmed: they may not have reached the server"
+                )
+            )
         client._emit(client.on_disconnect, self.ref, exc)
         self.start(reconnect=True)
 
@@ -255,22 +353,30 @@ class Link:
         if self.flush_handle is not None:
             self.flush_handle.cancel()
             self.flush_handle = None
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+            self.keepalive = None
         if self.proto is not None:
             self.flush_out()
             self.proto.close()
-        for fut in self.pings.values():
-            if not fut.done():
+        for fut, _ in self.pings.values():
+            if fut is not None and not fut.done():
                 fut.set_exception(ClientClosedError("the client was closed"))
         self.pings.clear()
 
     # ---------------------------------------------------------------- outbound
 
     def send(self, frame: bytes) -> bool:
-        """Queue a publish; return True if it completed a batch that was written now."""
+        """Queue a publish; return True if it completed a batch that was written now.
+
+        Raises:
+            PublishBufferFullError: down, and `max_reconnect_buffer_bytes` already wait.
+            BrokyConnectionError: reconnecting to this worker was given up.
+        """
         n = self.out_bytes + len(frame)
         if self.proto is None:
             if self.failed is not None:
-                raise self.failed
+                raise self.gave_up_error()
             limit = self.client.max_reconnect_buffer_bytes
             if n > limit:
                 raise PublishBufferFullError(self.out_bytes, limit)
@@ -290,7 +396,8 @@ class Link:
             )
         return False
 
-    def flush_out(self) -> None:
+    def flush_out(self, controls: int = 0) -> None:
+        """Write `out` in one write; `controls` of its frames are control frames, not publishes."""
         if self.flush_handle is not None:
             self.flush_handle.cancel()
             self.flush_handle = None
@@ -299,32 +406,56 @@ class Link:
             return
         out = self.out
         proto.write(out[0] if len(out) == 1 else b"".join(out))
+        self.written += len(out) - controls
         self.out = []
         self.out_bytes = 0
 
     def send_control(self, frame: bytes) -> None:
-        """Write a control frame now, after every publish queued before it."""
+        """Write a control frame now, after every publish queued before it (nothing while down)."""
         if self.proto is not None:
             self.out.append(frame)
             self.out_bytes += len(frame)
-            self.flush_out()
+            self.flush_out(1)
 
-    async def round_trip(self) -> None:
-        """Return once the worker has processed every frame sent before now."""
+    def ping(self) -> asyncio.Future[None]:
+        """Send a Ping now; the future is done when its Pong arrives."""
+        fut: asyncio.Future[None] = self.client._loop.create_future()
+        self._send_ping(fut)
+        return fut
+
+    def _send_ping(self, fut: asyncio.Future[None] | None) -> None:
+        self.next_ping += 1
+        ping_id = self.next_ping
+        self.send_control(encode_ping(Ping(ping_id)))
+        # after the write: `written` counts every publish sent before this Ping
+        self.pings[ping_id] = (fut, self.written)
+
+    async def round_trip(self, retry: bool = True) -> None:
+        """Return once the worker has processed every frame sent before now.
+
+        Waits for the connection if it is down. If it drops before the Pong:
+        with `retry`, waits for the reconnect and pings again (what the dropped
+        connection carried unconfirmed is in `unconfirmed`); else raises.
+
+        Raises:
+            BrokyConnectionError: reconnecting was given up; or, without `retry`,
+                the connection dropped.
+            ClientClosedError: the client was closed.
+        """
         while True:
             if self.failed is not None:
-                raise self.failed
+                raise self.gave_up_error()
+            if self.client._closed:
+                raise ClientClosedError("the client is closed")
             await self.up.wait()
-            proto = self.proto
-            if proto is None:
+            if self.proto is None:
                 continue
-            self.next_ping += 1
-            ping_id = self.next_ping
-            fut = self.client._loop.create_future()
-            self.pings[ping_id] = fut
-            self.send_control(encode_ping(Ping(ping_id)))
-            await fut
-            return
+            try:
+                await self.ping()
+                return
+            except BrokyConnectionError:
+                if not retry or self.failed is not None:
+                    raise
 
     # ---------------------------------------------------------------- subscriptions
 
@@ -357,9 +488,14 @@ class Link:
     def on_frame(self, frame: Frame) -> None:
         client = self.client
         if isinstance(frame, Pong):
-            fut = self.pings.pop(frame.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self.outstanding = 0
+            entry = self.pings.pop(frame.id, None)
+            if entry is not None:
+                fut, written = entry
+                if written > self.confirmed:
+                    self.confirmed = written
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
@@ -399,16 +535,31 @@ class Client:
         reconnect_min_delay: float = DEFAULT_RECONNECT_MIN_DELAY,
         reconnect_max_delay: float = DEFAULT_RECONNECT_MAX_DELAY,
         max_reconnect_attempts: int | None = None,
+        ping_interval: float | None = DEFAULT_PING_INTERVAL,
+        max_outstanding_pings: int = DEFAULT_MAX_OUTSTANDING_PINGS,
         on_error: Callable[[BaseException], Any] | None = None,
         on_disconnect: Callable[[WorkerRef, BaseException | None], Any] | None = None,
         on_reconnect: Callable[[WorkerRef], Any] | None = None,
         on_loss: Callable[[WorkerRef, int, int], Any] | None = None,
     ) -> None:
-        """Configure a client; `connect()` makes the first connection. See `broky.connect`."""
-        if batch_size < 1:
-            raise ValueError("batch_size must be positive")
-        if linger < 0 or connect_timeout <= 0 or flush_timeout <= 0:
-            raise ValueError("linger must be >= 0, connect_timeout and flush_timeout > 0")
+        """Configure a client; `connect()` makes the first connection. See `broky.connect`.
+
+        Raises:
+            ValueError: an option is out of range (the message names it), or `server`
+                is not a server address.
+        """
+        _check_options(
+            batch_size=batch_size,
+            linger=linger,
+            connect_timeout=connect_timeout,
+            flush_timeout=flush_timeout,
+            max_reconnect_buffer_bytes=max_reconnect_buffer_bytes,
+            reconnect_min_delay=reconnect_min_delay,
+            reconnect_max_delay=reconnect_max_delay,
+            max_reconnect_attempts=max_reconnect_attempts,
+            ping_interval=ping_interval,
+            max_outstanding_pings=max_outstanding_pings,
+        )
         self.address: ServerAddress = parse_server(server)
         self.name = name
         self.auth_token = auth_token
@@ -420,6 +571,8 @@ class Client:
         self.reconnect_min_delay = reconnect_min_delay
         self.reconnect_max_delay = reconnect_max_delay
         self.max_reconnect_attempts = max_reconnect_attempts
+        self.ping_interval = ping_interval
+        self.max_outstanding_pings = max_outstanding_pings
         self.on_error = on_error
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
@@ -459,7 +612,8 @@ class Client:
             The client itself.
 
         Raises:
-            BrokyConnectionError: no Welcome from the server within connect_timeout.
+            BrokyConnectionError: the host name does not resolve, or no Welcome
+                from the server within connect_timeout.
             AuthenticationError: the server refused the auth token.
             ServerError: the server refused the Hello for another reason.
             ClientClosedError: the client was closed.
@@ -473,10 +627,12 @@ class Client:
         delay = self.reconnect_min_delay
         hello = Hello(client_name=self.name, auth_token=self.auth_token)
         last: BrokyError | None = None
+        # once: a name that does not resolve is its own failure, not retried
+        addresses = await resolve(host, port, self.connect_timeout)
         while True:
             left = deadline - self._loop.time()
             try:
-                proto, welcome = await open_connection(host, port, hello, max(left, 0.001))
+                proto, welcome = await open_connection(host, port, hello, max(left, 0.001), addresses)
                 break
             except ServerError:
                 raise
@@ -512,7 +668,7 @@ class Client:
         if up:
             try:
                 async with asyncio.timeout(self.flush_timeout):
-                    await asyncio.gather(*(link.round_trip() for link in up))
+                    await asyncio.gather(*(link.round_trip(retry=False) for link in up))
             except (TimeoutError, BrokyError) as exc:
                 log.warning("close: flush incomplete: %s", exc)
         self._closed = True
@@ -592,8 +748,10 @@ class Client:
             PayloadTooLargeError: the frame exceeds the server's max_frame_bytes
                 (nothing is sent; `size` and `limit` carry the numbers).
             PublishBufferFullError: the owning worker is disconnected and
-                `max_reconnect_buffer_bytes` already wait for it.
-            BrokyConnectionError: reconnecting was given up (max_reconnect_attempts).
+                `max_reconnect_buffer_bytes` already wait for it (counted in
+                `stats.refused`).
+            BrokyConnectionError: reconnecting to the owning worker was given up
+                (max_reconnect_attempts; counted in `stats.refused`).
             ClientClosedError: the client is closed.
             LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
         """
@@ -628,7 +786,11 @@ class Client:
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
         proto = link.proto
         if proto is None:
-            link.send(frame)  # may raise PublishBufferFullError: then not counted
+            try:
+                link.send(frame)
+            except BrokyError:  # buffer full, or given up: not published, counted as refused
+                self.stats.refused += 1
+                raise
             self.stats.published += 1
             return
         self.stats.published += 1
@@ -696,7 +858,11 @@ class Client:
         else:
             frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
             link = self._route[vb] or self._route_slow(vb)
-        wrote = link.send(frame)  # may raise PublishBufferFullError: then not counted
+        try:
+            wrote = link.send(frame)
+        except BrokyError:  # buffer full, or given up: not published, counted as refused
+            self.stats.refused += 1
+            raise
         self.stats.published += 1
         return link if wrote else None
 
@@ -732,9 +898,13 @@ class Client:
             raise BrokyConnectionError("the client is not connected; await connect() first")
 
     def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
-        """Queue an already encoded and size-checked publish (the blocking client's path)."""
+        """Queue an already encoded and size-checked publish (the blocking client's path).
+
+        A refused publish raises and is not counted here: the caller counts it
+        (under its own lock; see broky.client.sync).
+        """
         link = self._route[vb] or self._route_slow(vb)
-        wrote = link.send(frame)  # may raise PublishBufferFullError: then not counted
+        wrote = link.send(frame)
         self.stats.published += 1
         return link if wrote else None
 
@@ -756,26 +926,51 @@ class Client:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every worker has processed everything published so far.
 
-        A worker that is disconnected is waited for (it reconnects first).
+        A worker that is disconnected is waited for (it reconnects first, and
+        a connection that drops during the flush is waited for again). The
+        flush fails if a publish may have been lost: publishes written to a
+        connection that dropped before the server confirmed them (a Pong) are
+        reported by the next flush, once (see `stats.unconfirmed_lost`).
 
         Args:
             timeout: seconds; default `flush_timeout`.
 
         Raises:
             BrokyTimeoutError: not every worker answered in time.
-            BrokyConnectionError: a connection dropped before it answered.
+            BrokyConnectionError: since the previous flush, a connection dropped
+                with publishes written to it but not confirmed (the message names
+                each worker and how many may not have reached the server); or
+                reconnecting to a worker was given up (max_reconnect_attempts).
             ClientClosedError: the client is closed.
         """
         self._check_open()
-        links = [link for link in self._links.values() if link.proto is not None or link.out]
+        links = [
+            link
+            for link in self._links.values()
+            if link.proto is not None or link.out or link.failed is not None or link.unconfirmed
+        ]
         timeout = self.flush_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(*(link.round_trip() for link in links))
+                results = await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
         except TimeoutError:
             down = [link.ref.worker for link in links if link.proto is None]
             why = f" (down: workers {down})" if down else ""
             raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
+        problems: list[str] = []
+        for link, result in zip(links, results, strict=True):
+            unconfirmed, link.unconfirmed = link.unconfirmed, 0
+            if unconfirmed:
+                problems.append(
+                    f"worker {link.ref.worker}: {unconfirmed} publishes may not have reached the server "
+                    "(written to a connection that dropped before confirming them)"
+                )
+            if isinstance(result, BrokyConnectionError):  # given up
+                problems.append(str(result))
+            elif isinstance(result, BaseException):  # closed meanwhile, or a bug
+                raise result
+        if problems:
+            raise BrokyConnectionError("flush: " + "; ".join(problems))
 
     # ---------------------------------------------------------------- subscribing
 
@@ -800,8 +995,9 @@ class Client:
                 overflow is dropped, counted and reported as SlowConsumerError.
 
         Returns:
-            The Subscription, already known to the server (one round trip) unless
-            a worker is down, in which case it is restored when it reconnects.
+            The Subscription, already known to every worker that is connected
+            (one round trip; a worker connected for the first time is waited for,
+            one attempt). A worker that is down gets it when it reconnects.
 
         Raises:
             BadPatternError: the pattern is not valid.
@@ -822,14 +1018,28 @@ class Client:
             link.add_sub(sub)
         try:
             async with asyncio.timeout(self.flush_timeout):
-                await asyncio.gather(*(link.round_trip() for link in links))
-        except (TimeoutError, BrokyConnectionError) as exc:
+                await asyncio.gather(*(self._confirm(link) for link in links))
+        except TimeoutError:
             self._report(
                 BrokyTimeoutError(
-                    f"{sub!r} not confirmed by every worker ({exc}); it is restored on reconnect"
+                    f"{sub!r} not confirmed by every worker within {self.flush_timeout:g} s; "
+                    "it is restored on reconnect"
                 )
             )
         return sub
+
+    async def _confirm(self, link: Link) -> None:
+        """Round trip on `link` if it is connected (or connecting for the first time).
+
+        A link that is down carries the subscription in `subs`, and `attach`
+        sends it when it reconnects: nothing to wait for.
+        """
+        if link.proto is None and link.failed is None and not link.tried.is_set():
+            await link.tried.wait()  # a new link's first attempt (connect_timeout at most)
+        if link.proto is None:
+            return
+        with contextlib.suppress(BrokyConnectionError):  # dropped: restored on reconnect
+            await link.round_trip(retry=False)
 
     def _owner_link(self, partition: bytes) -> Link:
         vb = vbucket_of(partition)
@@ -953,6 +1163,53 @@ class Client:
             task.add_done_callback(self._tasks.discard)
 
 
+def _check_options(
+    *,
+    batch_size: int,
+    linger: float,
+    connect_timeout: float,
+    flush_timeout: float,
+    max_reconnect_buffer_bytes: int,
+    reconnect_min_delay: float,
+    reconnect_max_delay: float,
+    max_reconnect_attempts: int | None,
+    ping_interval: float | None,
+    max_outstanding_pings: int,
+) -> None:
+    """Raise ValueError naming the first option out of range (NaN is out of every range)."""
+    checks = [
+        (batch_size >= 1, f"batch_size must be at least 1 byte, not {batch_size!r}"),
+        (linger >= 0, f"linger must be >= 0 seconds, not {linger!r}"),
+        (connect_timeout > 0, f"connect_timeout must be > 0 seconds, not {connect_timeout!r}"),
+        (flush_timeout > 0, f"flush_timeout must be > 0 seconds, not {flush_timeout!r}"),
+        (
+            max_reconnect_buffer_bytes >= 0,
+            f"max_reconnect_buffer_bytes must be >= 0, not {max_reconnect_buffer_bytes!r}",
+        ),
+        (reconnect_min_delay > 0, f"reconnect_min_delay must be > 0 seconds, not {reconnect_min_delay!r}"),
+        (
+            reconnect_max_delay >= reconnect_min_delay,
+            f"reconnect_max_delay ({reconnect_max_delay!r}) must be >= reconnect_min_delay "
+            f"({reconnect_min_delay!r})",
+        ),
+        (
+            max_reconnect_attempts is None or max_reconnect_attempts >= 1,
+            f"max_reconnect_attempts must be None or at least 1, not {max_reconnect_attempts!r}",
+        ),
+        (
+            ping_interval is None or ping_interval > 0,
+            f"ping_interval must be None or > 0 seconds, not {ping_interval!r}",
+        ),
+        (
+            max_outstanding_pings >= 1,
+            f"max_outstanding_pings must be at least 1, not {max_outstanding_pings!r}",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
 async def _await(awaitable: Any) -> None:
     try:
         await awaitable
@@ -1001,7 +1258,15 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
         reconnect_min_delay, reconnect_max_delay: bounds of the jittered
             exponential backoff between reconnect attempts (0.05 s, 2 s).
         max_reconnect_attempts: give up on a worker after that many failed
-            attempts in a row (default None: never).
+            attempts in a row (default None: never); its buffered publishes are
+            dropped (`stats.unsent_gave_up`), and `publish` and `flush` raise
+            BrokyConnectionError for it from then on.
+        ping_interval: seconds between keepalive Pings on each connection
+            (default 10; None: no keepalive).
+        max_outstanding_pings: a connection with that many Pings unanswered
+            when the next is due is closed and reconnected (default 2), so a
+            silent network cut is noticed within about
+            ping_interval * (max_outstanding_pings + 1) seconds.
         on_error(exc): errors from the server (ServerError), local drops
             (SlowConsumerError), exceptions raised by subscription callbacks.
         on_disconnect(worker_ref, exc): a connection dropped (reconnecting follows).
@@ -1010,8 +1275,12 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
 
     Callbacks may be plain functions or coroutine functions.
 
+    Raises:
+        ValueError: an option is out of range (at once, not when awaited).
+
     Raises (when awaited):
-        BrokyConnectionError: no server answered within connect_timeout.
+        BrokyConnectionError: the host name does not resolve, or no server
+            answered within connect_timeout.
         AuthenticationError: wrong or missing auth token.
     """
     return Connecting(Client(server, **options))

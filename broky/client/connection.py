@@ -6,17 +6,19 @@ a fast path (see `data_received`) and every other frame with `decode_frame`,
 and hands the results to its owner (a `Link` of the client).
 It knows nothing about routing, subscriptions or reconnecting.
 
-Handshake: `open_connection` connects, writes the Hello and waits for the
-Welcome (or a fatal Error) within the timeout; from then on frames go to the
-owner's handlers.
+Handshake: `open_connection` resolves the host (`resolve`: awaited on its
+own, so a timeout never leaves a half-done lookup behind), connects to its
+addresses in order, writes the Hello and waits for the Welcome (or a fatal
+Error) within the timeout; from then on frames go to the owner's handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 from broky.errors import (
@@ -220,13 +222,54 @@ class WorkerProtocol(asyncio.Protocol):
             self.transport.abort()
 
 
+def _is_numeric(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def resolve(host: str, port: int, timeout: float) -> list[str]:
+    """The numeric addresses of `host`, in getaddrinfo's order (an address is itself).
+
+    `loop.getaddrinfo` is awaited directly, so a timeout cancels it cleanly
+    (a name resolved inside `create_connection` and cancelled there can leave
+    an exception nobody retrieves under uvloop).
+
+    Raises:
+        BrokyConnectionError: the name does not resolve, or not within `timeout` seconds.
+    """
+    if _is_numeric(host):
+        return [host]
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except TimeoutError:
+        raise BrokyConnectionError(f"cannot resolve host {host!r} within {timeout:g} s") from None
+    except OSError as exc:  # socket.gaierror
+        raise BrokyConnectionError(f"cannot resolve host {host!r}: {exc.strerror or exc}") from None
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    if not addresses:
+        raise BrokyConnectionError(f"cannot resolve host {host!r}: no address")
+    return addresses
+
+
 async def open_connection(
-    host: str, port: int, hello: Hello, timeout: float
+    host: str, port: int, hello: Hello, timeout: float, addresses: Sequence[str] | None = None
 ) -> tuple[WorkerProtocol, Welcome]:
     """Connect, send Hello and wait for the Welcome.
 
+    Args:
+        host, port: the server; `host` is resolved first unless `addresses` are given.
+        hello: the Hello to send.
+        timeout: seconds for everything (resolving, connecting, the handshake).
+        addresses: numeric addresses of `host` (see `resolve`), tried in order.
+
     Raises:
-        BrokyConnectionError: the TCP connection failed or closed during the handshake.
+        BrokyConnectionError: the name did not resolve, the TCP connection failed
+            or it closed during the handshake.
         BrokyTimeoutError: no Welcome within `timeout` seconds.
         ServerError: the server answered with an Error (AuthenticationError for AUTH_FAILED).
     """
@@ -234,10 +277,18 @@ async def open_connection(
     proto: WorkerProtocol | None = None
     try:
         async with asyncio.timeout(timeout):
-            try:
-                _, proto = await loop.create_connection(WorkerProtocol, host, port)
-            except OSError as exc:
-                raise BrokyConnectionError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from exc
+            if addresses is None:
+                addresses = await resolve(host, port, timeout)
+            error: OSError | None = None
+            for address in addresses:  # numeric: create_connection resolves nothing
+                try:
+                    _, proto = await loop.create_connection(WorkerProtocol, address, port)
+                    break
+                except OSError as exc:
+                    error = exc
+            if proto is None:
+                reason = (error.strerror or error) if error is not None else "no address"
+                raise BrokyConnectionError(f"cannot connect to {host}:{port}: {reason}")
             proto.write(encode_hello(hello))
             welcome = await proto.welcome
     except TimeoutError:

@@ -11,8 +11,11 @@ Three ways to consume:
 - iterate: ``async for msg in sub`` (ends when the subscription is closed);
 - `await sub.next_msg(timeout)`;
 - a callback given to `Client.subscribe`: a plain function is called inline
-  by the reader (keep it short); a coroutine function is awaited by a task of
-  the subscription, one message at a time, in order, fed by the bounded queue.
+  by the reader (keep it short); a coroutine function (or an object whose
+  `__call__` is one) is awaited by a task of the subscription, one message at
+  a time, in order, fed by the bounded queue. A plain callable that returns an
+  awaitable (a lambda returning a coroutine) is found out at its first call:
+  from then on the subscription treats it as a coroutine function.
 """
 
 from __future__ import annotations
@@ -71,7 +74,9 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         self._inline: Callback | None = None
         if callback is not None:
-            if inspect.iscoroutinefunction(callback):
+            if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
+                type(callback).__call__  # an object with `async def __call__`
+            ):
                 self._task = asyncio.get_running_loop().create_task(self._run_callback(callback))
             else:
                 self._inline = callback
@@ -93,9 +98,15 @@ class Subscription:
         if inline is not None:
             self.delivered += 1
             try:
-                inline(msg)
+                result = inline(msg)
             except Exception as exc:
                 self._client._report(exc)
+                return
+            if result is not None and inspect.isawaitable(result):
+                # it is asynchronous after all: await this result, then queue
+                # every later message for a task, as for a coroutine function
+                self._inline = None
+                self._task = asyncio.get_running_loop().create_task(self._run_callback(inline, result))
             return
         size = len(msg.payload)
         if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
@@ -171,14 +182,22 @@ class Subscription:
         except ClientClosedError:
             raise StopAsyncIteration from None
 
-    async def _run_callback(self, callback: Callable[[Message], Awaitable[Any]]) -> None:
+    async def _run_callback(self, callback: Callback, first: Awaitable[Any] | None = None) -> None:
+        """Await the callback's result for each queued message, one at a time, in order."""
+        if first is not None:
+            try:
+                await first
+            except Exception as exc:
+                self._client._report(exc)
         while True:
             try:
                 msg = await self.next_msg()
             except ClientClosedError:
                 return
             try:
-                await callback(msg)
+                result = callback(msg)
+                if inspect.isawaitable(result):
+                    await result
             except Exception as exc:
                 self._client._report(exc)
 

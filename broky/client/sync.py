@@ -12,9 +12,17 @@ cross over in two ways:
   one `call_soon_threadsafe`. The I/O thread moves the whole list into the
   client's per-worker buffers. The caller blocks while the hand-off list is
   over `handoff_bytes` or a socket's write buffer is over its high-water
-  mark, so a fast producer cannot grow memory without bound. An error the
-  I/O thread meets while queueing (PublishBufferFullError when a worker has
-  been down too long) is raised by the next `publish` or `flush`.
+  mark, so a fast producer cannot grow memory without bound.
+- the reconnect buffer bound is also checked in the caller's thread, so
+  `publish` raises PublishBufferFullError itself: when the owning Link is
+  down (or not opened yet), the caller adds the Link's buffered bytes and the
+  bytes handed off for it (`_down_bytes`, per worker) and refuses what does
+  not fit. The I/O thread moves such frames into the Link and takes them off
+  `_down_bytes` under the same lock, so the sum is exact. Only a Link that
+  drops between the check and the hand-off can make the I/O thread refuse a
+  frame; that error is raised by the next `publish` or `flush`. Every refusal
+  is counted in `stats.refused` (under the lock: both threads count there).
+  While the Link is up this costs two attribute reads per publish.
 - every other call (`flush`, `subscribe`, `close`, ...) runs a coroutine on
   the loop and waits for its result.
 
@@ -33,13 +41,14 @@ from collections.abc import Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-from broky.client.client import Client, ServerInfo
+from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
 from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Subscription
 from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ClientClosedError,
+    PublishBufferFullError,
     SlowConsumerError,
 )
 from broky.protocol import Message
@@ -175,7 +184,9 @@ class SyncClient:
             BrokyConnectionError, AuthenticationError: as `broky.connect`.
         """
         self._client = Client(server, **options)
-        self._handoff: list[tuple[int, bytes]] = []
+        # (vbucket, frame, worker if its Link was down at publish time, else None)
+        self._handoff: list[tuple[int, bytes, WorkerRef | None]] = []
+        self._down_bytes: dict[WorkerRef, int] = {}  # handed off for Links that are down
         self._encoder = PublishEncoder()
         self._handoff_bytes = 0
         self._handoff_limit = handoff_bytes
@@ -228,8 +239,11 @@ class SyncClient:
 
         Raises:
             PayloadTooLargeError: the frame exceeds the server's limit (nothing sent).
-            PublishBufferFullError: an earlier publish could not be queued because
-                its worker has been down too long (raised once, by the next call).
+            PublishBufferFullError: the owning worker is down and
+                `max_reconnect_buffer_bytes` already wait for it (nothing queued);
+                or, rarely, an earlier publish met that in the I/O thread because
+                its worker dropped just after it was handed off (raised once).
+            BrokyConnectionError: reconnecting to the owning worker was given up.
             ClientClosedError: the client is closed.
             LocalProtocolError: a field cannot be encoded.
         """
@@ -251,13 +265,44 @@ class SyncClient:
                 frame, vb = encoder.encode(key_partition, key, payload, ts_producer)
             else:
                 frame, vb = encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
-            self._handoff.append((vb, frame))
+            link = self._client._route[vb]
+            down = None if link is not None and link.proto is not None else self._reserve(vb, len(frame))
+            self._handoff.append((vb, frame, down))
             self._handoff_bytes += len(frame)
             if not self._scheduled:
                 self._scheduled = True
                 self._loop.call_soon_threadsafe(self._drain)
             while (self._handoff_bytes > self._handoff_limit or self._io_paused) and not self._closed:
                 self._cond.wait(1.0)
+
+    def _reserve(self, vb: int, size: int) -> WorkerRef | None:
+        """Caller's thread, under the lock: room for `size` bytes for a Link that is down?
+
+        Returns:
+            The worker whose `_down_bytes` now include the frame; None if its
+            Link turned out to be up.
+
+        Raises:
+            PublishBufferFullError, BrokyConnectionError: refused (and counted).
+        """
+        client = self._client
+        vmap = client._map
+        assert vmap is not None
+        node, worker = vmap.owners[vb]
+        ref = WorkerRef(vmap.nodes[node].node_id, worker)
+        link = client._links.get(ref)  # None: not opened yet, it starts down
+        if link is not None and link.proto is not None:
+            return None
+        if link is not None and link.failed is not None:
+            client.stats.refused += 1
+            raise link.gave_up_error()
+        queued = (link.out_bytes if link is not None else 0) + self._down_bytes.get(ref, 0)
+        limit = client.max_reconnect_buffer_bytes
+        if queued + size > limit:
+            client.stats.refused += 1
+            raise PublishBufferFullError(queued, limit)
+        self._down_bytes[ref] = self._down_bytes.get(ref, 0) + size
+        return ref
 
     def _drain(self) -> None:
         """I/O thread: move the hand-off list into the client's buffers."""
@@ -267,11 +312,21 @@ class SyncClient:
             self._scheduled = False
         client = self._client
         paused = None
-        for vb, frame in items:
+        for vb, frame, down in items:
             try:
-                link = client._send_encoded(vb, frame)
+                if down is None:
+                    link = client._send_encoded(vb, frame)
+                else:
+                    with self._cond:  # the Link's out_bytes and _down_bytes change together
+                        left = self._down_bytes[down] - len(frame)
+                        if left:
+                            self._down_bytes[down] = left
+                        else:
+                            del self._down_bytes[down]
+                        link = client._send_encoded(vb, frame)
             except BrokyError as exc:
                 with self._cond:
+                    client.stats.refused += 1
                     if self._error is None:
                         self._error = exc
                 continue
@@ -298,7 +353,10 @@ class SyncClient:
 
         Raises:
             BrokyTimeoutError: not done within `timeout` (default flush_timeout).
-            BrokyConnectionError: a connection dropped before it answered.
+            BrokyConnectionError: publishes may have been lost since the previous
+                flush (a connection dropped with publishes written to it but not
+                confirmed; the message says how many), or reconnecting to a worker
+                was given up (see `Client.flush`).
             PublishBufferFullError: an earlier publish could not be queued.
             ClientClosedError: the client is closed.
         """
