@@ -176,3 +176,25 @@ def test_mutated_streams_never_escape_the_protocol(
         check_outputs(subs, publisher)
     except ProtocolError as exc:  # pragma: no cover - the failure this test looks for
         raise AssertionError(f"a subscriber or the publisher got an undecodable frame: {exc}") from exc
+
+
+def test_the_shape_cache_is_bounded_and_every_shape_routes(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shapes (size, offsets, key_partition length) are cached per worker; a publisher
+    # cycling through more shapes than the cache holds only costs it refills.
+    import broky.server.fanout as fanout
+
+    monkeypatch.setattr(fanout, "SHAPE_CACHE_SIZE", 16)
+    shard, publisher, subs = shard_with(loop)
+    sent = [
+        encode_message(b"p1", b"k.a", bytes(n), ts_producer=7, uid=new_ksuid() if n % 2 else None)
+        for n in range(100)
+    ]
+    shard.feed(publisher, b"".join(sent) * 2)
+    assert len(shard.uid_shapes) <= 16 and len(shard.plain_shapes) <= 16
+    got = check_outputs(subs, publisher)
+    assert publisher.state == OPEN
+    want = [decode_frame(f) for f in sent] * 2
+    for received in got:
+        assert [(m.payload, m.uid) for m in received] == [(m.payload, m.uid) for m in want]  # type: ignore[union-attr]

@@ -6,11 +6,16 @@ Theory of operation
 
 1. Parse every whole frame of the read (uint32 size prefix, checked against
    max_frame_bytes before anything is buffered). A Message frame in the
-   canonical layout (broky.protocol.message) is recognised by its fixed header;
-   its routing bytes (the key_partition and key vectors) are sliced out at
-   known offsets and the payload is bounds-checked, because subscribers
-   receive these bytes (a cache miss validates the whole frame). Any other valid layout takes
-   `route_message`; any other frame goes through `decode_frame` and `control`.
+   canonical layout (broky.protocol.message) is recognised by its fixed header,
+   read with its size prefix and every offset in one struct read. Its shape
+   (size, offsets, key_partition length) is checked once, when first met, and
+   cached (`shape`: size within the limit, vectors inside the frame in the
+   order key_partition, key, payload); per message only the key's and the
+   payload's lengths are read (one struct read) and checked, because
+   subscribers receive these bytes. The routing bytes (the key_partition and
+   key vectors) are then sliced out (a route cache miss validates the whole
+   frame). Any other valid layout takes `route_message`; any other frame goes
+   through `decode_frame` and `control`.
 2. Route through a cache: routing bytes -> the target connections (a tuple
    interned per distinct target set), or None when this worker does not own
    the key_partition's vbucket (a non-fatal NOT_MY_VBUCKET error; the message
@@ -77,6 +82,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from broky import __version__
@@ -114,6 +120,7 @@ from broky.protocol.message import (
     pack_ts_into,
 )
 from broky.protocol.routing import vbucket_of
+from broky.protocol.table import Buffer
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
 from broky.server.logs import Throttle
@@ -121,11 +128,17 @@ from broky.server.logs import Throttle
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
-# Canonical Message (broky.protocol.message): size prefix @0, key offset @72,
-# payload offset @76 (each relative to its own position), key_partition length
-# @80, or @100 after a uid.
-_canonical_no_uid = struct.Struct("<I68xIII").unpack_from
-_canonical_uid = struct.Struct("<I68xII20xI").unpack_from
+# Canonical Message (broky.protocol.message): size prefix @0, the 52 fixed header
+# bytes @4, key offset @72, payload offset @76 (each relative to its own
+# position), key_partition length @80, or @100 after a uid. One read gives all.
+_canonical_head = struct.Struct("<I52s16xIII16xI").unpack_from
+CANONICAL_HEAD_SIZE = 104
+SHAPE_CACHE_SIZE = 4096
+# A shape: (read of the key's and the payload's lengths, positions relative to the
+# frame's first byte of the key vector, the payload vector, the end and the
+# routing bytes); None for a valid canonical header whose vectors are not laid out
+# key_partition, key, payload (the generic read handles it).
+Shape = tuple[Callable[[Buffer, int], tuple[Any, ...]], int, int, int, int]
 _time_ns = time.time_ns
 _monotonic = time.monotonic
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -226,6 +239,9 @@ class Shard:
         # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
         # for any other layout) -> target connections, or None when not our vbucket.
         self.routes: dict[object, tuple[Connection, ...] | None] = {}
+        # Shapes of canonical Messages met so far, with and without uid (see `shape`).
+        self.uid_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
+        self.plain_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
         self._interned: dict[tuple[Connection, ...], tuple[Connection, ...]] = {}
         self.stats = WorkerStats()
         self.conns: dict[int, Connection] = {}
@@ -311,6 +327,8 @@ class Shard:
         stats.bytes_received += n
         max_frame = self.config.max_frame_bytes
         routes = self.routes
+        uid_shapes = self.uid_shapes
+        plain_shapes = self.plain_shapes
         startswith = data.startswith
         buf: bytearray | None = None
         run: tuple[Connection, ...] | None = None  # targets of the current run of messages
@@ -343,38 +361,48 @@ class Shard:
                     pos = end
                     continue
                 # Canonical Message (layout in broky.protocol.message): one read gives
-                # the size prefix and the offsets; the checks below make sure they all
-                # lie inside this frame before anything relies on them.
-                if n - pos >= 104 and startswith(HEADER_UID, pos + 4):
-                    size, key_off, pay_off, kp_len = _canonical_uid(data, pos)
-                    span = pos + 100
-                elif n - pos >= 84 and startswith(HEADER_NO_UID, pos + 4):
-                    size, key_off, pay_off, kp_len = _canonical_no_uid(data, pos)
-                    span = pos + 80
-                else:
-                    size = _u32(data, pos)[0]
-                    span = 0
-                if size > max_frame or size < MIN_FRAME_SIZE:
-                    check_size(size, max_frame)
-                end = pos + 4 + size
-                if end > n:
-                    break
-                if span:
-                    k = pos + 72 + key_off  # the key vector
-                    p = pos + 76 + pay_off  # the payload vector
-                    if k == span + 4 + kp_len + (-kp_len & 3) and k + 4 <= end and p + 4 <= end:
-                        key_stop = k + 4 + _u32(data, k)[0]
-                        # Subscribers get these bytes: the payload must be in bounds,
-                        # even when the route comes from the cache.
-                        if key_stop > end or p + 4 + _u32(data, p)[0] > end:
-                            raise MalformedFrameError("malformed frame: vector overruns the frame")
+                # the header and every offset; the frame's shape (size, offsets,
+                # key_partition length) was checked once, when first met (`shape`):
+                # its vectors lie inside the frame, in order. What varies within a
+                # shape, the key's and the payload's lengths, is checked here.
+                shape: Shape | None = None
+                if n - pos >= CANONICAL_HEAD_SIZE:
+                    size, head, key_off, pay_off, len80, len100 = _canonical_head(data, pos)
+                    if head == HEADER_UID:
+                        try:
+                            shape = uid_shapes[size, key_off, pay_off, len100]
+                        except KeyError:
+                            shape = self.shape(True, size, key_off, pay_off, len100)
+                    elif head == HEADER_NO_UID:
+                        try:
+                            shape = plain_shapes[size, key_off, pay_off, len80]
+                        except KeyError:
+                            shape = self.shape(False, size, key_off, pay_off, len80)
+                if shape is not None:
+                    lengths, k_at, p_at, end_at, route_at = shape
+                    end = pos + end_at
+                    if end > n:
+                        break
+                    key_len, pay_len = lengths(data, pos + k_at)
+                    key_stop = pos + k_at + 4 + key_len
+                    # Subscribers get these bytes: the payload must be in bounds, even
+                    # when the route comes from the cache. A key running into the
+                    # payload's vector (valid: vectors may share bytes) or out of the
+                    # frame goes to the generic read, which accepts or refuses it.
+                    if key_stop > pos + p_at or p_at + 4 + pay_len > end_at:
+                        shape = None
+                    else:
                         # The routing bytes: the key_partition and key vectors. (Not the
                         # payload's length: payloads of many sizes would multiply the routes.)
-                        rkey: object = data[span:key_stop]
+                        rkey: object = data[pos + route_at : key_stop]
                         ts_at: int | None = pos + TS_BROKER_OFFSET
-                    else:
-                        span = 0  # valid maybe, but not canonical: take the generic read
-                if not span:
+                if shape is None:
+                    size = _u32(data, pos)[0]
+                    if size > max_frame or size < MIN_FRAME_SIZE:
+                        check_size(size, max_frame)
+                    end = pos + 4 + size
+                    if end > n:
+                        break
                     try:
                         kp, key, ts_at = route_message(data, pos, end)
                     except MalformedFrameError:
@@ -431,15 +459,15 @@ class Shard:
                     run_start = pos
                     run_end = end
                     run_n = 1
-                    if span and key_stop <= p:  # the key ends before the payload's length
+                    if shape is not None:  # canonical: the key ends before the payload's length
                         same_head = data[pos : pos + 56]
                         same_len = end - pos
-                        if span == pos + 80:
-                            same_route = data[pos + 72 : p + 4]
+                        if route_at == 80:
+                            same_route = data[pos + 72 : pos + p_at + 4]
                             same_tail = None
                         else:
                             same_route = data[pos + 72 : pos + 80]
-                            same_tail = data[pos + 100 : p + 4]
+                            same_tail = data[pos + 100 : pos + p_at + 4]
                     else:
                         same_head = None
                 pos = end
@@ -486,6 +514,33 @@ class Shard:
             t.msgs_out += count
             delivered += count
         return delivered
+
+    def shape(self, uid: bool, size: int, key_off: int, pay_off: int, kp_len: int) -> Shape | None:
+        """Slow path of the shape cache: check once what every canonical Message of
+        this size, these offsets and this key_partition length has in common.
+
+        None (cached too) sends such frames to the generic read: a size out of
+        bounds (which then raises), or vectors not in the order key_partition,
+        key, payload with the key right after the key_partition.
+        """
+        route_at = 100 if uid else 80  # the key_partition vector (its length) in the frame
+        k_at = 72 + key_off  # the key vector
+        p_at = 76 + pay_off  # the payload vector
+        end_at = 4 + size
+        shape: Shape | None = None
+        if (
+            MIN_FRAME_SIZE <= size <= self.config.max_frame_bytes
+            and k_at == route_at + 4 + kp_len + (-kp_len & 3)
+            and k_at + 4 <= p_at
+            and p_at + 4 <= end_at
+        ):
+            lengths = struct.Struct(f"<I{p_at - k_at - 4}xI").unpack_from
+            shape = (lengths, k_at, p_at, end_at, route_at)
+        shapes = self.uid_shapes if uid else self.plain_shapes
+        if len(shapes) >= SHAPE_CACHE_SIZE:
+            shapes.clear()
+        shapes[size, key_off, pay_off, kp_len] = shape
+        return shape
 
     def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[Connection, ...] | None:
         """Slow path of the route cache: None if not our vbucket, else the target connections."""
