@@ -16,6 +16,7 @@ from broky.client.client import Client, Link
 from broky.protocol import VBUCKETS, decode_message, encode_message
 from broky.protocol.ksuid import EPOCH, KsuidSequence, ksuid_time
 from broky.protocol.routing import NodeInfo, VBucketMap
+from tests.serverproc import ServerProcess
 
 
 class FakeProto:
@@ -141,6 +142,57 @@ def test_fast_path_errors_and_other_types() -> None:
         client._closed, client._open = True, False
         with pytest.raises(broky.ClientClosedError):
             await client.publish(b"p", b"k", b"x" * 10)
+
+    run(main)
+
+
+def test_publish_nowait_takes_the_same_paths_and_raises_the_same_errors() -> None:
+    async def main() -> None:
+        client, link = _client(max_frame=300)
+        for i in range(4):  # general path, then the cached fast path
+            client.publish_nowait(b"p", b"k", b"%02d" % i)
+        client.publish_nowait("p", "k", b"s")  # str fields: the general path
+        client.publish_nowait(b"p", b"k", b"u" * 2, uid=bytes(range(20)))
+        client.publish_nowait(b"p", b"k", b"n", uid=False)
+        assert client._fast_count >= 1
+        msgs = [decode_message(f) for f in link.out]
+        assert [m.payload for m in msgs] == [b"00", b"01", b"02", b"03", b"s", b"uu", b"n"]
+        assert msgs[5].uid == bytes(range(20)) and msgs[6].uid is None
+        assert len({m.uid for m in msgs[:5]}) == 5
+        assert client.stats.published == 7
+        with pytest.raises(broky.PayloadTooLargeError):
+            client.publish_nowait(b"p", b"k", b"x" * 300)
+        with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
+            client.publish_nowait(b"p", b"k", "xy")  # type: ignore[arg-type]
+        client._closed, client._open = True, False
+        with pytest.raises(broky.ClientClosedError):
+            client.publish_nowait(b"p", b"k", b"00")
+        assert client.stats.published == 7
+
+    run(main)
+
+
+def test_publish_nowait_across_batches_against_a_server(server: ServerProcess) -> None:
+    # A batch written by publish_nowait would make `publish` yield; publish_nowait
+    # must not (and must not leave an un-awaited coroutine behind: warnings are errors).
+    async def main() -> None:
+        async with broky.connect(server.url, batch_size=1000) as pub, broky.connect(server.url) as sub:
+            got: list[broky.Message] = []
+            s = await sub.subscribe("nowait.>", callback=got.append)
+            for i in range(2000):
+                pub.publish_nowait(b"kp-%d" % (i % 7), b"nowait.k", b"%d" % i)
+            await pub.flush()
+            deadline = time.monotonic() + 10
+            while len(got) < 2000 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert pub.stats.published == 2000
+            by_kp: dict[bytes, list[int]] = {}
+            for m in got:
+                by_kp.setdefault(m.key_partition, []).append(int(m.payload))
+            assert sorted(by_kp) == [b"kp-%d" % j for j in range(7)]
+            for j in range(7):  # everything arrived, in publish order per key_partition
+                assert by_kp[b"kp-%d" % j] == list(range(j, 2000, 7))
+            await s.unsubscribe()
 
     run(main)
 

@@ -718,7 +718,15 @@ class Client:
         publish_nowait calls must await something now and then (the writes
         happen when `batch_size` is reached or when the loop runs).
         """
-        self._publish(key_partition, key, payload, ts_producer, uid)
+        # `publish` does all its work before its first await (its awaits only yield
+        # to the loop after a batch was written), so running it up to that point is
+        # publishing without waiting, on the same fast path.
+        coro = self.publish(key_partition, key, payload, ts_producer=ts_producer, uid=uid)
+        try:
+            coro.send(None)
+        except StopIteration:
+            return
+        coro.close()
 
     async def publish(
         self,
@@ -759,7 +767,8 @@ class Client:
         # key, payload length), then the steps of PublishEncoder.encode and Link.send.
         # Anything unusual (a miss, str fields, wrong types, uid neither True nor 20
         # bytes, closed client, a pack error) takes the general path, which raises
-        # the errors.
+        # the errors. Every path publishes before its first await: `publish_nowait`
+        # relies on it.
         try:
             pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
         except Exception:
