@@ -266,21 +266,19 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
             by_worker = partitions_by_worker(good)
             kp = by_worker[0][0]
             sub = await client.subscribe("m", partition=kp)
-            await client.publish(kp, b"m", b"lost")  # goes to the wrong worker
+            for i in range(3):  # go to the wrong worker, which returns them in its Errors
+                await client.publish(kp, b"m", b"refused %d" % i)
+            # flush waits for the map refresh and the resend of the refused publishes
             await client.flush()
-            for _ in range(100):
-                if client._map == good and client._sub_links[sub.sid][0].ref.worker == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert client._map == good
-            assert client.stats.misrouted == 1
+            assert client._map == good and client._sub_links[sub.sid][0].ref.worker == 0
+            assert client.stats.resent == 3 and client.stats.misrouted == 0
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == sub.sid for e in errors)
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == 0 for e in errors)
-            await client.flush()
             await client.publish(kp, b"m", b"found")
             await client.flush()
-            assert (await sub.next_msg(5)).payload == b"found"
-            assert client.stats.misrouted == 1
+            got = [(await sub.next_msg(5)).payload for _ in range(4)]
+            assert got == [b"refused 0", b"refused 1", b"refused 2", b"found"]
+            assert client.stats.resent == 3 and client.stats.misrouted == 0
 
     run(main)
 

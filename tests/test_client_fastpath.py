@@ -197,6 +197,30 @@ def test_publish_nowait_across_batches_against_a_server(server: ServerProcess) -
     run(main)
 
 
+def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
+    # NOT_MY_VBUCKET returns the refused frame; after the map refresh it goes to the
+    # owner the fresh map names. When that is the refusing worker again, or the map
+    # could not be refreshed, or the frame is unreadable, it is dropped and counted.
+    async def main() -> None:
+        errors: list[BaseException] = []
+        client, link = _client()
+        client.on_error = errors.append
+        other = Link(client, "n", 1)
+        other.proto = FakeProto()  # type: ignore[assignment]
+        frame = encode_message(b"p", b"k", b"v")
+        client._to_resend = [(link, frame), (other, frame), (link, b"garbage")]
+        client._resend_refused()
+        assert other.out == [] and link.out == [frame]  # refused by other, owned by link: resent
+        assert client.stats.resent == 1 and client.stats.misrouted == 2  # again link; unreadable
+        client._to_resend = [(other, frame)]
+        client._resend_refused(refresh_failed=True)
+        assert client.stats.resent == 1 and client.stats.misrouted == 3
+        await asyncio.sleep(0)
+        assert len(errors) == 3 and client._to_resend == []
+
+    run(main)
+
+
 def test_fast_path_cache_follows_map_and_limit() -> None:
     async def main() -> None:
         client, link = _client()

@@ -138,7 +138,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.just(Resume()),
     st.builds(Ping, u64),
     st.builds(Pong, u64),
-    st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32),
+    st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
     st.builds(LossNotice, u64, u8),
     st.builds(Goodbye, st.none() | texts),
 )
@@ -155,7 +155,14 @@ def large_control_frames(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES -
     choices: list[Frame] = [
         Subscribe(draw(u32), _pattern(seed, cut), _pattern(seed[::-1], n - cut)),
         Hello(1, -1, text[: len(text) // 2], text[len(text) // 2 :]),
-        Error(draw(u16), text, draw(u64), draw(st.booleans()), draw(u32)),
+        Error(
+            draw(u16),
+            text[: len(text) // 2],
+            draw(u64),
+            draw(st.booleans()),
+            draw(u32),
+            _pattern(seed, n // 2),
+        ),
         Goodbye(text),
     ]
     return draw(st.sampled_from(choices))
@@ -257,7 +264,8 @@ def generated_read(frame: bytes) -> Frame:
         return Pong(body(fbs.Pong).Id())
     if kind == Body.Error:
         e = body(fbs.Error)
-        return Error(e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid())
+        assert e.RefusedLength() == len(_vec(e._tab, 14) or b"")
+        return Error(e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid(), _vec(e._tab, 14))
     if kind == Body.LossNotice:
         n = body(fbs.LossNotice)
         return LossNotice(n.Dropped(), n.Reason())
@@ -418,7 +426,7 @@ class Writer:
         if isinstance(frame, Pong):
             return self.table(fbs.PongStart, fbs.PongEnd, [lambda: fbs.PongAddId(b, frame.id)])
         if isinstance(frame, Error):
-            r = self.refs({"message": frame.message})
+            r = self.refs({"message": frame.message, "refused": frame.refused})
             adders = [
                 lambda: fbs.ErrorAddCode(b, frame.code),
                 lambda: fbs.ErrorAddMapVersion(b, frame.map_version),
@@ -427,6 +435,8 @@ class Writer:
             ]
             if "message" in r:
                 adders.append(lambda: fbs.ErrorAddMessage(b, r["message"]))
+            if "refused" in r:
+                adders.append(lambda: fbs.ErrorAddRefused(b, r["refused"]))
             return self.table(fbs.ErrorStart, fbs.ErrorEnd, adders)
         if isinstance(frame, LossNotice):
             return self.table(

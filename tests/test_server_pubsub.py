@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from broky.errors import ErrorCode
-from broky.protocol import Error, LossNotice, Message, Pause, Resume, new_ksuid
+from broky.protocol import Error, LossNotice, Message, Pause, Resume, encode_message, new_ksuid
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
@@ -153,6 +153,8 @@ def test_not_my_vbucket_on_publish_and_scoped_subscribe(server: ServerProcess) -
     assert frames[0].sid == 5 and frames[0].map_version == 1 and not frames[0].fatal
     assert isinstance(frames[1], Error) and frames[1].code == ErrorCode.NOT_MY_VBUCKET
     assert frames[1].sid == 0 and not frames[1].fatal
+    assert frames[0].refused is None  # a subscription is not returned, a publish is, byte for byte:
+    assert frames[1].refused == encode_message(KP1, b"k", b"lost", 0, 0, None)
     assert isinstance(frames[2], Message) and frames[2].payload == b"kept"  # still open
     assert len(frames) == 3
     stats = debug_stats(server)["workers"][0]

@@ -85,6 +85,7 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     ErrorCode,
+    ProtocolError,
     PublishBufferFullError,
     RemoteProtocolError,
     ServerError,
@@ -104,6 +105,7 @@ from broky.protocol import (
     Unsubscribe,
     VBucketMap,
     Welcome,
+    route_message,
     vbucket_of,
 )
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
@@ -160,7 +162,8 @@ class ClientStats:
     unmatched: int = 0  # deliveries no local subscription matched (e.g. after unsubscribe)
     dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
     server_lost: int = 0  # deliveries the server reported lost (LossNotice)
-    misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET
+    misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
+    resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map
     refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
     unconfirmed_lost: int = 0  # publishes written to a connection that dropped before a Pong confirmed them
     unsent_gave_up: int = 0  # publishes buffered for a worker when reconnecting to it was given up
@@ -499,7 +502,7 @@ class Link:
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
-                client._not_my_vbucket(self, err)
+                client._not_my_vbucket(self, err, frame.refused)
             client._report(err)
         elif isinstance(frame, LossNotice):
             client.stats.server_lost += frame.dropped
@@ -598,6 +601,8 @@ class Client:
         self._fast: dict[object, dict[object, dict[int, tuple[Any, bytes, bytes, bytes, Link]]]] = {}
         self._fast_count = 0
         self._refreshing: asyncio.Task[None] | None = None
+        # publishes refused with NOT_MY_VBUCKET, to resend once the map is fresh: (refused by, frame)
+        self._to_resend: list[tuple[Link, bytes]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
@@ -682,6 +687,8 @@ class Client:
             task.cancel()
         if self._refreshing is not None:
             self._refreshing.cancel()
+        self.stats.unsent_on_close += len(self._to_resend)  # refused, waiting for a fresh map
+        self._to_resend.clear()
         # let the transports deliver connection_lost
         await asyncio.sleep(0)
 
@@ -953,15 +960,16 @@ class Client:
             ClientClosedError: the client is closed.
         """
         self._check_open()
-        links = [
-            link
-            for link in self._links.values()
-            if link.proto is not None or link.out or link.failed is not None or link.unconfirmed
-        ]
         timeout = self.flush_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):
-                results = await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
+                links, results = await self._round_trips()
+                # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
+                # the Pongs: once the map is fresh they are sent again; wait for those too.
+                while self._to_resend or (self._refreshing is not None and not self._refreshing.done()):
+                    if self._refreshing is not None:
+                        await asyncio.shield(self._refreshing)
+                    links, results = await self._round_trips()
         except TimeoutError:
             down = [link.ref.worker for link in links if link.proto is None]
             why = f" (down: workers {down})" if down else ""
@@ -980,6 +988,16 @@ class Client:
                 raise result
         if problems:
             raise BrokyConnectionError("flush: " + "; ".join(problems))
+
+    async def _round_trips(self) -> tuple[list[Link], list[BaseException | None]]:
+        """A round trip on every Link that is up, has something queued, gave up or lost publishes."""
+        links = [
+            link
+            for link in self._links.values()
+            if link.proto is not None or link.out or link.failed is not None or link.unconfirmed
+        ]
+        results = await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
+        return links, results
 
     # ---------------------------------------------------------------- subscribing
 
@@ -1125,14 +1143,18 @@ class Client:
             owner.add_sub(sub)
             self._sub_links[sub.sid] = [owner]
 
-    def _not_my_vbucket(self, link: Link, err: ServerError) -> None:
+    def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
+        """A worker refused a subscription or a publish: fetch the map, then move the
+        subscription; a publish comes back in the Error and is sent again then."""
         if err.sid:
             sub = self._subs.get(err.sid)
             if sub is not None:
                 link.remove_sub(sub, tell_server=False)
                 self._sub_links[sub.sid] = []
                 self._rejected[sub.sid] = link
-        else:
+        elif refused is not None:
+            self._to_resend.append((link, refused))
+        else:  # a server that does not return the refused frame
             self.stats.misrouted += 1
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = self._loop.create_task(self._refresh_map())
@@ -1144,10 +1166,48 @@ class Client:
             proto, welcome = await open_connection(host, port, hello, self.connect_timeout)
         except BrokyError as exc:
             self._report(BrokyConnectionError(f"cannot refresh the vbucket map: {exc}"))
+            self._resend_refused(refresh_failed=True)
             return
         proto.close()
         self._welcome(welcome)
         self._apply_map(welcome.map)
+        self._resend_refused()
+
+    def _resend_refused(self, refresh_failed: bool = False) -> None:
+        """Send the publishes refused with NOT_MY_VBUCKET to their owner in the fresh map.
+
+        In publish order per refusing worker (the Errors came in that order), after
+        anything published since to the new owner: order per key_partition holds
+        except across a map change. A publish the fresh map still routes to the
+        worker that refused it (or with no map) is dropped, counted in
+        `stats.misrouted` and reported.
+        """
+        pending, self._to_resend = self._to_resend, []
+        for refused_by, frame in pending:
+            try:
+                kp = route_message(frame, 0, len(frame))[0]
+                link = None if refresh_failed else self._owner_link(kp)
+            except ProtocolError as exc:  # not a Message frame: the server broke the protocol
+                self.stats.misrouted += 1
+                self._report(RemoteProtocolError(f"NOT_MY_VBUCKET returned an unreadable frame: {exc}"))
+                continue
+            if link is None or link is refused_by:
+                self.stats.misrouted += 1
+                why = "the map could not be refreshed" if link is None else "it owns it per the map"
+                self._report(
+                    BrokyError(
+                        f"worker {refused_by.ref.worker} refused a publish to key_partition {kp!r} "
+                        f"and {why}: the message is dropped"
+                    )
+                )
+                continue
+            try:
+                link.send(frame)
+            except BrokyError as exc:  # the owner is down and its buffer is full, or given up
+                self.stats.refused += 1
+                self._report(exc)
+                continue
+            self.stats.resent += 1
 
     # ---------------------------------------------------------------- callbacks
 

@@ -920,12 +920,44 @@ class Error(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
-def ErrorStart(builder): builder.StartObject(5)
+    # With NOT_MY_VBUCKET for a publish: the refused Message frame, size prefix
+    # included, byte for byte as the client sent it, so that the client can
+    # send it again to the owner named by a fresh map.
+    # Error
+    def Refused(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Error
+    def RefusedAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Error
+    def RefusedLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Error
+    def RefusedIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        return o == 0
+
+def ErrorStart(builder): builder.StartObject(6)
 def ErrorAddCode(builder, code): builder.PrependUint16Slot(0, code, 0)
 def ErrorAddMessage(builder, message): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(message), 0)
 def ErrorAddMapVersion(builder, mapVersion): builder.PrependUint64Slot(2, mapVersion, 0)
 def ErrorAddFatal(builder, fatal): builder.PrependBoolSlot(3, fatal, 0)
 def ErrorAddSid(builder, sid): builder.PrependUint32Slot(4, sid, 0)
+def ErrorAddRefused(builder, refused): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(refused), 0)
+def ErrorStartRefusedVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def ErrorEnd(builder): return builder.EndObject()
 
 

@@ -96,6 +96,7 @@ class Error(NamedTuple):
     map_version: int = 0
     fatal: bool = False
     sid: int = 0
+    refused: bytes | None = None  # NOT_MY_VBUCKET for a publish: the refused Message frame
 
 
 class LossNotice(NamedTuple):
@@ -277,7 +278,8 @@ def encode_pong(pong: Pong) -> bytes:
 
 @_encoder
 def encode_error(error: Error) -> bytes:
-    b = flatbuffers.Builder(128)
+    b = flatbuffers.Builder(128 + (len(error.refused) if error.refused else 0))
+    refused = b.CreateByteVector(error.refused) if error.refused is not None else 0
     text = _string(b, error.message) if error.message is not None else 0
     fbs.ErrorStart(b)
     fbs.ErrorAddCode(b, int(error.code))
@@ -286,6 +288,8 @@ def encode_error(error: Error) -> bytes:
     fbs.ErrorAddMapVersion(b, error.map_version)
     fbs.ErrorAddFatal(b, error.fatal)
     fbs.ErrorAddSid(b, error.sid)
+    if refused:
+        fbs.ErrorAddRefused(b, refused)
     return _finish(b, Body.Error, fbs.ErrorEnd(b))
 
 
@@ -408,7 +412,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Pong:
         return Pong(t.u64(0))
     if kind == Body.Error:
-        return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4))
+        return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4), t.byte_vector(5))
     if kind == Body.LossNotice:
         return LossNotice(t.u64(0), t.u8(1))
     if kind == Body.Goodbye:
@@ -448,9 +452,17 @@ def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:
     return _decode_body(kind, body)
 
 
-def error_frame(code: ErrorCode, message: str, *, fatal: bool, map_version: int = 0, sid: int = 0) -> bytes:
+def error_frame(
+    code: ErrorCode,
+    message: str,
+    *,
+    fatal: bool,
+    map_version: int = 0,
+    sid: int = 0,
+    refused: bytes | None = None,
+) -> bytes:
     """Shortcut used by the server: the encoded Error frame."""
-    return encode_error(Error(int(code), message, map_version, fatal, sid))
+    return encode_error(Error(int(code), message, map_version, fatal, sid, refused))
 
 
 __all__ = [

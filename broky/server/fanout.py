@@ -429,7 +429,7 @@ class Shard:
                         if run is not None:
                             delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                             run = same_head = None
-                        self.not_mine(c, route_message(data, pos, end)[0])
+                        self.not_mine(c, data, pos, end)
                     else:
                         unmatched += 1
                     pos = end
@@ -673,18 +673,30 @@ class Shard:
             c.touched = True
             self._touched.append(c)
 
-    def not_mine(self, c: Connection, kp: bytes) -> None:
+    def not_mine(self, c: Connection, data: bytes, pos: int, end: int) -> None:
+        """A publish for a vbucket this worker does not own: refused, with the frame
+        itself in the Error so that the client can send it to the owner."""
         self.stats.dropped["not_my_vbucket"] += 1
-        self.error(c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker")
+        kp = route_message(data, pos, end)[0]
+        self.error(
+            c,
+            ErrorCode.NOT_MY_VBUCKET,
+            f"key_partition {kp!r} is owned by another worker",
+            refused=data[pos:end],
+        )
 
-    def error(self, c: Connection, code: ErrorCode, message: str, sid: int = 0) -> None:
+    def error(
+        self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+    ) -> None:
         """A non-fatal Error frame, and a warning (at most one per connection and code per 10 s)."""
         self.stats.count_error(code)
         held = self.warnings.allow((c.conn_id, code))
         if held is not None:
             more = f" ({held} more since the last warning)" if held else ""
             log.warning("connection %d from %s: %s: %s%s", c.conn_id, c.peer, code.name, message, more)
-        self.reply(c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid))
+        self.reply(
+            c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid, refused=refused)
+        )
 
     # ------------------------------------------------------------ control frames
 
