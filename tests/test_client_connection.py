@@ -89,3 +89,54 @@ def test_an_oversized_prefix_fails_before_buffering() -> None:
     rec, proto = feed([(1 << 31).to_bytes(4, "little")])
     assert isinstance(proto.failure, FrameTooLargeError)
     assert rec.lost and isinstance(rec.lost[0], FrameTooLargeError)
+
+
+# Deliveries of a few shapes (lengths that pad alike share a frame size and
+# offsets), so the shape cache of the fast read is hit with other key and
+# payload lengths than the ones it was made from.
+shaped = st.builds(
+    lambda kp, key, pay, ts, uid: Message(kp, key, pay, ts, ts + 1, uid),
+    st.sampled_from([b"p1", b"p12", b"p123"]),
+    st.sampled_from([b"k", b"k.a", b"k.ab", b"k.abc", b"k.abcd"]),
+    st.sampled_from([b"", b"x", b"xy", b"xyz", b"w" * 9, b"w" * 12]),
+    st.integers(0, 2**62),
+    st.binary(min_size=20, max_size=20),
+)
+
+
+def codec_reading(stream: bytes) -> tuple[list[Frame], bool]:
+    """What the codec reads from a stream: its frames, and whether it fails."""
+    from broky.errors import ProtocolError
+    from broky.protocol import NEED_DATA, FrameReader
+
+    reader = FrameReader(max_frame_bytes=64 << 20)
+    reader.feed(stream)
+    frames: list[Frame] = []
+    try:
+        while (raw := reader.next_frame()) is not NEED_DATA:
+            frames.append(decode_frame(raw))
+    except ProtocolError:
+        return frames, True
+    return frames, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(shaped, min_size=1, max_size=20),
+    st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=3),
+    st.data(),
+)
+def test_repeated_shapes_and_mutations_read_like_the_codec(
+    msgs: list[Message], edits: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    stream = bytearray(b"".join(encode_frame(m) for m in msgs))
+    for at, value in edits:
+        stream[at % len(stream)] = value
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    chunks = [bytes(stream[a:b]) for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    rec, proto = feed(chunks)
+    want, fails = codec_reading(bytes(stream))
+    if not edits:
+        assert want == msgs and not fails
+    assert rec.frames == want
+    assert (proto.failure is not None) == fails
