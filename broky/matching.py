@@ -190,5 +190,11 @@ class Matcher(Generic[T, P]):
     def cache_len(self) -> int:
         return len(self._cache)
 
+    @property
+    def cached(self) -> dict[bytes, P]:
+        """The match cache itself (the same dict for the matcher's life; read-only
+        use): a hot caller may look a key up here first and call `match` on a miss."""
+        return self._cache
+
     def is_empty(self) -> bool:
         return self._root.empty() and not self.patterns

@@ -198,6 +198,7 @@ class Link:
         self.flush_handle: asyncio.Handle | None = None
         self.subs: dict[int, Subscription] = {}
         self.matcher: Matcher[Subscription, tuple[Subscription, ...]] = Matcher(tuple)
+        self._matched = self.matcher.cached  # key -> subscriptions, read first by on_message
         # ping id -> (future of the round trip, or None for a keepalive; `written` when sent)
         self.pings: dict[int, tuple[asyncio.Future[None] | None, int]] = {}
         self.next_ping = 0
@@ -479,7 +480,9 @@ class Link:
     def on_message(self, msg: Message) -> None:
         stats = self.client.stats
         stats.received += 1
-        subs = self.matcher.match(msg.key)
+        subs = self._matched.get(msg.key)
+        if subs is None:
+            subs = self.matcher.match(msg.key)
         if not subs:
             stats.unmatched += 1
             return
