@@ -974,7 +974,7 @@ class Client:
                         await asyncio.shield(self._refreshing)
                     links, results = await self._round_trips()
         except TimeoutError:
-            down = [link.ref.worker for link in links if link.proto is None]
+            down = [link.ref.worker for link in self._links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
             raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
         problems: list[str] = []
