@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
 import pytest
 from pyspark.sql import Row
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampNTZType, TimestampType
 
 from broky.spark import partition_writer
 from broky.spark.columns import BadColumnError, SinkConfigError, SinkSpec
@@ -22,7 +25,8 @@ def test_resolve_accepts_kafka_like_columns_and_ignores_others() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ts_type", "kind"), [("bigint", "bigint"), ("timestamp", "timestamp"), ("timestamp_ntz", "timestamp")]
+    ("ts_type", "kind"),
+    [("bigint", "bigint"), ("timestamp", "timestamp"), ("timestamp_ntz", "timestamp_ntz")],
 )
 def test_resolve_reads_ts_producer_type(ts_type: str, kind: str) -> None:
     assert SinkSpec.resolve([*TEXT, ("ts_producer", ts_type)], {}).ts_kind == kind
@@ -110,6 +114,48 @@ def test_values_of_reads_rows_and_checks_them() -> None:
         spec.values_of(Row(user="u", event="e", body="x", at="yesterday"))
 
 
+@pytest.fixture
+def away_from_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's local time is UTC-3 during the test."""
+    monkeypatch.setenv("TZ", "America/Sao_Paulo")  # no daylight saving time since 2019
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.parametrize("spark_type", ["timestamp", "timestamp_ntz"])
+def test_arrow_batches_and_rows_give_the_same_ts_producer(spark_type: str, away_from_utc: None) -> None:
+    """A TIMESTAMP is its instant, a TIMESTAMP_NTZ its wall-clock read as UTC, on both paths."""
+    micros = 1_767_323_045_123_456  # 2026-01-02 03:04:05.123456 (UTC; for an NTZ, the wall-clock)
+    spec = SinkSpec.resolve([*TEXT, ("ts_producer", spark_type)], {})
+    assert spec.ts_kind == spark_type
+    # what Spark hands a sink: in Arrow, a TIMESTAMP carries the session's zone, an NTZ none...
+    arrow_type = pa.timestamp("us", tz="Asia/Kolkata") if spark_type == "timestamp" else pa.timestamp("us")
+    batch = pa.record_batch(
+        {
+            "key_partition": ["u"],
+            "key": [b"k"],
+            "payload": ["p"],
+            "ts_producer": pa.array([micros], type=arrow_type),
+        }
+    )
+    # ...in a Row, a naive datetime: local time for a TIMESTAMP, the wall-clock for an NTZ
+    value = (TimestampType() if spark_type == "timestamp" else TimestampNTZType()).fromInternal(micros)
+    assert value.tzinfo is None
+    row = Row(key_partition="u", key=b"k", payload="p", ts_producer=value)
+    assert spec.columns_of(batch)[3] == [micros * 1000]
+    assert spec.values_of(row)[3] == micros * 1000
+
+
+def test_partition_writer_checks_the_ts_producer_type_of_a_schema() -> None:
+    schema = StructType([StructField("body", StringType()), StructField("at", LongType())])
+    partition_writer("a:1", payload_col="body", ts_producer_col="at", schema=schema)
+    bad = StructType([StructField("body", StringType()), StructField("at", StringType())])
+    with pytest.raises(BadColumnError, match="column 'at' has type string"):
+        partition_writer("a:1", payload_col="body", ts_producer_col="at", schema=bad)
+
+
 def test_client_options() -> None:
     config = ClientConfig.from_options(
         {
@@ -123,6 +169,7 @@ def test_client_options() -> None:
     assert config.servers == ("a:1", "b:2")
     assert config.sdk_options == {"batch_size": 65536, "linger": 0.005}
     assert (config.connect_timeout, config.auth_token) == (1.5, "s3cret")
+    assert config.flush_timeout == 10.0  # the default: a broker that is gone fails a task within 10 s
     with pytest.raises(SinkConfigError, match=r"broky\.servers"):
         ClientConfig.from_options({})
     with pytest.raises(SinkConfigError, match=r"'broky\.linger\.ms' must be a number"):

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from pyspark.errors import PySparkException
 from pyspark.sql import Row
 
 import broky
+from broky.errors import BrokyConnectionError, BrokyTimeoutError
 from broky.protocol import ksuid_text, parse_ksuid
 from broky.protocol.ksuid import ksuid_time
-from broky.spark import partition_writer
+from broky.spark import SinkWriteError, partition_writer
 from broky.spark.columns import SinkSpec
 from broky.spark.sink import ClientConfig, UidPlan, write_task
 from tests.serverproc import ServerProcess
-from tests.spark_fixtures import spark  # noqa: F401  (the session-scoped fixture)
+from tests.spark_fixtures import SparkLog, spark, spark_log  # noqa: F401  (the fixtures)
 
 pytestmark = pytest.mark.spark
 
@@ -28,12 +35,80 @@ EVENTS = ("view", "click", "buy")
 
 
 @contextmanager
-def subscriber(server: ServerProcess, pattern: str = ">") -> Iterator[Any]:
+def subscriber(server: ServerProcess, pattern: str = ">", **options: Any) -> Iterator[Any]:
     """A blocking SDK subscription that queues everything (up to 1M messages) until drained."""
-    with broky.connect_sync(f"127.0.0.1:{server.port}", name="test-sub") as client:
+    with broky.connect_sync(f"127.0.0.1:{server.port}", name="test-sub", **options) as client:
         sub = client.subscribe(pattern, max_pending_msgs=1_000_000, max_pending_bytes=512 << 20)
         client.flush()
         yield sub
+
+
+COMMIT = r"broky sink: {what} published (\d+) rows in (\d+) tasks \(([^)]*)\)"
+
+
+def commits(log: SparkLog, mark: int, what: str, count: int = 1) -> list[tuple[int, int, str]]:
+    """(rows, tasks, the rest) of the driver's commit lines about `what` (a regex) since `mark`."""
+    found = log.wait_for(mark, COMMIT.format(what=what), count)
+    return [(int(f.group(1)), int(f.group(2)), f.group(3)) for f in found]
+
+
+class KillAfter:
+    """A thread that takes `count` messages from `sub`, then calls `kill` (mid-write).
+
+    The Spark write itself stays in the test's thread: a ``save()`` called from
+    another Python thread does not find the ``broky`` source (PySpark 4.3).
+    """
+
+    def __init__(self, sub: Any, count: int, kill: Callable[[], None], timeout: float = 60.0) -> None:
+        self.sub = sub
+        self.count = count
+        self.kill = kill
+        self.timeout = timeout
+        self.got: list[broky.Message] = []
+        self.killed_at: float | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.got = list(self.sub.iter(timeout=self.timeout, count=self.count))
+        if len(self.got) == self.count:
+            self.kill()
+            self.killed_at = time.monotonic()
+
+    def join(self) -> list[broky.Message]:
+        """The messages taken before the kill; fails unless the kill happened."""
+        self.thread.join(self.timeout + 10)
+        assert self.killed_at is not None, f"received {len(self.got)} of {self.count}: no kill"
+        return self.got
+
+
+def throttled(df: Any, pause: float, every: int = 10_000) -> Any:
+    """`df` (whose payload is its row number) with a pause of `pause` s every `every` rows.
+
+    A write that lasts long enough to be broken mid-way. A plain Python UDF
+    (mapInArrow and Arrow UDFs would need pandas); Spark pipelines it into the sink's tasks.
+    """
+    from pyspark.sql.functions import udf
+
+    def slow(payload: str) -> str:
+        import time
+
+        if int(payload) % every == 0:
+            time.sleep(pause)
+        return payload
+
+    return df.withColumn("payload", udf(slow, "string", useArrow=False)("payload"))
+
+
+def worker_index(server: ServerProcess, pid: int, timeout: float = 10.0) -> int:
+    """The index of the worker that had `pid`, from the supervisor's "died" line in the server's log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(rf"worker (\d+) \(pid {pid}\) died", server.log())
+        if found:
+            return int(found.group(1))
+        time.sleep(0.05)
+    raise AssertionError(f"no death of pid {pid} in the server's log:\n{server.log()}")
 
 
 def drain(sub: Any, expected: int, idle: float = 5.0) -> list[broky.Message]:
@@ -140,6 +215,7 @@ def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: Se
     # the rate source numbers its rows 0, 1, 2...: every committed micro-batch arrived in full
     assert set(range(committed)) <= values, f"committed {committed}, received {len(values)}"
     assert len(got) == len(values), "no duplicates without failures"
+    assert len({m.uid for m in got}) == len(got), "uids are unique across micro-batches"
     for m in got:
         assert m.key_partition == str(int(m.payload) % 10).encode()
         assert m.ts_producer is not None and abs(m.ts_producer - time.time_ns()) < 300e9
@@ -236,3 +312,275 @@ def test_a_retried_task_republishes_the_same_uids(server: ServerProcess) -> None
     uids = [m.uid for m in got]
     assert uids[:50] == uids[50:100], "a retry carries the same uids"
     assert len(set(uids)) == 100, "another write carries other uids"
+
+
+# ---------------------------------------------------------------- what the driver logs
+
+
+def test_the_driver_logs_the_total_of_a_batch_write(
+    spark: Any,  # noqa: F811
+    spark_log: SparkLog,  # noqa: F811
+    server: ServerProcess,
+) -> None:
+    rows = 12_345
+    df = spark.range(0, rows, numPartitions=3).selectExpr(
+        "CAST(id % 97 AS STRING) AS key_partition", "'total.row' AS key", "CAST(id AS STRING) AS payload"
+    )
+    mark = spark_log.mark()
+    with subscriber(server, "total.row") as sub:
+        df.write.format("broky").option("broky.servers", servers(server)).mode("append").save()
+        got = drain(sub, rows)
+    [(total, tasks, rest)] = commits(spark_log, mark, "batch write")
+    assert (total, tasks) == (rows, 3)
+    assert "retried" not in rest
+    assert len(got) == rows
+
+
+def test_the_driver_logs_the_total_of_each_micro_batch(
+    spark: Any,  # noqa: F811
+    spark_log: SparkLog,  # noqa: F811
+    server: ServerProcess,
+) -> None:
+    stream = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", 1000)
+        .option("numPartitions", 2)
+        .load()
+        .selectExpr("CAST(value % 10 AS STRING) AS key_partition", "'rate.total' AS key", "'x' AS payload")
+    )
+    mark = spark_log.mark()
+    with subscriber(server, "rate.total") as sub, tempfile.TemporaryDirectory(prefix="broky-ckpt-") as ckpt:
+        query = (
+            stream.writeStream.format("broky")
+            .option("broky.servers", servers(server))
+            .option("checkpointLocation", ckpt)
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len([p for p in query.recentProgress if p["numInputRows"] > 0]) < 2:
+                assert time.monotonic() < deadline, (
+                    f"fewer than 2 non-empty micro-batches: {query.recentProgress}"
+                )
+                assert query.exception() is None
+                time.sleep(0.2)
+        finally:
+            query.stop()
+        assert query.exception() is None
+        inputs = {p["batchId"]: p["numInputRows"] for p in query.recentProgress if p["numInputRows"] > 0}
+        got = drain(sub, sum(inputs.values()))
+    found = spark_log.wait_for(mark, COMMIT.format(what=r"micro-batch (\d+)"), count=len(inputs))
+    totals = {int(f.group(1)): (int(f.group(2)), int(f.group(3))) for f in found}
+    assert {batch: totals.get(batch, (None, 0))[0] for batch in inputs} == inputs, totals
+    assert len(got) == sum(inputs.values())
+
+
+# ---------------------------------------------------------------- the broker fails mid-write
+
+
+def test_write_task_names_broker_worker_and_rows_at_risk_when_a_worker_is_killed(
+    server: ServerProcess,
+) -> None:
+    """A worker SIGKILLed at row 50k of 200k: the task fails at once, saying what may be lost."""
+    spec = SinkSpec(None, None, "absent")
+    config = ClientConfig.from_options({"broky.servers": servers(server)})
+    killed: list[int] = []
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for b in range(20):
+            if b == 5:
+                killed.append(server.worker_pids()[0])
+                os.kill(killed[0], signal.SIGKILL)
+            ids = range(b * 10_000, (b + 1) * 10_000)
+            yield pa.record_batch(
+                {
+                    "key_partition": [f"u{i % 97}" for i in ids],
+                    "key": ["kill.row"] * len(ids),
+                    "payload": [str(i) for i in ids],
+                }
+            )
+
+    with pytest.raises(SinkWriteError) as info:
+        write_task(batches(), spec, config, UidPlan.new(streaming=False))
+    err = info.value
+    index = worker_index(server, killed[0])
+    text = str(err)
+    assert err.workers == (index,)
+    assert f"could not deliver to broker broky://127.0.0.1:{server.port}: " in text
+    assert f"the connection to worker {index} dropped" in text
+    assert f"; {err.rows_at_risk} of the {err.rows_published} rows it published may be lost" in text
+    assert "Spark retries it" in text
+    assert 0 < err.rows_at_risk <= err.rows_published < 200_000, "it stopped publishing at once"
+    cause = err.__cause__
+    assert isinstance(cause, BrokyConnectionError)
+    # the SDK's count, per worker, is the one the task reports
+    assert f"worker {index}: {err.rows_at_risk} publishes may not have reached the server" in str(cause)
+
+
+@pytest.mark.parametrize(
+    ("sig", "when"),
+    [
+        (signal.SIGTERM, "mid-write"),
+        (signal.SIGKILL, "mid-write"),
+        # not SIGTERM before the flush: a broker stopping gracefully may still answer it, and then
+        # every row did reach it (it counts those it could not deliver as dropped at shutdown)
+        (signal.SIGKILL, "before the flush"),
+    ],
+    ids=["SIGTERM-mid-write", "SIGKILL-mid-write", "SIGKILL-before-the-flush"],
+)
+def test_write_task_fails_in_bounded_time_naming_the_broker_when_it_dies(
+    server: ServerProcess, sig: int, when: str
+) -> None:
+    spec = SinkSpec(None, None, "absent")
+    config = ClientConfig.from_options(
+        {
+            "broky.servers": servers(server),
+            "broky.flush.timeout.ms": "1500",
+            "broky.connect.timeout.ms": "500",
+        }
+    )
+    kill_at = 3 if when == "mid-write" else 10
+
+    def kill() -> None:
+        if sig == signal.SIGKILL:
+            os.killpg(server.pid, signal.SIGKILL)  # master and workers at once
+        else:
+            server.signal(signal.SIGTERM)
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for b in range(10):
+            if b == kill_at:
+                kill()
+            yield pa.record_batch(
+                {
+                    "key_partition": [f"u{i}" for i in range(5_000)],
+                    "key": ["die.row"] * 5_000,
+                    "payload": ["x"] * 5_000,
+                }
+            )
+        if kill_at == 10:
+            kill()  # every row published, none confirmed: only the flush can tell
+
+    started = time.monotonic()
+    with pytest.raises(SinkWriteError) as info:
+        write_task(batches(), spec, config, UidPlan.new(streaming=False))
+    elapsed = time.monotonic() - started
+    err = info.value
+    text = str(err)
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+    assert f"could not deliver to broker broky://127.0.0.1:{server.port}: " in text
+    assert "the flush did not complete within 1.5 s, workers 0, 1 down" in text
+    assert err.workers == (0, 1)
+    assert err.rows_at_risk == err.rows_published > 0
+    assert isinstance(err.__cause__, BrokyTimeoutError)
+
+
+def test_a_worker_killed_mid_write_fails_the_task_and_the_retry_delivers_every_row(
+    spark: Any,  # noqa: F811
+    spark_log: SparkLog,  # noqa: F811
+    server: ServerProcess,
+) -> None:
+    """At-least-once through Spark: local[2,3] retries the failed tasks; dedup by uid gives every row."""
+    rows = 200_000
+    df = throttled(clickstream(spark, rows), pause=0.3)  # 2 tasks of 100k rows: 3 s each at least
+    # the subscriber reconnects within 20 ms, long before a retried task publishes again
+    fast = {"reconnect_min_delay": 0.01, "reconnect_max_delay": 0.02}
+    killed: list[int] = []
+
+    def kill_a_worker() -> None:
+        killed.append(server.worker_pids()[0])
+        os.kill(killed[0], signal.SIGKILL)
+
+    mark = spark_log.mark()
+    with subscriber(server, "clicks.>", **fast) as sub:
+        killer = KillAfter(sub, 30_000, kill_a_worker)
+        df.write.format("broky").option("broky.servers", servers(server)).mode(
+            "append"
+        ).save()  # retries succeed
+        got = killer.join() + list(sub.iter(timeout=3))
+    index = worker_index(server, killed[0])
+    uids = {m.uid for m in got}
+    assert len(uids) == rows, f"{rows - len(uids)} rows never arrived"
+    assert {int(m.payload) for m in got} == set(range(rows))
+    assert len(got) > rows, "the failed attempts had delivered part of their rows already"
+    # Spark logs each lost task with its Python error, ours
+    failures = spark_log.wait_for(
+        mark,
+        r"SinkWriteError: broky sink: Spark partition \d \(attempt 0\) could not deliver to broker "
+        rf"broky://127\.0\.0\.1:{server.port}: the connection to worker {index} dropped before the server "
+        r"confirmed every publish; (\d+) of the (\d+) rows it published may be lost",
+    )
+    assert failures, spark_log.since(mark)[-5000:]
+    assert all(0 < int(f.group(1)) <= int(f.group(2)) for f in failures)
+    [(total, tasks, rest)] = commits(spark_log, mark, "batch write")
+    assert (total, tasks) == (rows, 2)
+    assert "retried" in rest
+
+
+def test_a_broker_stopped_mid_write_fails_the_write_in_bounded_time(
+    spark: Any,  # noqa: F811
+    spark_log: SparkLog,  # noqa: F811
+    server: ServerProcess,
+) -> None:
+    df = throttled(clickstream(spark, 100_000), pause=0.3)
+    mark = spark_log.mark()
+    with subscriber(server, "clicks.>") as sub:
+        killer = KillAfter(sub, 10_000, lambda: server.signal(signal.SIGTERM))
+        with pytest.raises(PySparkException) as info:
+            df.write.format("broky").option("broky.servers", servers(server)).option(
+                "broky.flush.timeout.ms", "2000"
+            ).option("broky.connect.timeout.ms", "2000").mode("append").save()
+        failed_at = time.monotonic()
+        killer.join()
+    assert killer.killed_at is not None
+    elapsed = failed_at - killer.killed_at
+    assert elapsed < 45, f"the write failed {elapsed:.1f} s after the broker stopped"
+    # 3 attempts: the first loses the broker (or, for a task that had not started, cannot connect), the
+    # others cannot connect (2 s each: the first attempt's 2 s flush timeout ends first); the job's error
+    # is the last one
+    assert f"127.0.0.1:{server.port}" in str(info.value)
+    failures = spark_log.wait_for(
+        mark,
+        r"SinkWriteError: broky sink: Spark partition \d \(attempt 0\) could not deliver to broker "
+        rf"broky://127\.0\.0\.1:{server.port}: the flush did not complete within 2 s, workers 0, 1 down",
+    )
+    assert failures, spark_log.since(mark)[-5000:]
+
+
+# ---------------------------------------------------------------- timestamps
+
+
+@pytest.mark.parametrize(
+    ("column", "spark_type"),
+    [
+        ("timestamp_micros(1767323045123456)", "timestamp"),
+        ("make_timestamp_ntz(2026, 1, 2, 3, 4, 5.123456)", "timestamp_ntz"),
+    ],
+)
+def test_timestamps_give_the_same_ts_producer_through_arrow_batches_and_rows(
+    spark: Any,  # noqa: F811
+    server: ServerProcess,
+    column: str,
+    spark_type: str,
+) -> None:
+    """A TIMESTAMP is its instant, a TIMESTAMP_NTZ its wall-clock as UTC, on both paths.
+
+    The session's time zone and the Python workers' are both away from UTC (see
+    tests/spark_fixtures.py), so a value read in the wrong zone is hours off.
+    """
+    expected = int(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()) * 10**9 + 123_456_000
+    df = spark.range(0, 4, numPartitions=2).selectExpr(
+        "CAST(id AS STRING) AS key_partition", "CAST(id AS STRING) AS payload", f"{column} AS ts_producer"
+    )
+    assert df.schema["ts_producer"].dataType.simpleString() == spark_type
+    with subscriber(server, "ts.*") as sub:
+        df.write.format("broky").option("broky.servers", servers(server)).option("key", "ts.arrow").mode(
+            "append"
+        ).save()
+        df.foreachPartition(partition_writer(servers(server), key="ts.rows", schema=df.schema))
+        got = drain(sub, 8)
+    assert (
+        sorted((m.key, m.ts_producer) for m in got)
+        == [(b"ts.arrow", expected)] * 4 + [(b"ts.rows", expected)] * 4
+    )

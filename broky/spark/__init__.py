@@ -19,7 +19,7 @@ Streaming::
     df.foreachPartition(broky.spark.partition_writer(servers="127.0.0.1:4777"))
 
 Columns ``key_partition``, ``key``, ``payload`` (string or binary) and an
-optional ``ts_producer`` (long nanoseconds or timestamp); see
+optional ``ts_producer`` (long nanoseconds, timestamp or timestamp_ntz); see
 `broky.spark.columns`. Delivery is at-least-once; see `broky.spark.sink`.
 """
 
@@ -36,10 +36,11 @@ from broky.spark.columns import (
     BadColumnError,
     SinkConfigError,
     SinkSpec,
+    check_ts_type,
 )
-from broky.spark.sink import ClientConfig, UidPlan, log, write_task
+from broky.spark.sink import ClientConfig, SinkWriteError, UidPlan, log, write_task
 
-__all__ = ["BadColumnError", "SinkConfigError", "partition_writer", "register"]
+__all__ = ["BadColumnError", "SinkConfigError", "SinkWriteError", "partition_writer", "register"]
 
 
 def register(spark: Any, *, discard: bool = False) -> None:
@@ -68,6 +69,7 @@ def partition_writer(
     ts_producer_col: str | None = TS_PRODUCER,
     key_partition: str | bytes | None = None,
     key: str | bytes | None = None,
+    schema: Any = None,
     **options: str,
 ) -> Callable[[Iterator[Any]], None]:
     """A function for ``df.foreachPartition`` that publishes every row to Broky.
@@ -87,6 +89,11 @@ def partition_writer(
             None: never read it.
         key_partition: a constant key_partition for every row (the column is not read).
         key: a constant key for every row (the column is not read).
+        schema: the DataFrame's schema (``df.schema``), optional. With it, the
+            type of ts_producer_col is checked at once and known in the tasks: a
+            TIMESTAMP_NTZ is read as UTC wall-clock, as the data source does.
+            Without it, Spark Rows carry no types and a naive datetime is taken
+            as a TIMESTAMP (the Python worker's local time).
         **options: the data source's other ``broky.*`` options, e.g.
             ``**{"broky.linger.ms": "5"}``.
 
@@ -95,12 +102,20 @@ def partition_writer(
 
     Raises:
         SinkConfigError: an option is not valid (raised at once, on the driver).
+        BadColumnError: `schema` gives ts_producer_col a type that is not a long
+            or a timestamp (raised at once, on the driver).
     """
     config = ClientConfig.from_options({**options, "broky.servers": servers})
+    ts_kind = "absent" if ts_producer_col is None else "auto"
+    if schema is not None and ts_producer_col is not None:
+        types = {f.name: f.dataType.simpleString() for f in schema.fields}
+        if ts_producer_col in types:
+            check_ts_type(ts_producer_col, types)
+            ts_kind = types[ts_producer_col]
     spec = SinkSpec(
         key_partition=_constant(key_partition),
         key=_constant(key),
-        ts_kind="absent" if ts_producer_col is None else "auto",
+        ts_kind=ts_kind,
         key_partition_col=key_partition_col,
         key_col=key_col,
         payload_col=payload_col,

@@ -8,12 +8,25 @@ column          Spark type                   message field
 key_partition   string or binary, not null   key_partition (hashed to choose the shard)
 key             string or binary, not null   key (matched against subscriptions)
 payload         string or binary, not null   payload
-ts_producer     long (ns) or timestamp       ts_producer; null or absent: the SDK's clock
+ts_producer     long (ns), timestamp or      ts_producer; null or absent: the SDK's clock
+                timestamp_ntz
 ==============  ===========================  ==========================================
 
 Options ``key_partition`` and ``key`` give one constant value for every row and
 override (and make optional) the column of the same name. Other columns are
 ignored, as Spark's Kafka sink does.
+
+Time zones: a TIMESTAMP is an instant and is sent as such. A TIMESTAMP_NTZ has
+no zone; the sink reads its wall-clock value as UTC, on every path (Arrow
+batches and Spark Rows alike). Why UTC and not the session time zone: the
+tasks do not know the session's zone (an NTZ Arrow column carries none), and
+UTC gives the same instant wherever the job runs. For another zone, convert it
+in Spark first: ``CAST(ts AS TIMESTAMP)`` reads it in the session time zone,
+``convert_timezone('Europe/Paris', 'UTC', ts)`` in a named one. Spark Rows
+carry no types, so the row path is told which kind the column is
+(`SinkSpec.ts_kind`): Spark hands a TIMESTAMP to Python as a naive datetime in
+the worker's local time, a TIMESTAMP_NTZ as a naive datetime holding the
+wall-clock value.
 
 Checks happen in two places. On the driver, `SinkSpec.resolve` checks the
 schema: a missing column or a column of the wrong type fails the write before
@@ -65,9 +78,10 @@ class SinkSpec:
     Attributes:
         key_partition: a constant key_partition for every row, or None to read the column.
         key: a constant key for every row, or None to read the column.
-        ts_kind: "absent", "bigint" (nanoseconds), "timestamp" (Spark microseconds) or
-            "auto" (rows only: an int is nanoseconds, a datetime is converted, None or a
-            missing field leaves it to the SDK).
+        ts_kind: "absent", "bigint" (nanoseconds), "timestamp" (an instant; in a Row a
+            naive datetime is local time), "timestamp_ntz" (wall-clock read as UTC) or
+            "auto" (rows only: an int is nanoseconds, a datetime is converted as for
+            "timestamp", None or a missing field leaves it to the SDK).
         key_partition_col, key_col, payload_col, ts_producer_col: the column names.
     """
 
@@ -108,8 +122,8 @@ class SinkSpec:
         _check_type(PAYLOAD, types, _TEXT_TYPES)
         ts_kind = "absent"
         if TS_PRODUCER in types:
-            _check_type(TS_PRODUCER, types, _TS_TYPES)
-            ts_kind = "bigint" if types[TS_PRODUCER] == "bigint" else "timestamp"
+            check_ts_type(TS_PRODUCER, types)
+            ts_kind = types[TS_PRODUCER]  # "bigint", "timestamp" or "timestamp_ntz"
         return cls(constants[KEY_PARTITION], constants[KEY], ts_kind)
 
     def columns_of(self, batch: Any) -> tuple[list[Any], list[Any], list[Any], list[Any] | None, int]:
@@ -149,8 +163,9 @@ class SinkSpec:
         ts: list[Any] | None = None
         if self.ts_kind != "absent":
             column = batch.column(self.ts_producer_col)
-            if self.ts_kind == "timestamp":
-                # Spark timestamps are microseconds; the wire wants nanoseconds
+            if pa.types.is_timestamp(column.type):
+                # microseconds since the epoch: a TIMESTAMP's instant, a TIMESTAMP_NTZ's
+                # wall-clock as UTC (its Arrow column has no zone); the wire wants ns
                 column = pc.multiply(column.cast(pa.timestamp("us")).cast(pa.int64()), 1000)
             ts = column.to_pylist()
         return kps, keys, payloads, ts, rows
@@ -177,8 +192,13 @@ class SinkSpec:
             if isinstance(value, int):
                 ts = value
             elif value is not None:
-                ts = _datetime_ns(value, self.ts_producer_col)
+                ts = _datetime_ns(value, self.ts_producer_col, self.ts_kind == "timestamp_ntz")
         return kp, key, payload, ts
+
+
+def check_ts_type(name: str, types: Mapping[str, str]) -> None:
+    """Raise BadColumnError unless column `name` is a long or a timestamp (of either kind)."""
+    _check_type(name, types, _TS_TYPES)
 
 
 def _check_type(name: str, types: Mapping[str, str], allowed: tuple[str, ...]) -> None:
@@ -209,11 +229,17 @@ def _text(row: Any, name: str) -> bytes:
     raise BadColumnError(name, f"holds a {type(value).__name__}, expected str or bytes")
 
 
-def _datetime_ns(value: Any, column: str) -> int:
+def _datetime_ns(value: Any, column: str, ntz: bool) -> int:
+    """Nanoseconds since the epoch of a datetime from a Row.
+
+    A naive datetime is local time for a TIMESTAMP (what Spark hands out) and
+    UTC wall-clock for a TIMESTAMP_NTZ (`ntz`); an aware one is its instant.
+    """
     from datetime import UTC, datetime
 
     if isinstance(value, datetime):
-        aware = value.astimezone(UTC)  # Spark hands out local naive datetimes
+        when: datetime = value.replace(tzinfo=UTC) if ntz and value.tzinfo is None else value
+        aware = when.astimezone(UTC)  # a naive datetime is taken as local time
         delta = aware - datetime(1970, 1, 1, tzinfo=UTC)
         return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
     raise BadColumnError(column, f"holds a {type(value).__name__}, expected a long or a timestamp")

@@ -16,9 +16,19 @@ the driver adds them up and logs the total of each batch (or micro-batch).
 Delivery is at-least-once. Any error (a bad row, the broker unreachable, a
 connection lost before the flush completed) raises, the task fails and Spark
 may run it again (``spark.task.maxFailures``; local mode does not retry unless
-the master is ``local[N,F]``). A retried task publishes its rows again, so
-subscribers may see a message twice, with the same `uid`: the sink sets each
-message's uid (a valid KSUID) itself, deterministically::
+the master is ``local[N,F]``). A connection to a worker that drops while the
+task publishes may take written but unconfirmed publishes with it; the SDK
+counts them (``stats.unconfirmed_lost``) and its flush raises. The task checks
+that count after every Arrow batch (or 1024 Rows): once it is not zero the task
+cannot succeed, so it stops publishing, flushes at once (the flush waits for
+the worker to come back, within the flush timeout, then raises) and fails with
+a `SinkWriteError` naming the broker, the workers and how many rows may be
+lost; the SDK's error is its ``__cause__``. The same for a broker that is gone:
+the reconnect buffer fills (PublishBufferFullError) or the flush times out.
+
+A retried task publishes its rows again, so subscribers may see a message
+twice, with the same `uid`: the sink sets each message's uid (a valid KSUID)
+itself, deterministically::
 
     uid = 4 bytes  KSUID seconds when the write was planned (driver)
         + 8 bytes  write id: a hash of a random number drawn when the write was
@@ -35,7 +45,12 @@ bytes only, so a consumer of a streaming sink that must survive restarts
 deduplicates on ``uid[4:]``.
 
 Nothing here waits without a bound: connecting gives up after
-``broky.connect.timeout.ms``, and the final flush after ``broky.flush.timeout.ms``.
+``broky.connect.timeout.ms``, and the final flush after ``broky.flush.timeout.ms``
+(default 10 s, the SDK's own default, not Kafka's minutes: the flush comes after
+the last publish, which the socket's back-pressure already paced, so a healthy
+broker answers it in milliseconds, and a worker restarted by the server is back
+in about a second; a broker that is gone fails the task within those 10 s, and
+Spark's retry, not a longer wait, is what brings the rows through).
 """
 
 from __future__ import annotations
@@ -52,14 +67,57 @@ from typing import Any
 
 from pyspark.sql.datasource import WriterCommitMessage
 
-from broky.errors import BrokyConnectionError
+from broky.errors import BrokyConnectionError, BrokyError, BrokyTimeoutError, PublishBufferFullError
 from broky.spark.columns import SinkConfigError, SinkSpec
 
 log = logging.getLogger("broky.spark")
 
 DEFAULT_CONNECT_TIMEOUT_MS = 5_000
-DEFAULT_FLUSH_TIMEOUT_MS = 60_000
+DEFAULT_FLUSH_TIMEOUT_MS = 10_000  # see the module's docstring
 KSUID_EPOCH = 1_400_000_000
+
+
+class SinkWriteError(BrokyError):
+    """A task could not confirm that its rows reached the broker; Spark may retry it.
+
+    Raised by `write_task` from the SDK's error (its ``__cause__``): a connection
+    dropped with publishes unconfirmed, a worker stayed down until the reconnect
+    buffer filled, or the final flush timed out.
+
+    Attributes:
+        server: the broker the task was connected to (``broky://host:port``).
+        workers: the workers whose connection dropped during the task (or, for a
+            timeout, that were down), sorted; empty if none did.
+        rows_at_risk: rows that may not have reached the server.
+        rows_published: rows the task had handed to the SDK when it failed.
+        partition: the Spark partition id (-1 outside a task).
+        attempt: the task's attempt number (0 for the first).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        server: str,
+        workers: tuple[int, ...],
+        rows_at_risk: int,
+        rows_published: int,
+        partition: int,
+        attempt: int,
+        cause: BaseException,
+    ) -> None:
+        super().__init__(
+            f"broky sink: Spark partition {partition} (attempt {attempt}) could not deliver to broker "
+            f"{server}: {reason}; {rows_at_risk} of the {rows_published} rows it published may be lost. "
+            "The task fails so that Spark retries it (at-least-once: a retry republishes the same "
+            f"uids). Cause: {type(cause).__name__}: {cause}"
+        )
+        self.server = server
+        self.workers = workers
+        self.rows_at_risk = rows_at_risk
+        self.rows_published = rows_published
+        self.partition = partition
+        self.attempt = attempt
 
 
 @dataclass(frozen=True)
@@ -111,8 +169,12 @@ class ClientConfig:
             sdk_options=sdk,
         )
 
-    async def connect(self, name: str) -> Any:
+    async def connect(self, name: str, **callbacks: Any) -> Any:
         """Connect to the first server that answers; return the asyncio client.
+
+        Args:
+            name: the client's name.
+            **callbacks: the SDK's ``on_disconnect``, ``on_reconnect``...
 
         Raises:
             BrokyConnectionError: no server answered; the message names every address tried.
@@ -129,6 +191,7 @@ class ClientConfig:
                     connect_timeout=self.connect_timeout,
                     flush_timeout=self.flush_timeout,
                     **self.sdk_options,
+                    **callbacks,
                 )
             except BrokyConnectionError as exc:
                 errors.append(f"{server}: {exc}")
@@ -215,7 +278,9 @@ def write_task(
 
     Raises:
         BadColumnError: a row breaks the column rules.
-        BrokyError: the broker could not be reached, or the flush did not complete.
+        BrokyConnectionError: no broker could be reached (the message names every address).
+        SinkWriteError: rows may not have reached the broker (a connection dropped,
+            a worker stayed down, the flush timed out); the SDK's error is its cause.
     """
     partition, attempt = task_identity()
     started = time.perf_counter()
@@ -223,27 +288,106 @@ def write_task(
     rows = 0
     loop = None
     client = None  # connected at the first row: an empty partition costs nothing
+    watch = _Watch()
+    failure: BrokyError | None = None
     try:
         for kps, keys, payloads, ts, n in _chunks(items, spec):
             if client is None:
                 import uvloop
 
                 loop = uvloop.new_event_loop()
-                client = loop.run_until_complete(config.connect(f"{config.name}-p{partition}-a{attempt}"))
+                client = loop.run_until_complete(
+                    config.connect(
+                        f"{config.name}-p{partition}-a{attempt}",
+                        on_disconnect=watch.on_disconnect,
+                        on_reconnect=watch.on_reconnect,
+                    )
+                )
             if prefix is None:
                 ids: list[Any] = [True] * n
             else:
                 ids = [prefix + i.to_bytes(4, "big") for i in range(rows, rows + n)]
             loop.run_until_complete(_publish(client, kps, keys, payloads, ts or [None] * n, ids))  # type: ignore[union-attr]
             rows += n
+            if client.stats.unconfirmed_lost:
+                break  # this task cannot succeed: let the flush below raise the SDK's error now
         if client is not None:
             loop.run_until_complete(client.flush(timeout=config.flush_timeout))  # type: ignore[union-attr]
+            if client.stats.unconfirmed_lost:  # the flush above raises first; never report success
+                raise BrokyConnectionError(f"{client.stats.unconfirmed_lost} publishes unconfirmed")
+    except (BrokyConnectionError, BrokyTimeoutError, PublishBufferFullError) as exc:
+        if client is None:
+            raise  # could not connect: that error names every address tried
+        failure = exc
     finally:
         if loop is not None:
             if client is not None:
                 loop.run_until_complete(client.close())
             loop.close()
+    if failure is not None:
+        raise watch.error(failure, client, config, partition, attempt) from failure
     return BrokyCommitMessage(rows, partition, attempt, time.perf_counter() - started)
+
+
+class _Watch:
+    """What the SDK tells one task through its callbacks (they run on the task's loop)."""
+
+    def __init__(self) -> None:
+        self.dropped: set[int] = set()  # workers whose connection dropped during the task
+        self.down: set[int] = set()  # ... and have not reconnected yet
+
+    def on_disconnect(self, ref: Any, exc: BaseException | None) -> None:
+        self.dropped.add(ref.worker)
+        self.down.add(ref.worker)
+
+    def on_reconnect(self, ref: Any) -> None:
+        self.down.discard(ref.worker)
+
+    def error(
+        self, exc: BrokyError, client: Any, config: ClientConfig, partition: int, attempt: int
+    ) -> SinkWriteError:
+        """The task's error for an SDK error, once the client is closed (its counts are final)."""
+        stats = client.stats
+        published = stats.published
+        # written to a connection that dropped before a Pong confirmed them, or
+        # still buffered for a worker that was down at close()
+        at_risk = stats.unconfirmed_lost + stats.unsent_on_close
+        workers = sorted(self.dropped)
+        if isinstance(exc, PublishBufferFullError):
+            workers = sorted(self.down or self.dropped)
+            reason = (
+                f"{_workers(workers)} down, and the publishes waiting for it filled the reconnect "
+                f"buffer ({exc.pending_bytes} bytes, limit {exc.limit})"
+            )
+        elif isinstance(exc, BrokyTimeoutError):
+            workers = sorted(self.down)
+            down = f", {_workers(workers)} down" if workers else ""
+            reason = f"the flush did not complete within {config.flush_timeout:g} s{down}"
+            at_risk = published  # no flush confirmed any of them
+        elif workers:
+            reason = (
+                f"the connection to {_workers(workers)} dropped before the server confirmed every publish"
+            )
+        else:
+            reason = "a connection failed"
+        return SinkWriteError(
+            reason,
+            server=str(client.address),
+            workers=tuple(workers),
+            rows_at_risk=min(at_risk, published),
+            rows_published=published,
+            partition=partition,
+            attempt=attempt,
+            cause=exc,
+        )
+
+
+def _workers(workers: list[int]) -> str:
+    if not workers:
+        return "a worker"
+    if len(workers) == 1:
+        return f"worker {workers[0]}"
+    return "workers " + ", ".join(map(str, workers))
 
 
 ROW_CHUNK = 1024  # Spark Rows published per turn of the task's event loop
@@ -287,9 +431,16 @@ def log_commit(messages: Iterable[BrokyCommitMessage | None], what: str) -> int:
     done = [m for m in messages if m is not None]
     total = sum(m.rows for m in done)
     slowest = max((m.seconds for m in done), default=0.0)
+    retried = sum(1 for m in done if m.attempt > 0)
+    again = f", {retried} of them retried: subscribers may see duplicates, same uid" if retried else ""
     _ensure_handler()
     log.info(
-        "broky sink: %s published %d rows in %d tasks (slowest task %.2f s)", what, total, len(done), slowest
+        "broky sink: %s published %d rows in %d tasks (slowest task %.2f s%s)",
+        what,
+        total,
+        len(done),
+        slowest,
+        again,
     )
     return total
 
@@ -308,12 +459,17 @@ def log_abort(messages: Iterable[BrokyCommitMessage | None], what: str) -> None:
 
 def _ensure_handler() -> None:
     # commit/abort run in a Python worker that Spark starts for them, where
-    # logging is not configured: without a handler the INFO line would vanish.
+    # logging is not configured: without a handler and the INFO level the line
+    # would vanish. With spark.sql.pyspark.worker.logging.enabled (PySpark 4.1+)
+    # Spark puts a handler on the root logger (its level stays WARNING) and
+    # collects a batch commit's records in spark.tvf.python_worker_logs() (in
+    # PySpark 4.3 a streaming commit's are lost that way).
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
 
 
 def _number(opts: Mapping[str, str], name: str, kind: type, default: float | None = None) -> Any:
