@@ -221,6 +221,72 @@ def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
     run(main)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([b"a", b"bb", "cc"]),
+            st.sampled_from([b"k.1", "k.2"]),
+            st.sampled_from([b"", b"x", b"xyz" * 10]),
+            st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+        ),
+        max_size=40,
+    ),
+    given_uids=st.booleans(),
+)
+def test_publish_rows_equals_publishing_each_row(
+    rows: list[tuple[bytes | str, bytes | str, bytes, int | None]], given_uids: bool
+) -> None:
+    # The Spark sink's bulk path: the same frames as `publish` row by row, the
+    # fast path once a shape repeats, the general path otherwise.
+    async def main() -> None:
+        client, link = _client()
+        kps, keys, payloads = ([r[i] for r in rows] for i in range(3))
+        ts = [r[3] for r in rows]
+        prefix = bytes(range(12)) if given_uids else None
+        before = time.time_ns()
+        await client._publish_rows(kps, keys, payloads, ts, prefix, 7 << 32)
+        assert client.stats.published == len(rows) == len(link.out)
+        seen = set()
+        for i, (frame, (kp, key, payload, t)) in enumerate(zip(link.out, rows, strict=True)):
+            msg = decode_message(frame)
+            bkp = kp.encode() if isinstance(kp, str) else kp
+            bkey = key.encode() if isinstance(key, str) else key
+            assert (msg.key_partition, msg.key, msg.payload) == (bkp, bkey, payload)
+            if t is None:
+                assert before <= msg.ts_producer <= time.time_ns()
+            else:
+                assert msg.ts_producer == t
+            if prefix is not None:
+                assert msg.uid == prefix + ((7 << 32) + i).to_bytes(8, "little")
+            assert msg.uid is not None
+            seen.add(msg.uid)
+            assert frame == encode_message(bkp, bkey, payload, msg.ts_producer, 0, msg.uid)
+        assert len(seen) == len(rows)
+
+    run(main)
+
+
+def test_publish_rows_raises_like_publish() -> None:
+    async def main() -> None:
+        client, _ = _client(max_frame=300)
+        ok = [b"p"] * 3
+        await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
+        with pytest.raises(broky.PayloadTooLargeError):
+            await client._publish_rows(ok, [b"k"] * 3, [b"v", b"x" * 300, b"v"], None, None)
+        with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
+            await client._publish_rows(ok, [b"k"] * 3, [b"v", "s", b"v"], None, None)
+        with pytest.raises(broky.LocalProtocolError):
+            await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, [0, 2**63, 0], None)
+        assert client.stats.published == 6  # every row before the one that raised
+        client._closed, client._open = True, False
+        with pytest.raises(broky.ClientClosedError):
+            await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
+        assert client.stats.published == 6
+
+    run(main)
+
+
 def test_fast_path_cache_follows_map_and_limit() -> None:
     async def main() -> None:
         client, link = _client()

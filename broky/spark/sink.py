@@ -34,8 +34,9 @@ itself, deterministically::
         + 8 bytes  write id: a hash of a random number drawn when the write was
                    planned and the Spark stage id; for streaming, a hash of
                    the query id and the micro-batch id
-        + 4 bytes  Spark partition id
-        + 4 bytes  row index within the partition
+        + 8 bytes  little-endian (Spark partition id << 32) + row index within
+                   the partition (like the SDK's own KSUID counters, so the
+                   uid is packed as a counter: no bytes made per row)
 
 A retry of a task reads the same partition in the same order (Spark's
 contract for deterministic input) and so republishes the same uids: consumers
@@ -216,8 +217,9 @@ class UidPlan:
         seconds = max(0, int(time.time()) - KSUID_EPOCH)
         return cls(seconds, None if streaming else os.urandom(16))
 
-    def prefix(self, partition: int) -> bytes:
-        """The 16 bytes shared by every uid of one task (all but the row index).
+    def prefix(self, partition: int) -> tuple[bytes, int]:
+        """The first 12 bytes of every uid of one task, and the counter of its row 0
+        (the uid's last 8 bytes, little-endian: partition << 32, plus the row index).
 
         The stage id keeps two jobs apart that reuse one writer (a function given
         to ``foreachPartition`` twice); a retried task keeps its stage id.
@@ -231,7 +233,7 @@ class UidPlan:
         else:
             key = self.nonce + str(-1 if ctx is None else ctx.stageId()).encode()
         write_id = hashlib.blake2b(key, digest_size=8).digest()
-        return struct.pack(">I8sI", self.seconds, write_id, partition & 0xFFFFFFFF)
+        return struct.pack(">I8s", self.seconds, write_id), (partition & 0xFFFFFFFF) << 32
 
 
 @dataclass
@@ -303,11 +305,16 @@ def write_task(
                         on_reconnect=watch.on_reconnect,
                     )
                 )
-            if prefix is None:
-                ids: list[Any] = [True] * n
-            else:
-                ids = [prefix + i.to_bytes(4, "big") for i in range(rows, rows + n)]
-            loop.run_until_complete(_publish(client, kps, keys, payloads, ts or [None] * n, ids))  # type: ignore[union-attr]
+            loop.run_until_complete(  # type: ignore[union-attr]
+                client._publish_rows(
+                    kps,
+                    keys,
+                    payloads,
+                    ts,
+                    None if prefix is None else prefix[0],
+                    0 if prefix is None else prefix[1] + rows,
+                )
+            )
             rows += n
             if client.stats.unconfirmed_lost:
                 break  # this task cannot succeed: let the flush below raise the SDK's error now
@@ -416,14 +423,6 @@ def _chunks(
             kps, keys, payloads, ts = [], [], [], []
     if kps:
         yield kps, keys, payloads, ts, len(kps)
-
-
-async def _publish(
-    client: Any, kps: list[Any], keys: list[Any], payloads: list[Any], ts: list[Any], ids: list[Any]
-) -> None:
-    publish = client.publish  # waits for the socket when its buffer is over the high-water mark
-    for kp, key, payload, t, uid in zip(kps, keys, payloads, ts, ids):
-        await publish(kp, key, payload, ts_producer=t, uid=uid)
 
 
 def log_commit(messages: Iterable[BrokyCommitMessage | None], what: str) -> int:
