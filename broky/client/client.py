@@ -393,12 +393,16 @@ class Link:
             self.flush_out()
             return True
         if self.flush_handle is None:
-            linger = self.client.linger
-            loop = self.client._loop
-            self.flush_handle = (
-                loop.call_soon(self.flush_out) if linger <= 0 else loop.call_later(linger, self.flush_out)
-            )
+            self.schedule_flush()
         return False
+
+    def schedule_flush(self) -> None:
+        """Write `out` when the loop next runs, or after `linger` (once per batch, not per publish)."""
+        linger = self.client.linger
+        loop = self.client._loop
+        self.flush_handle = (
+            loop.call_soon(self.flush_out) if linger <= 0 else loop.call_later(linger, self.flush_out)
+        )
 
     def flush_out(self, controls: int = 0) -> None:
         """Write `out` in one write; `controls` of its frames are control frames, not publishes."""
@@ -824,12 +828,7 @@ class Client:
             else:
                 await asyncio.sleep(0)
         elif link.flush_handle is None:
-            linger = self.linger
-            link.flush_handle = (
-                self._loop.call_soon(link.flush_out)
-                if linger <= 0
-                else self._loop.call_later(linger, link.flush_out)
-            )
+            link.schedule_flush()
 
     async def _publish_rows(
         self,
@@ -887,12 +886,7 @@ class Client:
                 if proto.write_paused:  # the socket is backed up: wait for it
                     await proto.drain()
             elif link.flush_handle is None:
-                linger = self.linger
-                link.flush_handle = (
-                    self._loop.call_soon(link.flush_out)
-                    if linger <= 0
-                    else self._loop.call_later(linger, link.flush_out)
-                )
+                link.schedule_flush()
 
     async def _publish_general(
         self,
