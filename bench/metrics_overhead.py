@@ -2,18 +2,25 @@
 
 `python -m bench.metrics_overhead` starts one `broky serve` and drives it with
 the harness's raw load generator (bench/harness/loadgen.py: pre-encoded
-publishes, counting subscribers, closed loop), alternating runs without any
-scrape ("off") and runs during which a thread GETs /metrics every second
-("on", like Prometheus with scrape_interval 1s). Same server, same load, runs
-interleaved off/on/off/on... so drift on the shared machine hits both alike.
-It reports the median deliveries/s and server CPU per delivery of each side
-and their difference; the target is under 3 % throughput difference, either
-way. The verdict is read against the noise, the spread (max - min) / median
-of the runs of one side: "met" only when |difference| + noise stays under
-3 %, "not met" only when |difference| - noise is 3 % or more, and otherwise
-"not demonstrated": when the noise alone exceeds 3 %, as it does on a busy
-shared machine, "met" cannot be shown, nor can anything with a single run
-per side (no noise estimate). The steadier figure is the server CPU one
+publishes, counting subscribers, closed loop) in ONE long run, cut into
+windows of a few seconds that alternate scraping on ("on": a thread GETs
+/metrics every second, like Prometheus with scrape_interval 1s) and off. The
+windows come in pairs (on/off, then off/on, ...) and each pair gives one
+difference of throughput, (off - on) / off. Separate runs on this shared
+2-core machine differ by 15-70 % from one to the next; neighbouring windows of
+one run share the load, the connections and the scheduler's mood, so their
+differences are far steadier, and many pairs give a mean with a standard
+error.
+
+The target is under 3 % throughput difference, either way. A window now and
+then is hit by a scheduling stall of the VM (a pair can differ by 20 % either
+way), so the verdict reads the median of the paired differences and its
+distribution-free 95 % confidence interval (order statistics of the sign
+test), which such outliers do not drag: "met" when the interval lies inside
+(-3 %, +3 %), "not met" when it lies wholly beyond 3 % on one side, otherwise
+(or with too few pairs for an interval) "not demonstrated". The mean and its
+standard error are reported too.
+The figure that needs no statistics is also reported: the server CPU one
 scrape costs, measured on the idle server, as a share of the CPU the server
 spends per second under the load.
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -38,36 +46,47 @@ from bench.harness.loadgen import Load
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_PERCENT = 3.0
+SCRAPES_FOR_COST = 200
 
 
 class Scraper(threading.Thread):
-    """GET /metrics every `interval` seconds until stopped; counts scrapes and their time."""
+    """GET /metrics every `interval` seconds while `active` is set; counts scrapes and their time."""
 
     def __init__(self, url: str, interval: float) -> None:
         super().__init__(daemon=True)
         self.url = url
         self.interval = interval
+        self.active = threading.Event()
         self.stopping = threading.Event()
         self.scrapes = 0
         self.failures = 0
         self.seconds: list[float] = []
-        self.body_bytes = 0
 
     def run(self) -> None:
-        next_at = time.monotonic()
         while not self.stopping.is_set():
+            if not self.active.wait(0.05):
+                continue
             t0 = time.monotonic()
             try:
                 with urllib.request.urlopen(self.url, timeout=5) as resp:
-                    self.body_bytes = len(resp.read())
+                    resp.read()
                 self.scrapes += 1
                 self.seconds.append(time.monotonic() - t0)
             except OSError:
                 self.failures += 1
-            next_at += self.interval
-            self.stopping.wait(max(0.0, next_at - time.monotonic()))
+            # the next scrape one interval after this one started, unless scraping stops
+            deadline = t0 + self.interval
+            while self.active.is_set() and not self.stopping.is_set() and time.monotonic() < deadline:
+                self.stopping.wait(min(0.01, max(0.0, deadline - time.monotonic())))
+
+    def switch(self, on: bool) -> None:
+        if on:
+            self.active.set()
+        else:
+            self.active.clear()
 
     def stop(self) -> None:
+        self.active.clear()
         self.stopping.set()
         self.join(10)
 
@@ -77,60 +96,87 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     server = servers.start_broky(args.workers, ["--metrics-port", str(mport)])
     url = f"http://{servers.HOST}:{mport}/metrics"
     load = Load(args.publishers, args.subscribers, args.payload)
-    runs: list[dict[str, Any]] = []
     try:
         driver = loadgen.BrokyDriver()
         driver.prepare(server.address)
-        for r in range(args.rounds):
-            for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                scraper = Scraper(url, args.interval) if side == "on" else None
-                if scraper is not None:
-                    scraper.start()
-                try:
-                    res = loadgen.run_throughput(
-                        driver, server.address, server.pids, load, args.warmup, args.duration
-                    )
-                finally:
-                    if scraper is not None:
-                        scraper.stop()
-                res["side"] = side
-                res["round"] = r
-                if scraper is not None:
-                    res["scrapes"] = scraper.scrapes
-                    res["scrape_failures"] = scraper.failures
-                    res["scrape_median_ms"] = (
-                        statistics.median(scraper.seconds) * 1e3 if scraper.seconds else None
-                    )
-                    res["metrics_body_bytes"] = scraper.body_bytes
-                runs.append(res)
-                print(
-                    f"round {r} {side:>3}: {res['deliveries_per_s']:,.0f} deliveries/s, "
-                    f"{res['server_cpu_us_per_delivery']:.2f} us server CPU/delivery"
-                    + (f", {res['scrapes']} scrapes" if side == "on" else ""),
-                    file=sys.stderr,
-                    flush=True,
-                )
+        windows, run = run_windows(driver, server, load, url, args)
         scrape_cpu_ms = scrape_cost(url, server.pids(), SCRAPES_FOR_COST)
     finally:
         server.stop()
-    result = summarize(args, load, runs)
+    result = summarize(args, load, windows, run)
     # What one scrape costs the server, measured on the idle server (CPU time is
     # far steadier than throughput on a shared machine), and that cost at the
     # scrape interval as a share of the CPU the server spent per second under load.
     busy_cpu_per_s = statistics.median(
-        r["deliveries_per_s"] * r["server_cpu_us_per_delivery"] / 1e6 for r in runs
+        w["deliveries_per_s"] * w["server_cpu_us_per_delivery"] / 1e6 for w in windows
     )
     result["scrape_cpu_ms"] = scrape_cpu_ms
     result["scrape_share_percent"] = scrape_cpu_ms / 1e3 / args.interval / busy_cpu_per_s * 100
     return result
 
 
-SCRAPES_FOR_COST = 200
-VERDICTS = {
-    "met": "|difference| + noise is under the target",
-    "not met": "|difference| - noise reaches the target",
-    "not demonstrated": "the noise, or too few runs to know it, leaves the answer open",
-}
+def run_windows(
+    driver: loadgen.Driver, server: servers.Server, load: Load, url: str, args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One closed-loop run cut into `args.pairs` pairs of windows, scraping on in one of each pair."""
+    shared = loadgen.Shared.create(load)
+    gen = loadgen.start_generator(
+        loadgen.subscriber_main, loadgen.publisher_main, (driver, server.address, load, shared)
+    )
+    scraper = Scraper(url, args.interval)
+    scraper.start()
+    windows: list[dict[str, Any]] = []
+    try:
+        shared.phase.value = loadgen.RUN
+        time.sleep(args.warmup)
+        for pair in range(args.pairs):
+            for side in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+                scraper.switch(side == "on")
+                pids = server.pids()
+                scrapes0 = scraper.scrapes
+                d0, t0, c0 = sum(shared.delivered), time.monotonic(), procstat.total_cpu_seconds(pids)
+                time.sleep(args.window)
+                d1, t1, c1 = sum(shared.delivered), time.monotonic(), procstat.total_cpu_seconds(pids)
+                delivered = d1 - d0
+                windows.append(
+                    {
+                        "pair": pair,
+                        "side": side,
+                        "deliveries_per_s": delivered / (t1 - t0),
+                        "server_cpu_us_per_delivery": (c1 - c0) * 1e6 / delivered if delivered else None,
+                        "scrapes": scraper.scrapes - scrapes0,
+                    }
+                )
+            on, off = (
+                (w for w in windows[-2:] if w["side"] == "on"),
+                (w for w in windows[-2:] if w["side"] == "off"),
+            )
+            a, b = next(off)["deliveries_per_s"], next(on)["deliveries_per_s"]
+            print(
+                f"pair {pair}: off {a:,.0f}, on {b:,.0f} deliveries/s ({(a - b) / a * 100:+.2f} %)",
+                file=sys.stderr,
+                flush=True,
+            )
+        scraper.switch(False)
+        shared.phase.value = loadgen.STOP
+        pub = gen.expect(1, 15)
+        sub = gen.expect(0, 15)
+    except BaseException:
+        loadgen.kill_generator(gen)
+        raise
+    finally:
+        scraper.stop()
+    gen.stop()
+    run = {
+        "published": pub["sent"],
+        "delivered": sub["delivered"],
+        "not_delivered": max(0, pub["sent"] * load.subscribers - sub["delivered"]),
+        "errors": pub["errors"] + sub["errors"],
+        "scrapes": scraper.scrapes,
+        "scrape_failures": scraper.failures,
+        "scrape_median_ms": statistics.median(scraper.seconds) * 1e3 if scraper.seconds else None,
+    }
+    return windows, run
 
 
 def scrape_cost(url: str, pids: list[int], count: int) -> float:
@@ -142,55 +188,94 @@ def scrape_cost(url: str, pids: list[int], count: int) -> float:
     return (procstat.total_cpu_seconds(pids) - before) / count * 1e3
 
 
-def summarize(args: argparse.Namespace, load: Load, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def paired_differences(windows: list[dict[str, Any]]) -> list[float]:
+    """(off - on) / off in percent, one per pair of windows: positive = slower with scraping."""
+    by_pair: dict[int, dict[str, float]] = {}
+    for w in windows:
+        by_pair.setdefault(w["pair"], {})[w["side"]] = float(w["deliveries_per_s"])
+    return [(p["off"] - p["on"]) / p["off"] * 100 for _, p in sorted(by_pair.items()) if len(p) == 2]
+
+
+def median_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median: the k-th smallest and
+    k-th largest values, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2.
+    None when n is too small for any such interval (n < 6 at 95 %)."""
+    n = len(diffs)
+    tail = (1 - level) / 2
+    below = 0.0  # P(Binomial(n, 1/2) <= i), accumulated
+    k = 0
+    for i in range(n):
+        below += math.comb(n, i) / 2**n
+        if below > tail:
+            break
+        k = i + 1
+    if k == 0:
+        return None
+    ordered = sorted(diffs)
+    return ordered[k - 1], ordered[n - k]
+
+
+def verdict(low: float, high: float, target: float) -> str:
+    """The verdict ("met", "not met" or "not demonstrated") of a confidence interval
+    of the difference, in percent. Two-sided: scraping may not make throughput
+    differ by `target` either way (a speed-up that large would be drift, not a
+    benefit of scraping)."""
+    if -target < low and high < target:
+        return "met"
+    if low >= target or high <= -target:
+        return "not met"
+    return "not demonstrated"
+
+
+def summarize(
+    args: argparse.Namespace, load: Load, windows: list[dict[str, Any]], run: dict[str, Any]
+) -> dict[str, Any]:
+    diffs = paired_differences(windows)
+    mean = statistics.fmean(diffs) if diffs else 0.0
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) >= 2 else None
+    interval = median_interval(diffs)
+
     def med(side: str, key: str) -> float:
-        return float(statistics.median(r[key] for r in runs if r["side"] == side and r[key] is not None))
+        return float(statistics.median(w[key] for w in windows if w["side"] == side and w[key] is not None))
 
-    off, on = med("off", "deliveries_per_s"), med("on", "deliveries_per_s")
-    cpu_off, cpu_on = med("off", "server_cpu_us_per_delivery"), med("on", "server_cpu_us_per_delivery")
-    diff = (off - on) / off * 100
-
-    def spread(side: str) -> float:
-        rates = [float(r["deliveries_per_s"]) for r in runs if r["side"] == side]
-        return (max(rates) - min(rates)) / statistics.median(rates) * 100
-
-    spreads = {"off": spread("off"), "on": spread("on")}
-    counts = [sum(1 for r in runs if r["side"] == side) for side in ("off", "on")]
-    noise = max(spreads.values()) if min(counts) >= 2 else None  # one run has no spread to read
     return {
         "machine": machine.machine_info(),
         "command": " ".join(["python -m bench.metrics_overhead", *sys.argv[1:]]),
         "load": vars(load),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "runs": runs,
-        "median_deliveries_per_s": {"off": off, "on": on},
-        "median_server_cpu_us_per_delivery": {"off": cpu_off, "on": cpu_on},
-        "throughput_difference_percent": diff,
+        "windows": windows,
+        "run": run,
+        "median_deliveries_per_s": {
+            "off": med("off", "deliveries_per_s"),
+            "on": med("on", "deliveries_per_s"),
+        },
+        "median_server_cpu_us_per_delivery": {
+            "off": med("off", "server_cpu_us_per_delivery"),
+            "on": med("on", "server_cpu_us_per_delivery"),
+        },
+        "paired_differences_percent": diffs,
+        "median_difference_percent": statistics.median(diffs) if diffs else 0.0,
+        "median_interval_95_percent": interval,
+        "mean_difference_percent": mean,
+        "standard_error_percent": se,
         "target_percent": TARGET_PERCENT,
-        "spread_percent": spreads,
-        "noise_percent": noise,
-        "verdict": verdict(diff, noise, TARGET_PERCENT) if noise is not None else "not demonstrated",
-        "errors": sum(r["errors"] for r in runs),
-        "not_delivered": sum(r["not_delivered"] for r in runs),
+        "verdict": verdict(*interval, TARGET_PERCENT) if interval is not None else "not demonstrated",
     }
 
 
-def verdict(diff: float, noise: float, target: float) -> str:
-    """The verdict ("met", "not met" or "not demonstrated") of |diff| against the noise, in percent.
-
-    Two-sided: scraping may not make throughput differ by `target` either way
-    (a speed-up that large would be drift, not a benefit of scraping).
-    """
-    if abs(diff) + noise < target:
-        return "met"
-    if abs(diff) - noise >= target:
-        return "not met"
-    return "not demonstrated"
+VERDICTS = {
+    "met": "the 95 % interval of the median lies inside the target",
+    "not met": "the 95 % interval of the median lies beyond the target",
+    "not demonstrated": "the interval straddles the target, or too few pairs give none",
+}
 
 
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     st = res["settings"]
+    run = res["run"]
+    diffs = res["paired_differences_percent"]
+    se = res["standard_error_percent"]
     lines = [
         "# Metrics overhead: /metrics scraped every second vs none",
         "",
@@ -198,51 +283,62 @@ def markdown(res: dict[str, Any]) -> str:
         f"Command: `{res['command']}`",
         "",
         f"Load: {res['load']['publishers']} publisher -> {res['load']['subscribers']} subscriber(s), "
-        f"{res['load']['payload']} B payloads, {st['workers']} workers, "
-        f"{st['rounds']} rounds of off/on runs ({st['warmup']:g} s warm-up + "
-        f"{st['duration']:g} s measured each), scrape interval {st['interval']:g} s.",
+        f"{res['load']['payload']} B payloads, {st['workers']} workers, closed loop. One run: "
+        f"{st['warmup']:g} s warm-up, then {st['pairs']} pairs of {st['window']:g} s windows, "
+        f"scraping /metrics every {st['interval']:g} s in one window of each pair "
+        "(on/off, then off/on, ...).",
         "",
-        "| run | round | deliveries/s | server CPU µs/delivery | scrapes | median scrape ms |",
-        "|---|---|---:|---:|---:|---:|",
+        "| pair | off deliveries/s | on deliveries/s | difference | scrapes in the on window |",
+        "|---:|---:|---:|---:|---:|",
     ]
-    for r in res["runs"]:
-        scrape_ms = r.get("scrape_median_ms")
-        lines.append(
-            f"| {r['side']} | {r['round']} | {r['deliveries_per_s']:,.0f} | "
-            f"{r['server_cpu_us_per_delivery']:.3f} | {r.get('scrapes', '-')} | "
-            f"{f'{scrape_ms:.1f}' if scrape_ms is not None else '-'} |"
-        )
+    by_pair: dict[int, dict[str, dict[str, Any]]] = {}
+    for w in res["windows"]:
+        by_pair.setdefault(w["pair"], {})[w["side"]] = w
+    for pair, sides in sorted(by_pair.items()):
+        if len(sides) != 2:
+            continue
+        off, on = sides["off"]["deliveries_per_s"], sides["on"]["deliveries_per_s"]
+        diff = (off - on) / off * 100
+        lines.append(f"| {pair} | {off:,.0f} | {on:,.0f} | {diff:+.2f} % | {sides['on']['scrapes']} |")
     d, c = res["median_deliveries_per_s"], res["median_server_cpu_us_per_delivery"]
+    spread = f"{min(diffs):+.2f} % to {max(diffs):+.2f} %" if diffs else "-"
     lines += [
         "",
-        f"Median deliveries/s: off {d['off']:,.0f}, on {d['on']:,.0f}: "
-        f"**{res['throughput_difference_percent']:+.2f} %** with scraping.",
-        f"Median server CPU per delivery: off {c['off']:.3f} µs, on {c['on']:.3f} µs.",
-        f"Noise, the spread (max - min) / median of the runs of one side: off "
-        f"{res['spread_percent']['off']:.1f} %, on {res['spread_percent']['on']:.1f} %"
-        + ("." if res["noise_percent"] is not None else " (one run per side: no noise estimate)."),
+        f"Paired difference, (off - on) / off, over {len(diffs)} pairs: median "
+        f"**{res['median_difference_percent']:+.2f} %**, "
+        + (
+            "95 % interval {:+.2f} % to {:+.2f} %".format(*res["median_interval_95_percent"])
+            if res["median_interval_95_percent"] is not None
+            else "too few pairs for a 95 % interval"
+        )
+        + f"; mean {res['mean_difference_percent']:+.2f} %"
+        + (f", standard error {se:.2f} %" if se is not None else "")
+        + f"; range {spread}.",
         f"Target: throughput differs by under {res['target_percent']:g} % either way. "
         f"Verdict: **{res['verdict']}** ({VERDICTS[res['verdict']]}).",
-        f"Errors: {res['errors']}; messages not delivered: {res['not_delivered']}.",
+        f"Medians of the windows: off {d['off']:,.0f}, on {d['on']:,.0f} deliveries/s; "
+        f"server CPU per delivery off {c['off']:.3f} µs, on {c['on']:.3f} µs.",
+        f"Scrapes: {run['scrapes']} (failed {run['scrape_failures']}), median "
+        + (f"{run['scrape_median_ms']:.1f} ms" if run["scrape_median_ms"] is not None else "-")
+        + f" under load. Errors: {run['errors']}; messages not delivered: {run['not_delivered']}.",
         "",
         f"One scrape costs the server {res['scrape_cpu_ms']:.2f} ms of CPU (master and workers, "
         f"{SCRAPES_FOR_COST} back-to-back scrapes of the idle server); at one scrape every "
         f"{st['interval']:g} s that is **{res['scrape_share_percent']:.2f} %** of the CPU the server "
         "spent per second under this load: the most scraping can take from a CPU-bound server.",
         "",
-        "A positive difference means slower with scraping. Runs alternate off/on and on/off",
-        "so that drift on the shared 2-core machine hits both sides alike; the spread",
-        "between runs of the same side is the noise floor to read the difference against,",
-        "and the scrape cost above is the figure that does not depend on it.",
+        "A positive difference means slower with scraping. Separate runs on this shared",
+        "machine differ by far more than 3 %; the two windows of a pair are neighbours in",
+        "one run, so drift hits both alike, and the order within pairs alternates.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.metrics_overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=4, help="off/on pairs (default %(default)s)")
-    p.add_argument("--duration", type=float, default=6.0, help="measured seconds per run")
-    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per run")
+    p.add_argument("--pairs", type=int, default=60, help="pairs of on/off windows (default %(default)s)")
+    p.add_argument("--window", type=float, default=3.0, help="seconds per window (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds (default %(default)s)")
     p.add_argument("--interval", type=float, default=1.0, help="scrape interval in seconds")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--publishers", type=int, default=1)

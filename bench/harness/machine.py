@@ -54,12 +54,24 @@ def redis_version() -> str:
 
 
 def broky_revision() -> str:
-    """`git describe` of the checkout the harness runs from, if it is one."""
+    """`git describe` of the checkout the harness runs from, if it is one, with
+    "-dirty" when files other than the results under bench/results/ differ from it
+    (the benchmarks write those; they say nothing about the code measured)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return "unknown"
-    line = _first_line(["git", "-C", str(root), "describe", "--always", "--dirty"])
-    return line if line not in ("not installed", "unknown") else "unknown"
+    line = _first_line(["git", "-C", str(root), "describe", "--always"])
+    if line in ("not installed", "unknown", ""):
+        return "unknown"
+    try:
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":(exclude)bench/results"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return line
+    return f"{line}-dirty" if changed.strip() else line
 
 
 def machine_info() -> dict[str, Any]:
