@@ -175,6 +175,31 @@ def test_options_override_columns_and_ts_producer_column(spark: Any, server: Ser
     assert got[1].ts_producer is not None and abs(got[1].ts_producer - time.time_ns()) < 60e9
 
 
+def stream_to_broky(stream: Any, server: ServerProcess, batches: int) -> list[dict[str, Any]]:
+    """Write a streaming DataFrame to the broker until `batches` non-empty micro-batches
+    are done (60 s at most), stop the query; its progress reports."""
+    with tempfile.TemporaryDirectory(prefix="broky-ckpt-") as ckpt:
+        query = (
+            stream.writeStream.format("broky")
+            .option("broky.servers", servers(server))
+            .option("checkpointLocation", ckpt)
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while len([p for p in query.recentProgress if p["numInputRows"] > 0]) < batches:
+                assert time.monotonic() < deadline, (
+                    f"fewer than {batches} non-empty micro-batches in 60 s: {query.recentProgress}"
+                )
+                assert query.exception() is None
+                time.sleep(0.2)
+        finally:
+            query.stop()
+        assert query.exception() is None
+        return list(query.recentProgress)
+
+
 def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: ServerProcess) -> None:  # noqa: F811
     stream = (
         spark.readStream.format("rate")
@@ -188,28 +213,9 @@ def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: Se
             "timestamp AS ts_producer",
         )
     )
-    with subscriber(server, "rate.tick") as sub, tempfile.TemporaryDirectory(prefix="broky-ckpt-") as ckpt:
-        query = (
-            stream.writeStream.format("broky")
-            .option("broky.servers", servers(server))
-            .option("checkpointLocation", ckpt)
-            .trigger(processingTime="500 milliseconds")
-            .start()
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
-                if len(progress) >= 3:
-                    break
-                assert query.exception() is None
-                time.sleep(0.2)
-            else:
-                pytest.fail(f"fewer than 3 non-empty micro-batches in 60 s: {query.recentProgress}")
-        finally:
-            query.stop()
-        committed = sum(p["numInputRows"] for p in query.recentProgress)
-        assert query.exception() is None
+    with subscriber(server, "rate.tick") as sub:
+        progress = stream_to_broky(stream, server, batches=3)
+        committed = sum(p["numInputRows"] for p in progress)
         got = drain(sub, committed)
     values = {int(m.payload) for m in got}
     # the rate source numbers its rows 0, 1, 2...: every committed micro-batch arrived in full
@@ -349,26 +355,9 @@ def test_the_driver_logs_the_total_of_each_micro_batch(
         .selectExpr("CAST(value % 10 AS STRING) AS key_partition", "'rate.total' AS key", "'x' AS payload")
     )
     mark = spark_log.mark()
-    with subscriber(server, "rate.total") as sub, tempfile.TemporaryDirectory(prefix="broky-ckpt-") as ckpt:
-        query = (
-            stream.writeStream.format("broky")
-            .option("broky.servers", servers(server))
-            .option("checkpointLocation", ckpt)
-            .trigger(processingTime="500 milliseconds")
-            .start()
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while len([p for p in query.recentProgress if p["numInputRows"] > 0]) < 2:
-                assert time.monotonic() < deadline, (
-                    f"fewer than 2 non-empty micro-batches: {query.recentProgress}"
-                )
-                assert query.exception() is None
-                time.sleep(0.2)
-        finally:
-            query.stop()
-        assert query.exception() is None
-        inputs = {p["batchId"]: p["numInputRows"] for p in query.recentProgress if p["numInputRows"] > 0}
+    with subscriber(server, "rate.total") as sub:
+        progress = stream_to_broky(stream, server, batches=2)
+        inputs = {p["batchId"]: p["numInputRows"] for p in progress if p["numInputRows"] > 0}
         got = drain(sub, sum(inputs.values()))
     found = spark_log.wait_for(mark, COMMIT.format(what=r"micro-batch (\d+)"), count=len(inputs))
     totals = {int(f.group(1)): (int(f.group(2)), int(f.group(3))) for f in found}

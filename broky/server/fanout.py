@@ -149,6 +149,14 @@ ROUTE_CACHE_MAX_KEY = 256
 WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
 
 
+def _is_message(buf: Buffer, pos: int, end: int) -> bool:
+    """Whether buf[pos:end] is a Message frame (for counting what is dropped; never raises)."""
+    try:
+        return body_type(buf, pos, end) == BODY_MESSAGE
+    except RemoteProtocolError:
+        return False
+
+
 class Subscription:
     """One subscription of one connection (hashed by identity)."""
 
@@ -792,11 +800,7 @@ class Shard:
             pos, end = 0, len(chunk)
             while end - pos >= 4:
                 stop = pos + 4 + _u32(chunk, pos)[0]
-                try:
-                    if body_type(chunk, pos, stop) == BODY_MESSAGE:
-                        n += 1
-                except RemoteProtocolError:
-                    pass
+                n += _is_message(chunk, pos, stop)
                 pos = stop
         return n
 
@@ -815,11 +819,7 @@ class Shard:
             end = pos + 4 + size
             if end > n:
                 break
-            try:
-                if body_type(data, pos, end) == BODY_MESSAGE:
-                    count += 1
-            except RemoteProtocolError:
-                pass
+            count += _is_message(data, pos, end)
             pos = end
         c.rest = data[pos:] if pos < n else b""
         if count:
