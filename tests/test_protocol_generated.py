@@ -40,7 +40,9 @@ from broky.protocol import (
     Pause,
     Ping,
     Pong,
+    PreviousConnection,
     Resume,
+    Resumed,
     Subscribe,
     Unsubscribe,
     VBucketMap,
@@ -98,6 +100,7 @@ welcomes = st.builds(
     connection_id=u64,
     server_version=st.none() | texts,
     protocol_version=u16,
+    resumed=st.none() | st.builds(Resumed, u64, u64),
 )
 
 
@@ -130,8 +133,16 @@ def large_messages(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) 
     )
 
 
+previous_connections = st.builds(PreviousConnection, u64, u64, u64)
 control_frames: st.SearchStrategy[Frame] = st.one_of(
-    st.builds(Hello, u16, i16, st.none() | texts, st.none() | texts),
+    st.builds(
+        Hello,
+        u16,
+        i16,
+        st.none() | texts,
+        st.none() | texts,
+        st.none() | st.builds(PreviousConnection, u64, u64, u64),
+    ),
     st.builds(Subscribe, u32, st.binary(max_size=100), st.none() | st.binary(max_size=40)),
     st.builds(Unsubscribe, u32),
     st.just(Pause()),
@@ -140,7 +151,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Pong, u64),
     st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
     st.builds(LossNotice, u64, u8),
-    st.builds(Goodbye, st.none() | texts),
+    st.builds(Goodbye, st.none() | texts, u64),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -235,7 +246,9 @@ def generated_read(frame: bytes) -> Frame:
         return _read_message(body(fbs.Message))
     if kind == Body.Hello:
         h = body(fbs.Hello)
-        return Hello(h.ProtocolVersion(), h.Worker(), _text(h.ClientName()), _text(h.AuthToken()))
+        p = h.Previous()
+        previous = None if p is None else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost())
+        return Hello(h.ProtocolVersion(), h.Worker(), _text(h.ClientName()), _text(h.AuthToken()), previous)
     if kind == Body.Welcome:
         w = body(fbs.Welcome)
         return Welcome(
@@ -247,6 +260,7 @@ def generated_read(frame: bytes) -> Frame:
             w.ConnectionId(),
             _text(w.ServerVersion()),
             w.ProtocolVersion(),
+            None if w.Resumed() is None else Resumed(w.Resumed().ConnectionId(), w.Resumed().Processed()),
         )
     if kind == Body.Subscribe:
         s = body(fbs.Subscribe)
@@ -270,7 +284,8 @@ def generated_read(frame: bytes) -> Frame:
         n = body(fbs.LossNotice)
         return LossNotice(n.Dropped(), n.Reason())
     if kind == Body.Goodbye:
-        return Goodbye(_text(body(fbs.Goodbye).Reason()))
+        g = body(fbs.Goodbye)
+        return Goodbye(_text(g.Reason()), g.Processed())
     raise AssertionError(f"unknown body type {kind}")
 
 
@@ -379,11 +394,25 @@ class Writer:
                 adders.append(lambda: fbs.MessageAddUid(b, fbs.CreateKsuid(b, uid)))
             return self.table(fbs.MessageStart, fbs.MessageEnd, adders)
         if isinstance(frame, Hello):
+            previous = frame.previous
+            prev = 0
+            if previous is not None:
+                prev = self.table(
+                    fbs.PreviousConnectionStart,
+                    fbs.PreviousConnectionEnd,
+                    [
+                        lambda: fbs.PreviousConnectionAddConnectionId(b, previous.connection_id),
+                        lambda: fbs.PreviousConnectionAddReceived(b, previous.received),
+                        lambda: fbs.PreviousConnectionAddToldLost(b, previous.told_lost),
+                    ],
+                )
             r = self.refs({"name": frame.client_name, "token": frame.auth_token})
             adders = [
                 lambda: fbs.HelloAddProtocolVersion(b, frame.protocol_version),
                 lambda: fbs.HelloAddWorker(b, frame.worker),
             ]
+            if previous is not None:
+                adders.append(lambda: fbs.HelloAddPrevious(b, prev))
             if "name" in r:
                 adders.append(lambda: fbs.HelloAddClientName(b, r["name"]))
             if "token" in r:
@@ -391,6 +420,17 @@ class Writer:
             return self.table(fbs.HelloStart, fbs.HelloEnd, adders)
         if isinstance(frame, Welcome):
             vmap = self.vmap(frame.map)
+            resumed = frame.resumed
+            res = 0
+            if resumed is not None:
+                res = self.table(
+                    fbs.ResumedStart,
+                    fbs.ResumedEnd,
+                    [
+                        lambda: fbs.ResumedAddConnectionId(b, resumed.connection_id),
+                        lambda: fbs.ResumedAddProcessed(b, resumed.processed),
+                    ],
+                )
             r = self.refs({"node_id": frame.node_id, "version": frame.server_version})
             adders = [
                 lambda: fbs.WelcomeAddProtocolVersion(b, frame.protocol_version),
@@ -403,6 +443,8 @@ class Writer:
             ]
             if "version" in r:
                 adders.append(lambda: fbs.WelcomeAddServerVersion(b, r["version"]))
+            if resumed is not None:
+                adders.append(lambda: fbs.WelcomeAddResumed(b, res))
             return self.table(fbs.WelcomeStart, fbs.WelcomeEnd, adders)
         if isinstance(frame, Subscribe):
             r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
@@ -449,7 +491,9 @@ class Writer:
             )
         if isinstance(frame, Goodbye):
             r = self.refs({"reason": frame.reason})
-            adders = [lambda: fbs.GoodbyeAddReason(b, r["reason"])] if "reason" in r else []
+            adders = [lambda: fbs.GoodbyeAddProcessed(b, frame.processed)]
+            if "reason" in r:
+                adders.append(lambda: fbs.GoodbyeAddReason(b, r["reason"]))
             return self.table(fbs.GoodbyeStart, fbs.GoodbyeEnd, adders)
         raise AssertionError(frame)
 
@@ -509,7 +553,8 @@ def test_encode_frame_reads_back_through_generated_accessors(frame: Frame) -> No
 @given(welcomes)
 def test_welcome_reads_back_through_generated_accessors(welcome: Welcome) -> None:
     assert generated_read(encode_frame(welcome)) == welcome
-    patched = WelcomeTemplate(welcome).for_connection(welcome.connection_id ^ 0x5A5A)
+    # The template patches the connection id, and the resumed table when there is one.
+    patched = WelcomeTemplate(welcome).for_connection(welcome.connection_id ^ 0x5A5A, welcome.resumed)
     assert generated_read(patched) == welcome._replace(connection_id=welcome.connection_id ^ 0x5A5A)
 
 

@@ -21,6 +21,7 @@ from broky.protocol import (
     Message,
     Ping,
     Pong,
+    PreviousConnection,
     Subscribe,
     Unsubscribe,
     Welcome,
@@ -62,11 +63,12 @@ class Wire:
         worker: int = -1,
         token: str | None = None,
         name: str | None = "test",
+        previous: PreviousConnection | None = None,
         **kwargs: Any,
     ) -> Wire:
-        """Connect, send Hello and expect the Welcome."""
+        """Connect, send Hello (naming `previous`, for a reconnect) and expect the Welcome."""
         w = cls(address, **kwargs)
-        w.send(Hello(worker=worker, client_name=name, auth_token=token))
+        w.send(Hello(worker=worker, client_name=name, auth_token=token, previous=previous))
         w.welcome = w.expect(Welcome)
         return w
 

@@ -44,6 +44,14 @@ class LossReason(object):
     UNKNOWN = 0
     # Pending outbound bytes over the bound (includes a paused subscriber).
     SLOW_CONSUMER = 1
+    # Queued to the previous connection (Hello.previous), never received:
+    # that connection dropped while the worker kept running.
+    CONNECTION_LOST = 2
+    # Queued to the previous connection, never received: the worker serving
+    # it died and was restarted.
+    WORKER_RESTART = 3
+    # Held for a paused connection when the server shut down.
+    SHUTDOWN = 4
 
 
 # The set of frames is closed within a protocol version: a new member here
@@ -270,6 +278,63 @@ def MessageAddUid(builder, uid): builder.PrependStructSlot(4, flatbuffers.number
 def MessageEnd(builder): return builder.EndObject()
 
 
+# A reconnecting client's account of its previous connection to the same
+# worker (schema/README.md section 7.1): with it the server can say which of
+# the publishes sent on that connection it processed, and how many
+# deliveries queued to that connection never arrived.
+class PreviousConnection(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = PreviousConnection()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsPreviousConnection(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def PreviousConnectionBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # PreviousConnection
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Welcome.connection_id of the previous connection.
+    # PreviousConnection
+    def ConnectionId(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # Message frames (deliveries) the client received on it.
+    # PreviousConnection
+    def Received(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # Sum of LossNotice.dropped the client received on it.
+    # PreviousConnection
+    def ToldLost(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def PreviousConnectionStart(builder): builder.StartObject(3)
+def PreviousConnectionAddConnectionId(builder, connectionId): builder.PrependUint64Slot(0, connectionId, 0)
+def PreviousConnectionAddReceived(builder, received): builder.PrependUint64Slot(1, received, 0)
+def PreviousConnectionAddToldLost(builder, toldLost): builder.PrependUint64Slot(2, toldLost, 0)
+def PreviousConnectionEnd(builder): return builder.EndObject()
+
+
 # First frame of every connection, client -> server.
 class Hello(object):
     __slots__ = ['_tab']
@@ -325,11 +390,23 @@ class Hello(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
-def HelloStart(builder): builder.StartObject(4)
+    # Set when this connection replaces an earlier one to the same worker.
+    # Hello
+    def Previous(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            obj = PreviousConnection()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def HelloStart(builder): builder.StartObject(5)
 def HelloAddProtocolVersion(builder, protocolVersion): builder.PrependUint16Slot(0, protocolVersion, 1)
 def HelloAddWorker(builder, worker): builder.PrependInt16Slot(1, worker, -1)
 def HelloAddClientName(builder, clientName): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(clientName), 0)
 def HelloAddAuthToken(builder, authToken): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(authToken), 0)
+def HelloAddPrevious(builder, previous): builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(previous), 0)
 def HelloEnd(builder): return builder.EndObject()
 
 
@@ -504,6 +581,52 @@ def VBucketMapStartOwnersVector(builder, numElems): return builder.StartVector(4
 def VBucketMapEnd(builder): return builder.EndObject()
 
 
+# The server's account of the connection named by Hello.previous.
+class Resumed(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Resumed()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsResumed(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ResumedBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # Resumed
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Hello.previous.connection_id.
+    # Resumed
+    def ConnectionId(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # How many Message frames of that connection the server processed: the
+    # first `processed` publishes sent on it; the ones after never were.
+    # Resumed
+    def Processed(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def ResumedStart(builder): builder.StartObject(2)
+def ResumedAddConnectionId(builder, connectionId): builder.PrependUint64Slot(0, connectionId, 0)
+def ResumedAddProcessed(builder, processed): builder.PrependUint64Slot(1, processed, 0)
+def ResumedEnd(builder): return builder.EndObject()
+
+
 # Server -> client answer to Hello.
 class Welcome(object):
     __slots__ = ['_tab']
@@ -582,7 +705,8 @@ class Welcome(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # Server-assigned id of this connection (for monitoring and logs).
+    # Server-assigned id of this connection, unique on the node; a client
+    # names it in Hello.previous when it reconnects.
     # Welcome
     def ConnectionId(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
@@ -590,7 +714,19 @@ class Welcome(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-def WelcomeStart(builder): builder.StartObject(8)
+    # Present when Hello.previous named a connection the server has an
+    # account of (absent: unknown, e.g. too old or another server process).
+    # Welcome
+    def Resumed(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            obj = Resumed()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def WelcomeStart(builder): builder.StartObject(9)
 def WelcomeAddProtocolVersion(builder, protocolVersion): builder.PrependUint16Slot(0, protocolVersion, 1)
 def WelcomeAddServerVersion(builder, serverVersion): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(serverVersion), 0)
 def WelcomeAddNodeId(builder, nodeId): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(nodeId), 0)
@@ -599,6 +735,7 @@ def WelcomeAddMap(builder, map): builder.PrependUOffsetTRelativeSlot(4, flatbuff
 def WelcomeAddMaxFrameBytes(builder, maxFrameBytes): builder.PrependUint32Slot(5, maxFrameBytes, 0)
 def WelcomeAddMaxPendingBytes(builder, maxPendingBytes): builder.PrependUint64Slot(6, maxPendingBytes, 0)
 def WelcomeAddConnectionId(builder, connectionId): builder.PrependUint64Slot(7, connectionId, 0)
+def WelcomeAddResumed(builder, resumed): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(resumed), 0)
 def WelcomeEnd(builder): return builder.EndObject()
 
 
@@ -1035,8 +1172,18 @@ class Goodbye(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
-def GoodbyeStart(builder): builder.StartObject(1)
+    # How many Message frames of this connection the server processed before
+    # this Goodbye; the ones sent after it are discarded, never routed.
+    # Goodbye
+    def Processed(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def GoodbyeStart(builder): builder.StartObject(2)
 def GoodbyeAddReason(builder, reason): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(reason), 0)
+def GoodbyeAddProcessed(builder, processed): builder.PrependUint64Slot(1, processed, 0)
 def GoodbyeEnd(builder): return builder.EndObject()
 
 

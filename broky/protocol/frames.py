@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import flatbuffers
 
@@ -44,6 +44,31 @@ class LossReason:
 
     UNKNOWN = fbs.LossReason.UNKNOWN
     SLOW_CONSUMER = fbs.LossReason.SLOW_CONSUMER
+    CONNECTION_LOST = fbs.LossReason.CONNECTION_LOST
+    WORKER_RESTART = fbs.LossReason.WORKER_RESTART
+    SHUTDOWN = fbs.LossReason.SHUTDOWN
+
+    NAMES: ClassVar[dict[int, str]] = {
+        0: "unknown",
+        1: "slow_consumer",
+        2: "connection_lost",
+        3: "worker_restart",
+        4: "shutdown",
+    }
+
+    @classmethod
+    def name(cls, reason: int) -> str:
+        """The reason's name in lower case ("worker_restart"), or "reason_N" for one this
+        version does not know."""
+        return cls.NAMES.get(reason, f"reason_{reason}")
+
+
+class PreviousConnection(NamedTuple):
+    """A reconnecting client's account of its previous connection (Hello.previous)."""
+
+    connection_id: int
+    received: int = 0  # deliveries received on it
+    told_lost: int = 0  # sum of the LossNotice.dropped received on it
 
 
 class Hello(NamedTuple):
@@ -51,6 +76,14 @@ class Hello(NamedTuple):
     worker: int = ANY_WORKER
     client_name: str | None = None
     auth_token: str | None = None
+    previous: PreviousConnection | None = None
+
+
+class Resumed(NamedTuple):
+    """The server's account of the connection named by Hello.previous (Welcome.resumed)."""
+
+    connection_id: int
+    processed: int  # the first `processed` publishes sent on it were processed, the rest never
 
 
 class Welcome(NamedTuple):
@@ -62,6 +95,7 @@ class Welcome(NamedTuple):
     connection_id: int = 0
     server_version: str | None = None
     protocol_version: int = PROTOCOL_VERSION
+    resumed: Resumed | None = None
 
 
 class Subscribe(NamedTuple):
@@ -106,6 +140,7 @@ class LossNotice(NamedTuple):
 
 class Goodbye(NamedTuple):
     reason: str | None = None
+    processed: int = 0  # publishes of the connection processed before the Goodbye
 
 
 Frame = (
@@ -152,6 +187,13 @@ def encode_hello(hello: Hello) -> bytes:
     b = flatbuffers.Builder(64)
     name = _string(b, hello.client_name) if hello.client_name is not None else 0
     token = _string(b, hello.auth_token) if hello.auth_token is not None else 0
+    previous = 0
+    if hello.previous is not None:
+        fbs.PreviousConnectionStart(b)
+        fbs.PreviousConnectionAddConnectionId(b, hello.previous.connection_id)
+        fbs.PreviousConnectionAddReceived(b, hello.previous.received)
+        fbs.PreviousConnectionAddToldLost(b, hello.previous.told_lost)
+        previous = fbs.PreviousConnectionEnd(b)
     fbs.HelloStart(b)
     fbs.HelloAddProtocolVersion(b, hello.protocol_version)
     fbs.HelloAddWorker(b, hello.worker)
@@ -159,6 +201,8 @@ def encode_hello(hello: Hello) -> bytes:
         fbs.HelloAddClientName(b, name)
     if token:
         fbs.HelloAddAuthToken(b, token)
+    if previous:
+        fbs.HelloAddPrevious(b, previous)
     return _finish(b, Body.Hello, fbs.HelloEnd(b))
 
 
@@ -194,6 +238,12 @@ def encode_welcome(welcome: Welcome) -> bytes:
     vmap = _encode_map(b, welcome.map)
     node_id = _string(b, welcome.node_id)
     version = _string(b, welcome.server_version) if welcome.server_version is not None else 0
+    resumed = 0
+    if welcome.resumed is not None:
+        fbs.ResumedStart(b)
+        fbs.ResumedAddConnectionId(b, welcome.resumed.connection_id)
+        fbs.ResumedAddProcessed(b, welcome.resumed.processed)
+        resumed = fbs.ResumedEnd(b)
     fbs.WelcomeStart(b)
     fbs.WelcomeAddProtocolVersion(b, welcome.protocol_version)
     if welcome.server_version is not None:
@@ -204,28 +254,55 @@ def encode_welcome(welcome: Welcome) -> bytes:
     fbs.WelcomeAddMaxFrameBytes(b, welcome.max_frame_bytes)
     fbs.WelcomeAddMaxPendingBytes(b, welcome.max_pending_bytes)
     fbs.WelcomeAddConnectionId(b, welcome.connection_id)
+    if resumed:
+        fbs.WelcomeAddResumed(b, resumed)
     return _finish(b, Body.Welcome, fbs.WelcomeEnd(b))
 
 
 class WelcomeTemplate:
-    """A Welcome encoded once; `for_connection` patches only connection_id.
+    """A Welcome encoded once; `for_connection` patches only connection_id (and
+    the two fields of `resumed`, for a reconnecting client).
 
-    Encoding the 1024-entry map costs milliseconds, too much per connection.
+    Encoding the 1024-entry map costs milliseconds, too much per connection:
+    after a worker restart every client of that worker reconnects at once.
     """
 
     _CONNECTION_ID_FIELD = 7
+    _RESUMED_FIELD = 8
 
     def __init__(self, welcome: Welcome) -> None:
-        # A non-default placeholder forces the Builder to write the field.
-        self._bytes = encode_welcome(welcome._replace(connection_id=(1 << 64) - 1))
-        body = root(self._bytes, 0, len(self._bytes)).table(1)
-        assert body is not None
-        self._pos = body.field(self._CONNECTION_ID_FIELD, 8)
-        assert self._pos
+        # Non-default placeholders force the Builder to write the fields.
+        ones = (1 << 64) - 1
+        self._bytes = encode_welcome(welcome._replace(connection_id=ones, resumed=None))
+        self._pos = self._field(self._bytes, None)
+        self._resumed_bytes = encode_welcome(
+            welcome._replace(connection_id=ones, resumed=Resumed(ones, ones))
+        )
+        self._resumed_pos = self._field(self._resumed_bytes, None)
+        self._resumed_fields = (self._field(self._resumed_bytes, 0), self._field(self._resumed_bytes, 1))
 
-    def for_connection(self, connection_id: int) -> bytes:
-        out = bytearray(self._bytes)
-        _u64_into(out, self._pos, connection_id)
+    @classmethod
+    def _field(cls, frame: bytes, resumed_field: int | None) -> int:
+        body = root(frame, 0, len(frame)).table(1)
+        assert body is not None
+        if resumed_field is None:
+            pos = body.field(cls._CONNECTION_ID_FIELD, 8)
+        else:
+            resumed = body.table(cls._RESUMED_FIELD)
+            assert resumed is not None
+            pos = resumed.field(resumed_field, 8)
+        assert pos
+        return pos
+
+    def for_connection(self, connection_id: int, resumed: Resumed | None = None) -> bytes:
+        if resumed is None:
+            out = bytearray(self._bytes)
+            _u64_into(out, self._pos, connection_id)
+            return bytes(out)
+        out = bytearray(self._resumed_bytes)
+        _u64_into(out, self._resumed_pos, connection_id)
+        _u64_into(out, self._resumed_fields[0], resumed.connection_id)
+        _u64_into(out, self._resumed_fields[1], resumed.processed)
         return bytes(out)
 
 
@@ -260,20 +337,46 @@ PAUSE = _encode_empty(Body.Pause)
 RESUME = _encode_empty(Body.Resume)
 
 
-@_encoder
+def _id_template(
+    body_type: int,
+    start: Callable[[Any], None],
+    add_id: Callable[[Any, int], None],
+    end: Callable[[Any], int],
+) -> tuple[bytes, int]:
+    """A Ping or Pong frame with the id field present, and the position of that id.
+
+    Pings and Pongs are frequent (the SDK confirms its publishes with them, every
+    few milliseconds while publishing): they are patched copies of one frame,
+    not Builder output (tens of microseconds each).
+    """
+    b = flatbuffers.Builder(32)
+    start(b)
+    add_id(b, (1 << 64) - 1)  # not the default (0): the field is written
+    frame = _finish(b, body_type, end(b))
+    body = root(frame, 0, len(frame)).table(1)
+    assert body is not None
+    return frame, body.field(0, 8)
+
+
+_PING = _id_template(Body.Ping, fbs.PingStart, fbs.PingAddId, fbs.PingEnd)
+_PONG = _id_template(Body.Pong, fbs.PongStart, fbs.PongAddId, fbs.PongEnd)
+_pack_u64 = struct.Struct("<Q").pack
+
+
+def _patched(template: tuple[bytes, int], value: int, what: str) -> bytes:
+    frame, pos = template
+    try:
+        return frame[:pos] + _pack_u64(value) + frame[pos + 8 :]
+    except (struct.error, TypeError) as exc:
+        raise LocalProtocolError(f"cannot encode {what} id {value!r:.100}: {exc}") from None
+
+
 def encode_ping(ping: Ping) -> bytes:
-    b = flatbuffers.Builder(32)
-    fbs.PingStart(b)
-    fbs.PingAddId(b, ping.id)
-    return _finish(b, Body.Ping, fbs.PingEnd(b))
+    return _patched(_PING, ping.id, "Ping")
 
 
-@_encoder
 def encode_pong(pong: Pong) -> bytes:
-    b = flatbuffers.Builder(32)
-    fbs.PongStart(b)
-    fbs.PongAddId(b, pong.id)
-    return _finish(b, Body.Pong, fbs.PongEnd(b))
+    return _patched(_PONG, pong.id, "Pong")
 
 
 @_encoder
@@ -309,6 +412,7 @@ def encode_goodbye(goodbye: Goodbye) -> bytes:
     fbs.GoodbyeStart(b)
     if text:
         fbs.GoodbyeAddReason(b, text)
+    fbs.GoodbyeAddProcessed(b, goodbye.processed)
     return _finish(b, Body.Goodbye, fbs.GoodbyeEnd(b))
 
 
@@ -385,9 +489,12 @@ def _decode_map(t: Table) -> VBucketMap:
 
 def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Hello:
-        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3))
+        prev = t.table(4)
+        previous = None if prev is None else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2))
+        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous)
     if kind == Body.Welcome:
         vmap = t.table(4)
+        res = t.table(8)
         return Welcome(
             node_id=str(_required(t.string(2), "Welcome.node_id")),
             worker=t.u16(3),
@@ -397,6 +504,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
             connection_id=t.u64(7),
             server_version=t.string(1),
             protocol_version=t.u16(0, 1),
+            resumed=None if res is None else Resumed(res.u64(0), res.u64(1)),
         )
     if kind == Body.Subscribe:
         pattern = t.byte_vector(1)
@@ -416,7 +524,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.LossNotice:
         return LossNotice(t.u64(0), t.u8(1))
     if kind == Body.Goodbye:
-        return Goodbye(t.string(0))
+        return Goodbye(t.string(0), t.u64(1))
     raise UnknownFrameError(kind)
 
 
@@ -479,7 +587,9 @@ __all__ = [
     "Pause",
     "Ping",
     "Pong",
+    "PreviousConnection",
     "Resume",
+    "Resumed",
     "Subscribe",
     "Unsubscribe",
     "Welcome",
