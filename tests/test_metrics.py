@@ -92,8 +92,18 @@ def test_every_required_metric_has_its_type_and_a_worker_label(server: ServerPro
             if name == "broky_messages_dropped_total":
                 labels["reason"] = "no_subscribers"
             assert value(samples, sample, **labels) == 0.0
-    for reason in ("no_subscribers", "slow_consumer", "not_my_vbucket", "shutdown"):
+    reasons = (
+        "no_subscribers",
+        "slow_consumer",
+        "not_my_vbucket",
+        "shutdown",
+        "connection_lost",
+        "worker_restart",
+    )
+    for reason in reasons:
         assert value(samples, "broky_messages_dropped_total", worker="0", reason=reason) == 0.0
+    for result in ("connection_lost", "worker_restart", "unknown"):
+        assert value(samples, "broky_resumes_total", worker="0", result=result) == 0.0
     assert value(samples, "broky_worker_up", worker="1") == 1.0
     # Latency buckets in seconds, from microseconds up, cumulative, ending with +Inf.
     bounds = sorted(
@@ -103,7 +113,8 @@ def test_every_required_metric_has_its_type_and_a_worker_label(server: ServerPro
     )
     assert 5e-6 < bounds[0][0] < 5e-5 and bounds[-1][0] == float("inf") and len(bounds) >= 10
     # No label anywhere carries a key: only these label names exist.
-    assert {k for _, labels in samples for k, _ in labels} <= {"worker", "reason", "code", "le", "version"}
+    allowed = {"worker", "reason", "code", "le", "version", "result"}
+    assert {k for _, labels in samples for k, _ in labels} <= allowed
 
 
 def test_health_ready_and_errors(server: ServerProcess) -> None:

@@ -15,7 +15,19 @@ from typing import Any
 import pytest
 
 from broky.errors import ErrorCode
-from broky.protocol import Error, Goodbye, Hello, Message, Pause, Ping, Welcome, encode_frame, encode_message
+from broky.protocol import (
+    Error,
+    Goodbye,
+    Hello,
+    LossNotice,
+    LossReason,
+    Message,
+    Pause,
+    Ping,
+    Welcome,
+    encode_frame,
+    encode_message,
+)
 from tests.serverproc import ServerProcess
 from tests.test_server_pubsub import http_get
 from tests.wire import Wire, kp_for_worker
@@ -125,7 +137,9 @@ def test_signal_goodbye_and_exit_0_within_5_s(start_server: Any, sig: int) -> No
     assert time.monotonic() - started < 5.0
     for c in clients:
         frames = c.expect_closed()
-        assert len(frames) == 1 and isinstance(frames[0], Goodbye), frames  # Goodbye is not held
+        # Goodbye is not held; the paused client is told what it lost first.
+        told = [LossNotice(3, LossReason.SHUTDOWN)] if c is paused else []
+        assert frames == [*told, Goodbye("server shutting down", 0)], frames
         c.close()
     assert (shutdown_drops(server, 0), shutdown_drops(server, 1)) == (3, 0)
     for pid in workers:

@@ -47,6 +47,7 @@ class ServerConfig:
     frame_timeout: float = 10.0
     slow_consumer_deadline: float = 10.0
     shutdown_timeout: float = 4.0
+    restart_grace: float = 3.0
 
     def advertised_host(self) -> str:
         """The host clients should dial, as written in the vbucket map."""
@@ -85,6 +86,13 @@ def _seconds(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {value}")
     return value
 
 
@@ -140,6 +148,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "slow_consumer_deadline",
         _seconds,
         "seconds over the pending bound before a connection is closed (default %(default)s)",
+    ),
+    (
+        "--restart-grace",
+        "restart_grace",
+        _seconds_or_zero,
+        "after a worker died, its successor holds publishes until the dead worker's subscribers "
+        "are back, at most this many seconds; 0 = never hold (default %(default)s)",
     ),
 ]
 

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from broky.server.accounts import Account
     from broky.server.fanout import Shard, Subscription
 
 OPEN = 1
@@ -37,7 +38,8 @@ class Connection(asyncio.Protocol):
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
-        "msgs_in", "msgs_out", "dropped_total", "connected_at",
+        "msgs_in", "msgs_out", "dropped_total", "connected_at", "slot", "acct_ver", "account",
+        "resuming", "held",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -68,6 +70,13 @@ class Connection(asyncio.Protocol):
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
         self.connected_at = time.time()
+        # Its account (broky.server.accounts): msgs_in, msgs_out and dropped_total as of
+        # the last commit, at byte `slot` of the shared table (-1: none).
+        self.slot = -1
+        self.acct_ver = 0
+        self.account: Account | None = None  # a dead worker's account of Hello.previous (hand-off)
+        self.resuming = 0  # id of the dead worker's connection it replaces, until it is back
+        self.held = False  # restart grace: its input waits (reads paused) in `rest`
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport

@@ -45,7 +45,12 @@ Theory of operation
    pending bound takes the leading messages that fit and the others are
    dropped and counted (`squeeze`; see broky.server.connection for how pending
    bytes are counted).
-6. After the whole read, write once per touched connection (`b"".join`).
+6. After the whole read, commit the counters it changed (the publisher's
+   messages processed, each target's deliveries queued and dropped) to the
+   accounts table (broky.server.accounts), then write once per touched
+   connection (`b"".join`): whatever a client could receive is accounted
+   before it leaves, so a client reconnecting after this worker died learns
+   exactly what was processed and what was lost.
 
 Order: frames of one connection are handled in order and every delivery to a
 connection goes through its single `out` list, so the messages of one
@@ -64,6 +69,13 @@ keeps its deliveries in `out` under the same bound. Control replies (Pong,
 Error) count in the pending bytes but are never dropped: a connection whose
 replies alone exceed the bound is read no more until it drains (`hold_reads`),
 and its clock runs meanwhile.
+
+Restart grace: a worker that replaced a dead one holds every Message frame
+(`feed_held`: a connection's reads pause at its first publish) until each of
+the dead worker's subscribing connections has reconnected and restored its
+subscriptions, or --restart-grace seconds pass (`start_grace`, `end_grace`);
+then it routes what it held, in order. Control frames before a connection's
+first publish are handled as usual, so the subscribers can come back.
 
 Closing: a fatal error writes what the connection still had queued, then the
 Error frame, then half-closes (write_eof) and discards further input until the
@@ -85,7 +97,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from broky import __version__
+from broky import __version__, fbs
 from broky.errors import BadPatternError, ErrorCode, MalformedFrameError, RemoteProtocolError
 from broky.matching import Matcher, parse_pattern
 from broky.protocol import (
@@ -98,7 +110,9 @@ from broky.protocol import (
     Pause,
     Ping,
     Pong,
+    PreviousConnection,
     Resume,
+    Resumed,
     Subscribe,
     Unsubscribe,
     VBucketMap,
@@ -121,6 +135,7 @@ from broky.protocol.message import (
 )
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
+from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
 from broky.server.logs import Throttle
@@ -128,6 +143,7 @@ from broky.server.logs import Throttle
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
+_SUBSCRIPTION_FRAMES = (fbs.Body.Subscribe, fbs.Body.Unsubscribe)
 # Canonical Message (broky.protocol.message): size prefix @0, the 52 fixed header
 # bytes @4, key offset @72, payload offset @76 (each relative to its own
 # position), key_partition length @80, or @100 after a uid. One read gives all.
@@ -197,7 +213,19 @@ class WorkerStats:
             "slow_consumer": 0,
             "not_my_vbucket": 0,
             "shutdown": 0,
+            # deliveries queued to a connection that dropped, never received (counted
+            # when its client reconnects and says what it received: broky.server.accounts)
+            "connection_lost": 0,
+            "worker_restart": 0,
         }
+        # Reconnecting clients (Hello.previous) by whose account answered them:
+        # this worker's own (connection_lost), a dead worker's (worker_restart), none.
+        self.resumes: dict[str, int] = {"connection_lost": 0, "worker_restart": 0, "unknown": 0}
+        # The restart grace of a worker that replaced a dead one (see Shard.start_grace).
+        self.restart_subscribers_expected = 0
+        self.restart_subscribers_missing = 0
+        self.restart_connections_held = 0
+        self.restart_grace_seconds = 0.0
         self.bytes_received = 0
         self.bytes_sent = 0
         self.connections = 0  # open now
@@ -226,10 +254,21 @@ def _rss_bytes() -> int:
 class Shard:
     """The state of one worker: owned vbuckets, connections, subscription table."""
 
-    def __init__(self, config: ServerConfig, index: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        index: int,
+        loop: asyncio.AbstractEventLoop,
+        book: AccountBook | None = None,
+        epoch: int = 0,
+    ) -> None:
         self.config = config
         self.index = index
         self.loop = loop
+        # Counters of every connection, mirrored where the master can read them if
+        # this process dies (broky.server.accounts); in memory for tests and benchmarks.
+        self.book = book if book is not None else AccountBook.in_memory()
+        self.epoch = epoch  # this worker incarnation's part of every connection id
         node = NodeInfo(config.node_id, config.advertised_host(), config.port, config.workers)
         self.map = VBucketMap.single_node(node)
         self.owned = bytes(1 if owner == (0, index) else 0 for owner in self.map.owners)
@@ -257,12 +296,22 @@ class Shard:
         self._next_id = 0
         self.closing = False
         self.warnings = Throttle(WARNING_INTERVAL)  # of clients' non-fatal mistakes
+        # Restart grace (see `start_grace`): while `holding`, Message frames are held.
+        self.holding = False
+        self.expected: set[int] = set()  # ids of the dead worker's subscribers, until each is back
+        self.held: list[Connection] = []  # connections whose input waits for the grace to end
+        self.grace_started = 0.0
+        self.grace_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ connections
 
-    def new_connection(self, initial: bytes) -> Connection:
+    def new_connection(self, initial: bytes, account: Account | None = None) -> Connection:
+        """A connection handed over with its Hello (and, for a client resuming a
+        connection of a dead worker, that connection's account)."""
         self._next_id += 1
-        return Connection(self, initial, (self.index << 40) | self._next_id)
+        c = Connection(self, initial, (self.epoch << 32) | self._next_id)
+        c.account = account
+        return c
 
     def opened(self, c: Connection) -> None:
         """A handed-over socket is adopted: answer its Hello with a Welcome."""
@@ -285,8 +334,60 @@ class Shard:
             self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
             return
         c.client_name = hello.client_name
-        c.transport.write(self.welcome.for_connection(c.conn_id))
+        self.book.open(c)
+        resumed, notices = (None, b"") if hello.previous is None else self.take_over(c, hello.previous)
+        welcome = self.welcome.for_connection(c.conn_id, resumed)
+        c.transport.write(welcome + notices if notices else welcome)
         log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
+
+    def take_over(self, c: Connection, prev: PreviousConnection) -> tuple[Resumed | None, bytes]:
+        """c replaces the connection `prev` names: its account, if anyone has it.
+
+        The account comes from the master when prev's worker died (attached to the
+        hand-off), or from this worker's own book when prev was one of its own
+        connections (still open, if the server has not noticed the loss yet: it is
+        retired now). Returns Welcome.resumed and the LossNotices that follow the
+        Welcome: deliveries queued to prev that the client did not receive, and
+        drops it was never told of.
+        """
+        old_id = prev.connection_id
+        account, reason = c.account, LossReason.WORKER_RESTART
+        c.account = None
+        if account is None or account.conn_id != old_id:
+            account, reason = None, LossReason.CONNECTION_LOST
+            if old_id >> 32 == self.epoch:
+                old = self.conns.get(old_id)
+                if old is not None and old is not c:
+                    self.supersede(old)
+                account = self.book.claim(old_id)
+        if self.holding and old_id in self.expected:
+            c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
+        stats = self.stats
+        if account is None:
+            stats.resumes["unknown"] += 1
+            return None, b""
+        stats.resumes[LossReason.name(reason)] += 1
+        notices = []
+        lost = account.delivered - prev.received
+        if lost > 0:
+            stats.dropped[LossReason.name(reason)] += lost
+            notices.append(encode_frame(LossNotice(lost, reason)))
+        untold = account.dropped - prev.told_lost
+        if untold > 0:  # dropped (and counted) as slow_consumer back then; the notice never arrived
+            notices.append(encode_frame(LossNotice(untold, LossReason.SLOW_CONSUMER)))
+        if notices:
+            log.info(
+                "connection %d from %s resumes %d: %d deliveries lost (%s), %d drops untold",
+                c.conn_id, c.peer, old_id, max(lost, 0), LossReason.name(reason), max(untold, 0),
+            )  # fmt: skip
+        return Resumed(old_id, account.processed), b"".join(notices)
+
+    def supersede(self, old: Connection) -> None:
+        """A client reconnected in place of `old`, which this worker still thinks open
+        (a half-open connection): close it now, so that its account is final."""
+        log.info("connection %d from %s is replaced by a reconnect; closing it", old.conn_id, old.peer)
+        old.transport.abort()
+        self.lost(old, None)
 
     def eof(self, c: Connection) -> bool:
         """The peer half-closed. Returning False lets the transport close."""
@@ -296,8 +397,15 @@ class Shard:
 
     def lost(self, c: Connection, exc: Exception | None) -> None:
         if c.state == OPEN and c.paused and c.out:
-            self.stats.dropped["slow_consumer"] += self.count_messages(c.out)
+            held = self.count_messages(c.out)
+            self.stats.dropped["slow_consumer"] += held
+            c.msgs_out -= held  # queued, never sent: a drop, told on resume (broky.server.accounts)
+            c.dropped_total += held
         c.state = CLOSED
+        self.book.close(c)
+        if c.held:
+            c.held = False
+            self.held.remove(c)
         c.out.clear()
         self.detach(c)
         if c.linger is not None:
@@ -316,6 +424,7 @@ class Shard:
             self.matcher.remove(sub.pattern, sub)
         self.stats.subscriptions -= len(c.subs)
         c.subs.clear()
+        self.book.set_subscriptions(c, 0)
         self.forget_routes()
 
     # ------------------------------------------------------------ the fast path
@@ -326,6 +435,9 @@ class Shard:
             if c.said_goodbye:
                 self.discard_after_goodbye(c, data)
             return  # lingering close: input is discarded
+        if self.holding:
+            self.feed_held(c, data)
+            return
         if c.rest:
             data = c.rest + data
             c.rest = b""
@@ -494,12 +606,117 @@ class Shard:
         c.msgs_in += published
         if unmatched:
             stats.dropped["no_subscribers"] += unmatched
+        if published:  # before anything is written: see broky.server.accounts
+            self.book.commit_read(c, self._touched)
         if self._touched:
             self.flush()
             if delivered:  # one observation per delivered message (broky.server.histogram)
                 dt = _time_ns() - t0
                 stats.latency_ns_sum += dt * delivered
                 stats.latency_us[min(dt >> 10, 1 << 30).bit_length()] += delivered
+
+    # ------------------------------------------------------------ restart grace
+
+    def start_grace(self, expected: set[int], seconds: float) -> None:
+        """This worker replaces one that died; `expected` are the ids of the dead
+        worker's connections that had subscriptions. Until each of them has
+        reconnected naming it (Hello.previous) and restored its subscriptions, or
+        `seconds` pass, Message frames are held, not routed: a publish must not be
+        dropped as no_subscribers merely because its subscribers are not back yet.
+        Holding a connection pauses its reads, so memory stays bounded (TCP holds
+        the rest) and its frames keep their order."""
+        if not expected or seconds <= 0:
+            return
+        self.holding = True
+        self.expected = set(expected)
+        self.grace_started = _monotonic()
+        self.stats.restart_subscribers_expected = len(expected)
+        self.grace_timer = self.loop.call_later(seconds, self.end_grace, f"{seconds:g} s passed")
+        log.info(
+            "worker %d replaces a dead worker: holding publishes until its %d subscribing "
+            "connections are back (at most %g s)", self.index, len(expected), seconds,
+        )  # fmt: skip
+
+    def feed_held(self, c: Connection, data: bytes) -> None:
+        """`feed` during the restart grace: control frames are handled as usual; the
+        first Message frame stops this connection's input until the grace ends. A
+        resuming subscriber is back at its first frame other than (Un)Subscribe."""
+        if c.held:  # a read that raced with pause_reading: it waits with the rest
+            c.rest += data
+            return
+        if c.rest:
+            data = c.rest + data
+            c.rest = b""
+        pos, n = 0, len(data)
+        max_frame = self.config.max_frame_bytes
+        try:
+            while n - pos >= 4:
+                size = _u32(data, pos)[0]
+                if size > max_frame or size < MIN_FRAME_SIZE:
+                    check_size(size, max_frame)
+                end = pos + 4 + size
+                if end > n:
+                    break
+                kind = body_type(data, pos, end)
+                if c.resuming and kind not in _SUBSCRIPTION_FRAMES:
+                    self.came_back(c)
+                    if not self.holding:
+                        break  # that was the last one: the normal path takes the rest
+                if kind == BODY_MESSAGE:
+                    c.held = True
+                    self.held.append(c)
+                    c.transport.pause_reading()
+                    break
+                self.control(c, data, pos, end)
+                pos = end
+                if c.state != OPEN:
+                    break
+        except RemoteProtocolError as exc:
+            self.fatal(c, exc.code, str(exc))
+        if pos < n and c.state == OPEN:
+            c.rest = data[pos:]
+            c.partial_since = _monotonic()
+        if self._touched:
+            self.flush()
+        if not self.holding and c.rest and c.state == OPEN:
+            self.feed(c, b"")
+
+    def came_back(self, c: Connection) -> None:
+        """A subscriber of the dead worker has restored its subscriptions."""
+        self.expected.discard(c.resuming)
+        c.resuming = 0
+        if not self.expected:
+            self.end_grace("every subscribing connection is back")
+
+    def end_grace(self, why: str) -> None:
+        """Route what was held, in order per connection; from now on nothing is held."""
+        if not self.holding:
+            return
+        self.holding = False
+        if self.grace_timer is not None:
+            self.grace_timer.cancel()
+            self.grace_timer = None
+        held, self.held = self.held, []
+        missing = len(self.expected)
+        self.expected.clear()
+        stats = self.stats
+        stats.restart_grace_seconds = _monotonic() - self.grace_started
+        stats.restart_subscribers_missing = missing
+        stats.restart_connections_held = len(held)
+        (log.warning if missing else log.info)(
+            "worker %d: restart grace over after %.2f s (%s); %d of %d subscribing connections back, "
+            "%d publishing connections held", self.index, stats.restart_grace_seconds, why,
+            stats.restart_subscribers_expected - missing, stats.restart_subscribers_expected, len(held),
+        )  # fmt: skip
+        for c in held:
+            c.held = False
+            if c.state != OPEN:
+                continue
+            if not c.reads_held:
+                c.transport.resume_reading()
+            self.feed(c, b"")
+
+    # ------------------------------------------------------------ queueing
 
     def emit(self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int) -> int:
         """Queue a run of `count` consecutive stamped messages buf[start:end] to each target."""
@@ -618,10 +835,10 @@ class Shard:
         if fit:
             c.unflushed += cut - start
             c.out.append(buf[start:cut])
-            if not c.touched:
-                c.touched = True
-                self._touched.append(c)
             c.msgs_out += fit
+        if not c.touched:  # also when nothing fit: its account changed (dropped_total)
+            c.touched = True
+            self._touched.append(c)
         lost = count - fit
         c.dropped += lost
         c.dropped_total += lost
@@ -644,7 +861,8 @@ class Shard:
             return
         if c.reads_held:
             c.reads_held = False
-            c.transport.resume_reading()
+            if not c.held:
+                c.transport.resume_reading()
             if not c.dropped:
                 c.over_since = 0.0
         if c.dropped and not c.paused:
@@ -744,6 +962,7 @@ class Shard:
         c.subs[sub.sid] = s
         self.matcher.add(sub.pattern, s)
         self.stats.subscriptions += 1
+        self.book.set_subscriptions(c, len(c.subs))
         self.forget_routes()
 
     def unsubscribe(self, c: Connection, sid: int) -> None:
@@ -753,6 +972,7 @@ class Shard:
             return
         self.matcher.remove(s.pattern, s)
         self.stats.subscriptions -= 1
+        self.book.set_subscriptions(c, len(c.subs))
         self.forget_routes()
 
     def resume(self, c: Connection) -> None:
@@ -787,11 +1007,17 @@ class Shard:
         Goodbye (`discard_after_goodbye`): both counted as `shutdown`."""
         if c.state != OPEN:
             return
+        notice = b""
         if c.paused and c.out:
-            self.stats.dropped["shutdown"] += self.count_messages(c.out)
+            held = self.count_messages(c.out)
+            self.stats.dropped["shutdown"] += held
             c.out.clear()
+            c.msgs_out -= held  # never sent: a drop, and the client is told so
+            c.dropped_total += held
+            self.book.commit((c,))
+            notice = encode_frame(LossNotice(held, LossReason.SHUTDOWN))
         c.said_goodbye = True
-        self.final_frame(c, encode_frame(Goodbye(reason)), keep_rest=True)
+        self.final_frame(c, notice + encode_frame(Goodbye(reason, c.msgs_in)), keep_rest=True)
 
     def count_messages(self, chunks: list[bytes | bytearray]) -> int:
         """Messages among the frames queued in chunks (replies are not counted)."""
@@ -878,12 +1104,13 @@ class Shard:
                 self.notify_loss(c)
             elif c.over_since and now - c.over_since > deadline:
                 self.slow_disconnect(c)
-            elif c.rest and now - c.partial_since > frame_timeout:
+            elif c.rest and not c.held and now - c.partial_since > frame_timeout:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
 
     def shutdown(self) -> None:
         """Goodbye to every connection (then half-close it)."""
         self.closing = True
+        self.end_grace("shutdown")  # what was held is routed first, then everyone gets the Goodbye
         for c in list(self.conns.values()):
             self.goodbye(c, "server shutting down")
 
@@ -904,6 +1131,7 @@ class Shard:
         s = self.stats
         data = dict(vars(s))
         data["dropped"] = dict(s.dropped)
+        data["resumes"] = dict(s.resumes)
         data["errors"] = dict(s.errors)
         data["latency_us"] = list(s.latency_us)
         data.update(
@@ -916,5 +1144,7 @@ class Shard:
             matcher_empty=self.matcher.is_empty(),
             rss_bytes=_rss_bytes(),
             map_version=self.map.version,
+            accounts_unavailable=self.book.unavailable,
+            accounts_closed_kept=len(self.book.closed),
         )
         return data

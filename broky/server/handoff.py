@@ -6,9 +6,17 @@ keep their boundaries, so no framing is needed, and a client socket travels
 with its message as SCM_RIGHTS ancillary data (`socket.send_fds`).
 
 master -> worker
-    CONFIG   JSON settings (the first message; the worker boots from it)
-    CONN     the bytes already read from the client (its Hello frame),
-             with the client socket's fd attached
+    CONFIG   JSON boot settings (the first message; the worker boots from it):
+             {"config": ServerConfig, "epoch": the worker's connection id epoch,
+             "grace": restart grace seconds (0: none), "expect": number of EXPECT
+             messages that follow}
+    EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
+             dead one): the dead worker's connections that had subscriptions
+             (broky.server.fanout `Shard.start_grace`)
+    CONN     uint8 length of an account + that account (broky.server.accounts
+             `Account.pack`, for a client resuming a dead worker's connection)
+             + the bytes already read from the client (its Hello frame), with
+             the client socket's fd attached
     STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
              or another view (broky.server.monitor.answer)
 worker -> master
@@ -32,6 +40,7 @@ import struct
 from typing import Any
 
 CONFIG = b"K"
+EXPECT = b"E"
 CONN = b"C"
 STATS = b"S"
 READY = b"R"
@@ -55,9 +64,28 @@ def send(chan: socket.socket, kind: bytes, payload: bytes = b"") -> None:
     chan.send(kind + payload)
 
 
-def send_socket(chan: socket.socket, client: socket.socket, already_read: bytes) -> None:
-    """Hand a client socket and the bytes read from it so far to the worker."""
-    socket.send_fds(chan, [CONN + already_read], [client.fileno()])
+def send_socket(
+    chan: socket.socket, client: socket.socket, already_read: bytes, account: bytes = b""
+) -> None:
+    """Hand a client socket, the bytes read from it so far and its account to the worker."""
+    socket.send_fds(chan, [CONN + bytes((len(account),)) + account + already_read], [client.fileno()])
+
+
+def split_conn(payload: bytes) -> tuple[bytes, bytes]:
+    """(account, bytes already read) of a CONN payload."""
+    n = payload[0]
+    return payload[1 : 1 + n], payload[1 + n :]
+
+
+EXPECT_BATCH = 65536  # ids per EXPECT message (512 KiB)
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def split_ids(payload: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(payload) // 8}Q", payload))
 
 
 def send_json(chan: socket.socket, kind: bytes, request_id: int, data: Any) -> None:

@@ -60,6 +60,7 @@ from broky.protocol import ANY_WORKER, PROTOCOL_VERSION, Goodbye, Hello, decode_
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import handoff, monitor
+from broky.server.accounts import Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
 from broky.server.supervisor import Supervisor, WorkerProcess
@@ -215,8 +216,11 @@ class Master:
                 raise Refused(exc.code, str(exc)) from None
             for _ in range(HAND_OVER_ATTEMPTS):
                 wp = await self._pick_worker(hello)
+                account = self._dead_account(hello, wp)
                 try:
-                    await self._hand_over(sock, hello_bytes, wp)
+                    await self._hand_over(sock, hello_bytes, wp, account.pack() if account else b"")
+                    if account is not None and self.supervisor is not None:
+                        self.supervisor.dead.discard(account.conn_id)  # given to its new worker
                     break
                 except _WorkerGone as exc:
                     # It died and the supervisor has not reaped it yet: wait for its
@@ -294,8 +298,21 @@ class Master:
                 raise Refused(ErrorCode.SERVER_BUSY, "no worker is ready")
             await asyncio.sleep(0.05)
 
-    async def _hand_over(self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess) -> None:
-        """Send the socket to wp; wait (bounded) while its channel is full.
+    def _dead_account(self, hello: Hello, wp: WorkerProcess) -> Account | None:
+        """The account of the connection a resuming client names, when that connection
+        was served by an earlier (dead) incarnation of wp's worker. (A connection of the
+        live incarnation is wp's own business: its worker keeps the account.)"""
+        prev = hello.previous
+        if prev is None or prev.connection_id >> 32 == wp.epoch:
+            return None
+        assert self.supervisor is not None
+        return self.supervisor.dead.find(prev.connection_id, wp.index)
+
+    async def _hand_over(
+        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, account: bytes
+    ) -> None:
+        """Send the socket (with the account of the connection it resumes, if any) to wp;
+        wait (bounded) while its channel is full.
 
         Raises:
             _WorkerGone: the channel is broken (the worker died).
@@ -307,7 +324,7 @@ class Master:
             if wp.gone:
                 raise _WorkerGone("its control channel is closed")
             try:
-                handoff.send_socket(wp.chan, sock, hello_bytes)
+                handoff.send_socket(wp.chan, sock, hello_bytes, account)
                 break
             except (BlockingIOError, InterruptedError):
                 if not wp.backlogged:  # one line per episode

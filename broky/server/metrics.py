@@ -58,16 +58,40 @@ COUNTERS = (
     ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
+    (
+        "broky_accounts_unavailable_total",
+        "accounts_unavailable",
+        "Connections served without an account (the table was full): they cannot be resumed.",
+    ),
 )
 GAUGES = (
     ("broky_connections", "connections", "Open client connections."),
     ("broky_subscriptions", "subscriptions", "Active subscriptions (sids of all connections)."),
     ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
+    (
+        "broky_restart_grace_seconds",
+        "restart_grace_seconds",
+        "How long this worker held publishes after it replaced a dead worker (0: it did not).",
+    ),
+    (
+        "broky_restart_subscribers_missing",
+        "restart_subscribers_missing",
+        "Subscribing connections of the dead worker not back when the restart grace ended.",
+    ),
 )
 # Every drop reason is exported, at 0 until it happens, so that alerts and
 # dashboards need no `or vector(0)`.
-DROP_REASONS = ("no_subscribers", "slow_consumer", "not_my_vbucket", "shutdown")
+DROP_REASONS = (
+    "no_subscribers",
+    "slow_consumer",
+    "not_my_vbucket",
+    "shutdown",
+    "connection_lost",
+    "worker_restart",
+)
+# Whose account answered a reconnecting client (Hello.previous): see broky.server.accounts.
+RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown")
 
 
 class SnapshotCollector:
@@ -101,6 +125,12 @@ class SnapshotCollector:
         errors = CounterMetricFamily(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
         )
+        resumes = CounterMetricFamily(
+            "broky_resumes_total",
+            "Reconnecting clients naming their previous connection, by whose account answered: "
+            "this worker's (connection_lost), a dead worker's (worker_restart), none (unknown).",
+            labels=["worker", "result"],
+        )
         latency = HistogramMetricFamily(
             "broky_broker_latency_seconds",
             "Time inside the broker per delivered message: from the arrival of its read "
@@ -113,12 +143,16 @@ class SnapshotCollector:
                 dropped.add_metric([w, reason], float(n))
             for code, n in sorted(s.get("errors", {}).items()):
                 errors.add_metric([w, code.lower()], float(n))
+            results = dict.fromkeys(RESUME_RESULTS, 0) | s.get("resumes", {})
+            for result, n in sorted(results.items()):
+                resumes.add_metric([w, result], float(n))
             counts = s.get("latency_us", [])
             latency.add_metric(
                 [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
             )
         yield dropped
         yield errors
+        yield resumes
         yield latency
         yield from self._master_metrics()
 

@@ -9,6 +9,13 @@ same vbuckets: a dead worker is back within a second. A worker that exits
 before it is READY, or is not READY within BOOT_TIMEOUT, failed to boot;
 MAX_BOOT_FAILURES in a row for one index stop the whole server with a clear
 message and exit status 1.
+
+Every worker process gets a random epoch (the high half of its connection ids)
+and a shared table for its connection accounts (broky.server.accounts). When a
+worker is reaped, its accounts are read into `dead` for resuming clients, and
+its successor is told which of the dead worker's connections had
+subscriptions, so that it holds publishes until they are back (the restart
+grace, broky.server.fanout `Shard.start_grace`).
 """
 
 from __future__ import annotations
@@ -16,14 +23,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mmap
+import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from broky.server import handoff
+from broky.server import accounts, handoff
 from broky.server.config import ServerConfig
 
 log = logging.getLogger("broky.master")
@@ -36,10 +46,14 @@ MAX_BOOT_FAILURES = 3
 class WorkerProcess:
     """The master's view of one worker."""
 
-    def __init__(self, index: int, proc: subprocess.Popen[bytes], chan: socket.socket) -> None:
+    def __init__(
+        self, index: int, proc: subprocess.Popen[bytes], chan: socket.socket, epoch: int, table: mmap.mmap
+    ) -> None:
         self.index = index
         self.proc = proc
         self.chan = chan
+        self.epoch = epoch  # the high 32 bits of its connection ids
+        self.table = table  # its accounts (read when it is gone)
         self.started = time.monotonic()
         self.ready = False
         self.load = 0  # connections open, as the worker last reported (LOAD)
@@ -73,22 +87,46 @@ class Supervisor:
         self.failure: str | None = None
         self.restarts = 0
         self.restarts_of = [0] * config.workers  # by worker index, for broky_worker_restarts_total
+        self.dead = accounts.DeadAccounts()  # accounts of the connections of dead workers
+        self._epochs: set[int] = set()  # every epoch given out (ids must never repeat)
         self._ready_changed = asyncio.Event()
 
     # ------------------------------------------------------------ processes
 
-    def spawn(self, index: int) -> WorkerProcess:
+    def _new_epoch(self) -> int:
+        while True:
+            epoch = secrets.randbits(32)
+            if epoch and epoch not in self._epochs:
+                self._epochs.add(epoch)
+                return epoch
+
+    def spawn(self, index: int, expected: Sequence[int] = ()) -> WorkerProcess:
+        """Start worker `index`; `expected`: its dead predecessor's subscribing connections."""
         master_end, worker_end = handoff.channel_pair()
+        book_fd, table = accounts.new_table()
         try:
+            args = [str(index), str(worker_end.fileno()), str(book_fd)]
             proc = subprocess.Popen(
-                [sys.executable, "-m", "broky.server.worker", str(index), str(worker_end.fileno())],
-                pass_fds=[worker_end.fileno()],
+                [sys.executable, "-m", "broky.server.worker", *args], pass_fds=[worker_end.fileno(), book_fd]
             )
         finally:
             worker_end.close()
-        handoff.send(master_end, handoff.CONFIG, json.dumps(self.config.to_worker_json()).encode())
+            os.close(book_fd)
+        epoch = self._new_epoch()
+        batches = [
+            expected[i : i + handoff.EXPECT_BATCH] for i in range(0, len(expected), handoff.EXPECT_BATCH)
+        ]
+        boot = {
+            "config": self.config.to_worker_json(),
+            "epoch": epoch,
+            "grace": self.config.restart_grace if expected else 0.0,
+            "expect": len(batches),
+        }
+        handoff.send(master_end, handoff.CONFIG, json.dumps(boot).encode())
+        for batch in batches:
+            handoff.send(master_end, handoff.EXPECT, handoff.pack_ids(list(batch)))
         master_end.setblocking(False)
-        wp = WorkerProcess(index, proc, master_end)
+        wp = WorkerProcess(index, proc, master_end, epoch, table)
         self.workers[index] = wp
         self.loop.add_reader(master_end.fileno(), self._on_channel, wp)
         log.debug("worker %d started, pid %d", index, proc.pid)
@@ -177,7 +215,7 @@ class Supervisor:
                     wp.proc.kill()
                 continue
             was_ready = wp.ready
-            self._forget(wp)
+            expected = self._forget(wp)
             if self.stopping:
                 continue
             if was_ready:
@@ -197,9 +235,11 @@ class Supervisor:
                     return
             self.restarts += 1
             self.restarts_of[index] += 1
-            self.spawn(index)
+            self.spawn(index, expected)
 
-    def _forget(self, wp: WorkerProcess) -> None:
+    def _forget(self, wp: WorkerProcess) -> list[int]:
+        """Drop a reaped worker; keep its accounts. Returns the ids of its connections
+        that were open with subscriptions (its successor waits for them)."""
         try:
             self.loop.remove_reader(wp.chan.fileno())
         except (ValueError, OSError):
@@ -210,6 +250,19 @@ class Supervisor:
         wp.chan.close()
         wp.ready = False
         self.workers[wp.index] = None
+        if self.stopping:
+            wp.table.close()
+            return []
+        found = accounts.read_accounts(wp.table)
+        wp.table.close()
+        self.dead.add(wp.index, found)
+        expected = [a.conn_id for a in found if a.open and a.subscriptions]
+        if found:
+            log.info(
+                "worker %d left the accounts of %d connections (%d subscribing were open)",
+                wp.index, len(found), len(expected),
+            )  # fmt: skip
+        return expected
 
     # ------------------------------------------------------------ the loop
 

@@ -11,13 +11,18 @@ Ownership. A worker owns, and never shares:
   * its counters (`WorkerStats`).
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
-(CONFIG, CONN with the socket's fd, STATS request/answer, READY, LOAD). There
-is no shared memory and no lock.
+(CONFIG, EXPECT, CONN with the socket's fd, STATS request/answer, READY, LOAD).
+There is no lock, and one piece of shared memory, written by the worker only:
+the accounts of its connections (broky.server.accounts), which the master
+reads once this process is gone, so that clients reconnecting after a crash
+learn exactly what was processed and what was lost.
 
-Life. `python -m broky.server.worker INDEX FD` is started by the supervisor
-with the worker end of the channel as FD. It reads CONFIG (blocking), starts
-uvloop, adopts each handed socket with `loop.connect_accepted_socket`, and
-sends READY; every tick it reports its LOAD. SIGTERM, or EOF on the channel
+Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
+supervisor with the worker end of the channel as FD and its accounts table
+as BOOK_FD. It reads CONFIG and the EXPECT messages (blocking), starts uvloop,
+adopts each handed socket with `loop.connect_accepted_socket`, and sends
+READY; every tick it reports its LOAD. A worker that replaces a dead one
+starts in the restart grace (broky.server.fanout `Shard.start_grace`). SIGTERM, or EOF on the channel
 (the master is gone), starts the shutdown: Goodbye to every connection (behind
 the deliveries already queued to it), wait until every final byte has left the
 process for at most shutdown_timeout seconds, reset the rest, log what the
@@ -42,6 +47,7 @@ import uvloop
 
 from broky.protocol import Goodbye, encode_frame
 from broky.server import handoff, monitor
+from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
@@ -54,12 +60,23 @@ HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /ready
 
 
 class Worker:
-    def __init__(self, config: ServerConfig, index: int, chan: socket.socket) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        index: int,
+        chan: socket.socket,
+        book: AccountBook,
+        epoch: int,
+        expected: set[int] | None = None,
+        grace: float = 0.0,
+    ) -> None:
         self.config = config
         self.index = index
         self.chan = chan
         self.loop = asyncio.get_running_loop()
-        self.shard = Shard(config, index, self.loop)
+        self.shard = Shard(config, index, self.loop, book, epoch)
+        self.expected = expected or set()
+        self.grace = grace
         self.done: asyncio.Future[None] = self.loop.create_future()
         self.adopted = 0  # connections received from the master (CONN), for LOAD
         self._reported_load = (-1, -1)
@@ -75,6 +92,7 @@ class Worker:
         ticker = loop.create_task(self._ticker())
         handoff.send(self.chan, handoff.READY)
         log.info("worker %d ready, pid %d", self.index, os.getpid())
+        self.shard.start_grace(self.expected, self.grace)
         try:
             await self.done
         finally:
@@ -106,7 +124,8 @@ class Worker:
                     socket.close(fd)
                 log.error("unexpected control message %r", kind)
 
-    def _adopt(self, fd: int, hello: bytes) -> None:
+    def _adopt(self, fd: int, payload: bytes) -> None:
+        account, hello = handoff.split_conn(payload)
         self.adopted += 1
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)
@@ -115,7 +134,7 @@ class Worker:
                 sock.send(encode_frame(Goodbye("server shutting down")))
             sock.close()
             return
-        conn = self.shard.new_connection(hello)
+        conn = self.shard.new_connection(hello, Account.unpack(account) if account else None)
         self.loop.create_task(self._connect(sock, conn))
 
     async def _connect(self, sock: socket.socket, conn: Connection) -> None:
@@ -129,6 +148,7 @@ class Worker:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.shard.tick()
+            self.shard.book.expire()
             # Open connections and connections ever received: a connection that opened and
             # closed between two ticks changes the second, so the master learns it is gone.
             load = (len(self.shard.conns), self.adopted)
@@ -168,20 +188,31 @@ class Worker:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print("usage: python -m broky.server.worker INDEX FD (started by broky serve)", file=sys.stderr)
+    if len(args) != 3:
+        print(
+            "usage: python -m broky.server.worker INDEX FD BOOK_FD (started by broky serve)", file=sys.stderr
+        )
         return 2
-    index, fd = int(args[0]), int(args[1])
+    index, fd, book_fd = int(args[0]), int(args[1]), int(args[2])
     chan = socket.socket(fileno=fd)
     kind, payload, _ = handoff.recv(chan)
     if kind != handoff.CONFIG:
         print(f"worker {index}: expected CONFIG on the control channel, got {kind!r}", file=sys.stderr)
         return 2
-    config = ServerConfig.from_json(json.loads(payload))
+    boot = json.loads(payload)
+    config = ServerConfig.from_json(boot["config"])
+    expected: set[int] = set()
+    for _ in range(boot["expect"]):
+        kind, payload, _ = handoff.recv(chan)
+        if kind != handoff.EXPECT:
+            print(f"worker {index}: expected EXPECT on the control channel, got {kind!r}", file=sys.stderr)
+            return 2
+        expected.update(handoff.split_ids(payload))
     setup_logging(config, f"worker-{index}")
+    book = AccountBook.from_fd(book_fd)
 
     async def run() -> None:
-        await Worker(config, index, chan).run()
+        await Worker(config, index, chan, book, boot["epoch"], expected, boot["grace"]).run()
 
     uvloop.run(run())
     return 0

@@ -1,0 +1,327 @@
+"""Per-connection accounts that outlive the worker process keeping them.
+
+Theory of operation
+-------------------
+A client that loses a connection to a worker (the network, or the worker
+itself died) reconnects and names the lost connection in Hello.previous. To
+answer it exactly, someone must still know, for that connection:
+
+  processed  Message frames it published that the worker processed (routed,
+             or dropped and counted): the first `processed` publishes sent on
+             the connection; the client resends the ones after (Welcome.resumed);
+  delivered  deliveries the worker queued to it; minus what the client says it
+             received, that is what it lost (a LossNotice on the new connection);
+  dropped    deliveries the worker dropped for it (slow consumer); minus the
+             LossNotice counts the client says it was told, that is what it was
+             never told.
+
+A worker keeps these three counters per connection anyway (`msgs_in`,
+`msgs_out`, `dropped_total` of broky.server.connection). To survive the
+worker, it mirrors them into an `AccountBook`: a shared-memory table (a
+memfd the master creates, maps and passes to the worker at spawn) of one slot
+per connection. Only the worker writes it and only the master reads it, and
+only once the worker is dead (`read_accounts`): this is a flight recorder, not
+shared state, and nothing on the data path crosses processes through it.
+
+Crash consistency. A worker may die between any two instructions, so the
+table must always hold the counters as of the end of some whole read: a read
+that was processed must count its publishes as processed *and* its deliveries
+as delivered, or neither (else the client would resend a delivered message or
+never hear of a lost one). Each slot therefore holds two versions of its
+counters, each stamped with a sequence number; the header holds the last
+committed sequence number. `commit` writes the new counters of every
+connection a read changed into the version of its slot that does not hold
+its latest state, then stores the new sequence number in the header (one
+aligned 8-byte store: the commit point). A reader takes, per slot, the
+version with the highest sequence number not above the committed one. The
+worker commits after routing a read and before writing anything to a socket
+(broky.server.fanout `Shard.feed`), so whatever a client could have received
+is already accounted.
+
+Lifetime. A slot is taken when a connection opens and kept ACCOUNT_TTL seconds
+after it closes, for a reconnecting client (`claim` gives it away once). The
+oldest closed slot is recycled when none is free; a connection that finds no
+slot at all has no account (it is served, but cannot be resumed: counted).
+When a worker dies, the master reads every slot (`read_accounts`) and keeps the
+accounts (`DeadAccounts`) for ACCOUNT_TTL seconds; the hand-off of a resuming
+client carries its account to the new worker (broky.server.handoff).
+
+Connection ids are `epoch << 32 | n`: the master gives every worker process a
+random 32-bit epoch, so an id names one connection of one worker incarnation
+and the master knows who holds its account (the live worker of that epoch, or
+the dead accounts).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
+
+ACCOUNT_TTL = 60.0  # seconds an account is kept after its connection closed (or its worker died)
+SLOTS = 65536  # connections with an account per worker (open, or closed within ACCOUNT_TTL)
+
+_MAGIC = 0x42524B5941434354  # "BRKYACCT"
+_HEADER = struct.Struct("<QQQQ")  # magic, committed sequence number, slots, slots ever used
+_COMMITTED = 1  # word index of the committed sequence number
+_HIGH_WATER = 3  # word index of the number of slots ever used
+HEADER_BYTES = 64
+SLOT_BYTES = 96  # 12 words: conn_id, state, subs, reserved, version A (4 words), version B (4 words)
+_VERSION = struct.Struct("<QQQQ")  # seq, processed, delivered, dropped
+_SLOT = struct.Struct("<QQQQ" + "QQQQ" + "QQQQ")
+_ACCOUNT = struct.Struct("<QQQQ")  # conn_id, processed, delivered, dropped
+FREE, OPEN, CLOSED = 0, 1, 2
+
+
+def table_bytes(slots: int = SLOTS) -> int:
+    return HEADER_BYTES + slots * SLOT_BYTES
+
+
+class Account(NamedTuple):
+    """What a worker knew of one connection when it last committed."""
+
+    conn_id: int
+    processed: int
+    delivered: int
+    dropped: int
+    subscriptions: int = 0
+    open: bool = False  # the connection was still open (the worker died under it)
+
+    def pack(self) -> bytes:
+        """The 32 bytes a hand-off carries (broky.server.handoff)."""
+        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Account:
+        conn_id, processed, delivered, dropped = _ACCOUNT.unpack(data)
+        return cls(conn_id, processed, delivered, dropped)
+
+
+class Accounted(Protocol):
+    """What the book needs of a connection (broky.server.connection.Connection)."""
+
+    conn_id: int
+    msgs_in: int
+    msgs_out: int
+    dropped_total: int
+    slot: int  # byte offset of its slot's first version, or -1: no account
+    acct_ver: int  # 0 or 1: the version holding its latest committed counters
+
+
+def new_table(slots: int = SLOTS) -> tuple[int, mmap.mmap]:
+    """Create the shared table of one worker: (memfd to pass to it, the master's mapping)."""
+    fd = os.memfd_create("broky-accounts", os.MFD_CLOEXEC)
+    size = table_bytes(slots)
+    os.ftruncate(fd, size)
+    table = mmap.mmap(fd, size)
+    _HEADER.pack_into(table, 0, _MAGIC, 0, slots, 0)
+    return fd, table
+
+
+def _latest(words: memoryview, slot: int, committed: int) -> tuple[int, int, int]:
+    """(processed, delivered, dropped) of the slot's newest committed version."""
+    base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
+    seq_a, seq_b = words[base + 4], words[base + 8]
+    a_ok, b_ok = seq_a <= committed, seq_b <= committed
+    at = base + 4 if a_ok and (not b_ok or seq_a >= seq_b) else base + 8
+    if not (a_ok or b_ok):  # pragma: no cover - the initial version has seq 0
+        return 0, 0, 0
+    return words[at + 1], words[at + 2], words[at + 3]
+
+
+def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
+    """Every account in a dead worker's table (master side), as of its last commit."""
+    words = memoryview(table).cast("Q")
+    try:
+        if words[0] != _MAGIC:
+            return []
+        committed = words[_COMMITTED]
+        used = min(words[_HIGH_WATER], words[2])
+        out = []
+        for slot in range(used):
+            base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
+            state = words[base + 1]
+            if state == FREE:
+                continue
+            processed, delivered, dropped = _latest(words, slot, committed)
+            out.append(Account(words[base], processed, delivered, dropped, words[base + 2], state == OPEN))
+        return out
+    finally:
+        words.release()
+
+
+class AccountBook:
+    """The worker's side of its table: slots for its connections, and `commit`."""
+
+    def __init__(self, table: mmap.mmap | bytearray) -> None:
+        self.table = table
+        self.words = memoryview(table).cast("Q")
+        self.slots = self.words[2] if self.words[0] == _MAGIC else len(table) // SLOT_BYTES - 1
+        self.words[0] = _MAGIC
+        self.words[2] = self.slots
+        self.seq = self.words[_COMMITTED]
+        self.used = 0  # slots ever handed out (they are recycled LIFO, so this stays low)
+        self.free: list[int] = []
+        self.closed: dict[int, tuple[int, float]] = {}  # conn_id -> (slot, closed at), oldest first
+        self.unavailable = 0  # connections that found no slot
+
+    @classmethod
+    def from_fd(cls, fd: int) -> AccountBook:
+        size = os.fstat(fd).st_size
+        table = mmap.mmap(fd, size)
+        os.close(fd)
+        return cls(table)
+
+    @classmethod
+    def in_memory(cls, slots: int = 1024) -> AccountBook:
+        """A book nobody reads after a crash (tests, benchmarks)."""
+        table = bytearray(table_bytes(slots))
+        _HEADER.pack_into(table, 0, _MAGIC, 0, slots, 0)
+        return cls(table)
+
+    # ------------------------------------------------------------ slots
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.used < self.slots:
+            self.used += 1
+            self.words[_HIGH_WATER] = self.used
+            return self.used - 1
+        if self.closed:  # recycle the oldest closed account
+            conn_id = next(iter(self.closed))
+            slot, _ = self.closed.pop(conn_id)
+            self._clear(slot)
+            return slot
+        return -1
+
+    def _clear(self, slot: int) -> None:
+        base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
+        self.words[base] = 0  # first: a half-cleared slot must not name its old connection
+        self.words[base + 1] = FREE
+
+    def open(self, c: Accounted) -> None:
+        """Give a new connection a slot (counters at zero), or none (c.slot = -1)."""
+        slot = self._take()
+        if slot < 0:
+            self.unavailable += 1
+            c.slot = -1
+            return
+        base = HEADER_BYTES + slot * SLOT_BYTES
+        # Zero both versions before naming the connection: a crash in between leaves
+        # a slot that names nobody, never one that gives a new id old counters.
+        _SLOT.pack_into(self.table, base, 0, FREE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self.words[base // 8] = c.conn_id
+        self.words[base // 8 + 1] = OPEN
+        c.slot = base + 32
+        c.acct_ver = 0
+
+    def set_subscriptions(self, c: Accounted, count: int) -> None:
+        if c.slot >= 0:
+            self.words[(c.slot - 32) // 8 + 2] = count
+
+    def commit(self, conns: Iterable[Accounted]) -> None:
+        """Record the counters of every connection a read changed, atomically."""
+        self.seq = seq = self.seq + 1
+        pack = _VERSION.pack_into
+        table = self.table
+        for c in conns:
+            at = c.slot
+            if at >= 0:
+                v = c.acct_ver ^ 1
+                pack(table, at + (v << 5), seq, c.msgs_in, c.msgs_out, c.dropped_total)
+                c.acct_ver = v
+        self.words[_COMMITTED] = seq  # the commit point
+
+    def commit_read(self, c: Accounted, touched: Iterable[Accounted]) -> None:
+        """`commit` of the connection that was read and of those the read touched
+        (the hot path's form: no tuple built per read)."""
+        self.seq = seq = self.seq + 1
+        pack = _VERSION.pack_into
+        table = self.table
+        at = c.slot
+        if at >= 0:
+            v = c.acct_ver ^ 1
+            pack(table, at + (v << 5), seq, c.msgs_in, c.msgs_out, c.dropped_total)
+            c.acct_ver = v
+        for t in touched:
+            at = t.slot
+            if at >= 0 and t is not c:
+                v = t.acct_ver ^ 1
+                pack(table, at + (v << 5), seq, t.msgs_in, t.msgs_out, t.dropped_total)
+                t.acct_ver = v
+        self.words[_COMMITTED] = seq  # the commit point
+
+    def close(self, c: Accounted) -> None:
+        """The connection closed: keep its (committed) account for a reconnecting client."""
+        if c.slot < 0:
+            return
+        self.commit((c,))
+        slot = (c.slot - 32 - HEADER_BYTES) // SLOT_BYTES
+        self.words[(c.slot - 32) // 8 + 1] = CLOSED
+        self.closed[c.conn_id] = (slot, time.monotonic())
+        c.slot = -1
+
+    def claim(self, conn_id: int) -> Account | None:
+        """The account of a closed connection, given away once (None: unknown or expired)."""
+        entry = self.closed.pop(conn_id, None)
+        if entry is None:
+            return None
+        slot = entry[0]
+        processed, delivered, dropped = _latest(self.words, slot, self.seq)
+        self._clear(slot)
+        self.free.append(slot)
+        return Account(conn_id, processed, delivered, dropped)
+
+    def expire(self, now: float | None = None) -> int:
+        """Free the accounts closed more than ACCOUNT_TTL seconds ago; return how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        while self.closed:
+            conn_id = next(iter(self.closed))
+            slot, closed_at = self.closed[conn_id]
+            if now - closed_at < ACCOUNT_TTL:
+                break
+            del self.closed[conn_id]
+            self._clear(slot)
+            self.free.append(slot)
+            n += 1
+        return n
+
+
+class DeadAccounts:
+    """The master's store of the accounts of dead workers, by connection id."""
+
+    def __init__(self) -> None:
+        self._accounts: dict[int, tuple[int, Account, float]] = {}  # conn_id -> (worker, account, death)
+
+    def __len__(self) -> int:
+        return len(self._accounts)
+
+    def add(self, worker: int, accounts: Iterable[Account]) -> None:
+        now = time.monotonic()
+        self.expire(now)
+        for account in accounts:
+            self._accounts[account.conn_id] = (worker, account, now)
+
+    def find(self, conn_id: int, worker: int) -> Account | None:
+        """The account of a connection of a dead incarnation of `worker`, or None."""
+        entry = self._accounts.get(conn_id)
+        if entry is None or entry[0] != worker:
+            return None
+        return entry[1]
+
+    def discard(self, conn_id: int) -> None:
+        """The account was handed to a worker: it is answered once."""
+        self._accounts.pop(conn_id, None)
+
+    def expire(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        while self._accounts:
+            conn_id = next(iter(self._accounts))
+            if now - self._accounts[conn_id][2] < ACCOUNT_TTL:
+                break
+            del self._accounts[conn_id]
