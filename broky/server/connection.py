@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Connection(asyncio.Protocol):
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
-        "msgs_in", "msgs_out", "dropped_total", "connected_at",
+        "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -68,8 +69,14 @@ class Connection(asyncio.Protocol):
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
         self.connected_at = time.time()
+        # Called once the transport holds the socket, before a byte is read or written
+        # (the worker answers the master's hand-off there; broky.server.worker).
+        self.on_adopted: Callable[[], object] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.on_adopted is not None:
+            self.on_adopted()
+            self.on_adopted = None
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
         sock = transport.get_extra_info("socket")
         if sock is not None:
