@@ -491,7 +491,7 @@ def test_worker_stats_forgets_the_requests_it_stopped_waiting_for(monkeypatch: p
         master.supervisor = SimpleNamespace(workers=workers)  # type: ignore[assignment]
 
         def worker_0_answers() -> None:
-            kind, payload, _ = handoff.recv(channels[0][1])
+            kind, payload, _, _ = handoff.recv(channels[0][1])
             request_id, what = handoff.split_id(payload)
             assert kind == handoff.STATS and what == b"topics:5"
             answer = handoff.pack_id(request_id) + b'{"answered": true}'

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class Connection(asyncio.Protocol):
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
-        "msgs_in", "msgs_out", "dropped_total", "connected_at", "slot", "acct_ver", "account",
+        "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held",
     )  # fmt: skip
 
@@ -70,6 +71,9 @@ class Connection(asyncio.Protocol):
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
         self.connected_at = time.time()
+        # Called once the transport holds the socket, before a byte is read or written
+        # (the worker answers the master's hand-off there; broky.server.worker).
+        self.on_adopted: Callable[[], object] | None = None
         # Its account (broky.server.accounts): msgs_in, msgs_out and dropped_total as of
         # the last commit, at byte `slot` of the shared table (-1: none).
         self.slot = -1
@@ -79,6 +83,9 @@ class Connection(asyncio.Protocol):
         self.held = False  # restart grace: its input waits (reads paused) in `rest`
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.on_adopted is not None:
+            self.on_adopted()
+            self.on_adopted = None
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
         sock = transport.get_extra_info("socket")
         if sock is not None:

@@ -13,22 +13,39 @@ master -> worker
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
              dead one): the dead worker's connections that had subscriptions
              (broky.server.fanout `Shard.start_grace`)
-    CONN     uint8 length of an account + that account (broky.server.accounts
-             `Account.pack`, for a client resuming a dead worker's connection)
-             + the bytes already read from the client (its Hello frame), with
-             the client socket's fd attached
+    CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
+             read from the client: its Hello frame, and for a client resuming
+             a connection of a dead worker, that connection's account:
+             broky.server.accounts `Account.pack`), with the client socket's
+             fd attached
     STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
              or another view (broky.server.monitor.answer)
 worker -> master
     READY    the worker serves (sent once after boot)
+    ADOPTED  uint32 hand-off id + uint32 open connections (this one included):
+             the worker owns the socket now; sent before it reads or writes a
+             byte of it, so an unanswered hand-off left the socket untouched
+    REFUSED  uint32 hand-off id + cause (ASCII): the worker could not adopt the
+             socket; cause is "no_fd" (the CONN arrived without its fd: the
+             kernel drops it, and sets MSG_CTRUNC, when the worker is out of
+             file descriptors) or the errno name of the failure (e.g. EMFILE)
     STATS    uint32 request id + JSON snapshot
-    LOAD     uint32 number of open connections + uint64 number of connections
-             received (CONN) since the worker started; sent when either
-             changes, and at least every 0.5 s: the master's heartbeat for
-             /readyz. The master subtracts the second from the connections it
-             handed to that worker to know how many are still in the channel.
+    LOAD     uint32 number of open connections; sent when it differs from the
+             last number the worker reported (in LOAD or ADOPTED), and at least
+             every 0.5 s: the master's heartbeat for /readyz
 
-After a CONN the master closes its own copy of the socket; the worker owns it.
+Every CONN is answered by exactly one ADOPTED or REFUSED with its id. The
+master keeps its own copy of the client socket until then, so a refused
+hand-off can still be answered on the wire (SERVER_BUSY) instead of being
+dropped without a word. The master's view of a worker's load is exact: the
+open connections it last reported plus the hand-offs sent to it and not
+answered yet (broky.server.master).
+
+CONN's payload is a fixed header (hand-off id, number of fields) followed by
+the length of each field, then the fields: the Hello bytes are field 0, the
+account field 1 (empty: none). New
+fields are appended; `split_conn` reads the fields it knows, so a reader
+ignores fields newer than itself and gets b"" for fields its peer did not send.
 A worker that reads EOF on the channel knows the master is gone and exits.
 """
 
@@ -37,7 +54,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 CONFIG = b"K"
 EXPECT = b"E"
@@ -45,10 +62,33 @@ CONN = b"C"
 STATS = b"S"
 READY = b"R"
 LOAD = b"L"
+ADOPTED = b"A"
+REFUSED = b"F"
+
+NO_FD = "no_fd"  # the REFUSED cause of a CONN that arrived without its file descriptor
 
 MAX_MESSAGE = 1 << 20  # larger than any Hello or stats snapshot
 _u32 = struct.Struct("<I")
-_load = struct.Struct("<IQ")
+_adopted = struct.Struct("<II")
+_conn_head = struct.Struct("<IH")  # hand-off id, number of fields (each then has a uint32 length)
+
+
+class Received(NamedTuple):
+    """One message off the channel: kind (b"" at EOF), payload, the fd it carried
+    (or None), and whether the kernel dropped ancillary data (MSG_CTRUNC)."""
+
+    kind: bytes
+    payload: bytes
+    fd: int | None
+    truncated: bool
+
+
+class Conn(NamedTuple):
+    """The payload of a CONN message."""
+
+    handoff_id: int
+    hello: bytes
+    account: bytes = b""  # broky.server.accounts Account.pack, or b"": none
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -65,50 +105,70 @@ def send(chan: socket.socket, kind: bytes, payload: bytes = b"") -> None:
 
 
 def send_socket(
-    chan: socket.socket, client: socket.socket, already_read: bytes, account: bytes = b""
+    chan: socket.socket, client: socket.socket, handoff_id: int, already_read: bytes, account: bytes = b""
 ) -> None:
-    """Hand a client socket, the bytes read from it so far and its account to the worker."""
-    socket.send_fds(chan, [CONN + bytes((len(account),)) + account + already_read], [client.fileno()])
-
-
-def split_conn(payload: bytes) -> tuple[bytes, bytes]:
-    """(account, bytes already read) of a CONN payload."""
-    n = payload[0]
-    return payload[1 : 1 + n], payload[1 + n :]
-
-
-EXPECT_BATCH = 65536  # ids per EXPECT message (512 KiB)
-
-
-def pack_ids(ids: list[int]) -> bytes:
-    return struct.pack(f"<{len(ids)}Q", *ids)
-
-
-def split_ids(payload: bytes) -> list[int]:
-    return list(struct.unpack(f"<{len(payload) // 8}Q", payload))
+    """Hand a client socket, the bytes read from it so far (and the account of the
+    connection it resumes) to the worker (CONN)."""
+    socket.send_fds(chan, [CONN + pack_conn(handoff_id, already_read, account)], [client.fileno()])
 
 
 def send_json(chan: socket.socket, kind: bytes, request_id: int, data: Any) -> None:
     send(chan, kind, _u32.pack(request_id) + json.dumps(data).encode())
 
 
-def recv(chan: socket.socket) -> tuple[bytes, bytes, int | None]:
-    """Receive one message: (kind, payload, fd or None); kind b"" at EOF.
+def recv(chan: socket.socket) -> Received:
+    """Receive one message; kind b"" at EOF.
 
     Raises:
         BlockingIOError: nothing to read on a non-blocking channel.
     """
-    data, fds, _flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, 1)
+    data, fds, flags, _addr = socket.recv_fds(chan, MAX_MESSAGE, 1)
     fd = fds[0] if fds else None
+    for extra in fds[1:]:  # never sent; closed rather than leaked
+        socket.close(extra)
     if not data:
         if fd is not None:
             socket.close(fd)
-        return b"", b"", None
-    return data[:1], data[1:], fd
+        return Received(b"", b"", None, False)
+    return Received(data[:1], data[1:], fd, bool(flags & socket.MSG_CTRUNC))
+
+
+def pack_conn(handoff_id: int, hello: bytes, account: bytes = b"") -> bytes:
+    """The payload of a CONN message."""
+    fields = (hello, account) if account else (hello,)
+    lengths = b"".join(_u32.pack(len(f)) for f in fields)
+    return _conn_head.pack(handoff_id, len(fields)) + lengths + b"".join(fields)
+
+
+def split_conn(payload: bytes) -> Conn:
+    """The fields of a CONN payload (fields this reader does not know are ignored)."""
+    handoff_id, count = _conn_head.unpack_from(payload)
+    offset = _conn_head.size + 4 * count
+    fields: list[bytes] = []
+    for i in range(count):
+        size = _u32.unpack_from(payload, _conn_head.size + 4 * i)[0]
+        fields.append(payload[offset : offset + size])
+        offset += size
+    hello = fields[0] if fields else b""
+    account = fields[1] if len(fields) > 1 else b""
+    return Conn(handoff_id, hello, account)
+
+
+EXPECT_BATCH = 65536  # ids per EXPECT message (512 KiB)
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """The payload of an EXPECT message."""
+    return struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def split_ids(payload: bytes) -> list[int]:
+    """The connection ids of an EXPECT payload."""
+    return list(struct.unpack(f"<{len(payload) // 8}Q", payload))
 
 
 def split_id(payload: bytes) -> tuple[int, bytes]:
-    """(request id, rest) of a STATS or LOAD payload."""
+    """(request or hand-off id, rest) of a STATS or REFUSED payload."""
     return _u32.unpack_from(payload)[0], payload[4:]
 
 
@@ -116,12 +176,34 @@ def pack_id(value: int) -> bytes:
     return _u32.pack(value)
 
 
-def pack_load(open_connections: int, adopted: int) -> bytes:
+def pack_adopted(handoff_id: int, open_connections: int) -> bytes:
+    """The payload of an ADOPTED message."""
+    return _adopted.pack(handoff_id, open_connections)
+
+
+def split_adopted(payload: bytes) -> tuple[int, int]:
+    """(hand-off id, open connections) of an ADOPTED payload."""
+    handoff_id, open_connections = _adopted.unpack_from(payload)
+    return handoff_id, open_connections
+
+
+def pack_refused(handoff_id: int, cause: str) -> bytes:
+    """The payload of a REFUSED message."""
+    return _u32.pack(handoff_id) + cause.encode("ascii", "replace")
+
+
+def split_refused(payload: bytes) -> tuple[int, str]:
+    """(hand-off id, cause) of a REFUSED payload."""
+    handoff_id, cause = split_id(payload)
+    return handoff_id, cause.decode("ascii", "replace")
+
+
+def pack_load(open_connections: int) -> bytes:
     """The payload of a LOAD message."""
-    return _load.pack(open_connections, adopted)
+    return _u32.pack(open_connections)
 
 
-def split_load(payload: bytes) -> tuple[int, int]:
-    """(open connections, connections received since boot) of a LOAD payload."""
-    open_connections, adopted = _load.unpack_from(payload)
-    return open_connections, adopted
+def split_load(payload: bytes) -> int:
+    """The open connections of a LOAD payload."""
+    open_connections: int = _u32.unpack_from(payload)[0]
+    return open_connections

@@ -10,28 +10,51 @@ behind its Hello stays in the kernel for the worker to read), within
 --hello-timeout seconds. It checks that the frame is a Hello of protocol
 version 1, with the right auth token when one is configured, and picks the
 worker: Hello.worker, or the least-loaded one for -1. The socket and the Hello
-bytes then travel to that worker over its control channel
-(broky.server.handoff) and the master closes its copy. Least-loaded means the
-fewest connections open (as the worker last reported, with LOAD) plus those
-handed to it that it has not adopted yet.
+bytes then travel to that worker over its control channel as a CONN with a
+hand-off id (broky.server.handoff), and the master keeps its own copy of the
+socket until the worker answers: ADOPTED (the master closes its copy; the
+worker has sent the Welcome) or REFUSED with a cause (the worker got no fd
+because it is out of file descriptors, or adopting failed). Least-loaded means
+the fewest connections open (as the worker last reported, in LOAD or ADOPTED)
+plus the hand-offs sent to it and not answered yet (WorkerProcess.pending),
+so the accounting is exact whatever happens to a hand-off; among the ready
+workers, one that failed a hand-off in the last NOT_READY_AFTER_REFUSAL
+seconds is picked only if no other is ready.
 
-A full control channel is back-pressure, not death: a busy (or stopped) worker
-is waited for until the channel is writable again, for at most
-HAND_OVER_TIMEOUT seconds, and the connection is then refused with
-SERVER_BUSY. Only a broken channel (EPIPE, ECONNRESET, ENOTCONN, or one the
-supervisor closed) marks the WorkerProcess gone; its successor is a new
-WorkerProcess, so nothing has to be cleared. A client that resets during the
-handshake costs one info line. When the master runs out of file descriptors
-it stops accepting for ACCEPT_PAUSE seconds (one log line per episode).
-At SIGTERM/SIGINT, connections still in the handshake get a Goodbye too.
+A hand-off that a worker does not take is refused to the client with a fatal
+SERVER_BUSY that says why ("worker 0 cannot take connections: out of file
+descriptors"): a REFUSED answer, no answer within HAND_OVER_TIMEOUT seconds of
+the CONN ("no_answer": the CONN stays in the channel, so that socket is never
+offered to another worker; a worker that wakes up later finds it closed), or a
+control channel still full after HAND_OVER_TIMEOUT seconds ("channel_full": a
+busy or stopped worker is back-pressure, not death). A Hello for any worker
+(-1) whose hand-off was refused or never sent is first offered to another
+ready worker: the client did not choose the worker, and a worker out of
+descriptors would otherwise attract every such connection (it has the fewest
+open). Each such failure is counted by (worker, cause) (/metrics
+broky_handoffs_refused_total, /stats), logged at most once per
+HANDOFF_LOG_INTERVAL per (worker, cause) with the number held back, and makes
+/readyz report that worker not ready for NOT_READY_AFTER_REFUSAL seconds.
 
-A refused handshake gets one fatal Error frame, one log line, and a lingering
-close: the master half-closes and discards input for up to a second so that
-the client reads the Error instead of a connection reset.
+Only a broken channel (EPIPE, ECONNRESET, ENOTCONN, or one the supervisor
+closed) marks the WorkerProcess gone; hand-offs it had not answered when it
+died are cancelled by the supervisor and tried again (on its successor, or
+another worker for -1), since the master still holds their sockets. Its
+successor is a new WorkerProcess, so nothing has to be cleared. A client that
+resets during the handshake costs one info line. When the master runs out of
+file descriptors it stops accepting for ACCEPT_PAUSE seconds (one log line
+per episode). At SIGTERM/SIGINT, connections still in the handshake get a
+Goodbye too.
+
+A refused handshake gets one fatal Error frame, one log line (throttled as
+above when a worker refused it), and a lingering close: the master
+half-closes and discards input for up to a second so that the client reads
+the Error instead of a connection reset.
 
 The master also answers HTTP on the metrics port: /healthz (200 while the
-master runs) and /readyz (200 when every worker is ready and was heard from
-on its control channel within HEARTBEAT_TIMEOUT, else 503);
+master runs) and /readyz (200 when every worker is ready, was heard from on
+its control channel within HEARTBEAT_TIMEOUT and took every hand-off of the
+last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
 (`worker_stats`). SIGTERM or SIGINT: stop accepting, ask every worker to say Goodbye
@@ -63,6 +86,7 @@ from broky.server import handoff, monitor
 from broky.server.accounts import Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
+from broky.server.logs import Throttle
 from broky.server.supervisor import Supervisor, WorkerProcess
 
 log = logging.getLogger("broky.master")
@@ -72,8 +96,19 @@ LINGER_SECONDS = 1.0
 STATS_TIMEOUT = 2.0  # one deadline for all the workers' answers to one stats request
 HEARTBEAT_TIMEOUT = 2.0  # a worker silent this long is not ready (it sends LOAD every 0.5 s)
 WAIT_FOR_WORKER = 2.0  # a Hello naming a restarting worker waits this long for it
-HAND_OVER_ATTEMPTS = 3  # hand-offs tried per connection when a worker turns out to be dead
-HAND_OVER_TIMEOUT = 2.0  # how long a hand-off waits for a full control channel to drain
+HAND_OVER_ATTEMPTS = 3  # hand-offs tried per connection when a worker is dead (or refuses a -1)
+HAND_OVER_TIMEOUT = 2.0  # a hand-off waits this long for a full channel to drain, then for the answer
+NOT_READY_AFTER_REFUSAL = 3.0  # /readyz: a worker that failed a hand-off this recently is not ready
+HANDOFF_LOG_INTERVAL = 10.0  # seconds between two log lines about one (worker, cause) of failed hand-offs
+NO_ANSWER = "no_answer"  # hand-off failure causes of the master's own (the worker's are in REFUSED)
+CHANNEL_FULL = "channel_full"
+_CAUSES = {
+    handoff.NO_FD: "out of file descriptors",
+    "EMFILE": "out of file descriptors",
+    "ENFILE": "the system is out of file descriptors",
+    NO_ANSWER: f"no answer to a hand-off within {HAND_OVER_TIMEOUT:g} s",
+    CHANNEL_FULL: f"its control channel stayed full for {HAND_OVER_TIMEOUT:g} s",
+}
 ACCEPT_PAUSE = 0.1  # accepting stops this long when the master is out of file descriptors
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _CHANNEL_BROKEN = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
@@ -87,10 +122,21 @@ class _WorkerGone(Exception):
         self.reason = reason
 
 
+class _HandOffRefused(Exception):
+    """A worker did not take a connection; `retry`: the socket is in no worker's hands."""
+
+    def __init__(self, message: str, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
 class Refused(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    """The handshake is refused with `code`; `logged`: the cause was logged already (throttled)."""
+
+    def __init__(self, code: ErrorCode, message: str, logged: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.logged = logged
 
 
 class Master:
@@ -103,10 +149,13 @@ class Master:
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_request = 0
-        self.handed_total = 0
+        self.handed_total = 0  # hand-offs ADOPTED
+        self._next_handoff = 0
         self.stopping = False
         self._accept_paused_since = 0.0  # monotonic time accepting first stopped for lack of fds
         self.refused_total: dict[str, int] = {}
+        self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
+        self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
         self.started = time.time()
 
     # ------------------------------------------------------------ life
@@ -214,22 +263,9 @@ class Master:
                 ) from None
             except RemoteProtocolError as exc:
                 raise Refused(exc.code, str(exc)) from None
-            for _ in range(HAND_OVER_ATTEMPTS):
-                wp = await self._pick_worker(hello)
-                account = self._dead_account(hello, wp)
-                try:
-                    await self._hand_over(sock, hello_bytes, wp, account.pack() if account else b"")
-                    if account is not None and self.supervisor is not None:
-                        self.supervisor.dead.discard(account.conn_id)  # given to its new worker
-                    break
-                except _WorkerGone as exc:
-                    # It died and the supervisor has not reaped it yet: wait for its
-                    # successor (or, for "any worker", take another one).
-                    log.info("worker %d is gone (%s); waiting for a ready worker", wp.index, exc.reason)
-            else:
-                raise Refused(ErrorCode.SERVER_BUSY, f"worker {wp.index} keeps refusing connections")
+            await self._place(sock, hello_bytes, hello)
         except Refused as exc:
-            await self._refuse(sock, peer, exc.code, str(exc))  # (a cancel in there: no Goodbye)
+            await self._refuse(sock, peer, exc.code, str(exc), exc.logged)  # (a cancel in there: no Goodbye)
         except EOFError:
             pass  # closed before sending anything
         except OSError as exc:  # e.g. a reset during the Hello
@@ -240,6 +276,36 @@ class Master:
             raise
         finally:
             sock.close()
+
+    async def _place(self, sock: socket.socket, hello_bytes: bytes, hello: Hello) -> None:
+        """Hand the socket to a worker that adopts it.
+
+        Raises:
+            Refused: no worker took it (SERVER_BUSY).
+        """
+        refused_by: set[int] = set()  # workers that did not take this connection
+        refusal: _HandOffRefused | None = None
+        for _ in range(HAND_OVER_ATTEMPTS):
+            wp = await self._pick_worker(hello, refused_by)
+            account = self._dead_account(hello, wp)
+            try:
+                await self._hand_over(sock, hello_bytes, wp, account.pack() if account else b"")
+                if account is not None:
+                    assert self.supervisor is not None
+                    self.supervisor.dead.discard(account.conn_id)  # answered by its new worker
+                return
+            except _WorkerGone as exc:
+                # It died and the supervisor has not reaped it yet: wait for its
+                # successor (or, for "any worker", take another one).
+                log.info("worker %d is gone (%s); waiting for a ready worker", wp.index, exc.reason)
+            except _HandOffRefused as exc:
+                refused_by.add(wp.index)
+                refusal = exc
+                if not (exc.retry and hello.worker == ANY_WORKER and self._ready_besides(refused_by)):
+                    break
+        if refusal is not None:  # logged (throttled) where it happened
+            raise Refused(ErrorCode.SERVER_BUSY, str(refusal), logged=True)
+        raise Refused(ErrorCode.SERVER_BUSY, f"worker {wp.index} keeps refusing connections")
 
     async def _recv_exact(self, sock: socket.socket, n: int, got: int) -> bytes:
         buf = bytearray()
@@ -281,7 +347,8 @@ class Master:
             raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token")
         return frame, hello
 
-    async def _pick_worker(self, hello: Hello) -> WorkerProcess:
+    async def _pick_worker(self, hello: Hello, refused_by: set[int]) -> WorkerProcess:
+        """Hello.worker, or for -1 the least-loaded ready worker not in `refused_by`."""
         assert self.supervisor is not None
         n = self.config.workers
         wanted = hello.worker
@@ -292,8 +359,11 @@ class Master:
             ready = [wp for wp in self.supervisor.live() if wp.ready and not wp.gone]
             if wanted != ANY_WORKER:
                 ready = [wp for wp in ready if wp.index == wanted]
+            else:
+                ready = [wp for wp in ready if wp.index not in refused_by]
             if ready:
-                return min(ready, key=lambda wp: (wp.load + wp.handed - wp.adopted, wp.index))
+                now = time.monotonic()
+                return min(ready, key=lambda wp: (_refusing(wp, now), wp.placement_load, wp.index))
             if time.monotonic() > deadline:
                 raise Refused(ErrorCode.SERVER_BUSY, "no worker is ready")
             await asyncio.sleep(0.05)
@@ -308,23 +378,30 @@ class Master:
         assert self.supervisor is not None
         return self.supervisor.dead.find(prev.connection_id, wp.index)
 
+    def _ready_besides(self, refused_by: set[int]) -> bool:
+        assert self.supervisor is not None
+        return any(wp.ready and not wp.gone and wp.index not in refused_by for wp in self.supervisor.live())
+
     async def _hand_over(
-        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, account: bytes
+        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, account: bytes = b""
     ) -> None:
-        """Send the socket (with the account of the connection it resumes, if any) to wp;
-        wait (bounded) while its channel is full.
+        """Send the socket (with the account of the connection it resumes, if any) to wp,
+        waiting (bounded) while its channel is full, and wait (bounded) for its answer.
+        On return the worker has adopted it.
 
         Raises:
-            _WorkerGone: the channel is broken (the worker died).
-            Refused: the channel stayed full for HAND_OVER_TIMEOUT s, or another error.
+            _WorkerGone: the channel is broken, or the worker died before answering.
+            _HandOffRefused: the worker refused it or did not answer in time, the
+                channel stayed full, or sending failed (counted and logged here).
         """
         assert self.supervisor is not None
         deadline = time.monotonic() + HAND_OVER_TIMEOUT
+        self._next_handoff = handoff_id = (self._next_handoff + 1) & 0xFFFFFFFF
         while True:
             if wp.gone:
                 raise _WorkerGone("its control channel is closed")
             try:
-                handoff.send_socket(wp.chan, sock, hello_bytes, account)
+                handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account)
                 break
             except (BlockingIOError, InterruptedError):
                 if not wp.backlogged:  # one line per episode
@@ -335,23 +412,53 @@ class Master:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0 or not await self.supervisor.wait_writable(wp, left):
-                    raise Refused(
-                        ErrorCode.SERVER_BUSY,
-                        f"worker {wp.index} took no connection for {HAND_OVER_TIMEOUT:g} s",
-                    ) from None
+                    raise self._handoff_refused(wp, CHANNEL_FULL, retry=True) from None
             except OSError as exc:
                 if exc.errno in _CHANNEL_BROKEN:
                     wp.gone = True  # skipped until the supervisor restarts it
                     raise _WorkerGone(str(exc)) from None
-                raise Refused(ErrorCode.SERVER_BUSY, f"hand-off to worker {wp.index} failed: {exc}") from None
+                cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+                raise self._handoff_refused(wp, cause, retry=True, detail=str(exc)) from None
         if wp.backlogged:
             wp.backlogged = False
             log.info("worker %d takes connections again", wp.index)
-        wp.handed += 1
+        answer: asyncio.Future[str | None] = self.loop.create_future()
+        wp.pending[handoff_id] = answer  # counted as load until answered (or forgotten)
+        try:
+            await asyncio.wait({answer}, timeout=HAND_OVER_TIMEOUT)
+        finally:
+            wp.pending.pop(handoff_id, None)
+        if answer.cancelled():  # by the supervisor: the worker died; its CONN died with it
+            raise _WorkerGone("it died before answering the hand-off")
+        if not answer.done():  # the CONN may still be in the channel: never offered elsewhere
+            raise self._handoff_refused(wp, NO_ANSWER, retry=False)
+        refused = answer.result()
+        if refused is not None:
+            raise self._handoff_refused(wp, refused, retry=True)
         self.handed_total += 1
 
-    async def _refuse(self, sock: socket.socket, peer: str, code: ErrorCode, message: str) -> None:
-        log.warning("connection from %s refused: %s: %s", peer, code.name, message)
+    def _handoff_refused(
+        self, wp: WorkerProcess, cause: str, retry: bool, detail: str = ""
+    ) -> _HandOffRefused:
+        """Count a hand-off wp did not take, log it (throttled), note it for /readyz."""
+        key = (wp.index, cause)
+        self.handoffs_refused[key] = total = self.handoffs_refused.get(key, 0) + 1
+        wp.refused_at = time.monotonic()
+        wp.refused_cause = cause
+        message = f"worker {wp.index} cannot take connections: {detail or _describe(cause)}"
+        held = self._handoff_log.allow(key)
+        if held is not None:
+            log.error(
+                "%s (%s); hand-offs refused for this cause: %d so far, %d not logged since the last line",
+                message, cause, total, held,
+            )  # fmt: skip
+        return _HandOffRefused(message, retry)
+
+    async def _refuse(
+        self, sock: socket.socket, peer: str, code: ErrorCode, message: str, logged: bool = False
+    ) -> None:
+        if not logged:
+            log.warning("connection from %s refused: %s: %s", peer, code.name, message)
         self.refused_total[code.name] = self.refused_total.get(code.name, 0) + 1
         await self._linger_close(sock, error_frame(code, message, fatal=True))
 
@@ -418,24 +525,44 @@ class Master:
         return 200, "text/plain", b"ok\n"
 
     async def readyz(self) -> Response:
-        """200 when every worker is ready and answering; a hung worker (e.g. stopped) is not."""
+        """200 when every worker is ready, answering and taking connections; a hung worker
+        (e.g. stopped) is not, nor one that refused a hand-off in the last few seconds."""
         assert self.supervisor is not None
         now = time.monotonic()
         waiting: list[int] = []
         silent: list[int] = []
+        refusing: list[str] = []
         for i, wp in enumerate(self.supervisor.workers):
             if wp is None or not wp.ready or wp.gone:
                 waiting.append(i)
             elif now - wp.heard > HEARTBEAT_TIMEOUT:
                 silent.append(i)
-        if not waiting and not silent:
+            elif _refusing(wp, now):
+                refusing.append(f"worker {i} ({wp.refused_cause}: {_describe(wp.refused_cause)})")
+        if not waiting and not silent and not refusing:
             return 200, "text/plain", b"ok\n"
         why = []
         if waiting:
             why.append(f"workers not ready: {waiting}")
         if silent:
             why.append(f"workers silent for over {HEARTBEAT_TIMEOUT:g} s: {silent}")
+        if refusing:
+            last = f"{NOT_READY_AFTER_REFUSAL:g} s"
+            why.append(f"workers refusing connections in the last {last}: {', '.join(refusing)}")
         return 503, "text/plain", ("; ".join(why) + "\n").encode()
+
+
+def _refusing(wp: WorkerProcess, now: float) -> bool:
+    """wp failed a hand-off in the last NOT_READY_AFTER_REFUSAL seconds."""
+    return bool(wp.refused_cause) and now - wp.refused_at < NOT_READY_AFTER_REFUSAL
+
+
+def _describe(cause: str) -> str:
+    """Words for a hand-off failure cause: ours, or an errno name."""
+    if cause in _CAUSES:
+        return _CAUSES[cause]
+    code = getattr(errno, cause, None)
+    return os.strerror(code).lower() if isinstance(code, int) else cause
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -179,6 +179,16 @@ class SnapshotCollector:
         for code, n in sorted(m.get("handshakes_refused", {}).items()):
             refused.add_metric([code.lower()], float(n))
         yield refused
+        handoffs = CounterMetricFamily(
+            "broky_handoffs_refused_total",
+            "Connections a worker did not take from the master, by cause: no_fd or an errno name "
+            "(the worker refused it), no_answer, channel_full.",
+            labels=["worker", "cause"],
+        )
+        for i, causes in enumerate(m.get("handoffs_refused", [])):
+            for cause, n in sorted(causes.items()):
+                handoffs.add_metric([str(i), cause], float(n))
+        yield handoffs
         ready = GaugeMetricFamily("broky_workers_ready", "Workers ready to serve.")
         ready.add_metric([], float(m.get("workers_ready", 0)))
         yield ready

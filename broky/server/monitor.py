@@ -21,7 +21,7 @@ fit one control message, so no endpoint can grow with the traffic.
 Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
     /metrics      Prometheus text format (broky.server.metrics)
     /healthz      200 while the master runs (registered by the master)
-    /readyz       200 when every worker is ready and heard from lately, else 503 (master)
+    /readyz       200 when every worker is ready, heard from and taking connections, else 503 (master)
     /stats        {"node_id", "version", "master", "workers": [...], "totals"}
     /connections  {"total", "limit", "connections": [...]} busiest first
     /topics       {"total", "limit", "topics": [...]} most subscriptions first
@@ -232,7 +232,17 @@ class Monitor:
             "worker_restarts": list(sup.restarts_of),
             "connections_handed": m.handed_total,
             "handshakes_refused": dict(m.refused_total),
+            "handoffs_pending": [len(wp.pending) if wp is not None else 0 for wp in sup.workers],
+            "handoffs_refused": _by_worker(m.handoffs_refused, m.config.workers),
         }
+
+
+def _by_worker(counts: dict[tuple[int, str], int], workers: int) -> list[dict[str, int]]:
+    """{(worker, cause): n} as one {cause: n} per worker index."""
+    listed: list[dict[str, int]] = [{} for _ in range(workers)]
+    for (index, cause), n in sorted(counts.items()):
+        listed[index][cause] = n
+    return listed
 
 
 def install(master: Master) -> Monitor:

@@ -56,9 +56,12 @@ class WorkerProcess:
         self.table = table  # its accounts (read when it is gone)
         self.started = time.monotonic()
         self.ready = False
-        self.load = 0  # connections open, as the worker last reported (LOAD)
-        self.adopted = 0  # connections it had received from the channel, in that report
-        self.handed = 0  # connections handed to it: handed - adopted are still in the channel
+        self.load = 0  # connections open, as the worker last reported (LOAD or ADOPTED)
+        # Hand-offs sent to it (CONN) and not answered yet, by hand-off id: each future
+        # gets None (ADOPTED) or the cause (REFUSED), and is cancelled if the worker dies.
+        self.pending: dict[int, asyncio.Future[str | None]] = {}
+        self.refused_at = 0.0  # monotonic time of its last failed hand-off (/readyz)
+        self.refused_cause = ""  # and its cause ("" until one fails)
         self.gone = False  # its channel broke or was closed: hand nothing more to this process
         self.backlogged = False  # a hand-off found its channel full (logged once per episode)
         self.writable: asyncio.Future[None] | None = None  # set when a full channel drains
@@ -67,6 +70,11 @@ class WorkerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def placement_load(self) -> int:
+        """What least-loaded placement compares: open connections + hand-offs in flight."""
+        return self.load + len(self.pending)
 
 
 class Supervisor:
@@ -139,7 +147,7 @@ class Supervisor:
     def _on_channel(self, wp: WorkerProcess) -> None:
         while True:
             try:
-                kind, payload, fd = handoff.recv(wp.chan)
+                kind, payload, fd, _ = handoff.recv(wp.chan)
             except BlockingIOError:
                 return
             except OSError:
@@ -156,7 +164,13 @@ class Supervisor:
                 self.boot_failures[wp.index] = 0
                 self._ready_changed.set()
             elif kind == handoff.LOAD:
-                wp.load, wp.adopted = handoff.split_load(payload)
+                wp.load = handoff.split_load(payload)
+            elif kind == handoff.ADOPTED:
+                handoff_id, wp.load = handoff.split_adopted(payload)
+                _answer(wp, handoff_id, None)
+            elif kind == handoff.REFUSED:
+                handoff_id, cause = handoff.split_refused(payload)
+                _answer(wp, handoff_id, cause)
             else:
                 self.on_message(wp, kind, payload)
 
@@ -240,6 +254,7 @@ class Supervisor:
     def _forget(self, wp: WorkerProcess) -> list[int]:
         """Drop a reaped worker; keep its accounts. Returns the ids of its connections
         that were open with subscriptions (its successor waits for them)."""
+        self._on_channel(wp)  # what it said before it died (ADOPTED among others) still counts
         try:
             self.loop.remove_reader(wp.chan.fileno())
         except (ValueError, OSError):
@@ -247,6 +262,9 @@ class Supervisor:
         wp.gone = True
         if wp.writable is not None:
             self._on_writable(wp)  # wake the waiting hand-offs: they see `gone`
+        for fut in wp.pending.values():
+            fut.cancel()  # hand-offs it never answered: the handshakes waiting for them see `gone`
+        wp.pending.clear()
         wp.chan.close()
         wp.ready = False
         self.workers[wp.index] = None
@@ -297,6 +315,12 @@ class Supervisor:
             _signal(wp.proc, signal.SIGKILL)
             wp.proc.wait()
             self._forget(wp)
+
+
+def _answer(wp: WorkerProcess, handoff_id: int, cause: str | None) -> None:
+    fut = wp.pending.pop(handoff_id, None)
+    if fut is not None and not fut.done():  # else the master stopped waiting (HAND_OVER_TIMEOUT)
+        fut.set_result(cause)
 
 
 def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:

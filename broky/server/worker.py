@@ -11,23 +11,38 @@ Ownership. A worker owns, and never shares:
   * its counters (`WorkerStats`).
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
-(CONFIG, EXPECT, CONN with the socket's fd, STATS request/answer, READY, LOAD).
-There is no lock, and one piece of shared memory, written by the worker only:
-the accounts of its connections (broky.server.accounts), which the master
-reads once this process is gone, so that clients reconnecting after a crash
-learn exactly what was processed and what was lost.
+(CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, STATS
+request/answer, READY, LOAD). There is no lock, and one piece of shared
+memory, written by the worker only: the accounts of its connections
+(broky.server.accounts), which the master reads once this process is gone, so
+that clients reconnecting after a crash learn exactly what was processed and
+what was lost.
 
 Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
-supervisor with the worker end of the channel as FD and its accounts table
-as BOOK_FD. It reads CONFIG and the EXPECT messages (blocking), starts uvloop,
-adopts each handed socket with `loop.connect_accepted_socket`, and sends
-READY; every tick it reports its LOAD. A worker that replaces a dead one
-starts in the restart grace (broky.server.fanout `Shard.start_grace`). SIGTERM, or EOF on the channel
-(the master is gone), starts the shutdown: Goodbye to every connection (behind
-the deliveries already queued to it), wait until every final byte has left the
-process for at most shutdown_timeout seconds, reset the rest, log what the
-shutdown dropped, exit 0. A socket handed over after that gets a Goodbye and
-is closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and
+supervisor with the worker end of the channel as FD and its accounts table as
+BOOK_FD. It reads CONFIG and the EXPECT messages (blocking), starts uvloop and
+sends READY; every tick it reports its LOAD. A worker that replaces a dead one
+starts in the restart grace (broky.server.fanout `Shard.start_grace`).
+
+Hand-offs. Every CONN is answered. The worker adopts the socket with
+`loop.connect_accepted_socket` and answers ADOPTED (with its number of open
+connections) from the connection's `connection_made`, before the Welcome is
+written: no byte of the client's stream moves before the master knows, so a
+worker that dies before answering leaves the socket untouched and the master
+can hand it to another worker. A CONN that arrived without its fd (the
+kernel drops the fd, with MSG_CTRUNC, when this process is out of file
+descriptors) or whose adoption failed (any exception before connection_made)
+is answered REFUSED with the cause ("no_fd", or the errno name such as
+EMFILE); the master still holds the socket and tells the client SERVER_BUSY.
+Refusals are logged through a Throttle: one line per cause per
+ADOPT_LOG_INTERVAL with the running count, never one per connection.
+
+Stopping. SIGTERM, or EOF on the channel (the master is gone), starts the
+shutdown: Goodbye to every connection (behind the deliveries already queued
+to it), wait until every final byte has left the process for at most
+shutdown_timeout seconds, reset the rest, log what the shutdown dropped,
+exit 0. A socket handed over after that is answered ADOPTED, gets a Goodbye
+and is closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and
 the master decides.
 """
 
@@ -35,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -49,14 +65,14 @@ from broky.protocol import Goodbye, encode_frame
 from broky.server import handoff, monitor
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
-from broky.server.connection import Connection
 from broky.server.fanout import Shard
-from broky.server.logs import setup_logging
+from broky.server.logs import Throttle, setup_logging
 
 log = logging.getLogger("broky.worker")
 
 TICK_SECONDS = 0.25
 HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /readyz wants signs of life
+ADOPT_LOG_INTERVAL = 10.0  # seconds between two log lines about hand-offs refused for one cause
 
 
 class Worker:
@@ -78,8 +94,9 @@ class Worker:
         self.expected = expected or set()
         self.grace = grace
         self.done: asyncio.Future[None] = self.loop.create_future()
-        self.adopted = 0  # connections received from the master (CONN), for LOAD
-        self._reported_load = (-1, -1)
+        self.refused: dict[str, int] = {}  # hand-offs answered REFUSED, by cause
+        self._refusal_log = Throttle(ADOPT_LOG_INTERVAL)
+        self._reported_load = -1  # open connections, as last reported in LOAD or ADOPTED
         self._reported_at = 0.0
         self._stopping = False
 
@@ -102,14 +119,14 @@ class Worker:
     def _on_channel(self) -> None:
         while True:
             try:
-                kind, payload, fd = handoff.recv(self.chan)
+                kind, payload, fd, truncated = handoff.recv(self.chan)
             except BlockingIOError:
                 return
             except OSError as exc:
                 log.error("control channel failed: %s", exc)
-                kind, payload, fd = b"", b"", None
-            if kind == handoff.CONN and fd is not None:
-                self._adopt(fd, payload)
+                kind, payload, fd, truncated = b"", b"", None, False
+            if kind == handoff.CONN:
+                self._on_conn(handoff.split_conn(payload), fd, truncated)
             elif kind == handoff.STATS:
                 request_id, what = handoff.split_id(payload)
                 with contextlib.suppress(OSError):
@@ -124,38 +141,78 @@ class Worker:
                     socket.close(fd)
                 log.error("unexpected control message %r", kind)
 
-    def _adopt(self, fd: int, payload: bytes) -> None:
-        account, hello = handoff.split_conn(payload)
-        self.adopted += 1
-        sock = socket.socket(fileno=fd)
-        sock.setblocking(False)
-        if self._stopping:  # handed over just before the SIGTERM: a Goodbye, not a bare close
-            with contextlib.suppress(OSError):
-                sock.send(encode_frame(Goodbye("server shutting down")))
-            sock.close()
+    def _on_conn(self, handed: handoff.Conn, fd: int | None, truncated: bool) -> None:
+        if fd is None:
+            why = "out of file descriptors (MSG_CTRUNC)" if truncated else "sent without one"
+            self._refuse(handed.handoff_id, handoff.NO_FD, f"the socket arrived without its fd: {why}")
             return
-        conn = self.shard.new_connection(hello, Account.unpack(account) if account else None)
-        self.loop.create_task(self._connect(sock, conn))
+        self.loop.create_task(self._connect(fd, handed))
 
-    async def _connect(self, sock: socket.socket, conn: Connection) -> None:
+    async def _connect(self, fd: int, handed: handoff.Conn) -> None:
+        sock: socket.socket | None = None
+        adopted = False
+
+        def answer_adopted() -> None:  # from connection_made: before the Welcome is written
+            nonlocal adopted
+            adopted = True
+            self._answer_adopted(handed.handoff_id, len(self.shard.conns) + 1)  # this one included
+
         try:
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            if self._stopping:  # handed over just before the SIGTERM: a Goodbye, not a bare close
+                self._answer_adopted(handed.handoff_id, len(self.shard.conns))
+                adopted = True
+                with contextlib.suppress(OSError):
+                    sock.send(encode_frame(Goodbye("server shutting down")))
+                sock.close()
+                return
+            account = Account.unpack(handed.account) if handed.account else None
+            conn = self.shard.new_connection(handed.hello, account)
+            conn.on_adopted = answer_adopted
             await self.loop.connect_accepted_socket(lambda: conn, sock=sock)
-        except OSError as exc:
-            log.info("could not adopt a connection: %s", exc)
-            sock.close()
+        except Exception as exc:  # the client is told SERVER_BUSY by the master, whatever failed
+            if adopted:  # too late to refuse: the transport closes it (the client sees EOF)
+                log.error("connection failed right after its adoption: %r", exc)
+                return
+            if sock is not None:
+                sock.close()
+            else:
+                os.close(fd)
+            code = exc.errno if isinstance(exc, OSError) else None
+            cause = errno.errorcode.get(code or 0, type(exc).__name__)
+            self._refuse(handed.handoff_id, cause, f"could not adopt the socket: {exc}")
+
+    def _answer_adopted(self, handoff_id: int, open_connections: int) -> None:
+        with contextlib.suppress(OSError):
+            handoff.send(self.chan, handoff.ADOPTED, handoff.pack_adopted(handoff_id, open_connections))
+            self._reported_load = open_connections
+
+    def _refuse(self, handoff_id: int, cause: str, why: str) -> None:
+        """Answer REFUSED (the master tells the client SERVER_BUSY) and log it, throttled."""
+        self.refused[cause] = total = self.refused.get(cause, 0) + 1
+        with contextlib.suppress(OSError):
+            handoff.send(self.chan, handoff.REFUSED, handoff.pack_refused(handoff_id, cause))
+        held = self._refusal_log.allow(cause)
+        if held is not None:
+            log.error(
+                "worker %d refused a connection (%s): %s; refused for this cause: %d so far, "
+                "%d not logged since the last line",
+                self.index, cause, why, total, held,
+            )  # fmt: skip
 
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             self.shard.tick()
             self.shard.book.expire()
-            # Open connections and connections ever received: a connection that opened and
-            # closed between two ticks changes the second, so the master learns it is gone.
-            load = (len(self.shard.conns), self.adopted)
+            # Compared with the last number reported in LOAD or ADOPTED: a connection adopted
+            # (ADOPTED said n + 1) and closed before this tick is reported gone (n).
+            load = len(self.shard.conns)
             now = self.loop.time()
             if load != self._reported_load or now - self._reported_at >= HEARTBEAT_SECONDS:
                 try:
-                    handoff.send(self.chan, handoff.LOAD, handoff.pack_load(*load))
+                    handoff.send(self.chan, handoff.LOAD, handoff.pack_load(load))
                     self._reported_load = load
                     self._reported_at = now
                 except OSError:
@@ -195,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     index, fd, book_fd = int(args[0]), int(args[1]), int(args[2])
     chan = socket.socket(fileno=fd)
-    kind, payload, _ = handoff.recv(chan)
+    kind, payload, _, _ = handoff.recv(chan)
     if kind != handoff.CONFIG:
         print(f"worker {index}: expected CONFIG on the control channel, got {kind!r}", file=sys.stderr)
         return 2
@@ -203,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ServerConfig.from_json(boot["config"])
     expected: set[int] = set()
     for _ in range(boot["expect"]):
-        kind, payload, _ = handoff.recv(chan)
+        kind, payload, _, _ = handoff.recv(chan)
         if kind != handoff.EXPECT:
             print(f"worker {index}: expected EXPECT on the control channel, got {kind!r}", file=sys.stderr)
             return 2
