@@ -65,12 +65,12 @@ import random
 import struct
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple
 
 from broky.client.connection import WorkerProtocol, open_connection, resolve, server_error
 from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, as_bytes, payload_bytes
+from broky.client.stats import ClientStats
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -151,27 +151,6 @@ class ServerInfo(NamedTuple):
     map: VBucketMap
     max_frame_bytes: int
     max_pending_bytes: int
-
-
-@dataclass
-class ClientStats:
-    """Plain counters of one client (read them at any time)."""
-
-    published: int = 0
-    received: int = 0
-    unmatched: int = 0  # deliveries no local subscription matched (e.g. after unsubscribe)
-    dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
-    server_lost: int = 0  # deliveries the server reported lost (LossNotice)
-    misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
-    resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map
-    refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
-    unconfirmed_lost: int = 0  # publishes written to a connection that dropped before a Pong confirmed them
-    unsent_gave_up: int = 0  # publishes buffered for a worker when reconnecting to it was given up
-    unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
-    reconnects: int = 0
-    ping_timeouts: int = 0  # connections closed because max_outstanding_pings went unanswered
-    errors: int = 0
-    map_refreshes: int = 0
 
 
 class Link:
