@@ -270,7 +270,7 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
                 await client.publish(kp, b"m", b"refused %d" % i)
             # flush waits for the map refresh and the resend of the refused publishes
             await client.flush()
-            assert client._map == good and client._sub_links[sub.sid][0].ref.worker == 0
+            assert client._map == good and client._subscriptions.links[sub.sid][0].ref.worker == 0
             assert client.stats.resent == 3 and client.stats.misrouted == 0
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == sub.sid for e in errors)
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == 0 for e in errors)

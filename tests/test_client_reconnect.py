@@ -197,7 +197,7 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
                 msg = await one.next_msg(5)
                 assert (msg.key_partition, msg.payload) == (kp, b"after")
             killed = ev.reconnects[0]
-            assert subscriber._sub_links[scoped[killed].sid][0].ref.worker == killed
+            assert subscriber._subscriptions.links[scoped[killed].sid][0].ref.worker == killed
 
     run(main, timeout=60)
 

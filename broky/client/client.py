@@ -21,14 +21,13 @@ already coalesces every publish made in between). While a Link is down its
 outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
 `publish` raises PublishBufferFullError.
 
-Subscribing: an all-partition subscription goes to every worker of the map
-(the Links for all of them are opened then); a partition-scoped one goes to
-the owner of its partition. Deliveries carry no sid: each Link has a Matcher
-of its subscriptions (cached by key) and hands each delivery to every
-subscription whose pattern, and partition if scoped, matches. `subscribe`
-waits for a Ping/Pong round trip on every Link that is up (or making its first
-attempt), so those workers have the subscription when it returns; a Link that
-is down sends it when it reconnects.
+Subscribing: the SubscriptionTable (broky.client.subscription_table) sends
+an all-partition subscription to every worker of the map and a
+partition-scoped one to the owner of its partition, and moves them when the
+map changes; the Links hand each delivery to the subscriptions that match.
+`subscribe` waits for a Ping/Pong round trip on every Link that is up (or
+making its first attempt), so those workers have the subscription when it
+returns; a Link that is down sends it when it reconnects.
 
 Links (broky.client.link) batch the outbound publishes, reconnect with
 backoff (re-sending their subscriptions, then their buffered publishes),
@@ -68,6 +67,7 @@ from broky.client.subscription import (
     Callback,
     Subscription,
 )
+from broky.client.subscription_table import SubscriptionTable
 from broky.client.url import ServerAddress, parse_server
 from broky.errors import (
     AuthenticationError,
@@ -196,10 +196,7 @@ class Client:
         self._seed_node = ""
         self._links: dict[WorkerRef, Link] = {}
         self._route: list[Link | None] = [None] * VBUCKETS
-        self._subs: dict[int, Subscription] = {}
-        self._sub_links: dict[int, list[Link]] = {}
-        self._rejected: dict[int, Link] = {}
-        self._next_sid = 0
+        self._subscriptions = SubscriptionTable(self._report)
         self._connected = False
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
@@ -289,8 +286,7 @@ class Client:
         for link in self._links.values():
             self.stats.unsent_on_close += len(link.out) if link.proto is None else 0
             link.close()
-        for sub in self._subs.values():
-            sub._close()
+        self._subscriptions.close()
         for task in list(self._tasks):
             task.cancel()
         if self._refreshing is not None:
@@ -697,13 +693,10 @@ class Client:
         pat = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
         parse_pattern(pat)
         part = partition.encode() if isinstance(partition, str) else partition
-        self._next_sid += 1
-        sub = Subscription(self, self._next_sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
-        self._subs[sub.sid] = sub
+        sid = self._subscriptions.new_sid()
+        sub = Subscription(self, sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
         links = self._all_links() if part is None else [self._owner_link(part)]
-        self._sub_links[sub.sid] = links
-        for link in links:
-            link.add_sub(sub)
+        self._subscriptions.add(sub, links)
         try:
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in links))
@@ -739,11 +732,7 @@ class Client:
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         self._check_open()
-        self._subs.pop(sub.sid, None)
-        self._rejected.pop(sub.sid, None)
-        for link in self._sub_links.pop(sub.sid, []):
-            link.remove_sub(sub)
-        sub._close()
+        self._subscriptions.remove(sub)
 
     # ---------------------------------------------------------------- map
 
@@ -779,40 +768,13 @@ class Client:
         self._route = [None] * VBUCKETS
         self._forget_routes()
         self.stats.map_refreshes += 1
-        all_partition = [s for s in self._subs.values() if s.partition is None]
-        if all_partition:
-            for link in self._all_links():
-                for sub in all_partition:
-                    if sub.sid not in link.subs:
-                        link.add_sub(sub)
-                        self._sub_links[sub.sid].append(link)
-        for sub in list(self._subs.values()):
-            if sub.partition is None:
-                continue
-            owner = self._owner_link(sub.partition)
-            current = self._sub_links.get(sub.sid, [])
-            if current == [owner]:
-                continue
-            rejected_by = self._rejected.pop(sub.sid, None)
-            if rejected_by is owner:
-                self._report(
-                    BrokyError(f"{sub!r}: worker {owner.ref.worker} refuses it but owns it per the map")
-                )
-                continue
-            for link in current:
-                link.remove_sub(sub)
-            owner.add_sub(sub)
-            self._sub_links[sub.sid] = [owner]
+        self._subscriptions.follow_map(self._all_links, self._owner_link)
 
     def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         """A worker refused a subscription or a publish: fetch the map, then move the
         subscription; a publish comes back in the Error and is sent again then."""
         if err.sid:
-            sub = self._subs.get(err.sid)
-            if sub is not None:
-                link.remove_sub(sub, tell_server=False)
-                self._sub_links[sub.sid] = []
-                self._rejected[sub.sid] = link
+            self._subscriptions.refused(err.sid, link)
         elif refused is not None:
             self._to_resend.append((link, refused))
         else:  # a server that does not return the refused frame
