@@ -125,7 +125,7 @@ def _publishing_client(loop: Any) -> Any:
     client._encoder.set_limit(DEFAULT_MAX_FRAME_BYTES)
     link = Link(client, "n", 0)
     link.proto = _NullProto()  # type: ignore[assignment]
-    client._route = [link] * VBUCKETS
+    client._router.route = [link] * VBUCKETS
     return client
 
 

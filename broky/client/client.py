@@ -4,9 +4,11 @@ Theory of operation
 -------------------
 The first connection says Hello with worker=-1; its Welcome carries the
 vbucket map, the worker it landed on and the server's max_frame_bytes. From
-then on the client keeps one `Link` per (node, worker) it needs, created
-lazily: a Link is the logical connection to one worker and survives
-reconnects; under it, a `WorkerProtocol` is one TCP connection.
+then on the Router (broky.client.routing) keeps one `Link` per (node, worker)
+the client needs, created lazily, and follows map changes (NOT_MY_VBUCKET
+included); a Link (broky.client.link) is the logical connection to one
+worker and survives reconnects; under it, a `WorkerProtocol` is one TCP
+connection.
 
 Publishing: `publish` encodes the Message frame (fast path), checks its size
 against max_frame_bytes, picks the Link owning `vbucket_of(key_partition)`
@@ -29,14 +31,10 @@ map changes; the Links hand each delivery to the subscriptions that match.
 making its first attempt), so those workers have the subscription when it
 returns; a Link that is down sends it when it reconnects.
 
-Links (broky.client.link) batch the outbound publishes, reconnect with
+Links batch the outbound publishes, reconnect with
 backoff (re-sending their subscriptions, then their buffered publishes),
 keep the connection alive with Pings, dispatch deliveries to the
 subscriptions they carry, and count what each connection may have lost.
-NOT_MY_VBUCKET makes the client fetch a fresh map (a new Hello) and move
-partition-scoped subscriptions to their new owners. A publish the server
-refused this way is lost: the Error frame does not say which one, so it is
-counted (`stats.misrouted`) and reported to `on_error`.
 
 `flush` sends a Ping on every Link and waits for every Pong: the server
 answers only after processing every frame received before the Ping. A
@@ -60,6 +58,7 @@ from typing import Any, NamedTuple
 from broky.client.connection import open_connection, resolve
 from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, as_bytes, payload_bytes
 from broky.client.link import Link, WorkerRef
+from broky.client.routing import Router
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
@@ -75,18 +74,13 @@ from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ClientClosedError,
-    ProtocolError,
-    RemoteProtocolError,
     ServerError,
 )
 from broky.matching import parse_pattern
 from broky.protocol import (
-    VBUCKETS,
     Hello,
     VBucketMap,
     Welcome,
-    route_message,
-    vbucket_of,
 )
 
 log = logging.getLogger("broky.client")
@@ -191,12 +185,9 @@ class Client:
         self.stats = ClientStats()
         self.server_info: ServerInfo | None = None
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self._map: VBucketMap | None = None
         self._max_frame = 0
-        self._seed_node = ""
-        self._links: dict[WorkerRef, Link] = {}
-        self._route: list[Link | None] = [None] * VBUCKETS
         self._subscriptions = SubscriptionTable(self._report)
+        self._router = Router(self, self._subscriptions)
         self._connected = False
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
@@ -205,13 +196,10 @@ class Client:
         # publish's fast path: key_partition -> key -> payload length -> (pack, head, mid, block, Link)
         self._fast: dict[object, dict[object, dict[int, tuple[Any, bytes, bytes, bytes, Link]]]] = {}
         self._fast_count = 0
-        self._refreshing: asyncio.Task[None] | None = None
-        # publishes refused with NOT_MY_VBUCKET, to resend once the map is fresh: (refused by, frame)
-        self._to_resend: list[tuple[Link, bytes]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
-        return f"<broky.Client {self.address} links={list(self._links.values())}>"
+        return f"<broky.Client {self.address} links={list(self._router.links.values())}>"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -256,10 +244,10 @@ class Client:
                     ) from None
                 await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
                 delay = min(delay * 2, self.reconnect_max_delay)
-        self._seed_node = welcome.node_id
+        self._router.seed_node = welcome.node_id
         self._welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
-        self._links[link.ref] = link
+        self._router.links[link.ref] = link
         link.attach(proto, welcome, reconnect=False)
         self._connected = True
         self._open = True
@@ -274,7 +262,7 @@ class Client:
         """
         if self._closed:
             return
-        up = [link for link in self._links.values() if link.proto is not None]
+        up = [link for link in self._router.links.values() if link.proto is not None]
         if up:
             try:
                 async with asyncio.timeout(self.flush_timeout):
@@ -283,16 +271,10 @@ class Client:
                 log.warning("close: flush incomplete: %s", exc)
         self._closed = True
         self._open = False
-        for link in self._links.values():
-            self.stats.unsent_on_close += len(link.out) if link.proto is None else 0
-            link.close()
+        self._router.close()
         self._subscriptions.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-        self.stats.unsent_on_close += len(self._to_resend)  # refused, waiting for a fresh map
-        self._to_resend.clear()
         # let the transports deliver connection_lost
         await asyncio.sleep(0)
 
@@ -517,6 +499,7 @@ class Client:
         k = key if key.__class__ is bytes else as_bytes(key, "key")
         if payload.__class__ is not bytes:
             payload = payload_bytes(payload)
+        router = self._router
         given = isinstance(uid, bytes) and len(uid) == 20
         if uid is True or given:
             encoder = self._encoder
@@ -525,12 +508,12 @@ class Client:
                 frame, vb = encoder.encode_any(kp, k, payload, ts_producer, uid)  # type: ignore[arg-type]
             else:
                 frame, vb = encoder.encode(kp, k, payload, ts_producer)
-            link = self._route[vb] or self._route_slow(vb)
+            link = router.route[vb] or router.fill(vb)
             if encoder.has_template(kp, k, len(payload)):
                 self._remember(key_partition, key, kp, k, len(payload), link)
         else:
             frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
-            link = self._route[vb] or self._route_slow(vb)
+            link = router.route[vb] or router.fill(vb)
         try:
             wrote = link.send(frame)
         except BrokyError:  # buffer full, or given up: not published, counted as refused
@@ -576,25 +559,11 @@ class Client:
         A refused publish raises and is not counted here: the caller counts it
         (under its own lock; see broky.client.sync).
         """
-        link = self._route[vb] or self._route_slow(vb)
+        router = self._router
+        link = router.route[vb] or router.fill(vb)
         wrote = link.send(frame)
         self.stats.published += 1
         return link if wrote else None
-
-    def _route_slow(self, vb: int) -> Link:
-        assert self._map is not None
-        node, worker = self._map.owners[vb]
-        link = self._link(self._map.nodes[node].node_id, worker)
-        self._route[vb] = link
-        return link
-
-    def _link(self, node_id: str, worker: int) -> Link:
-        ref = WorkerRef(node_id, worker)
-        link = self._links.get(ref)
-        if link is None:
-            link = self._links[ref] = Link(self, node_id, worker)
-            link.start(reconnect=False)
-        return link
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every worker has processed everything published so far.
@@ -623,12 +592,13 @@ class Client:
                 links, results = await self._round_trips()
                 # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
                 # the Pongs: once the map is fresh they are sent again; wait for those too.
-                while self._to_resend or (self._refreshing is not None and not self._refreshing.done()):
-                    if self._refreshing is not None:
-                        await asyncio.shield(self._refreshing)
+                router = self._router
+                while router.to_resend or (router.refreshing is not None and not router.refreshing.done()):
+                    if router.refreshing is not None:
+                        await asyncio.shield(router.refreshing)
                     links, results = await self._round_trips()
         except TimeoutError:
-            down = [link.ref.worker for link in self._links.values() if link.proto is None]
+            down = [link.ref.worker for link in self._router.links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
             raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
         problems: list[str] = []
@@ -650,7 +620,7 @@ class Client:
         """A round trip on every Link that is up, has something queued, gave up or lost publishes."""
         links = [
             link
-            for link in self._links.values()
+            for link in self._router.links.values()
             if link.proto is not None or link.out or link.failed is not None or link.unconfirmed
         ]
         results = await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
@@ -695,7 +665,7 @@ class Client:
         part = partition.encode() if isinstance(partition, str) else partition
         sid = self._subscriptions.new_sid()
         sub = Subscription(self, sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
-        links = self._all_links() if part is None else [self._owner_link(part)]
+        links = self._router.all_links() if part is None else [self._router.owner_link(part)]
         self._subscriptions.add(sub, links)
         try:
             async with asyncio.timeout(self.flush_timeout):
@@ -722,19 +692,11 @@ class Client:
         with contextlib.suppress(BrokyConnectionError):  # dropped: restored on reconnect
             await link.round_trip(retry=False)
 
-    def _owner_link(self, partition: bytes) -> Link:
-        vb = vbucket_of(partition)
-        return self._route[vb] or self._route_slow(vb)
-
-    def _all_links(self) -> list[Link]:
-        assert self._map is not None
-        return [self._link(node.node_id, w) for node in self._map.nodes for w in range(node.workers)]
-
     async def _unsubscribe(self, sub: Subscription) -> None:
         self._check_open()
         self._subscriptions.remove(sub)
 
-    # ---------------------------------------------------------------- map
+    # ---------------------------------------------------------------- asked by the Links (LinkOwner)
 
     def _welcome(self, welcome: Welcome) -> None:
         vmap = welcome.map
@@ -749,88 +711,13 @@ class Client:
             welcome.max_frame_bytes,
             welcome.max_pending_bytes,
         )
-        if self._map is None:
-            self._map = vmap
-        elif vmap.version != self._map.version:
-            self._apply_map(vmap)
+        self._router.take_map(vmap)
 
     def _address_of(self, node_id: str) -> tuple[str, int]:
-        if node_id == self._seed_node or self._map is None:
-            return self.address
-        for node in self._map.nodes:
-            if node.node_id == node_id:
-                return node.host, node.port
-        return self.address
-
-    def _apply_map(self, vmap: VBucketMap) -> None:
-        """Adopt a new map: re-route publishes, move partition-scoped subscriptions."""
-        self._map = vmap
-        self._route = [None] * VBUCKETS
-        self._forget_routes()
-        self.stats.map_refreshes += 1
-        self._subscriptions.follow_map(self._all_links, self._owner_link)
+        return self._router.address_of(node_id)
 
     def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
-        """A worker refused a subscription or a publish: fetch the map, then move the
-        subscription; a publish comes back in the Error and is sent again then."""
-        if err.sid:
-            self._subscriptions.refused(err.sid, link)
-        elif refused is not None:
-            self._to_resend.append((link, refused))
-        else:  # a server that does not return the refused frame
-            self.stats.misrouted += 1
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = self._loop.create_task(self._refresh_map())
-
-    async def _refresh_map(self) -> None:
-        host, port = self._address_of(self._seed_node)
-        hello = Hello(client_name=self.name, auth_token=self.auth_token)
-        try:
-            proto, welcome = await open_connection(host, port, hello, self.connect_timeout)
-        except BrokyError as exc:
-            self._report(BrokyConnectionError(f"cannot refresh the vbucket map: {exc}"))
-            self._resend_refused(refresh_failed=True)
-            return
-        proto.close()
-        self._welcome(welcome)
-        self._apply_map(welcome.map)
-        self._resend_refused()
-
-    def _resend_refused(self, refresh_failed: bool = False) -> None:
-        """Send the publishes refused with NOT_MY_VBUCKET to their owner in the fresh map.
-
-        In publish order per refusing worker (the Errors came in that order), after
-        anything published since to the new owner: order per key_partition holds
-        except across a map change. A publish the fresh map still routes to the
-        worker that refused it (or with no map) is dropped, counted in
-        `stats.misrouted` and reported.
-        """
-        pending, self._to_resend = self._to_resend, []
-        for refused_by, frame in pending:
-            try:
-                kp = route_message(frame, 0, len(frame))[0]
-                link = None if refresh_failed else self._owner_link(kp)
-            except ProtocolError as exc:  # not a Message frame: the server broke the protocol
-                self.stats.misrouted += 1
-                self._report(RemoteProtocolError(f"NOT_MY_VBUCKET returned an unreadable frame: {exc}"))
-                continue
-            if link is None or link is refused_by:
-                self.stats.misrouted += 1
-                why = "the map could not be refreshed" if link is None else "it owns it per the map"
-                self._report(
-                    BrokyError(
-                        f"worker {refused_by.ref.worker} refused a publish to key_partition {kp!r} "
-                        f"and {why}: the message is dropped"
-                    )
-                )
-                continue
-            try:
-                link.send(frame)
-            except BrokyError as exc:  # the owner is down and its buffer is full, or given up
-                self.stats.refused += 1
-                self._report(exc)
-                continue
-            self.stats.resent += 1
+        self._router.not_my_vbucket(link, err, refused)
 
     # ---------------------------------------------------------------- callbacks
 
