@@ -1,37 +1,41 @@
-"""The shard-aware asyncio client.
+"""The shard-aware asyncio client: `Client` and `connect`.
 
 Theory of operation
 -------------------
+The Client is the facade; each concern has its module:
+
+- broky.client.publisher: the publish path, from `publish`'s arguments to a
+  frame queued on a Link (the Client inherits it, so the fast path pays no
+  delegation);
+- broky.client.routing: the client's view of the vbucket map (the Router:
+  route table, Links by worker, map changes, NOT_MY_VBUCKET);
+- broky.client.link: the Link, the logical connection to one worker
+  (batching, reconnecting, keepalive, inbound dispatch, delivery accounting);
+- broky.client.subscription_table and broky.client.subscription: which
+  Links carry each subscription, and a subscription's local queue;
+- broky.client.stats: the counters.
+
+This module keeps the options, the lifecycle (`connect`, `close`), `flush`,
+`subscribe` and the callbacks.
+
 The first connection says Hello with worker=-1; its Welcome carries the
 vbucket map, the worker it landed on and the server's max_frame_bytes. From
-then on the Router (broky.client.routing) keeps one `Link` per (node, worker)
-the client needs, created lazily, and follows map changes (NOT_MY_VBUCKET
-included); a Link (broky.client.link) is the logical connection to one
-worker and survives reconnects; under it, a `WorkerProtocol` is one TCP
-connection.
+then on the Router keeps one `Link` per (node, worker) the client needs,
+created lazily; a Link survives reconnects, and under it a
+`WorkerProtocol` is one TCP connection.
 
-Publishing: the Client inherits the publish path from `Publisher`
-(broky.client.publisher): `publish` encodes the frame, picks the Link that
-owns its key_partition and queues the frame there, on a fast path of one
-cache lookup per publish.
-
-Subscribing: the SubscriptionTable (broky.client.subscription_table) sends
-an all-partition subscription to every worker of the map and a
-partition-scoped one to the owner of its partition, and moves them when the
-map changes; the Links hand each delivery to the subscriptions that match.
-`subscribe` waits for a Ping/Pong round trip on every Link that is up (or
-making its first attempt), so those workers have the subscription when it
-returns; a Link that is down sends it when it reconnects.
-
-Links batch the outbound publishes, reconnect with
-backoff (re-sending their subscriptions, then their buffered publishes),
-keep the connection alive with Pings, dispatch deliveries to the
-subscriptions they carry, and count what each connection may have lost.
+`subscribe` registers the subscription with the SubscriptionTable, which
+sends it to every worker (all partitions) or to the owner of its partition,
+then waits for a Ping/Pong round trip on every Link that is up (or making
+its first attempt), so those workers have the subscription when it returns;
+a Link that is down sends it when it reconnects.
 
 `flush` sends a Ping on every Link and waits for every Pong: the server
-answers only after processing every frame received before the Ping. A
-connection that dropped with publishes written to it but not confirmed by a
-Pong makes the next `flush` raise BrokyConnectionError (see `Link`).
+answers only after processing every frame received before the Ping. It also
+waits for a map refresh under way and the resend of the publishes refused
+with NOT_MY_VBUCKET. A connection that dropped with publishes written to it
+but not confirmed by a Pong makes the next `flush` raise
+BrokyConnectionError (see `Link`).
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ class Client(Publisher):
         self._connected = False
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
-        Publisher.__init__(self)
+        super().__init__()  # the publish path's encoder and cache
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:

@@ -13,7 +13,8 @@ written in one `transport.write` when it reaches `batch_size` bytes or
 `linger` seconds later (linger=0: at the next loop iteration, which already
 coalesces every publish made in between). Control frames (Subscribe,
 Unsubscribe, Ping) are written at once, after every publish queued before
-them. While a Link is down its outbound list is bounded by
+them, and not at all while the Link is down (it re-sends its subscriptions
+when it reconnects). While a Link is down its outbound list is bounded by
 `max_reconnect_buffer_bytes`; past that, `send` raises PublishBufferFullError.
 
 Inbound: deliveries carry no sid. Each Link has a Matcher of the

@@ -23,8 +23,9 @@ new owner, so order per key_partition holds except across a map change.
 A refused publish is lost, counted in `stats.misrouted` and reported to
 `on_error`, when the server did not return its frame, when the frame is
 unreadable, when the map could not be refreshed, or when the fresh map
-still names the worker that refused it. `flush` waits for the refresh and
-the resends.
+still names the worker that refused it; one the new owner cannot take (it
+is down with a full buffer, or was given up) is counted in `stats.refused`.
+`flush` waits for the refresh and the resends.
 """
 
 from __future__ import annotations
