@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Any
 
 import flatbuffers
 import pytest
@@ -96,6 +97,74 @@ def test_decode_frame_message(benchmark) -> None:  # type: ignore[no-untyped-def
 def test_route_message(benchmark) -> None:  # type: ignore[no-untyped-def]
     kp, key, ts_pos = benchmark(route_message, FRAME, 0, len(FRAME))
     assert (kp, key, ts_pos) == (KP, KEY, 64)
+
+
+# ---------------------------------------------------------------- the client's publish path
+
+
+class _NullProto:
+    """Just enough of a WorkerProtocol for a Link that is up: writes go nowhere."""
+
+    write_paused = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _publishing_client(loop: Any) -> Any:
+    """A Client whose every vbucket routes to one Link that is up (no server)."""
+    from broky.client.client import Client, Link
+    from broky.protocol import VBUCKETS
+
+    client = Client("127.0.0.1:1")
+    client._loop = loop
+    client._open = client._connected = True
+    client._encoder.set_limit(DEFAULT_MAX_FRAME_BYTES)
+    link = Link(client, "n", 0)
+    link.proto = _NullProto()  # type: ignore[assignment]
+    client._router.route = [link] * VBUCKETS
+    return client
+
+
+def test_client_publish(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # Client.publish's fast path (via publish_nowait): the cached template and
+    # Link, a new KSUID and ts_producer, appended to the Link's batch (64 KiB
+    # batches written to a null transport).
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = _publishing_client(loop)
+        publish = client.publish_nowait
+        publish(KP, KEY, PAYLOAD)
+        publish(KP, KEY, PAYLOAD)  # the second time a shape comes, it gets a template
+        benchmark(publish, KP, KEY, PAYLOAD)
+        assert client.stats.published > 2
+    finally:
+        loop.close()
+
+
+def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # The Spark sink's bulk path (Client._publish_rows): 1000 rows, 64 key_partitions.
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = _publishing_client(loop)
+        kps = [b"tenant-%d" % (i & 63) for i in range(1000)]
+        keys = [KEY] * 1000
+        payloads = [PAYLOAD] * 1000
+        rows = client._publish_rows
+        for _ in range(2):  # every shape gets its template
+            loop.run_until_complete(rows(kps, keys, payloads, None, None))
+        benchmark.extra_info["messages"] = 1000
+        benchmark(lambda: loop.run_until_complete(rows(kps, keys, payloads, None, None)))
+        assert client.stats.published >= 3000
+    finally:
+        loop.close()
 
 
 # ---------------------------------------------------------------- the server's scan loop

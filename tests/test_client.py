@@ -48,10 +48,10 @@ def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server:
             vmap = client.server_info.map
             assert client.server_info.workers == 2
             # only the first connection exists until something needs another worker
-            assert len(client._links) == 1
+            assert len(client._router.links) == 1
             by_worker = partitions_by_worker(vmap)
             sub = await client.subscribe("orders.*")
-            assert sorted(ref.worker for ref, link in client._links.items() if link.proto) == [0, 1]
+            assert sorted(ref.worker for ref, link in client._router.links.items() if link.proto) == [0, 1]
             sent = []
             for w in (0, 1):
                 for kp in by_worker[w]:
@@ -259,10 +259,10 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
     async def main() -> None:
         errors: list[BaseException] = []
         async with broky.connect(server.url, on_error=errors.append) as client:
-            assert client._map is not None
-            good = client._map
-            client._map = good._replace(owners=tuple((n, 1 - w) for n, w in good.owners))
-            client._route = [None] * len(client._route)
+            assert client._router.map is not None
+            good = client._router.map
+            client._router.map = good._replace(owners=tuple((n, 1 - w) for n, w in good.owners))
+            client._router.route = [None] * len(client._router.route)
             by_worker = partitions_by_worker(good)
             kp = by_worker[0][0]
             sub = await client.subscribe("m", partition=kp)
@@ -270,7 +270,7 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
                 await client.publish(kp, b"m", b"refused %d" % i)
             # flush waits for the map refresh and the resend of the refused publishes
             await client.flush()
-            assert client._map == good and client._sub_links[sub.sid][0].ref.worker == 0
+            assert client._router.map == good and client._subscriptions.links[sub.sid][0].ref.worker == 0
             assert client.stats.resent == 3 and client.stats.misrouted == 0
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == sub.sid for e in errors)
             assert any(isinstance(e, broky.NotMyVBucketError) and e.sid == 0 for e in errors)

@@ -121,17 +121,17 @@ def test_templates_only_for_shapes_that_repeat(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(encoder_module, "MAX_SEEN", 10)
     enc = PublishEncoder(1 << 20)
     frames = [enc.encode(b"p", b"k", b"v", 5)[0] for _ in range(2)]
-    assert enc.has_template(b"p", b"k", 1)  # made at the second sighting
-    assert not enc.has_template(b"q", b"k", 1)
+    assert enc.template_of(b"p", b"k", 1) is not None  # made at the second sighting
+    assert enc.template_of(b"q", b"k", 1) is None
     enc.encode(b"q", b"k", b"v", 5)
-    assert not enc.has_template(b"q", b"k", 1)  # one sighting: a plain encode
+    assert enc.template_of(b"q", b"k", 1) is None  # one sighting: a plain encode
     for kp in (b"a", b"b", b"c"):  # fill the cache: 3 templates
         enc.encode(kp, b"k", b"v", 5)
         enc.encode(kp, b"k", b"v", 5)
-    assert [enc.has_template(kp, b"k", 1) for kp in (b"a", b"b", b"c")] == [True, True, False]
+    assert [enc.template_of(kp, b"k", 1) is not None for kp in (b"a", b"b", b"c")] == [True, True, False]
     for i in range(12):  # MAX_SEEN shapes met once: the templates are refreshed
         enc.encode(b"once-%d" % i, b"k", b"v", 5)
-    assert not enc.has_template(b"p", b"k", 1)
+    assert enc.template_of(b"p", b"k", 1) is None
     # plain or template, the bytes are the codec's
     for frame in frames:
         msg = decode_message(frame)

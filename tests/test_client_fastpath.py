@@ -39,7 +39,7 @@ def _client(max_frame: int = 1 << 20) -> tuple[Client, Link]:
     client._encoder.set_limit(max_frame)
     link = Link(client, "n", 0)
     link.proto = FakeProto()  # type: ignore[assignment]
-    client._route = [link] * VBUCKETS
+    client._router.route = [link] * VBUCKETS
     return client, link
 
 
@@ -208,15 +208,15 @@ def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
         frame = encode_message(b"p", b"k", b"v")
-        client._to_resend = [(link, frame), (other, frame), (link, b"garbage")]
-        client._resend_refused()
+        client._router.to_resend = [(link, frame), (other, frame), (link, b"garbage")]
+        client._router.resend_refused()
         assert other.out == [] and link.out == [frame]  # refused by other, owned by link: resent
         assert client.stats.resent == 1 and client.stats.misrouted == 2  # again link; unreadable
-        client._to_resend = [(other, frame)]
-        client._resend_refused(refresh_failed=True)
+        client._router.to_resend = [(other, frame)]
+        client._router.resend_refused(refresh_failed=True)
         assert client.stats.resent == 1 and client.stats.misrouted == 3
         await asyncio.sleep(0)
-        assert len(errors) == 3 and client._to_resend == []
+        assert len(errors) == 3 and client._router.to_resend == []
 
     run(main)
 
@@ -296,9 +296,9 @@ def test_fast_path_cache_follows_map_and_limit() -> None:
         assert client._fast["p"]["k"][1][4] is link and client._fast[b"p"][b"k"][1][4] is link
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
-        assert client._map is None
-        client._links[other.ref] = other
-        client._apply_map(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
+        assert client._router.map is None
+        client._router.links[other.ref] = other
+        client._router.apply(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
         assert client._fast == {}
         await client.publish("p", "k", b"v")
         assert other.out and decode_message(other.out[0]).key_partition == b"p"

@@ -197,7 +197,7 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
                 msg = await one.next_msg(5)
                 assert (msg.key_partition, msg.payload) == (kp, b"after")
             killed = ev.reconnects[0]
-            assert subscriber._sub_links[scoped[killed].sid][0].ref.worker == killed
+            assert subscriber._subscriptions.links[scoped[killed].sid][0].ref.worker == killed
 
     run(main, timeout=60)
 
@@ -218,9 +218,9 @@ def test_blocking_client_survives_a_cut(server: ServerProcess, proxy: FaultProxy
         assert [m.payload for m in sub.iter(timeout=2, count=2)] == [b"1", b"2"]
         # Every connection came back; links reconnect independently, each on its own backoff.
         deadline = time.monotonic() + 10
-        while c.stats.reconnects < len(c._client._links) and time.monotonic() < deadline:
+        while c.stats.reconnects < len(c._client._router.links) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert c.stats.reconnects == len(c._client._links)
+        assert c.stats.reconnects == len(c._client._router.links)
 
 
 def test_flush_fails_when_a_dropped_connection_may_have_lost_publishes(server: ServerProcess) -> None:
@@ -333,7 +333,7 @@ def test_giving_up_drops_counts_and_makes_publish_and_flush_raise(
             for i in range(7):
                 await client.publish(b"kp", b"k", b"%d" % i)
             await until(lambda: any("gave up" in str(e) for e in ev.errors))
-            await until(lambda: all(link.failed is not None for link in client._links.values()))
+            await until(lambda: all(link.failed is not None for link in client._router.links.values()))
             assert client.stats.unsent_gave_up == 7
             with pytest.raises(broky.BrokyConnectionError, match="gave up on worker"):
                 await client.flush(timeout=5)

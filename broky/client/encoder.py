@@ -28,8 +28,9 @@ The uid comes from the encoder's `KsuidSequence` and the same clock read as
 ts_producer. The bytes produced are exactly those of `encode_message` with
 the same fields (a property test checks it). The size limit is checked when
 a template is made, so an oversized message raises PayloadTooLargeError
-before anything is queued. `Client.publish` inlines `encode` (with its own
-cache of templates that also holds the target Link).
+before anything is queued. The client's publish path
+(broky.client.publisher) inlines `encode`, with its own cache of templates
+that also holds the target Link.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class PublishEncoder:
             return True
         return False
 
-    def has_template(self, key_partition: bytes, key: bytes, pay_len: int) -> bool:
-        return (key_partition, key, pay_len) in self._templates
+    def template_of(self, key_partition: bytes, key: bytes, pay_len: int) -> Template | None:
+        """The Template of these fields if one was made (see `template`), else None."""
+        return self._templates.get((key_partition, key, pay_len))
 
     def _admit(self, shape: tuple[bytes, bytes, int]) -> bool:
         """True the second time a shape without a template comes: making a template

@@ -16,6 +16,9 @@ Three ways to consume:
   a time, in order, fed by the bounded queue. A plain callable that returns an
   awaitable (a lambda returning a coroutine) is found out at its first call:
   from then on the subscription treats it as a coroutine function.
+
+A Subscription knows its client only as a `SubscriptionOwner`: where to
+report errors, where to count local drops, and how to unsubscribe.
 """
 
 from __future__ import annotations
@@ -24,18 +27,28 @@ import asyncio
 import collections
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from broky.client.stats import ClientStats
 from broky.errors import BrokyTimeoutError, ClientClosedError, SlowConsumerError
 from broky.protocol import Message
-
-if TYPE_CHECKING:
-    from broky.client.client import Client
 
 DEFAULT_MAX_PENDING_MSGS = 65536
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 
 Callback = Callable[[Message], Any]
+
+
+class SubscriptionOwner(Protocol):
+    """What a Subscription needs from its client (`broky.client.client.Client` is one)."""
+
+    stats: ClientStats  # counts `dropped_local`
+
+    def _report(self, exc: BaseException) -> None:
+        """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
+
+    async def _unsubscribe(self, sub: Subscription) -> None:
+        """Stop `sub` on every worker that has it, then close it."""
 
 
 class Subscription:
@@ -48,7 +61,7 @@ class Subscription:
 
     def __init__(
         self,
-        client: Client,
+        owner: SubscriptionOwner,
         sid: int,
         pattern: bytes,
         partition: bytes | None,
@@ -58,7 +71,7 @@ class Subscription:
     ) -> None:
         if max_pending_msgs < 1 or max_pending_bytes < 1:
             raise ValueError("max_pending_msgs and max_pending_bytes must be positive")
-        self._client = client
+        self._owner = owner
         self.sid = sid
         self.pattern = pattern
         self.partition = partition
@@ -100,7 +113,7 @@ class Subscription:
             try:
                 result = inline(msg)
             except Exception as exc:
-                self._client._report(exc)
+                self._owner._report(exc)
                 return
             if result is not None and inspect.isawaitable(result):
                 # it is asynchronous after all: await this result, then queue
@@ -111,7 +124,7 @@ class Subscription:
         size = len(msg.payload)
         if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
             self.dropped += 1
-            self._client.stats.dropped_local += 1
+            self._owner.stats.dropped_local += 1
             if not self._unreported_drops:
                 asyncio.get_running_loop().call_soon(self._report_drops)
             self._unreported_drops += 1
@@ -127,7 +140,7 @@ class Subscription:
     def _report_drops(self) -> None:
         dropped, self._unreported_drops = self._unreported_drops, 0
         if dropped:
-            self._client._report(SlowConsumerError(self.sid, dropped))
+            self._owner._report(SlowConsumerError(self.sid, dropped))
 
     def _close(self) -> None:
         """No more messages: wake the consumer, stop the callback task."""
@@ -188,7 +201,7 @@ class Subscription:
             try:
                 await first
             except Exception as exc:
-                self._client._report(exc)
+                self._owner._report(exc)
         while True:
             try:
                 msg = await self.next_msg()
@@ -199,7 +212,7 @@ class Subscription:
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:
-                self._client._report(exc)
+                self._owner._report(exc)
 
     async def unsubscribe(self) -> None:
         """Stop the subscription; iteration ends once the queued messages are consumed.
@@ -209,7 +222,7 @@ class Subscription:
         """
         if self.closed:
             return
-        await self._client._unsubscribe(self)
+        await self._owner._unsubscribe(self)
 
 
 __all__ = ["DEFAULT_MAX_PENDING_BYTES", "DEFAULT_MAX_PENDING_MSGS", "Subscription"]

@@ -265,7 +265,7 @@ class SyncClient:
                 frame, vb = encoder.encode(key_partition, key, payload, ts_producer)
             else:
                 frame, vb = encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
-            link = self._client._route[vb]
+            link = self._client._router.route[vb]
             down = None if link is not None and link.proto is not None else self._reserve(vb, len(frame))
             self._handoff.append((vb, frame, down))
             self._handoff_bytes += len(frame)
@@ -286,11 +286,11 @@ class SyncClient:
             PublishBufferFullError, BrokyConnectionError: refused (and counted).
         """
         client = self._client
-        vmap = client._map
+        vmap = client._router.map
         assert vmap is not None
         node, worker = vmap.owners[vb]
         ref = WorkerRef(vmap.nodes[node].node_id, worker)
-        link = client._links.get(ref)  # None: not opened yet, it starts down
+        link = client._router.links.get(ref)  # None: not opened yet, it starts down
         if link is not None and link.proto is not None:
             return None
         if link is not None and link.failed is not None:

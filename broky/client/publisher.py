@@ -1,0 +1,359 @@
+"""The publish path: from `publish`'s arguments to a frame queued on a Link.
+
+Theory of operation
+-------------------
+`Publisher` is the publishing half of `broky.client.client.Client` (the
+Client inherits it, so `publish` runs on the object the caller holds, with
+its cache one attribute away: no delegation on the hot path). The frame's
+bytes come from a `PublishEncoder` (broky.client.encoder: templates per
+(key_partition, key, payload length), KSUIDs); the Link owning
+`vbucket_of(key_partition)` comes from the client's Router
+(broky.client.routing: a 1024-entry route table).
+
+`publish` encodes the Message frame, checks its size against the server's
+max_frame_bytes, picks the Link and appends the frame to the Link's outbound
+list. The fast path does it with one cache lookup per publish:
+key_partition -> key -> payload length -> (encoder template, Link), then
+the steps of `PublishEncoder.encode` and `Link.send`, inlined. The cache is
+dropped when the map or max_frame_bytes changes (`_forget_routes`), and
+cleared when it holds MAX_TEMPLATES entries. Anything else (a miss, str
+fields, other field types, a uid neither True nor 20 bytes, a closed
+client, a pack error) takes the general path (`_publish`), which raises the
+errors and, once the encoder has a template for the shape (the second time
+it comes), fills the cache (`_remember`). Every path publishes before its
+first await: `publish_nowait` relies on it.
+
+The Link writes its outbound list in one `transport.write` when it reaches
+`batch_size` bytes or `linger` seconds later (see broky.client.link). When a
+batch has just been written, `publish` yields to the event loop once (or
+until the socket drains, if its write buffer is over its high-water mark),
+so a tight publish loop cannot starve the readers. While a Link is down its
+outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
+`publish` raises PublishBufferFullError (counted in `stats.refused`).
+
+`_publish_rows` is the Spark sink's bulk path: the fast path's steps in one
+loop over columns, without an await per row. `_send_encoded` queues a frame
+the blocking client (broky.client.sync) encoded and size-checked in its
+caller's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, Template, as_bytes, payload_bytes
+from broky.client.link import Link
+from broky.client.routing import Router
+from broky.client.stats import ClientStats
+from broky.errors import BrokyError
+
+_time_ns = time.time_ns
+
+# key_partition -> key -> payload length -> (pack, head, mid, block, Link); see Template
+FastCache = dict[object, dict[object, dict[int, tuple[Any, bytes, bytes, bytes, Link]]]]
+
+
+class Publisher:
+    """Publishing, for `broky.client.client.Client` (which inherits it); see `publish`."""
+
+    # The Client's, read by the publish path: its counters, the batch size
+    # (see `broky.connect`), "connected and not closed" (the fast path's one
+    # check) and its Router.
+    stats: ClientStats
+    batch_size: int
+    _open: bool
+    _router: Router
+
+    def __init__(self) -> None:
+        self._encoder = PublishEncoder()
+        self._uids = self._encoder.uids
+        self._fast: FastCache = {}
+        self._fast_count = 0
+
+    def _check_usable(self) -> None:
+        """Raise why the client cannot publish (closed, or not connected yet): the Client's."""
+        raise NotImplementedError
+
+    def publish_nowait(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        """Queue one message without awaiting; same arguments and errors as `publish`.
+
+        Unlike `publish` it never yields to the event loop, so a loop of
+        publish_nowait calls must await something now and then (the writes
+        happen when `batch_size` is reached or when the loop runs).
+        """
+        # `publish` does all its work before its first await (its awaits only yield
+        # to the loop after a batch was written), so running it up to that point is
+        # publishing without waiting, on the same fast path.
+        coro = self.publish(key_partition, key, payload, ts_producer=ts_producer, uid=uid)
+        try:
+            coro.send(None)
+        except StopIteration:
+            return
+        coro.close()
+
+    async def publish(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        """Publish one message to the worker that owns its key_partition.
+
+        The frame is queued and written with others (see `linger` and
+        `batch_size`); `flush` tells when the server has processed it. When a
+        batch has just been written, `publish` yields to the event loop once
+        (or until the socket drains, if its write buffer is over its
+        high-water mark), so a tight publish loop cannot starve the readers.
+
+        Args:
+            key_partition: chooses the shard; bytes, or str (UTF-8).
+            key: matched against subscription patterns; bytes, or str (UTF-8).
+            payload: the message body (bytes).
+            ts_producer: nanoseconds since the epoch; None = now, 0 = not set.
+            uid: True = a new KSUID, False = none, or the 20 bytes to use.
+
+        Raises:
+            PayloadTooLargeError: the frame exceeds the server's max_frame_bytes
+                (nothing is sent; `size` and `limit` carry the numbers).
+            PublishBufferFullError: the owning worker is disconnected and
+                `max_reconnect_buffer_bytes` already wait for it (counted in
+                `stats.refused`).
+            BrokyConnectionError: reconnecting to the owning worker was given up
+                (max_reconnect_attempts; counted in `stats.refused`).
+            ClientClosedError: the client is closed.
+            LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
+        """
+        # The fast path, inlined: one cached template and Link per (key_partition,
+        # key, payload length), then the steps of PublishEncoder.encode and Link.send.
+        # Anything unusual (a miss, str fields, wrong types, uid neither True nor 20
+        # bytes, closed client, a pack error) takes the general path, which raises
+        # the errors. Every path publishes before its first await: `publish_nowait`
+        # relies on it.
+        try:
+            pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
+        except Exception:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        if not self._open:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        if uid is True:
+            ts = _time_ns()
+            seq = self._uids
+            if not seq.start <= ts < seq.until:
+                seq.roll(ts)
+            n = seq.next
+            seq.next = n + 1
+            pre = seq.pre
+        elif isinstance(uid, bytes) and len(uid) == 20:  # e.g. the Spark sink's deterministic uids
+            ts = _time_ns() if ts_producer is None else 0
+            pre = uid[:12]
+            n = int.from_bytes(uid[12:], "little")  # the template packs the last 8 bytes as "<Q"
+        else:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        try:
+            frame = pack(head, ts if ts_producer is None else ts_producer, mid, pre, n, block, payload)
+        except struct.error:  # e.g. a str payload, a ts_producer out of range
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        proto = link.proto
+        if proto is None:
+            try:
+                link.send(frame)
+            except BrokyError:  # buffer full, or given up: not published, counted as refused
+                self.stats.refused += 1
+                raise
+            self.stats.published += 1
+            return
+        self.stats.published += 1
+        link.out.append(frame)
+        n = link.out_bytes = link.out_bytes + len(frame)
+        if n >= self.batch_size:
+            link.flush_out()
+            # a batch was written: let the loop run once (readers, other tasks),
+            # or wait for the socket if its buffer is over the high-water mark
+            if proto.write_paused:
+                await proto.drain()
+            else:
+                await asyncio.sleep(0)
+        elif link.flush_handle is None:
+            link.schedule_flush()
+
+    async def _publish_rows(
+        self,
+        key_partitions: Sequence[Any],
+        keys: Sequence[Any],
+        payloads: Sequence[Any],
+        ts_producers: Sequence[int | None] | None,
+        uid_prefix: bytes | None,
+        uid_base: int = 0,
+    ) -> None:
+        """Publish rows given as columns: row i is (key_partitions[i], keys[i],
+        payloads[i], ts_producers[i] or now); the bulk path of the Spark sink.
+
+        The steps of `publish`'s fast path, in one loop, without an await per
+        row: it yields only after writing a batch whose socket is over its
+        high-water mark. uid_prefix None gives each row a new KSUID; else row i's
+        uid is the 12 bytes uid_prefix then uid_base + i as 8 little-endian bytes
+        (the Spark sink's deterministic uids). Raises what `publish` raises; the
+        rows before the one that raised are published.
+        """
+        fast = self._fast
+        stats = self.stats
+        seq = self._uids
+        for i in range(len(key_partitions)):
+            kp = key_partitions[i]
+            key = keys[i]
+            payload = payloads[i]
+            t = None if ts_producers is None else ts_producers[i]
+            try:
+                pack, head, mid, block, link = fast[kp][key][len(payload)]
+                proto = link.proto
+                if proto is None or not self._open:
+                    raise LookupError
+                if uid_prefix is None:
+                    ts = _time_ns()
+                    if not seq.start <= ts < seq.until:
+                        seq.roll(ts)
+                    n = seq.next
+                    seq.next = n + 1
+                    frame = pack(head, ts if t is None else t, mid, seq.pre, n, block, payload)
+                else:
+                    n = uid_base + i
+                    frame = pack(head, _time_ns() if t is None else t, mid, uid_prefix, n, block, payload)
+            except (LookupError, TypeError, struct.error):  # not cached, down, closed, odd types
+                uid = True if uid_prefix is None else uid_prefix + (uid_base + i).to_bytes(8, "little")
+                written = self._publish(kp, key, payload, t, uid)
+                if written is not None and written.proto is not None and written.proto.write_paused:
+                    await written.proto.drain()
+                continue
+            stats.published += 1
+            link.out.append(frame)
+            size = link.out_bytes = link.out_bytes + len(frame)
+            if size >= self.batch_size:
+                link.flush_out()
+                if proto.write_paused:  # the socket is backed up: wait for it
+                    await proto.drain()
+            elif link.flush_handle is None:
+                link.schedule_flush()
+
+    async def _publish_general(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        ts_producer: int | None,
+        uid: bool | bytes,
+    ) -> None:
+        link = self._publish(key_partition, key, payload, ts_producer, uid)
+        if link is None:
+            return
+        proto = link.proto
+        if proto is not None and proto.write_paused:
+            await proto.drain()
+        else:
+            await asyncio.sleep(0)
+
+    def _publish(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        ts_producer: int | None,
+        uid: bool | bytes,
+    ) -> Link | None:
+        """Queue one publish; return its Link if that completed a batch written now."""
+        if not self._open:
+            self._check_usable()
+        kp = key_partition if key_partition.__class__ is bytes else as_bytes(key_partition, "key_partition")
+        k = key if key.__class__ is bytes else as_bytes(key, "key")
+        if payload.__class__ is not bytes:
+            payload = payload_bytes(payload)
+        router = self._router
+        given = isinstance(uid, bytes) and len(uid) == 20
+        if uid is True or given:
+            encoder = self._encoder
+            # PayloadTooLargeError before anything is queued; a shape seen twice gets a template
+            if given:
+                frame, vb = encoder.encode_any(kp, k, payload, ts_producer, uid)  # type: ignore[arg-type]
+            else:
+                frame, vb = encoder.encode(kp, k, payload, ts_producer)
+            link = router.route[vb] or router.fill(vb)
+            template = encoder.template_of(kp, k, len(payload))
+            if template is not None:  # from now on the fast path takes this shape
+                self._remember(key_partition, key, kp, k, len(payload), template, link)
+        else:
+            frame, vb = self._encoder.encode_any(kp, k, payload, ts_producer, uid or None)
+            link = router.route[vb] or router.fill(vb)
+        try:
+            wrote = link.send(frame)
+        except BrokyError:  # buffer full, or given up: not published, counted as refused
+            self.stats.refused += 1
+            raise
+        self.stats.published += 1
+        return link if wrote else None
+
+    def _remember(
+        self,
+        key_partition: object,
+        key: object,
+        kp: bytes,
+        k: bytes,
+        pay_len: int,
+        template: Template,
+        link: Link,
+    ) -> None:
+        """Cache the template and Link of a publish for `publish`'s fast path.
+
+        Under the bytes fields, and also under the str ones if given as str.
+        Dropped whenever a template or the route may change (map, max_frame_bytes).
+        """
+        if self._fast_count >= MAX_TEMPLATES:
+            self._fast.clear()
+            self._fast_count = 0
+        pack, head, mid, block, _ = template
+        entry = (pack, head, mid, block, link)
+        self._fast.setdefault(kp, {}).setdefault(k, {})[pay_len] = entry
+        self._fast_count += 1
+        if key_partition.__class__ is str or key.__class__ is str:
+            kp_str = key_partition if key_partition.__class__ is str else kp
+            k_str = key if key.__class__ is str else k
+            self._fast.setdefault(kp_str, {}).setdefault(k_str, {})[pay_len] = entry
+            self._fast_count += 1
+
+    def _forget_routes(self) -> None:
+        """Drop the fast path's cache (templates and Links)."""
+        self._fast.clear()
+        self._fast_count = 0
+
+    def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
+        """Queue an already encoded and size-checked publish (the blocking client's path).
+
+        A refused publish raises and is not counted here: the caller counts it
+        (under its own lock; see broky.client.sync).
+        """
+        router = self._router
+        link = router.route[vb] or router.fill(vb)
+        wrote = link.send(frame)
+        self.stats.published += 1
+        return link if wrote else None
+
+    def _limit_frames(self, max_frame_bytes: int) -> None:
+        """The server's max_frame_bytes (from a Welcome); templates and cache are dropped if it changed."""
+        if self._encoder.set_limit(max_frame_bytes):
+            self._forget_routes()
+
+
+__all__ = ["Publisher"]

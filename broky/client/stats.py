@@ -1,0 +1,35 @@
+"""The counters of one client: `ClientStats`.
+
+One instance per client, shared by every part of it (the publish path, the
+Links, the subscriptions, the map refresh), each counting what it sees as a
+plain attribute increment: nothing per message but the increment, and read
+at any time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ClientStats:
+    """Plain counters of one client (read them at any time)."""
+
+    published: int = 0
+    received: int = 0
+    unmatched: int = 0  # deliveries no local subscription matched (e.g. after unsubscribe)
+    dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
+    server_lost: int = 0  # deliveries the server reported lost (LossNotice)
+    misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
+    resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map
+    refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
+    unconfirmed_lost: int = 0  # publishes written to a connection that dropped before a Pong confirmed them
+    unsent_gave_up: int = 0  # publishes buffered for a worker when reconnecting to it was given up
+    unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
+    reconnects: int = 0
+    ping_timeouts: int = 0  # connections closed because max_outstanding_pings went unanswered
+    errors: int = 0
+    map_refreshes: int = 0
+
+
+__all__ = ["ClientStats"]

@@ -1,0 +1,108 @@
+"""Which Links carry each subscription of a client: `SubscriptionTable`.
+
+Theory of operation
+-------------------
+An all-partition subscription goes to every worker of the map (the Links for
+all of them are opened then); a partition-scoped one goes to the owner of its
+partition. The table remembers, per sid, the Subscription and the Links that
+carry it; each Link keeps the subscriptions it carries in its own Matcher and
+re-sends them when it reconnects (broky.client.link), so a Link that is down
+when a subscription is made sends it when it comes back.
+
+When the map changes (`follow_map`), every all-partition subscription is
+added to the Links of workers that are new to the map, and every
+partition-scoped one moves to the Link that now owns its partition. A worker
+that refuses a subscription with NOT_MY_VBUCKET (`refused`) drops it at
+once, without an Unsubscribe; the map refresh that follows moves it to its
+owner, or reports it when the fresh map still names the refusing worker.
+
+The table knows the map only through the two lookups `follow_map` is given,
+so it opens no Link of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from broky.client.link import Link
+from broky.client.subscription import Subscription
+from broky.errors import BrokyError
+
+
+class SubscriptionTable:
+    """Every open subscription of one client, by sid, and the Links that carry it."""
+
+    def __init__(self, report: Callable[[BaseException], None]) -> None:
+        self.report = report  # the client's `on_error` path
+        self.subs: dict[int, Subscription] = {}
+        self.links: dict[int, list[Link]] = {}  # sid -> the Links that carry it
+        self.rejected: dict[int, Link] = {}  # sid -> the Link whose worker refused it (NOT_MY_VBUCKET)
+        self.last_sid = 0
+
+    def new_sid(self) -> int:
+        self.last_sid += 1
+        return self.last_sid
+
+    def add(self, sub: Subscription, links: list[Link]) -> None:
+        """Register `sub` and send it on each of `links`."""
+        self.subs[sub.sid] = sub
+        self.links[sub.sid] = links
+        for link in links:
+            link.add_sub(sub)
+
+    def remove(self, sub: Subscription) -> None:
+        """Unsubscribe `sub` on every Link that carries it, then close it."""
+        self.subs.pop(sub.sid, None)
+        self.rejected.pop(sub.sid, None)
+        for link in self.links.pop(sub.sid, []):
+            link.remove_sub(sub)
+        sub._close()
+
+    def refused(self, sid: int, link: Link) -> None:
+        """`link`'s worker refused subscription `sid` (NOT_MY_VBUCKET): it no longer has it."""
+        sub = self.subs.get(sid)
+        if sub is not None:
+            link.remove_sub(sub, tell_server=False)
+            self.links[sub.sid] = []
+            self.rejected[sub.sid] = link
+
+    def follow_map(self, all_links: Callable[[], list[Link]], owner_link: Callable[[bytes], Link]) -> None:
+        """Put each subscription on the Links a new map says (see the module's header).
+
+        Args:
+            all_links: the Links of every worker of the map (opening those not open yet);
+                called only if there is an all-partition subscription.
+            owner_link: the Link of the worker that owns a key_partition.
+        """
+        all_partition = [s for s in self.subs.values() if s.partition is None]
+        if all_partition:
+            for link in all_links():
+                for sub in all_partition:
+                    if sub.sid not in link.subs:
+                        link.add_sub(sub)
+                        self.links[sub.sid].append(link)
+        for sub in list(self.subs.values()):
+            if sub.partition is None:
+                continue
+            owner = owner_link(sub.partition)
+            current = self.links.get(sub.sid, [])
+            if current == [owner]:
+                continue
+            rejected_by = self.rejected.pop(sub.sid, None)
+            if rejected_by is owner:
+                self.report(
+                    BrokyError(f"{sub!r}: worker {owner.ref.worker} refuses it but owns it per the map")
+                )
+                continue
+            for link in current:
+                link.remove_sub(sub)
+            owner.add_sub(sub)
+            self.links[sub.sid] = [owner]
+
+    def close(self) -> None:
+        """The client is closing: end every subscription (iterators end after what was received)."""
+        for sub in self.subs.values():
+            sub._close()
+
+
+__all__ = ["SubscriptionTable"]
