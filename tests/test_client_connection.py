@@ -57,7 +57,10 @@ def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
         proto.transport = FakeTransport(proto)  # type: ignore[assignment]
         rec = Recorder()
         proto.attach(rec)
+        transport = proto.transport
         for chunk in chunks:
+            if transport.is_closing():  # like a real transport: nothing is read after abort()
+                break
             proto.data_received(chunk)
         return rec, proto
 
