@@ -146,6 +146,21 @@ class BrokyConnectionError(BrokyError, ConnectionError):
     """No connection to the server could be made or kept."""
 
 
+class ServerShutdownError(BrokyConnectionError):
+    """The server said Goodbye (it is shutting down) and closes the connection.
+
+    `processed` is how many of the publishes sent on that connection it
+    processed; the SDK sends the others again once it has reconnected.
+    """
+
+    def __init__(self, reason: str, processed: int = 0) -> None:
+        super().__init__(
+            f"the server is shutting down: {reason}" if reason else "the server is shutting down"
+        )
+        self.reason = reason
+        self.processed = processed
+
+
 class ClientClosedError(BrokyError):
     """The client was used after close()."""
 

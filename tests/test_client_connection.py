@@ -58,6 +58,7 @@ def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
         rec = Recorder()
         proto.attach(rec)
         transport = proto.transport
+        assert transport is not None
         for chunk in chunks:
             if transport.is_closing():  # like a real transport: nothing is read after abort()
                 break

@@ -94,6 +94,12 @@ DEFAULT_RECONNECT_MAX_DELAY = 2.0
 # connection per 10 s, nothing per message.
 DEFAULT_PING_INTERVAL = 10.0
 DEFAULT_MAX_OUTSTANDING_PINGS = 2
+# While publishing, a Ping goes with a write at most this often: the Pongs
+# confirm what the server processed, so a connection that drops leaves only a
+# few milliseconds of publishes in doubt (about 250 at 50k msgs/s), and the
+# chunks kept for a resend stay small. One small Ping and Pong per 5 ms per
+# publishing connection; nothing per message.
+DEFAULT_CONFIRM_INTERVAL = 0.005
 
 
 class ServerInfo(NamedTuple):
@@ -130,6 +136,7 @@ class Client(Publisher):
         max_reconnect_attempts: int | None = None,
         ping_interval: float | None = DEFAULT_PING_INTERVAL,
         max_outstanding_pings: int = DEFAULT_MAX_OUTSTANDING_PINGS,
+        confirm_interval: float = DEFAULT_CONFIRM_INTERVAL,
         on_error: Callable[[BaseException], Any] | None = None,
         on_disconnect: Callable[[WorkerRef, BaseException | None], Any] | None = None,
         on_reconnect: Callable[[WorkerRef], Any] | None = None,
@@ -152,6 +159,7 @@ class Client(Publisher):
             max_reconnect_attempts=max_reconnect_attempts,
             ping_interval=ping_interval,
             max_outstanding_pings=max_outstanding_pings,
+            confirm_interval=confirm_interval,
         )
         self.address: ServerAddress = parse_server(server)
         self.name = name
@@ -166,6 +174,7 @@ class Client(Publisher):
         self.max_reconnect_attempts = max_reconnect_attempts
         self.ping_interval = ping_interval
         self.max_outstanding_pings = max_outstanding_pings
+        self.confirm_interval = confirm_interval
         self.on_error = on_error
         self.on_disconnect = on_disconnect
         self.on_reconnect = on_reconnect
@@ -473,6 +482,7 @@ def _check_options(
     max_reconnect_attempts: int | None,
     ping_interval: float | None,
     max_outstanding_pings: int,
+    confirm_interval: float,
 ) -> None:
     """Raise ValueError naming the first option out of range (NaN is out of every range)."""
     checks = [
@@ -502,6 +512,7 @@ def _check_options(
             max_outstanding_pings >= 1,
             f"max_outstanding_pings must be at least 1, not {max_outstanding_pings!r}",
         ),
+        (confirm_interval >= 0, f"confirm_interval must be >= 0 seconds, not {confirm_interval!r}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -565,11 +576,21 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             when the next is due is closed and reconnected (default 2), so a
             silent network cut is noticed within about
             ping_interval * (max_outstanding_pings + 1) seconds.
+        confirm_interval: while publishing, a Ping goes with a write at most
+            this often (default 0.005 s), so that the server confirms what it
+            processed: a connection that drops leaves only that much in doubt.
         on_error(exc): errors from the server (ServerError), local drops
-            (SlowConsumerError), exceptions raised by subscription callbacks.
-        on_disconnect(worker_ref, exc): a connection dropped (reconnecting follows).
-        on_reconnect(worker_ref): a connection came back, subscriptions restored.
-        on_loss(worker_ref, dropped, reason): the server lost deliveries to us.
+            (SlowConsumerError), exceptions raised by subscription callbacks,
+            publishes that may have been lost with a connection.
+        on_disconnect(worker_ref, reason): a connection dropped (reconnecting
+            follows); `reason` is never None: ServerShutdownError (the server
+            said Goodbye), a ServerError (a fatal error: its `code`), or
+            BrokyConnectionError (the connection was lost).
+        on_reconnect(worker_ref): a connection came back, subscriptions restored
+            and unprocessed publishes sent again.
+        on_loss(worker_ref, dropped, reason): the server lost `dropped`
+            deliveries to us; `reason` is a LossReason (slow consumer, a
+            connection that dropped, a worker that restarted, a shutdown).
 
     Callbacks may be plain functions or coroutine functions.
 

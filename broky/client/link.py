@@ -25,10 +25,13 @@ handling); a LossNotice is counted and reported.
 
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
-re-sends every subscription it carries (same sids), then its buffered
-publishes. A Link that fails `max_reconnect_attempts` times in a row gives
-up: its buffered publishes are dropped and counted (`stats.unsent_gave_up`),
-and publishing to it or flushing raises from then on.
+naming the lost connection in its Hello (`previous`: its id, the deliveries
+received on it, the losses it was told of), re-sends every subscription it
+carries (same sids), a Ping, then the publishes the server did not process
+(below), then its buffered publishes. A Link that fails
+`max_reconnect_attempts` times in a row gives up: its buffered publishes are
+dropped and counted (`stats.unsent_gave_up`), and publishing to it or
+flushing raises from then on.
 
 Keepalive: every `ping_interval` a connected Link sends a Ping; if
 `max_outstanding_pings` are unanswered when the next is due, it aborts the
@@ -36,19 +39,31 @@ connection and reconnects as for any drop. A timer per Link, nothing per
 message.
 
 Delivery accounting (what the client's `flush` can promise): the server
-answers a Ping only after processing every frame received before it. Frames
-written to a connection that then drops are gone (only what was still queued
-in the client is re-sent), so each Link counts the publishes it wrote to the
-current connection and how many the latest Pong confirmed (see `Link`); a
-drop turns the difference into "possibly lost" publishes, which the next
-`flush` reports by raising BrokyConnectionError.
+answers a Ping only after processing every frame received before it. Each
+Link counts the publishes it wrote to the current connection (`written`) and
+how many the latest Pong confirmed (`confirmed`), and keeps the chunks it
+wrote since then (`retained`); while publishing it adds a Ping to a write at
+most every `confirm_interval` seconds, so the unconfirmed tail stays short
+(a few milliseconds of publishes). When the connection drops, the publishes
+after `confirmed` are in doubt. The server keeps an account of every
+connection, even of one whose worker died (schema/README.md section 7.1):
+on the reconnect, `Welcome.resumed.processed` says exactly how many of them
+it processed, and the Link sends the others again, first, in order: nothing
+is lost and nothing is delivered twice. Only when the server has no account
+(the whole server restarted, or the Link never reconnects) are the in-doubt
+publishes counted as "possibly lost" (`unconfirmed`,
+`stats.unconfirmed_lost`, an upper bound), which the next `flush` reports by
+raising BrokyConnectionError. A Goodbye says the same as `resumed` at once:
+the publishes it did not process wait in the outbound list for the reconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
+import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -63,6 +78,7 @@ from broky.errors import (
     PublishBufferFullError,
     RemoteProtocolError,
     ServerError,
+    ServerShutdownError,
 )
 from broky.matching import Matcher
 from broky.protocol import (
@@ -74,13 +90,40 @@ from broky.protocol import (
     Message,
     Ping,
     Pong,
+    PreviousConnection,
     Subscribe,
     Unsubscribe,
     Welcome,
 )
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
+from broky.protocol.message import BODY_MESSAGE, body_type
 
 log = logging.getLogger("broky.client")
+_u32 = struct.Struct("<I").unpack_from
+
+
+def publishes_in(chunk: bytes) -> list[bytes]:
+    """The Message frames of a chunk the Link wrote (Pings and Subscribes skipped)."""
+    frames = []
+    pos, end = 0, len(chunk)
+    while pos < end:
+        stop = pos + 4 + _u32(chunk, pos)[0]
+        if body_type(chunk, pos, stop) == BODY_MESSAGE:
+            frames.append(chunk[pos:stop])
+        pos = stop
+    return frames
+
+
+class InDoubt(NamedTuple):
+    """The publishes of a lost connection that no Pong confirmed: the ones numbered
+    `confirmed` .. `written` - 1 on it; `retained` holds the chunks that carried
+    them (chunk, number of its first publish, publishes in it), from `released` on
+    (older ones were let go to bound memory)."""
+
+    confirmed: int
+    written: int
+    released: int
+    retained: collections.deque[tuple[bytes, int, int]]
 
 
 class WorkerRef(NamedTuple):
@@ -105,6 +148,7 @@ class LinkOwner(Protocol):
     max_reconnect_attempts: int | None
     ping_interval: float | None
     max_outstanding_pings: int
+    confirm_interval: float
     # callbacks, called through `_emit`
     on_disconnect: Callable[[WorkerRef, BaseException | None], Any] | None
     on_reconnect: Callable[[WorkerRef], Any] | None
@@ -138,11 +182,14 @@ class Link:
     `flush_out`, not per publish; control frames are subtracted there),
     `confirmed` how many of them the latest Pong covers (each Ping remembers
     `written` when it was sent; the server answers a Ping after processing
-    every frame before it). When the connection drops, `written - confirmed`
-    publishes may or may not have reached the server: they are added to
-    `unconfirmed` (and `stats.unconfirmed_lost`), which the next `flush`
-    reports as a BrokyConnectionError. Publishes still in `out` are not lost:
-    they are sent after the reconnect.
+    every frame before it), and `retained` keeps the chunks written after
+    `confirmed`. When the connection drops they are `in_doubt`, settled on the
+    reconnect (`settle`): sent again from where the server's account says it
+    stopped, or, with no account, added to `unconfirmed` (and
+    `stats.unconfirmed_lost`), which the next `flush` reports as a
+    BrokyConnectionError. Publishes still in `out` are not lost: they are sent
+    after the reconnect. `received` and `told_lost` count the deliveries and
+    the losses told on the current connection, for the next Hello's `previous`.
     """
 
     def __init__(self, client: LinkOwner, node_id: str, worker: int) -> None:
@@ -161,6 +208,17 @@ class Link:
         self.written = 0
         self.confirmed = 0
         self.unconfirmed = 0
+        # chunks written since `confirmed`: (chunk, number of its first publish, publishes in it)
+        self.retained: collections.deque[tuple[bytes, int, int]] = collections.deque()
+        self.retained_bytes = 0
+        self.released = 0  # publishes before this number were let go of unconfirmed (memory bound)
+        self.confirm_sent = 0.0  # loop time of the last Ping added to a write of publishes
+        self.conn_id = 0  # Welcome.connection_id of the current (or last) connection
+        self.received = 0  # deliveries received on it
+        self.told_lost = 0  # LossNotice counts received on it
+        self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
+        self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
+        self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
         self.outstanding = 0  # keepalive Pings sent since the last Pong
         self.keepalive: asyncio.TimerHandle | None = None
         self.up = asyncio.Event()
@@ -183,17 +241,26 @@ class Link:
         proto.attach(self)
         self.proto = proto
         client._welcome(welcome)
-        frames = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
+        resumed = welcome.resumed
+        if resumed is not None and (
+            self.previous is None or resumed.connection_id != self.previous.connection_id
+        ):
+            resumed = None
+        self.previous = None
+        self.settle(None if resumed is None else resumed.processed)
         # a new connection: count from zero (`out` holds publishes only while down)
-        self.written = len(self.out)
-        self.confirmed = 0
+        self.conn_id = welcome.connection_id
+        self.received = self.told_lost = 0
+        self.written = self.confirmed = self.released = 0
+        self.retained.clear()
+        self.retained_bytes = 0
+        self.goodbye_processed = None
         self.outstanding = 0
-        if self.out:
-            frames += self.out
-            self.out = []
-            self.out_bytes = 0
-        if frames:
-            proto.write(b"".join(frames))
+        subscribes = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
+        if subscribes:
+            proto.write(b"".join(subscribes))  # first: a restarted worker waits for them (section 7.2)
+        if reconnect or self.out:
+            self._send_ping(None)  # after the publishes that wait in `out`, in the same write
         if client.ping_interval is not None:
             self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
         self.up.set()
@@ -209,7 +276,12 @@ class Link:
         last: BaseException | None = None
         while not client._closed:
             host, port = client._address_of(self.ref.node_id)
-            hello = Hello(worker=self.ref.worker, client_name=client.name, auth_token=client.auth_token)
+            hello = Hello(
+                worker=self.ref.worker,
+                client_name=client.name,
+                auth_token=client.auth_token,
+                previous=self.previous,
+            )
             try:
                 proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
             except BrokyError as exc:
@@ -231,7 +303,43 @@ class Link:
             await asyncio.sleep(random.uniform(delay / 2, delay))
             delay = min(delay * 2, client.reconnect_max_delay)
 
+    def settle(self, processed: int | None) -> None:
+        """Settle the publishes of the lost connection that no Pong confirmed: the ones
+        the server did not process (it said how many it did: `processed`) go first
+        into `out`, to be sent again; with no account (None), all of them may have
+        been lost, and are counted so."""
+        doubt, self.in_doubt = self.in_doubt, None
+        if doubt is None or doubt.written <= doubt.confirmed:
+            return
+        client = self.client
+        if processed is None:
+            self._count_unconfirmed(doubt.written - doubt.confirmed, "the server has no account of it")
+            return
+        again: list[bytes] = []
+        for chunk, first, count in doubt.retained:
+            if first + count > processed:
+                again.extend(publishes_in(chunk)[max(processed - first, 0) :])
+        if again:
+            self.out[:0] = again
+            self.out_bytes += sum(len(f) for f in again)
+            client.stats.resent_after_loss += len(again)
+        lost = max(min(doubt.released, doubt.written) - processed, 0)  # let go of before the drop
+        if lost:
+            self._count_unconfirmed(lost, "they were no longer kept (memory bound)")
+
+    def _count_unconfirmed(self, n: int, why: str) -> None:
+        client = self.client
+        self.unconfirmed += n
+        client.stats.unconfirmed_lost += n
+        client._report(
+            BrokyConnectionError(
+                f"connection to worker {self.ref.worker} lost with {n} publishes written but not "
+                f"confirmed: they may not have reached the server ({why})"
+            )
+        )
+
     def _give_up(self, attempts: int, last: BaseException | None) -> None:
+        self.settle(None)
         dropped = len(self.out)
         self.client.stats.unsent_gave_up += dropped
         self.out = []
@@ -283,27 +391,28 @@ class Link:
         if self.keepalive is not None:
             self.keepalive.cancel()
             self.keepalive = None
-        unconfirmed = self.written - self.confirmed
+        report = isinstance(exc, BrokyError) and not isinstance(exc, ServerShutdownError)
+        if exc is None:
+            exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
+        if self.conn_id:
+            self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost)
+        self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
+        self.retained = collections.deque()
+        self.retained_bytes = 0
         self.written = self.confirmed = 0
-        lost = BrokyConnectionError(f"connection to worker {self.ref.worker} lost: {exc or 'closed'}")
+        if self.goodbye_processed is not None:  # the server said what it processed: settled now
+            self.settle(self.goodbye_processed)
+        lost = BrokyConnectionError(f"connection to worker {self.ref.worker} lost: {exc}")
         for fut, _ in self.pings.values():
             if fut is not None and not fut.done():
                 fut.set_exception(lost)
         self.pings.clear()
         client = self.client
         if client._closed:
+            self.settle(None)
             return
-        if isinstance(exc, BrokyError):
+        if report:  # an error the server sent, or the protocol broken (a plain drop is no error)
             client._report(exc)
-        if unconfirmed > 0:
-            self.unconfirmed += unconfirmed
-            client.stats.unconfirmed_lost += unconfirmed
-            client._report(
-                BrokyConnectionError(
-                    f"connection to worker {self.ref.worker} lost with {unconfirmed} publishes "
-                    "written but not confirmed: they may not have reached the server"
-                )
-            )
         client._emit(client.on_disconnect, self.ref, exc)
         self.start(reconnect=True)
 
@@ -319,6 +428,7 @@ class Link:
         if self.proto is not None:
             self.flush_out()
             self.proto.close()
+        self.settle(None)  # a lost connection's unconfirmed publishes that were never settled
         for fut, _ in self.pings.values():
             if fut is not None and not fut.done():
                 fut.set_exception(ClientClosedError("the client was closed"))
@@ -361,7 +471,12 @@ class Link:
         )
 
     def flush_out(self, controls: int = 0) -> None:
-        """Write `out` in one write; `controls` of its frames are control frames, not publishes."""
+        """Write `out` in one write; `controls` of its frames are control frames, not publishes.
+
+        The chunk is kept (`retained`) until a Pong confirms its publishes; a Ping
+        goes with it when the last one added to a write of publishes is older than
+        `confirm_interval` (so confirmations cost a Ping per interval, not per write).
+        """
         if self.flush_handle is not None:
             self.flush_handle.cancel()
             self.flush_handle = None
@@ -369,10 +484,38 @@ class Link:
         if proto is None or not self.out:
             return
         out = self.out
-        proto.write(out[0] if len(out) == 1 else b"".join(out))
-        self.written += len(out) - controls
+        published = len(out) - controls
+        ping_id = 0
+        if published:
+            client = self.client
+            now = client._loop.time()
+            if now - self.confirm_sent >= client.confirm_interval:
+                self.confirm_sent = now
+                self.next_ping = ping_id = self.next_ping + 1
+                out.append(encode_ping(Ping(ping_id)))
+        chunk = out[0] if len(out) == 1 else b"".join(out)
+        proto.write(chunk)
         self.out = []
         self.out_bytes = 0
+        if published:
+            first = self.written
+            self.written = written = first + published
+            if ping_id:
+                self.pings[ping_id] = (None, written)
+            self.retained.append((chunk, first, published))
+            self.retained_bytes += len(chunk)
+            if self.retained_bytes > self.client.max_reconnect_buffer_bytes:
+                self._release()
+
+    def _release(self) -> None:
+        """Let go of the oldest unconfirmed chunks past the memory bound (if the
+        connection drops now, those publishes cannot be sent again: see `settle`)."""
+        retained = self.retained
+        limit = self.client.max_reconnect_buffer_bytes
+        while len(retained) > 1 and self.retained_bytes > limit:
+            chunk, first, count = retained.popleft()
+            self.retained_bytes -= len(chunk)
+            self.released = first + count
 
     def send_control(self, frame: bytes) -> None:
         """Write a control frame now, after every publish queued before it (nothing while down)."""
@@ -438,6 +581,7 @@ class Link:
     # ---------------------------------------------------------------- inbound (WorkerProtocol handler)
 
     def on_message(self, msg: Message) -> None:
+        self.received += 1
         stats = self.client.stats
         stats.received += 1
         subs = self._matched.get(msg.key)
@@ -460,18 +604,29 @@ class Link:
                 fut, written = entry
                 if written > self.confirmed:
                     self.confirmed = written
+                    retained = self.retained
+                    while retained and retained[0][1] + retained[0][2] <= written:
+                        self.retained_bytes -= len(retained.popleft()[0])
                 if fut is not None and not fut.done():
                     fut.set_result(None)
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 client._not_my_vbucket(self, err, frame.refused)
-            client._report(err)
+            if frame.fatal and self.proto is not None and self.proto.failure is None:
+                self.proto.failure = err  # the reason the server closes: on_disconnect's
+            else:
+                client._report(err)
         elif isinstance(frame, LossNotice):
+            self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
             client._emit(client.on_loss, self.ref, frame.dropped, frame.reason)
         elif isinstance(frame, Goodbye):
             log.info("worker %s says goodbye: %s", self.ref, frame.reason)
+            self.goodbye_processed = frame.processed
+            if self.proto is not None:  # nothing sent from now on would be processed
+                self.proto.failure = ServerShutdownError(frame.reason or "", frame.processed)
+                self.proto.abort()
         else:
             if self.proto is not None:
                 self.proto.failure = RemoteProtocolError(

@@ -23,7 +23,12 @@ class ClientStats:
     misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
     resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map
     refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
-    unconfirmed_lost: int = 0  # publishes written to a connection that dropped before a Pong confirmed them
+    # publishes written to a connection that dropped before a Pong confirmed them, whose
+    # fate the server could not tell on the reconnect (no account): an upper bound of the loss
+    unconfirmed_lost: int = 0
+    resent_after_loss: int = (
+        0  # publishes a dropped connection did not deliver, sent again after the reconnect
+    )
     unsent_gave_up: int = 0  # publishes buffered for a worker when reconnecting to it was given up
     unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
     reconnects: int = 0

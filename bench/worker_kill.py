@@ -1,0 +1,373 @@
+"""Worker-kill benchmark: what a SIGKILLed worker costs SDK publishers and subscribers.
+
+    python -m bench.worker_kill [--kills 10] [--interval 2] [--rate 5000] [--partitions 256]
+
+One `broky serve --workers 2`, one SDK subscriber process on `w.>` and one
+SDK publisher process publishing `--rate` msgs/s round-robin over
+`--partitions` key_partitions, each payload carrying its partition and a
+per-partition sequence number. Every `--interval` seconds one worker
+(alternately 0 and 1) is killed with SIGKILL; the supervisor restarts it.
+At the end the subscriber's sequences are checked against what was
+published:
+
+- lost: published, never received (per partition, by sequence number);
+- told: the deliveries the subscriber was told it lost (LossNotice counts);
+- duplicates, and messages out of order within a partition;
+- the publisher's report: `stats.unconfirmed_lost` (publishes it says may
+  not have reached the server), `stats.resent_after_loss` (sent again after
+  the server's account said they were not processed) and whether `flush`
+  raised;
+- recovery: per kill, the time from the kill until the subscriber received
+  the first message published after the kill to a partition of the killed
+  worker.
+
+The promise checked: lost == told (nothing lost silently), no duplicate, no
+reordering, and the publisher's report bounds what its publishes lost.
+Results go to bench/results/worker_kill.md and .json with the machine.
+`run` is also what tests/test_worker_kill.py calls, with one kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import broky  # noqa: E402
+from bench.harness import servers  # noqa: E402
+from bench.harness.machine import describe, machine_info  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+KEY = b"w.k"
+_head = struct.Struct("<II")  # partition index, sequence number
+PAD = b"x" * (100 - _head.size)
+
+
+def partition(i: int) -> bytes:
+    return b"tenant-%d" % i
+
+
+# ---------------------------------------------------------------- the two client processes
+
+
+async def publisher(url: str, rate: int, duration: float, partitions: int) -> dict[str, Any]:
+    errors: list[str] = []
+    disconnects: list[str] = []
+    refused = 0
+    async with broky.connect(
+        url,
+        on_error=lambda e: errors.append(str(e)),
+        on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}"),
+    ) as client:
+        kps = [partition(i) for i in range(partitions)]
+        seq = [0] * partitions
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = 0
+        while (elapsed := loop.time() - start) < duration:
+            due = int(elapsed * rate)
+            while sent < due:
+                i = sent % partitions
+                try:
+                    await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + PAD)
+                except broky.PublishBufferFullError:
+                    refused += 1  # not published: the caller knows (the sequence number is skipped)
+                seq[i] += 1
+                sent += 1
+            await asyncio.sleep(0.001)
+        flush_error = None
+        try:
+            await client.flush(timeout=30)
+        except broky.BrokyError as exc:
+            flush_error = str(exc)
+        stats = asdict(client.stats)
+    return {
+        "sent": sent,
+        "per_partition": seq,
+        "refused": refused,
+        "stats": stats,
+        "flush_error": flush_error,
+        "errors": errors[-20:],
+        "disconnects": disconnects,
+    }
+
+
+async def subscriber(url: str) -> dict[str, Any]:
+    received: list[tuple[int, int, float, int]] = []  # partition, seq, receive time, ts_producer
+    losses: list[tuple[int, int, int, float]] = []  # worker, dropped, reason, time
+    disconnects: list[str] = []
+
+    def on_message(msg: broky.Message) -> None:
+        i, s = _head.unpack_from(msg.payload)
+        received.append((i, s, time.time(), msg.ts_producer or 0))
+
+    async with broky.connect(
+        url,
+        on_loss=lambda ref, n, reason: losses.append((ref.worker, n, reason, time.time())),
+        on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}: {why}"),
+    ) as client:
+        await client.subscribe("w.>", callback=on_message)
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)  # "stop", or EOF
+        await asyncio.sleep(0.5)  # the last deliveries
+        stats = asdict(client.stats)
+    return {"received": received, "losses": losses, "disconnects": disconnects, "stats": stats}
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Result:
+    kills: list[dict[str, Any]] = field(default_factory=list)  # worker, time, recovery_s
+    published: int = 0
+    refused: int = 0
+    received: int = 0
+    lost: int = 0
+    told: int = 0
+    told_by_reason: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    out_of_order: int = 0
+    publisher_unconfirmed_lost: int = 0
+    publisher_resent_after_loss: int = 0
+    publisher_flush_error: str | None = None
+    subscriber_disconnects: list[str] = field(default_factory=list)
+    publisher_disconnects: list[str] = field(default_factory=list)
+    server_log_tail: str = ""
+
+    @property
+    def recovery(self) -> list[float]:
+        return [k["recovery_s"] for k in self.kills if k["recovery_s"] is not None]
+
+
+def _worker_pids(metrics_port: int) -> list[int]:
+    url = f"http://127.0.0.1:{metrics_port}/stats"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        stats = json.loads(resp.read())
+    return [pid or 0 for pid in stats["master"]["worker_pids"]]
+
+
+def _spawn(role: str, url: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.worker_kill", "--role", role, "--server", url, *args],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_restarted(metrics_port: int, old: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pids = _worker_pids(metrics_port)
+        except OSError:
+            pids = []
+        if pids and all(pids) and pids != old:
+            return
+        time.sleep(0.02)
+    raise RuntimeError("the killed worker did not come back")
+
+
+def run(kills: int, interval: float, rate: int, partitions: int, workers: int = 2) -> Result:
+    """One server, one subscriber, one publisher, `kills` SIGKILLs; see the module header."""
+    metrics_port = servers.free_port()
+    server = servers.start_broky(workers, ["--metrics-port", str(metrics_port)])
+    url = f"{server.host}:{server.port}"
+    procs: list[subprocess.Popen[str]] = []
+    result = Result()
+    try:
+        sub = _spawn("subscriber", url)
+        procs.append(sub)
+        assert sub.stdout is not None and sub.stdin is not None
+        if sub.stdout.readline().strip() != "ready":
+            raise RuntimeError("the subscriber did not start")
+        warmup, cooldown = 1.0, 2.0
+        duration = warmup + kills * interval + cooldown
+        pub = _spawn("publisher", url, "--rate", str(rate), "--duration", str(duration),
+                     "--partitions", str(partitions))  # fmt: skip
+        procs.append(pub)
+        time.sleep(warmup + 0.5)  # the publisher process starts in about half a second
+        for k in range(kills):
+            worker = k % workers
+            pids = _worker_pids(metrics_port)
+            killed_at = time.time()
+            os.kill(pids[worker], signal.SIGKILL)
+            result.kills.append({"worker": worker, "time": killed_at, "recovery_s": None})
+            _wait_restarted(metrics_port, pids)
+            time.sleep(max(0.0, interval - (time.time() - killed_at)))
+        pub_out, _ = pub.communicate(timeout=duration + 60)
+        sub_out, _ = sub.communicate("stop\n", timeout=60)
+        published = json.loads(pub_out.strip().splitlines()[-1])
+        subscribed = json.loads(sub_out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        result.server_log_tail = server.log()[-2000:]
+        server.stop()
+    _analyse(result, published, subscribed, partitions, workers)
+    return result
+
+
+def _owner_worker(kp: bytes, workers: int) -> int:
+    from broky.protocol import vbucket_of
+
+    return vbucket_of(kp) * workers // 1024
+
+
+def _analyse(
+    result: Result, published: dict[str, Any], subscribed: dict[str, Any], partitions: int, workers: int
+) -> None:
+    result.published = published["sent"] - published["refused"]
+    result.refused = published["refused"]
+    stats = published["stats"]
+    result.publisher_unconfirmed_lost = stats["unconfirmed_lost"]
+    result.publisher_resent_after_loss = stats["resent_after_loss"]
+    result.publisher_flush_error = published["flush_error"]
+    result.publisher_disconnects = published["disconnects"]
+    result.subscriber_disconnects = subscribed["disconnects"]
+    received = subscribed["received"]
+    result.received = len(received)
+    seen: list[set[int]] = [set() for _ in range(partitions)]
+    last = [-1] * partitions
+    for i, s, _, _ in received:
+        if s in seen[i]:
+            result.duplicates += 1
+        seen[i].add(s)
+        if s < last[i]:
+            result.out_of_order += 1
+        last[i] = max(last[i], s)
+    for i, count in enumerate(published["per_partition"]):
+        result.lost += sum(1 for s in range(count) if s not in seen[i])
+    result.lost -= published["refused"]  # never published
+    from broky.protocol import LossReason
+
+    for _, n, reason, _ in subscribed["losses"]:
+        result.told += n
+        name = LossReason.name(reason)
+        result.told_by_reason[name] = result.told_by_reason.get(name, 0) + n
+    owner = [_owner_worker(partition(i), workers) for i in range(partitions)]
+    for kill in result.kills:
+        after = [
+            t_recv - kill["time"]
+            for i, _, t_recv, ts in received
+            if owner[i] == kill["worker"] and ts / 1e9 > kill["time"]
+        ]
+        kill["recovery_s"] = round(min(after), 3) if after else None
+
+
+# ---------------------------------------------------------------- report
+
+
+def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> str:
+    rec = result.recovery
+    flush = f"raised: {result.publisher_flush_error}" if result.publisher_flush_error else "succeeded"
+    lines = [
+        "# Worker kill: nothing lost silently",
+        "",
+        f"Machine: {describe(info)}.",
+        "",
+        f"Command: `python -m bench.worker_kill --kills {args.kills} --interval {args.interval:g} "
+        f"--rate {args.rate} --partitions {args.partitions}`",
+        "",
+        f"One `broky serve --workers 2`; an SDK publisher at {args.rate} msgs/s over {args.partitions} "
+        f"key_partitions; an SDK subscriber on `w.>`; {len(result.kills)} SIGKILLs of a worker, "
+        f"one every {args.interval:g} s, alternately worker 0 and 1.",
+        "",
+        "| Figure | Value |",
+        "|---|---:|",
+        f"| messages published | {result.published} |",
+        f"| received by the subscriber | {result.received} |",
+        f"| lost (published, never received) | {result.lost} |",
+        f"| told lost (LossNotice counts) | {result.told} {result.told_by_reason or ''} |",
+        f"| duplicates | {result.duplicates} |",
+        f"| out of order within a partition | {result.out_of_order} |",
+        f"| publisher: `unconfirmed_lost` (may not have reached the server) | "
+        f"{result.publisher_unconfirmed_lost} |",
+        f"| publisher: `resent_after_loss` (not processed, sent again) | "
+        f"{result.publisher_resent_after_loss} |",
+        f"| publisher: final flush | {flush} |",
+        f"| publishes refused (reconnect buffer full) | {result.refused} |",
+    ]
+    if rec:
+        lines.append(
+            f"| recovery after a kill: min / median / max | {min(rec):.3f} / {statistics.median(rec):.3f} / "
+            f"{max(rec):.3f} s |"
+        )
+    lines += [
+        "",
+        "Recovery: from the SIGKILL until the subscriber received the first message published after it "
+        "to a key_partition of the killed worker (restart, reconnects, the restart grace).",
+        "",
+        "| Kill | Worker | Recovery (s) |",
+        "|---:|---:|---:|",
+        *(f"| {n + 1} | {k['worker']} | {k['recovery_s']} |" for n, k in enumerate(result.kills)),
+        "",
+        f"Verdict: {'met' if promise_kept(result) else 'NOT met'} (lost == told, no duplicate, in order, "
+        "the publisher's report bounds its losses).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def promise_kept(result: Result) -> bool:
+    return (
+        result.lost == result.told
+        and result.duplicates == 0
+        and result.out_of_order == 0
+        and result.publisher_flush_error is None
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.worker_kill", description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between kills")
+    parser.add_argument("--rate", type=int, default=5000, help="msgs/s published")
+    parser.add_argument("--partitions", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
+    parser.add_argument("--server", help=argparse.SUPPRESS)
+    parser.add_argument("--duration", type=float, default=10.0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "publisher":
+        out = asyncio.run(publisher(args.server, args.rate, args.duration, args.partitions))
+        print(json.dumps(out))
+        return 0
+    if args.role == "subscriber":
+        print(json.dumps(asyncio.run(subscriber(args.server))))
+        return 0
+    info = machine_info()
+    result = run(args.kills, args.interval, args.rate, args.partitions)
+    text = report(result, args, info)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "worker_kill.md").write_text(text)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    data = {"machine": info, "args": settings, **asdict(result)}
+    (args.out / "worker_kill.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(text)
+    return 0 if promise_kept(result) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
