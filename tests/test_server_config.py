@@ -37,6 +37,15 @@ def test_defaults_need_no_flags() -> None:
     assert (cfg.hello_timeout, cfg.frame_timeout, cfg.slow_consumer_deadline) == (5.0, 10.0, 10.0)
 
 
+def test_connection_limits() -> None:
+    cfg = parse([])
+    assert (cfg.max_subscriptions, cfg.max_subscription_bytes) == (10_000, 2 << 20)
+    cfg = parse(["--max-subscriptions", "5"], {"BROKY_MAX_SUBSCRIPTION_BYTES": "64K"})
+    assert (cfg.max_subscriptions, cfg.max_subscription_bytes) == (5, 64 << 10)
+    with pytest.raises(SystemExit):
+        parse(["--max-subscriptions", "0"])
+
+
 def test_environment_then_flags() -> None:
     env = {
         "BROKY_PORT": "5000",
@@ -112,7 +121,10 @@ def test_advertised_host() -> None:
 def test_serve_help_lists_every_flag() -> None:
     proc = subprocess.run([sys.executable, "-m", "broky", "serve", "--help"], capture_output=True, timeout=30)
     assert proc.returncode == 0
-    flags = "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes log-level log-format"
+    flags = (
+        "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes "
+        "max-subscriptions max-subscription-bytes log-level log-format"
+    )
     for flag in flags.split():
         assert f"--{flag} ".encode() in proc.stdout
 

@@ -24,6 +24,13 @@ from broky.protocol import DEFAULT_MAX_FRAME_BYTES
 DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_MAX_PENDING_BYTES = 8 << 20
+# Per-connection limits on subscriptions. Measured on CPython 3.11 (see
+# broky.server.fanout, "Limits"): a subscription costs a worker about 0.7-1 KB
+# plus its pattern bytes, and each pattern token that needs a trie node of its
+# own about 420 bytes more; at these limits one connection holds at most about
+# 10-14 MB of a worker's memory, whatever the shape of its patterns.
+DEFAULT_MAX_SUBSCRIPTIONS = 10_000
+DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
 
@@ -39,6 +46,8 @@ class ServerConfig:
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
+    max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -118,6 +127,19 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "max_pending_bytes",
         _size,
         "bound of one connection's pending outbound bytes (default %(default)s)",
+    ),
+    (
+        "--max-subscriptions",
+        "max_subscriptions",
+        _positive_int,
+        "most subscriptions one connection may hold (default %(default)s)",
+    ),
+    (
+        "--max-subscription-bytes",
+        "max_subscription_bytes",
+        _size,
+        "most subscription bytes one connection may hold: pattern + key_partition + 64 per "
+        "pattern token, summed (default %(default)s)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),

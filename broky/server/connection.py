@@ -38,6 +38,7 @@ class Connection(asyncio.Protocol):
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at",
+        "sub_bytes",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -62,6 +63,7 @@ class Connection(asyncio.Protocol):
         self.dropped = 0  # deliveries lost since the last LossNotice
         self.over_since = 0.0  # monotonic time of the first drop since the last notice
         self.subs: dict[int, Subscription] = {}
+        self.sub_bytes = 0  # summed Subscription.size of `subs` (--max-subscription-bytes)
         self.linger: asyncio.TimerHandle | None = None
         # Per-connection totals for /connections (broky.server.monitor).
         self.msgs_in = 0  # messages published by this connection

@@ -65,6 +65,15 @@ Error) count in the pending bytes but are never dropped: a connection whose
 replies alone exceed the bound is read no more until it drains (`hold_reads`),
 and its clock runs meanwhile.
 
+Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
+(pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
+over the connection) gets a non-fatal SUBSCRIPTION_LIMIT and creates nothing.
+The token charge is there because a pattern token that no other pattern shares
+costs a trie node of about 420 bytes (CPython 3.11): 4 KB of one-byte tokens
+cost 850 KB, a 4 KB pattern of two tokens about 9.4 KB, a short pattern about
+0.7-1 KB with its own Subscription and table entries. At the default limits
+one connection holds at most about 10-14 MB, whatever its patterns.
+
 Closing: a fatal error writes what the connection still had queued, then the
 Error frame, then half-closes (write_eof) and discards further input until the
 peer closes or --frame-timeout passes (then the socket is reset). This lingering
@@ -147,6 +156,7 @@ ROUTE_CACHE_SIZE = 65536
 # not cached: a cache bounded by entries must not hold megabytes of keys.
 ROUTE_CACHE_MAX_KEY = 256
 WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
+SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
 
 
 def _is_message(buf: Buffer, pos: int, end: int) -> bool:
@@ -160,13 +170,21 @@ def _is_message(buf: Buffer, pos: int, end: int) -> bool:
 class Subscription:
     """One subscription of one connection (hashed by identity)."""
 
-    __slots__ = ("conn", "sid", "pattern", "key_partition")
+    __slots__ = ("conn", "sid", "pattern", "key_partition", "size")
 
-    def __init__(self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None) -> None:
+    def __init__(
+        self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None, size: int = 0
+    ) -> None:
         self.conn = conn
         self.sid = sid
         self.pattern = pattern
         self.key_partition = key_partition
+        self.size = size  # charged against --max-subscription-bytes (`subscription_size`)
+
+
+def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) -> int:
+    """What a subscription counts against --max-subscription-bytes (schema/README.md, §5)."""
+    return len(pattern) + len(key_partition or b"") + SUBSCRIPTION_TOKEN_BYTES * tokens
 
 
 class Plan(NamedTuple):
@@ -203,6 +221,8 @@ class WorkerStats:
         self.connections = 0  # open now
         self.connections_total = 0
         self.subscriptions = 0  # now
+        self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
+        self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
@@ -315,6 +335,8 @@ class Shard:
         for sub in c.subs.values():
             self.matcher.remove(sub.pattern, sub)
         self.stats.subscriptions -= len(c.subs)
+        self.stats.subscription_bytes -= c.sub_bytes
+        c.sub_bytes = 0
         c.subs.clear()
         self.forget_routes()
 
@@ -730,7 +752,7 @@ class Shard:
             self.error(c, ErrorCode.DUPLICATE_SID, f"sid {sub.sid} is already in use", sub.sid)
             return
         try:
-            parse_pattern(sub.pattern)
+            tokens = len(parse_pattern(sub.pattern))
         except BadPatternError as exc:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
             return
@@ -740,11 +762,39 @@ class Shard:
                 c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker", sub.sid
             )
             return
-        s = Subscription(c, sub.sid, sub.pattern, kp)
+        size = subscription_size(sub.pattern, kp, tokens)
+        config = self.config
+        if len(c.subs) >= config.max_subscriptions:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "count",
+                f"the connection holds {len(c.subs)} subscriptions, max_subscriptions is "
+                f"{config.max_subscriptions}",
+            )
+            return
+        if c.sub_bytes + size > config.max_subscription_bytes:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "bytes",
+                f"the connection holds {c.sub_bytes} subscription bytes, this one is {size} "
+                f"(pattern + key_partition + {SUBSCRIPTION_TOKEN_BYTES} per token), "
+                f"max_subscription_bytes is {config.max_subscription_bytes}",
+            )
+            return
+        s = Subscription(c, sub.sid, sub.pattern, kp, size)
         c.subs[sub.sid] = s
+        c.sub_bytes += size
         self.matcher.add(sub.pattern, s)
         self.stats.subscriptions += 1
+        self.stats.subscription_bytes += size
         self.forget_routes()
+
+    def refuse_subscription(self, c: Connection, sid: int, limit: str, why: str) -> None:
+        """A Subscribe over a per-connection limit: non-fatal SUBSCRIPTION_LIMIT, counted."""
+        self.stats.subscriptions_refused[limit] += 1
+        self.error(c, ErrorCode.SUBSCRIPTION_LIMIT, f"subscription {sid} refused: {why}", sid)
 
     def unsubscribe(self, c: Connection, sid: int) -> None:
         s = c.subs.pop(sid, None)
@@ -753,6 +803,8 @@ class Shard:
             return
         self.matcher.remove(s.pattern, s)
         self.stats.subscriptions -= 1
+        self.stats.subscription_bytes -= s.size
+        c.sub_bytes -= s.size
         self.forget_routes()
 
     def resume(self, c: Connection) -> None:
@@ -905,6 +957,7 @@ class Shard:
         data = dict(vars(s))
         data["dropped"] = dict(s.dropped)
         data["errors"] = dict(s.errors)
+        data["subscriptions_refused"] = dict(s.subscriptions_refused)
         data["latency_us"] = list(s.latency_us)
         data.update(
             worker=self.index,

@@ -62,12 +62,18 @@ COUNTERS = (
 GAUGES = (
     ("broky_connections", "connections", "Open client connections."),
     ("broky_subscriptions", "subscriptions", "Active subscriptions (sids of all connections)."),
+    (
+        "broky_subscription_bytes",
+        "subscription_bytes",
+        "Subscription bytes held by all connections (pattern + key_partition + 64 per token).",
+    ),
     ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
 )
 # Every drop reason is exported, at 0 until it happens, so that alerts and
 # dashboards need no `or vector(0)`.
 DROP_REASONS = ("no_subscribers", "slow_consumer", "not_my_vbucket", "shutdown")
+REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
 
 
 class SnapshotCollector:
@@ -98,6 +104,12 @@ class SnapshotCollector:
             "Messages or deliveries dropped, by reason.",
             labels=["worker", "reason"],
         )
+        refused = CounterMetricFamily(
+            "broky_subscriptions_refused_total",
+            "Subscribes refused with SUBSCRIPTION_LIMIT, by the limit: count "
+            "(--max-subscriptions) or bytes (--max-subscription-bytes).",
+            labels=["worker", "reason"],
+        )
         errors = CounterMetricFamily(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
         )
@@ -111,6 +123,9 @@ class SnapshotCollector:
             reasons = dict.fromkeys(DROP_REASONS, 0) | s.get("dropped", {})
             for reason, n in sorted(reasons.items()):
                 dropped.add_metric([w, reason], float(n))
+            limits = dict.fromkeys(REFUSAL_REASONS, 0) | s.get("subscriptions_refused", {})
+            for reason, n in sorted(limits.items()):
+                refused.add_metric([w, reason], float(n))
             for code, n in sorted(s.get("errors", {}).items()):
                 errors.add_metric([w, code.lower()], float(n))
             counts = s.get("latency_us", [])
@@ -118,6 +133,7 @@ class SnapshotCollector:
                 [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
             )
         yield dropped
+        yield refused
         yield errors
         yield latency
         yield from self._master_metrics()
