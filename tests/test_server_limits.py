@@ -1,19 +1,22 @@
-"""Per-connection limits on subscriptions (count and bytes) against a real
-`broky serve`."""
+"""Per-connection limits against a real `broky serve`: subscriptions (count and
+bytes) and unread replies."""
 
 from __future__ import annotations
 
+import select
+import socket
 import time
 from typing import Any
 
 from broky.errors import ErrorCode
-from broky.protocol import Error
+from broky.protocol import Error, Ping, Pong, encode_frame, encode_message
 from tests.serverproc import ServerProcess
 from tests.test_metrics import get_json, scrape, value
 from tests.test_server_pubsub import debug_stats
 from tests.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
+MB = 1 << 20
 
 
 def worker0(server: ServerProcess) -> dict[str, Any]:
@@ -95,3 +98,77 @@ def test_over_the_subscription_bytes_a_subscribe_is_refused(start_server: Any) -
     while (stats := worker0(server))["connections"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats["subscription_bytes"] == 0 and stats["subscriptions"] == 0
+
+
+def test_a_client_that_pings_without_reading_is_held_at_the_reply_bound(start_server: Any) -> None:
+    server = start_server("--max-reply-bytes", "128K", "--slow-consumer-deadline", "30")
+    ping = encode_frame(Ping(7))
+    chunk = ping * ((64 << 10) // len(ping))
+    with Wire.hello(server.address, worker=0, rcvbuf=4096) as w:
+        w.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)  # less in flight
+        w.sock.setblocking(False)
+        sent = 0
+        while sent < 256 * MB:  # until the socket stays full for a second: TCP back-pressure
+            if not select.select([], [w.sock], [], 1.0)[1]:
+                break
+            try:
+                sent += w.sock.send(chunk[sent % len(chunk) :])  # whole Pings, but for the last
+            except BlockingIOError:
+                continue
+        assert sent < 256 * MB, "the server kept reading"
+        # Held with its unread Pongs over 128 KiB, far below the 8 MiB pending bound (what
+        # one read of Pings could add on top: 256 KiB). Until the kernel's buffers are full
+        # the held connection's buffer drains, it is read again, and so on: wait for that.
+        deadline = time.monotonic() + 10
+        while True:
+            [conn] = get_json(server, "/connections")["connections"]
+            if (conn["reads_held"] and conn["pending_bytes"] > 128 << 10) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert conn["reads_held"] is True and worker0(server)["reads_held"] >= 1
+        assert 128 << 10 < conn["pending_bytes"] < (128 + 256 + 64) << 10, conn
+        # It reads now: every Ping it sent is answered, and it is read again.
+        w.sock.setblocking(True)
+        w.sock.settimeout(30)
+        pong = encode_frame(Pong(7))
+        expected = pong * (sent // len(ping))
+        got = bytearray()
+        while len(got) < len(expected):
+            data = w.sock.recv(1 << 20)
+            assert data
+            got += data
+        assert got == expected
+        w.sock.sendall(ping[sent % len(ping) :])  # the rest of the last Ping, cut by send
+        assert w.flush() == [Pong(7)]
+    assert worker0(server)["slow_consumer_disconnects"] == 0
+
+
+def test_a_delivery_backlog_never_holds_that_clients_publishes(start_server: Any) -> None:
+    # A subscriber that reads nothing, at its pending bound, still publishes and pings:
+    # only unread replies hold a connection's reads, never its deliveries.
+    server = start_server(
+        "--max-pending-bytes", "1M", "--max-reply-bytes", "64K", "--slow-consumer-deadline", "30"
+    )
+    with (
+        Wire.hello(server.address, worker=0, rcvbuf=4096) as lazy,
+        Wire.hello(server.address, worker=0) as pub,
+        Wire.hello(server.address, worker=0) as other,
+    ):
+        lazy.subscribe(1, b"backlog")
+        lazy.flush()
+        other.subscribe(1, b"from.lazy")
+        other.flush()
+        pub.sock.sendall(encode_message(KP0, b"backlog", b"x" * 1000) * 4000)  # 4 MB for 1 MiB
+        assert pub.flush(timeout=30) == []
+        assert worker0(server)["dropped"]["slow_consumer"] > 0  # it is at its bound
+        n = 2000
+        lazy.send(*(Ping(i) for i in range(10)))  # a few replies, unread, behind the backlog
+        lazy.sock.sendall(b"".join(encode_message(KP0, b"from.lazy", b"%d" % i) for i in range(n)))
+        got: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(got) < n and time.monotonic() < deadline:
+            got += [m.payload for m in other.messages()]
+        assert got == [b"%d" % i for i in range(n)]
+        stats = worker0(server)
+        assert stats["reads_held"] == 0
+        assert stats["messages_published"] == 4000 + n

@@ -31,6 +31,7 @@ DEFAULT_MAX_PENDING_BYTES = 8 << 20
 # 10-14 MB of a worker's memory, whatever the shape of its patterns.
 DEFAULT_MAX_SUBSCRIPTIONS = 10_000
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
+DEFAULT_MAX_REPLY_BYTES = 1 << 20
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
 
@@ -46,6 +47,7 @@ class ServerConfig:
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     log_level: str = "info"
@@ -127,6 +129,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "max_pending_bytes",
         _size,
         "bound of one connection's pending outbound bytes (default %(default)s)",
+    ),
+    (
+        "--max-reply-bytes",
+        "max_reply_bytes",
+        _size,
+        "unread control replies (Pong, Error) of one connection before it is read no more "
+        "(default %(default)s; at most --max-pending-bytes)",
     ),
     (
         "--max-subscriptions",
@@ -224,11 +233,18 @@ def from_args(
     env = os.environ if environ is None else environ
     defaults = ServerConfig()
     values: dict[str, Any] = {}
+    given: set[str] = set()
     for flag, dest, kind, _ in _FLAGS:
         value = getattr(args, dest, None)
         if value is None:
             value = _from_environment(env, flag, dest, kind, warn)
+        if value is not None:
+            given.add(dest)
         values[dest] = getattr(defaults, dest) if value is None else value
+    if values["max_reply_bytes"] > values["max_pending_bytes"]:
+        if "max_reply_bytes" in given:
+            raise ValueError("--max-reply-bytes cannot exceed --max-pending-bytes")
+        values["max_reply_bytes"] = values["max_pending_bytes"]  # the default, under a small bound
     config = ServerConfig(**values)
     if config.log_format not in ("text", "json"):
         raise ValueError(f"--log-format must be text or json, not {config.log_format!r}")

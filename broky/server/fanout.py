@@ -60,10 +60,23 @@ A quarter rather than "below the bound" leaves the subscriber room, so the
 notices do not flap and each carries a useful count. The periodic `tick`
 closes a connection whose clock ran past --slow-consumer-deadline with a
 fatal SLOW_CONSUMER error (preceded by a LossNotice). A paused connection
-keeps its deliveries in `out` under the same bound. Control replies (Pong,
-Error) count in the pending bytes but are never dropped: a connection whose
-replies alone exceed the bound is read no more until it drains (`hold_reads`),
-and its clock runs meanwhile.
+keeps its deliveries in `out` under the same bound.
+
+Replies: control replies (Pong, Error) count in the pending bytes but are
+never dropped, and they have a bound of their own, --max-reply-bytes (at most
+the pending bound): a connection with more unread replies than that is read no
+more (`hold_reads`) until they are down to a quarter of it, and its clock runs
+meanwhile. Only replies count here, never deliveries: a subscriber's backlog
+must not stop that client's publishes. The write buffer is a FIFO, so a
+connection counts the bytes it ever handed to its transport (`sent`) and, for
+writes that carried replies, marks where they end (`reply_marks`: stream
+position, replies written so far). Bytes that left the buffer = sent minus its
+size; every mark at or before that point is popped, and the replies not known
+to have left are the unread ones, except that the writes up to the first mark
+left count at most their bytes still in the buffer (an upper bound, exact when
+those writes held only replies). This runs only on rare paths: a flush whose
+read queued a reply, and a connection whose reads are held (`flush`, `drained`,
+and `tick` for a buffer that never reached the high-water mark).
 
 Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
 (pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
@@ -91,6 +104,7 @@ import logging
 import os
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -157,6 +171,7 @@ ROUTE_CACHE_SIZE = 65536
 ROUTE_CACHE_MAX_KEY = 256
 WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
 SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
+MAX_REPLY_MARKS = 64  # per connection; past it the newest mark moves forward (counts replies longer)
 
 
 def _is_message(buf: Buffer, pos: int, end: int) -> bool:
@@ -223,6 +238,7 @@ class WorkerStats:
         self.subscriptions = 0  # now
         self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
         self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
+        self.reads_held = 0  # times a connection was read no more for its unread replies
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
@@ -277,6 +293,7 @@ class Shard:
         self._next_id = 0
         self.closing = False
         self.warnings = Throttle(WARNING_INTERVAL)  # of clients' non-fatal mistakes
+        self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
 
     # ------------------------------------------------------------ connections
 
@@ -305,7 +322,9 @@ class Shard:
             self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
             return
         c.client_name = hello.client_name
-        c.transport.write(self.welcome.for_connection(c.conn_id))
+        welcome = self.welcome.for_connection(c.conn_id)
+        c.transport.write(welcome)
+        c.sent = len(welcome)
         log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
 
     def eof(self, c: Connection) -> bool:
@@ -612,12 +631,14 @@ class Shard:
             out.clear()
             transport = t.transport
             transport.write(chunk)
-            sent += len(chunk)
+            size = len(chunk)
+            sent += size
+            t.sent += size
             t.unflushed = 0
             t.base = base = transport.get_write_buffer_size()
-            if base > t.limit:  # only replies can go past the bound: stop reading their requests
-                self.hold_reads(t)
-            elif t.dropped and base <= t.limit >> 2:
+            if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
+                self.check_replies(t, base)
+            if t.dropped and base <= t.limit >> 2:
                 self.notify_loss(t)
         self._touched.clear()
         self.stats.bytes_sent += sent
@@ -658,6 +679,7 @@ class Shard:
         c.dropped = 0
         c.over_since = 0.0
         c.transport.write(frame)
+        c.sent += len(frame)
         self.stats.bytes_sent += len(frame)
 
     def drained(self, c: Connection) -> None:
@@ -665,40 +687,80 @@ class Shard:
         if c.state != OPEN:
             return
         if c.reads_held:
-            c.reads_held = False
-            c.transport.resume_reading()
-            if not c.dropped:
-                c.over_since = 0.0
+            self.check_replies(c, c.transport.get_write_buffer_size())
         if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
 
+    def check_replies(self, c: Connection, buffered: int) -> None:
+        """Rare path: mark the replies just written (c.reply_out) and hold or release
+        c's reads by its unread replies; `buffered` is its write buffer's size now."""
+        if c.reply_out:
+            c.reply_sent += c.reply_out
+            c.reply_out = 0
+            marks = c.reply_marks
+            if marks is None:
+                marks = c.reply_marks = deque()
+            if len(marks) < MAX_REPLY_MARKS:
+                marks.append((c.sent, c.reply_sent))
+            else:  # merged with the newest: those replies count until this write left
+                marks[-1] = (c.sent, c.reply_sent)
+        unread = self.unread_replies(c, buffered)
+        if unread > self.max_reply_bytes:
+            self.hold_reads(c)
+        elif c.reads_held and unread <= self.max_reply_bytes >> 2:
+            self.release_reads(c)
+
+    def unread_replies(self, c: Connection, buffered: int) -> int:
+        """Reply bytes written to c that may still be in its write buffer (an upper bound)."""
+        marks = c.reply_marks
+        if not marks:
+            return c.reply_sent - c.reply_left
+        left = c.sent - buffered  # bytes that left the buffer (it is a FIFO)
+        while marks and marks[0][0] <= left:
+            c.reply_left = marks.popleft()[1]
+        if not marks:
+            return c.reply_sent - c.reply_left
+        # The writes up to the first mark left in part: their replies still buffered are
+        # at most what of them is still buffered. Later writes' replies all count.
+        end, upto = marks[0]
+        return min(upto - c.reply_left, end - left) + c.reply_sent - upto
+
     def hold_reads(self, c: Connection) -> None:
-        """c's unread replies are over its pending bound: read nothing more from it until
-        they drain (`drained`), so its own sends back up; the slow-consumer clock runs."""
+        """c's unread replies are over the reply bound: read nothing more from it until
+        they drain (`check_replies`), so its own sends back up; the slow-consumer clock runs."""
         if c.reads_held or c.state != OPEN:
             return
         c.reads_held = True
         c.transport.pause_reading()
+        self.stats.reads_held += 1
         if not c.over_since:
             c.over_since = _monotonic()
         log.debug("connection %d from %s does not read its replies; reading paused", c.conn_id, c.peer)
+
+    def release_reads(self, c: Connection) -> None:
+        c.reads_held = False
+        c.transport.resume_reading()
+        if not c.dropped:
+            c.over_since = 0.0
 
     def reply(self, c: Connection, frame: bytes) -> None:
         """Queue a control frame to c behind what this read already queued for it.
 
         Replies are never dropped; they count in the pending bytes, and a connection
-        whose replies pile up past the bound is read no more until they drain.
+        with more than --max-reply-bytes of them unread is read no more until they drain.
         """
         if c.paused:
             transport = c.transport
             transport.write(frame)  # not held: only deliveries wait for Resume
+            c.sent += len(frame)
+            c.reply_out += len(frame)
             self.stats.bytes_sent += len(frame)
-            if transport.get_write_buffer_size() > c.limit:
-                self.hold_reads(c)
+            self.check_replies(c, transport.get_write_buffer_size())
             return
         c.out.append(frame)
         c.unflushed += len(frame)
+        c.reply_out += len(frame)
         if not c.touched:
             c.touched = True
             self._touched.append(c)
@@ -910,16 +972,22 @@ class Shard:
             c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
             c.dropped = 0
         deadline = self.config.slow_consumer_deadline
-        self.fatal(c, ErrorCode.SLOW_CONSUMER, f"over {c.limit} pending bytes for more than {deadline:g} s")
+        if c.reads_held:
+            why = f"over {self.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
+        else:
+            why = f"over {c.limit} pending bytes for more than {deadline:g} s"
+        self.fatal(c, ErrorCode.SLOW_CONSUMER, why)
 
     def tick(self) -> None:
-        """Periodic: slow consumer and truncated frame deadlines."""
+        """Periodic: slow consumer and truncated frame deadlines, held reads."""
         now = _monotonic()
         deadline = self.config.slow_consumer_deadline
         frame_timeout = self.config.frame_timeout
         for c in list(self.conns.values()):
             if c.state != OPEN:
                 continue
+            if c.reads_held:  # its replies may have drained below the high-water mark
+                self.check_replies(c, c.transport.get_write_buffer_size())
             if (
                 c.dropped
                 and not c.paused

@@ -56,6 +56,11 @@ COUNTERS = (
         "bytes_discarded",
         "Unsent bytes of connections reset at the end of a lingering close.",
     ),
+    (
+        "broky_reads_held_total",
+        "reads_held",
+        "Times a connection was read no more because of its unread replies (--max-reply-bytes).",
+    ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
 )
