@@ -1,15 +1,30 @@
 """Per-connection limits against a real `broky serve`: subscriptions (count and
-bytes) and unread replies."""
+bytes), unread replies, and the worker's memory after a subscription flood."""
 
 from __future__ import annotations
 
 import select
 import socket
+import struct
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from broky.errors import ErrorCode
-from broky.protocol import Error, Ping, Pong, encode_frame, encode_message
+from broky.protocol import (
+    NEED_DATA,
+    Error,
+    FrameReader,
+    Ping,
+    Pong,
+    Subscribe,
+    decode_frame,
+    encode_frame,
+    encode_message,
+)
 from tests.serverproc import ServerProcess
 from tests.test_metrics import get_json, scrape, value
 from tests.test_server_pubsub import debug_stats
@@ -17,6 +32,11 @@ from tests.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 MB = 1 << 20
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of a process (/proc/<pid>/statm)."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096
 
 
 def worker0(server: ServerProcess) -> dict[str, Any]:
@@ -98,6 +118,105 @@ def test_over_the_subscription_bytes_a_subscribe_is_refused(start_server: Any) -
     while (stats := worker0(server))["connections"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats["subscription_bytes"] == 0 and stats["subscriptions"] == 0
+
+
+class Replies(threading.Thread):
+    """Reads a connection until the Pong with `pong_id`: counts Error codes and the
+    Errors' sids (a raw FrameReader, so that the reader keeps up with the server)."""
+
+    def __init__(self, wire: Wire, pong_id: int) -> None:
+        super().__init__(daemon=True)
+        self.wire = wire
+        self.pong_id = pong_id
+        self.codes: dict[int, int] = {}
+        self.sids: list[int] = []
+        self.fatal = 0
+        self.ponged = threading.Event()
+
+    def run(self) -> None:
+        reader = FrameReader(max_frame_bytes=1 << 30)
+        self.wire.sock.settimeout(120)
+        while True:
+            data = self.wire.sock.recv(1 << 20)
+            if not data:
+                return
+            reader.feed(data)
+            while (raw := reader.next_frame()) is not NEED_DATA:
+                frame = decode_frame(raw)
+                if isinstance(frame, Error):
+                    self.codes[frame.code] = self.codes.get(frame.code, 0) + 1
+                    self.sids.append(frame.sid)
+                    self.fatal += frame.fatal
+                elif isinstance(frame, Pong) and frame.id == self.pong_id:
+                    self.ponged.set()
+                    return
+
+
+def flood_frames(n: int, size: int) -> bytes:
+    """n Subscribe frames, sids 1..n, each with its own pattern of `size` bytes (two tokens)."""
+    # Encoded once, then patched: the sid and the pattern's first token are at fixed places.
+    template = encode_frame(Subscribe(0x5EED5EED, b"%08d." % 0 + b"p" * (size - 9)))
+    sid_at = template.index(struct.pack("<I", 0x5EED5EED))
+    token_at = template.index(b"00000000.")
+    frames = bytearray(template * n)
+    step = len(template)
+    for i in range(n):
+        struct.pack_into("<I", frames, i * step + sid_at, i + 1)
+        frames[i * step + token_at : i * step + token_at + 8] = b"%08d" % (i + 1)
+    return bytes(frames)
+
+
+FLOODS = {
+    # 50,000 Subscribes of 4 KB (the report): the limits keep about 2 MiB of them.
+    "default limits": ((), 50_000),
+    # The unbounded case: every one accepted (about 9.4 KB of worker memory each).
+    "limits raised": (("--max-subscriptions", "1000000", "--max-subscription-bytes", "1G"), 20_000),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FLOODS))
+def test_a_subscription_flood_is_bounded_and_its_memory_returns(start_server: Any, case: str) -> None:
+    args, n = FLOODS[case]
+    server = start_server(*args, workers=1)
+    frames = flood_frames(n, 4096)
+    pid = server.worker_pids()[0]
+    with Wire.hello(server.address, timeout=60) as w:
+        assert w.flush() == []
+        before = rss(pid)
+        replies = Replies(w, pong_id=999)
+        replies.start()
+        peak = before
+        chunk = 256 << 10
+        for start in range(0, len(frames), chunk):
+            w.send(frames[start : start + chunk])
+            peak = max(peak, rss(pid))
+        w.send(Ping(999))
+        assert replies.ponged.wait(120), "no Pong"
+        peak = max(peak, rss(pid))
+        stats = worker0(server)
+    deadline = time.monotonic() + 10
+    while (after := rss(pid)) > before + 8 * MB and time.monotonic() < deadline:
+        time.sleep(0.1)  # the worker trims its heap at its next tick (every 0.25 s)
+    print(
+        f"\n{case}: {n} Subscribes of 4 KB, {stats['subscriptions']} accepted: worker RSS "
+        f"before {before / MB:.1f} MB, peak {peak / MB:.1f} MB, after close {after / MB:.1f} MB"
+    )
+    assert replies.fatal == 0
+    if case == "default limits":
+        accepted = (2 << 20) // (4096 + 2 * 64)
+        assert stats["subscriptions"] == accepted
+        assert replies.codes == {ErrorCode.SUBSCRIPTION_LIMIT: n - accepted}
+        assert replies.sids == list(range(accepted + 1, n + 1))
+        assert stats["subscriptions_refused"]["bytes"] == n - accepted
+        assert peak - before < 32 * MB, (before, peak)  # unbounded, it would be about 450 MB
+    else:
+        assert stats["subscriptions"] == n and replies.codes == {}
+        assert peak - before > 100 * MB, (before, peak)  # the flood did take memory
+    # Near the baseline again: without the heap trim a limits-raised flood left 50-250 MB.
+    assert after - before < 8 * MB, (before, peak, after)
+    final = worker0(server)
+    assert final["subscriptions"] == final["subscription_bytes"] == 0 and final["matcher_empty"]
 
 
 def test_a_client_that_pings_without_reading_is_held_at_the_reply_bound(start_server: Any) -> None:

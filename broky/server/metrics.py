@@ -61,6 +61,11 @@ COUNTERS = (
         "reads_held",
         "Times a connection was read no more because of its unread replies (--max-reply-bytes).",
     ),
+    (
+        "broky_memory_trims_total",
+        "memory_trims",
+        "Heap trims (malloc_trim) after connections holding many subscription bytes left.",
+    ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
 )
