@@ -28,7 +28,11 @@ of its subscriptions (cached by key) and hands each delivery to every
 subscription whose pattern, and partition if scoped, matches. `subscribe`
 waits for a Ping/Pong round trip on every Link that is up (or making its first
 attempt), so those workers have the subscription when it returns; a Link that
-is down sends it when it reconnects.
+is down sends it when it reconnects. A worker that refuses it with
+SUBSCRIPTION_LIMIT (the connection is at the server's per-connection limits)
+is reported to `on_error`, and that Link forgets it (never re-sent, not on a
+reconnect nor on a new map); if that happened during `subscribe`, the
+subscription is removed everywhere and `subscribe` raises the ServerError.
 
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
@@ -510,6 +514,8 @@ class Link:
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 client._not_my_vbucket(self, err, frame.refused)
+            elif err.code == ErrorCode.SUBSCRIPTION_LIMIT and err.sid:
+                client._subscription_refused(self, err)
             client._report(err)
         elif isinstance(frame, LossNotice):
             client.stats.server_lost += frame.dropped
@@ -598,6 +604,8 @@ class Client:
         self._subs: dict[int, Subscription] = {}
         self._sub_links: dict[int, list[Link]] = {}
         self._rejected: dict[int, Link] = {}
+        # sid -> (the last SUBSCRIPTION_LIMIT Error, the links whose worker refused it)
+        self._limited: dict[int, tuple[ServerError, list[Link]]] = {}
         self._next_sid = 0
         self._connected = False
         self._closed = False
@@ -1088,6 +1096,9 @@ class Client:
 
         Raises:
             BadPatternError: the pattern is not valid.
+            ServerError: a worker refused it with SUBSCRIPTION_LIMIT (this connection
+                holds as many subscriptions, or subscription bytes, as the server
+                allows); it is then unsubscribed everywhere, and not retried.
             ClientClosedError: the client is closed.
         """
         self._check_open()
@@ -1113,6 +1124,10 @@ class Client:
                     "it is restored on reconnect"
                 )
             )
+        limited = self._limited.get(sub.sid)
+        if limited is not None:
+            await self._unsubscribe(sub)
+            raise limited[0]
         return sub
 
     async def _confirm(self, link: Link) -> None:
@@ -1140,6 +1155,7 @@ class Client:
         self._check_open()
         self._subs.pop(sub.sid, None)
         self._rejected.pop(sub.sid, None)
+        self._limited.pop(sub.sid, None)
         for link in self._sub_links.pop(sub.sid, []):
             link.remove_sub(sub)
         sub._close()
@@ -1182,7 +1198,7 @@ class Client:
         if all_partition:
             for link in self._all_links():
                 for sub in all_partition:
-                    if sub.sid not in link.subs:
+                    if sub.sid not in link.subs and not self._refused_by(sub, link):
                         link.add_sub(sub)
                         self._sub_links[sub.sid].append(link)
         for sub in list(self._subs.values()):
@@ -1190,7 +1206,7 @@ class Client:
                 continue
             owner = self._owner_link(sub.partition)
             current = self._sub_links.get(sub.sid, [])
-            if current == [owner]:
+            if current == [owner] or self._refused_by(sub, owner):
                 continue
             rejected_by = self._rejected.pop(sub.sid, None)
             if rejected_by is owner:
@@ -1202,6 +1218,25 @@ class Client:
                 link.remove_sub(sub)
             owner.add_sub(sub)
             self._sub_links[sub.sid] = [owner]
+
+    def _subscription_refused(self, link: Link, err: ServerError) -> None:
+        """A worker refused a subscription with SUBSCRIPTION_LIMIT: forget it on that
+        link, so that neither a reconnect nor a new map sends it there again."""
+        sub = self._subs.get(err.sid)
+        if sub is None:
+            return
+        link.remove_sub(sub, tell_server=False)
+        links = self._sub_links.get(sub.sid, [])
+        if link in links:
+            links.remove(link)
+        refused_by = self._limited[sub.sid][1] if sub.sid in self._limited else []
+        if link not in refused_by:
+            refused_by.append(link)
+        self._limited[sub.sid] = (err, refused_by)
+
+    def _refused_by(self, sub: Subscription, link: Link) -> bool:
+        limited = self._limited.get(sub.sid)
+        return limited is not None and link in limited[1]
 
     def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         """A worker refused a subscription or a publish: fetch the map, then move the
