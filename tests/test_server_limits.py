@@ -166,6 +166,10 @@ def flood_frames(n: int, size: int) -> bytes:
     return bytes(frames)
 
 
+# What may stay after the close: 6-9 MB measured (pymalloc arenas kept by a few live
+# objects, allocator state), with room for a busy machine.
+RETURNED = 20 * MB
+
 FLOODS = {
     # 50,000 Subscribes of 4 KB (the report): the limits keep about 2 MiB of them.
     "default limits": ((), 50_000),
@@ -196,7 +200,7 @@ def test_a_subscription_flood_is_bounded_and_its_memory_returns(start_server: An
         peak = max(peak, rss(pid))
         stats = worker0(server)
     deadline = time.monotonic() + 10
-    while (after := rss(pid)) > before + 8 * MB and time.monotonic() < deadline:
+    while (after := rss(pid)) > before + RETURNED and time.monotonic() < deadline:
         time.sleep(0.1)  # the worker trims its heap at its next tick (every 0.25 s)
     print(
         f"\n{case}: {n} Subscribes of 4 KB, {stats['subscriptions']} accepted: worker RSS "
@@ -213,8 +217,8 @@ def test_a_subscription_flood_is_bounded_and_its_memory_returns(start_server: An
     else:
         assert stats["subscriptions"] == n and replies.codes == {}
         assert peak - before > 100 * MB, (before, peak)  # the flood did take memory
-    # Near the baseline again: without the heap trim a limits-raised flood left 50-250 MB.
-    assert after - before < 8 * MB, (before, peak, after)
+    # Near the baseline again: without the heap trim this flood left about 95 MB.
+    assert after - before < RETURNED, (before, peak, after)
     final = worker0(server)
     assert final["subscriptions"] == final["subscription_bytes"] == 0 and final["matcher_empty"]
 

@@ -25,10 +25,12 @@ DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_MAX_PENDING_BYTES = 8 << 20
 # Per-connection limits on subscriptions. Measured on CPython 3.11 (see
-# broky.server.fanout, "Limits"): a subscription costs a worker about 0.7-1 KB
-# plus its pattern bytes, and each pattern token that needs a trie node of its
-# own about 420 bytes more; at these limits one connection holds at most about
-# 10-14 MB of a worker's memory, whatever the shape of its patterns.
+# broky.server.fanout, "Limits"): a subscription with a short pattern costs a
+# worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
+# copy in its tokens), and each token that needs a trie node of its own about
+# 420 bytes; at these limits one connection holds at most about 13 MB of a
+# worker's memory, whatever its patterns (measured: 8-9 MB with 10,000 short
+# patterns, 12 MB with patterns of one-byte tokens).
 DEFAULT_MAX_SUBSCRIPTIONS = 10_000
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
