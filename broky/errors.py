@@ -35,6 +35,7 @@ class ErrorCode(enum.IntEnum):
     UNEXPECTED_FRAME = _WireErrorCode.UNEXPECTED_FRAME
     SERVER_BUSY = _WireErrorCode.SERVER_BUSY
     INTERNAL = _WireErrorCode.INTERNAL
+    SUBSCRIPTION_LIMIT = _WireErrorCode.SUBSCRIPTION_LIMIT
 
 
 class BrokyError(Exception):

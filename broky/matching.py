@@ -15,11 +15,13 @@ server turns it into a delivery plan) and caches the result by key. The
 cache is bounded (cleared when full), holds only keys of at most
 MAX_CACHED_KEY_BYTES (so its memory is bounded too) and is cleared on every
 change, so a match on the hot path is one dict lookup. Nodes left empty by `remove` are pruned:
-an unused pattern leaves no trace.
+an unused pattern leaves no trace (and `compact` shrinks the root's and the pattern
+counts' tables once most of their entries are gone).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -27,6 +29,8 @@ from broky.errors import BadPatternError
 
 T = TypeVar("T", bound=Hashable)
 P = TypeVar("P")
+K = TypeVar("K")
+V = TypeVar("V")
 
 STAR = b"*"
 GT = b">"
@@ -198,3 +202,18 @@ class Matcher(Generic[T, P]):
 
     def is_empty(self) -> bool:
         return self._root.empty() and not self.patterns
+
+    def compact(self) -> None:
+        """Shrink the two tables that may hold an entry per pattern, `patterns` and the
+        root's children, when they are mostly empty: a dict keeps its table when keys
+        are deleted, and emptied inner nodes are pruned but the root is not. Rare (after
+        many subscriptions left); costs a copy of what remains when it shrinks one."""
+        self.patterns = _compacted(self.patterns)
+        self._root.children = _compacted(self._root.children)
+
+
+def _compacted(d: dict[K, V]) -> dict[K, V]:
+    """d, or a right-sized copy of d if its table is over 8 times what its entries need."""
+    if sys.getsizeof(d) > 4096 + 8 * 48 * len(d):
+        return dict(d)
+    return d

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ import broky
 from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
 from tests.test_client import partitions_by_worker, run, take
+from tests.test_server_pubsub import debug_stats
 
 
 @pytest.fixture
@@ -490,3 +492,54 @@ def test_the_proxy_refuses_at_once(proxy: FaultProxy) -> None:
         except ConnectionResetError:
             pass
     assert proxy.refused == 1
+
+
+def test_a_subscription_over_the_server_limit_is_reported_once_and_not_resent(start_server: Any) -> None:
+    server = start_server("--max-subscriptions", "2")
+    proxy = FaultProxy(server.address).start()
+
+    def refusals() -> list[broky.ServerError]:
+        return [
+            e
+            for e in ev.errors
+            if isinstance(e, broky.ServerError) and e.code == broky.ErrorCode.SUBSCRIPTION_LIMIT
+        ]
+
+    async def main() -> None:
+        async with (
+            broky.connect(proxy.address, **ev.options()) as subscriber,
+            broky.connect(server.url) as publisher,
+        ):
+            assert publisher.server_info is not None
+            kp = partitions_by_worker(publisher.server_info.map)[1][0]
+            warm = await subscriber.subscribe("warm")
+            await subscriber.subscribe("second")  # each worker's connection is at its limit now
+            proxy.refuse(True)
+            await until(lambda: sorted(ev.disconnects) == [0, 1])
+            over = await subscriber.subscribe("over")  # sent when the links come back
+            proxy.refuse(False)
+            await until(lambda: len(refusals()) == 2)  # one per worker, reported to on_error
+            assert {e.sid for e in refusals()} == {over.sid}
+            assert subscriber._subscriptions.links[over.sid] == []
+            # Not sent again by the next reconnect.
+            proxy.cut()
+            await until(lambda: len(ev.reconnects) == 4)
+            await subscriber.flush(timeout=10)
+            assert len(refusals()) == 2
+            # Refused while connected: subscribe raises, and nothing of it stays.
+            with pytest.raises(broky.ServerError) as info:
+                await subscriber.subscribe("third")
+            assert info.value.code == broky.ErrorCode.SUBSCRIPTION_LIMIT
+            assert info.value.sid not in subscriber._subscriptions.subs and len(refusals()) == 4
+            # The connections keep working.
+            await publisher.publish(kp, b"warm", b"still")
+            await publisher.flush()
+            assert (await warm.next_msg(5)).payload == b"still"
+
+    ev = Events()
+    try:
+        run(main)
+    finally:
+        proxy.stop()
+    for worker in debug_stats(server)["workers"]:
+        assert worker["errors"]["SUBSCRIPTION_LIMIT"] == 2

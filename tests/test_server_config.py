@@ -37,6 +37,22 @@ def test_defaults_need_no_flags() -> None:
     assert (cfg.hello_timeout, cfg.frame_timeout, cfg.slow_consumer_deadline) == (5.0, 10.0, 10.0)
 
 
+def test_connection_limits_and_the_reply_bound() -> None:
+    cfg = parse([])
+    assert (cfg.max_subscriptions, cfg.max_subscription_bytes) == (10_000, 2 << 20)
+    assert cfg.max_reply_bytes == 1 << 20
+    cfg = parse(
+        ["--max-subscriptions", "5", "--max-subscription-bytes", "64K"], {"BROKY_MAX_REPLY_BYTES": "8K"}
+    )
+    assert (cfg.max_subscriptions, cfg.max_subscription_bytes, cfg.max_reply_bytes) == (5, 64 << 10, 8 << 10)
+    # The default reply bound follows a smaller pending bound; an explicit one may not exceed it.
+    assert parse(["--max-pending-bytes", "64K"]).max_reply_bytes == 64 << 10
+    with pytest.raises(ValueError, match="--max-reply-bytes cannot exceed --max-pending-bytes"):
+        parse(["--max-pending-bytes", "64K", "--max-reply-bytes", "128K"])
+    with pytest.raises(SystemExit):
+        parse(["--max-subscriptions", "0"])
+
+
 def test_environment_then_flags() -> None:
     env = {
         "BROKY_PORT": "5000",
@@ -112,7 +128,10 @@ def test_advertised_host() -> None:
 def test_serve_help_lists_every_flag() -> None:
     proc = subprocess.run([sys.executable, "-m", "broky", "serve", "--help"], capture_output=True, timeout=30)
     assert proc.returncode == 0
-    flags = "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes log-level log-format"
+    flags = (
+        "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes max-reply-bytes "
+        "max-subscriptions max-subscription-bytes log-level log-format"
+    )
     for flag in flags.split():
         assert f"--{flag} ".encode() in proc.stdout
 

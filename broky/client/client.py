@@ -28,7 +28,10 @@ created lazily; a Link survives reconnects, and under it a
 sends it to every worker (all partitions) or to the owner of its partition,
 then waits for a Ping/Pong round trip on every Link that is up (or making
 its first attempt), so those workers have the subscription when it returns;
-a Link that is down sends it when it reconnects.
+a Link that is down sends it when it reconnects. A worker that refused it
+with SUBSCRIPTION_LIMIT during that round trip makes `subscribe` remove it
+everywhere and raise the ServerError (later refusals are reported to
+`on_error`).
 
 `flush` sends a Ping on every Link and waits for every Pong: the server
 answers only after processing every frame received before the Ping. It also
@@ -384,6 +387,9 @@ class Client(Publisher):
 
         Raises:
             BadPatternError: the pattern is not valid.
+            ServerError: a worker refused it with SUBSCRIPTION_LIMIT (this connection
+                holds as many subscriptions, or subscription bytes, as the server
+                allows); it is then unsubscribed everywhere, and not retried.
             ClientClosedError: the client is closed.
         """
         self._check_open()
@@ -406,6 +412,10 @@ class Client(Publisher):
                     "it is restored on reconnect"
                 )
             )
+        limited = self._subscriptions.limited.get(sub.sid)
+        if limited is not None:
+            await self._unsubscribe(sub)
+            raise limited[0]
         return sub
 
     async def _confirm(self, link: Link) -> None:
@@ -446,6 +456,9 @@ class Client(Publisher):
 
     def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         self._router.not_my_vbucket(link, err, refused)
+
+    def _subscription_limited(self, link: Link, err: ServerError) -> None:
+        self._subscriptions.limited_by(link, err)
 
     # ---------------------------------------------------------------- callbacks
 

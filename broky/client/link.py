@@ -21,7 +21,8 @@ Inbound: deliveries carry no sid. Each Link has a Matcher of the
 subscriptions it carries (cached by key) and hands each delivery to every
 subscription whose pattern, and partition if scoped, matches. Pongs settle
 round trips; an Error goes to the client (NOT_MY_VBUCKET to its map
-handling); a LossNotice is counted and reported.
+handling, SUBSCRIPTION_LIMIT to its subscription table); a LossNotice is
+counted and reported.
 
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
@@ -166,6 +167,9 @@ class LinkOwner(Protocol):
 
     def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         """`link`'s worker refused a subscription (err.sid) or a publish (`refused`, its frame)."""
+
+    def _subscription_limited(self, link: Link, err: ServerError) -> None:
+        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT."""
 
     def _report(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
@@ -613,6 +617,8 @@ class Link:
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 client._not_my_vbucket(self, err, frame.refused)
+            elif err.code == ErrorCode.SUBSCRIPTION_LIMIT and err.sid:
+                client._subscription_limited(self, err)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             else:

@@ -14,7 +14,11 @@ added to the Links of workers that are new to the map, and every
 partition-scoped one moves to the Link that now owns its partition. A worker
 that refuses a subscription with NOT_MY_VBUCKET (`refused`) drops it at
 once, without an Unsubscribe; the map refresh that follows moves it to its
-owner, or reports it when the fresh map still names the refusing worker.
+owner, or reports it when the fresh map still names the refusing worker. A
+worker that refuses it with SUBSCRIPTION_LIMIT (`limited`: that connection
+holds as many subscriptions, or subscription bytes, as the server allows)
+drops it for good: it is never sent to that Link again, not on a reconnect
+nor on a new map.
 
 The table knows the map only through the two lookups `follow_map` is given,
 so it opens no Link of its own.
@@ -26,7 +30,7 @@ from collections.abc import Callable
 
 from broky.client.link import Link
 from broky.client.subscription import Subscription
-from broky.errors import BrokyError
+from broky.errors import BrokyError, ServerError
 
 
 class SubscriptionTable:
@@ -37,6 +41,8 @@ class SubscriptionTable:
         self.subs: dict[int, Subscription] = {}
         self.links: dict[int, list[Link]] = {}  # sid -> the Links that carry it
         self.rejected: dict[int, Link] = {}  # sid -> the Link whose worker refused it (NOT_MY_VBUCKET)
+        # sid -> (the last SUBSCRIPTION_LIMIT Error, the Links whose worker refused it)
+        self.limited: dict[int, tuple[ServerError, list[Link]]] = {}
         self.last_sid = 0
 
     def new_sid(self) -> int:
@@ -54,6 +60,7 @@ class SubscriptionTable:
         """Unsubscribe `sub` on every Link that carries it, then close it."""
         self.subs.pop(sub.sid, None)
         self.rejected.pop(sub.sid, None)
+        self.limited.pop(sub.sid, None)
         for link in self.links.pop(sub.sid, []):
             link.remove_sub(sub)
         sub._close()
@@ -65,6 +72,25 @@ class SubscriptionTable:
             link.remove_sub(sub, tell_server=False)
             self.links[sub.sid] = []
             self.rejected[sub.sid] = link
+
+    def limited_by(self, link: Link, err: ServerError) -> None:
+        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT: forget
+        it on that Link, so that neither a reconnect nor a new map sends it there again."""
+        sub = self.subs.get(err.sid)
+        if sub is None:
+            return
+        link.remove_sub(sub, tell_server=False)
+        links = self.links.get(sub.sid, [])
+        if link in links:
+            links.remove(link)
+        refused_by = self.limited[sub.sid][1] if sub.sid in self.limited else []
+        if link not in refused_by:
+            refused_by.append(link)
+        self.limited[sub.sid] = (err, refused_by)
+
+    def _limited_on(self, sub: Subscription, link: Link) -> bool:
+        limited = self.limited.get(sub.sid)
+        return limited is not None and link in limited[1]
 
     def follow_map(self, all_links: Callable[[], list[Link]], owner_link: Callable[[bytes], Link]) -> None:
         """Put each subscription on the Links a new map says (see the module's header).
@@ -78,7 +104,7 @@ class SubscriptionTable:
         if all_partition:
             for link in all_links():
                 for sub in all_partition:
-                    if sub.sid not in link.subs:
+                    if sub.sid not in link.subs and not self._limited_on(sub, link):
                         link.add_sub(sub)
                         self.links[sub.sid].append(link)
         for sub in list(self.subs.values()):
@@ -86,7 +112,7 @@ class SubscriptionTable:
                 continue
             owner = owner_link(sub.partition)
             current = self.links.get(sub.sid, [])
-            if current == [owner]:
+            if current == [owner] or self._limited_on(sub, owner):
                 continue
             rejected_by = self.rejected.pop(sub.sid, None)
             if rejected_by is owner:

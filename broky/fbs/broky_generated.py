@@ -38,6 +38,9 @@ class ErrorCode(object):
     UNEXPECTED_FRAME = 15
     SERVER_BUSY = 16
     INTERNAL = 17
+    # A Subscribe over the connection's subscription limits (count or bytes);
+    # not fatal, sid set, no subscription created.
+    SUBSCRIPTION_LIMIT = 18
 
 
 class LossReason(object):

@@ -24,6 +24,16 @@ from broky.protocol import DEFAULT_MAX_FRAME_BYTES
 DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_MAX_PENDING_BYTES = 8 << 20
+# Per-connection limits on subscriptions. Measured on CPython 3.11 (see
+# broky.server.fanout, "Limits"): a subscription with a short pattern costs a
+# worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
+# copy in its tokens), and each token that needs a trie node of its own about
+# 420 bytes; at these limits one connection holds at most about 13 MB of a
+# worker's memory, whatever its patterns (measured: 8-9 MB with 10,000 short
+# patterns, 12 MB with patterns of one-byte tokens).
+DEFAULT_MAX_SUBSCRIPTIONS = 10_000
+DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
+DEFAULT_MAX_REPLY_BYTES = 1 << 20
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
 
@@ -39,6 +49,9 @@ class ServerConfig:
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
+    max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -126,6 +139,26 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "max_pending_bytes",
         _size,
         "bound of one connection's pending outbound bytes (default %(default)s)",
+    ),
+    (
+        "--max-reply-bytes",
+        "max_reply_bytes",
+        _size,
+        "unread control replies (Pong, Error) of one connection before it is read no more "
+        "(default %(default)s; at most --max-pending-bytes)",
+    ),
+    (
+        "--max-subscriptions",
+        "max_subscriptions",
+        _positive_int,
+        "most subscriptions one connection may hold (default %(default)s)",
+    ),
+    (
+        "--max-subscription-bytes",
+        "max_subscription_bytes",
+        _size,
+        "most subscription bytes one connection may hold: pattern + key_partition + 64 per "
+        "pattern token, summed (default %(default)s)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),
@@ -217,11 +250,18 @@ def from_args(
     env = os.environ if environ is None else environ
     defaults = ServerConfig()
     values: dict[str, Any] = {}
+    given: set[str] = set()
     for flag, dest, kind, _ in _FLAGS:
         value = getattr(args, dest, None)
         if value is None:
             value = _from_environment(env, flag, dest, kind, warn)
+        if value is not None:
+            given.add(dest)
         values[dest] = getattr(defaults, dest) if value is None else value
+    if values["max_reply_bytes"] > values["max_pending_bytes"]:
+        if "max_reply_bytes" in given:
+            raise ValueError("--max-reply-bytes cannot exceed --max-pending-bytes")
+        values["max_reply_bytes"] = values["max_pending_bytes"]  # the default, under a small bound
     config = ServerConfig(**values)
     if config.log_format not in ("text", "json"):
         raise ValueError(f"--log-format must be text or json, not {config.log_format!r}")

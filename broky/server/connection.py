@@ -13,8 +13,10 @@ its low-water mark a quarter; `pause_writing`/`resume_writing` tell the shard
 when the connection stalls and when it has drained again. Deliveries never
 take the pending bytes past the bound (they are dropped instead); replies are
 never dropped, so a client that keeps asking (Pings, bad requests) without
-reading can push them past it: the shard then stops reading from that
-connection (`transport.pause_reading`) until it drains (`reads_held`).
+reading could pile them up: once more than --max-reply-bytes of replies are
+unread, the shard stops reading from that connection
+(`transport.pause_reading`) until they drain (`reads_held`). Deliveries do not
+count toward that bound.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -40,7 +43,7 @@ class Connection(asyncio.Protocol):
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
-        "resuming", "held",
+        "resuming", "held", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left", "reply_marks",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -65,6 +68,15 @@ class Connection(asyncio.Protocol):
         self.dropped = 0  # deliveries lost since the last LossNotice
         self.over_since = 0.0  # monotonic time of the first drop since the last notice
         self.subs: dict[int, Subscription] = {}
+        self.sub_bytes = 0  # summed Subscription.size of `subs` (--max-subscription-bytes)
+        # Unread replies (see broky.server.fanout, "Replies"): bytes ever handed to the
+        # transport; reply bytes queued in `out`, ever written, known to have left the
+        # write buffer; marks (stream position after a write, reply_sent then).
+        self.sent = 0
+        self.reply_out = 0
+        self.reply_sent = 0
+        self.reply_left = 0
+        self.reply_marks: deque[tuple[int, int]] | None = None
         self.linger: asyncio.TimerHandle | None = None
         # Per-connection totals for /connections (broky.server.monitor).
         self.msgs_in = 0  # messages published by this connection

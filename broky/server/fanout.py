@@ -65,10 +65,43 @@ A quarter rather than "below the bound" leaves the subscriber room, so the
 notices do not flap and each carries a useful count. The periodic `tick`
 closes a connection whose clock ran past --slow-consumer-deadline with a
 fatal SLOW_CONSUMER error (preceded by a LossNotice). A paused connection
-keeps its deliveries in `out` under the same bound. Control replies (Pong,
-Error) count in the pending bytes but are never dropped: a connection whose
-replies alone exceed the bound is read no more until it drains (`hold_reads`),
-and its clock runs meanwhile.
+keeps its deliveries in `out` under the same bound.
+
+Replies: control replies (Pong, Error) count in the pending bytes but are
+never dropped, and they have a bound of their own, --max-reply-bytes (at most
+the pending bound): a connection with more unread replies than that is read no
+more (`hold_reads`) until they are down to a quarter of it, and its clock runs
+meanwhile. Only replies count here, never deliveries: a subscriber's backlog
+must not stop that client's publishes. The write buffer is a FIFO, so a
+connection counts the bytes it ever handed to its transport (`sent`) and, for
+writes that carried replies, marks where they end (`reply_marks`: stream
+position, replies written so far). Bytes that left the buffer = sent minus its
+size; every mark at or before that point is popped, and the replies not known
+to have left are the unread ones, except that the writes up to the first mark
+left count at most their bytes still in the buffer (an upper bound, exact when
+those writes held only replies). This runs only on rare paths: a flush whose
+read queued a reply, and a connection whose reads are held (`flush`, `drained`,
+and `tick` for a buffer that never reached the high-water mark).
+
+Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
+(pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
+over the connection) gets a non-fatal SUBSCRIPTION_LIMIT and creates nothing.
+The token charge is there because a pattern token that no other pattern shares
+costs a trie node of about 420 bytes (CPython 3.11): 4 KB of one-byte tokens
+cost 850 KB, a 4 KB pattern of two tokens about 9.4 KB, a short pattern about
+0.7-1 KB with its own Subscription and table entries. At the default limits
+one connection holds at most about 13 MB, whatever its patterns (measured:
+8-9 MB with 10,000 short patterns, 12 MB with patterns of one-byte tokens).
+
+Memory: what a closed connection's subscriptions used goes back to the
+allocators, but glibc keeps freed heap below its top (fragmentation), so a
+worker's RSS stayed far above its baseline after a subscription flood
+(50,000 Subscribes of 4 KB, limits raised: 44 MB before, 490 MB at the peak,
+100-290 MB after the close). Once closed connections or Unsubscribes freed
+TRIM_AFTER_BYTES subscription bytes, `tick` shrinks the matcher's tables that
+had an entry per pattern (`Matcher.compact`) and calls malloc_trim(0)
+(broky.server.memory), at most once per TRIM_INTERVAL seconds: 53-64 MB after
+the same flood, for 20-40 ms of the worker's time.
 
 Restart grace: a worker that replaced a dead one holds every Message frame
 (`feed_held`: a connection's reads pause at its first publish) until each of
@@ -94,6 +127,7 @@ import logging
 import os
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -135,6 +169,7 @@ from broky.protocol.message import (
 )
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
+from broky.server import memory
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
@@ -163,6 +198,10 @@ ROUTE_CACHE_SIZE = 65536
 # not cached: a cache bounded by entries must not hold megabytes of keys.
 ROUTE_CACHE_MAX_KEY = 256
 WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
+SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
+MAX_REPLY_MARKS = 64  # per connection; past it the newest mark moves forward (counts replies longer)
+TRIM_AFTER_BYTES = 1 << 20  # subscription bytes freed before the heap is trimmed
+TRIM_INTERVAL = 5.0  # seconds between two trims at least
 
 
 def _is_message(buf: Buffer, pos: int, end: int) -> bool:
@@ -176,13 +215,21 @@ def _is_message(buf: Buffer, pos: int, end: int) -> bool:
 class Subscription:
     """One subscription of one connection (hashed by identity)."""
 
-    __slots__ = ("conn", "sid", "pattern", "key_partition")
+    __slots__ = ("conn", "sid", "pattern", "key_partition", "size")
 
-    def __init__(self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None) -> None:
+    def __init__(
+        self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None, size: int = 0
+    ) -> None:
         self.conn = conn
         self.sid = sid
         self.pattern = pattern
         self.key_partition = key_partition
+        self.size = size  # charged against --max-subscription-bytes (`subscription_size`)
+
+
+def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) -> int:
+    """What a subscription counts against --max-subscription-bytes (schema/README.md, §5)."""
+    return len(pattern) + len(key_partition or b"") + SUBSCRIPTION_TOKEN_BYTES * tokens
 
 
 class Plan(NamedTuple):
@@ -231,6 +278,10 @@ class WorkerStats:
         self.connections = 0  # open now
         self.connections_total = 0
         self.subscriptions = 0  # now
+        self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
+        self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
+        self.reads_held = 0  # times a connection was read no more for its unread replies
+        self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
@@ -302,6 +353,9 @@ class Shard:
         self.held: list[Connection] = []  # connections whose input waits for the grace to end
         self.grace_started = 0.0
         self.grace_timer: asyncio.TimerHandle | None = None
+        self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
+        self.freed_sub_bytes = 0  # subscription bytes freed since the last heap trim
+        self.trimmed_at = 0.0  # monotonic time of the last heap trim
 
     # ------------------------------------------------------------ connections
 
@@ -337,7 +391,10 @@ class Shard:
         self.book.open(c)
         resumed, notices = (None, b"") if hello.previous is None else self.take_over(c, hello.previous)
         welcome = self.welcome.for_connection(c.conn_id, resumed)
-        c.transport.write(welcome + notices if notices else welcome)
+        if notices:
+            welcome += notices
+        c.transport.write(welcome)
+        c.sent = len(welcome)
         log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
 
     def take_over(self, c: Connection, prev: PreviousConnection) -> tuple[Resumed | None, bytes]:
@@ -423,6 +480,9 @@ class Shard:
         for sub in c.subs.values():
             self.matcher.remove(sub.pattern, sub)
         self.stats.subscriptions -= len(c.subs)
+        self.stats.subscription_bytes -= c.sub_bytes
+        self.freed_sub_bytes += c.sub_bytes
+        c.sub_bytes = 0
         c.subs.clear()
         self.book.set_subscriptions(c, 0)
         self.forget_routes()
@@ -807,12 +867,14 @@ class Shard:
             out.clear()
             transport = t.transport
             transport.write(chunk)
-            sent += len(chunk)
+            size = len(chunk)
+            sent += size
+            t.sent += size
             t.unflushed = 0
             t.base = base = transport.get_write_buffer_size()
-            if base > t.limit:  # only replies can go past the bound: stop reading their requests
-                self.hold_reads(t)
-            elif t.dropped and base <= t.limit >> 2:
+            if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
+                self.check_replies(t, base)
+            if t.dropped and base <= t.limit >> 2:
                 self.notify_loss(t)
         self._touched.clear()
         self.stats.bytes_sent += sent
@@ -853,6 +915,7 @@ class Shard:
         c.dropped = 0
         c.over_since = 0.0
         c.transport.write(frame)
+        c.sent += len(frame)
         self.stats.bytes_sent += len(frame)
 
     def drained(self, c: Connection) -> None:
@@ -860,41 +923,81 @@ class Shard:
         if c.state != OPEN:
             return
         if c.reads_held:
-            c.reads_held = False
-            if not c.held:
-                c.transport.resume_reading()
-            if not c.dropped:
-                c.over_since = 0.0
+            self.check_replies(c, c.transport.get_write_buffer_size())
         if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
 
+    def check_replies(self, c: Connection, buffered: int) -> None:
+        """Rare path: mark the replies just written (c.reply_out) and hold or release
+        c's reads by its unread replies; `buffered` is its write buffer's size now."""
+        if c.reply_out:
+            c.reply_sent += c.reply_out
+            c.reply_out = 0
+            marks = c.reply_marks
+            if marks is None:
+                marks = c.reply_marks = deque()
+            if len(marks) < MAX_REPLY_MARKS:
+                marks.append((c.sent, c.reply_sent))
+            else:  # merged with the newest: those replies count until this write left
+                marks[-1] = (c.sent, c.reply_sent)
+        unread = self.unread_replies(c, buffered)
+        if unread > self.max_reply_bytes:
+            self.hold_reads(c)
+        elif c.reads_held and unread <= self.max_reply_bytes >> 2:
+            self.release_reads(c)
+
+    def unread_replies(self, c: Connection, buffered: int) -> int:
+        """Reply bytes written to c that may still be in its write buffer (an upper bound)."""
+        marks = c.reply_marks
+        if not marks:
+            return c.reply_sent - c.reply_left
+        left = c.sent - buffered  # bytes that left the buffer (it is a FIFO)
+        while marks and marks[0][0] <= left:
+            c.reply_left = marks.popleft()[1]
+        if not marks:
+            return c.reply_sent - c.reply_left
+        # The writes up to the first mark left in part: their replies still buffered are
+        # at most what of them is still buffered. Later writes' replies all count.
+        end, upto = marks[0]
+        return min(upto - c.reply_left, end - left) + c.reply_sent - upto
+
     def hold_reads(self, c: Connection) -> None:
-        """c's unread replies are over its pending bound: read nothing more from it until
-        they drain (`drained`), so its own sends back up; the slow-consumer clock runs."""
+        """c's unread replies are over the reply bound: read nothing more from it until
+        they drain (`check_replies`), so its own sends back up; the slow-consumer clock runs."""
         if c.reads_held or c.state != OPEN:
             return
         c.reads_held = True
         c.transport.pause_reading()
+        self.stats.reads_held += 1
         if not c.over_since:
             c.over_since = _monotonic()
         log.debug("connection %d from %s does not read its replies; reading paused", c.conn_id, c.peer)
+
+    def release_reads(self, c: Connection) -> None:
+        c.reads_held = False
+        if not c.held:  # held by the restart grace: `end_grace` resumes it
+            c.transport.resume_reading()
+        if not c.dropped:
+            c.over_since = 0.0
 
     def reply(self, c: Connection, frame: bytes) -> None:
         """Queue a control frame to c behind what this read already queued for it.
 
         Replies are never dropped; they count in the pending bytes, and a connection
-        whose replies pile up past the bound is read no more until they drain.
+        with more than --max-reply-bytes of them unread is read no more until they drain.
         """
         if c.paused:
             transport = c.transport
             transport.write(frame)  # not held: only deliveries wait for Resume
+            c.sent += len(frame)
+            c.reply_out += len(frame)
             self.stats.bytes_sent += len(frame)
-            if transport.get_write_buffer_size() > c.limit:
-                self.hold_reads(c)
+            self.check_replies(c, transport.get_write_buffer_size())
             return
         c.out.append(frame)
         c.unflushed += len(frame)
+        c.reply_out += len(frame)
         if not c.touched:
             c.touched = True
             self._touched.append(c)
@@ -948,7 +1051,7 @@ class Shard:
             self.error(c, ErrorCode.DUPLICATE_SID, f"sid {sub.sid} is already in use", sub.sid)
             return
         try:
-            parse_pattern(sub.pattern)
+            tokens = len(parse_pattern(sub.pattern))
         except BadPatternError as exc:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
             return
@@ -958,12 +1061,40 @@ class Shard:
                 c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker", sub.sid
             )
             return
-        s = Subscription(c, sub.sid, sub.pattern, kp)
+        size = subscription_size(sub.pattern, kp, tokens)
+        config = self.config
+        if len(c.subs) >= config.max_subscriptions:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "count",
+                f"the connection holds {len(c.subs)} subscriptions, max_subscriptions is "
+                f"{config.max_subscriptions}",
+            )
+            return
+        if c.sub_bytes + size > config.max_subscription_bytes:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "bytes",
+                f"the connection holds {c.sub_bytes} subscription bytes, this one is {size} "
+                f"(pattern + key_partition + {SUBSCRIPTION_TOKEN_BYTES} per token), "
+                f"max_subscription_bytes is {config.max_subscription_bytes}",
+            )
+            return
+        s = Subscription(c, sub.sid, sub.pattern, kp, size)
         c.subs[sub.sid] = s
+        c.sub_bytes += size
         self.matcher.add(sub.pattern, s)
         self.stats.subscriptions += 1
         self.book.set_subscriptions(c, len(c.subs))
+        self.stats.subscription_bytes += size
         self.forget_routes()
+
+    def refuse_subscription(self, c: Connection, sid: int, limit: str, why: str) -> None:
+        """A Subscribe over a per-connection limit: non-fatal SUBSCRIPTION_LIMIT, counted."""
+        self.stats.subscriptions_refused[limit] += 1
+        self.error(c, ErrorCode.SUBSCRIPTION_LIMIT, f"subscription {sid} refused: {why}", sid)
 
     def unsubscribe(self, c: Connection, sid: int) -> None:
         s = c.subs.pop(sid, None)
@@ -973,6 +1104,9 @@ class Shard:
         self.matcher.remove(s.pattern, s)
         self.stats.subscriptions -= 1
         self.book.set_subscriptions(c, len(c.subs))
+        self.stats.subscription_bytes -= s.size
+        self.freed_sub_bytes += s.size
+        c.sub_bytes -= s.size
         self.forget_routes()
 
     def resume(self, c: Connection) -> None:
@@ -1084,16 +1218,22 @@ class Shard:
             c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
             c.dropped = 0
         deadline = self.config.slow_consumer_deadline
-        self.fatal(c, ErrorCode.SLOW_CONSUMER, f"over {c.limit} pending bytes for more than {deadline:g} s")
+        if c.reads_held:
+            why = f"over {self.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
+        else:
+            why = f"over {c.limit} pending bytes for more than {deadline:g} s"
+        self.fatal(c, ErrorCode.SLOW_CONSUMER, why)
 
     def tick(self) -> None:
-        """Periodic: slow consumer and truncated frame deadlines."""
+        """Periodic: slow consumer and truncated frame deadlines, held reads, heap trim."""
         now = _monotonic()
         deadline = self.config.slow_consumer_deadline
         frame_timeout = self.config.frame_timeout
         for c in list(self.conns.values()):
             if c.state != OPEN:
                 continue
+            if c.reads_held:  # its replies may have drained below the high-water mark
+                self.check_replies(c, c.transport.get_write_buffer_size())
             if (
                 c.dropped
                 and not c.paused
@@ -1106,6 +1246,23 @@ class Shard:
                 self.slow_disconnect(c)
             elif c.rest and not c.held and now - c.partial_since > frame_timeout:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
+        if self.freed_sub_bytes >= TRIM_AFTER_BYTES and now - self.trimmed_at >= TRIM_INTERVAL:
+            self.trim_heap(now)
+
+    def trim_heap(self, now: float) -> None:
+        """Give the heap that freed subscriptions left behind back to the OS."""
+        freed = self.freed_sub_bytes
+        self.freed_sub_bytes = 0
+        self.trimmed_at = now
+        before = _rss_bytes()
+        self.matcher.compact()
+        if memory.trim():
+            self.stats.memory_trims += 1
+            after = _rss_bytes()
+            log.debug(
+                "heap trimmed after %d subscription bytes were freed: RSS %d -> %d bytes (%.1f ms)",
+                freed, before, after, (_monotonic() - now) * 1000,
+            )  # fmt: skip
 
     def shutdown(self) -> None:
         """Goodbye to every connection (then half-close it)."""
@@ -1133,6 +1290,7 @@ class Shard:
         data["dropped"] = dict(s.dropped)
         data["resumes"] = dict(s.resumes)
         data["errors"] = dict(s.errors)
+        data["subscriptions_refused"] = dict(s.subscriptions_refused)
         data["latency_us"] = list(s.latency_us)
         data.update(
             worker=self.index,

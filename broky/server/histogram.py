@@ -86,7 +86,9 @@ def prometheus_buckets(counts: Sequence[int]) -> list[tuple[str, float]]:
 
 
 def _le(index: int) -> str:
-    return f"{upper_bound_seconds(index):.9g}"
+    # repr: the shortest text that reads back as the exact bound (".9g" rounded
+    # 1.073741824 down to 1.07374182, below durations the bucket holds)
+    return repr(upper_bound_seconds(index))
 
 
 def quantile(counts: Sequence[int], q: float) -> float | None:

@@ -56,6 +56,16 @@ COUNTERS = (
         "bytes_discarded",
         "Unsent bytes of connections reset at the end of a lingering close.",
     ),
+    (
+        "broky_reads_held_total",
+        "reads_held",
+        "Times a connection was read no more because of its unread replies (--max-reply-bytes).",
+    ),
+    (
+        "broky_memory_trims_total",
+        "memory_trims",
+        "Heap trims (malloc_trim) after connections holding many subscription bytes left.",
+    ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
     (
@@ -67,6 +77,11 @@ COUNTERS = (
 GAUGES = (
     ("broky_connections", "connections", "Open client connections."),
     ("broky_subscriptions", "subscriptions", "Active subscriptions (sids of all connections)."),
+    (
+        "broky_subscription_bytes",
+        "subscription_bytes",
+        "Subscription bytes held by all connections (pattern + key_partition + 64 per token).",
+    ),
     ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
     (
@@ -92,6 +107,7 @@ DROP_REASONS = (
 )
 # Whose account answered a reconnecting client (Hello.previous): see broky.server.accounts.
 RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown")
+REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
 
 
 class SnapshotCollector:
@@ -122,6 +138,12 @@ class SnapshotCollector:
             "Messages or deliveries dropped, by reason.",
             labels=["worker", "reason"],
         )
+        refused = CounterMetricFamily(
+            "broky_subscriptions_refused_total",
+            "Subscribes refused with SUBSCRIPTION_LIMIT, by the limit: count "
+            "(--max-subscriptions) or bytes (--max-subscription-bytes).",
+            labels=["worker", "reason"],
+        )
         errors = CounterMetricFamily(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
         )
@@ -141,6 +163,9 @@ class SnapshotCollector:
             reasons = dict.fromkeys(DROP_REASONS, 0) | s.get("dropped", {})
             for reason, n in sorted(reasons.items()):
                 dropped.add_metric([w, reason], float(n))
+            limits = dict.fromkeys(REFUSAL_REASONS, 0) | s.get("subscriptions_refused", {})
+            for reason, n in sorted(limits.items()):
+                refused.add_metric([w, reason], float(n))
             for code, n in sorted(s.get("errors", {}).items()):
                 errors.add_metric([w, code.lower()], float(n))
             results = dict.fromkeys(RESUME_RESULTS, 0) | s.get("resumes", {})
@@ -151,6 +176,7 @@ class SnapshotCollector:
                 [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
             )
         yield dropped
+        yield refused
         yield errors
         yield resumes
         yield latency

@@ -63,9 +63,9 @@ _ANSWER_BUDGET = handoff.MAX_MESSAGE - (64 << 10)  # leaves room for the header
 
 # Counters of a worker snapshot that /stats adds up into "totals".
 TOTALS = (
-    "connections", "connections_total", "subscriptions", "topics",
+    "connections", "connections_total", "subscriptions", "subscription_bytes", "topics",
     "messages_published", "messages_delivered", "bytes_received", "bytes_sent",
-    "slow_consumer_disconnects", "bytes_discarded",
+    "slow_consumer_disconnects", "bytes_discarded", "reads_held",
 )  # fmt: skip
 
 
@@ -100,9 +100,11 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
                 "name": c.client_name,
                 "uptime_seconds": round(now - c.connected_at, 3),
                 "subscriptions": len(c.subs),
+                "subscription_bytes": c.sub_bytes,
                 "patterns": patterns,
                 "pending_bytes": pending,
                 "paused": c.paused,
+                "reads_held": c.reads_held,
                 "messages_in": c.msgs_in,
                 "messages_out": c.msgs_out,
                 "dropped": c.dropped_total,
