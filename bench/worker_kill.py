@@ -21,6 +21,12 @@ published:
   the first message published after the kill to a partition of the killed
   worker.
 
+With `--stall-subscriber S` the subscriber process is stopped (SIGSTOP) for S
+seconds before each kill, so that the worker holds a backlog for it (and,
+past --max-pending-bytes, drops some) when it dies: then the subscriber must
+be told exactly what it lost (LossNotice WORKER_RESTART, and the
+slow-consumer drops the dead worker had not told yet).
+
 The promise checked: lost == told (nothing lost silently), no duplicate, no
 reordering, and the publisher's report bounds what its publishes lost.
 Results go to bench/results/worker_kill.md and .json with the machine.
@@ -55,7 +61,6 @@ from bench.harness.machine import describe, machine_info  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 KEY = b"w.k"
 _head = struct.Struct("<II")  # partition index, sequence number
-PAD = b"x" * (100 - _head.size)
 
 
 def partition(i: int) -> bytes:
@@ -65,7 +70,7 @@ def partition(i: int) -> bytes:
 # ---------------------------------------------------------------- the two client processes
 
 
-async def publisher(url: str, rate: int, duration: float, partitions: int) -> dict[str, Any]:
+async def publisher(url: str, rate: int, duration: float, partitions: int, size: int) -> dict[str, Any]:
     errors: list[str] = []
     disconnects: list[str] = []
     refused = 0
@@ -75,6 +80,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int) -> di
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}"),
     ) as client:
         kps = [partition(i) for i in range(partitions)]
+        pad = b"x" * (size - _head.size)
         seq = [0] * partitions
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -84,7 +90,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int) -> di
             while sent < due:
                 i = sent % partitions
                 try:
-                    await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + PAD)
+                    await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + pad)
                 except broky.PublishBufferFullError:
                     refused += 1  # not published: the caller knows (the sequence number is skipped)
                 seq[i] += 1
@@ -187,7 +193,15 @@ def _wait_restarted(metrics_port: int, old: list[int], timeout: float = 15.0) ->
     raise RuntimeError("the killed worker did not come back")
 
 
-def run(kills: int, interval: float, rate: int, partitions: int, workers: int = 2) -> Result:
+def run(
+    kills: int,
+    interval: float,
+    rate: int,
+    partitions: int,
+    workers: int = 2,
+    payload_bytes: int = 100,
+    stall_subscriber: float = 0.0,
+) -> Result:
     """One server, one subscriber, one publisher, `kills` SIGKILLs; see the module header."""
     metrics_port = servers.free_port()
     server = servers.start_broky(workers, ["--metrics-port", str(metrics_port)])
@@ -203,15 +217,21 @@ def run(kills: int, interval: float, rate: int, partitions: int, workers: int = 
         warmup, cooldown = 1.0, 2.0
         duration = warmup + kills * interval + cooldown
         pub = _spawn("publisher", url, "--rate", str(rate), "--duration", str(duration),
-                     "--partitions", str(partitions))  # fmt: skip
+                     "--partitions", str(partitions), "--payload-bytes", str(payload_bytes))  # fmt: skip
         procs.append(pub)
         time.sleep(warmup + 0.5)  # the publisher process starts in about half a second
         for k in range(kills):
             worker = k % workers
+            if stall_subscriber:
+                os.kill(sub.pid, signal.SIGSTOP)
+                time.sleep(stall_subscriber)
             pids = _worker_pids(metrics_port)
             killed_at = time.time()
             os.kill(pids[worker], signal.SIGKILL)
             result.kills.append({"worker": worker, "time": killed_at, "recovery_s": None})
+            if stall_subscriber:
+                time.sleep(0.2)
+                os.kill(sub.pid, signal.SIGCONT)
             _wait_restarted(metrics_port, pids)
             time.sleep(max(0.0, interval - (time.time() - killed_at)))
         pub_out, _ = pub.communicate(timeout=duration + 60)
@@ -288,7 +308,8 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
         f"Machine: {describe(info)}.",
         "",
         f"Command: `python -m bench.worker_kill --kills {args.kills} --interval {args.interval:g} "
-        f"--rate {args.rate} --partitions {args.partitions}`",
+        f"--rate {args.rate} --partitions {args.partitions} --payload-bytes {args.payload_bytes}"
+        + (f" --stall-subscriber {args.stall_subscriber:g}`" if args.stall_subscriber else "`"),
         "",
         f"One `broky serve --workers 2`; an SDK publisher at {args.rate} msgs/s over {args.partitions} "
         f"key_partitions; an SDK subscriber on `w.>`; {len(result.kills)} SIGKILLs of a worker, "
@@ -345,20 +366,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between kills")
     parser.add_argument("--rate", type=int, default=5000, help="msgs/s published")
     parser.add_argument("--partitions", type=int, default=256)
+    parser.add_argument("--payload-bytes", type=int, default=100)
+    parser.add_argument(
+        "--stall-subscriber",
+        type=float,
+        default=0.0,
+        help="seconds the subscriber is stopped before each kill",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
     parser.add_argument("--server", help=argparse.SUPPRESS)
     parser.add_argument("--duration", type=float, default=10.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "publisher":
-        out = asyncio.run(publisher(args.server, args.rate, args.duration, args.partitions))
+        out = asyncio.run(
+            publisher(args.server, args.rate, args.duration, args.partitions, args.payload_bytes)
+        )
         print(json.dumps(out))
         return 0
     if args.role == "subscriber":
         print(json.dumps(asyncio.run(subscriber(args.server))))
         return 0
     info = machine_info()
-    result = run(args.kills, args.interval, args.rate, args.partitions)
+    result = run(
+        args.kills, args.interval, args.rate, args.partitions, 2, args.payload_bytes, args.stall_subscriber
+    )
     text = report(result, args, info)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "worker_kill.md").write_text(text)

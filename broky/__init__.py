@@ -1,7 +1,8 @@
 """Broky: an in-memory, low-latency publish/subscribe server and its client.
 
 The client SDK is re-exported here: ``broky.connect`` (asyncio),
-``broky.connect_sync`` (blocking), ``broky.Message`` and every error class.
+``broky.connect_sync`` (blocking), ``broky.Message``, ``broky.LossReason``
+(the reasons `on_loss` gives) and every error class.
 """
 
 __version__ = "0.1.0"
@@ -39,7 +40,7 @@ from broky.errors import (
     TruncatedFrameError,
     UnknownFrameError,
 )
-from broky.protocol import Message
+from broky.protocol import LossReason, Message
 
 __all__ = [
     "AuthenticationError",
@@ -53,6 +54,7 @@ __all__ = [
     "ErrorCode",
     "FrameTooLargeError",
     "LocalProtocolError",
+    "LossReason",
     "MalformedFrameError",
     "Message",
     "NotMyVBucketError",

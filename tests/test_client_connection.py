@@ -144,3 +144,26 @@ def test_repeated_shapes_and_mutations_read_like_the_codec(
         assert want == msgs and not fails
     assert rec.frames == want
     assert (proto.failure is not None) == fails
+
+
+def test_frames_right_after_the_welcome_wait_for_the_owner() -> None:
+    """A resumed connection's LossNotices come in the Welcome's read, before the Link
+    attaches: they are handed over at attach, in order, not taken for a broken handshake."""
+    from broky.protocol import LossNotice, LossReason, NodeInfo, VBucketMap, Welcome
+
+    welcome = Welcome("n", 0, VBucketMap.single_node(NodeInfo("n", "h", 1, 1)), 1 << 20, 8 << 20, 5)
+    notice = LossNotice(7, LossReason.WORKER_RESTART)
+    msg = Message(b"kp", b"k", b"v", 1, 2, bytes(20))
+
+    async def main() -> tuple[Recorder, WorkerProtocol]:
+        proto = WorkerProtocol()
+        proto.transport = FakeTransport(proto)  # type: ignore[assignment]
+        proto.data_received(encode_frame(welcome) + encode_frame(notice) + encode_frame(msg))
+        assert (await proto.welcome) == welcome
+        rec = Recorder()
+        proto.attach(rec)
+        return rec, proto
+
+    rec, proto = asyncio.run(main())
+    assert proto.failure is None
+    assert rec.frames == [notice, msg]

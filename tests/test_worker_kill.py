@@ -30,3 +30,20 @@ def test_a_worker_killed_under_load_loses_nothing_silently() -> None:
         f"\nworker kill: {result.published} published, {result.lost} lost, {result.told} told, "
         f"{result.publisher_resent_after_loss} resent, recovery {result.kills[0]['recovery_s']} s"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_subscriber_behind_when_the_worker_dies_is_told_exactly_what_it_lost() -> None:
+    """The subscriber process is stopped for a second before the kill: the worker holds a
+    backlog for it (and drops past its pending bound) when it dies. On the reconnect the
+    dead worker's account tells it exactly: deliveries lost (WORKER_RESTART) and drops it
+    had not been told of yet (SLOW_CONSUMER)."""
+    result = worker_kill.run(
+        kills=1, interval=2.0, rate=5000, partitions=256, payload_bytes=4096, stall_subscriber=1.5
+    )
+    summary = f"{result}"
+    assert result.lost > 0, summary  # the scenario did lose deliveries...
+    assert result.lost == result.told, summary  # ...and every one was told
+    assert result.told_by_reason.get("worker_restart", 0) > 0, summary
+    assert result.duplicates == 0 and result.out_of_order == 0, summary
+    assert result.publisher_flush_error is None and result.publisher_unconfirmed_lost == 0, summary

@@ -29,7 +29,7 @@ from broky.client.sync import connect_sync
 from broky.client.url import parse_server
 from broky.errors import BrokyError
 from broky.matching import parse_pattern
-from broky.protocol import Message
+from broky.protocol import LossReason, Message
 from broky.protocol.routing import to_ranges
 
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
@@ -253,9 +253,25 @@ def message_json(msg: Message) -> str:
     )
 
 
+def _told_loss(ref: Any, dropped: int, reason: int) -> None:
+    print(
+        f"broky sub: {dropped} messages lost on worker {ref.worker} of {ref.node_id} "
+        f"({LossReason.name(reason)})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _disconnected(ref: Any, why: BaseException) -> None:
+    print(
+        f"broky sub: worker {ref.worker} of {ref.node_id} disconnected: {why}; reconnecting", file=sys.stderr
+    )
+
+
 async def _sub(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
-    async with connect(args.server, **_options(args, "broky-sub")) as client:
+    options = {**_options(args, "broky-sub"), "on_loss": _told_loss, "on_disconnect": _disconnected}
+    async with connect(args.server, **options) as client:
         sub = await client.subscribe(args.pattern, partition=args.partition)
         scope = f" partition {_text(args.partition)}" if args.partition is not None else ""
         print(

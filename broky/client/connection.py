@@ -88,6 +88,7 @@ class WorkerProtocol(asyncio.Protocol):
         self._partial = b""
         self.max_frame_bytes = INBOUND_MAX_FRAME_BYTES
         self._on_message: Callable[[Message], None] | None = None
+        self._early: list[Frame] = []  # frames after the Welcome, before `attach`
         # shapes of deliveries met so far: (size, key offset, payload offset,
         # key_partition length) -> Shape, or None for a shape the fast read skips
         self._shapes: dict[tuple[int, int, int, int], Shape | None] = {}
@@ -217,7 +218,11 @@ class WorkerProtocol(asyncio.Protocol):
             else:
                 handler.on_frame(frame)
             return
-        # handshake: only Welcome or Error may arrive
+        # handshake: a Welcome or an Error; after the Welcome, what comes before the owner
+        # attaches (the LossNotices of a resumed connection) waits for it
+        if self.welcome.done() and not self.welcome.cancelled() and self.welcome.exception() is None:
+            self._early.append(frame)
+            return
         if isinstance(frame, Welcome):
             if not self.welcome.done():
                 self.welcome.set_result(frame)
@@ -259,9 +264,13 @@ class WorkerProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- owner API
 
     def attach(self, handler: Handler) -> None:
-        """Route frames to `handler` from now on (after the Welcome)."""
+        """Route frames to `handler` from now on (after the Welcome), starting with
+        those that arrived between the Welcome and now."""
         self.handler = handler
         self._on_message = handler.on_message
+        early, self._early = self._early, []
+        for frame in early:
+            self._control(frame)
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is under its high-water mark."""

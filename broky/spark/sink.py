@@ -14,11 +14,15 @@ server when the task reports success. Its commit message carries its row count;
 the driver adds them up and logs the total of each batch (or micro-batch).
 
 Delivery is at-least-once. Any error (a bad row, the broker unreachable, a
-connection lost before the flush completed) raises, the task fails and Spark
-may run it again (``spark.task.maxFailures``; local mode does not retry unless
-the master is ``local[N,F]``). A connection to a worker that drops while the
-task publishes may take written but unconfirmed publishes with it; the SDK
-counts them (``stats.unconfirmed_lost``) and its flush raises. The task checks
+connection lost that the SDK could not settle) raises, the task fails and
+Spark may run it again (``spark.task.maxFailures``; local mode does not retry
+unless the master is ``local[N,F]``). A connection to a worker that drops while
+the task publishes (the network, or the worker died and was restarted) costs
+nothing: on the reconnect the server's account of the lost connection tells
+the SDK which publishes it processed, and the SDK sends the others again
+(schema/README.md section 7.1). Only when the server has no account of it (the
+whole broker restarted) may written but unconfirmed publishes be lost; the
+SDK counts them (``stats.unconfirmed_lost``) and its flush raises. The task checks
 that count after every Arrow batch (or 1024 Rows): once it is not zero the task
 cannot succeed, so it stops publishing, flushes at once (the flush waits for
 the worker to come back, within the flush timeout, then raises) and fails with
