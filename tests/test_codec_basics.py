@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from broky.errors import ErrorCode, FrameTooLargeError, LocalProtocolError, MalformedFrameError
 from broky.protocol import (
@@ -177,3 +179,19 @@ def test_check_with_another_flatc_release_names_both_versions(tmp_path: Path) ->
     assert "flatc version mismatch" in result.stdout
     assert f"generated with flatc {committed.removeprefix('# flatc version: ')}" in result.stdout
     assert "the installed flatc is 99.1.2" in result.stdout
+
+
+@given(st.integers(0, 2**64 - 1))
+def test_ping_id_reads_the_pings_encode_ping_writes(value: int) -> None:
+    from broky.protocol.frames import PING_SIZE_PREFIX, encode_ping, ping_id
+
+    frame = encode_ping(Ping(value))
+    assert len(frame) - 4 == PING_SIZE_PREFIX
+    assert ping_id(frame, 0, len(frame)) == value == decode_frame(frame).id  # type: ignore[union-attr]
+    padded = b"\x00" * 5 + frame + b"\x01" * 3
+    assert ping_id(padded, 5, 5 + len(frame)) == value
+    assert ping_id(memoryview(padded), 5, 5 + len(frame)) == value
+    # anything else is left to decode_frame
+    pong = encode_frame(Pong(value))
+    assert ping_id(pong, 0, len(pong)) is None
+    assert ping_id(frame[:-1], 0, len(frame) - 1) is None

@@ -375,6 +375,24 @@ def encode_ping(ping: Ping) -> bytes:
     return _patched(_PING, ping.id, "Ping")
 
 
+_PING_SIZE = len(_PING[0])
+PING_SIZE_PREFIX = _PING_SIZE - 4  # the size prefix of such a Ping: no Message is this small
+_PING_HEAD = _PING[0][: _PING[1]]  # everything before the id (the id is last: no tail)
+assert _PING[1] + 8 == _PING_SIZE
+_u64 = struct.Struct("<Q").unpack_from
+
+
+def ping_id(buf: Buffer, f: int, end: int) -> int | None:
+    """The id of the Ping frame in buf[f:end] if it has the layout `encode_ping`
+    writes (the server's fast path for the confirmation Pings the SDK sends while
+    publishing), else None: any other frame, or a Ping laid out otherwise, which
+    `decode_frame` reads."""
+    if end - f != _PING_SIZE or buf[f : f + _PING_SIZE - 8] != _PING_HEAD:
+        return None
+    value: int = _u64(buf, f + _PING_SIZE - 8)[0]
+    return value
+
+
 def encode_pong(pong: Pong) -> bytes:
     return _patched(_PONG, pong.id, "Pong")
 
@@ -596,4 +614,5 @@ __all__ = [
     "WelcomeTemplate",
     "decode_frame",
     "encode_frame",
+    "ping_id",
 ]

@@ -156,7 +156,7 @@ from broky.protocol import (
     encode_frame,
     route_message,
 )
-from broky.protocol.frames import error_frame
+from broky.protocol.frames import PING_SIZE_PREFIX, encode_pong, error_frame, ping_id
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.message import (
     BODY_MESSAGE,
@@ -583,6 +583,15 @@ class Shard:
                     end = pos + 4 + size
                     if end > n:
                         break
+                    if size == PING_SIZE_PREFIX and (ping := ping_id(data, pos, end)) is not None:
+                        # The SDK's Pings (it confirms its publishes with them every few ms):
+                        # answered without decoding, behind the deliveries before them.
+                        if run is not None:
+                            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                            run = same_head = None
+                        self.reply(c, encode_pong(Pong(ping)))
+                        pos = end
+                        continue
                     try:
                         kp, key, ts_at = route_message(data, pos, end)
                     except MalformedFrameError:
