@@ -34,6 +34,10 @@ TARGETS: dict[str, tuple[str, float | None]] = {
         "the worker's read handler, 64 key_partitions, per message",
         None,
     ),
+    "test_shard_feed_one_message": (
+        "the worker's read handler, one message per read, one subscriber (per read)",
+        None,
+    ),
 }
 
 

@@ -317,6 +317,38 @@ def test_shard_feed_1mib(benchmark, subscribe) -> None:  # type: ignore[no-untyp
         loop.close()
 
 
+def test_shard_feed_one_message(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # A read holding one message (a publisher at a low rate): the per-read costs
+    # show here, among them committing the read's counters to the accounts table
+    # (broky.server.accounts) before writing. One subscriber; per read.
+    import asyncio
+
+    from broky.client.encoder import PublishEncoder
+    from broky.server.connection import Connection
+
+    loop = asyncio.new_event_loop()
+    try:
+        shard, conn, _, _ = _shard_and_read(True, loop)
+        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        frames = [encoder.encode(b"tenant-%d" % i, KEY, PAYLOAD, None)[0] for i in range(64)]
+        publisher = Connection(shard, b"", 2)  # type: ignore[arg-type]
+        publisher.transport = _NullTransport()  # type: ignore[assignment]
+        shard.book.open(publisher)  # type: ignore[attr-defined]
+        shard.book.open(conn)  # type: ignore[attr-defined]
+        benchmark.extra_info["messages"] = len(frames)
+
+        def feed() -> None:
+            for frame in frames:
+                shard.feed(publisher, frame)  # type: ignore[attr-defined]
+            conn.out.clear()  # type: ignore[attr-defined]
+            conn.unflushed = 0  # type: ignore[attr-defined]
+
+        benchmark(feed)
+        assert shard.stats.messages_delivered >= len(frames)  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
 # ---------------------------------------------------------------- baseline: generated code
 
 

@@ -29,7 +29,8 @@ slow-consumer drops the dead worker had not told yet).
 
 The promise checked: lost == told (nothing lost silently), no duplicate, no
 reordering, and the publisher's report bounds what its publishes lost.
-Results go to bench/results/worker_kill.md and .json with the machine.
+Results go to bench/results/worker_kill.md and .json with the machine
+(worker_kill_stalled.* with --stall-subscriber).
 `run` is also what tests/test_worker_kill.py calls, with one kill.
 """
 
@@ -393,10 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = report(result, args, info)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "worker_kill.md").write_text(text)
+    name = "worker_kill_stalled" if args.stall_subscriber else "worker_kill"
+    (args.out / f"{name}.md").write_text(text)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     data = {"machine": info, "args": settings, **asdict(result)}
-    (args.out / "worker_kill.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     print(text)
     return 0 if promise_kept(result) else 1
 
