@@ -28,6 +28,7 @@ from broky.errors import FrameTooLargeError
 from broky.fbs import Body
 from broky.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    NO_OWNER,
     VBUCKETS,
     Error,
     Frame,
@@ -35,6 +36,8 @@ from broky.protocol import (
     Goodbye,
     Hello,
     LossNotice,
+    MapApplied,
+    MapUpdate,
     Message,
     NodeInfo,
     Pause,
@@ -87,7 +90,13 @@ def vbucket_maps(draw: st.DrawFn) -> VBucketMap:
         return VBucketMap.single_node(nodes[0]._replace(workers=max(1, nodes[0].workers % 64)), draw(u64))
     rng = random.Random(draw(st.integers(0, 2**32)))
     owners = tuple((rng.randrange(len(nodes)), rng.randrange(2**16)) for _ in range(VBUCKETS))
-    return VBucketMap(draw(u64), tuple(nodes), owners)
+    incoming = None
+    if draw(st.booleans()):  # vbuckets moving: some have an incoming owner
+        incoming = tuple(
+            (rng.randrange(len(nodes)), rng.randrange(2**16)) if rng.random() < 0.3 else NO_OWNER
+            for _ in range(VBUCKETS)
+        )
+    return VBucketMap(draw(u64), tuple(nodes), owners, incoming)
 
 
 welcomes = st.builds(
@@ -152,6 +161,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
     st.builds(LossNotice, u64, u8),
     st.builds(Goodbye, st.none() | texts, u64),
+    st.builds(MapApplied, u64),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -179,8 +189,9 @@ def large_control_frames(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES -
     return draw(st.sampled_from(choices))
 
 
-# Every kind of frame, Welcome (a 1024-entry map, a few KiB, slower to make) included.
-all_frames: st.SearchStrategy[Frame] = small_frames | welcomes
+map_updates = st.builds(MapUpdate, vbucket_maps())
+# Every kind of frame, Welcome and MapUpdate (a 1024-entry map, a few KiB, slower to make) included.
+all_frames: st.SearchStrategy[Frame] = small_frames | welcomes | map_updates
 
 # ---------------------------------------------------------------- reference reader (generated code)
 
@@ -226,7 +237,10 @@ def _read_map(vm: Any) -> VBucketMap:
     for i in range(vm.OwnersLength()):
         o = vm.Owners(i)
         owners.append((o.Node(), o.Worker()))
-    return VBucketMap(vm.Version(), tuple(nodes), tuple(owners))
+    incoming = None
+    if not vm.IncomingIsNone():
+        incoming = tuple((vm.Incoming(i).Node(), vm.Incoming(i).Worker()) for i in range(vm.IncomingLength()))
+    return VBucketMap(vm.Version(), tuple(nodes), tuple(owners), incoming)
 
 
 def generated_read(frame: bytes) -> Frame:
@@ -286,6 +300,10 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.Goodbye:
         g = body(fbs.Goodbye)
         return Goodbye(_text(g.Reason()), g.Processed())
+    if kind == Body.MapUpdate:
+        return MapUpdate(_read_map(body(fbs.MapUpdate).Map()))
+    if kind == Body.MapApplied:
+        return MapApplied(body(fbs.MapApplied).Version())
     raise AssertionError(f"unknown body type {kind}")
 
 
@@ -304,6 +322,8 @@ _BODY_TYPES: dict[type, int] = {
     Error: Body.Error,
     LossNotice: Body.LossNotice,
     Goodbye: Body.Goodbye,
+    MapUpdate: Body.MapUpdate,
+    MapApplied: Body.MapApplied,
 }
 
 
@@ -367,15 +387,19 @@ class Writer:
         for node_index, worker in reversed(vmap.owners):
             fbs.CreateVBucketOwner(b, node_index, worker)
         owners_vec = b.EndVector()
-        return self.table(
-            fbs.VBucketMapStart,
-            fbs.VBucketMapEnd,
-            [
-                lambda: fbs.VBucketMapAddVersion(b, vmap.version),
-                lambda: fbs.VBucketMapAddNodes(b, nodes_vec),
-                lambda: fbs.VBucketMapAddOwners(b, owners_vec),
-            ],
-        )
+        adders = [
+            lambda: fbs.VBucketMapAddVersion(b, vmap.version),
+            lambda: fbs.VBucketMapAddNodes(b, nodes_vec),
+            lambda: fbs.VBucketMapAddOwners(b, owners_vec),
+        ]
+        if vmap.incoming is not None:
+            self.junk()
+            fbs.VBucketMapStartIncomingVector(b, len(vmap.incoming))
+            for node_index, worker in reversed(vmap.incoming):
+                fbs.CreateVBucketOwner(b, node_index, worker)
+            incoming_vec = b.EndVector()
+            adders.append(lambda: fbs.VBucketMapAddIncoming(b, incoming_vec))
+        return self.table(fbs.VBucketMapStart, fbs.VBucketMapEnd, adders)
 
     def body(self, frame: Frame) -> int:
         b = self.b
@@ -488,6 +512,13 @@ class Writer:
                     lambda: fbs.LossNoticeAddDropped(b, frame.dropped),
                     lambda: fbs.LossNoticeAddReason(b, frame.reason),
                 ],
+            )
+        if isinstance(frame, MapUpdate):
+            vmap = self.vmap(frame.map)
+            return self.table(fbs.MapUpdateStart, fbs.MapUpdateEnd, [lambda: fbs.MapUpdateAddMap(b, vmap)])
+        if isinstance(frame, MapApplied):
+            return self.table(
+                fbs.MapAppliedStart, fbs.MapAppliedEnd, [lambda: fbs.MapAppliedAddVersion(b, frame.version)]
             )
         if isinstance(frame, Goodbye):
             r = self.refs({"reason": frame.reason})
@@ -654,10 +685,16 @@ def test_builder_control_frames_read_by_decode_frame(case: tuple[Frame, bytes]) 
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(builder_frames(welcomes))
-def test_builder_welcome_read_by_decode_frame(case: tuple[Frame, bytes]) -> None:
+@given(builder_frames(welcomes | map_updates))
+def test_builder_welcome_and_map_update_read_by_decode_frame(case: tuple[Frame, bytes]) -> None:
     frame, data = case
     assert decode_frame(data) == frame
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(map_updates)
+def test_map_update_reads_back_through_generated_accessors(update: MapUpdate) -> None:
+    assert generated_read(encode_frame(update)) == update
 
 
 # ---------------------------------------------------------------- large frames

@@ -74,6 +74,8 @@ class Body(object):
     Error = 10
     LossNotice = 11
     Goodbye = 12
+    MapUpdate = 13
+    MapApplied = 14
 
 
 # Timestamps of a message, in nanoseconds since the Unix epoch; 0 = not set.
@@ -519,7 +521,7 @@ class VBucketMap(object):
     def Init(self, buf, pos):
         self._tab = flatbuffers.table.Table(buf, pos)
 
-    # Grows whenever ownership changes.
+    # Grows whenever the map changes; two different maps never share a version.
     # VBucketMap
     def Version(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
@@ -575,12 +577,40 @@ class VBucketMap(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         return o == 0
 
-def VBucketMapStart(builder): builder.StartObject(3)
+    # Absent, or exactly 1024 entries while vbuckets are moving: the owner each
+    # vbucket is moving to, {node: 65535, worker: 65535} for one that is not
+    # (schema/README.md section 6.3).
+    # VBucketMap
+    def Incoming(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
+            obj = VBucketOwner()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # VBucketMap
+    def IncomingLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # VBucketMap
+    def IncomingIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        return o == 0
+
+def VBucketMapStart(builder): builder.StartObject(4)
 def VBucketMapAddVersion(builder, version): builder.PrependUint64Slot(0, version, 0)
 def VBucketMapAddNodes(builder, nodes): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(nodes), 0)
 def VBucketMapStartNodesVector(builder, numElems): return builder.StartVector(4, numElems, 4)
 def VBucketMapAddOwners(builder, owners): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(owners), 0)
 def VBucketMapStartOwnersVector(builder, numElems): return builder.StartVector(4, numElems, 2)
+def VBucketMapAddIncoming(builder, incoming): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(incoming), 0)
+def VBucketMapStartIncomingVector(builder, numElems): return builder.StartVector(4, numElems, 2)
 def VBucketMapEnd(builder): return builder.EndObject()
 
 
@@ -1143,6 +1173,82 @@ def LossNoticeStart(builder): builder.StartObject(2)
 def LossNoticeAddDropped(builder, dropped): builder.PrependUint64Slot(0, dropped, 0)
 def LossNoticeAddReason(builder, reason): builder.PrependUint8Slot(1, reason, 0)
 def LossNoticeEnd(builder): return builder.EndObject()
+
+
+# Server -> client: the vbucket map changed. Sent on every connection as soon
+# as its worker applies the new map (schema/README.md section 6.3).
+class MapUpdate(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = MapUpdate()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsMapUpdate(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def MapUpdateBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # MapUpdate
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # MapUpdate
+    def Map(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            obj = VBucketMap()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def MapUpdateStart(builder): builder.StartObject(1)
+def MapUpdateAddMap(builder, map): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(map), 0)
+def MapUpdateEnd(builder): return builder.EndObject()
+
+
+# Client -> server: the client has applied the map with this version: its
+# subscriptions are in place on every worker that map names for them
+# (schema/README.md section 6.3).
+class MapApplied(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = MapApplied()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsMapApplied(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def MapAppliedBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # MapApplied
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # MapApplied
+    def Version(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def MapAppliedStart(builder): builder.StartObject(1)
+def MapAppliedAddVersion(builder, version): builder.PrependUint64Slot(0, version, 0)
+def MapAppliedEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the server is shutting down and will close.

@@ -13,6 +13,8 @@ from broky.protocol.frames import (
     Hello,
     LossNotice,
     LossReason,
+    MapApplied,
+    MapUpdate,
     Pause,
     Ping,
     Pong,
@@ -29,12 +31,13 @@ from broky.protocol.frames import (
 from broky.protocol.framing import DEFAULT_MAX_FRAME_BYTES, NEED_DATA, FrameReader
 from broky.protocol.ksuid import ksuid_text, new_ksuid, parse_ksuid
 from broky.protocol.message import Message, decode_message, encode_message, route_message
-from broky.protocol.routing import VBUCKETS, NodeInfo, VBucketMap, vbucket_of
+from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap, vbucket_of
 
 __all__ = [
     "ANY_WORKER",
     "DEFAULT_MAX_FRAME_BYTES",
     "NEED_DATA",
+    "NO_OWNER",
     "PROTOCOL_VERSION",
     "VBUCKETS",
     "Error",
@@ -44,6 +47,8 @@ __all__ = [
     "Hello",
     "LossNotice",
     "LossReason",
+    "MapApplied",
+    "MapUpdate",
     "Message",
     "NodeInfo",
     "Pause",

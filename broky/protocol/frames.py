@@ -23,13 +23,14 @@ from broky import fbs
 from broky.errors import ErrorCode, LocalProtocolError, MalformedFrameError, UnknownFrameError
 from broky.fbs import Body
 from broky.protocol.message import (
+    BODY_LAST,
     BODY_MESSAGE,
     FILE_IDENTIFIER,
     Message,
     _canonical,
     decode_message,
 )
-from broky.protocol.routing import VBUCKETS, NodeInfo, VBucketMap
+from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 PROTOCOL_VERSION = 1
@@ -143,9 +144,21 @@ class Goodbye(NamedTuple):
     processed: int = 0  # publishes of the connection processed before the Goodbye
 
 
+class MapUpdate(NamedTuple):
+    """Server -> client: the vbucket map changed."""
+
+    map: VBucketMap
+
+
+class MapApplied(NamedTuple):
+    """Client -> server: the client applied the map with this version."""
+
+    version: int
+
+
 Frame = (
     Message | Hello | Welcome | Subscribe | Unsubscribe | Pause | Resume | Ping | Pong | Error
-    | LossNotice | Goodbye
+    | LossNotice | Goodbye | MapUpdate | MapApplied
 )  # fmt: skip
 
 
@@ -225,10 +238,18 @@ def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
     for node_index, worker in reversed(vmap.owners):
         fbs.CreateVBucketOwner(b, node_index, worker)
     owners_vec = b.EndVector()
+    incoming_vec = 0
+    if vmap.incoming is not None:
+        fbs.VBucketMapStartIncomingVector(b, len(vmap.incoming))
+        for node_index, worker in reversed(vmap.incoming):
+            fbs.CreateVBucketOwner(b, node_index, worker)
+        incoming_vec = b.EndVector()
     fbs.VBucketMapStart(b)
     fbs.VBucketMapAddVersion(b, vmap.version)
     fbs.VBucketMapAddNodes(b, nodes_vec)
     fbs.VBucketMapAddOwners(b, owners_vec)
+    if vmap.incoming is not None:
+        fbs.VBucketMapAddIncoming(b, incoming_vec)
     return int(fbs.VBucketMapEnd(b))
 
 
@@ -304,6 +325,23 @@ class WelcomeTemplate:
         _u64_into(out, self._resumed_fields[0], resumed.connection_id)
         _u64_into(out, self._resumed_fields[1], resumed.processed)
         return bytes(out)
+
+
+@_encoder
+def encode_map_update(update: MapUpdate) -> bytes:
+    b = flatbuffers.Builder(8192)
+    vmap = _encode_map(b, update.map)
+    fbs.MapUpdateStart(b)
+    fbs.MapUpdateAddMap(b, vmap)
+    return _finish(b, Body.MapUpdate, fbs.MapUpdateEnd(b))
+
+
+@_encoder
+def encode_map_applied(applied: MapApplied) -> bytes:
+    b = flatbuffers.Builder(32)
+    fbs.MapAppliedStart(b)
+    fbs.MapAppliedAddVersion(b, applied.version)
+    return _finish(b, Body.MapApplied, fbs.MapAppliedEnd(b))
 
 
 @_encoder
@@ -465,6 +503,8 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     Error: encode_error,
     LossNotice: encode_loss_notice,
     Goodbye: encode_goodbye,
+    MapUpdate: encode_map_update,
+    MapApplied: encode_map_applied,
 }
 
 
@@ -502,7 +542,17 @@ def _decode_map(t: Table) -> VBucketMap:
     for node_index, _ in owners:
         if node_index >= n_nodes:
             raise malformed(f"vbucket owner names node {node_index} of {n_nodes}")
-    return VBucketMap(t.u64(0), tuple(nodes), owners)
+    incoming = None
+    incoming_start, n_incoming = t.vector(3, 4)
+    if incoming_start:
+        if n_incoming != VBUCKETS:
+            raise malformed(f"VBucketMap.incoming has {n_incoming} entries, not {VBUCKETS}")
+        raw = bytes(t.buf[incoming_start : incoming_start + 4 * n_incoming])
+        incoming = tuple(struct.iter_unpack("<HH", raw))
+        for owner in incoming:
+            if owner[0] >= n_nodes and owner != NO_OWNER:
+                raise malformed(f"incoming vbucket owner names node {owner[0]} of {n_nodes}")
+    return VBucketMap(t.u64(0), tuple(nodes), owners, incoming)
 
 
 def _decode_body(kind: int, t: Table) -> Frame:
@@ -543,6 +593,11 @@ def _decode_body(kind: int, t: Table) -> Frame:
         return LossNotice(t.u64(0), t.u8(1))
     if kind == Body.Goodbye:
         return Goodbye(t.string(0), t.u64(1))
+    if kind == Body.MapUpdate:
+        vmap = t.table(0)
+        return MapUpdate(_decode_map(_required(vmap, "MapUpdate.map")))  # type: ignore[arg-type]
+    if kind == Body.MapApplied:
+        return MapApplied(t.u64(0))
     raise UnknownFrameError(kind)
 
 
@@ -572,7 +627,7 @@ def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:
         raise malformed("frame has no body")
     body = frame.table(1)
     if body is None:
-        if kind > Body.Goodbye:
+        if kind > BODY_LAST:
             raise UnknownFrameError(kind)
         raise malformed("frame has no body")
     return _decode_body(kind, body)
@@ -601,6 +656,8 @@ __all__ = [
     "LossNotice",
     "LossReason",
     "MalformedFrameError",
+    "MapApplied",
+    "MapUpdate",
     "Message",
     "Pause",
     "Ping",

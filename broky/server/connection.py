@@ -43,7 +43,8 @@ class Connection(asyncio.Protocol):
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
-        "resuming", "held", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left", "reply_marks",
+        "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
+        "reply_marks",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -93,6 +94,7 @@ class Connection(asyncio.Protocol):
         self.account: Account | None = None  # a dead worker's account of Hello.previous (hand-off)
         self.resuming = 0  # id of the dead worker's connection it replaces, until it is back
         self.held = False  # restart grace: its input waits (reads paused) in `rest`
+        self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.on_adopted is not None:

@@ -140,6 +140,8 @@ from broky.protocol import (
     Hello,
     LossNotice,
     LossReason,
+    MapApplied,
+    MapUpdate,
     NodeInfo,
     Pause,
     Ping,
@@ -312,6 +314,7 @@ class Shard:
         loop: asyncio.AbstractEventLoop,
         book: AccountBook | None = None,
         epoch: int = 0,
+        vmap: VBucketMap | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -320,19 +323,13 @@ class Shard:
         # this process dies (broky.server.accounts); in memory for tests and benchmarks.
         self.book = book if book is not None else AccountBook.in_memory()
         self.epoch = epoch  # this worker incarnation's part of every connection id
-        node = NodeInfo(config.node_id, config.advertised_host(), config.port, config.workers)
-        self.map = VBucketMap.single_node(node)
-        self.owned = bytes(1 if owner == (0, index) else 0 for owner in self.map.owners)
-        self.welcome = WelcomeTemplate(
-            Welcome(
-                node_id=config.node_id,
-                worker=index,
-                map=self.map,
-                max_frame_bytes=config.max_frame_bytes,
-                max_pending_bytes=config.max_pending_bytes,
-                server_version=__version__,
-            )
-        )
+        if vmap is None:  # a single node (the cluster's map comes from the master)
+            node = NodeInfo(config.node_id, config.advertised_host(), config.port, config.workers)
+            vmap = VBucketMap.single_node(node)
+        self.map = vmap
+        self.owned = b""  # vbucket -> 1 if this worker owns it (`take_map`)
+        self.accepts = b""  # ... or it is moving here: partition-scoped Subscribes are taken
+        self.welcome: WelcomeTemplate
         self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
         # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
         # for any other layout) -> target connections, or None when not our vbucket.
@@ -356,6 +353,58 @@ class Shard:
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
         self.freed_sub_bytes = 0  # subscription bytes freed since the last heap trim
         self.trimmed_at = 0.0  # monotonic time of the last heap trim
+        self.take_map(vmap)
+
+    # ------------------------------------------------------------ the vbucket map
+
+    def take_map(self, vmap: VBucketMap) -> None:
+        """Own what `vmap` gives this worker (node `config.node_id`, worker `index`)."""
+        me = vmap.node_index(self.config.node_id)
+        mine = (me, self.index)
+        self.map = vmap
+        self.owned = bytes(1 if owner == mine else 0 for owner in vmap.owners)
+        incoming = vmap.incoming or ()
+        self.accepts = bytes(
+            1 if owned or (incoming and incoming[vb] == mine) else 0 for vb, owned in enumerate(self.owned)
+        )
+        config = self.config
+        self.welcome = WelcomeTemplate(
+            Welcome(
+                node_id=config.node_id,
+                worker=self.index,
+                map=vmap,
+                max_frame_bytes=config.max_frame_bytes,
+                max_pending_bytes=config.max_pending_bytes,
+                server_version=__version__,
+            )
+        )
+        self.forget_routes()
+
+    def apply_map(self, vmap: VBucketMap) -> None:
+        """A newer map from the master: take it and push it to every client (MapUpdate).
+
+        From now on a publish for a vbucket this worker no longer owns is refused
+        with NOT_MY_VBUCKET (it carries the frame back for the client to resend).
+        The MapUpdate is a reply: never dropped, behind what each connection has
+        queued; clients answer MapApplied once they have followed it.
+        """
+        if vmap.version <= self.map.version:
+            return
+        self.take_map(vmap)
+        frame = encode_frame(MapUpdate(vmap))
+        for c in self.conns.values():
+            if c.state == OPEN and not c.initial:  # welcomed (an older map): told
+                self.reply(c, frame)
+        self.flush()
+        log.info(
+            "worker %d applied map version %d: %d vbuckets owned", self.index, vmap.version, sum(self.owned)
+        )
+
+    def map_ready(self, version: int) -> dict[str, Any]:
+        """Whether every connection with subscriptions has applied map `version`
+        (MapApplied): the cluster moves vbuckets only then (schema/README.md 6.3)."""
+        lagging = [c for c in self.conns.values() if c.state == OPEN and c.subs and c.map_applied < version]
+        return {"version": self.map.version, "ready": not lagging, "lagging": len(lagging)}
 
     # ------------------------------------------------------------ connections
 
@@ -1051,6 +1100,9 @@ class Shard:
             c.paused = True
         elif kind is Resume:
             self.resume(c)
+        elif kind is MapApplied:
+            if frame.version > c.map_applied:  # type: ignore[union-attr]
+                c.map_applied = frame.version  # type: ignore[union-attr]
         else:
             name = kind.__name__
             self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
@@ -1065,7 +1117,7 @@ class Shard:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
             return
         kp = sub.key_partition
-        if kp is not None and not self.owned[vbucket_of(kp)]:
+        if kp is not None and not self.accepts[vbucket_of(kp)]:
             self.error(
                 c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker", sub.sid
             )

@@ -8,8 +8,11 @@ with its message as SCM_RIGHTS ancillary data (`socket.send_fds`).
 master -> worker
     CONFIG   JSON boot settings (the first message; the worker boots from it):
              {"config": ServerConfig, "epoch": the worker's connection id epoch,
+             "map": the current vbucket map (JSON, or null for the single-node map),
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
              messages that follow}
+    MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
+             to apply (the cluster's; broky.server.fanout `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
              dead one): the dead worker's connections that had subscriptions
              (broky.server.fanout `Shard.start_grace`)
@@ -58,6 +61,7 @@ from typing import Any, NamedTuple
 
 CONFIG = b"K"
 EXPECT = b"E"
+MAP = b"M"
 CONN = b"C"
 STATS = b"S"
 READY = b"R"

@@ -79,7 +79,16 @@ import uvloop
 
 from broky import __version__
 from broky.errors import ErrorCode, RemoteProtocolError
-from broky.protocol import ANY_WORKER, PROTOCOL_VERSION, Goodbye, Hello, decode_frame, encode_frame
+from broky.protocol import (
+    ANY_WORKER,
+    PROTOCOL_VERSION,
+    Goodbye,
+    Hello,
+    NodeInfo,
+    VBucketMap,
+    decode_frame,
+    encode_frame,
+)
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import handoff, monitor
@@ -154,6 +163,7 @@ class Master:
         self.stopping = False
         self._accept_paused_since = 0.0  # monotonic time accepting first stopped for lack of fds
         self.refused_total: dict[str, int] = {}
+        self.vmap: VBucketMap = VBucketMap(0, (), ())  # set in `run`, once the port is bound
         self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
         self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
         self.started = time.time()
@@ -172,8 +182,11 @@ class Master:
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
         self.http.routes["/healthz"] = self.healthz
         self.http.routes["/readyz"] = self.readyz
+        # This node's map until a cluster gives it another (`apply_map`).
+        self.vmap = VBucketMap.single_node(NodeInfo(cfg.node_id, cfg.advertised_host(), port, cfg.workers))
         monitor.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
+        sup.map_json = self.vmap.to_json()
         sup.install_signals()
         sup.start_all()
         boot = self.loop.create_task(sup.wait_ready())
@@ -520,6 +533,30 @@ class Master:
                 if a is not None:
                     self._stats_waiters.pop(a[0], None)
                     a[1].cancel()
+
+    def apply_map(self, vmap: VBucketMap) -> bool:
+        """Make `vmap` this node's map if it is newer: every worker applies it and
+        pushes it to its clients (a worker that boots later starts with it).
+        Returns False for a map not newer than the current one."""
+        assert self.supervisor is not None
+        if vmap.version <= self.vmap.version:
+            return False
+        self.vmap = vmap
+        data = vmap.to_json()
+        self.supervisor.map_json = data
+        payload = json.dumps(data).encode()
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.MAP, payload)
+            except OSError as exc:  # dead: its successor boots with the map
+                log.info("worker %d did not take map version %d: %s", wp.index, vmap.version, exc)
+        return True
+
+    async def map_ready(self, version: int) -> bool:
+        """True when every worker runs map `version` (or newer) and every one of its
+        connections with subscriptions has said MapApplied for it."""
+        answers = await self.worker_stats(b"ready:%d" % version)
+        return all(a is not None and a["ready"] and a["version"] >= version for a in answers)
 
     async def healthz(self) -> Response:
         return 200, "text/plain", b"ok\n"

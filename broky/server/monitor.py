@@ -45,7 +45,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from broky import __version__
-from broky.protocol import NodeInfo, VBucketMap
 from broky.protocol.routing import to_ranges
 from broky.server import handoff, histogram
 from broky.server.httpd import Response
@@ -80,6 +79,8 @@ def answer(shard: Shard, what: bytes) -> dict[str, Any]:
         return _fit(connections_view(shard, limit), "connections")
     if view == b"topics":
         return _fit(topics_view(shard, limit), "topics")
+    if view == b"ready":
+        return shard.map_ready(int(arg) if arg.isdigit() else 0)
     return shard.snapshot()
 
 
@@ -150,8 +151,6 @@ class Monitor:
     def __init__(self, master: Master) -> None:
         self.master = master
         self.exporter = Exporter()
-        cfg = master.config
-        self.map = VBucketMap.single_node(NodeInfo(cfg.node_id, cfg.advertised_host(), cfg.port, cfg.workers))
 
     async def metrics(self) -> Response:
         snapshots = await self.master.worker_stats()
@@ -163,11 +162,15 @@ class Monitor:
         totals: dict[str, Any] = dict.fromkeys(TOTALS, 0)
         dropped: dict[str, int] = {}
         master = self._master_view()
+        vmap = self.master.vmap
+        me = vmap.node_index(self.master.config.node_id)
         for index, snap in enumerate(snapshots):
             entry: dict[str, Any] = {
                 "worker": index,
                 "up": snap is not None,
-                "vbuckets": [list(r) for r in to_ranges(self.map.vbuckets_of(0, index))],
+                "vbuckets": [list(r) for r in to_ranges(vmap.vbuckets_of(me, index))]
+                if me is not None
+                else [],
                 "restarts": master["worker_restarts"][index],
             }
             if snap is not None:

@@ -96,6 +96,7 @@ class Supervisor:
         self.restarts = 0
         self.restarts_of = [0] * config.workers  # by worker index, for broky_worker_restarts_total
         self.dead = accounts.DeadAccounts()  # accounts of the connections of dead workers
+        self.map_json: dict[str, object] | None = None  # the cluster's map, for workers that boot
         self._epochs: set[int] = set()  # every epoch given out (ids must never repeat)
         self._ready_changed = asyncio.Event()
 
@@ -127,6 +128,7 @@ class Supervisor:
         boot = {
             "config": self.config.to_worker_json(),
             "epoch": epoch,
+            "map": self.map_json,
             "grace": self.config.restart_grace if expected else 0.0,
             "expect": len(batches),
         }

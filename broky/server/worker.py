@@ -61,7 +61,7 @@ from collections.abc import Sequence
 
 import uvloop
 
-from broky.protocol import Goodbye, encode_frame
+from broky.protocol import Goodbye, VBucketMap, encode_frame
 from broky.server import handoff, monitor
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
@@ -85,12 +85,13 @@ class Worker:
         epoch: int,
         expected: set[int] | None = None,
         grace: float = 0.0,
+        vmap: VBucketMap | None = None,
     ) -> None:
         self.config = config
         self.index = index
         self.chan = chan
         self.loop = asyncio.get_running_loop()
-        self.shard = Shard(config, index, self.loop, book, epoch)
+        self.shard = Shard(config, index, self.loop, book, epoch, vmap)
         self.expected = expected or set()
         self.grace = grace
         self.done: asyncio.Future[None] = self.loop.create_future()
@@ -127,6 +128,13 @@ class Worker:
                 kind, payload, fd, truncated = b"", b"", None, False
             if kind == handoff.CONN:
                 self._on_conn(handoff.split_conn(payload), fd, truncated)
+            elif kind == handoff.MAP:
+                try:
+                    vmap = VBucketMap.from_json(json.loads(payload))
+                except ValueError as exc:
+                    log.error("the master sent a map that does not read: %s", exc)
+                else:
+                    self.shard.apply_map(vmap)
             elif kind == handoff.STATS:
                 request_id, what = handoff.split_id(payload)
                 with contextlib.suppress(OSError):
@@ -268,8 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(config, f"worker-{index}")
     book = AccountBook.from_fd(book_fd)
 
+    vmap = None if boot.get("map") is None else VBucketMap.from_json(boot["map"])
+
     async def run() -> None:
-        await Worker(config, index, chan, book, boot["epoch"], expected, boot["grace"]).run()
+        await Worker(config, index, chan, book, boot["epoch"], expected, boot["grace"], vmap).run()
 
     uvloop.run(run())
     return 0
