@@ -302,38 +302,59 @@ def test_publishes_a_cut_kept_from_the_server_are_sent_again(
     run(main)
 
 
-def test_flush_fails_when_the_server_has_no_account_of_the_lost_connection(
-    server: ServerProcess, proxy: FaultProxy, start_server: Callable[..., ServerProcess]
+def test_without_an_account_publishes_are_sent_again_and_subscribers_drop_the_copies(
+    server: ServerProcess, start_server: Callable[..., ServerProcess]
 ) -> None:
-    """Reconnected to another server process (say, one that restarted), the client
-    cannot know what the lost connection delivered: flush reports the publishes no
-    Pong confirmed as possibly lost, once."""
+    """Reconnected to a server process that never saw the lost connections (as after a
+    restart of the whole server), nobody can say what they delivered: the publisher
+    sends again the publishes no Pong confirmed that carry a uid, the subscriber drops
+    the copies of what it had received (by uid), and those without a uid are reported
+    as possibly lost."""
     other = start_server()
+    to_sub, to_pub = FaultProxy(server.address).start(), FaultProxy(server.address).start()
+    try:
 
-    async def main() -> None:
-        ev = Events()
-        options = {"ping_interval": None, "confirm_interval": 3600.0, **ev.options()}
-        async with broky.connect(proxy.address, **options) as client:
-            await client.publish(b"kp", b"x.y", b"warm")
-            await client.flush()
-            await client.flush()  # nothing dropped in between: succeeds
-            proxy.stall(True)
-            n = 30
-            for i in range(n):
-                await client.publish(b"kp", b"x.y", b"%d" % i)
-            await asyncio.sleep(0.1)
-            proxy.target = other.address  # the reconnect reaches a server that never saw it
-            proxy.cut()
-            proxy.stall(False)
-            await until(lambda: len(ev.reconnects) >= 1)
-            with pytest.raises(broky.BrokyConnectionError) as info:
-                await client.flush(timeout=20)
-            assert f"{n} publishes may not have reached the server" in str(info.value)
-            assert client.stats.unconfirmed_lost == n and client.stats.resent_after_loss == 0
-            assert any("the server has no account of it" in str(e) for e in ev.errors)
-            await client.flush()  # reported once: the next flush succeeds
+        async def main() -> None:
+            sev, pev = Events(), Events()
+            quiet = {"ping_interval": None, "confirm_interval": 3600.0}
+            async with (
+                broky.connect(to_sub.address, **sev.options()) as subscriber,
+                broky.connect(to_pub.address, **quiet, **pev.options()) as publisher,
+            ):
+                sub = await subscriber.subscribe("x.>")
+                await publisher.publish(b"kp", b"x.y", b"warm")
+                await publisher.flush()
+                assert len(await take(sub, 1)) == 1
+                for i in range(30):  # received, never confirmed to the publisher
+                    await publisher.publish(b"kp", b"x.y", b"%d" % i)
+                for i in range(5):
+                    await publisher.publish(b"kp", b"x.y", b"no-uid %d" % i, uid=False)
+                got = await take(sub, 35)
+                # Both move to a server process that knows nothing of them: the subscriber first.
+                to_sub.target = other.address
+                to_sub.cut()
+                await until(lambda: len(sev.reconnects) >= 1)
+                await subscriber.flush()
+                to_pub.target = other.address
+                to_pub.cut()
+                await until(lambda: len(pev.reconnects) >= 1)
+                with pytest.raises(broky.BrokyConnectionError) as info:
+                    await publisher.flush(timeout=20)
+                assert "5 publishes may not have reached the server" in str(info.value)
+                assert "without a uid" in str(info.value) or any(
+                    "without a uid" in str(e) for e in pev.errors
+                )
+                assert publisher.stats.resent_after_loss == 30 and publisher.stats.unconfirmed_lost == 5
+                await publisher.flush()  # reported once
+                with pytest.raises(broky.BrokyTimeoutError):
+                    await sub.next_msg(timeout=0.5)  # the 30 copies were dropped
+                assert subscriber.stats.duplicates_dropped == 30
+                assert [m.payload for m in got[:30]] == [b"%d" % i for i in range(30)]
 
-    run(main, timeout=60)
+        run(main, timeout=60)
+    finally:
+        to_sub.stop()
+        to_pub.stop()
 
 
 def test_control_frames_are_not_counted_as_unconfirmed_publishes(

@@ -3,7 +3,7 @@
 from broky.client.client import Client, ClientStats, ServerInfo, WorkerRef, connect
 from broky.client.subscription import Subscription
 from broky.client.sync import SyncClient, SyncSubscription, connect_sync
-from broky.client.url import ServerAddress, parse_server
+from broky.client.url import ServerAddress, parse_server, parse_servers
 
 __all__ = [
     "Client",
@@ -17,4 +17,5 @@ __all__ = [
     "connect",
     "connect_sync",
     "parse_server",
+    "parse_servers",
 ]

@@ -52,8 +52,8 @@ from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from broky.client.connection import open_connection, resolve
-from broky.client.link import Link, WorkerRef
+from broky.client.connection import WorkerProtocol, open_connection, resolve
+from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.publisher import Publisher
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
@@ -64,7 +64,7 @@ from broky.client.subscription import (
     Subscription,
 )
 from broky.client.subscription_table import SubscriptionTable
-from broky.client.url import ServerAddress, parse_server
+from broky.client.url import ServerAddress, parse_servers
 from broky.errors import (
     AuthenticationError,
     BrokyConnectionError,
@@ -74,7 +74,8 @@ from broky.errors import (
     ServerError,
 )
 from broky.matching import parse_pattern
-from broky.protocol import Hello, VBucketMap, Welcome
+from broky.protocol import Hello, MapApplied, VBucketMap, Welcome
+from broky.protocol.frames import encode_map_applied
 
 log = logging.getLogger("broky.client")
 
@@ -103,6 +104,10 @@ DEFAULT_MAX_OUTSTANDING_PINGS = 2
 # chunks kept for a resend stay small. One small Ping and Pong per 5 ms per
 # publishing connection; nothing per message.
 DEFAULT_CONFIRM_INTERVAL = 0.005
+# How long the uids of a lost connection's last deliveries are dropped on arrival
+# (publishers resend their unconfirmed publishes once they reach a server again:
+# after a reconnect, or after the cluster moved a dead node's vbuckets).
+DUPLICATE_WINDOW = 60.0
 
 
 class ServerInfo(NamedTuple):
@@ -164,7 +169,8 @@ class Client(Publisher):
             max_outstanding_pings=max_outstanding_pings,
             confirm_interval=confirm_interval,
         )
-        self.address: ServerAddress = parse_server(server)
+        self.seeds: list[ServerAddress] = parse_servers(server)
+        self.address: ServerAddress = self.seeds[0]  # the seed that answered the first Hello
         self.name = name
         self.auth_token = auth_token
         self.connect_timeout = connect_timeout
@@ -191,6 +197,9 @@ class Client(Publisher):
         self._connected = False
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
+        # uids that may arrive twice (see `_drop_duplicates`), read by Link.on_message
+        self._dupes: set[bytes] | None = None
+        self._dupes_timer: asyncio.TimerHandle | None = None
         super().__init__()  # the publish path's encoder and cache
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -201,6 +210,9 @@ class Client(Publisher):
 
     async def connect(self) -> Client:
         """Make the first connection (retrying until connect_timeout) and read the map.
+
+        With several seeds (a cluster's nodes), they are tried in turn, each
+        attempt bounded by a share of connect_timeout, until one answers.
 
         Returns:
             The client itself.
@@ -215,31 +227,52 @@ class Client(Publisher):
         self._check_open()
         if self._connected:
             return self
-        self._loop = asyncio.get_running_loop()
-        host, port = self.address
-        deadline = self._loop.time() + self.connect_timeout
+        self._loop = loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
         delay = self.reconnect_min_delay
         hello = Hello(client_name=self.name, auth_token=self.auth_token)
-        last: BrokyError | None = None
-        # once: a name that does not resolve is its own failure, not retried
-        addresses = await resolve(host, port, self.connect_timeout)
-        while True:
-            left = deadline - self._loop.time()
+        # once per seed: a name that does not resolve is its own failure, not retried
+        resolved: list[tuple[ServerAddress, list[str]]] = []
+        unresolved: list[BrokyConnectionError] = []
+        for seed in self.seeds:
             try:
-                proto, welcome = await open_connection(host, port, hello, max(left, 0.001), addresses)
+                resolved.append((seed, await resolve(seed.host, seed.port, self.connect_timeout)))
+            except BrokyConnectionError as exc:
+                unresolved.append(exc)
+        if not resolved:
+            raise (
+                unresolved[0]
+                if len(unresolved) == 1
+                else BrokyConnectionError("; ".join(map(str, unresolved)))
+            )
+        share = max(self.connect_timeout / len(resolved), 0.5)  # one dead seed must not use it all
+        last: BrokyError | None = None
+        found: tuple[ServerAddress, WorkerProtocol, Welcome] | None = None
+        while found is None:
+            for seed, addresses in resolved:
+                left = deadline - loop.time()
+                try:
+                    proto, welcome = await open_connection(
+                        seed.host, seed.port, hello, max(min(left, share), 0.001), addresses
+                    )
+                    found = (seed, proto, welcome)
+                    break
+                except ServerError:
+                    raise
+                except BrokyError as exc:
+                    if last is None or not isinstance(exc, BrokyTimeoutError):
+                        last = exc  # keep "connection refused" rather than the last short timeout
+            if found is not None:
                 break
-            except ServerError:
-                raise
-            except BrokyError as exc:
-                if last is None or not isinstance(exc, BrokyTimeoutError):
-                    last = exc  # keep "connection refused" rather than the last short timeout
-                left = deadline - self._loop.time()
-                if left <= 0:
-                    raise BrokyConnectionError(
-                        f"cannot connect to {self.address} within {self.connect_timeout:g} s: {last}"
-                    ) from None
-                await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
-                delay = min(delay * 2, self.reconnect_max_delay)
+            left = deadline - loop.time()
+            if left <= 0:
+                tried = ", ".join(str(seed) for seed, _ in resolved)
+                raise BrokyConnectionError(
+                    f"cannot connect to {tried} within {self.connect_timeout:g} s: {last}"
+                ) from None
+            await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
+            delay = min(delay * 2, self.reconnect_max_delay)
+        self.address, proto, welcome = found
         self._router.seed_node = welcome.node_id
         self._welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
@@ -325,15 +358,27 @@ class Client(Publisher):
                 # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
                 # the Pongs: once the map is fresh they are sent again; wait for those too.
                 router = self._router
-                while router.to_resend or (router.refreshing is not None and not router.refreshing.done()):
+                while (
+                    router.to_resend
+                    or router.settling
+                    or (router.refreshing is not None and not router.refreshing.done())
+                ):
                     if router.refreshing is not None:
                         await asyncio.shield(router.refreshing)
+                    if router.settling:  # vbuckets moving: their new owners write once settled
+                        await asyncio.wait(list(router.settling))
                     links, results = await self._round_trips()
         except TimeoutError:
             down = [link.ref.worker for link in self._router.links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
             raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
         problems: list[str] = []
+        retired, self._router.retired = self._router.retired, []
+        for link in retired:  # Links whose node left the map with publishes possibly lost
+            problems.append(
+                f"worker {link.ref.worker} of {link.ref.node_id} (left the cluster): {link.unconfirmed} "
+                "publishes may not have reached the server"
+            )
         for link, result in zip(links, results, strict=True):
             unconfirmed, link.unconfirmed = link.unconfirmed, 0
             if unconfirmed:
@@ -459,6 +504,65 @@ class Client(Publisher):
 
     def _subscription_limited(self, link: Link, err: ServerError) -> None:
         self._subscriptions.limited_by(link, err)
+
+    def _map_update(self, link: Link, vmap: VBucketMap) -> None:
+        self._router.take_map(vmap)
+        if self.server_info is not None and vmap.version > self.server_info.map.version:
+            self.server_info = self.server_info._replace(map=vmap, workers=sum(n.workers for n in vmap.nodes))
+
+    def _send_again(self, link: Link, frames: list[bytes]) -> None:
+        self._router.send_again(frames)
+
+    def _reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
+        if not resumed:  # publishers may send again what the lost connection delivered last
+            self._drop_duplicates(tail)
+        vmap = self._router.map
+        if link.subs and vmap is not None:  # after its Subscribes, on the same connection
+            link.send_control(encode_map_applied(MapApplied(vmap.version)))
+
+    def _map_applied(self, version: int) -> None:
+        if self._loop is None or self._closed:
+            return
+        task = self._loop.create_task(self._acknowledge(version))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _acknowledge(self, version: int) -> None:
+        """Say MapApplied(version) on every connection once every Link that carries
+        subscriptions has confirmed them (a round trip): the cluster moves vbuckets
+        only when its subscribers are in place (schema/README.md section 6.3)."""
+        carrying = [link for link in self._router.links.values() if link.subs]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.flush_timeout):
+                await asyncio.gather(*(self._confirm(link) for link in carrying))
+        vmap = self._router.map
+        if self._closed or vmap is None or vmap.version != version:
+            return  # superseded: the newer map says it
+        if any(link.proto is None and link.failed is None for link in carrying):
+            return  # not all in place: said when that Link reconnects (`_reconnected`)
+        frame = encode_map_applied(MapApplied(version))
+        for link in self._router.links.values():
+            link.send_control(frame)
+
+    def _drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
+        """The last deliveries of a connection lost without an account (the node is
+        gone, or the server restarted) may come again: publishers send again what
+        no server confirmed. Their uids are dropped on arrival for DUPLICATE_WINDOW
+        seconds (`stats.duplicates_dropped`)."""
+        uids = uids_in(tail)
+        if not uids:
+            return
+        if self._dupes is None:
+            self._dupes = uids
+        else:
+            self._dupes |= uids
+        if self._dupes_timer is not None:
+            self._dupes_timer.cancel()
+        self._dupes_timer = self._loop.call_later(DUPLICATE_WINDOW, self._forget_duplicates)
+
+    def _forget_duplicates(self) -> None:
+        self._dupes = None
+        self._dupes_timer = None
 
     # ---------------------------------------------------------------- callbacks
 

@@ -41,6 +41,10 @@ from broky.protocol.message import HEADER_UID
 # Inbound frames are deliveries (bounded by the server's max_frame_bytes) and
 # control frames; a Welcome with a large map is a few KiB.
 INBOUND_MAX_FRAME_BYTES = 64 << 20
+# Bytes of the last reads a connection keeps (by reference): what it received just
+# before being lost, the deliveries a publisher may send again (its unconfirmed
+# tail, a few milliseconds of publishes).
+TAIL_BYTES = 1 << 20
 WRITE_HIGH_WATER = 1 << 20
 
 _u32 = struct.Struct("<I").unpack_from
@@ -89,6 +93,11 @@ class WorkerProtocol(asyncio.Protocol):
         self.max_frame_bytes = INBOUND_MAX_FRAME_BYTES
         self._on_message: Callable[[Message], None] | None = None
         self._early: list[Frame] = []  # frames after the Welcome, before `attach`
+        # The last reads (data, end of its whole frames), about TAIL_BYTES: if the
+        # connection is lost without an account (broky.client.link), the uids of its
+        # last deliveries let the client drop the duplicates that resends may cause.
+        self.tail: list[tuple[bytes, int]] = []
+        self._tail_bytes = 0
         # shapes of deliveries met so far: (size, key offset, payload offset,
         # key_partition length) -> Shape, or None for a shape the fast read skips
         self._shapes: dict[tuple[int, int, int, int], Shape | None] = {}
@@ -178,6 +187,12 @@ class WorkerProtocol(asyncio.Protocol):
         except ProtocolError as exc:
             self._fail(exc)
             return
+        if pos:  # the tail: whole frames of the last reads, kept by reference (no copy)
+            tail = self.tail
+            tail.append((data, pos))
+            self._tail_bytes += pos
+            if self._tail_bytes > TAIL_BYTES and len(tail) > 1:
+                self._tail_bytes -= tail.pop(0)[1]
         if pos < n:
             self._partial = data[pos:]
 

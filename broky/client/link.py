@@ -88,16 +88,18 @@ from broky.protocol import (
     Goodbye,
     Hello,
     LossNotice,
+    MapUpdate,
     Message,
     Ping,
     Pong,
     PreviousConnection,
     Subscribe,
     Unsubscribe,
+    VBucketMap,
     Welcome,
 )
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
-from broky.protocol.message import BODY_MESSAGE, body_type
+from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body_type
 
 log = logging.getLogger("broky.client")
 _u32 = struct.Struct("<I").unpack_from
@@ -113,6 +115,18 @@ def publishes_in(chunk: bytes) -> list[bytes]:
             frames.append(chunk[pos:stop])
         pos = stop
     return frames
+
+
+def uids_in(tail: list[tuple[bytes, int]]) -> set[bytes]:
+    """The uids of the deliveries in a connection's tail (data, end of its whole frames)."""
+    uids: set[bytes] = set()
+    for data, end in tail:
+        pos = 0
+        while pos < end:
+            if data[pos + 4 : pos + 56] == HEADER_UID:  # every delivery is canonical
+                uids.add(data[pos + 80 : pos + 100])
+            pos += 4 + _u32(data, pos)[0]
+    return uids
 
 
 class InDoubt(NamedTuple):
@@ -158,6 +172,7 @@ class LinkOwner(Protocol):
     stats: ClientStats
     _loop: asyncio.AbstractEventLoop
     _closed: bool
+    _dupes: set[bytes] | None  # uids dropped on arrival (see Client._drop_duplicates)
 
     def _address_of(self, node_id: str) -> tuple[str, int]:
         """Where node `node_id` listens."""
@@ -170,6 +185,16 @@ class LinkOwner(Protocol):
 
     def _subscription_limited(self, link: Link, err: ServerError) -> None:
         """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT."""
+
+    def _map_update(self, link: Link, vmap: VBucketMap) -> None:
+        """`link`'s worker pushed a newer vbucket map."""
+
+    def _send_again(self, link: Link, frames: list[bytes]) -> None:
+        """Publishes `link` cannot deliver, for the owners of their key_partitions."""
+
+    def _reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
+        """`link` is connected again; `resumed`: the server had an account of the lost
+        connection; `tail`: the last reads of the lost connection (for duplicates)."""
 
     def _report(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
@@ -223,6 +248,10 @@ class Link:
         self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
+        self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
+        self.holds = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
+        self.front = 0  # frames at the head of `out` sent again for other Links, in order
+        self.retired = False  # its node left the map: no more reconnects
         self.outstanding = 0  # keepalive Pings sent since the last Pong
         self.keepalive: asyncio.TimerHandle | None = None
         self.up = asyncio.Event()
@@ -250,6 +279,7 @@ class Link:
             self.previous is None or resumed.connection_id != self.previous.connection_id
         ):
             resumed = None
+        lost_one = self.previous is not None
         self.previous = None
         self.settle(None if resumed is None else resumed.processed)
         # a new connection: count from zero (`out` holds publishes only while down)
@@ -269,6 +299,9 @@ class Link:
             self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
         self.up.set()
         self.tried.set()
+        if lost_one:
+            tail, self.tail = self.tail, []
+            client._reconnected(self, resumed is not None, tail)
         if reconnect:
             client.stats.reconnects += 1
             client._emit(client.on_reconnect, self.ref)
@@ -278,7 +311,7 @@ class Link:
         delay = client.reconnect_min_delay
         attempts = 0
         last: BaseException | None = None
-        while not client._closed:
+        while not client._closed and not self.retired:
             host, port = client._address_of(self.ref.node_id)
             hello = Hello(
                 worker=self.ref.worker,
@@ -294,7 +327,7 @@ class Link:
                 if isinstance(exc, ServerError):
                     client._report(exc)
             else:
-                if client._closed:
+                if client._closed or self.retired:
                     proto.abort()
                     return
                 self.attach(proto, welcome, reconnect)
@@ -317,7 +350,7 @@ class Link:
             return
         client = self.client
         if processed is None:
-            self._count_unconfirmed(doubt.written - doubt.confirmed, "the server has no account of it")
+            self._settle_unknown(doubt)
             return
         again: list[bytes] = []
         for chunk, first, count in doubt.retained:
@@ -330,6 +363,26 @@ class Link:
         lost = max(min(doubt.released, doubt.written) - processed, 0)  # let go of before the drop
         if lost:
             self._count_unconfirmed(lost, "they were no longer kept (memory bound)")
+
+    def _settle_unknown(self, doubt: InDoubt) -> None:
+        """The server has no account of the lost connection (another server process,
+        or a node that is gone): the unconfirmed publishes that carry a uid are sent
+        again, through the client's routing (subscribers drop the duplicates this
+        may cause, by uid); those without a uid may have been lost, and are counted."""
+        again: list[bytes] = []
+        for chunk, first, _count in doubt.retained:
+            frames = publishes_in(chunk)
+            again.extend(frames[max(doubt.confirmed - first, 0) :])
+        with_uid = [f for f in again if f[4:56] == HEADER_UID]
+        lost = doubt.written - doubt.confirmed - len(with_uid)
+        if with_uid:
+            self.client.stats.resent_after_loss += len(with_uid)
+            self.client._send_again(self, with_uid)
+        if lost > 0:
+            why = "the server has no account of it"
+            if len(again) > len(with_uid):
+                why += "; publishes without a uid are not sent twice"
+            self._count_unconfirmed(lost, why)
 
     def _count_unconfirmed(self, n: int, why: str) -> None:
         client = self.client
@@ -400,6 +453,7 @@ class Link:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
         if self.conn_id:
             self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost)
+            self.tail = proto.tail
         self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
         self.retained = collections.deque()
         self.retained_bytes = 0
@@ -485,9 +539,10 @@ class Link:
             self.flush_handle.cancel()
             self.flush_handle = None
         proto = self.proto
-        if proto is None or not self.out:
+        if proto is None or not self.out or self.holds:
             return
         out = self.out
+        self.front = 0
         published = len(out) - controls
         ping_id = 0
         if published:
@@ -521,17 +576,88 @@ class Link:
             self.retained_bytes -= len(chunk)
             self.released = first + count
 
-    def send_control(self, frame: bytes) -> None:
-        """Write a control frame now, after every publish queued before it (nothing while down)."""
+    def hold(self) -> None:
+        """Write nothing until `release`: a vbucket moves here, and what its old owner
+        refuses must be sent here before the publishes made since (broky.client.routing)."""
+        self.holds += 1
+
+    def release(self) -> None:
+        self.holds -= 1
+        if not self.holds and self.out and self.proto is not None:
+            self.flush_out()  # only publishes wait in `out` while held (`send_control`)
+
+    def send_first(self, frames: list[bytes]) -> None:
+        """Queue publishes sent again for another Link (refused, or left by a Link whose
+        node is gone) ahead of every publish queued since, after earlier ones of this kind."""
+        at = self.front
+        self.out[at:at] = frames
+        self.front = at + len(frames)
+        self.out_bytes += sum(len(f) for f in frames)
+        if self.proto is not None and not self.holds and self.flush_handle is None:
+            self.schedule_flush()
+
+    def retire(self) -> tuple[list[bytes], InDoubt | None, list[tuple[bytes, int]]]:
+        """Its node left the map: stop for good. Returns what it still held for others
+        to take over: publishes never written, the lost connection's unconfirmed ones,
+        and the tail of its last reads."""
+        self.retired = True
+        if self.task is not None:
+            self.task.cancel()
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        if self.keepalive is not None:
+            self.keepalive.cancel()
+            self.keepalive = None
+        out, self.out = self.out, []
+        self.out_bytes = 0
+        doubt, self.in_doubt = self.in_doubt, None
+        tail, self.tail = self.tail, []
         if self.proto is not None:
-            self.out.append(frame)
-            self.out_bytes += len(frame)
-            self.flush_out(1)
+            proto, self.proto = self.proto, None
+            proto.close()
+            tail = proto.tail
+            if self.written > self.confirmed:
+                doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
+        for fut, _ in self.pings.values():
+            if fut is not None and not fut.done():
+                fut.set_exception(
+                    BrokyConnectionError(f"worker {self.ref.worker} of {self.ref.node_id} left")
+                )
+        self.pings.clear()
+        self.up.set()
+        return [f for f in out if f[4:56] in (HEADER_UID, HEADER_NO_UID)], doubt, tail
+
+    def send_control(self, frame: bytes) -> None:
+        """Write a control frame now, after every publish queued before it (nothing while
+        down). While held (a move settles), it goes ahead of the held publishes: a
+        Subscribe must be in place before them, and a Ping covers what was written."""
+        proto = self.proto
+        if proto is None:
+            return
+        if self.holds:
+            proto.write(frame)
+            return
+        self.out.append(frame)
+        self.out_bytes += len(frame)
+        self.flush_out(1)
 
     def ping(self) -> asyncio.Future[None]:
         """Send a Ping now; the future is done when its Pong arrives."""
         fut: asyncio.Future[None] = self.client._loop.create_future()
         self._send_ping(fut)
+        return fut
+
+    def ping_now(self) -> asyncio.Future[None]:
+        """A Ping written at once, even while held: its Pong says the worker processed
+        every frame written before it (not those still in `out`)."""
+        fut: asyncio.Future[None] = self.client._loop.create_future()
+        if self.proto is None:
+            fut.set_exception(BrokyConnectionError(f"worker {self.ref.worker} is down"))
+            return fut
+        self.next_ping += 1
+        self.proto.write(encode_ping(Ping(self.next_ping)))
+        self.pings[self.next_ping] = (fut, self.written)
         return fut
 
     def _send_ping(self, fut: asyncio.Future[None] | None) -> None:
@@ -586,8 +712,13 @@ class Link:
 
     def on_message(self, msg: Message) -> None:
         self.received += 1
-        stats = self.client.stats
+        client = self.client
+        stats = client.stats
         stats.received += 1
+        dupes = client._dupes
+        if dupes is not None and msg.uid in dupes:
+            stats.duplicates_dropped += 1
+            return
         subs = self._matched.get(msg.key)
         if subs is None:
             subs = self.matcher.match(msg.key)
@@ -627,6 +758,8 @@ class Link:
             self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
             client._emit(client.on_loss, self.ref, frame.dropped, frame.reason)
+        elif isinstance(frame, MapUpdate):
+            client._map_update(self, frame.map)
         elif isinstance(frame, Goodbye):
             log.info("worker %s says goodbye: %s", self.ref, frame.reason)
             self.goodbye_processed = frame.processed

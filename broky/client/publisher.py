@@ -32,7 +32,9 @@ outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
 `publish` raises PublishBufferFullError (counted in `stats.refused`).
 
 `_publish_rows` is the Spark sink's bulk path: the fast path's steps in one
-loop over columns, without an await per row. `_send_encoded` queues a frame
+loop over columns, without an await per row; where `publish` would raise
+PublishBufferFullError (the owner is down, its buffer full) it waits for the
+owner to come back first, up to flush_timeout (`_room_for`). `_send_encoded` queues a frame
 the blocking client (broky.client.sync) encoded and size-checked in its
 caller's thread.
 """
@@ -40,6 +42,7 @@ caller's thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import time
 from collections.abc import Sequence
@@ -65,6 +68,7 @@ class Publisher:
     # check) and its Router.
     stats: ClientStats
     batch_size: int
+    flush_timeout: float
     _open: bool
     _router: Router
 
@@ -235,6 +239,7 @@ class Publisher:
                     frame = pack(head, _time_ns() if t is None else t, mid, uid_prefix, n, block, payload)
             except (LookupError, TypeError, struct.error):  # not cached, down, closed, odd types
                 uid = True if uid_prefix is None else uid_prefix + (uid_base + i).to_bytes(8, "little")
+                await self._room_for(kp, len(payload))
                 written = self._publish(kp, key, payload, t, uid)
                 if written is not None and written.proto is not None and written.proto.write_paused:
                     await written.proto.drain()
@@ -248,6 +253,23 @@ class Publisher:
                     await proto.drain()
             elif link.flush_handle is None:
                 link.schedule_flush()
+
+    async def _room_for(self, key_partition: Any, size: int) -> None:
+        """The bulk path's back-pressure: while the owner of `key_partition` is down
+        and its reconnect buffer cannot take `size` more bytes, wait for it to come
+        back (a worker restarting: a second or so), at most flush_timeout seconds;
+        then `_publish` raises PublishBufferFullError if it is still full."""
+        if not self._open or key_partition.__class__ not in (bytes, str):
+            return
+        kp = key_partition if isinstance(key_partition, bytes) else str(key_partition).encode()
+        link = self._router.owner_link(kp)
+        if link.proto is not None or link.failed is not None:
+            return
+        if link.out_bytes + size + 256 <= link.client.max_reconnect_buffer_bytes:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.flush_timeout):
+                await link.up.wait()
 
     async def _publish_general(
         self,

@@ -8,29 +8,52 @@ publish or a subscription needs that worker. `route` is a 1024-entry table,
 vbucket -> Link, filled on first use from the map (`fill`): a publish to
 `vbucket_of(key_partition)` costs one list index once its vbucket was seen.
 
-A Welcome (of any connection) whose map has another version makes the
-client adopt it (`apply`): the route table and the publish path's cache of
-Links are dropped, and the SubscriptionTable puts every subscription on the
-Links the new map names.
+Following the map. A server pushes every newer map to every connection
+(MapUpdate), and a Welcome carries the current one; a map with a higher
+version is adopted at once (`apply`):
+
+- the route table and the publish path's cache of Links are dropped;
+- vbuckets that changed owner (a node joined, left or died): the new
+  owner's Link is held (it writes nothing) until every Link that used to own
+  one of them has answered a round trip (`_settle_moves`): that old owner
+  processed, or refused with NOT_MY_VBUCKET, every publish sent to it before
+  (the refused ones come back in the Errors, before the Pong). The refused
+  publishes go to the new owner first (`Link.send_first`), then what was
+  published since: the order of one key_partition's publishes from this
+  client holds across the move. An old owner that is down has its buffered
+  publishes for the moved vbuckets handed over at once, in order, likewise;
+- a node that is no longer in the map: its Links are retired (`retire`):
+  their buffered publishes go to the new owners; their unconfirmed ones (no
+  server can account for them any more) are sent again if they carry a uid
+  (the client's subscribers drop the duplicates this may cause: see
+  broky.client.client `_drop_duplicates`), else counted as possibly lost;
+- the SubscriptionTable puts every subscription on the Links the new map
+  names, partition-scoped ones also on the owner their vbucket is moving to
+  (`incoming`), so that no delivery is missed while it moves;
+- once every Link carrying subscriptions has confirmed them (a round trip),
+  the client says MapApplied on every connection (broky.client.client): the
+  cluster moves vbuckets only when every subscriber is in place
+  (schema/README.md section 6.3).
 
 NOT_MY_VBUCKET: a worker refuses a subscription (the Error names its sid) or
 a publish (the Error carries the refused frame) for a vbucket it does not
-own. The client then fetches a fresh map (a new Hello to the seed node, on a
-connection of its own that is closed after the Welcome), adopts it and
-resends the refused publishes to their owner in it (`resend_refused`): in
-publish order per refusing worker, after anything published since to the
-new owner, so order per key_partition holds except across a map change.
-A refused publish is lost, counted in `stats.misrouted` and reported to
+own. If the Error's map version is not newer than the client's map, the map
+is current (the refusal followed a move the client already knows of): the
+publish goes to its owner now. Otherwise the client fetches a fresh map (a
+Hello to a node of the map, or a seed, on a connection of its own that is
+closed after the Welcome), adopts it, then resends (`resend_refused`). A
+refused publish is lost, counted in `stats.misrouted` and reported to
 `on_error`, when the server did not return its frame, when the frame is
-unreadable, when the map could not be refreshed, or when the fresh map
-still names the worker that refused it; one the new owner cannot take (it
-is down with a full buffer, or was given up) is counted in `stats.refused`.
-`flush` waits for the refresh and the resends.
+unreadable, when the map could not be refreshed, or when the fresh map still
+names the worker that refused it; one the new owner cannot take (it is down
+with a full buffer, or was given up) is counted in `stats.refused`. `flush`
+waits for the refresh and the resends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Protocol
 
 from broky.client.connection import open_connection
@@ -38,16 +61,35 @@ from broky.client.link import Link, LinkOwner, WorkerRef
 from broky.client.subscription_table import SubscriptionTable
 from broky.client.url import ServerAddress
 from broky.errors import BrokyConnectionError, BrokyError, ProtocolError, RemoteProtocolError, ServerError
-from broky.protocol import VBUCKETS, Hello, VBucketMap, route_message, vbucket_of
+from broky.protocol import NO_OWNER, VBUCKETS, Hello, VBucketMap, route_message, vbucket_of
 
 
 class RouterOwner(LinkOwner, Protocol):
     """What the Router needs from its client (`broky.client.client.Client` is one)."""
 
-    address: ServerAddress  # the seed server, as given to `connect`
+    address: ServerAddress  # the seed that answered the first Hello
+    seeds: list[ServerAddress]  # every seed given to `connect`
+    flush_timeout: float
 
     def _forget_routes(self) -> None:
         """Drop the publish path's cache of Links (the map changed)."""
+
+    def _map_applied(self, version: int) -> None:
+        """The map `version` is in place: say MapApplied once the subscriptions are confirmed."""
+
+    def _drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
+        """Publishers may send again what a lost connection delivered last: drop those uids."""
+
+
+def _owner_ref(vmap: VBucketMap, owner: tuple[int, int]) -> WorkerRef:
+    return WorkerRef(vmap.nodes[owner[0]].node_id, owner[1])
+
+
+def _kp(frame: bytes) -> bytes | None:
+    try:
+        return route_message(frame, 0, len(frame))[0]
+    except ProtocolError:
+        return None
 
 
 class Router:
@@ -59,8 +101,10 @@ class Router:
         self.map: VBucketMap | None = None
         self.route: list[Link | None] = [None] * VBUCKETS  # vbucket -> Link, filled by `fill`
         self.links: dict[WorkerRef, Link] = {}
-        self.seed_node = ""  # the node of the first connection; fresh maps are asked there
+        self.seed_node = ""  # the node of the first connection; the seed's address reaches it
         self.refreshing: asyncio.Task[None] | None = None
+        self.settling: set[asyncio.Task[None]] = set()  # moves waiting for old owners (`apply`)
+        self.retired: list[Link] = []  # retired Links with publishes possibly lost, until a flush
         # publishes refused with NOT_MY_VBUCKET, to resend once the map is fresh: (refused by, frame)
         self.to_resend: list[tuple[Link, bytes]] = []
 
@@ -78,6 +122,16 @@ class Router:
         """The Link of the worker that owns `partition`."""
         vb = vbucket_of(partition)
         return self.route[vb] or self.fill(vb)
+
+    def incoming_link(self, partition: bytes) -> Link | None:
+        """The Link of the worker `partition` is moving to, if it is moving."""
+        vmap = self.map
+        if vmap is None or vmap.incoming is None:
+            return None
+        owner = vmap.incoming[vbucket_of(partition)]
+        if owner == NO_OWNER:
+            return None
+        return self.link(*_owner_ref(vmap, owner))
 
     def all_links(self) -> list[Link]:
         """The Links of every worker of the map (opening those not open yet)."""
@@ -105,59 +159,159 @@ class Router:
     # ---------------------------------------------------------------- map changes
 
     def take_map(self, vmap: VBucketMap) -> None:
-        """The map of a Welcome: the first one, or a change to `apply`."""
+        """A map from a Welcome or a MapUpdate: the first one, or a newer one to `apply`."""
         if self.map is None:
             self.map = vmap
-        elif vmap.version != self.map.version:
+        elif vmap.version > self.map.version:
             self.apply(vmap)
 
     def apply(self, vmap: VBucketMap) -> None:
-        """Adopt a new map: re-route publishes, move subscriptions."""
-        self.map = vmap
+        """Adopt a newer map (see the module's header)."""
+        old, self.map = self.map, vmap
         self.route = [None] * VBUCKETS
         self.owner._forget_routes()
         self.owner.stats.map_refreshes += 1
-        self.subscriptions.follow_map(self.all_links, self.owner_link)
+        if old is not None:
+            self._hand_over(old, vmap)
+        self.subscriptions.follow_map(self.all_links, self.owner_link, self.incoming_link)
+        self.owner._map_applied(vmap.version)
+
+    def _hand_over(self, old: VBucketMap, new: VBucketMap) -> None:
+        """The vbuckets that changed owner: hold their new owners until the old ones
+        answered; retire the Links of nodes no longer in the map."""
+        moved: dict[Link, set[Link]] = {}  # new owner -> the old owners it waits for
+        moved_vbs: dict[Link, set[int]] = {}  # old owner -> the vbuckets it lost
+        for vb in range(VBUCKETS):
+            before = _owner_ref(old, old.owners[vb])
+            after = _owner_ref(new, new.owners[vb])
+            if before == after:
+                continue
+            old_link = self.links.get(before)
+            if old_link is None:
+                continue  # nothing was ever sent there
+            new_link = self.link(*after)
+            moved.setdefault(new_link, set()).add(old_link)
+            moved_vbs.setdefault(old_link, set()).add(vb)
+        for new_link in moved:
+            new_link.hold()
+        # Publishes an old owner has not written yet (it is down, or they wait for the
+        # next write): to their new owner now, ahead of anything published from now on.
+        for old_link, vbs in moved_vbs.items():
+            if old_link.out:
+                keep = []
+                for frame in old_link.out:
+                    kp = _kp(frame)
+                    if kp is not None and vbucket_of(kp) in vbs:
+                        self.owner_link(kp).send_first([frame])
+                    else:
+                        keep.append(frame)
+                old_link.out = keep
+                old_link.out_bytes = sum(len(f) for f in keep)
+        nodes = {n.node_id for n in new.nodes}
+        for ref, link in list(self.links.items()):
+            if ref.node_id not in nodes:
+                self.retire(link)
+        for new_link, olds in moved.items():
+            task = self.owner._loop.create_task(self._settle_moves(new_link, olds))
+            self.settling.add(task)
+            task.add_done_callback(self.settling.discard)
+
+    async def _settle_moves(self, new_link: Link, olds: set[Link]) -> None:
+        """Release `new_link` once every old owner of its new vbuckets answered a round
+        trip (their NOT_MY_VBUCKET refusals came back first and were resent)."""
+        try:
+            up = [o for o in olds if o.proto is not None and not o.retired]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.owner.flush_timeout):
+                    # a Ping written now, past anything held: an old owner may be held too
+                    await asyncio.gather(*(o.ping_now() for o in up), return_exceptions=True)
+            if self.to_resend:
+                self.resend_refused()
+        finally:
+            new_link.release()
+
+    def retire(self, link: Link) -> None:
+        """`link`'s node left the map: what it held goes to the new owners."""
+        del self.links[link.ref]
+        self.subscriptions.forget_link(link)
+        out, doubt, tail = link.retire()
+        if doubt is not None:
+            self.owner._drop_duplicates(tail)
+            link.in_doubt = doubt
+            link.settle(None)  # resends through `send_again`, or counts
+        self.send_again(out)
+        if link.unconfirmed:
+            self.retired.append(link)  # its possible losses, for the next flush
+
+    def send_again(self, frames: list[bytes]) -> None:
+        """Publishes a Link cannot deliver (its node is gone, or its connection was lost
+        without an account): each to the owner of its key_partition, ahead of newer ones."""
+        for frame in frames:
+            kp = _kp(frame)
+            if kp is not None:
+                self.owner_link(kp).send_first([frame])
 
     def not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
-        """A worker refused a subscription or a publish: fetch the map, then move the
-        subscription; a publish comes back in the Error and is sent again then."""
+        """A worker refused a subscription or a publish (see the module's header)."""
         if err.sid:
             self.subscriptions.refused(err.sid, link)
         elif refused is not None:
             self.to_resend.append((link, refused))
         else:  # a server that does not return the refused frame
             self.owner.stats.misrouted += 1
+        current = self.map is not None and err.map_version <= self.map.version
+        if current and not err.sid:
+            if self.settling:  # the move's settling resends, in order, after the round trips
+                return
+            if self.resend_refused(final=False):
+                return
+            # the map still names the worker that refused: ours is wrong after all
         if self.refreshing is None or self.refreshing.done():
             self.refreshing = self.owner._loop.create_task(self._refresh())
 
     async def _refresh(self) -> None:
+        """A fresh map from any node that answers: the seed node, the map's nodes, the seeds."""
         owner = self.owner
-        host, port = self.address_of(self.seed_node)
         hello = Hello(client_name=owner.name, auth_token=owner.auth_token)
-        try:
-            proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
-        except BrokyError as exc:
-            owner._report(BrokyConnectionError(f"cannot refresh the vbucket map: {exc}"))
-            self.resend_refused(refresh_failed=True)
+        candidates: list[tuple[str, int]] = [self.address_of(self.seed_node)]
+        if self.map is not None:
+            candidates += [(n.host, n.port) for n in self.map.nodes]
+        candidates += [(s.host, s.port) for s in owner.seeds]
+        last: BrokyError | None = None
+        for host, port in dict.fromkeys(candidates):
+            try:
+                proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+            except BrokyError as exc:
+                last = exc
+                continue
+            proto.close()
+            owner._welcome(welcome)
+            if self.map is None or welcome.map.version > self.map.version or welcome.map != self.map:
+                self.apply(welcome.map)  # newer, or ours was wrong (a worker refused what it named)
+            self.resend_refused()
             return
-        proto.close()
-        owner._welcome(welcome)
-        self.apply(welcome.map)
-        self.resend_refused()
+        owner._report(BrokyConnectionError(f"cannot refresh the vbucket map: {last}"))
+        self.resend_refused(refresh_failed=True)
 
-    def resend_refused(self, refresh_failed: bool = False) -> None:
-        """Send the publishes refused with NOT_MY_VBUCKET to their owner in the fresh map.
+    def resend_refused(self, refresh_failed: bool = False, final: bool = True) -> bool:
+        """Send the publishes refused with NOT_MY_VBUCKET to their owner in the current map.
 
-        In publish order per refusing worker (the Errors came in that order), after
-        anything published since to the new owner: order per key_partition holds
-        except across a map change. A publish the fresh map still routes to the
-        worker that refused it (or with no map) is dropped, counted in
-        `stats.misrouted` and reported.
+        In publish order per refusing worker (the Errors came in that order), ahead of
+        what was published since to the new owner (`Link.send_first`). A publish the
+        map still routes to the worker that refused it (or with no map) is dropped,
+        counted in `stats.misrouted` and reported; unless not `final`: then it, and
+        every later one, waits for a fresh map, and False is returned.
         """
         stats = self.owner.stats
         report = self.owner._report
         pending, self.to_resend = self.to_resend, []
+        if not final:
+            for i, (refused_by, frame) in enumerate(pending):
+                kp = _kp(frame)
+                if kp is not None and self.owner_link(kp) is refused_by:
+                    self.to_resend = pending[i:]
+                    pending = pending[:i]
+                    break
         for refused_by, frame in pending:
             try:
                 kp = route_message(frame, 0, len(frame))[0]
@@ -176,13 +330,13 @@ class Router:
                     )
                 )
                 continue
-            try:
-                link.send(frame)
-            except BrokyError as exc:  # the owner is down and its buffer is full, or given up
+            if link.failed is not None:  # given up
                 stats.refused += 1
-                report(exc)
+                report(link.gave_up_error())
                 continue
+            link.send_first([frame])
             stats.resent += 1
+        return not self.to_resend
 
     # ---------------------------------------------------------------- closing
 
@@ -190,6 +344,8 @@ class Router:
         """Close every Link; publishes they still buffer while down, and refused ones
         waiting for a fresh map, are dropped and counted in `stats.unsent_on_close`."""
         stats = self.owner.stats
+        for task in list(self.settling):
+            task.cancel()
         for link in self.links.values():
             stats.unsent_on_close += len(link.out) if link.proto is None else 0
             link.close()

@@ -33,6 +33,7 @@ class ClientStats:
     unsent_on_close: int = 0  # publishes still buffered for a down worker at close()
     reconnects: int = 0
     ping_timeouts: int = 0  # connections closed because max_outstanding_pings went unanswered
+    duplicates_dropped: int = 0  # deliveries dropped as copies of ones a lost connection delivered
     errors: int = 0
     map_refreshes: int = 0
 

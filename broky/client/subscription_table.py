@@ -11,7 +11,11 @@ when a subscription is made sends it when it comes back.
 
 When the map changes (`follow_map`), every all-partition subscription is
 added to the Links of workers that are new to the map, and every
-partition-scoped one moves to the Link that now owns its partition. A worker
+partition-scoped one moves to the Link that now owns its partition, and is
+also put on the Link its partition is moving to while it moves (the map's
+`incoming`): the cluster moves a vbucket only once its subscribers are on
+both (schema/README.md section 6.3). A Link retired with its node
+(`forget_link`) no longer carries anything. A worker
 that refuses a subscription with NOT_MY_VBUCKET (`refused`) drops it at
 once, without an Unsubscribe; the map refresh that follows moves it to its
 owner, or reports it when the fresh map still names the refusing worker. A
@@ -92,13 +96,31 @@ class SubscriptionTable:
         limited = self.limited.get(sub.sid)
         return limited is not None and link in limited[1]
 
-    def follow_map(self, all_links: Callable[[], list[Link]], owner_link: Callable[[bytes], Link]) -> None:
+    def forget_link(self, link: Link) -> None:
+        """`link` is retired (its node left the map): it carries no subscription any more."""
+        for links in self.links.values():
+            if link in links:
+                links.remove(link)
+        for refused in list(self.limited.values()):
+            if link in refused[1]:
+                refused[1].remove(link)
+        if self.rejected:
+            for sid in [sid for sid, by in self.rejected.items() if by is link]:
+                del self.rejected[sid]
+
+    def follow_map(
+        self,
+        all_links: Callable[[], list[Link]],
+        owner_link: Callable[[bytes], Link],
+        incoming_link: Callable[[bytes], Link | None] = lambda kp: None,
+    ) -> None:
         """Put each subscription on the Links a new map says (see the module's header).
 
         Args:
             all_links: the Links of every worker of the map (opening those not open yet);
                 called only if there is an all-partition subscription.
             owner_link: the Link of the worker that owns a key_partition.
+            incoming_link: the Link of the worker a key_partition is moving to, or None.
         """
         all_partition = [s for s in self.subs.values() if s.partition is None]
         if all_partition:
@@ -111,8 +133,11 @@ class SubscriptionTable:
             if sub.partition is None:
                 continue
             owner = owner_link(sub.partition)
+            incoming = incoming_link(sub.partition)
+            wanted = [owner] if incoming is None or incoming is owner else [owner, incoming]
+            wanted = [link for link in wanted if not self._limited_on(sub, link)]
             current = self.links.get(sub.sid, [])
-            if current == [owner] or self._limited_on(sub, owner):
+            if current == wanted:
                 continue
             rejected_by = self.rejected.pop(sub.sid, None)
             if rejected_by is owner:
@@ -121,9 +146,12 @@ class SubscriptionTable:
                 )
                 continue
             for link in current:
-                link.remove_sub(sub)
-            owner.add_sub(sub)
-            self.links[sub.sid] = [owner]
+                if link not in wanted:
+                    link.remove_sub(sub)
+            for link in wanted:
+                if link not in current:
+                    link.add_sub(sub)
+            self.links[sub.sid] = wanted
 
     def close(self) -> None:
         """The client is closing: end every subscription (iterators end after what was received)."""

@@ -1,4 +1,5 @@
-"""Server addresses: `broky://host:port`, `host:port`, `host` or `[v6]:port`."""
+"""Server addresses: `broky://host:port`, `host:port`, `host` or `[v6]:port`;
+a cluster's seeds are several, separated by commas (`h1:4777,h2:4777`)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,32 @@ def parse_server(url: str | None) -> ServerAddress:
     if not 0 < port < 65536:
         raise ValueError(f"port {port} in {url!r} is out of range 1..65535")
     return ServerAddress(host, port)
+
+
+def parse_servers(text: str | None) -> list[ServerAddress]:
+    """Parse one address or a comma-separated list of seeds (any node of a cluster);
+    None means $BROKY_SERVER (which may hold a list too) or 127.0.0.1:4777.
+
+    ``broky://h1:4777,h2:4777`` gives the scheme once, for every seed; so does
+    ``broky://h1,broky://h2``.
+
+    Raises:
+        ValueError: an entry is not a server address, or the list is empty.
+    """
+    if text is None:
+        text = os.environ.get(ENV_SERVER) or f"{DEFAULT_HOST}:{DEFAULT_PORT}"
+    body = text.strip()
+    scheme = ""
+    if body.lower().startswith(SCHEME):
+        scheme, body = SCHEME, body[len(SCHEME) :]
+    parts = [p.strip() for p in body.split(",")]
+    if not any(parts):
+        raise ValueError(f"no server address in {text!r}")
+    if not all(parts):
+        raise ValueError(f"empty entry in the server list {text!r}")
+    seeds: list[ServerAddress] = []
+    for part in parts:
+        address = parse_server(part if "://" in part else scheme + part)
+        if address not in seeds:
+            seeds.append(address)
+    return seeds
