@@ -36,6 +36,7 @@ class ErrorCode(enum.IntEnum):
     SERVER_BUSY = _WireErrorCode.SERVER_BUSY
     INTERNAL = _WireErrorCode.INTERNAL
     SUBSCRIPTION_LIMIT = _WireErrorCode.SUBSCRIPTION_LIMIT
+    BAD_SID = _WireErrorCode.BAD_SID
 
 
 class BrokyError(Exception):

@@ -167,12 +167,14 @@ def test_subscription_errors_are_not_fatal(server: ServerProcess) -> None:
         w.subscribe(1, b"b")
         w.subscribe(2, b"a.>.b")
         w.subscribe(3, b"a..b")
+        w.subscribe(0, b"a")  # sid 0 is reserved: an Error's sid 0 means "no subscription"
         w.unsubscribe(42)
         codes = [(f.code, f.sid) for f in w.flush() if isinstance(f, Error)]
         assert codes == [
             (ErrorCode.DUPLICATE_SID, 1),
             (ErrorCode.BAD_PATTERN, 2),
             (ErrorCode.BAD_PATTERN, 3),
+            (ErrorCode.BAD_SID, 0),
             (ErrorCode.UNKNOWN_SID, 42),
         ]
         w.publish(KP0, b"a")

@@ -239,14 +239,17 @@ def _field(value: bytes) -> str | dict[str, str]:
 
 
 def message_json(msg: Message) -> str:
-    """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...}."""
+    """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...}.
+
+    The nanosecond timestamps are strings: they exceed 2**53, which JavaScript's
+    JSON.parse (and any reader with float64 numbers) would round silently."""
     return json.dumps(
         {
             "key_partition": _field(msg.key_partition),
             "key": _field(msg.key),
             "payload": _field(msg.payload),
-            "ts_producer": msg.ts_producer,
-            "ts_broker": msg.ts_broker,
+            "ts_producer": str(msg.ts_producer),
+            "ts_broker": str(msg.ts_broker),
             "uid": msg.uid_text,
         },
         ensure_ascii=False,

@@ -41,6 +41,8 @@ class ErrorCode(object):
     # A Subscribe over the connection's subscription limits (count or bytes);
     # not fatal, sid set, no subscription created.
     SUBSCRIPTION_LIMIT = 18
+    # A Subscribe with sid 0 (reserved: an Error's sid 0 means no subscription).
+    BAD_SID = 19
 
 
 class LossReason(object):
@@ -795,7 +797,7 @@ class Subscribe(object):
     def Init(self, buf, pos):
         self._tab = flatbuffers.table.Table(buf, pos)
 
-    # Client-chosen id, unique on the connection.
+    # Client-chosen id, unique on the connection, from 1 (0 gets BAD_SID).
     # Subscribe
     def Sid(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
@@ -1066,7 +1068,7 @@ class Error(object):
             return self._tab.String(o + self._tab.Pos)
         return None
 
-    # Current VBucketMap.version (set with NOT_MY_VBUCKET).
+    # The server's VBucketMap.version: set in every Error after the handshake.
     # Error
     def MapVersion(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -1082,7 +1084,7 @@ class Error(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
-    # The subscription concerned, if any.
+    # The subscription concerned, 0 for none (sids start at 1).
     # Error
     def Sid(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))

@@ -1108,6 +1108,9 @@ class Shard:
             self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
 
     def subscribe(self, c: Connection, sub: Subscribe) -> None:
+        if not sub.sid:
+            self.error(c, ErrorCode.BAD_SID, "sid 0 is reserved (an Error's sid 0 means no subscription)")
+            return
         if sub.sid in c.subs:
             self.error(c, ErrorCode.DUPLICATE_SID, f"sid {sub.sid} is already in use", sub.sid)
             return
