@@ -26,11 +26,25 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from broky.server.accounts import Account
-    from broky.server.fanout import Shard, Subscription
+    from broky.server.config import ServerConfig
+
+
+class Shard(Protocol):
+    """What a Connection tells its worker's shard (broky.server.fanout.Shard is one):
+    this module knows the shard through this, so that nothing imports back."""
+
+    config: ServerConfig
+
+    def opened(self, c: Connection) -> None: ...
+    def feed(self, c: Connection, data: bytes) -> None: ...
+    def eof(self, c: Connection) -> bool: ...
+    def lost(self, c: Connection, exc: Exception | None) -> None: ...
+    def drained(self, c: Connection) -> None: ...
+
 
 OPEN = 1
 CLOSING = 2  # a final frame was written; waiting for the peer's EOF or the linger deadline
@@ -131,3 +145,18 @@ class Connection(asyncio.Protocol):
 
     def __repr__(self) -> str:
         return f"<Connection {self.conn_id} {self.peer}>"
+
+
+class Subscription:
+    """One subscription of one connection (hashed by identity)."""
+
+    __slots__ = ("conn", "sid", "pattern", "key_partition", "size")
+
+    def __init__(
+        self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None, size: int = 0
+    ) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.pattern = pattern
+        self.key_partition = key_partition
+        self.size = size  # charged against --max-subscription-bytes (`subscription_size`)

@@ -174,7 +174,7 @@ from broky.protocol.table import Buffer
 from broky.server import memory
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
-from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
+from broky.server.connection import CLOSED, CLOSING, OPEN, Connection, Subscription
 from broky.server.logs import Throttle
 
 log = logging.getLogger("broky.worker")
@@ -212,21 +212,6 @@ def _is_message(buf: Buffer, pos: int, end: int) -> bool:
         return body_type(buf, pos, end) == BODY_MESSAGE
     except RemoteProtocolError:
         return False
-
-
-class Subscription:
-    """One subscription of one connection (hashed by identity)."""
-
-    __slots__ = ("conn", "sid", "pattern", "key_partition", "size")
-
-    def __init__(
-        self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None, size: int = 0
-    ) -> None:
-        self.conn = conn
-        self.sid = sid
-        self.pattern = pattern
-        self.key_partition = key_partition
-        self.size = size  # charged against --max-subscription-bytes (`subscription_size`)
 
 
 def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) -> int:
