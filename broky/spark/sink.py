@@ -130,8 +130,8 @@ class ClientConfig:
     """The SDK settings every task uses; built on the driver from the options.
 
     Attributes:
-        servers: ``host:port`` addresses to try in order (option ``broky.servers``,
-            comma-separated, like Kafka's ``bootstrap.servers``).
+        servers: ``host:port`` seeds (option ``broky.servers``, comma-separated, like
+            Kafka's ``bootstrap.servers``): any node of a cluster, or the one server.
         name: client name prefix; each task appends its partition and attempt.
         auth_token: option ``broky.auth.token``.
         connect_timeout: seconds, option ``broky.connect.timeout.ms``.
@@ -175,7 +175,7 @@ class ClientConfig:
         )
 
     async def connect(self, name: str, **callbacks: Any) -> Any:
-        """Connect to the first server that answers; return the asyncio client.
+        """Connect through the seeds (the SDK tries them in turn); return the asyncio client.
 
         Args:
             name: the client's name.
@@ -186,21 +186,18 @@ class ClientConfig:
         """
         import broky
 
-        errors = []
-        for server in self.servers:
-            try:
-                return await broky.connect(
-                    server,
-                    name=name,
-                    auth_token=self.auth_token,
-                    connect_timeout=self.connect_timeout,
-                    flush_timeout=self.flush_timeout,
-                    **self.sdk_options,
-                    **callbacks,
-                )
-            except BrokyConnectionError as exc:
-                errors.append(f"{server}: {exc}")
-        raise BrokyConnectionError(f"broky sink: no broker reachable ({'; '.join(errors)})")
+        try:
+            return await broky.connect(
+                ",".join(self.servers),
+                name=name,
+                auth_token=self.auth_token,
+                connect_timeout=self.connect_timeout,
+                flush_timeout=self.flush_timeout,
+                **self.sdk_options,
+                **callbacks,
+            )
+        except BrokyConnectionError as exc:
+            raise BrokyConnectionError(f"broky sink: no broker reachable ({exc})") from None
 
 
 @dataclass(frozen=True)
