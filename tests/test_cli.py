@@ -88,6 +88,22 @@ def test_sub_json_and_partition(server: ServerProcess, subs: list[SubProcess]) -
     assert len(record["uid"]) == 27
 
 
+def test_server_takes_a_list_of_seeds(
+    server: ServerProcess, subs: list[SubProcess], unused_port: int
+) -> None:
+    # the first seed answers nothing: both commands try the next one
+    seeds = f"127.0.0.1:{unused_port},{server.host}:{server.port}"
+    sub = SubProcess("seeds.k", "--count", "2", "--server", seeds)
+    subs.append(sub)
+    pub = broky_cli("pub", "seeds.k", "--server", f"broky://{seeds}", stdin=b"a\nb\n")
+    assert pub.returncode == 0, pub.stderr
+    code, out, err = sub.finish()
+    assert code == 0, err
+    assert out == b"a\nb\n"
+    done = broky_cli("pub", "k", "x", "--server", f"{server.host}:{server.port},")
+    assert done.returncode == 2 and b"empty entry in the server list" in done.stderr, done.stderr
+
+
 def test_info_shows_the_map(server: ServerProcess) -> None:
     pub = broky_cli("pub", "k", "--server", server.url, stdin=b"1\n2\n3\n")
     assert pub.returncode == 0, pub.stderr

@@ -26,7 +26,7 @@ from typing import Any
 
 from broky.client.client import Client, connect
 from broky.client.sync import connect_sync
-from broky.client.url import parse_server
+from broky.client.url import parse_servers
 from broky.errors import BrokyError
 from broky.matching import parse_pattern
 from broky.protocol import LossReason, Message
@@ -44,7 +44,7 @@ DEFAULT_METRICS_PORT = 9477
 
 def _server(text: str) -> str:
     try:
-        parse_server(text)
+        parse_servers(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -117,7 +117,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         type=_server,
         default=None,
-        help="broky://host:port or host:port (default: $BROKY_SERVER, else 127.0.0.1:4777)",
+        help=(
+            "broky://host:port or host:port, or a comma-separated list of seeds (any nodes of a cluster) "
+            "(default: $BROKY_SERVER, else 127.0.0.1:4777)"
+        ),
     )
     p.add_argument(
         "--auth-token", metavar="TOKEN", default=None, help=f"the server's auth token (default: ${ENV_TOKEN})"
@@ -215,7 +218,7 @@ def cmd_pub(args: argparse.Namespace) -> int:
     key: bytes = args.key
     partition: bytes = args.partition if args.partition is not None else key
     try:
-        parse_server(args.server)  # $BROKY_SERVER
+        parse_servers(args.server)  # $BROKY_SERVER
         with connect_sync(args.server, **_options(args, "broky-pub")) as client:
             if args.payload is not None:
                 client.publish(partition, key, os.fsencode(args.payload))
@@ -299,7 +302,7 @@ async def _sub(args: argparse.Namespace) -> int:
 
 def cmd_sub(args: argparse.Namespace) -> int:
     try:
-        parse_server(args.server)  # $BROKY_SERVER
+        parse_servers(args.server)  # $BROKY_SERVER
         return _run(_sub(args))
     except (BrokyError, ValueError) as exc:
         return _fail("sub", exc)
@@ -408,7 +411,7 @@ async def _info(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     try:
-        parse_server(args.server)
+        parse_servers(args.server)
         return _run(_info(args))
     except (BrokyError, ValueError) as exc:
         return _fail("info", exc)
