@@ -269,6 +269,7 @@ class ClusterNode:
         self.etcd_up = True
         self.etcd_error = ""
         self._lost_logged = False
+        self.leader = None  # leadership starts again (and settles) with every session
         self._wake.set()
 
     def _lost(self, etcd: Etcd, exc: EtcdError) -> None:
@@ -372,15 +373,11 @@ class ClusterNode:
                 raise _LeaseLost
             self.registered_state = self.record.state
             log.info("member %r is now %s", self.node_id, self.record.state)
-        vmap = self.host.vmap
-        if (
-            vmap.incoming is not None
-            and vmap.version > self.reported_ready
-            and await self.host.map_ready(vmap.version)
-        ):
-            await etcd.put(self.keys.ready_of(self.node_id), encode_ready(vmap.version), self.lease)
-            self.reported_ready = vmap.version
-            log.info("ready for map version %d: every worker and subscriber follows it", vmap.version)
+        if await self._ready_for_move():
+            version = self.host.vmap.version
+            await etcd.put(self.keys.ready_of(self.node_id), encode_ready(version), self.lease)
+            self.reported_ready = version
+            log.info("ready for map version %d: every worker and subscriber follows it", version)
         leader = leader_of(self.members.values())
         if leader != self.leader:
             self.leader = leader
@@ -393,6 +390,14 @@ class ClusterNode:
             await self._lead(etcd)
         if self.draining and not self.drained.is_set():
             self._check_drained()
+
+    async def _ready_for_move(self) -> bool:
+        """The applied map prepares a move, not reported yet, and every worker and subscriber
+        follows it (and it was not overtaken while the workers answered)."""
+        vmap = self.host.vmap
+        if vmap.incoming is None or vmap.version <= self.reported_ready:
+            return False
+        return await self.host.map_ready(vmap.version) and self.host.vmap.version == vmap.version
 
     async def _lead(self, etcd: Etcd) -> None:
         now = time.monotonic()
