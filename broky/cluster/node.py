@@ -149,6 +149,9 @@ class ClusterNode:
         self._wake = asyncio.Event()
         self._endpoint = 0
         self._lost_logged = False
+        self._was_up = False  # connected once at least (then a reconnection is "etcd is back")
+        self._generation = 0  # changes seen in etcd (watch events, resyncs)
+        self._planned = -1  # the generation the leader last planned from
 
     @property
     def is_leader(self) -> bool:
@@ -259,7 +262,7 @@ class ClusterNode:
     def _up(self, etcd: Etcd) -> None:
         if self.etcd_up:
             return
-        if self.lost_at:
+        if self._was_up:
             log.warning(
                 "etcd is back (%s) after %.1f s; member %r (lease %x)",
                 etcd, time.monotonic() - self.lost_at, self.node_id, self.lease,
@@ -267,9 +270,11 @@ class ClusterNode:
         else:
             log.info("connected to etcd at %s", etcd)
         self.etcd_up = True
+        self._was_up = True
         self.etcd_error = ""
         self._lost_logged = False
         self.leader = None  # leadership starts again (and settles) with every session
+        self._planned = -1
         self._wake.set()
 
     def _lost(self, etcd: Etcd, exc: EtcdError) -> None:
@@ -314,6 +319,7 @@ class ClusterNode:
 
     def _take(self, event: Event) -> None:
         """Update the copy of etcd's state with one event (a resync feeds every key as a PUT)."""
+        self._generation += 1
         kv = event.kv
         key = kv.key
         if key.startswith(self.keys.members):
@@ -407,6 +413,9 @@ class ClusterNode:
             self.prepared = (current.version, now)
         if current is not None and now - self.leading_since < LEADER_SETTLE:
             return
+        if current is not None and current.incoming is None and self._generation == self._planned:
+            return  # nothing changed since the last plan (a prepared move is looked at every time)
+        self._planned = self._generation
         timed_out = (
             current is not None
             and self.prepared is not None
