@@ -7,6 +7,7 @@ bounded by 20 s. etcd is Debian's etcd-server, which `./run test` installs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from tests.cluster import (
     EtcdServer,
     assert_versions_grow,
     free_port,
+    http_get,
     kp_owned_by,
     moved_between,
     moving,
@@ -75,6 +77,17 @@ def test_three_nodes_agree_then_a_fourth_joins_and_one_drains(cluster: Cluster) 
         assert node["state"] == "serving" and node["workers"] == 2 and node["lease_ttl_seconds"] > 0
         assert [w["vbuckets"] for w in node["worker_vbuckets"]] == views[node["node_id"]]["vbuckets"]
         assert node["port"] == cluster.nodes[node["node_id"]].port
+    metrics = http_get(cluster.nodes["a"].metrics_port, "/metrics")[1].decode()
+    for line in (
+        f"broky_cluster_map_version {version}.0",
+        "broky_cluster_members 3.0",
+        "broky_cluster_leader 1.0",
+        "broky_cluster_etcd_up 1.0",
+        "broky_cluster_map_moving 0.0",
+        f'broky_vbuckets_owned{{worker="1"}} {views["a"]["vbuckets"][1]}.0',
+    ):
+        assert line in metrics.splitlines(), line
+    assert "broky_cluster_leader 0.0" in http_get(cluster.nodes["b"].metrics_port, "/metrics")[1].decode()
     text = cluster.status()
     assert text.returncode == 0 and f"map       version {version}, stable, 3 node(s)" in text.stdout
     assert "a     127.0.0.1:" in text.stdout and "serving (leader)" in text.stdout
@@ -287,3 +300,8 @@ def test_a_single_node_never_loads_grpc(start_server: object) -> None:
     server = start_server()  # type: ignore[operator]
     maps = Path(f"/proc/{server.pid}/maps").read_text()
     assert "cygrpc" not in maps and "grpc" not in maps
+    metrics = http_get(server.metrics_port, "/metrics")[1].decode()
+    assert 'broky_vbuckets_owned{worker="0"} 512.0' in metrics and "broky_cluster_" not in metrics
+    stats = json.loads(http_get(server.metrics_port, "/stats")[1])
+    assert stats["cluster"] is None and stats["map_version"] == 1
+    assert stats["master"]["vbuckets_owned"] == [512, 512]

@@ -110,13 +110,13 @@ class Etcd:
             raise _error(exc) from None
         return int(got.header.revision), [_kv(kv) for kv in got]
 
-    async def grant(self, ttl: int) -> int:
-        """A new lease of `ttl` seconds (etcd may raise it to its minimum); its id."""
+    async def grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease of `ttl` seconds: (its id, the TTL granted: etcd may raise it to its minimum)."""
         try:
             lease = await self.client.lease(ttl)
         except (aetcd.ClientError, TimeoutError, OSError) as exc:
             raise _error(exc) from None
-        return int(lease.id)
+        return int(lease.id), int(lease.ttl)
 
     async def keepalive(self, lease: int) -> int:
         """Refresh a lease; its TTL in seconds, <= 0 when it is gone (expired or revoked)."""

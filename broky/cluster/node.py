@@ -207,7 +207,7 @@ class ClusterNode:
                     return
             log.warning("this node's lease expired while etcd was unreachable: joining again as a new member")
             self._forget_lease()
-        self.lease = await etcd.grant(self.ttl)
+        self.lease, granted = await etcd.grant(self.ttl)
         waiting_since = 0.0
         limit = 0.0
         while True:
@@ -218,7 +218,7 @@ class ClusterNode:
                 self.registered_state = self.record.state
                 log.info(
                     "registered as member %r of %s (lease %x, ttl %d s)",
-                    self.node_id, self.url, self.lease, self.ttl,
+                    self.node_id, self.url, self.lease, granted,
                 )  # fmt: skip
                 return
             if kv is None:  # deleted meanwhile: try again at once
