@@ -253,8 +253,7 @@ class ClusterNode:
         revision, kvs = await etcd.get_prefix(self.keys.prefix)
         self.members.clear()
         self.ready.clear()
-        if not any(kv.key == self.keys.map for kv in kvs):
-            self.map, self.map_revision = None, 0
+        self.map, self.map_revision = None, 0  # as etcd has it now (applied only if newer)
         for kv in kvs:
             self._take(Event(PUT, kv))
         return revision
