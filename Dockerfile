@@ -10,7 +10,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY broky ./broky
-RUN pip install . && rm -rf /src
+# With the cluster extra (the etcd client): `broky serve --cluster etcd://...` works in the image.
+RUN pip install ".[cluster]" && rm -rf /src
 
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin broky
 USER broky

@@ -1,7 +1,8 @@
-"""The `broky` command: serve, pub, sub, info.
+"""The `broky` command: serve, pub, sub, info, cluster status.
 
 Each subcommand lives with its concern and registers itself here:
-broky.server.cli (serve), broky.client.cli (pub, sub, info). The benchmark
+broky.server.cli (serve), broky.client.cli (pub, sub, info),
+broky.cluster.cli (cluster status). The benchmark
 harness is `python -m bench` in a source checkout.
 """
 
@@ -18,7 +19,7 @@ from typing import NoReturn
 from broky import __version__
 
 # module that defines register(subparsers) for each group of subcommands
-_COMMAND_MODULES = ("broky.server.cli", "broky.client.cli")
+_COMMAND_MODULES = ("broky.server.cli", "broky.client.cli", "broky.cluster.cli")
 
 
 class Parser(argparse.ArgumentParser):

@@ -53,6 +53,21 @@ def test_connection_limits_and_the_reply_bound() -> None:
         parse(["--max-subscriptions", "0"])
 
 
+def test_cluster_settings() -> None:
+    cfg = parse([])
+    assert cfg.cluster is None  # a single node
+    assert (cfg.lease_ttl, cfg.move_timeout, cfg.drain_timeout) == (5, 10.0, 20.0)
+    env = {"BROKY_CLUSTER": "etcd://e1:2379,e2/prod", "BROKY_NODE_ID": "n1", "BROKY_LEASE_TTL": "3"}
+    cfg = parse(["--move-timeout", "2.5", "--drain-timeout", "9"], env)
+    assert (cfg.cluster, cfg.node_id, cfg.lease_ttl) == ("etcd://e1:2379,e2/prod", "n1", 3)
+    assert (cfg.move_timeout, cfg.drain_timeout) == (2.5, 9.0)
+    assert parse(["--cluster", "etcd://x:1"], env).cluster == "etcd://x:1"  # the flag wins
+    with pytest.raises(ValueError, match="BROKY_CLUSTER"):
+        parse([], {"BROKY_CLUSTER": "http://e1:2379"})
+    with pytest.raises(SystemExit):
+        parse(["--lease-ttl", "0"])
+
+
 def test_environment_then_flags() -> None:
     env = {
         "BROKY_PORT": "5000",
@@ -130,7 +145,8 @@ def test_serve_help_lists_every_flag() -> None:
     assert proc.returncode == 0
     flags = (
         "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes max-reply-bytes "
-        "max-subscriptions max-subscription-bytes log-level log-format"
+        "max-subscriptions max-subscription-bytes log-level log-format cluster lease-ttl move-timeout "
+        "drain-timeout"
     )
     for flag in flags.split():
         assert f"--{flag} ".encode() in proc.stdout
@@ -149,7 +165,7 @@ def test_environment_reaches_a_real_server_and_json_logs(start_server: Any) -> N
 def test_dockerfile_matches_the_cli() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert re.search(r"^RUN pip install \.", text, re.M)
+    assert re.search(r'^RUN pip install "\.\[cluster\]"', text, re.M)  # the image can join a cluster
     user = re.search(r"^USER (\S+)", text, re.M)
     assert user and user.group(1) not in ("root", "0")
     assert re.search(r"^RUN useradd .*\b" + user.group(1) + r"$", text, re.M)

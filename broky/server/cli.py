@@ -32,6 +32,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"broky serve: {exc}", file=sys.stderr)
         return 2
+    if cfg.cluster and not _etcd_client_installed():
+        print(
+            "broky serve: --cluster needs the etcd client, which is not installed: "
+            "pip install 'broky[cluster]'",
+            file=sys.stderr,
+        )
+        return 2
     from broky.server.logs import setup_logging
     from broky.server.master import serve
 
@@ -39,3 +46,11 @@ def run(args: argparse.Namespace) -> int:
     for message in warnings:
         logging.getLogger("broky.master").warning("%s", message)
     return serve(cfg)
+
+
+def _etcd_client_installed() -> bool:
+    try:
+        import aetcd  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -61,6 +61,13 @@ class ServerConfig:
     slow_consumer_deadline: float = 10.0
     shutdown_timeout: float = 4.0
     restart_grace: float = 3.0
+    # Cluster mode (broky.cluster.node): etcd://HOST:PORT[,HOST:PORT...][/PREFIX], None = a single node.
+    cluster: str | None = None
+    lease_ttl: int = 5  # seconds of the member key's etcd lease (kept alive every third of it)
+    move_timeout: float = 10.0  # the leader commits a prepared move after this long without every ready
+    # SIGTERM: seconds to hand the vbuckets over before stopping anyway. With the shutdown's own
+    # 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
+    drain_timeout: float = 20.0
 
     def advertised_host(self) -> str:
         """The host clients should dial, as written in the vbucket map."""
@@ -107,6 +114,17 @@ def _seconds_or_zero(text: str) -> float:
     if not value >= 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {value}")
     return value
+
+
+def _cluster(text: str) -> str:
+    """An etcd://... cluster address, checked (broky.cluster.layout imports no etcd client)."""
+    from broky.cluster.layout import parse_cluster_url
+
+    try:
+        parse_cluster_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
 
 
 def _size(text: str) -> int:
@@ -188,6 +206,33 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         _seconds_or_zero,
         "after a worker died, its successor holds publishes until the dead worker's subscribers "
         "are back, at most this many seconds; 0 = never hold (default %(default)s)",
+    ),
+    (
+        "--cluster",
+        "cluster",
+        _cluster,
+        "join the cluster held in etcd: etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (prefix default /broky; "
+        "default: none, a single node)",
+    ),
+    (
+        "--lease-ttl",
+        "lease_ttl",
+        _positive_int,
+        "cluster: seconds of this node's etcd lease; a node silent that long is gone (default %(default)s)",
+    ),
+    (
+        "--move-timeout",
+        "move_timeout",
+        _seconds,
+        "cluster: seconds the leader waits for every node's subscribers to follow a prepared move "
+        "before it commits anyway (default %(default)s)",
+    ),
+    (
+        "--drain-timeout",
+        "drain_timeout",
+        _seconds,
+        "cluster: at SIGTERM, seconds to hand this node's vbuckets over before stopping anyway "
+        "(default %(default)s)",
     ),
 ]
 

@@ -73,7 +73,7 @@ import os
 import socket
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -97,6 +97,9 @@ from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
 from broky.server.logs import Throttle
 from broky.server.supervisor import Supervisor, WorkerProcess
+
+if TYPE_CHECKING:
+    from broky.cluster.node import ClusterNode
 
 log = logging.getLogger("broky.master")
 
@@ -167,6 +170,8 @@ class Master:
         self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
         self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
         self.started = time.time()
+        self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
+        self.cluster_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ life
 
@@ -182,12 +187,19 @@ class Master:
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
         self.http.routes["/healthz"] = self.healthz
         self.http.routes["/readyz"] = self.readyz
-        # This node's map until a cluster gives it another (`apply_map`).
-        self.vmap = VBucketMap.single_node(NodeInfo(cfg.node_id, cfg.advertised_host(), port, cfg.workers))
         monitor.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
-        sup.map_json = self.vmap.to_json()
         sup.install_signals()
+        if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
+            joined = await self._join()
+            if joined is not None:
+                await self.shutdown()
+                return joined
+        else:  # the node's map for good
+            self.vmap = VBucketMap.single_node(
+                NodeInfo(cfg.node_id, cfg.advertised_host(), port, cfg.workers)
+            )
+        sup.map_json = self.vmap.to_json()
         sup.start_all()
         boot = self.loop.create_task(sup.wait_ready())
         first_event = self.loop.create_task(sup.events.get())
@@ -207,9 +219,59 @@ class Master:
             flush=True,
         )
         log.info("broky %s serving on %s:%d with %d workers", __version__, cfg.host, port, cfg.workers)
-        code = await sup.run()
+        code = await sup.run(drain=self._drain if self.cluster is not None else None)
         await self.shutdown()  # on a failure (code 1) the supervisor logged why
         return code
+
+    async def _join(self) -> int | None:
+        """Cluster mode: register in etcd and wait for the cluster's map (applied by
+        the ClusterNode through `apply_map`). None once joined, else the exit status:
+        0 for SIGTERM/SIGINT meanwhile, 1 when the node cannot join (logged)."""
+        from broky.cluster.layout import MemberRecord
+        from broky.cluster.node import ClusterNode  # imports the etcd client: cluster mode only
+
+        assert self.supervisor is not None
+        cfg = self.config
+        record = MemberRecord(
+            cfg.node_id, cfg.advertised_host(), cfg.port, cfg.workers, cfg.metrics_port, __version__
+        )
+        self.cluster = node = ClusterNode(cfg, self, record)
+        self.cluster_task = task = self.loop.create_task(node.run())
+        task.add_done_callback(self._cluster_ended)
+        log.info("joining the cluster at %s as node %r", node.url, cfg.node_id)
+        joined = self.loop.create_task(node.joined.wait())
+        while True:
+            event = self.loop.create_task(self.supervisor.events.get())
+            done, _ = await asyncio.wait({joined, event, task}, return_when=asyncio.FIRST_COMPLETED)
+            if event in done and event.result() in ("SIGTERM", "SIGINT"):
+                joined.cancel()
+                log.info("%s received while joining: shutting down", event.result())
+                return 0
+            event.cancel()
+            if task.done():
+                joined.cancel()
+                return 1  # logged by _cluster_ended
+            if joined in done:
+                log.info("joined the cluster: map version %d", self.vmap.version)
+                return None
+
+    def _cluster_ended(self, task: asyncio.Task[None]) -> None:
+        """The ClusterNode stopped by itself: it cannot go on, nor can the node."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, Exception) and type(exc).__name__ == "NodeIdInUse":
+            log.critical("%s", exc)
+        else:
+            log.critical("the cluster agent failed: %r", exc, exc_info=exc)
+        if self.supervisor is not None and self.supervisor.failure is None:
+            self.supervisor.failure = f"the cluster agent stopped: {exc}"
+            self.supervisor.events.put_nowait("failure")
+
+    async def _drain(self) -> None:
+        """SIGTERM in cluster mode: hand the vbuckets over first (bounded by --drain-timeout)."""
+        assert self.cluster is not None
+        await self.cluster.drain(self.config.drain_timeout)
 
     async def shutdown(self) -> None:
         started = time.monotonic()
@@ -229,6 +291,11 @@ class Master:
             await self.supervisor.stop(self.config.shutdown_timeout + 0.5)
         if handshakes:  # their lingering closes ran meanwhile; each is bounded by LINGER_SECONDS
             await asyncio.wait(handshakes, timeout=2 * LINGER_SECONDS)
+        if self.cluster_task is not None:
+            self.cluster_task.cancel()
+            await asyncio.wait({self.cluster_task})
+        if self.cluster is not None:  # its keys go with its lease: the others see it leave at once
+            await self.cluster.leave()
         await self.http.close()
         log.info("stopped in %.2f s", time.monotonic() - started)
 
@@ -576,9 +643,10 @@ class Master:
                 silent.append(i)
             elif _refusing(wp, now):
                 refusing.append(f"worker {i} ({wp.refused_cause}: {_describe(wp.refused_cause)})")
-        if not waiting and not silent and not refusing:
+        cluster = self.cluster.not_ready() if self.cluster is not None else None
+        if not waiting and not silent and not refusing and cluster is None:
             return 200, "text/plain", b"ok\n"
-        why = []
+        why = [cluster] if cluster is not None else []
         if waiting:
             why.append(f"workers not ready: {waiting}")
         if silent:

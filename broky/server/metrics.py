@@ -116,6 +116,7 @@ class SnapshotCollector:
     def __init__(self) -> None:
         self.snapshots: Sequence[dict[str, Any] | None] = ()
         self.master: dict[str, Any] = {}
+        self.cluster: dict[str, Any] | None = None
 
     def collect(self) -> Iterator[Metric]:
         snaps = [(str(i), s) for i, s in enumerate(self.snapshots) if s is not None]
@@ -221,6 +222,43 @@ class SnapshotCollector:
         info = GaugeMetricFamily("broky_build_info", "Always 1; the version is a label.", labels=["version"])
         info.add_metric([__version__], 1.0)
         yield info
+        owned = GaugeMetricFamily(
+            "broky_vbuckets_owned", "Vbuckets the worker owns in the node's current map.", labels=["worker"]
+        )
+        for i, n in enumerate(m.get("vbuckets_owned", [])):
+            owned.add_metric([str(i)], float(n))
+        yield owned
+        yield from self._cluster_metrics()
+
+    def _cluster_metrics(self) -> Iterator[Metric]:
+        """broky_cluster_*: only in cluster mode (--cluster)."""
+        c = self.cluster
+        if c is None:
+            return
+        gauges = (
+            ("broky_cluster_map_version", "Version of the vbucket map this node applied.", c["map_version"]),
+            (
+                "broky_cluster_map_moving",
+                "1 while the applied map prepares a move (vbuckets incoming to new owners).",
+                c["map_moving"],
+            ),
+            ("broky_cluster_members", "Live members this node sees in etcd.", len(c["members"])),
+            ("broky_cluster_leader", "1 if this node is the cluster's leader.", c["is_leader"]),
+            (
+                "broky_cluster_etcd_up",
+                "1 while this node is connected and registered in etcd.",
+                c["etcd_connected"],
+            ),
+            (
+                "broky_cluster_draining",
+                "1 while this node hands its vbuckets over before it stops.",
+                c["state"] == "draining",
+            ),
+        )
+        for name, doc, value in gauges:
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], float(value))
+            yield gauge
 
 
 class Exporter:
@@ -235,12 +273,19 @@ class Exporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
 
-    def render(self, snapshots: Sequence[dict[str, Any] | None], master: dict[str, Any]) -> bytes:
-        """The Prometheus text exposition of these snapshots."""
+    def render(
+        self,
+        snapshots: Sequence[dict[str, Any] | None],
+        master: dict[str, Any],
+        cluster: dict[str, Any] | None = None,
+    ) -> bytes:
+        """The Prometheus text exposition of these snapshots (and of the cluster view, if any)."""
         self.collector.snapshots = snapshots
         self.collector.master = master
+        self.collector.cluster = cluster
         try:
             return generate_latest(self.registry)
         finally:
             self.collector.snapshots = ()
             self.collector.master = {}
+            self.collector.cluster = None

@@ -22,7 +22,8 @@ Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
     /metrics      Prometheus text format (broky.server.metrics)
     /healthz      200 while the master runs (registered by the master)
     /readyz       200 when every worker is ready, heard from and taking connections, else 503 (master)
-    /stats        {"node_id", "version", "master", "workers": [...], "totals"}
+    /stats        {"node_id", "version", "map_version", "master", "workers": [...], "totals",
+                   "cluster" (None for a single node; see broky.cluster.node `view`)}
     /connections  {"total", "limit", "connections": [...]} busiest first
     /topics       {"total", "limit", "topics": [...]} most subscriptions first
 
@@ -154,7 +155,8 @@ class Monitor:
 
     async def metrics(self) -> Response:
         snapshots = await self.master.worker_stats()
-        return 200, self.exporter.content_type, self.exporter.render(snapshots, self._master_view())
+        body = self.exporter.render(snapshots, self._master_view(), self._cluster_view())
+        return 200, self.exporter.content_type, body
 
     async def stats(self) -> Response:
         snapshots = await self.master.worker_stats()
@@ -187,9 +189,11 @@ class Monitor:
         body = {
             "node_id": self.master.config.node_id,
             "version": __version__,
+            "map_version": vmap.version,
             "master": master,
             "workers": workers,
             "totals": totals,
+            "cluster": self._cluster_view(),  # None for a single node (no --cluster)
         }
         return 200, "application/json", _json(body)
 
@@ -239,7 +243,23 @@ class Monitor:
             "handshakes_refused": dict(m.refused_total),
             "handoffs_pending": [len(wp.pending) if wp is not None else 0 for wp in sup.workers],
             "handoffs_refused": _by_worker(m.handoffs_refused, m.config.workers),
+            "vbuckets_owned": _owned(m),
         }
+
+    def _cluster_view(self) -> dict[str, Any] | None:
+        cluster = self.master.cluster
+        return None if cluster is None else cluster.view(self.master.config.workers)
+
+
+def _owned(master: Master) -> list[int]:
+    """The vbuckets each worker of this node owns in the node's current map."""
+    vmap = master.vmap
+    me = vmap.node_index(master.config.node_id)
+    owned = [0] * master.config.workers
+    for node, worker in vmap.owners:
+        if node == me and worker < len(owned):
+            owned[worker] += 1
+    return owned
 
 
 def _by_worker(counts: dict[tuple[int, str], int], workers: int) -> list[dict[str, int]]:

@@ -31,7 +31,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from broky.server import accounts, handoff
 from broky.server.config import ServerConfig
@@ -290,17 +291,36 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.events.put_nowait, sig.name)
 
-    async def run(self) -> int:
-        """Supervise until SIGTERM/SIGINT (exit 0) or a boot failure (exit 1)."""
+    async def run(self, drain: Callable[[], Coroutine[Any, Any, None]] | None = None) -> int:
+        """Supervise until SIGTERM/SIGINT (exit 0) or a boot failure (exit 1).
+
+        With `drain` (cluster mode), the first SIGTERM/SIGINT starts it and the
+        workers are supervised on until it returns; a second signal stops at once.
+        """
+        draining: asyncio.Task[None] | None = None
         while self.failure is None:
             try:
                 event = await asyncio.wait_for(self.events.get(), REAP_SECONDS)
             except TimeoutError:
                 event = "tick"
             if event in ("SIGTERM", "SIGINT"):
-                log.info("%s received: shutting down", event)
+                if drain is not None and draining is None:
+                    log.info("%s received: draining first (send it again to stop at once)", event)
+                    draining = self.loop.create_task(drain())
+                    draining.add_done_callback(lambda _: self.events.put_nowait("drained"))
+                    continue
+                if draining is not None and not draining.done():
+                    draining.cancel()
+                    log.info("%s received again: shutting down without waiting for the drain", event)
+                else:
+                    log.info("%s received: shutting down", event)
+                return 0
+            if event == "drained":
+                log.info("drained: shutting down")
                 return 0
             self.reap()
+        if draining is not None:
+            draining.cancel()
         return 1
 
     async def stop(self, timeout: float) -> None:

@@ -1,0 +1,604 @@
+"""This node's part in the cluster: membership, the map, the leader's duties, drain.
+
+Theory of operation
+-------------------
+One `ClusterNode` runs in the master process of every `broky serve --cluster`
+(workers know nothing of etcd: they get maps from the master, as before). It
+owns the node's etcd session and a copy of what etcd holds under the prefix
+(broky.cluster.layout): the live members, the map and the ready versions.
+The data path never waits on it.
+
+Session. `run` loops over sessions, one gRPC channel each
+(broky.cluster.etcd), on the next endpoint after a failure:
+
+1. Register: grant a lease of --lease-ttl seconds and create
+   <prefix>/members/<node_id> with it, only if that key does not exist. A key
+   held by another live lease is not stolen: the node waits for that lease to
+   expire (its own previous incarnation, killed less than a TTL ago), logging
+   it once; at startup it gives up after that lease's TTL + CLASH_GRACE
+   seconds (NodeIdInUse: the master exits 1, another live node has this id).
+   After an outage the node first checks whether its lease survived; if so it
+   keeps its key (and its create_revision, its rank for leadership), if not it
+   registers anew, as the youngest member.
+2. Resync: read every key under the prefix, then watch the prefix from the
+   next revision, so no change is missed between the two.
+3. Three tasks until one fails: the keepalive (every TTL/3; a lease etcd no
+   longer knows means registering again), the watch (updates the copy, wakes
+   the loop) and the loop, which every TICK or when woken:
+   - writes this node's state to its member key when it changed (draining);
+   - for an applied map with vbuckets moving (`incoming`), asks the master
+     whether every worker runs it and every subscriber follows it
+     (`map_ready`); once so, writes <prefix>/ready/<node_id> = that version;
+   - if this node is the leader, plans (broky.cluster.planner) and writes;
+   - if draining, checks whether it is done.
+
+Any etcd error ends the session: the node logs once that etcd is lost, keeps
+serving with the map it applied last (the workers have it; nothing waits on
+etcd), shows it in /readyz (503 with the reason) and /stats, and retries
+after a backoff (RETRY_MIN doubling to RETRY_MAX). It is ready again once it
+is registered and resynced. Every map the node sees, from the resync or the
+watch, is applied if newer than the one it runs (Master.apply_map), whatever
+happened meanwhile: a node whose vbuckets were given away while it was cut
+off stops owning them as soon as it reads that map.
+
+Leader. The member with the lowest create_revision leads (Gazette's rule);
+every node computes it from its copy, and each logs when it changes. Only the
+leader writes the map, in a transaction that holds only if its own member key
+still has the create_revision it registered with and the map still has the
+mod_revision the leader last read (0: no map yet). So versions only grow and
+no two different maps ever carry one version, even when two nodes believe
+they lead for a moment. A new leader waits LEADER_SETTLE seconds before its
+first write, so that members coming back after an etcd outage re-register
+before it plans without them. It starts the move timeout of a prepared map
+when it first sees it.
+
+Drain (SIGTERM, see broky.server.master). `drain` marks the member key
+"draining"; the leader plans without the node (it stays in `nodes` while it
+owns something), prepares and commits the move; once the node has applied a
+map in which it owns no vbucket and receives none, `drain` returns and the
+master stops as usual (Goodbye to every connection), then `leave` revokes the
+lease, which deletes its keys. With no other serving member there is nowhere
+to hand over to, and the drain ends at once. It is bounded by --drain-timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from broky.cluster import planner
+from broky.cluster.etcd import DELETE, PUT, Etcd, EtcdError, Event, Guard, KeyValue
+from broky.cluster.layout import (
+    DRAINING,
+    Keys,
+    Member,
+    MemberRecord,
+    decode_ready,
+    encode_ready,
+    leader_of,
+    parse_cluster_url,
+)
+from broky.protocol.routing import VBucketMap
+from broky.server.config import ServerConfig
+
+log = logging.getLogger("broky.cluster")
+
+TICK = 0.1  # seconds between two looks at the state when the watch says nothing
+RETRY_MIN = 0.25  # backoff between two sessions, doubling up to RETRY_MAX
+RETRY_MAX = 2.0
+LEADER_SETTLE = 1.0  # a new leader waits this long before its first map write
+CLASH_GRACE = 2.0  # beyond the TTL of the lease that holds our node id, at startup
+CLASH_POLL = 0.5
+REVOKE_TIMEOUT = 1.0
+
+
+class MapHost(Protocol):
+    """What the node needs of the master (broky.server.master.Master)."""
+
+    vmap: VBucketMap
+
+    def apply_map(self, vmap: VBucketMap) -> bool: ...
+
+    async def map_ready(self, version: int) -> bool: ...
+
+
+class NodeIdInUse(Exception):
+    """Another live member holds this node id."""
+
+
+class _LeaseLost(Exception):
+    """etcd no longer knows this node's lease (or its member key)."""
+
+
+class ClusterNode:
+    def __init__(self, config: ServerConfig, host: MapHost, record: MemberRecord) -> None:
+        assert config.cluster is not None
+        self.url = parse_cluster_url(config.cluster)
+        self.keys = Keys(self.url.prefix)
+        self.ttl = config.lease_ttl
+        self.move_timeout = config.move_timeout
+        self.call_timeout = max(1.0, self.ttl / 3)
+        self.host = host
+        self.record = record
+        self.node_id = record.node_id
+        self.member_key = self.keys.member(record.node_id)
+        # etcd's state under the prefix, as of the last resync and watch event
+        self.members: dict[str, Member] = {}
+        self.map: VBucketMap | None = None
+        self.map_revision = 0  # mod_revision of the map key (0: none)
+        self.ready: dict[str, int] = {}
+        # this node's registration
+        self.lease = 0
+        self.create_revision = 0
+        self.registered_state = ""  # the state our member key holds
+        self.reported_ready = 0  # the last version written to our ready key
+        # what /readyz and /stats show
+        self.etcd_up = False
+        self.etcd_error = ""
+        self.lost_at = 0.0  # monotonic time etcd was lost (0: never connected)
+        self.joined = asyncio.Event()  # a map from etcd is applied
+        self.draining = False
+        self.drained = asyncio.Event()
+        self.leader: str | None = None
+        self.leading_since = 0.0
+        self.prepared: tuple[int, float] | None = None  # (version, monotonic time first seen) as leader
+        self._wake = asyncio.Event()
+        self._endpoint = 0
+        self._lost_logged = False
+        self._was_up = False  # connected once at least (then a reconnection is "etcd is back")
+        self._generation = 0  # changes seen in etcd (watch events, resyncs)
+        self._planned = -1  # the generation the leader last planned from
+
+    @property
+    def is_leader(self) -> bool:
+        me = self.members.get(self.node_id)
+        return (
+            self.etcd_up
+            and me is not None
+            and me.create_revision == self.create_revision
+            and leader_of(self.members.values()) == self.node_id
+        )
+
+    # ------------------------------------------------------------ sessions
+
+    async def run(self) -> None:
+        """Take part until cancelled.
+
+        Raises:
+            NodeIdInUse: at startup, another live member holds this node id.
+        """
+        delay = RETRY_MIN
+        while True:
+            endpoint = self.url.endpoints[self._endpoint % len(self.url.endpoints)]
+            etcd = Etcd(endpoint, self.call_timeout)
+            try:
+                await self._session(etcd)
+            except EtcdError as exc:
+                if self.etcd_up:
+                    delay = RETRY_MIN
+                self._lost(etcd, exc)
+            except _LeaseLost:
+                log.warning("this node's lease is gone (etcd lost it or expired it): registering again")
+                self._forget_lease()
+                delay = RETRY_MIN
+            finally:
+                await etcd.close()
+            if not self.etcd_up:
+                self._endpoint += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX)
+
+    async def _session(self, etcd: Etcd) -> None:
+        await self._register(etcd)
+        revision = await self._resync(etcd)
+        self._up(etcd)
+        await _first_failure(self._keepalive(etcd), self._watch(etcd, revision + 1), self._loop(etcd))
+
+    async def _register(self, etcd: Etcd) -> None:
+        if self.lease:
+            if await etcd.keepalive(self.lease) > 0:
+                kv = await etcd.get(self.member_key)
+                if kv is not None and kv.lease == self.lease:
+                    self.create_revision = kv.create_revision
+                    return
+            log.warning("this node's lease expired while etcd was unreachable: joining again as a new member")
+            self._forget_lease()
+        self.lease, granted = await etcd.grant(self.ttl)
+        waiting_since = 0.0
+        limit = 0.0
+        while True:
+            created, kv = await etcd.create(self.member_key, self.record.encode(), self.lease)
+            if created:
+                assert kv is not None
+                self.create_revision = kv.create_revision
+                self.registered_state = self.record.state
+                log.info(
+                    "registered as member %r of %s (lease %x, ttl %d s)",
+                    self.node_id, self.url, self.lease, granted,
+                )  # fmt: skip
+                return
+            if kv is None:  # deleted meanwhile: try again at once
+                continue
+            now = time.monotonic()
+            if not waiting_since:
+                left, granted = await etcd.lease_ttl(kv.lease)
+                waiting_since, limit = now, max(granted, left, 1) + CLASH_GRACE
+                log.warning(
+                    "node id %r is held by a live member (%s, lease %x, %d s left): waiting for that lease "
+                    "to expire (a previous run of this node?)%s",
+                    self.node_id, _holder(kv), kv.lease, left,
+                    f", at most {limit:.0f} s" if not self.joined.is_set() else "",
+                )  # fmt: skip
+            elif now - waiting_since > limit and not self.joined.is_set():
+                await _quietly(etcd.revoke(self.lease))
+                self.lease = 0
+                raise NodeIdInUse(
+                    f"node id {self.node_id!r} is in use by a live member ({_holder(kv)}) of {self.url}: "
+                    "give this node another --node-id"
+                )
+            await etcd.keepalive(self.lease)
+            await asyncio.sleep(CLASH_POLL)
+
+    def _forget_lease(self) -> None:
+        self.lease = 0
+        self.create_revision = 0
+        self.registered_state = ""
+        self.reported_ready = 0
+
+    async def _resync(self, etcd: Etcd) -> int:
+        revision, kvs = await etcd.get_prefix(self.keys.prefix)
+        self.members.clear()
+        self.ready.clear()
+        self.map, self.map_revision = None, 0  # as etcd has it now (applied only if newer)
+        for kv in kvs:
+            self._take(Event(PUT, kv))
+        return revision
+
+    def _up(self, etcd: Etcd) -> None:
+        if self.etcd_up:
+            return
+        if self._was_up:
+            log.warning(
+                "etcd is back (%s) after %.1f s; member %r (lease %x)",
+                etcd, time.monotonic() - self.lost_at, self.node_id, self.lease,
+            )  # fmt: skip
+        else:
+            log.info("connected to etcd at %s", etcd)
+        self.etcd_up = True
+        self._was_up = True
+        self.etcd_error = ""
+        self._lost_logged = False
+        self.leader = None  # leadership starts again (and settles) with every session
+        self._planned = -1
+        self._wake.set()
+
+    def _lost(self, etcd: Etcd, exc: EtcdError) -> None:
+        self.etcd_error = str(exc)
+        if self.etcd_up:
+            self.lost_at = time.monotonic()
+        self.etcd_up = False
+        if self._lost_logged:
+            return
+        self._lost_logged = True
+        if self.joined.is_set():
+            log.error(
+                "etcd unreachable (%s: %s): serving on with map version %d until it is back",
+                etcd, exc, self.host.vmap.version,
+            )  # fmt: skip
+        else:
+            log.error("cannot join the cluster: etcd unreachable (%s: %s); retrying", etcd, exc)
+        if not self.lost_at:
+            self.lost_at = time.monotonic()
+
+    async def _keepalive(self, etcd: Etcd) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            if await etcd.keepalive(self.lease) <= 0:
+                raise _LeaseLost
+
+    async def _watch(self, etcd: Etcd, start: int) -> None:
+        async for event in etcd.watch(self.keys.prefix, start):
+            self._take(event)
+            self._wake.set()
+
+    async def _loop(self, etcd: Etcd) -> None:
+        while True:
+            self._wake.clear()
+            await self._step(etcd)
+            try:
+                await asyncio.wait_for(self._wake.wait(), TICK)
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ etcd's state
+
+    def _take(self, event: Event) -> None:
+        """Update the copy of etcd's state with one event (a resync feeds every key as a PUT)."""
+        self._generation += 1
+        kv = event.kv
+        key = kv.key
+        if key.startswith(self.keys.members):
+            node_id = key[len(self.keys.members) :]
+            if event.kind == DELETE:
+                self.members.pop(node_id, None)
+                return
+            try:
+                record = MemberRecord.decode(kv.value)
+            except ValueError as exc:
+                log.error("ignoring member key %s: %s", key, exc)
+                return
+            self.members[node_id] = Member(record, kv.create_revision, kv.lease)
+        elif key.startswith(self.keys.ready):
+            node_id = key[len(self.keys.ready) :]
+            if event.kind == DELETE:
+                self.ready.pop(node_id, None)
+            else:
+                self.ready[node_id] = decode_ready(kv.value)
+        elif key == self.keys.map:
+            if event.kind == DELETE:
+                log.warning(
+                    "the map was deleted from etcd; serving on with map version %d", self.host.vmap.version
+                )
+                self.map, self.map_revision = None, 0
+                return
+            if kv.mod_revision <= self.map_revision:
+                return  # seen already (our own write, read back in its transaction)
+            try:
+                vmap = VBucketMap.from_json(json.loads(kv.value))
+            except ValueError as exc:
+                log.error("ignoring the map in etcd: %s", exc)
+                return
+            self.map, self.map_revision = vmap, kv.mod_revision
+            self._apply(vmap)
+
+    def _apply(self, vmap: VBucketMap) -> None:
+        current = self.host.vmap.version
+        if vmap.version > current:
+            self.host.apply_map(vmap)
+            me = vmap.node_index(self.node_id)
+            owned = 0 if me is None else sum(1 for node, _ in vmap.owners if node == me)
+            moving = "" if vmap.incoming is None else ", vbuckets moving"
+            log.info("applied map version %d: %d vbuckets owned here%s", vmap.version, owned, moving)
+        elif vmap.version < current:
+            log.warning("etcd's map version %d is older than this node's %d: ignored", vmap.version, current)
+        if not self.joined.is_set():
+            self.joined.set()
+
+    # ------------------------------------------------------------ the loop
+
+    async def _step(self, etcd: Etcd) -> None:
+        if self.registered_state != self.record.state:
+            guard = Guard("create", self.member_key, self.create_revision)
+            ok, _ = await etcd.put_if([guard], self.member_key, self.record.encode(), self.lease)
+            if not ok:
+                raise _LeaseLost
+            self.registered_state = self.record.state
+            log.info("member %r is now %s", self.node_id, self.record.state)
+        if await self._ready_for_move():
+            version = self.host.vmap.version
+            await etcd.put(self.keys.ready_of(self.node_id), encode_ready(version), self.lease)
+            self.reported_ready = version
+            log.info("ready for map version %d: every worker and subscriber follows it", version)
+        leader = leader_of(self.members.values())
+        if leader != self.leader:
+            self.leader = leader
+            if leader == self.node_id:
+                self.leading_since = time.monotonic()
+                log.info("this node (%r) is the leader", leader)
+            else:
+                log.info("the leader is %r", leader)
+        if self.is_leader:
+            await self._lead(etcd)
+        if self.draining and not self.drained.is_set():
+            self._check_drained()
+
+    async def _ready_for_move(self) -> bool:
+        """The applied map prepares a move, not reported yet, and every worker and subscriber
+        follows it (and it was not overtaken while the workers answered)."""
+        vmap = self.host.vmap
+        if vmap.incoming is None or vmap.version <= self.reported_ready:
+            return False
+        return await self.host.map_ready(vmap.version) and self.host.vmap.version == vmap.version
+
+    async def _lead(self, etcd: Etcd) -> None:
+        now = time.monotonic()
+        current = self.map
+        moving = current is not None and current.incoming is not None
+        if moving and current is not None and (self.prepared is None or self.prepared[0] != current.version):
+            self.prepared = (current.version, now)
+        if current is not None and now - self.leading_since < LEADER_SETTLE:
+            return
+        if current is not None and current.incoming is None and self._generation == self._planned:
+            return  # nothing changed since the last plan (a prepared move is looked at every time)
+        self._planned = self._generation
+        timed_out = (
+            current is not None
+            and self.prepared is not None
+            and self.prepared[0] == current.version
+            and now - self.prepared[1] >= self.move_timeout
+        )
+        records = [m.record for m in self.members.values()]
+        step = planner.plan(current, records, self.ready, timed_out, first_version=self.host.vmap.version + 1)
+        if step is None:
+            return
+        guards = [
+            Guard("create", self.member_key, self.create_revision),
+            Guard("mod", self.keys.map, self.map_revision),
+        ]
+        ok, kv = await etcd.put_if(guards, self.keys.map, json.dumps(step.vmap.to_json()).encode())
+        if not ok or kv is None:
+            log.info("map version %d not written: etcd changed meanwhile", step.vmap.version)
+            return
+        self._describe(step, now)
+        self._take(Event(PUT, kv))
+
+    def _describe(self, step: planner.Plan, now: float) -> None:
+        vmap = step.vmap
+        version = vmap.version
+        serving = sorted(m.node_id for m in self.members.values() if m.serving)
+        draining = sorted(m.node_id for m in self.members.values() if not m.serving)
+        who = f"serving: {', '.join(serving)}" + (f"; draining: {', '.join(draining)}" if draining else "")
+        if step.kind == planner.FIRST:
+            log.info("map version %d written: the first map (%s)", version, who)
+        elif step.kind == planner.PREPARE:
+            log.info("map version %d prepared: %d vbuckets to move (%s)", version, step.moving, who)
+        elif step.kind == planner.COMMIT:
+            waited = now - self.prepared[1] if self.prepared is not None else 0.0
+            if step.not_ready:
+                log.warning(
+                    "map version %d committed: %d vbuckets moved after the move timeout (%.1f s); "
+                    "not ready: %s",
+                    version, step.moving, waited, ", ".join(step.not_ready),
+                )  # fmt: skip
+            else:
+                log.info(
+                    "map version %d committed: %d vbuckets moved, every member ready after %.2f s",
+                    version, step.moving, waited,
+                )  # fmt: skip
+        elif step.kind == planner.CANCEL:
+            log.info(
+                "map version %d: the prepared move is cancelled, nothing has to move now (%s)", version, who
+            )
+        else:
+            nodes = ", ".join(n.node_id for n in vmap.nodes)
+            log.info("map version %d: nodes %s (%s)", version, nodes, who)
+
+    # ------------------------------------------------------------ drain and leave
+
+    async def drain(self, timeout: float) -> None:
+        """Hand this node's vbuckets to the other members; return once it owns none
+        (or after `timeout` seconds, logged)."""
+        self.draining = True
+        self.record = self.record._replace(state=DRAINING)
+        log.info("draining: handing this node's vbuckets to the other members (at most %g s)", timeout)
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self.drained.wait(), timeout)
+        except TimeoutError:
+            me = self.host.vmap.node_index(self.node_id)
+            owned = sum(1 for node, _ in self.host.vmap.owners if node == me) if me is not None else 0
+            log.warning(
+                "drain timed out after %g s: stopping with %d vbuckets still owned here", timeout, owned
+            )
+
+    def _check_drained(self) -> None:
+        vmap = self.host.vmap
+        me = vmap.node_index(self.node_id)
+        holds = me is not None and (
+            any(node == me for node, _ in vmap.owners) or any(node == me for node, _ in vmap.incoming or ())
+        )
+        if not holds:
+            log.info("drained: map version %d gives this node no vbucket", vmap.version)
+            self.drained.set()
+        elif not any(m.serving for m in self.members.values() if m.node_id != self.node_id):
+            log.warning("no other serving member to hand the vbuckets to: stopping with them")
+            self.drained.set()
+
+    async def leave(self) -> None:
+        """Revoke the lease (etcd deletes this node's keys with it); bounded, errors logged."""
+        if not self.lease:
+            return
+        lease, self.lease = self.lease, 0
+        endpoint = self.url.endpoints[self._endpoint % len(self.url.endpoints)]
+        etcd = Etcd(endpoint, REVOKE_TIMEOUT)
+        try:
+            await etcd.revoke(lease)
+            log.info("left the cluster: lease %x revoked", lease)
+        except EtcdError as exc:
+            log.warning("could not revoke lease %x (%s): it expires within %d s", lease, exc, self.ttl)
+        finally:
+            await etcd.close()
+
+    # ------------------------------------------------------------ what /readyz and /stats show
+
+    def not_ready(self) -> str | None:
+        """Why /readyz should answer 503, or None."""
+        if not self.joined.is_set():
+            if self.etcd_error:
+                return f"joining the cluster: etcd unreachable ({self.etcd_error})"
+            return "joining the cluster: waiting for the map"
+        if not self.etcd_up:
+            lost = time.monotonic() - self.lost_at
+            return (
+                f"etcd unreachable for {lost:.1f} s ({self.etcd_error}): serving with map version "
+                f"{self.host.vmap.version}; this node may have lost its membership"
+            )
+        if self.draining:
+            return "draining: handing its vbuckets to the other members before it stops"
+        return None
+
+    def view(self, workers: int) -> dict[str, Any]:
+        """The "cluster" object of /stats (and the source of the broky_cluster_* metrics)."""
+        vmap = self.host.vmap
+        me = vmap.node_index(self.node_id)
+        owned = [0] * workers
+        incoming = [0] * workers
+        for node, worker in vmap.owners:
+            if node == me and worker < workers:
+                owned[worker] += 1
+        for node, worker in vmap.incoming or ():
+            if node == me and worker < workers:
+                incoming[worker] += 1
+        members = sorted(self.members.values(), key=lambda m: m.create_revision)
+        return {
+            "node_id": self.node_id,
+            "cluster": str(self.url),
+            "state": "joining" if not self.joined.is_set() else self.record.state,
+            "etcd_connected": self.etcd_up,
+            "etcd_error": self.etcd_error or None,
+            "etcd_down_seconds": None
+            if self.etcd_up or not self.lost_at
+            else round(time.monotonic() - self.lost_at, 3),
+            "lease": f"{self.lease:x}" if self.lease else None,
+            "lease_ttl_seconds": self.ttl,
+            "leader": self.leader,
+            "is_leader": self.is_leader,
+            "map_version": vmap.version,
+            "map_moving": vmap.incoming is not None,
+            "ready_version": self.reported_ready,
+            "members": [
+                {
+                    **m.record._asdict(),
+                    "create_revision": m.create_revision,
+                    "ready_version": self.ready.get(m.node_id, 0),
+                }
+                for m in members
+            ],
+            "vbuckets": owned,
+            "vbuckets_incoming": incoming,
+        }
+
+
+def _holder(kv: KeyValue) -> str:
+    try:
+        record = MemberRecord.decode(kv.value)
+    except ValueError:
+        return "an unreadable record"
+    return f"{record.host}:{record.port}, {record.state}"
+
+
+async def _quietly(call: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await call
+    except EtcdError:
+        pass
+
+
+async def _first_failure(*calls: Coroutine[Any, Any, None]) -> None:
+    """Run the calls together until the first one ends; cancel the others; re-raise its error."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        error = t.exception() if t in done and not t.cancelled() else None
+        if error is not None:
+            raise error
+    raise EtcdError("the session ended")

@@ -1,0 +1,295 @@
+"""Real etcd and real `broky serve --cluster` nodes for the tests.
+
+`EtcdServer` runs one etcd member (Debian's etcd-server, installed by
+`./run test`) on free loopback ports with its own data directory, waits until
+its /health answers, and can be paused (SIGSTOP), resumed, killed and
+restarted on the same directory and ports. `Cluster` starts nodes against it
+(tests.serverproc.ServerProcess with --cluster, --node-id and short timeouts),
+reads their /stats and /readyz, runs `broky cluster status --json`, and reads
+the whole history of the map key from etcd (`map_history`: etcd keeps every
+revision until it is compacted, and these tests never compact). Everything is
+stopped by pid: nodes with SIGKILL on their process group (a SIGTERM would
+drain), then etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from broky.protocol.routing import NO_OWNER, VBucketMap, vbucket_of
+from tests.serverproc import ServerProcess
+
+T = TypeVar("T")
+ETCD = shutil.which("etcd") or "etcd"  # Debian's etcd-server; `./run test` installs it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Call `check` until it returns something other than None/False; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            got = check()
+        except (OSError, ValueError, AssertionError) as exc:
+            last = exc
+        else:
+            if got is not None and got is not False:
+                return got
+            last = got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def http_get(port: int, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class EtcdServer:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="broky-etcd-")
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = open(os.path.join(self.dir, "etcd.log"), "ab")  # noqa: SIM115
+        self.paused = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def url(self, prefix: str = "/broky") -> str:
+        return f"etcd://{self.endpoint}{prefix}"
+
+    def start(self, timeout: float = 15.0) -> EtcdServer:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [
+                ETCD, "--name", "test", "--data-dir", os.path.join(self.dir, "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr",
+            ],
+            stdout=self.log, stderr=self.log, start_new_session=True,
+        )  # fmt: skip
+        wait_for(self._healthy, timeout, f"etcd answering on {client}")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with status {self.proc.returncode}")
+        status, body = http_get(self.client_port, "/health", timeout=1.0)
+        return status == 200 and b"true" in body
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.paused:
+            self.resume()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_etcd(call: Callable[[Any], Any], endpoint: str, timeout: float = 3.0) -> Any:
+    """Run `await call(etcd)` with a broky.cluster.etcd.Etcd on `endpoint` (host:port)."""
+    from broky.cluster.etcd import Etcd
+
+    host, port = endpoint.rsplit(":", 1)
+
+    async def main() -> Any:
+        etcd = Etcd((host, int(port)), timeout)
+        try:
+            return await call(etcd)
+        finally:
+            await etcd.close()
+
+    return asyncio.run(main())
+
+
+def map_history(endpoint: str, prefix: str = "/broky", timeout: float = 10.0) -> list[VBucketMap]:
+    """Every map ever written under `prefix`, in the order of etcd's revisions."""
+    key = f"{prefix}/map"
+
+    async def read(etcd: Any) -> list[VBucketMap]:
+        current = await etcd.get(key)
+        if current is None:
+            return []
+        maps: list[VBucketMap] = []
+
+        async def collect() -> None:
+            async for event in etcd.watch(key, 1):
+                if event.kv.key != key or event.kind != "put":
+                    continue
+                maps.append(VBucketMap.from_json(json.loads(event.kv.value)))
+                if event.kv.mod_revision >= current.mod_revision:
+                    return
+
+        await asyncio.wait_for(collect(), timeout)
+        return maps
+
+    result: list[VBucketMap] = run_etcd(read, endpoint)
+    return result
+
+
+def moving(vmap: VBucketMap) -> dict[str, int]:
+    """Vbuckets prepared to move, by the node they move to."""
+    out: dict[str, int] = {}
+    for i in vmap.incoming or ():
+        if i != NO_OWNER:
+            node = vmap.nodes[i[0]].node_id
+            out[node] = out.get(node, 0) + 1
+    return out
+
+
+def owners_by_id(vmap: VBucketMap) -> list[tuple[str, int]]:
+    return [(vmap.nodes[n].node_id, w) for n, w in vmap.owners]
+
+
+def moved_between(a: VBucketMap, b: VBucketMap) -> int:
+    return sum(1 for x, y in zip(owners_by_id(a), owners_by_id(b)) if x != y)
+
+
+def kp_owned_by(vmap: VBucketMap, node_id: str, worker: int, prefix: str = "kp") -> bytes:
+    """A key_partition whose vbucket `vmap` gives to (node_id, worker)."""
+    index = vmap.node_index(node_id)
+    for i in range(100_000):
+        kp = f"{prefix}-{i}".encode()
+        if vmap.owners[vbucket_of(kp)] == (index, worker):
+            return kp
+    raise AssertionError(f"no key_partition owned by {node_id}/{worker}")
+
+
+class Cluster:
+    """Nodes of one cluster (one prefix of one etcd), with short timeouts for the tests."""
+
+    def __init__(
+        self,
+        etcd: EtcdServer,
+        prefix: str = "/broky",
+        lease_ttl: int = 2,
+        move_timeout: float = 4.0,
+        drain_timeout: float = 20.0,
+    ) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self.url = etcd.url(prefix)
+        self.lease_ttl = lease_ttl
+        self.move_timeout = move_timeout
+        self.drain_timeout = drain_timeout
+        self.nodes: dict[str, ServerProcess] = {}
+
+    def start(self, node_id: str, *args: str, workers: int = 2) -> ServerProcess:
+        server = ServerProcess(
+            "--cluster", self.url, "--node-id", node_id,
+            "--lease-ttl", str(self.lease_ttl), "--move-timeout", str(self.move_timeout),
+            "--drain-timeout", str(self.drain_timeout), *args,
+            workers=workers,
+        )  # fmt: skip
+        self.nodes[node_id] = server
+        return server.start(timeout=30.0)
+
+    def kill(self, node_id: str) -> None:
+        """SIGKILL a node's master and workers (its process group)."""
+        server = self.nodes.pop(node_id)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
+        server.stop()
+
+    def stop(self) -> None:
+        for node_id in list(self.nodes):
+            server = self.nodes[node_id]
+            if server.proc is not None and server.proc.poll() is None:
+                self.kill(node_id)
+            else:
+                self.nodes.pop(node_id).stop()
+
+    def stats(self, node_id: str) -> dict[str, Any]:
+        status, body = http_get(self.nodes[node_id].metrics_port, "/stats")
+        assert status == 200, body
+        result: dict[str, Any] = json.loads(body)
+        return result
+
+    def readyz(self, node_id: str) -> tuple[int, str]:
+        status, body = http_get(self.nodes[node_id].metrics_port, "/readyz")
+        return status, body.decode()
+
+    def status(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "broky", "cluster", "status", "--cluster", self.url, *args],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+
+    def status_json(self) -> dict[str, Any]:
+        done = self.status("--json")
+        assert done.returncode == 0, done.stderr
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
+
+    def settled(self) -> dict[str, dict[str, Any]] | None:
+        """Every running node runs one committed map of exactly these nodes and every node
+        is a serving member: their /stats "cluster" objects, else None."""
+        views = {node_id: self.stats(node_id)["cluster"] for node_id in self.nodes}
+        versions = {v["map_version"] for v in views.values()}
+        if len(versions) != 1 or any(v["map_moving"] or not v["etcd_connected"] for v in views.values()):
+            return None
+        for v in views.values():
+            members = {m["node_id"]: m["state"] for m in v["members"]}
+            if members != dict.fromkeys(self.nodes, "serving"):
+                return None
+        if sum(sum(v["vbuckets"]) for v in views.values()) != 1024:
+            return None
+        return views
+
+    def wait_settled(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+        return wait_for(self.settled, timeout, f"nodes {sorted(self.nodes)} settled on one map")
+
+    def history(self) -> list[VBucketMap]:
+        return map_history(self.etcd.endpoint, self.prefix)
+
+
+def assert_versions_grow(history: list[VBucketMap]) -> None:
+    """Map versions strictly increase, one write per version: no version carries two maps."""
+    versions = [m.version for m in history]
+    assert versions == sorted(set(versions)), versions
+    assert versions == list(range(versions[0], versions[0] + len(versions))), versions

@@ -1,0 +1,307 @@
+"""The cluster with real etcd and real `broky serve --cluster` nodes on loopback (tests/cluster.py).
+
+Short timeouts throughout: leases of 2 s, moves committed after 4 s at most
+(raw-frame clients answer MapApplied only when a test says so), drains
+bounded by 20 s. etcd is Debian's etcd-server, which `./run test` installs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broky.protocol import MapApplied, MapUpdate, Message
+from tests.cluster import (
+    Cluster,
+    EtcdServer,
+    assert_versions_grow,
+    free_port,
+    http_get,
+    kp_owned_by,
+    moved_between,
+    moving,
+    owners_by_id,
+    wait_for,
+)
+from tests.wire import Wire
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdServer]:
+    server = EtcdServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def cluster(etcd: EtcdServer) -> Iterator[Cluster]:
+    c = Cluster(etcd)
+    yield c
+    c.stop()
+
+
+def assert_balanced(views: dict[str, dict[str, object]]) -> list[int]:
+    """Per-worker vbucket counts over every node differ by at most one; the counts."""
+    counts = [n for v in views.values() for n in v["vbuckets"]]  # type: ignore[attr-defined]
+    assert sum(counts) == 1024 and max(counts) - min(counts) <= 1, counts
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_three_nodes_agree_then_a_fourth_joins_and_one_drains(cluster: Cluster) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    views = cluster.wait_settled()
+    assert sorted(assert_balanced(views)) == [170, 170, 171, 171, 171, 171]
+    version = views["a"]["map_version"]
+    assert {v["leader"] for v in views.values()} == {"a"}  # the oldest member
+    assert [v["is_leader"] for v in views.values()] == [True, False, False]
+
+    status = cluster.status_json()
+    assert status["map"] == {
+        "version": version,
+        "moving": False,
+        "vbuckets_moving": 0,
+        "nodes": ["a", "b", "c"],
+    }
+    assert status["leader"] == "a" and status["members"] == 3
+    for node in status["nodes"]:
+        assert node["state"] == "serving" and node["workers"] == 2 and node["lease_ttl_seconds"] > 0
+        assert [w["vbuckets"] for w in node["worker_vbuckets"]] == views[node["node_id"]]["vbuckets"]
+        assert node["port"] == cluster.nodes[node["node_id"]].port
+    metrics = http_get(cluster.nodes["a"].metrics_port, "/metrics")[1].decode()
+    for line in (
+        f"broky_cluster_map_version {version}.0",
+        "broky_cluster_members 3.0",
+        "broky_cluster_leader 1.0",
+        "broky_cluster_etcd_up 1.0",
+        "broky_cluster_map_moving 0.0",
+        f'broky_vbuckets_owned{{worker="1"}} {views["a"]["vbuckets"][1]}.0',
+    ):
+        assert line in metrics.splitlines(), line
+    assert "broky_cluster_leader 0.0" in http_get(cluster.nodes["b"].metrics_port, "/metrics")[1].decode()
+    text = cluster.status()
+    assert text.returncode == 0 and f"map       version {version}, stable, 3 node(s)" in text.stdout
+    assert "a     127.0.0.1:" in text.stdout and "serving (leader)" in text.stdout
+
+    # A fourth node: its share (256) moves, through a prepared map then a commit. The commit
+    # waits until every subscriber follows the prepared map: a raw one on a, when told to.
+    a = cluster.nodes["a"]
+    follower = Wire.hello(a.address, worker=0)
+    follower.subscribe(1, b"x")
+    follower.flush()
+    cluster.start("d")
+    prepared = follower.expect(MapUpdate, timeout=10).map
+    assert prepared.version == version + 1 and moving(prepared) == {"d": 256}
+    time.sleep(1.0)
+    assert cluster.status_json()["map"]["version"] == prepared.version  # still prepared
+    follower.send(MapApplied(prepared.version))
+    assert follower.expect(MapUpdate, timeout=5).map.incoming is None
+    assert f"map version {version + 2} committed: 256 vbuckets moved, every member ready" in a.log()
+    views = cluster.wait_settled()
+    assert sorted(assert_balanced(views)) == [128] * 8
+    history = cluster.history()
+    before = next(m for m in history if m.version == version)
+    prepare, commit = (m for m in history if m.version > version)
+    assert moving(prepare) == {"d": 256} and owners_by_id(prepare) == owners_by_id(before)
+    assert commit.incoming is None and moved_between(before, commit) == 256
+    assert [n.node_id for n in commit.nodes] == ["a", "b", "c", "d"]
+    assert views["d"]["map_version"] == commit.version
+
+    # b leaves on SIGTERM: drained (256 move, prepared then committed), then it says goodbye.
+    # a's subscriber does not follow this time: the commit comes after the move timeout.
+    b = cluster.nodes["b"]
+    subscriber = Wire.hello(b.address, worker=0)
+    b.signal(signal.SIGTERM)
+    assert b.wait(cluster.drain_timeout + 10) == 0
+    frames = subscriber.expect_closed(timeout=5)
+    assert type(frames[-1]).__name__ == "Goodbye"
+    assert [type(f).__name__ for f in frames[:-1]] == ["MapUpdate", "MapUpdate"]  # prepare, commit
+    subscriber.close()
+    b_log = b.log()
+    cluster.nodes.pop("b").stop()
+    views = cluster.wait_settled()
+    assert sorted(assert_balanced(views)) == [170, 170, 171, 171, 171, 171]
+    history = cluster.history()
+    after = [m for m in history if m.version > commit.version]
+    prepare, drained, *rest = after
+    assert sum(moving(prepare).values()) == 256 and set(moving(prepare)) <= {"a", "c", "d"}
+    assert owners_by_id(prepare) == owners_by_id(commit) and moved_between(commit, drained) == 256
+    assert drained.node_index("b") is not None  # still a member (draining) at the commit
+    assert rest and rest[-1].node_index("b") is None  # gone once it left
+    assert "drained: map version" in b_log and "left the cluster" in b_log
+    assert f"map version {drained.version} committed: 256 vbuckets moved after the move timeout" in a.log()
+    assert "not ready: a" in a.log()
+    follower.close()
+    assert_versions_grow(history)
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_leader_is_replaced_within_a_ttl(cluster: Cluster) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    views = cluster.wait_settled()
+    old = cluster.history()[-1]
+    assert views["a"]["is_leader"]
+    killed = time.monotonic()
+    cluster.kill("a")
+    wait_for(lambda: cluster.stats("b")["cluster"]["is_leader"], 10, "b leading")
+    took = time.monotonic() - killed
+    assert took < cluster.lease_ttl + 2.0, took
+    views = cluster.wait_settled()
+    assert sorted(assert_balanced(views)) == [256] * 4
+    history = cluster.history()
+    final = history[-1]
+    assert final.node_index("a") is None and moved_between(old, final) == sum(
+        1 for owner in owners_by_id(old) if owner[0] == "a"
+    )
+    prepared = [m for m in history if m.version > old.version and m.incoming is not None]
+    assert prepared and sum(moving(prepared[0]).values()) == 342
+    assert_versions_grow(history)
+    assert cluster.status_json()["leader"] == "b"
+
+
+def not_ready(cluster: Cluster, node_id: str) -> str | None:
+    """What /readyz says when it answers 503 (None for 200)."""
+    status, why = cluster.readyz(node_id)
+    return why if status == 503 else None
+
+
+def publish_and_receive(pub: Wire, sub: Wire, kp: bytes, n: int) -> None:
+    pub.publish(kp, b"k", b"%d" % n)
+    pub.flush()
+    got = [f for f in sub.flush() if isinstance(f, Message)]
+    assert [m.payload for m in got] == [b"%d" % n], got
+
+
+@pytest.mark.timeout(120)
+def test_etcd_stopped_or_killed_and_restarted_publishing_never_stops(
+    cluster: Cluster, etcd: EtcdServer
+) -> None:
+    for node_id in ("a", "b"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    before = cluster.history()[-1]
+    a = cluster.nodes["a"]
+    kp = kp_owned_by(before, "a", 0)
+    pub = Wire.hello(a.address, worker=0)
+    sub = Wire.hello(a.address, worker=0)
+    sub.subscribe(1, b"k")
+    n = 0
+    publish_and_receive(pub, sub, kp, n)
+
+    # Stopped for longer than a lease: both nodes lose their membership.
+    etcd.pause()
+    why = wait_for(lambda: not_ready(cluster, "a"), 10, "a not ready")
+    assert "etcd unreachable" in why and "map version" in why, why
+    assert not cluster.stats("a")["cluster"]["etcd_connected"]
+    deadline = time.monotonic() + cluster.lease_ttl + 1.5
+    while time.monotonic() < deadline:
+        n += 1
+        publish_and_receive(pub, sub, kp, n)
+        time.sleep(0.2)
+    etcd.resume()
+    for node_id in ("a", "b"):
+        wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+    views = cluster.wait_settled()
+    assert all(v["etcd_connected"] for v in views.values())
+    assert "lease expired while etcd was unreachable" in a.log()
+    n += 1
+    publish_and_receive(pub, sub, kp, n)
+
+    # Killed and restarted on its data: the leases survive a quick restart.
+    etcd.kill()
+    wait_for(lambda: cluster.readyz("a")[0] == 503, 10, "a not ready")
+    for _ in range(5):
+        n += 1
+        publish_and_receive(pub, sub, kp, n)
+        time.sleep(0.1)
+    etcd.start()
+    for node_id in ("a", "b"):
+        wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+    after = cluster.wait_settled()
+    n += 1
+    publish_and_receive(pub, sub, kp, n)
+    final = cluster.history()[-1]
+    assert owners_by_id(final) == owners_by_id(before)  # nothing moved for an etcd outage
+    assert a.log().count("etcd unreachable") >= 2 and a.log().count("etcd is back") >= 2
+    assert after["a"]["map_version"] == final.version
+    assert_versions_grow(cluster.history())
+    pub.close()
+    sub.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_live_node_id_is_not_taken(cluster: Cluster) -> None:
+    cluster.start("a", workers=1)
+    started = time.monotonic()
+    twin = subprocess.run(
+        [
+            sys.executable, "-m", "broky", "serve", "--port", "0", "--metrics-port", "0", "--workers", "1",
+            "--cluster", cluster.url, "--node-id", "a", "--lease-ttl", "2",
+        ],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert twin.returncode == 1, twin.stderr
+    assert "node id 'a' is in use by a live member" in twin.stderr
+    assert time.monotonic() - started < 10
+    assert cluster.status_json()["members"] == 1
+
+
+def test_cluster_mode_without_the_etcd_client(tmp_path: Path) -> None:
+    shim = tmp_path / "aetcd"
+    shim.mkdir()
+    (shim / "__init__.py").write_text("raise ImportError('aetcd hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for args in (
+        ["serve", "--cluster", "etcd://127.0.0.1:1"],
+        ["cluster", "status", "--cluster", "etcd://x"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "broky", *args], capture_output=True, text=True, env=env, timeout=30
+        )
+        assert done.returncode == 2, done.stderr
+        assert "pip install 'broky[cluster]'" in done.stderr
+
+
+def test_cluster_status_without_etcd_is_one_line() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "broky", "cluster", "status", "--cluster", f"etcd://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and "etcd unreachable" in done.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "broky", "serve", "--cluster", "http://x"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "etcd://" in bad.stderr
+
+
+def test_a_single_node_never_loads_grpc(start_server: object) -> None:
+    code = (
+        "import sys, broky.cli, broky.server.master, broky.server.monitor, broky.cluster.layout; "
+        "broky.cli.build_parser(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'aetcd')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "[]", done.stderr
+    server = start_server()  # type: ignore[operator]
+    maps = Path(f"/proc/{server.pid}/maps").read_text()
+    assert "cygrpc" not in maps and "grpc" not in maps
+    metrics = http_get(server.metrics_port, "/metrics")[1].decode()
+    assert 'broky_vbuckets_owned{worker="0"} 512.0' in metrics and "broky_cluster_" not in metrics
+    stats = json.loads(http_get(server.metrics_port, "/stats")[1])
+    assert stats["cluster"] is None and stats["map_version"] == 1
+    assert stats["master"]["vbuckets_owned"] == [512, 512]
