@@ -1,0 +1,173 @@
+"""examples/cluster/: run.py starts etcd and three nodes with one command; the
+docker-compose.yml (no Docker engine here) is checked for what can be checked
+without one: its settings parse as `broky serve` settings and its Prometheus
+configuration passes promtool."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import broky
+from broky.server import config
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+READY = re.compile(r"cluster ready: 3 nodes, map version \d+, leader node\d, seeds (\S+)")
+PID = re.compile(r"pid (\d+)")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def read_until_ready(proc: subprocess.Popen[bytes], timeout: float) -> list[str]:
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    lines: list[str] = []
+    pending = b""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        pending += chunk
+        *done, pending = pending.split(b"\n")
+        lines += [line.decode() for line in done]
+        if any(READY.search(line) for line in lines):
+            return lines
+    raise AssertionError(f"run.py not ready within {timeout:g} s:\n" + "\n".join(lines))
+
+
+async def round_trip(seeds: str, partitions: int) -> dict[bytes, list[bytes]]:
+    """Subscribe through the last seed, publish through the first; what arrived, per partition."""
+    got: dict[bytes, list[bytes]] = {}
+    last_seed, first_seed = seeds.split(",")[-1], seeds.split(",")[0]
+    async with broky.connect(last_seed) as sub, broky.connect(first_seed) as pub:
+        done = asyncio.Event()
+        count = 0
+
+        async def on_message(m: broky.Message) -> None:
+            nonlocal count
+            got.setdefault(m.key_partition, []).append(m.payload)
+            count += 1
+            if count == partitions * 3:
+                done.set()
+
+        await sub.subscribe("demo.>", callback=on_message)
+        for i in range(3):
+            for p in range(partitions):
+                await pub.publish(b"tenant-%d" % p, b"demo.k", b"%d" % i)
+        await pub.flush()  # raises if any publish may have been lost
+        await asyncio.wait_for(done.wait(), 20)
+    return got
+
+
+@pytest.mark.skipif(
+    shutil.which("etcd") is None, reason="etcd-server is not installed (./run test installs it)"
+)
+def test_run_py_starts_a_cluster_clients_use_and_stops_every_process() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE / "run.py"), "--port", "0", "--workers", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        lines = read_until_ready(proc, 90)
+        pids = [int(m.group(1)) for line in lines if (m := PID.search(line))]
+        assert len(pids) == 4, lines  # etcd and three nodes
+        seeds = next(m.group(1) for line in lines if (m := READY.search(line)))
+        got = asyncio.run(round_trip(seeds, 50))
+        assert got == {b"tenant-%d" % p: [b"0", b"1", b"2"] for p in range(50)}
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # as Ctrl-C: each node drains into those left
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out.decode()
+        assert out.decode().splitlines()[-1] == "stopped"
+        assert not [pid for pid in pids if alive(pid)]
+        print(f"run.py stopped three nodes and etcd in {time.monotonic() - started:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in pids:
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def compose_nodes(text: str) -> dict[str, dict[str, str]]:
+    """Each node service's environment, with the shared `x-cluster` anchor merged in.
+
+    A reader of this one file's plain layout (no YAML library in the project):
+    `name:` at two spaces starts a service, `KEY: value` at six spaces is an
+    environment entry, `<<: *cluster` merges the anchor's entries."""
+    anchor: dict[str, str] = {}
+    nodes: dict[str, dict[str, str]] = {}
+    section = ""
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line.startswith(" "):
+            section = line.split(":")[0]
+            continue
+        entry = re.fullmatch(r"( +)([A-Za-z0-9_<]+): *(.*)", line)
+        if entry is None:
+            continue
+        indent, key, value = len(entry.group(1)), entry.group(2), entry.group(3).strip().strip('"')
+        if section == "x-cluster" and indent == 2:
+            anchor[key] = value
+        elif section == "services" and indent == 2:
+            service = key
+        elif section == "services" and indent == 6 and service.startswith("node"):
+            env = nodes.setdefault(service, {})
+            env.update(anchor if (key, value) == ("<<", "*cluster") else {key: value})
+    return nodes
+
+
+def test_docker_compose_nodes_are_valid_broky_serve_settings() -> None:
+    nodes = compose_nodes((EXAMPLE / "docker-compose.yml").read_text())
+    assert sorted(nodes) == ["node1", "node2", "node3"]
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    seen = set()
+    for name, env in nodes.items():
+        # ${BROKY_ADVERTISE_HOST:-127.0.0.1} is compose's interpolation, with its default
+        env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+        assert all(k.startswith("BROKY_") for k in env), env
+        cfg = config.from_args(parser.parse_args([]), env, warn=pytest.fail)
+        assert cfg.cluster == "etcd://etcd:2379/broky"
+        assert (cfg.node_id, cfg.workers, cfg.advertised_host()) == (name, 2, "127.0.0.1")
+        seen.add((cfg.port, cfg.metrics_port))
+        assert f'"{cfg.port}:{cfg.port}"' in (EXAMPLE / "docker-compose.yml").read_text()
+    assert len(seen) == 3  # one pair of published ports per node
+    prometheus = (EXAMPLE / "prometheus.yml").read_text()
+    for name, env in nodes.items():
+        assert f"{name}:{env['BROKY_METRICS_PORT']}" in prometheus
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="prometheus is not installed (./run test installs it)"
+)
+def test_the_example_prometheus_configuration_is_valid() -> None:
+    done = subprocess.run(
+        ["promtool", "check", "config", str(EXAMPLE / "prometheus.yml")], capture_output=True, timeout=30
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
