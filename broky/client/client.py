@@ -74,7 +74,7 @@ from broky.errors import (
     ServerError,
 )
 from broky.matching import parse_pattern
-from broky.protocol import Hello, MapApplied, VBucketMap, Welcome
+from broky.protocol import NO_OWNER, Hello, MapApplied, VBucketMap, Welcome
 from broky.protocol.frames import encode_map_applied
 
 log = logging.getLogger("broky.client")
@@ -538,8 +538,12 @@ class Client(Publisher):
         vmap = self._router.map
         if self._closed or vmap is None or vmap.version != version:
             return  # superseded: the newer map says it
-        if any(link.proto is None and link.failed is None for link in carrying):
-            return  # not all in place: said when that Link reconnects (`_reconnected`)
+        # A worker that is down (a dead node's, one restarting) gets its subscriptions and
+        # a MapApplied when it reconnects (`_reconnected`); only an incoming owner's
+        # subscriptions must be in place before the move commits.
+        incoming = _incoming_refs(vmap)
+        if any(link.proto is None and link.failed is None and link.ref in incoming for link in carrying):
+            return
         frame = encode_map_applied(MapApplied(version))
         for link in self._router.links.values():
             link.send_control(frame)
@@ -585,6 +589,13 @@ class Client(Publisher):
             task = self._loop.create_task(_await(result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+
+def _incoming_refs(vmap: VBucketMap) -> set[WorkerRef]:
+    """The workers a prepared map moves vbuckets to."""
+    if not vmap.incoming:
+        return set()
+    return {WorkerRef(vmap.nodes[i[0]].node_id, i[1]) for i in set(vmap.incoming) if i != NO_OWNER}
 
 
 def _check_options(

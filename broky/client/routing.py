@@ -20,13 +20,18 @@ version is adopted at once (`apply`):
   (the refused ones come back in the Errors, before the Pong). The refused
   publishes go to the new owner first (`Link.send_first`), then what was
   published since: the order of one key_partition's publishes from this
-  client holds across the move. An old owner that is down has its buffered
-  publishes for the moved vbuckets handed over at once, in order, likewise;
+  client holds across the move. A connected old owner's publishes not yet
+  written go to the new owner at once, likewise. An old owner that is down
+  keeps them: its lost connection's unconfirmed publishes come before them;
+  the new owner waits until it reconnected (its account says which ones to
+  send again; the worker refuses them and they come back as above) or left
+  the map, at most `flush_timeout`;
 - a node that is no longer in the map: its Links are retired (`retire`):
-  their buffered publishes go to the new owners; their unconfirmed ones (no
-  server can account for them any more) are sent again if they carry a uid
-  (the client's subscribers drop the duplicates this may cause: see
-  broky.client.client `_drop_duplicates`), else counted as possibly lost;
+  their unconfirmed publishes (no server can account for them any more) are
+  sent again if they carry a uid (the client's subscribers drop the
+  duplicates this may cause: see broky.client.client `_drop_duplicates`),
+  else counted as possibly lost; then their buffered publishes, each to its
+  new owner, ahead of anything published since;
 - the SubscriptionTable puts every subscription on the Links the new map
   names, partition-scoped ones also on the owner their vbucket is moving to
   (`incoming`), so that no delivery is missed while it moves;
@@ -194,10 +199,15 @@ class Router:
             moved_vbs.setdefault(old_link, set()).add(vb)
         for new_link in moved:
             new_link.hold()
-        # Publishes an old owner has not written yet (it is down, or they wait for the
-        # next write): to their new owner now, ahead of anything published from now on.
+        nodes = {n.node_id for n in new.nodes}
+        # Publishes a connected old owner has not written yet (they wait for the next
+        # write): to their new owner now, ahead of anything published from now on. Not
+        # those of an old owner that is down: its lost connection's unconfirmed publishes
+        # come before them, and go first (a Link that leaves: `retire`; one that
+        # reconnects: sent again to it, refused, resent in order while the new owner is
+        # held).
         for old_link, vbs in moved_vbs.items():
-            if old_link.out:
+            if old_link.out and old_link.proto is not None and old_link.ref.node_id in nodes:
                 keep = []
                 for frame in old_link.out:
                     kp = _kp(frame)
@@ -207,7 +217,6 @@ class Router:
                         keep.append(frame)
                 old_link.out = keep
                 old_link.out_bytes = sum(len(f) for f in keep)
-        nodes = {n.node_id for n in new.nodes}
         for ref, link in list(self.links.items()):
             if ref.node_id not in nodes:
                 self.retire(link)
@@ -220,15 +229,23 @@ class Router:
         """Release `new_link` once every old owner of its new vbuckets answered a round
         trip (their NOT_MY_VBUCKET refusals came back first and were resent)."""
         try:
-            up = [o for o in olds if o.proto is not None and not o.retired]
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.owner.flush_timeout):
-                    # a Ping written now, past anything held: an old owner may be held too
-                    await asyncio.gather(*(o.ping_now() for o in up), return_exceptions=True)
+                    await asyncio.gather(*(self._answered(o) for o in olds), return_exceptions=True)
             if self.to_resend:
                 self.resend_refused()
         finally:
             new_link.release()
+
+    @staticmethod
+    async def _answered(old: Link) -> None:
+        """`old` processed what it was sent (its refusals came back): a round trip; if it
+        is down, once it reconnected (and sent its unprocessed publishes again) or left."""
+        if old.proto is None and not old.retired:
+            await old.up.wait()
+        if old.proto is not None and not old.retired:
+            # written now, past anything held: an old owner may be held too
+            await old.ping_now()
 
     def retire(self, link: Link) -> None:
         """`link`'s node left the map: what it held goes to the new owners."""
