@@ -19,8 +19,10 @@ Theory of operation
 2. Route through a cache: routing bytes -> the target connections (a tuple
    interned per distinct target set), or None when this worker does not own
    the key_partition's vbucket (a non-fatal NOT_MY_VBUCKET error; the message
-   is dropped and counted). On a miss, `route` checks ownership (one index into
-   a 1024-byte table) and asks `Matcher.match` for the delivery plan: the
+   is dropped and counted). A vbucket a prepared map moves to this worker
+   counts as owned: a client that adopted the commit before this worker did
+   is not refused (schema/README.md 6.3). On a miss, `route` checks ownership
+   (one index into a 1024-byte table, `accepts`) and asks `Matcher.match` for the delivery plan: the
    distinct connections with an all-partition subscription, plus (only when
    scoped subscriptions match) those subscribed to this key_partition. A
    connection appears at most once, so a message travels once per connection
@@ -313,7 +315,7 @@ class Shard:
             vmap = VBucketMap.single_node(node)
         self.map = vmap
         self.owned = b""  # vbucket -> 1 if this worker owns it (`take_map`)
-        self.accepts = b""  # ... or it is moving here: partition-scoped Subscribes are taken
+        self.accepts = b""  # ... or it is moving here (publishes and scoped Subscribes taken)
         self.welcome: WelcomeTemplate
         self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
         # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
@@ -873,7 +875,7 @@ class Shard:
     def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[Connection, ...] | None:
         """Slow path of the route cache: None if not our vbucket, else the target connections."""
         targets: tuple[Connection, ...] | None
-        if not self.owned[vbucket_of(kp)]:
+        if not self.accepts[vbucket_of(kp)]:
             targets = None
         else:
             everyone, scoped = self.matcher.match(key)
