@@ -273,7 +273,7 @@ class Client(Publisher):
             await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
             delay = min(delay * 2, self.reconnect_max_delay)
         self.address, proto, welcome = found
-        self._router.seed_node = welcome.node_id
+        self._router.set_seed(welcome.node_id, welcome.map)
         self._welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
         self._router.links[link.ref] = link

@@ -752,7 +752,7 @@ class Link:
                 client._subscription_limited(self, err)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
-            else:
+            elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
                 client._report(err)
         elif isinstance(frame, LossNotice):
             self.told_lost += frame.dropped

@@ -90,6 +90,13 @@ def _owner_ref(vmap: VBucketMap, owner: tuple[int, int]) -> WorkerRef:
     return WorkerRef(vmap.nodes[owner[0]].node_id, owner[1])
 
 
+def _address_in(vmap: VBucketMap, node_id: str) -> tuple[str, int] | None:
+    for node in vmap.nodes:
+        if node.node_id == node_id:
+            return node.host, node.port
+    return None
+
+
 def _kp(frame: bytes) -> bytes | None:
     try:
         return route_message(frame, 0, len(frame))[0]
@@ -106,7 +113,8 @@ class Router:
         self.map: VBucketMap | None = None
         self.route: list[Link | None] = [None] * VBUCKETS  # vbucket -> Link, filled by `fill`
         self.links: dict[WorkerRef, Link] = {}
-        self.seed_node = ""  # the node of the first connection; the seed's address reaches it
+        self.seed_node = ""  # the node of the first connection; the seed's address reaches it...
+        self.seed_advertised: tuple[str, int] | None = None  # ...while the map names it here
         self.refreshing: asyncio.Task[None] | None = None
         self.settling: set[asyncio.Task[None]] = set()  # moves waiting for old owners (`apply`)
         self.retired: list[Link] = []  # retired Links with publishes possibly lost, until a flush
@@ -152,14 +160,21 @@ class Router:
             link.start(reconnect=False)
         return link
 
+    def set_seed(self, node_id: str, vmap: VBucketMap) -> None:
+        """The first Welcome came from `node_id`, whose map names it as in `vmap`."""
+        self.seed_node = node_id
+        self.seed_advertised = _address_in(vmap, node_id)
+
     def address_of(self, node_id: str) -> tuple[str, int]:
-        """Where node `node_id` listens: the seed's address as given, others' per the map."""
-        if node_id == self.seed_node or self.map is None:
+        """Where node `node_id` listens: per the map; the seed node at the seed's address
+        as given (it may be the only one that reaches it, e.g. through NAT) as long as
+        the map names it where it did then (a node started again may listen elsewhere)."""
+        if self.map is None:
             return self.owner.address
-        for node in self.map.nodes:
-            if node.node_id == node_id:
-                return node.host, node.port
-        return self.owner.address
+        advertised = _address_in(self.map, node_id)
+        if advertised is None or (node_id == self.seed_node and advertised == self.seed_advertised):
+            return self.owner.address
+        return advertised
 
     # ---------------------------------------------------------------- map changes
 
