@@ -72,6 +72,7 @@ def partition(i: int) -> bytes:
 
 
 async def publisher(url: str, rate: int, duration: float, partitions: int, size: int) -> dict[str, Any]:
+    """Publish at `rate` for `duration` seconds (0: until a line, or EOF, on stdin), then flush."""
     errors: list[str] = []
     disconnects: list[str] = []
     refused = 0
@@ -84,9 +85,11 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
         pad = b"x" * (size - _head.size)
         seq = [0] * partitions
         loop = asyncio.get_running_loop()
+        stop = loop.run_in_executor(None, sys.stdin.readline) if duration <= 0 else None
+        print("publishing", flush=True)
         start = loop.time()
         sent = 0
-        while (elapsed := loop.time() - start) < duration:
+        while (elapsed := loop.time() - start) < duration or (stop is not None and not stop.done()):
             due = int(elapsed * rate)
             while sent < due:
                 i = sent % partitions

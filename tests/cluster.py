@@ -1,11 +1,9 @@
 """Real etcd and real `broky serve --cluster` nodes for the tests.
 
-`EtcdServer` runs one etcd member (Debian's etcd-server, installed by
-`./run test`) on free loopback ports with its own data directory, waits until
-its /health answers, and can be paused (SIGSTOP), resumed, killed and
-restarted on the same directory and ports. `Cluster` starts nodes against it
-(tests.serverproc.ServerProcess with --cluster, --node-id and short timeouts),
-reads their /stats and /readyz, runs `broky cluster status --json`, and reads
+`EtcdServer` (bench.harness.cluster, shared with the benchmarks) runs one
+etcd member on free loopback ports with its own data directory. `Cluster`
+starts nodes against it (tests.serverproc.ServerProcess with --cluster,
+--node-id and short timeouts), reads their /stats and /readyz, runs `broky cluster status --json`, and reads
 the whole history of the map key from etcd (`map_history`: etcd keeps every
 revision until it is compacted, and these tests never compact). Everything is
 stopped by pid: nodes with SIGKILL on their process group (a SIGTERM would
@@ -17,118 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
+from bench.harness.cluster import EtcdServer, http_get, wait_for
+from bench.harness.servers import free_port
 from broky.protocol.routing import NO_OWNER, VBucketMap, vbucket_of
 from tests.serverproc import ServerProcess
 
-T = TypeVar("T")
-ETCD = shutil.which("etcd") or "etcd"  # Debian's etcd-server; `./run test` installs it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Call `check` until it returns something other than None/False; fail after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            got = check()
-        except (OSError, ValueError, AssertionError) as exc:
-            last = exc
-        else:
-            if got is not None and got is not False:
-                return got
-            last = got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what} (last: {last!r})")
-        time.sleep(interval)
-
-
-def http_get(port: int, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class EtcdServer:
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="broky-etcd-")
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = open(os.path.join(self.dir, "etcd.log"), "ab")  # noqa: SIM115
-        self.paused = False
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def url(self, prefix: str = "/broky") -> str:
-        return f"etcd://{self.endpoint}{prefix}"
-
-    def start(self, timeout: float = 15.0) -> EtcdServer:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [
-                ETCD, "--name", "test", "--data-dir", os.path.join(self.dir, "data"),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr",
-            ],
-            stdout=self.log, stderr=self.log, start_new_session=True,
-        )  # fmt: skip
-        wait_for(self._healthy, timeout, f"etcd answering on {client}")
-        return self
-
-    def _healthy(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"etcd exited with status {self.proc.returncode}")
-        status, body = http_get(self.client_port, "/health", timeout=1.0)
-        return status == 200 and b"true" in body
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-        self.paused = False
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        if self.paused:
-            self.resume()
-        self.proc.kill()
-        self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        self.kill()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+__all__ = ["EtcdServer", "free_port", "http_get", "wait_for"]  # tests import them from here
 
 
 def run_etcd(call: Callable[[Any], Any], endpoint: str, timeout: float = 3.0) -> Any:

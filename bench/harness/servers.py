@@ -44,6 +44,7 @@ class Server:
         self.args = args
         self.host = HOST
         self.port = port
+        self.metrics_port = 0  # Broky's HTTP port (/stats, /metrics), from its ready line
         self.workers = 1
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # noqa: SIM115
@@ -137,6 +138,7 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
         match = READY.search(line)
         if match:
             server.port = int(match.group(2))
+            server.metrics_port = int(match.group(4))
             server.workers = int(match.group(5))
             return server
     server.stop()

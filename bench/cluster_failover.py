@@ -1,0 +1,400 @@
+"""Cluster failover benchmark: what a SIGKILLed node costs SDK publishers and subscribers.
+
+    python -m bench.cluster_failover [--kills 10] [--nodes 3] [--workers 2] [--rate 5000]
+                                     [--partitions 500] [--lease-ttl 5]
+
+A real etcd and `--nodes` `broky serve --cluster` nodes (a, b, c, ...) on
+loopback, `--workers` each, default settings but `--lease-ttl`. An SDK
+subscriber process on `w.>` whose seed is the first node, and an SDK
+publisher process whose seed is the last one, publishing `--rate` msgs/s
+round-robin over `--partitions` key_partitions, a per-partition sequence
+number in every payload (bench.worker_kill's two client processes). Every
+round SIGKILLs one node, alternately the leader and another one, waits until
+the others agree on a map without it, starts it again (same node id) and
+waits until it has its share back: each round is a failover and a planned
+join, under load.
+
+Measured, from the subscriber's sequences against what was published:
+
+- lost (published, never received), told (LossNotice counts), duplicates,
+  out of order within a key_partition;
+- the publisher's report: `stats.unconfirmed_lost` (may not have reached a
+  server), `stats.resent_after_loss` (sent again: the node that had them
+  died without confirming them; the subscriber drops copies by uid) and
+  whether its final `flush` raised;
+- per kill, recovery: from the SIGKILL until the subscriber received a
+  message published after it to every key_partition the dead node owned
+  ("every"), and to the first of them ("first"). It is about the lease TTL
+  (etcd notices the death) plus the leader's move, prepared and committed
+  once every subscriber follows it.
+
+The promise checked: lost == told + the publisher's `unconfirmed_lost`
+(nothing lost silently; the SDK's count is what the subscriber missed), no
+duplicate, no reordering. Results: bench/results/cluster_failover.md and
+.json with the machine. `ClusterRun`, `Load` and `run` are also what
+tests/test_cluster_sdk.py uses, with short leases and fewer kills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import worker_kill  # noqa: E402
+from bench.harness.cluster import EtcdServer, current_map, settled, start_node, wait_for  # noqa: E402
+from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.servers import Server  # noqa: E402
+from broky.protocol import LossReason, VBucketMap, vbucket_of  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+class ClusterRun:
+    """etcd and named nodes; every process stopped by pid at `stop`."""
+
+    def __init__(self, workers: int = 2, lease_ttl: int | None = None, *node_args: str) -> None:
+        self.etcd = EtcdServer().start()
+        self.url = self.etcd.url()
+        self.workers = workers
+        self.lease_ttl = lease_ttl
+        self.node_args = node_args
+        self.nodes: dict[str, Server] = {}
+
+    def start(self, node_id: str) -> Server:
+        node = start_node(self.url, node_id, self.workers, self.lease_ttl, *self.node_args)
+        self.nodes[node_id] = node
+        return node
+
+    def seeds(self, *node_ids: str) -> str:
+        return ",".join(f"{self.nodes[n].host}:{self.nodes[n].port}" for n in node_ids or self.nodes)
+
+    def kill(self, node_id: str) -> float:
+        """SIGKILL the node's master and workers (its process group); the time of the kill."""
+        node = self.nodes.pop(node_id)
+        killed_at = time.time()
+        os.killpg(node.pid, signal.SIGKILL)
+        assert node.proc is not None
+        node.proc.wait(10)
+        node.stop()
+        return killed_at
+
+    def leave(self, node_id: str, timeout: float = 60.0) -> int:
+        """SIGTERM: the node drains (hands its vbuckets over), says Goodbye and exits."""
+        node = self.nodes.pop(node_id)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        code = node.proc.wait(timeout)
+        node.stop()
+        return code
+
+    def wait_settled(self, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+        return wait_for(
+            lambda: settled(self.nodes), timeout, f"nodes {sorted(self.nodes)} settled on one map"
+        )
+
+    def leader(self) -> str:
+        views = self.wait_settled()
+        leaders = {v["leader"] for v in views.values()}
+        assert len(leaders) == 1, views
+        return str(leaders.pop())
+
+    def map(self) -> VBucketMap:
+        return current_map(self.etcd)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{node.log()}" for n, node in self.nodes.items())
+
+    def stop(self) -> None:
+        for node_id in list(self.nodes):
+            node = self.nodes.pop(node_id)
+            if node.proc is not None and node.proc.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)  # a SIGTERM would drain into nodes stopping too
+            node.stop()
+        self.etcd.stop()
+
+
+class Load:
+    """bench.worker_kill's SDK subscriber (on `w.>`) and publisher, as processes, until `finish`."""
+
+    def __init__(self, sub_seeds: str, pub_seeds: str, rate: int, partitions: int, payload_bytes: int = 100):
+        self.partitions = partitions
+        self.procs: list[subprocess.Popen[str]] = []
+        self.sub = worker_kill._spawn("subscriber", sub_seeds)
+        self.procs.append(self.sub)
+        assert self.sub.stdout is not None
+        if self.sub.stdout.readline().strip() != "ready":
+            self.kill()
+            raise RuntimeError("the subscriber did not start")
+        self.pub = worker_kill._spawn(
+            "publisher", pub_seeds, "--rate", str(rate), "--duration", "0",
+            "--partitions", str(partitions), "--payload-bytes", str(payload_bytes),
+        )  # fmt: skip
+        self.procs.append(self.pub)
+        assert self.pub.stdout is not None
+        if self.pub.stdout.readline().strip() != "publishing":
+            self.kill()
+            raise RuntimeError("the publisher did not start")
+
+    def finish(self, timeout: float = 90.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Stop publishing, flush, then stop the subscriber: what each reported."""
+        try:
+            pub_out, _ = self.pub.communicate("stop\n", timeout=timeout)
+            sub_out, _ = self.sub.communicate("stop\n", timeout=timeout)
+            return json.loads(pub_out.strip().splitlines()[-1]), json.loads(sub_out.strip().splitlines()[-1])
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+
+
+@dataclass
+class Result:
+    events: list[dict[str, Any]] = field(default_factory=list)  # what, node, time, recovery
+    published: int = 0
+    refused: int = 0
+    received: int = 0
+    lost: int = 0
+    told: int = 0
+    told_by_reason: dict[str, int] = field(default_factory=dict)
+    duplicates: int = 0
+    out_of_order: int = 0
+    publisher_unconfirmed_lost: int = 0
+    publisher_resent_after_loss: int = 0
+    publisher_flush_error: str | None = None
+    subscriber_duplicates_dropped: int = 0
+    max_gap_s: float = 0.0  # longest time the subscriber received nothing, after the first message
+    per_partition: list[list[int]] = field(default_factory=list, repr=False)  # received sequences
+
+    def recovery(self, which: str = "every") -> list[float]:
+        return [e[which] for e in self.events if e.get(which) is not None]
+
+    @property
+    def promise_kept(self) -> bool:
+        return (
+            self.lost == self.told + self.publisher_unconfirmed_lost
+            and self.duplicates == 0
+            and self.out_of_order == 0
+        )
+
+
+def analyse(
+    published: dict[str, Any], subscribed: dict[str, Any], partitions: int, events: list[dict[str, Any]]
+) -> Result:
+    """Count lost, told, duplicates and reordering; the recovery after each kill (events with
+    "time" and "partitions": the key_partition indexes the dead node owned)."""
+    result = Result(events=events)
+    result.published = published["sent"] - published["refused"]
+    result.refused = published["refused"]
+    stats = published["stats"]
+    result.publisher_unconfirmed_lost = stats["unconfirmed_lost"]
+    result.publisher_resent_after_loss = stats["resent_after_loss"]
+    result.publisher_flush_error = published["flush_error"]
+    result.subscriber_duplicates_dropped = subscribed["stats"]["duplicates_dropped"]
+    received = subscribed["received"]
+    result.received = len(received)
+    seen: list[set[int]] = [set() for _ in range(partitions)]
+    result.per_partition = [[] for _ in range(partitions)]
+    last = [-1] * partitions
+    for i, s, _, _ in received:
+        if s in seen[i]:
+            result.duplicates += 1
+        seen[i].add(s)
+        result.per_partition[i].append(s)
+        if s < last[i]:
+            result.out_of_order += 1
+        last[i] = max(last[i], s)
+    for i, count in enumerate(published["per_partition"]):
+        result.lost += sum(1 for s in range(count) if s not in seen[i])
+    result.lost -= published["refused"]  # never published
+    for _, n, reason, _ in subscribed["losses"]:
+        result.told += n
+        name = LossReason.name(reason)
+        result.told_by_reason[name] = result.told_by_reason.get(name, 0) + n
+    times = sorted(t for _, _, t, _ in received)
+    result.max_gap_s = round(max((b - a for a, b in itertools.pairwise(times)), default=0.0), 3)
+    for event in events:
+        if "partitions" not in event:
+            continue
+        owned = set(event.pop("partitions"))
+        first: dict[int, float] = {}
+        for i, _, t_recv, ts in received:
+            if i in owned and i not in first and ts / 1e9 > event["time"]:
+                first[i] = t_recv - event["time"]
+        event["every"] = round(max(first.values()), 3) if len(first) == len(owned) else None
+        event["first"] = round(min(first.values()), 3) if first else None
+    return result
+
+
+def owned_partitions(vmap: VBucketMap, node_id: str, partitions: int) -> list[int]:
+    """Indexes of the key_partitions (worker_kill.partition) whose vbucket `node_id` owns."""
+    index = vmap.node_index(node_id)
+    return [i for i in range(partitions) if vmap.owners[vbucket_of(worker_kill.partition(i))][0] == index]
+
+
+def run(
+    kills: int,
+    rate: int = 5000,
+    partitions: int = 500,
+    nodes: int = 3,
+    workers: int = 2,
+    lease_ttl: int | None = None,
+    settle_timeout: float = 90.0,
+) -> Result:
+    """`kills` rounds of SIGKILL, failover, restart and join under SDK load (see the header)."""
+    names = [chr(ord("a") + n) for n in range(nodes)]
+    cluster = ClusterRun(workers, lease_ttl)
+    events: list[dict[str, Any]] = []
+    load: Load | None = None
+    try:
+        for name in names:
+            cluster.start(name)
+        cluster.wait_settled(settle_timeout)
+        load = Load(cluster.seeds(names[0]), cluster.seeds(names[-1]), rate, partitions)
+        time.sleep(1.0)
+        for k in range(kills):
+            leader = cluster.leader()
+            victim = leader if k % 2 else next(n for n in reversed(names) if n != leader)
+            owned = owned_partitions(cluster.map(), victim, partitions)
+            killed_at = cluster.kill(victim)
+            event = {"what": "kill", "node": victim, "leader": victim == leader, "time": killed_at}
+            events.append({**event, "partitions": owned})
+            cluster.wait_settled(settle_timeout)
+            event_done = time.time()
+            events[-1]["failover_s"] = round(event_done - killed_at, 3)
+            cluster.start(victim)  # back, under the same id: a planned join
+            cluster.wait_settled(settle_timeout)
+            events.append(
+                {
+                    "what": "join",
+                    "node": victim,
+                    "time": event_done,
+                    "join_s": round(time.time() - event_done, 3),
+                }
+            )
+            time.sleep(1.0)
+        published, subscribed = load.finish()
+    finally:
+        if load is not None:
+            load.kill()
+        cluster.stop()
+    return analyse(published, subscribed, partitions, events)
+
+
+# ---------------------------------------------------------------- report
+
+
+def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> str:
+    every, first = result.recovery("every"), result.recovery("first")
+    flush = f"raised: {result.publisher_flush_error}" if result.publisher_flush_error else "succeeded"
+    kills = [e for e in result.events if e["what"] == "kill"]
+    lines = [
+        "# Cluster failover: a node SIGKILLed under SDK load",
+        "",
+        f"Machine: {describe(info)}.",
+        "",
+        f"Command: `python -m bench.cluster_failover --kills {args.kills} --nodes {args.nodes} "
+        f"--workers {args.workers} --rate {args.rate} --partitions {args.partitions} "
+        f"--lease-ttl {args.lease_ttl}`",
+        "",
+        f"etcd and {args.nodes} `broky serve --cluster` nodes with {args.workers} workers each, "
+        f"`--lease-ttl {args.lease_ttl}`, other settings default; an SDK publisher at {args.rate} msgs/s "
+        f"over {args.partitions} key_partitions (seed: the last node), an SDK subscriber on `w.>` "
+        f"(seed: the first node). {len(kills)} rounds: SIGKILL of a node (alternately another node and "
+        "the leader), failover, the node started again under the same id (a planned join).",
+        "",
+        "| Figure | Value |",
+        "|---|---:|",
+        f"| messages published | {result.published} |",
+        f"| received by the subscriber | {result.received} |",
+        f"| lost (published, never received) | {result.lost} |",
+        f"| told lost (LossNotice counts) | {result.told} {result.told_by_reason or ''} |",
+        f"| publisher: `unconfirmed_lost` (may not have reached a server) | "
+        f"{result.publisher_unconfirmed_lost} |",
+        f"| publisher: `resent_after_loss` (sent again to the new owners) | "
+        f"{result.publisher_resent_after_loss} |",
+        f"| subscriber: copies dropped by uid | {result.subscriber_duplicates_dropped} |",
+        f"| duplicates delivered | {result.duplicates} |",
+        f"| out of order within a key_partition | {result.out_of_order} |",
+        f"| publisher: final flush | {flush} |",
+        f"| publishes refused (reconnect buffer full) | {result.refused} |",
+    ]
+    if every:
+        lines.append(
+            f"| recovery, every key_partition of the dead node: min / median / max | "
+            f"{min(every):.2f} / {statistics.median(every):.2f} / {max(every):.2f} s |"
+        )
+    if first:
+        lines.append(
+            f"| recovery, its first key_partition: min / median / max | "
+            f"{min(first):.2f} / {statistics.median(first):.2f} / {max(first):.2f} s |"
+        )
+    lines += [
+        "",
+        "Recovery: from the SIGKILL until the subscriber received a message published after it, to every "
+        "key_partition the dead node owned (and to the first of them). Failover: until every surviving "
+        "node runs the committed map without it. Join: from then until the node, started again, has its "
+        "share back (prepared, followed by the subscriber, committed).",
+        "",
+        "| Round | Node | Leader | Recovery, every (s) | first (s) | Failover (s) | Join (s) |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    joins = [e for e in result.events if e["what"] == "join"]
+    for n, k in enumerate(kills):
+        join = joins[n]["join_s"] if n < len(joins) else None
+        lines.append(
+            f"| {n + 1} | {k['node']} | {'yes' if k['leader'] else 'no'} | {k.get('every')} | "
+            f"{k.get('first')} | {k.get('failover_s')} | {join} |"
+        )
+    lines += [
+        "",
+        f"Verdict: {'met' if result.promise_kept else 'NOT met'} (lost == told + the publisher's "
+        "unconfirmed_lost, no duplicate, in order per key_partition).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.cluster_failover", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rate", type=int, default=5000, help="msgs/s published")
+    parser.add_argument("--partitions", type=int, default=500)
+    parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (broky serve's default: 5)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    info = machine_info()
+    result = run(args.kills, args.rate, args.partitions, args.nodes, args.workers, args.lease_ttl)
+    text = report(result, args, info)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cluster_failover.md").write_text(text)
+    data = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    data.update({k: v for k, v in asdict(result).items() if k != "per_partition"})
+    (args.out / "cluster_failover.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(text)
+    return 0 if result.promise_kept else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

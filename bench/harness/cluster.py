@@ -1,0 +1,170 @@
+"""etcd and cluster nodes for the benchmarks (and the tests, through tests/cluster.py).
+
+`EtcdServer` runs one etcd member (Debian's etcd-server, which `./run test`
+installs) on free loopback ports with its own data directory, waits until its
+/health answers, and can be paused (SIGSTOP), resumed, killed and restarted
+on the same directory and ports. `start_node` starts one `broky serve
+--cluster` node (bench.harness.servers.start_broky). `cluster_view` reads the
+"cluster" object of a node's /stats. Everything is stopped by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from bench.harness.servers import Server, free_port, start_broky
+from broky.protocol.routing import VBucketMap
+
+T = TypeVar("T")
+ETCD = shutil.which("etcd") or "etcd"  # Debian's etcd-server; `./run test` installs it
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Call `check` until it returns something other than None/False; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            got = check()
+        except (OSError, ValueError, AssertionError) as exc:
+            last = exc
+        else:
+            if got is not None and got is not False:
+                return got
+            last = got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def http_get(port: int, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class EtcdServer:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="broky-etcd-")
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = open(os.path.join(self.dir, "etcd.log"), "ab")  # noqa: SIM115
+        self.paused = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def url(self, prefix: str = "/broky") -> str:
+        return f"etcd://{self.endpoint}{prefix}"
+
+    def start(self, timeout: float = 15.0) -> EtcdServer:
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [
+                ETCD, "--name", "test", "--data-dir", os.path.join(self.dir, "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr",
+            ],
+            stdout=self.log, stderr=self.log, start_new_session=True,
+        )  # fmt: skip
+        wait_for(self._healthy, timeout, f"etcd answering on {client}")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with status {self.proc.returncode}")
+        status, body = http_get(self.client_port, "/health", timeout=1.0)
+        return status == 200 and b"true" in body
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.paused:
+            self.resume()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def start_node(
+    cluster_url: str, node_id: str, workers: int = 2, lease_ttl: int | None = None, *extra: str
+) -> Server:
+    """One `broky serve --cluster` node on free loopback ports (ready: registered, map applied)."""
+    args = ["--cluster", cluster_url, "--node-id", node_id, "--log-level", "info", *extra]
+    if lease_ttl is not None:
+        args += ["--lease-ttl", str(lease_ttl)]
+    return start_broky(workers, args, timeout=60.0)
+
+
+def cluster_view(node: Server) -> dict[str, Any]:
+    """The "cluster" object of the node's /stats."""
+    status, body = http_get(node.metrics_port, "/stats")
+    if status != 200:
+        raise OSError(f"/stats answered {status}")
+    view: dict[str, Any] = json.loads(body)["cluster"]
+    return view
+
+
+def settled(nodes: dict[str, Server]) -> dict[str, dict[str, Any]] | None:
+    """Every node runs one committed map of exactly these nodes, all serving: their views."""
+    views = {node_id: cluster_view(node) for node_id, node in nodes.items()}
+    if len({v["map_version"] for v in views.values()}) != 1:
+        return None
+    for v in views.values():
+        if v["map_moving"] or not v["etcd_connected"]:
+            return None
+        if {m["node_id"]: m["state"] for m in v["members"]} != dict.fromkeys(nodes, "serving"):
+            return None
+    if sum(sum(v["vbuckets"]) for v in views.values()) != 1024:
+        return None
+    return views
+
+
+def current_map(etcd: EtcdServer, prefix: str = "/broky") -> VBucketMap:
+    """The map etcd holds under `prefix` (the cluster's agreed map)."""
+    from broky.cluster.etcd import Etcd  # the cluster extra
+
+    async def read() -> VBucketMap:
+        client = Etcd(("127.0.0.1", etcd.client_port), 3.0)
+        try:
+            kv = await client.get(f"{prefix}/map")
+        finally:
+            await client.close()
+        if kv is None:
+            raise AssertionError(f"no map under {prefix}")
+        return VBucketMap.from_json(json.loads(kv.value))
+
+    return asyncio.run(read())

@@ -1,0 +1,152 @@
+"""The cluster as SDK users see it: real etcd, real nodes, SDK publisher and subscriber processes.
+
+The load is bench.cluster_failover's (bench.worker_kill's client processes):
+an SDK publisher at a steady rate over many key_partitions, a sequence number
+per key_partition in every payload, and an SDK subscriber on `w.>`, each
+given a different node as its seed. Leases of 2 s and moves committed after
+4 s at most keep the tests short; bench/cluster_failover.py runs the failover
+with the defaults and ten kills.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
+from broky.protocol import VBucketMap
+from tests.cluster import assert_versions_grow, map_history, moved_between, moving, owners_by_id, wait_for
+
+LEASE_TTL = 2
+
+
+@pytest.fixture
+def cluster() -> Iterator[ClusterRun]:
+    c = ClusterRun(2, LEASE_TTL, "--move-timeout", "4")
+    yield c
+    c.stop()
+
+
+def finish(load: Load, partitions: int) -> Result:
+    published, subscribed = load.finish()
+    return analyse(published, subscribed, partitions, [])
+
+
+def assert_nothing_lost(result: Result) -> None:
+    summary = f"{result}"
+    assert result.lost == 0 and result.told == 0, summary
+    assert result.received == result.published, summary
+    assert result.duplicates == 0 and result.out_of_order == 0, summary
+    assert result.publisher_flush_error is None and result.publisher_unconfirmed_lost == 0, summary
+
+
+@pytest.mark.timeout(120)
+def test_an_all_partition_subscriber_gets_500_key_partitions_in_order_through_another_seed(
+    cluster: ClusterRun,
+) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    views = cluster.wait_settled()
+    counts = [n for v in views.values() for n in v["vbuckets"]]
+    assert len(counts) == 6 and sum(counts) == 1024 and max(counts) - min(counts) <= 1, counts
+    load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=5000, partitions=500)
+    time.sleep(3.0)
+    result = finish(load, 500)
+    assert result.published > 10_000, result
+    assert_nothing_lost(result)
+    # in order per key_partition: each one's sequence numbers, every one, ascending
+    assert all(seqs == list(range(len(seqs))) for seqs in result.per_partition)
+    assert all(result.per_partition)  # every key_partition, so every node and worker, delivered
+
+
+@pytest.mark.timeout(180)
+def test_a_node_joins_and_one_leaves_under_load_nothing_lost_nothing_twice(cluster: ClusterRun) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=3000, partitions=256)
+    time.sleep(1.0)
+    cluster.start("d")  # joins under load: takes its share
+    cluster.wait_settled()
+    time.sleep(1.0)
+    assert cluster.leave("b") == 0  # SIGTERM under load: drains first, then Goodbye
+    views = cluster.wait_settled()
+    time.sleep(1.0)
+    result = finish(load, 256)
+    print(
+        f"\njoin and leave under load: {result.published} published, {result.received} received, "
+        f"{result.lost} lost, {result.duplicates} duplicates"
+    )
+    assert_nothing_lost(result)
+    assert result.publisher_resent_after_loss == 0  # every hand-over was accounted for
+    assert sorted(n for v in views.values() for n in v["vbuckets"]) == [170, 170, 171, 171, 171, 171]
+
+    history = map_history(cluster.etcd.endpoint)
+    assert_versions_grow(history)
+    three, four, back = _three_maps([m for m in history if not m.incoming])
+    assert moved_between(three, four) == 256  # 3 -> 4 nodes: only d's share moves
+    assert moved_between(four, back) == 256  # 4 -> 3: only b's share moves
+    # each through a prepared map: same owners, the vbuckets that move named
+    join, drain = (
+        next(m for m in history if m.incoming and m.version < after.version and m.version > before.version)
+        for before, after in ((three, four), (four, back))
+    )
+    assert moving(join) == {"d": 256} and owners_by_id(join) == owners_by_id(three)
+    assert sum(moving(drain).values()) == 256 and "b" not in moving(drain)
+    assert owners_by_id(drain) == owners_by_id(four)
+
+
+def _three_maps(committed: list[VBucketMap]) -> tuple[VBucketMap, VBucketMap, VBucketMap]:
+    """The last committed map of a, b, c; the first of a, b, c, d after it; the first without b."""
+    ids = [[n.node_id for n in m.nodes] for m in committed]
+    first = max(i for i, n in enumerate(ids) if n == ["a", "b", "c"])
+    second = next(i for i, n in enumerate(ids) if n == ["a", "b", "c", "d"] and i > first)
+    third = next(i for i, n in enumerate(ids) if "b" not in n and i > second)
+    return committed[first], committed[second], committed[third]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_then_the_leader_killed_under_load_flow_resumes_and_loss_is_counted() -> None:
+    result = run(kills=2, rate=5000, partitions=500, lease_ttl=LEASE_TTL)
+    kills = [e for e in result.events if e["what"] == "kill"]
+    print(
+        f"\nnode kills: {result.published} published, {result.lost} lost, {result.told} told, "
+        f"SDK possibly lost {result.publisher_unconfirmed_lost}, "
+        f"resent {result.publisher_resent_after_loss}, "
+        f"copies dropped {result.subscriber_duplicates_dropped}; every key_partition flowing again after "
+        + ", ".join(f"{k['every']} s ({'leader ' if k['leader'] else ''}{k['node']})" for k in kills)
+    )
+    summary = f"{result}"
+    assert [k["leader"] for k in kills] == [False, True], summary
+    # the SDK's loss count is what the subscriber missed (nothing lost silently)
+    assert result.lost == result.told + result.publisher_unconfirmed_lost, summary
+    assert result.duplicates == 0 and result.out_of_order == 0, summary
+    assert result.publisher_flush_error is None, summary
+    for k in kills:  # every key_partition of the dead node flows again: lease, then the leader's move
+        assert k["every"] is not None and k["every"] < 3 * LEASE_TTL + 5, summary
+
+
+@pytest.mark.timeout(180)
+def test_etcd_stopped_and_restarted_under_load_publishing_never_stops(cluster: ClusterRun) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    before = cluster.map()
+    load = Load(cluster.seeds("a"), cluster.seeds("b"), rate=3000, partitions=256)
+    time.sleep(1.0)
+    cluster.etcd.pause()  # longer than a lease: every membership lapses
+    time.sleep(LEASE_TTL + 1.5)
+    cluster.etcd.resume()
+    cluster.wait_settled()
+    cluster.etcd.kill()  # killed and started again on its data
+    time.sleep(1.0)
+    cluster.etcd.start()
+    wait_for(lambda: cluster.wait_settled(), 60, "settled after etcd came back")
+    time.sleep(1.0)
+    result = finish(load, 256)
+    print(f"\netcd outages: {result.published} published, longest silence {result.max_gap_s} s")
+    assert_nothing_lost(result)
+    assert result.max_gap_s < 1.0, result  # 3,000 msgs/s: never a pause in the flow
+    assert owners_by_id(cluster.map()) == owners_by_id(before)  # nothing moved for an etcd outage
