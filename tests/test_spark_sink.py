@@ -20,6 +20,8 @@ from pyspark.errors import PySparkException
 from pyspark.sql import Row
 
 import broky
+from bench.cluster_failover import ClusterRun
+from bench.harness.cluster import http_get
 from broky.errors import BrokyTimeoutError
 from broky.protocol import ksuid_text, parse_ksuid
 from broky.protocol.ksuid import ksuid_time
@@ -156,6 +158,41 @@ def test_batch_write_of_100k_rows_is_received_in_full(spark: Any, server: Server
     assert sample is not None
     assert parse_ksuid(ksuid_text(sample)) == sample
     assert abs(ksuid_time(sample) - time.time()) < 600
+
+
+@pytest.mark.timeout(240)
+def test_batch_write_into_a_three_node_cluster_given_several_seeds(spark: Any) -> None:  # noqa: F811
+    """etcd and three nodes; the seeds list a dead address first. Every row arrives once,
+    and every node took its share (the sink follows the cluster's map, not the seed)."""
+    rows = 30_000
+    cluster = ClusterRun(1, 2)
+    try:
+        for node_id in ("a", "b", "c"):
+            cluster.start(node_id)
+        cluster.wait_settled()
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        seeds = f"{dead},{cluster.seeds('b', 'c')}"
+        with broky.connect_sync(cluster.seeds("a"), name="test-sub") as client:
+            sub = client.subscribe("clicks.>", max_pending_msgs=1_000_000, max_pending_bytes=512 << 20)
+            client.flush()
+            clickstream(spark, rows).write.format("broky").option("broky.servers", seeds).mode(
+                "append"
+            ).save()
+            got = drain(sub, rows)
+        assert sorted(int(m.payload) for m in got) == list(range(rows))
+        assert len({m.uid for m in got}) == rows
+        for node_id, node in cluster.nodes.items():
+            metrics = http_get(node.metrics_port, "/metrics")[1].decode()
+            published = sum(
+                float(line.split()[-1])
+                for line in metrics.splitlines()
+                if line.startswith("broky_messages_published_total")
+            )
+            assert published > rows / 10, (node_id, published)  # a third each, give or take
+    finally:
+        cluster.stop()
 
 
 def test_options_override_columns_and_ts_producer_column(spark: Any, server: ServerProcess) -> None:  # noqa: F811
