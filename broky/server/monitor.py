@@ -43,17 +43,43 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broky import __version__
-from broky.protocol.routing import to_ranges
+from broky.protocol.routing import VBucketMap, to_ranges
 from broky.server import handoff, histogram
-from broky.server.httpd import Response
+from broky.server.config import ServerConfig
+from broky.server.httpd import HttpServer, Response
 from broky.server.metrics import Exporter
+from broky.server.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from broky.server.fanout import Shard
-    from broky.server.master import Master
+
+
+class ClusterView(Protocol):
+    def view(self, workers: int) -> dict[str, Any]:
+        """The node's part in the cluster, for /stats and /metrics (broky.cluster.node)."""
+
+
+class Observed(Protocol):
+    """What the endpoints read from the master (broky.server.master.Master is one; the
+    master installs them, so this module does not import it back)."""
+
+    config: ServerConfig
+    vmap: VBucketMap
+    http: HttpServer
+    supervisor: Supervisor | None
+    started: float
+    handed_total: int
+    refused_total: dict[str, int]
+    handoffs_refused: dict[tuple[int, str], int]
+
+    @property
+    def cluster(self) -> ClusterView | None: ...
+
+    async def worker_stats(self, what: bytes = b"") -> list[dict[str, Any] | None]:
+        """Every worker's snapshot, or the view `what` (see `answer`); None: no answer."""
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
@@ -149,7 +175,7 @@ def _clamp(limit: int) -> int:
 class Monitor:
     """The master's monitoring endpoints."""
 
-    def __init__(self, master: Master) -> None:
+    def __init__(self, master: Observed) -> None:
         self.master = master
         self.exporter = Exporter()
 
@@ -251,7 +277,7 @@ class Monitor:
         return None if cluster is None else cluster.view(self.master.config.workers)
 
 
-def _owned(master: Master) -> list[int]:
+def _owned(master: Observed) -> list[int]:
     """The vbuckets each worker of this node owns in the node's current map."""
     vmap = master.vmap
     me = vmap.node_index(master.config.node_id)
@@ -270,7 +296,7 @@ def _by_worker(counts: dict[tuple[int, str], int], workers: int) -> list[dict[st
     return listed
 
 
-def install(master: Master) -> Monitor:
+def install(master: Observed) -> Monitor:
     """Register the monitoring endpoints on the master's HTTP server."""
     mon = Monitor(master)
     master.http.routes["/metrics"] = mon.metrics
