@@ -25,7 +25,9 @@ version is adopted at once (`apply`):
   keeps them: its lost connection's unconfirmed publishes come before them;
   the new owner waits until it reconnected (its account says which ones to
   send again; the worker refuses them and they come back as above) or left
-  the map, at most `flush_timeout`;
+  the map, at most `flush_timeout`. So does one whose connection drops
+  before it answered (a draining node says Goodbye: what it did not process
+  waits in its Link until the node leaves the map, then goes first);
 - a node that is no longer in the map: its Links are retired (`retire`):
   their unconfirmed publishes (no server can account for them any more) are
   sent again if they carry a uid (the client's subscribers drop the
@@ -255,12 +257,21 @@ class Router:
     @staticmethod
     async def _answered(old: Link) -> None:
         """`old` processed what it was sent (its refusals came back): a round trip; if it
-        is down, once it reconnected (and sent its unprocessed publishes again) or left."""
-        if old.proto is None and not old.retired:
-            await old.up.wait()
-        if old.proto is not None and not old.retired:
-            # written now, past anything held: an old owner may be held too
-            await old.ping_now()
+        is down, once it reconnected (and sent its unprocessed publishes again) or left.
+        A connection that drops before the Pong (a draining node's Goodbye, a crash)
+        left its unprocessed publishes in `old`, to be sent again: wait again."""
+        while not old.retired and old.failed is None and not old.client._closed:
+            if old.proto is None:
+                await old.up.wait()
+                if old.proto is None:  # retired or given up (they set `up`): looked at above
+                    await asyncio.sleep(0)
+                continue
+            try:
+                # written now, past anything held: an old owner may be held too
+                await old.ping_now()
+                return
+            except BrokyConnectionError:
+                continue
 
     def retire(self, link: Link) -> None:
         """`link`'s node left the map: what it held goes to the new owners."""
