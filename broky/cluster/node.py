@@ -24,7 +24,8 @@ Session. `run` loops over sessions, one gRPC channel each
    next revision, so no change is missed between the two.
 3. Three tasks until one fails: the keepalive (every TTL/3; a lease etcd no
    longer knows means registering again), the watch (updates the copy, wakes
-   the loop) and the loop, which every TICK or when woken:
+   the loop) and the loop, which every TICK (IDLE_TICK when nothing is pending)
+   or when woken:
    - writes this node's state to its member key when it changed (draining);
    - for an applied map with vbuckets moving (`incoming`), asks the master
      whether every worker runs it and every subscriber follows it
@@ -88,6 +89,7 @@ from broky.server.config import ServerConfig
 log = logging.getLogger("broky.cluster")
 
 TICK = 0.1  # seconds between two looks at the state when the watch says nothing
+IDLE_TICK = 1.0  # the same when nothing is pending (no move, no drain, a settled leader)
 RETRY_MIN = 0.25  # backoff between two sessions, doubling up to RETRY_MAX
 RETRY_MAX = 2.0
 LEADER_SETTLE = 1.0  # a new leader waits this long before its first map write
@@ -310,9 +312,18 @@ class ClusterNode:
             self._wake.clear()
             await self._step(etcd)
             try:
-                await asyncio.wait_for(self._wake.wait(), TICK)
+                await asyncio.wait_for(self._wake.wait(), TICK if self._pending() else IDLE_TICK)
             except TimeoutError:
                 pass
+
+    def _pending(self) -> bool:
+        """Something the loop must look at again soon though etcd may say nothing: a move
+        (readiness, the move timeout), a drain, a leader that has not settled or has no map."""
+        if self.draining or self.host.vmap.incoming is not None:
+            return True
+        if self.map is not None and self.map.incoming is not None:
+            return True
+        return self.is_leader and (self.map is None or time.monotonic() - self.leading_since < LEADER_SETTLE)
 
     # ------------------------------------------------------------ etcd's state
 
