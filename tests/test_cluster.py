@@ -82,12 +82,15 @@ def test_three_nodes_agree_then_a_fourth_joins_and_one_drains(cluster: Cluster) 
         f"broky_cluster_map_version {version}.0",
         "broky_cluster_members 3.0",
         "broky_cluster_leader 1.0",
+        'broky_cluster_node_info{leader="a",node_id="a"} 1.0',
         "broky_cluster_etcd_up 1.0",
         "broky_cluster_map_moving 0.0",
         f'broky_vbuckets_owned{{worker="1"}} {views["a"]["vbuckets"][1]}.0',
     ):
         assert line in metrics.splitlines(), line
-    assert "broky_cluster_leader 0.0" in http_get(cluster.nodes["b"].metrics_port, "/metrics")[1].decode()
+    metrics_b = http_get(cluster.nodes["b"].metrics_port, "/metrics")[1].decode().splitlines()
+    assert "broky_cluster_leader 0.0" in metrics_b
+    assert 'broky_cluster_node_info{leader="a",node_id="b"} 1.0' in metrics_b
     text = cluster.status()
     assert text.returncode == 0 and f"map       version {version}, stable, 3 node(s)" in text.stdout
     assert "a     127.0.0.1:" in text.stdout and "serving (leader)" in text.stdout

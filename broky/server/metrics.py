@@ -255,6 +255,13 @@ class SnapshotCollector:
                 c["state"] == "draining",
             ),
         )
+        info = GaugeMetricFamily(
+            "broky_cluster_node_info",
+            "Always 1; this node's id and the leader it sees (empty: none) are labels.",
+            labels=["node_id", "leader"],
+        )
+        info.add_metric([c["node_id"], c["leader"] or ""], 1.0)
+        yield info
         for name, doc, value in gauges:
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], float(value))
