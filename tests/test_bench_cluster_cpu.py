@@ -5,7 +5,6 @@ written. The real run is `python -m bench.cluster_cpu` (results in bench/results
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,7 @@ from bench.harness.machine import machine_info
 
 
 @pytest.mark.timeout(150)
-def test_cluster_cpu_measures_one_node_and_a_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cluster_cpu_measures_one_node_and_a_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cluster_cpu, "IDLE_SECONDS", 1.0)
     results = {}
     for name in ("1 node x 3 workers", "3 nodes x 1 worker"):

@@ -262,9 +262,7 @@ class Router:
         left its unprocessed publishes in `old`, to be sent again: wait again."""
         while not old.retired and old.failed is None and not old.client._closed:
             if old.proto is None:
-                await old.up.wait()
-                if old.proto is None:  # retired or given up (they set `up`): looked at above
-                    await asyncio.sleep(0)
+                await old.up.wait()  # set once connected again, retired or given up
                 continue
             try:
                 # written now, past anything held: an old owner may be held too

@@ -81,6 +81,7 @@ class Observed(Protocol):
     async def worker_stats(self, what: bytes = b"") -> list[dict[str, Any] | None]:
         """Every worker's snapshot, or the view `what` (see `answer`); None: no answer."""
 
+
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 MAX_SUBS_LISTED = 8  # patterns listed per connection (the count is always exact)
