@@ -33,7 +33,7 @@ def test_defaults_need_no_flags() -> None:
     cfg = parse([])
     assert (cfg.host, cfg.port, cfg.metrics_port) == ("127.0.0.1", 4777, 9477)
     assert cfg.workers >= 1 and cfg.auth_token is None
-    assert cfg.max_frame_bytes == 1 << 20 and cfg.max_pending_bytes == 8 << 20
+    assert cfg.max_frame_bytes == 1 << 20 and cfg.max_pending_bytes == 64 << 20
     assert (cfg.hello_timeout, cfg.frame_timeout, cfg.slow_consumer_deadline) == (5.0, 10.0, 10.0)
 
 

@@ -23,7 +23,7 @@ from broky.protocol import DEFAULT_MAX_FRAME_BYTES
 
 DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
-DEFAULT_MAX_PENDING_BYTES = 8 << 20
+DEFAULT_MAX_PENDING_BYTES = 64 << 20
 # Per-connection limits on subscriptions. Measured on CPython 3.11 (see
 # broky.server.fanout, "Limits"): a subscription with a short pattern costs a
 # worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
