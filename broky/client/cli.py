@@ -25,6 +25,7 @@ import urllib.request
 from typing import Any
 
 from broky.client.client import Client, connect
+from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
 from broky.client.url import parse_servers
 from broky.errors import BrokyError
@@ -259,13 +260,8 @@ def message_json(msg: Message) -> str:
     )
 
 
-def _told_loss(ref: Any, dropped: int, reason: int) -> None:
-    print(
-        f"broky sub: {dropped} messages lost on worker {ref.worker} of {ref.node_id} "
-        f"({LossReason.name(reason)})",
-        file=sys.stderr,
-        flush=True,
-    )
+def _stderr_line(line: str) -> None:
+    print(f"broky sub: {line}", file=sys.stderr, flush=True)
 
 
 def _disconnected(ref: Any, why: BaseException) -> None:
@@ -276,7 +272,20 @@ def _disconnected(ref: Any, why: BaseException) -> None:
 
 async def _sub(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
-    options = {**_options(args, "broky-sub"), "on_loss": _told_loss, "on_disconnect": _disconnected}
+    losses = LossLog(_stderr_line)  # a line per worker and reason every few seconds, not per notice
+
+    def told_loss(ref: Any, dropped: int, reason: int) -> None:
+        label = f"worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
+        losses.add((ref, reason), label, dropped)
+
+    options = {**_options(args, "broky-sub"), "on_loss": told_loss, "on_disconnect": _disconnected}
+    try:
+        return await _print_messages(args, options, out)
+    finally:
+        losses.close()
+
+
+async def _print_messages(args: argparse.Namespace, options: dict[str, Any], out: Any) -> int:
     async with connect(args.server, **options) as client:
         sub = await client.subscribe(args.pattern, partition=args.partition)
         scope = f" partition {_text(args.partition)}" if args.partition is not None else ""

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 from broky.client.connection import WorkerProtocol, open_connection, resolve
 from broky.client.link import Link, WorkerRef, uids_in
+from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
@@ -72,9 +73,10 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     ServerError,
+    SlowConsumerError,
 )
 from broky.matching import parse_pattern
-from broky.protocol import NO_OWNER, Hello, MapApplied, VBucketMap, Welcome
+from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, VBucketMap, Welcome
 from broky.protocol.frames import encode_map_applied
 
 log = logging.getLogger("broky.client")
@@ -193,6 +195,7 @@ class Client(Publisher):
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self._max_frame = 0
         self._subscriptions = SubscriptionTable(self._report)
+        self._losses = LossLog(lambda line: log.warning("broky client: %s", line))
         self._router = Router(self, self._subscriptions)
         self._connected = False
         self._closed = False
@@ -302,6 +305,7 @@ class Client(Publisher):
         self._open = False
         self._router.close()
         self._subscriptions.close()
+        self._losses.close()
         for task in list(self._tasks):
             task.cancel()
         # let the transports deliver connection_lost
@@ -422,8 +426,10 @@ class Client(Publisher):
                 worker only); None = every partition (sent to every worker).
             callback: called with each Message instead of queueing it for
                 iteration; a coroutine function is awaited, one message at a time.
-            max_pending_msgs, max_pending_bytes: bound of the local queue;
-                overflow is dropped, counted and reported as SlowConsumerError.
+            max_pending_msgs, max_pending_bytes: bound of the local queue; once
+                it is full the connections that carry the subscription are
+                paused (the server holds their deliveries, under its own bound)
+                until the queue is down to half (see broky.client.subscription).
 
         Returns:
             The Subscription, already known to every worker that is connected
@@ -475,6 +481,13 @@ class Client(Publisher):
             return
         with contextlib.suppress(BrokyConnectionError):  # dropped: restored on reconnect
             await link.round_trip(retry=False)
+
+    def _hold(self, sub: Subscription) -> None:
+        self._subscriptions.hold(sub)
+
+    def _release(self, sub: Subscription) -> None:
+        if not self._closed:
+            self._subscriptions.release(sub)
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         self._check_open()
@@ -572,10 +585,21 @@ class Client(Publisher):
 
     def _report(self, exc: BaseException) -> None:
         self.stats.errors += 1
-        if self.on_error is None:
-            log.warning("broky client: %s", exc)
-        else:
+        if self.on_error is not None:
             self._emit(self.on_error, exc)
+        elif isinstance(exc, SlowConsumerError):  # one line per subscription every few seconds
+            sub = self._subscriptions.subs.get(exc.sid)
+            pattern = "" if sub is None else f" ({sub.pattern.decode(errors='replace')})"
+            self._losses.add(("local", exc.sid), f"subscription {exc.sid}{pattern}, queue full", exc.dropped)
+        else:
+            log.warning("broky client: %s", exc)
+
+    def _told_lost(self, ref: WorkerRef, dropped: int, reason: int) -> None:
+        if self.on_loss is not None:
+            self._emit(self.on_loss, ref, dropped, reason)
+            return
+        label = f"deliveries from worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
+        self._losses.add(("server", ref, reason), label, dropped)
 
     def _emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
         if callback is None:

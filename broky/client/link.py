@@ -98,6 +98,8 @@ from broky.protocol import (
     VBucketMap,
     Welcome,
 )
+from broky.protocol.frames import PAUSE as PAUSE_FRAME
+from broky.protocol.frames import RESUME as RESUME_FRAME
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
 from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body_type
 
@@ -196,6 +198,9 @@ class LinkOwner(Protocol):
         """`link` is connected again; `resumed`: the server had an account of the lost
         connection; `tail`: the last reads of the lost connection (for duplicates)."""
 
+    def _told_lost(self, ref: WorkerRef, dropped: int, reason: int) -> None:
+        """A LossNotice: `on_loss`, or a line in the loss log."""
+
     def _report(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
 
@@ -248,6 +253,7 @@ class Link:
         self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
+        self.paused_by: set[int] = set()  # sids whose full queues hold this connection's deliveries
         self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
         self.holds = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
         self.front = 0  # frames at the head of `out` sent again for other Links, in order
@@ -293,6 +299,8 @@ class Link:
         subscribes = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
         if subscribes:
             proto.write(b"".join(subscribes))  # first: a restarted worker waits for them (section 7.2)
+        if self.paused_by:  # a subscriber's queue is still full: the new connection holds too
+            proto.write(PAUSE_FRAME)
         if reconnect or self.out:
             self._send_ping(None)  # after the publishes that wait in `out`, in the same write
         if client.ping_interval is not None:
@@ -704,9 +712,28 @@ class Link:
     def remove_sub(self, sub: Subscription, tell_server: bool = True) -> None:
         if self.subs.pop(sub.sid, None) is None:
             return
+        self.resume_for(sub.sid)
         self.matcher.remove(sub.pattern, sub)
         if tell_server:
             self.send_control(encode_unsubscribe(Unsubscribe(sub.sid)))
+
+    def pause_for(self, sid: int) -> None:
+        """Subscription `sid`'s queue is full: the worker holds this connection's
+        deliveries (Pause) until every subscription that asked has room again."""
+        if sid in self.paused_by:
+            return
+        self.paused_by.add(sid)
+        if len(self.paused_by) == 1:
+            self.client.stats.pauses += 1
+            self.send_control(PAUSE_FRAME)
+
+    def resume_for(self, sid: int) -> None:
+        """Subscription `sid` has room again (or is gone)."""
+        if sid not in self.paused_by:
+            return
+        self.paused_by.discard(sid)
+        if not self.paused_by:
+            self.send_control(RESUME_FRAME)
 
     # ---------------------------------------------------------------- inbound (WorkerProtocol handler)
 
@@ -757,7 +784,7 @@ class Link:
         elif isinstance(frame, LossNotice):
             self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
-            client._emit(client.on_loss, self.ref, frame.dropped, frame.reason)
+            client._told_lost(self.ref, frame.dropped, frame.reason)
         elif isinstance(frame, MapUpdate):
             client._map_update(self, frame.map)
         elif isinstance(frame, Goodbye):

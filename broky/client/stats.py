@@ -18,7 +18,8 @@ class ClientStats:
     published: int = 0
     received: int = 0
     unmatched: int = 0  # deliveries no local subscription matched (e.g. after unsubscribe)
-    dropped_local: int = 0  # deliveries dropped because a subscription's queue was full
+    dropped_local: int = 0  # deliveries dropped because a subscription's queue was full (twice over)
+    pauses: int = 0  # times a connection was paused (Pause) because a subscription's queue was full
     server_lost: int = 0  # deliveries the server reported lost (LossNotice)
     misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
     resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map

@@ -2,10 +2,19 @@
 
 Deliveries arrive on the connection's reader (inside `data_received`); they
 must never block it. So each subscription has a bounded pending queue
-(`max_pending_msgs` messages and `max_pending_bytes` payload bytes): a
-message that does not fit is dropped, counted in `dropped`, and reported to
-the client's error callback as a `SlowConsumerError` (one report per burst of
-drops, with the count of that burst).
+(`max_pending_msgs` messages and `max_pending_bytes` payload bytes). Flow
+control: once the queue is full the subscription *holds* the connections
+that carry it (the client sends Pause on each: the server keeps their
+deliveries under its own bound, `Welcome.max_pending_bytes`, and counts and
+tells what does not fit), and releases them (Resume) once the consumer has
+taken the queue down to half. Deliveries already on their way when it held
+still go into the queue (the server stops sending at the Pause, so that is
+bounded by what it had queued for the connection and the sockets' buffers);
+past `hard_bounds` (a server that does not pause) a message is dropped,
+counted in `dropped`, and reported to the client's error callback as a
+`SlowConsumerError` (one report per burst of drops, with the count of that
+burst). One subscription's full queue pauses its connections for every
+subscription they carry.
 
 Three ways to consume:
 - iterate: ``async for msg in sub`` (ends when the subscription is closed);
@@ -35,6 +44,20 @@ from broky.protocol import Message
 
 DEFAULT_MAX_PENDING_MSGS = 65536
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
+# A held subscription still queues what was on its way when it paused (what the server
+# had queued for the connection, under the server's own bound, and what the sockets
+# hold); it drops only past these (a server that does not pause): 8 times its bounds,
+# and never less than the defaults.
+HARD_FACTOR = 8
+
+
+def hard_bounds(max_pending_msgs: int, max_pending_bytes: int) -> tuple[int, int]:
+    """The queue's limits while its connections are paused: (messages, payload bytes)."""
+    return (
+        max(HARD_FACTOR * max_pending_msgs, DEFAULT_MAX_PENDING_MSGS),
+        max(HARD_FACTOR * max_pending_bytes, DEFAULT_MAX_PENDING_BYTES),
+    )
+
 
 Callback = Callable[[Message], Any]
 
@@ -46,6 +69,12 @@ class SubscriptionOwner(Protocol):
 
     def _report(self, exc: BaseException) -> None:
         """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
+
+    def _hold(self, sub: Subscription) -> None:
+        """`sub`'s queue is full: pause the connections that carry it."""
+
+    def _release(self, sub: Subscription) -> None:
+        """`sub`'s queue has room again: resume them."""
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         """Stop `sub` on every worker that has it, then close it."""
@@ -77,6 +106,7 @@ class Subscription:
         self.partition = partition
         self.max_pending_msgs = max_pending_msgs
         self.max_pending_bytes = max_pending_bytes
+        self._hard_msgs, self._hard_bytes = hard_bounds(max_pending_msgs, max_pending_bytes)
         self.delivered = 0
         self.dropped = 0
         self.closed = False
@@ -84,6 +114,7 @@ class Subscription:
         self._queue_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._unreported_drops = 0
+        self._holding = False  # its queue filled up: its connections are paused
         self._task: asyncio.Task[None] | None = None
         self._inline: Callback | None = None
         if callback is not None:
@@ -123,12 +154,17 @@ class Subscription:
             return
         size = len(msg.payload)
         if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
-            self.dropped += 1
-            self._owner.stats.dropped_local += 1
-            if not self._unreported_drops:
-                asyncio.get_running_loop().call_soon(self._report_drops)
-            self._unreported_drops += 1
-            return
+            if not self._holding:
+                self._holding = True
+                self._owner._hold(self)
+            if len(self._queue) >= self._hard_msgs or self._queue_bytes + size > self._hard_bytes:
+                self._owner._hold(self)  # a connection it was put on since it held
+                self.dropped += 1
+                self._owner.stats.dropped_local += 1
+                if not self._unreported_drops:
+                    asyncio.get_running_loop().call_soon(self._report_drops)
+                self._unreported_drops += 1
+                return
         self._queue.append(msg)
         self._queue_bytes += size
         waiter = self._waiter
@@ -184,6 +220,13 @@ class Subscription:
         msg = self._queue.popleft()
         self._queue_bytes -= len(msg.payload)
         self.delivered += 1
+        if (
+            self._holding
+            and len(self._queue) <= self.max_pending_msgs // 2
+            and self._queue_bytes <= self.max_pending_bytes // 2
+        ):
+            self._holding = False
+            self._owner._release(self)
         return msg
 
     def __aiter__(self) -> AsyncIterator[Message]:
@@ -225,4 +268,4 @@ class Subscription:
         await self._owner._unsubscribe(self)
 
 
-__all__ = ["DEFAULT_MAX_PENDING_BYTES", "DEFAULT_MAX_PENDING_MSGS", "Subscription"]
+__all__ = ["DEFAULT_MAX_PENDING_BYTES", "DEFAULT_MAX_PENDING_MSGS", "Subscription", "hard_bounds"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -43,7 +44,12 @@ from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
-from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Subscription
+from broky.client.subscription import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_PENDING_MSGS,
+    Subscription,
+    hard_bounds,
+)
 from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
@@ -75,6 +81,7 @@ class SyncSubscription:
         self._sub: Subscription | None = None
         self.max_pending_msgs = max_pending_msgs
         self.max_pending_bytes = max_pending_bytes
+        self._hard_msgs, self._hard_bytes = hard_bounds(max_pending_msgs, max_pending_bytes)
         self.delivered = 0
         self.dropped = 0
         self.closed = False
@@ -82,6 +89,7 @@ class SyncSubscription:
         self._bytes = 0
         self._cond = threading.Condition()
         self._unreported = 0
+        self._holding = False  # the queue filled up: its connections are paused (I/O thread sets)
 
     def __repr__(self) -> str:
         return f"<SyncSubscription {self._sub!r}>"
@@ -96,10 +104,18 @@ class SyncSubscription:
         return len(self._queue)
 
     def _push(self, msg: Message) -> None:
-        """I/O thread: queue one delivery, or drop it if the queue is full."""
+        """I/O thread: queue one delivery; once the queue is full, pause the connections
+        that carry the subscription (as an asyncio Subscription does); drop past its
+        `hard_bounds`."""
         size = len(msg.payload)
+        hold = False
         with self._cond:
-            if len(self._queue) >= self.max_pending_msgs or self._bytes + size > self.max_pending_bytes:
+            full = len(self._queue) >= self.max_pending_msgs or self._bytes + size > self.max_pending_bytes
+            if full and not self._holding:
+                self._holding = hold = True
+            over = len(self._queue) >= self._hard_msgs or self._bytes + size > self._hard_bytes
+            first: bool | None = None
+            if full and over:
                 self.dropped += 1
                 first = not self._unreported
                 self._unreported += 1
@@ -107,11 +123,19 @@ class SyncSubscription:
                 self._queue.append(msg)
                 self._bytes += size
                 self._cond.notify()
-                return
         client = self._client._client
+        if hold and self._sub is not None:
+            client._hold(self._sub)
+        if first is None:
+            return
         client.stats.dropped_local += 1
         if first:
             client._loop.call_soon(self._report_drops)
+
+    def _release(self) -> None:
+        """I/O thread: the reader took the queue down to half."""
+        if self._sub is not None:
+            self._client._client._release(self._sub)
 
     def _report_drops(self) -> None:
         with self._cond:
@@ -146,6 +170,14 @@ class SyncSubscription:
             msg = self._queue.popleft()
             self._bytes -= len(msg.payload)
             self.delivered += 1
+            if (
+                self._holding
+                and len(self._queue) <= self.max_pending_msgs // 2
+                and self._bytes <= self.max_pending_bytes // 2
+            ):
+                self._holding = False
+                with contextlib.suppress(RuntimeError):  # the client's loop is closed
+                    self._client._client._loop.call_soon_threadsafe(self._release)
             return msg
 
     def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[Message]:

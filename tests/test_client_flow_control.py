@@ -1,0 +1,91 @@
+"""A subscription's queue, its flow control and its hard bounds, without a server.
+
+The server side of Pause is tested with real servers in test_client.py; here, what the
+queue does with deliveries that keep coming after it held its connections (a server that
+does not pause): queued up to `hard_bounds`, dropped, counted and reported past them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import broky
+from broky.client.losses import LossLog
+from broky.client.stats import ClientStats
+from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, hard_bounds
+from broky.protocol import Message
+
+
+class Owner:
+    def __init__(self) -> None:
+        self.stats = ClientStats()
+        self.errors: list[BaseException] = []
+        self.holds = 0
+        self.releases = 0
+
+    def _report(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+
+    def _hold(self, sub: broky.Subscription) -> None:
+        self.holds += 1
+
+    def _release(self, sub: broky.Subscription) -> None:
+        self.releases += 1
+
+    async def _unsubscribe(self, sub: broky.Subscription) -> None:
+        sub._close()
+
+
+def msg(i: int) -> Message:
+    return Message(b"kp", b"k", b"%06d" % i)
+
+
+def test_hard_bounds_are_eight_times_the_queue_and_never_below_the_defaults() -> None:
+    assert hard_bounds(5, 10) == (DEFAULT_MAX_PENDING_MSGS, DEFAULT_MAX_PENDING_BYTES)
+    assert hard_bounds(100_000, 100 << 20) == (800_000, 800 << 20)
+
+
+def test_a_full_queue_holds_once_queues_to_the_hard_bound_then_drops_and_reports() -> None:
+    async def main() -> None:
+        owner = Owner()
+        sub = broky.Subscription(owner, 1, b"k", None, None, 5, 1 << 30)
+        hard = hard_bounds(5, 1 << 30)[0]
+        for i in range(5):
+            sub._deliver(msg(i))
+        assert owner.holds == 0  # room for every one
+        for i in range(5, hard + 100):
+            sub._deliver(msg(i))
+        assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
+        assert owner.holds > 1  # once when full, then on every drop (a Link put on since)
+        await asyncio.sleep(0)  # one report for the burst, with its count
+        assert [(e.sid, e.dropped) for e in owner.errors] == [(1, 100)]  # type: ignore[attr-defined]
+        # the consumer takes it down to half the queue: released once, in order
+        got = [int((await sub.next_msg(0)).payload) for _ in range(hard - 2)]
+        assert got == list(range(hard - 2)) and owner.releases == 1
+        assert sub.pending == 2
+
+    asyncio.run(main())
+
+
+def test_the_loss_log_writes_one_line_per_source_per_interval_with_the_running_count() -> None:
+    async def main() -> None:
+        lines: list[str] = []
+        losses = LossLog(lines.append, interval=0.2)
+        losses.add("a", "subscription 1", 5)  # the first loss of a source: at once
+        assert lines == ["subscription 1: 5 messages lost"]
+        for _ in range(100):  # a burst: counted, not written
+            losses.add("a", "subscription 1", 1)
+        losses.add("b", "worker 0 of n (slow_consumer)", 3)  # another source: its own line
+        assert lines[1:] == ["worker 0 of n (slow_consumer): 3 messages lost"]
+        await asyncio.sleep(0.3)  # the interval is over: one line for the whole burst
+        assert lines[2:] == ["subscription 1: 100 messages lost since the last report, 105 in all"]
+        await asyncio.sleep(0.3)
+        assert len(lines) == 3  # nothing new, nothing written
+        losses.add("a", "subscription 1", 7)  # the interval has passed: at once again
+        losses.add("a", "subscription 1", 1)
+        losses.close()  # what is left is written
+        assert lines[3:] == [
+            "subscription 1: 7 messages lost since the last report, 112 in all",
+            "subscription 1: 1 message lost since the last report, 113 in all",
+        ]
+
+    asyncio.run(main())
