@@ -733,7 +733,9 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             processed: a connection that drops leaves only that much in doubt.
         on_error(exc): errors from the server (ServerError), local drops
             (SlowConsumerError), exceptions raised by subscription callbacks,
-            publishes that may have been lost with a connection.
+            publishes that may have been lost with a connection. Without it
+            they are logged, local drops at most once every 5 s per
+            subscription (broky.client.losses).
         on_disconnect(worker_ref, reason): a connection dropped (reconnecting
             follows); `reason` is never None: ServerShutdownError (the server
             said Goodbye), a ServerError (a fatal error: its `code`), or
@@ -743,6 +745,8 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
         on_loss(worker_ref, dropped, reason): the server lost `dropped`
             deliveries to us; `reason` is a LossReason (slow consumer, a
             connection that dropped, a worker that restarted, a shutdown).
+            Without it they are logged at most once every 5 s per worker and
+            reason, with the running count.
 
     Callbacks may be plain functions or coroutine functions.
 
