@@ -254,6 +254,7 @@ class Link:
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
         self.paused_by: set[int] = set()  # sids whose full queues hold this connection's deliveries
+        self.leaving = False  # its node left the map; retired once it answered (Router.retire)
         self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
         self.holds = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
         self.front = 0  # frames at the head of `out` sent again for other Links, in order

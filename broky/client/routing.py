@@ -106,6 +106,9 @@ def _kp(frame: bytes) -> bytes | None:
         return None
 
 
+RETIRE_WAIT = 2.0  # seconds a Link whose node left the map has to answer before it is retired
+
+
 class Router:
     """The map, the route table and the Links of one client; follows map changes."""
 
@@ -272,7 +275,33 @@ class Router:
                 continue
 
     def retire(self, link: Link) -> None:
-        """`link`'s node left the map: what it held goes to the new owners."""
+        """`link`'s node left the map: what it held goes to the new owners. Still
+        connected (a node that drained says Goodbye, and the map without it may come
+        first, from another node), it is asked a round trip first: its Pong (or its
+        Goodbye) says what it processed, so nothing it did process is sent again."""
+        if link.proto is not None and link.failed is None:
+            if link.leaving:
+                return
+            link.leaving = True
+            task = self.owner._loop.create_task(self._retire_when_answered(link))
+            self.settling.add(task)
+            task.add_done_callback(self.settling.discard)
+            return
+        self._retire_now(link)
+
+    async def _retire_when_answered(self, link: Link) -> None:
+        with contextlib.suppress(TimeoutError, BrokyError):
+            async with asyncio.timeout(min(self.owner.flush_timeout, RETIRE_WAIT)):
+                await link.ping_now()  # its refusals come back before the Pong
+        vmap = self.map
+        if self.links.get(link.ref) is link and (vmap is None or vmap.node_index(link.ref.node_id) is None):
+            self._retire_now(link)
+        else:
+            link.leaving = False  # its node is back in the map meanwhile
+        if self.to_resend:
+            self.resend_refused()
+
+    def _retire_now(self, link: Link) -> None:
         del self.links[link.ref]
         self.subscriptions.forget_link(link)
         out, doubt, tail = link.retire()
