@@ -28,10 +28,12 @@ version is adopted at once (`apply`):
   the map, at most `flush_timeout`. So does one whose connection drops
   before it answered (a draining node says Goodbye: what it did not process
   waits in its Link until the node leaves the map, then goes first);
-- a node that is no longer in the map: its Links are retired (`retire`):
-  their unconfirmed publishes (no server can account for them any more) are
-  sent again if they carry a uid (the client's subscribers drop the
-  duplicates this may cause: see broky.client.client `_drop_duplicates`),
+- a node that is no longer in the map: its Links are retired (`retire`;
+  one still connected first answers a round trip, or says Goodbye, so that
+  what it processed is known): their unconfirmed publishes (no server can
+  account for them any more) are sent again if they carry a uid (the
+  client's subscribers drop the duplicates this may cause: see
+  broky.client.client `_drop_duplicates`),
   else counted as possibly lost; then their buffered publishes, each to its
   new owner, ahead of anything published since;
 - the SubscriptionTable puts every subscription on the Links the new map
