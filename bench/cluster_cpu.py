@@ -32,7 +32,6 @@ bench/results/cluster_cpu.md and .json with the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,8 +44,9 @@ if str(ROOT) not in sys.path:
 
 from bench import worker_kill  # noqa: E402
 from bench.cluster_failover import ClusterRun  # noqa: E402
-from bench.harness import procstat, servers  # noqa: E402
+from bench.harness import children, procstat, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.report import write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SETUPS = {  # name -> (nodes, workers per node, in a cluster)
@@ -110,13 +110,10 @@ def one_run(
         masters_cpu = procstat.total_cpu_seconds(master_pids) - masters0
         etcd_cpu = procstat.total_cpu_seconds(etcd_pids) - etcd0
         sub_out, _ = sub.communicate("stop\n", timeout=120)
-        published = json.loads(pub_out.strip().splitlines()[-1])
-        subscribed = json.loads(sub_out.strip().splitlines()[-1])
+        published = children.last_json(pub_out)
+        subscribed = children.last_json(sub_out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        children.kill_all(procs)
         if single is not None:
             single.stop()
         if cluster is not None:
@@ -211,14 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     info = machine_info()
     results = run(args.runs, args.rate, args.seconds, args.partitions)
-    text = report(results, args, info)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster_cpu.md").write_text(text)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (args.out / "cluster_cpu.json").write_text(
-        json.dumps({"machine": info, "args": settings, "results": results}, indent=1) + "\n"
-    )
-    print(text)
+    write_results(args.out, "cluster_cpu", report(results, args, info), info, args, results=results)
     return 0
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import signal
 import statistics
@@ -55,8 +54,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import worker_kill  # noqa: E402
+from bench.harness import children  # noqa: E402
 from bench.harness.cluster import EtcdServer, current_map, settled, start_node, wait_for  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.report import write_results  # noqa: E402
 from bench.harness.servers import Server  # noqa: E402
 from broky.protocol import LossReason, VBucketMap, vbucket_of  # noqa: E402
 
@@ -154,15 +155,12 @@ class Load:
         try:
             pub_out, _ = self.pub.communicate("stop\n", timeout=timeout)
             sub_out, _ = self.sub.communicate("stop\n", timeout=timeout)
-            return json.loads(pub_out.strip().splitlines()[-1]), json.loads(sub_out.strip().splitlines()[-1])
+            return children.last_json(pub_out), children.last_json(sub_out)
         finally:
             self.kill()
 
     def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        children.kill_all(self.procs)
 
 
 @dataclass
@@ -386,13 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     info = machine_info()
     result = run(args.kills, args.rate, args.partitions, args.nodes, args.workers, args.lease_ttl)
-    text = report(result, args, info)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster_failover.md").write_text(text)
-    data = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    data.update({k: v for k, v in asdict(result).items() if k != "per_partition"})
-    (args.out / "cluster_failover.json").write_text(json.dumps(data, indent=1) + "\n")
-    print(text)
+    data = {k: v for k, v in asdict(result).items() if k != "per_partition"}
+    write_results(args.out, "cluster_failover", report(result, args, info), info, args, **data)
     return 0 if result.promise_kept else 1
 
 

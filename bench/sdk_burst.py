@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import procstat, servers  # noqa: E402
+from bench.harness import children, procstat, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.report import write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PAYLOAD = b"x" * 100
@@ -135,13 +136,10 @@ def one_run(system: str, n: int, workers: int) -> dict[str, Any]:
         pub_out, _ = pub.communicate(timeout=600)
         sub_out, _ = sub.communicate(timeout=600)
         cpu = procstat.total_cpu_seconds(server.pids()) - cpu0
-        published = json.loads(pub_out.strip().splitlines()[-1])
-        subscribed = json.loads(sub_out.strip().splitlines()[-1])
+        published = children.last_json(pub_out)
+        subscribed = children.last_json(sub_out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        children.kill_all(procs)
         server.stop()
     received = subscribed["received"]
     return {
@@ -221,14 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = machine_info()
     results = run(args.runs, args.messages, args.workers)
-    text = report(results, args, info)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sdk_burst.md").write_text(text)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    (args.out / "sdk_burst.json").write_text(
-        json.dumps({"machine": info, "args": settings, "results": results}, indent=1) + "\n"
-    )
-    print(text)
+    write_results(args.out, "sdk_burst", report(results, args, info), info, args, results=results)
     return 0
 
 

@@ -56,8 +56,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import servers  # noqa: E402
+from bench.harness import children, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.report import write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 KEY = b"w.k"
@@ -240,13 +241,10 @@ def run(
             time.sleep(max(0.0, interval - (time.time() - killed_at)))
         pub_out, _ = pub.communicate(timeout=duration + 60)
         sub_out, _ = sub.communicate("stop\n", timeout=60)
-        published = json.loads(pub_out.strip().splitlines()[-1])
-        subscribed = json.loads(sub_out.strip().splitlines()[-1])
+        published = children.last_json(pub_out)
+        subscribed = children.last_json(sub_out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        children.kill_all(procs)
         result.server_log_tail = server.log()[-2000:]
         server.stop()
     _analyse(result, published, subscribed, partitions, workers)
@@ -395,14 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(
         args.kills, args.interval, args.rate, args.partitions, 2, args.payload_bytes, args.stall_subscriber
     )
-    text = report(result, args, info)
-    args.out.mkdir(parents=True, exist_ok=True)
     name = "worker_kill_stalled" if args.stall_subscriber else "worker_kill"
-    (args.out / f"{name}.md").write_text(text)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    data = {"machine": info, "args": settings, **asdict(result)}
-    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    print(text)
+    write_results(args.out, name, report(result, args, info), info, args, **asdict(result))
     return 0 if promise_kept(result) else 1
 
 

@@ -7,6 +7,7 @@ is better in CPU per delivery, latency and memory.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -392,3 +393,16 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def write_results(
+    out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace, **data: Any
+) -> None:
+    """A benchmark program's results: `name`.md (the report `text`) and `name`.json (the
+    machine, the command's settings and `data`) in directory `out`; the report on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    document = {"machine": info, "args": settings, **data}
+    (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
+    print(text)

@@ -451,12 +451,7 @@ class Link:
             return
         self.proto = None
         self.up.clear()
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
-        if self.keepalive is not None:
-            self.keepalive.cancel()
-            self.keepalive = None
+        self._stop_timers()
         report = isinstance(exc, BrokyError) and not isinstance(exc, ServerShutdownError)
         if exc is None:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
@@ -483,15 +478,19 @@ class Link:
         client._emit(client.on_disconnect, self.ref, exc)
         self.start(reconnect=True)
 
-    def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+    def _stop_timers(self) -> None:
+        """Cancel the pending flush and the keepalive."""
         if self.flush_handle is not None:
             self.flush_handle.cancel()
             self.flush_handle = None
         if self.keepalive is not None:
             self.keepalive.cancel()
             self.keepalive = None
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self._stop_timers()
         if self.proto is not None:
             self.flush_out()
             self.proto.close()
@@ -612,12 +611,7 @@ class Link:
         self.retired = True
         if self.task is not None:
             self.task.cancel()
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
-        if self.keepalive is not None:
-            self.keepalive.cancel()
-            self.keepalive = None
+        self._stop_timers()
         out, self.out = self.out, []
         self.out_bytes = 0
         doubt, self.in_doubt = self.in_doubt, None
