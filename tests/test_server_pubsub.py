@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from broky.errors import ErrorCode
-from broky.protocol import Error, LossNotice, Message, Pause, Resume, encode_message, new_ksuid
+from broky.protocol import Error, LossNotice, Message, Pause, Ping, Pong, Resume, encode_message, new_ksuid
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
@@ -206,6 +206,21 @@ def test_pause_holds_and_resume_delivers(server: ServerProcess) -> None:
         sub.expect_silence()
         sub.send(Resume())
         assert [m.payload for m in sub.messages()] == [b"0", b"1", b"2"]
+
+
+def test_a_pong_queued_before_a_pause_in_the_same_read_is_not_held(server: ServerProcess) -> None:
+    """Ping then Pause in one write: the Pong was queued before the Pause and is a reply,
+    so it goes out (held, a client flushing before it pauses would wait for ever)."""
+    with Wire.hello(server.address, worker=0) as sub, Wire.hello(server.address, worker=0) as pub:
+        sub.subscribe(1, b"k")
+        assert sub.flush() == []
+        sub.send(Ping(7), Pause())  # one sendall: one read on the server
+        assert sub.expect(Pong, timeout=2).id == 7
+        pub.publish(KP0, b"k", b"held")
+        pub.flush()
+        sub.expect_silence()
+        sub.send(Resume())
+        assert [m.payload for m in sub.messages()] == [b"held"]
 
 
 @pytest.mark.parametrize("limit", ["64K"])

@@ -907,22 +907,27 @@ class Shard:
             t.touched = False
             if t.paused or t.state != OPEN:
                 continue
-            out = t.out
-            chunk = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
-            transport = t.transport
-            transport.write(chunk)
-            size = len(chunk)
-            sent += size
-            t.sent += size
-            t.unflushed = 0
-            t.base = base = transport.get_write_buffer_size()
-            if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
-                self.check_replies(t, base)
-            if t.dropped and base <= t.limit >> 2:
-                self.notify_loss(t)
+            sent += self.write_out(t)
         self._touched.clear()
         self.stats.bytes_sent += sent
+
+    def write_out(self, t: Connection) -> int:
+        """Write what is queued for t (flush, and a Pause: what came before it goes out);
+        the bytes written, for the caller to count in stats.bytes_sent."""
+        out = t.out
+        chunk = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        transport = t.transport
+        transport.write(chunk)
+        size = len(chunk)
+        t.sent += size
+        t.unflushed = 0
+        t.base = base = transport.get_write_buffer_size()
+        if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
+            self.check_replies(t, base)
+        if t.dropped and base <= t.limit >> 2:
+            self.notify_loss(t)
+        return size
 
     def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
         """c is at its pending bound: queue the leading messages of the run that fit,
@@ -1084,6 +1089,8 @@ class Shard:
         elif kind is Ping:
             self.reply(c, encode_frame(Pong(frame.id)))  # type: ignore[union-attr]
         elif kind is Pause:
+            if c.out and not c.paused:  # queued before the Pause (a Pong among them): out now
+                self.stats.bytes_sent += self.write_out(c)
             c.paused = True
         elif kind is Resume:
             self.resume(c)
