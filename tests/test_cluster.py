@@ -195,51 +195,49 @@ def test_etcd_stopped_or_killed_and_restarted_publishing_never_stops(
     before = cluster.history()[-1]
     a = cluster.nodes["a"]
     kp = kp_owned_by(before, "a", 0)
-    pub = Wire.hello(a.address, worker=0)
-    sub = Wire.hello(a.address, worker=0)
-    sub.subscribe(1, b"k")
-    n = 0
-    publish_and_receive(pub, sub, kp, n)
+    with Wire.hello(a.address, worker=0) as pub, Wire.hello(a.address, worker=0) as sub:
+        sub.subscribe(1, b"k")
+        assert sub.flush() == []  # the subscription is in place before anything is published
+        n = 0
+        publish_and_receive(pub, sub, kp, n)
 
-    # Stopped for longer than a lease: both nodes lose their membership.
-    etcd.pause()
-    why = wait_for(lambda: not_ready(cluster, "a"), 10, "a not ready")
-    assert "etcd unreachable" in why and "map version" in why, why
-    assert not cluster.stats("a")["cluster"]["etcd_connected"]
-    deadline = time.monotonic() + cluster.lease_ttl + 1.5
-    while time.monotonic() < deadline:
+        # Stopped for longer than a lease: both nodes lose their membership.
+        etcd.pause()
+        why = wait_for(lambda: not_ready(cluster, "a"), 10, "a not ready")
+        assert "etcd unreachable" in why and "map version" in why, why
+        assert not cluster.stats("a")["cluster"]["etcd_connected"]
+        deadline = time.monotonic() + cluster.lease_ttl + 1.5
+        while time.monotonic() < deadline:
+            n += 1
+            publish_and_receive(pub, sub, kp, n)
+            time.sleep(0.2)
+        etcd.resume()
+        for node_id in ("a", "b"):
+            wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+        views = cluster.wait_settled()
+        assert all(v["etcd_connected"] for v in views.values())
+        assert "lease expired while etcd was unreachable" in a.log()
         n += 1
         publish_and_receive(pub, sub, kp, n)
-        time.sleep(0.2)
-    etcd.resume()
-    for node_id in ("a", "b"):
-        wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
-    views = cluster.wait_settled()
-    assert all(v["etcd_connected"] for v in views.values())
-    assert "lease expired while etcd was unreachable" in a.log()
-    n += 1
-    publish_and_receive(pub, sub, kp, n)
 
-    # Killed and restarted on its data: the leases survive a quick restart.
-    etcd.kill()
-    wait_for(lambda: cluster.readyz("a")[0] == 503, 10, "a not ready")
-    for _ in range(5):
+        # Killed and restarted on its data: the leases survive a quick restart.
+        etcd.kill()
+        wait_for(lambda: cluster.readyz("a")[0] == 503, 10, "a not ready")
+        for _ in range(5):
+            n += 1
+            publish_and_receive(pub, sub, kp, n)
+            time.sleep(0.1)
+        etcd.start()
+        for node_id in ("a", "b"):
+            wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+        after = cluster.wait_settled()
         n += 1
         publish_and_receive(pub, sub, kp, n)
-        time.sleep(0.1)
-    etcd.start()
-    for node_id in ("a", "b"):
-        wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
-    after = cluster.wait_settled()
-    n += 1
-    publish_and_receive(pub, sub, kp, n)
-    final = cluster.history()[-1]
-    assert owners_by_id(final) == owners_by_id(before)  # nothing moved for an etcd outage
-    assert a.log().count("etcd unreachable") >= 2 and a.log().count("etcd is back") >= 2
-    assert after["a"]["map_version"] == final.version
-    assert_versions_grow(cluster.history())
-    pub.close()
-    sub.close()
+        final = cluster.history()[-1]
+        assert owners_by_id(final) == owners_by_id(before)  # nothing moved for an etcd outage
+        assert a.log().count("etcd unreachable") >= 2 and a.log().count("etcd is back") >= 2
+        assert after["a"]["map_version"] == final.version
+        assert_versions_grow(cluster.history())
 
 
 @pytest.mark.timeout(60)
