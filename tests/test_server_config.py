@@ -165,7 +165,12 @@ def test_environment_reaches_a_real_server_and_json_logs(start_server: Any) -> N
 def test_dockerfile_matches_the_cli() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
-    assert re.search(r'^RUN pip install "\.\[cluster\]"', text, re.M)  # the image can join a cluster
+    # The wheel is built where there is a compiler, and holds the compiled fast path.
+    assert re.search(r"^FROM python:3\.11-slim AS build$", text, re.M)
+    assert re.search(r"apt-get install .*\bgcc\b", text, re.M)
+    assert re.search(r"^COPY pyproject\.toml setup\.py ", text, re.M)
+    assert re.search(r"^RUN pip wheel .*\n.*endswith\('\.so'\)", text, re.M)
+    assert re.search(r'^RUN pip install .*\[cluster\]"', text, re.M)  # the image can join a cluster
     user = re.search(r"^USER (\S+)", text, re.M)
     assert user and user.group(1) not in ("root", "0")
     assert re.search(r"^RUN useradd .*\b" + user.group(1) + r"$", text, re.M)
@@ -179,7 +184,7 @@ def test_dockerfile_matches_the_cli() -> None:
     assert probe[:2] == ["python", "-c"] and "/healthz" in probe[2] and str(DEFAULT_METRICS_PORT) in probe[2]
     compile(probe[2], "healthcheck", "exec")
     ignore = (ROOT / ".dockerignore").read_text().split()
-    assert "*" in ignore and "!broky/" in ignore and "!pyproject.toml" in ignore
+    assert "*" in ignore and "!broky/" in ignore and "!pyproject.toml" in ignore and "!setup.py" in ignore
 
 
 def test_healthcheck_command_against_a_real_server(start_server: Any) -> None:

@@ -4,7 +4,10 @@ The Shard is the real one (broky.server.fanout); only its transports are
 in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
 feed raises nothing, every frame a subscriber receives decodes as a valid
 Message (or a LossNotice), and a publisher either stays open or receives one
-fatal Error and is closed. Unmutated streams are delivered exactly.
+fatal Error and is closed. Unmutated streams are delivered exactly. Every
+test runs on both implementations of the fast path: the pure-Python reference
+and its compiled twin (broky.server.fastpath; tests/test_server_feed_twin.py
+holds the two to each other).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from broky.protocol import (
     encode_message,
     new_ksuid,
 )
+from broky.server import fastpath
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSING, OPEN, Connection
 from broky.server.fanout import Shard
@@ -72,15 +76,21 @@ class Recorder:
         return out
 
 
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
+@pytest.fixture(params=[False, True], ids=["pure-python", "compiled"])
+def loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+    if request.param and fastpath.compiled_scan is None:
+        pytest.skip(f"no compiled fast path: {fastpath.description}")
+    COMPILED[:] = [request.param]
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
 
 
+COMPILED = [False]  # the path the current test runs (set by the `loop` fixture)
+
+
 def shard_with(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, list[Connection]]:
-    shard = Shard(ServerConfig(workers=1, node_id="fuzz"), 0, loop)
+    shard = Shard(ServerConfig(workers=1, node_id="fuzz"), 0, loop, compiled=COMPILED[0])
 
     def connection(i: int) -> Connection:
         c = Connection(shard, b"", i)

@@ -173,7 +173,7 @@ from broky.protocol.message import (
 )
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
-from broky.server import memory
+from broky.server import fastpath, memory
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection, Subscription
@@ -302,8 +302,14 @@ class Shard:
         book: AccountBook | None = None,
         epoch: int = 0,
         vmap: VBucketMap | None = None,
+        compiled: bool | None = None,
     ) -> None:
+        """compiled: run the compiled twin of the fast path (None: when it is built,
+        broky.server.fastpath); False runs the pure-Python reference."""
         self.config = config
+        if compiled and fastpath.compiled_scan is None:
+            raise RuntimeError(f"the compiled fast path is not available: {fastpath.description}")
+        self.scan = fastpath.compiled_scan if compiled is not False else None
         self.index = index
         self.loop = loop
         # Counters of every connection, mirrored where the master can read them if
@@ -558,8 +564,26 @@ class Shard:
         same_tail: bytes | None = None
         same_len = 0
         pos = 0
+        scan = self.scan
+        runs: list[Any] = []
         try:
             while n - pos >= 4:
+                if scan is not None and n - pos >= CANONICAL_HEAD_SIZE:
+                    # The compiled twin takes the canonical Messages with a cached route
+                    # (broky.server.fastpath); what it stops at is handled below.
+                    pos, buf, handled, unrouted = scan(data, pos, buf, t0, routes, max_frame, runs)
+                    if handled:
+                        published += handled
+                        unmatched += unrouted
+                        if runs:
+                            if run is not None:
+                                delivered += self.emit(buf, run, run_start, run_end, run_n)
+                                run = same_head = None
+                            for targets, start, end, count in runs:
+                                delivered += self.emit(buf, targets, start, end, count)
+                            runs.clear()
+                        if n - pos < 4:
+                            break
                 if (
                     same_head is not None
                     and pos == run_end
@@ -825,7 +849,9 @@ class Shard:
 
     def emit(self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int) -> int:
         """Queue a run of `count` consecutive stamped messages buf[start:end] to each target."""
-        chunk = buf[start:end]
+        # A run that is the whole read (the usual case) is queued without a copy: buf is
+        # not written to again once its last message is stamped.
+        chunk = buf if start == 0 and end == len(buf) else buf[start:end]
         size = end - start
         touched = self._touched
         delivered = 0

@@ -91,7 +91,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import handoff, monitor
+from broky.server import fastpath, handoff, monitor
 from broky.server.accounts import Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
@@ -218,7 +218,12 @@ class Master:
             f"workers {cfg.workers}, pid {os.getpid()}",
             flush=True,
         )
-        log.info("broky %s serving on %s:%d with %d workers", __version__, cfg.host, port, cfg.workers)
+        log.info(
+            "broky %s serving on %s:%d with %d workers (fan-out: %s)",
+            __version__, cfg.host, port, cfg.workers, fastpath.description,
+        )  # fmt: skip
+        if (warning := fastpath.warning()) is not None:
+            log.warning("%s", warning)
         code = await sup.run(drain=self._drain if self.cluster is not None else None)
         await self.shutdown()  # on a failure (code 1) the supervisor logged why
         return code

@@ -1,0 +1,239 @@
+/* The compiled twin of the fan-out fast path (broky.server.fanout, Shard.feed).
+ *
+ * scan() walks a read from `pos` over consecutive Message frames in the
+ * canonical layout (broky.protocol.message) whose route is in the route cache,
+ * and does for each exactly what the pure-Python loop of Shard.feed does:
+ * check the frame's shape and the key's and payload's bounds, look the routing
+ * bytes (key_partition and key vectors) up in the cache, count a message that
+ * matches nobody, stamp ts_broker into the copy of the read, and group
+ * consecutive messages with the same targets into runs. It stops, leaving the
+ * frame at the returned position to the Python code, at anything else: a
+ * frame of another kind or layout, a shape or bound the checks refuse, a route
+ * not in the cache or not owned here, an incomplete frame. So the Python code
+ * stays the reference and handles every rare case; tests/test_server_feed_twin.py
+ * holds this twin to it (same bytes in, same deliveries, drops and errors out).
+ *
+ * It does no I/O and keeps no state between calls: the headers and offsets it
+ * compares against are handed over once by configure(), from the Python
+ * definitions of the layout.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FEEDSCAN_VERSION 1
+#define HEADER_SIZE 52     /* fixed bytes f+4 .. f+56 */
+#define CANONICAL_HEAD 104 /* bytes read before the shape is known */
+
+static unsigned char header_uid[HEADER_SIZE];
+static unsigned char header_no_uid[HEADER_SIZE];
+static Py_ssize_t ts_offset = -1; /* ts_broker's position from the frame's first byte */
+static uint64_t min_frame = 0;
+
+static inline uint64_t
+u32_at(const unsigned char *p)
+{
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24);
+}
+
+static inline void
+put_i64(unsigned char *p, int64_t value)
+{
+    uint64_t v = (uint64_t)value;
+    for (int i = 0; i < 8; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+}
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    Py_buffer uid, no_uid;
+    Py_ssize_t ts;
+    unsigned long long min;
+    if (!PyArg_ParseTuple(args, "y*y*nK", &uid, &no_uid, &ts, &min)) {
+        return NULL;
+    }
+    if (uid.len != HEADER_SIZE || no_uid.len != HEADER_SIZE || ts < 56 || ts + 8 > CANONICAL_HEAD) {
+        PyBuffer_Release(&uid);
+        PyBuffer_Release(&no_uid);
+        PyErr_SetString(PyExc_ValueError, "configure: the canonical layout does not match this build");
+        return NULL;
+    }
+    memcpy(header_uid, uid.buf, HEADER_SIZE);
+    memcpy(header_no_uid, no_uid.buf, HEADER_SIZE);
+    PyBuffer_Release(&uid);
+    PyBuffer_Release(&no_uid);
+    ts_offset = ts;
+    min_frame = min;
+    Py_RETURN_NONE;
+}
+
+/* Append one run (targets, start, end, count) to the list `runs`. */
+static int
+add_run(PyObject *runs, PyObject *targets, Py_ssize_t start, Py_ssize_t end, Py_ssize_t count)
+{
+    PyObject *run = Py_BuildValue("(Onnn)", targets, start, end, count);
+    if (run == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(runs, run);
+    Py_DECREF(run);
+    return rc;
+}
+
+PyDoc_STRVAR(scan_doc,
+"scan(data, pos, buf, t0, routes, max_frame, runs) -> (pos, buf, published, unmatched)\n\n"
+"Handle the canonical Messages with a cached route from data[pos:], as Shard.feed's\n"
+"Python loop would; stop at the first frame that loop must handle itself. buf is the\n"
+"bytearray copy of data that is stamped (None until a message has targets: then it\n"
+"is made). Each run of consecutive messages with the same targets is appended to\n"
+"`runs` as (targets, start, end, count). Returns where it stopped, buf, the messages\n"
+"handled and how many of them matched nobody.");
+
+static PyObject *
+scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes 7 arguments");
+        return NULL;
+    }
+    if (ts_offset < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "scan() before configure()");
+        return NULL;
+    }
+    PyObject *data = args[0], *buf = args[2], *routes = args[4], *runs = args[6];
+    if (!PyBytes_CheckExact(data) || !PyDict_CheckExact(routes) || !PyList_CheckExact(runs)
+        || (buf != Py_None && !PyByteArray_CheckExact(buf))) {
+        PyErr_SetString(PyExc_TypeError, "scan(bytes, int, bytearray | None, int, dict, int, list)");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    long long t0 = PyLong_AsLongLong(args[3]);
+    unsigned long long max_frame = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    if (pos < 0 || pos > n) {
+        PyErr_SetString(PyExc_ValueError, "scan(): pos out of the data");
+        return NULL;
+    }
+    if (buf != Py_None && PyByteArray_GET_SIZE(buf) != n) {
+        PyErr_SetString(PyExc_ValueError, "scan(): buf is not a copy of data");
+        return NULL;
+    }
+    Py_INCREF(buf); /* our reference, returned */
+    Py_ssize_t published = 0, unmatched = 0;
+    PyObject *run = NULL; /* the current run's targets (a strong reference) */
+    Py_ssize_t run_start = 0, run_end = -1, run_n = 0;
+
+    while (n - pos >= CANONICAL_HEAD) {
+        const unsigned char *p = d + pos;
+        int uid;
+        if (memcmp(p + 4, header_uid, HEADER_SIZE) == 0) {
+            uid = 1;
+        } else if (memcmp(p + 4, header_no_uid, HEADER_SIZE) == 0) {
+            uid = 0;
+        } else {
+            break; /* another frame or layout */
+        }
+        uint64_t size = u32_at(p);
+        uint64_t route_at = uid ? 100 : 80; /* the key_partition vector */
+        uint64_t kp_len = u32_at(p + route_at);
+        uint64_t k_at = 72 + u32_at(p + 72); /* the key vector */
+        uint64_t p_at = 76 + u32_at(p + 76); /* the payload vector */
+        uint64_t end_at = 4 + size;
+        /* The shape: what Shard.shape checks once per (size, offsets, kp length). */
+        if (!(min_frame <= size && size <= max_frame && k_at == route_at + 4 + kp_len + ((4 - (kp_len & 3)) & 3)
+              && k_at + 4 <= p_at && p_at + 4 <= end_at)) {
+            break;
+        }
+        if (end_at > (uint64_t)(n - pos)) {
+            break; /* incomplete */
+        }
+        uint64_t key_stop = k_at + 4 + u32_at(p + k_at);
+        if (key_stop > p_at || p_at + 4 + u32_at(p + p_at) > end_at) {
+            break; /* the generic read accepts or refuses it */
+        }
+        PyObject *rkey = PyBytes_FromStringAndSize((const char *)p + route_at, (Py_ssize_t)(key_stop - route_at));
+        if (rkey == NULL) {
+            goto error;
+        }
+        PyObject *targets = PyDict_GetItemWithError(routes, rkey); /* borrowed */
+        Py_DECREF(rkey);
+        if (targets == NULL) {
+            if (PyErr_Occurred()) {
+                goto error;
+            }
+            break; /* not cached: Shard.route decides */
+        }
+        if (!PyTuple_CheckExact(targets)) {
+            break; /* None: not this worker's vbucket */
+        }
+        Py_ssize_t end = pos + (Py_ssize_t)end_at;
+        published++;
+        if (PyTuple_GET_SIZE(targets) == 0) {
+            unmatched++;
+            pos = end;
+            continue;
+        }
+        if (buf == Py_None) {
+            Py_DECREF(buf);
+            buf = PyByteArray_FromStringAndSize((const char *)d, n);
+            if (buf == NULL) {
+                Py_XDECREF(run);
+                return NULL;
+            }
+        }
+        put_i64((unsigned char *)PyByteArray_AS_STRING(buf) + pos + ts_offset, (int64_t)t0);
+        if (targets == run && pos == run_end) {
+            run_end = end;
+            run_n++;
+        } else {
+            if (run != NULL && add_run(runs, run, run_start, run_end, run_n) < 0) {
+                goto error;
+            }
+            Py_INCREF(targets);
+            Py_XSETREF(run, targets);
+            run_start = pos;
+            run_end = end;
+            run_n = 1;
+        }
+        pos = end;
+    }
+    if (run != NULL && add_run(runs, run, run_start, run_end, run_n) < 0) {
+        goto error;
+    }
+    Py_XDECREF(run);
+    return Py_BuildValue("(nNnn)", pos, buf, published, unmatched);
+error:
+    Py_XDECREF(run);
+    Py_DECREF(buf);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)configure, METH_VARARGS,
+     "configure(header_uid, header_no_uid, ts_broker_offset, min_frame_size): the canonical layout"},
+    {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "broky.server._feedscan",
+    "The compiled twin of Shard.feed's fast path (see broky/server/_feedscan.c).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__feedscan(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "VERSION", FEEDSCAN_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,56 @@
+"""Which implementation of the fan-out fast path this process runs.
+
+`Shard.feed` (broky.server.fanout) is written in Python and stays the
+reference. Its inner loop over canonical Messages with a cached route has a
+compiled twin, `broky.server._feedscan` (a small C extension built by
+`pip install` when a C compiler is there; see its header). The twin is used
+when it was built and matches this code; otherwise the worker runs the pure
+Python loop, which handles every frame the same way at several times the CPU
+per message, and the server says so in a warning when it starts.
+BROKY_PURE_PYTHON=1 chooses the pure-Python loop on purpose (to compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from broky.protocol.framing import MIN_FRAME_SIZE
+from broky.protocol.message import HEADER_NO_UID, HEADER_UID, TS_BROKER_OFFSET
+
+ENV_PURE = "BROKY_PURE_PYTHON"
+VERSION = 1  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+
+# scan(data, pos, buf, t0, routes, max_frame, runs) -> (pos, buf, published, unmatched)
+Scan = Callable[[bytes, int, Any, int, dict[Any, Any], int, list[Any]], tuple[int, Any, int, int]]
+
+
+def pure_requested() -> bool:
+    return os.environ.get(ENV_PURE, "") not in ("", "0")
+
+
+def _load() -> tuple[Scan | None, str]:
+    if pure_requested():
+        return None, f"pure Python ({ENV_PURE} is set)"
+    try:
+        from broky.server import _feedscan
+    except ImportError as exc:
+        return None, f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler"
+    if getattr(_feedscan, "VERSION", None) != VERSION:
+        return None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
+    _feedscan.configure(HEADER_UID, HEADER_NO_UID, TS_BROKER_OFFSET, MIN_FRAME_SIZE)
+    return _feedscan.scan, "compiled"
+
+
+compiled_scan, description = _load()
+
+
+def warning() -> str | None:
+    """What the server should warn about at start, if anything."""
+    if compiled_scan is None and not pure_requested():
+        return (
+            f"fan-out runs in {description}: several times the CPU per message. "
+            "The install could not build broky.server._feedscan (needs gcc and the Python headers)."
+        )
+    return None

@@ -1,0 +1,225 @@
+"""The compiled twin of the fan-out fast path is held to the pure-Python reference.
+
+`Shard.feed` runs the canonical Messages with a cached route through
+`broky.server._feedscan` when it is built (broky.server.fastpath) and through
+its own Python loop otherwise. Two Shards, one of each, get the same reads
+(valid and mutated publishes in both layouts, Pings, subscription changes
+between reads, vbuckets this worker does not own, pending bounds small enough
+to drop, arbitrary cuts) at the same clock. Every connection must receive the
+same bytes and end in the same state, and every counter must agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broky.protocol import Message, Ping, Subscribe, Unsubscribe, encode_frame, encode_message, new_ksuid
+from broky.protocol.routing import vbucket_of
+from broky.server import fastpath
+from broky.server.config import ServerConfig
+from broky.server.connection import Connection
+from broky.server.fanout import Shard
+
+if fastpath.compiled_scan is None and fastpath.pure_requested():
+    pytest.skip(f"{fastpath.ENV_PURE} is set: no compiled twin to compare", allow_module_level=True)
+
+
+def test_the_compiled_twin_is_built() -> None:
+    # `pip install -e .` builds it wherever there is a C compiler (CI has one); the
+    # server would run several times slower without it (and say so).
+    assert fastpath.compiled_scan is not None, fastpath.description
+    assert fastpath.description == "compiled"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.eof = False
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.eof or self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+# Partitions on both workers of a two-worker node: worker 0 refuses some (NOT_MY_VBUCKET).
+PARTS = [b"p1", b"p2", b"tenant-7", b"tenant-8", b"p" * 40, b""]
+KEYS = [b"k.a", b"k.b", b"k.a.c", b"other", b"k." + b"x" * 300]
+PATTERNS = [(b"k.>", None), (b"k.a", b"p1"), (b"k.*", b"tenant-7"), (b"other", None), (b">", b"p2")]
+
+message = st.tuples(
+    st.sampled_from(PARTS), st.sampled_from(KEYS), st.binary(max_size=40), st.booleans(), st.booleans()
+).map(
+    lambda m: (
+        encode_message(m[0], m[1], m[2], ts_producer=7, uid=new_ksuid() if m[3] else None)
+        if m[4]  # the canonical layout (what the SDK writes), else the generic encoder's
+        else encode_frame(Message(m[0], m[1], m[2], ts_producer=7, uid=new_ksuid() if m[3] else None))
+    )
+)
+control = st.one_of(
+    st.builds(lambda i: encode_frame(Ping(i)), st.integers(0, 1 << 32)),
+    st.builds(lambda i: encode_frame(Subscribe(100 + i, *PATTERNS[i])), st.integers(0, len(PATTERNS) - 1)),
+    st.builds(lambda i: encode_frame(Unsubscribe(100 + i)), st.integers(0, len(PATTERNS) - 1)),
+)
+stream = st.lists(st.one_of(message, message, message, control), min_size=1, max_size=60)
+
+
+def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points)]
+
+
+def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tuple[Shard, list[Connection]]:
+    config = ServerConfig(workers=2, node_id="twin", max_pending_bytes=pending)
+    shard = Shard(config, 0, loop, compiled=compiled)
+
+    def connection(i: int) -> Connection:
+        c = Connection(shard, b"", i)
+        c.transport = Recorder()  # type: ignore[assignment]
+        shard.conns[i] = c
+        shard.book.open(c)
+        return c
+
+    subs = [connection(1), connection(2), connection(3)]
+    shard.subscribe(subs[0], Subscribe(1, b"k.>", None))
+    shard.subscribe(subs[1], Subscribe(1, b"k.a", b"p1"))
+    shard.subscribe(subs[1], Subscribe(2, b">", b"tenant-7"))
+    return shard, [*subs, connection(4)]  # the last one publishes (and subscribes in the stream)
+
+
+def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
+    snap = shard.snapshot()
+    for volatile in ("rss_bytes", "pid"):
+        snap.pop(volatile)
+    return {
+        "stats": snap,
+        "conns": [
+            (
+                bytes(c.transport.data),  # type: ignore[attr-defined]
+                c.state,
+                c.msgs_in,
+                c.msgs_out,
+                c.dropped,
+                c.rest,
+            )
+            for c in conns
+        ],
+    }
+
+
+def run_both(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, reads: list[bytes], pending: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    import broky.server.fanout as fanout
+
+    monkeypatch.setattr(fanout, "_time_ns", lambda: 1_700_000_000_123_456_789)
+    monkeypatch.setattr(fanout, "_monotonic", lambda: 1000.0)
+    results = []
+    for compiled in (False, True):
+        shard, conns = build(loop, compiled, pending)
+        for read in reads:
+            shard.feed(conns[-1], read)
+        results.append(outcome(shard, conns))
+    return results[0], results[1]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=stream,
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=6),
+    pending=st.sampled_from([64 << 20, 4096, 700]),
+)
+def test_valid_streams_give_the_same_deliveries_drops_and_replies(
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    frames: list[bytes],
+    cuts: list[int],
+    pending: int,
+) -> None:
+    reads = chunked(b"".join(frames), cuts)
+    reference, twin = run_both(loop, monkeypatch, reads, pending)
+    assert twin == reference
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=stream,
+    edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4),
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
+    pending=st.sampled_from([64 << 20, 2048]),
+)
+def test_mutated_streams_give_the_same_outcome(
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    frames: list[bytes],
+    edits: list[tuple[int, int]],
+    cuts: list[int],
+    pending: int,
+) -> None:
+    data = bytearray(b"".join(frames))
+    for at, value in edits:
+        data[at % len(data)] = value
+    reference, twin = run_both(loop, monkeypatch, chunked(bytes(data), cuts), pending)
+    assert twin == reference
+
+
+def test_a_large_read_of_many_partitions_agrees(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The SDK's traffic: thousands of uid'd messages over 256 key_partitions in 64 KiB reads.
+    frames = [
+        encode_message(
+            b"tenant-%d" % (i & 255), KEYS[i % 3], b"x" * (i % 120), ts_producer=i, uid=new_ksuid()
+        )
+        for i in range(5000)
+    ]
+    reads = chunked(b"".join(frames), list(range(0, 1 << 20, 65536)))
+    reference, twin = run_both(loop, monkeypatch, reads, 64 << 20)
+    assert twin == reference
+    shard, _ = build(loop, False, 64 << 20)
+    owned = sum(1 for i in range(5000) if shard.accepts[vbucket_of(b"tenant-%d" % (i & 255))])
+    assert 0 < owned < 5000
+    assert reference["stats"]["messages_published"] == 5000
+    assert reference["stats"]["dropped"]["not_my_vbucket"] == 5000 - owned
+
+
+def test_the_pure_python_choice_is_honoured() -> None:
+    import subprocess
+    import sys
+
+    probe = "from broky.server import fastpath; print(fastpath.compiled_scan is None, fastpath.description)"
+    env = {**os.environ, fastpath.ENV_PURE: "1"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"True pure Python ({fastpath.ENV_PURE} is set)"
