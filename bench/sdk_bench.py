@@ -6,6 +6,8 @@ free loopback ports and stops by pid:
 - publish: one asyncio client publishes N 100-byte messages (64 key
   partitions) and flushes; msgs/s from the first publish to the flush's
   return. Broky SDK -> `broky serve` vs nats.py -> nats-server.
+- bulk publish: the same N messages through `publish_many`, columns of
+  BULK_ROWS; nats.py has no bulk call, so its side is the per-call publish.
 - end-to-end: in the same process a subscriber (callback) and a publisher
   (a second client); msgs/s from the first publish until the subscriber has
   received the last one, plus how many were lost.
@@ -161,6 +163,33 @@ async def broky_publish(url: str, n: int) -> dict[str, float]:
         start = time.perf_counter()
         for i in range(n):
             await publish(PARTITIONS[i & 63], KEY, PAYLOAD)
+        await client.flush(timeout=120)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+    return {"rate": n / elapsed, "seconds": elapsed, "client_cpu_us": cpu / n * 1e6}
+
+
+BULK_ROWS = 10_000  # messages per publish_many call
+
+
+async def broky_publish_many(url: str, n: int) -> dict[str, float]:
+    # The bulk producer's call (Client.publish_many), columns of BULK_ROWS messages.
+    async with broky.connect(url, name="bench") as client:
+        for kp in PARTITIONS:  # open every connection before timing
+            await client.publish(kp, KEY, PAYLOAD)
+        await client.flush()
+        kps = [PARTITIONS[i & 63] for i in range(BULK_ROWS)]
+        keys = [KEY] * BULK_ROWS
+        payloads = [PAYLOAD] * BULK_ROWS
+        publish_many = client.publish_many
+        cpu = time.process_time()
+        start = time.perf_counter()
+        for done in range(0, n, BULK_ROWS):
+            rows = min(BULK_ROWS, n - done)
+            if rows == BULK_ROWS:
+                await publish_many(kps, keys, payloads)
+            else:
+                await publish_many(kps[:rows], keys[:rows], payloads[:rows])
         await client.flush(timeout=120)
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu
@@ -338,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = Servers(args.workers).start()
     cases: dict[str, tuple[Callable[[str, int], Awaitable[dict[str, float]]], ...]] = {
         "publish": (broky_publish, nats_publish),
+        # nats.py has no bulk call: its per-call publish is what a bulk producer has there
+        "bulk publish": (broky_publish_many, nats_publish),
         "end-to-end": (broky_e2e, nats_e2e),
     }
     results: dict[str, dict[str, Any]] = {}
@@ -399,6 +430,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, di
     lines += [
         "",
         "- publish: publish N messages then flush (Ping/Pong on every worker; PING/PONG for NATS).",
+        f"- bulk publish: the same through `publish_many` in columns of {BULK_ROWS:,} messages (nats.py has",
+        "  no bulk call: its side is the per-call publish again).",
         "- end-to-end: subscriber and publisher clients in the same process and event loop; time until",
         "  the last message is received (broky: plain callback; nats.py: its coroutine callback).",
         "- client CPU: process time of the benchmark process per message (publish: publishing only;",

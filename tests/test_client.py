@@ -132,6 +132,53 @@ def test_publish_order_is_kept_per_partition(server: ServerProcess) -> None:
     run(main)
 
 
+def test_publish_many_delivers_every_column_row_in_order_per_partition(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as sub_client, broky.connect(server.url) as pub_client:
+            sub = await sub_client.subscribe("bulk.>")
+            n = 5000
+            kps = [b"tenant-%d" % (i % 256) for i in range(n)]
+            keys: list[bytes | str] = ["bulk.a" if i % 2 else b"bulk.b" for i in range(n)]  # str and bytes
+            payloads = [str(i).encode() for i in range(n)]
+            stamps: list[int | None] = [None if i % 3 else 42 for i in range(n)]
+            assert await pub_client.publish_many(kps, keys, payloads, ts_producers=stamps) == n
+            assert await pub_client.publish_many([], [], []) == 0
+            with pytest.raises(ValueError, match="one length"):
+                await pub_client.publish_many(kps, keys[:-1], payloads)
+            await pub_client.flush()
+            got = await take(sub, n)
+            assert pub_client.stats.published == n
+            assert sorted(int(m.payload) for m in got) == list(range(n))
+            for m in got:
+                i = int(m.payload)
+                assert m.key_partition == kps[i] and m.key == (b"bulk.a" if i % 2 else b"bulk.b")
+                assert (m.ts_producer == 42) == (i % 3 == 0) and m.uid is not None
+            by_kp: dict[bytes, list[int]] = {}
+            for m in got:
+                by_kp.setdefault(m.key_partition, []).append(int(m.payload))
+            assert all(seq == sorted(seq) for seq in by_kp.values()) and len(by_kp) == 256
+            assert len({m.uid for m in got}) == n
+
+    run(main)
+
+
+def test_blocking_publish_many(server: ServerProcess) -> None:
+    with broky.connect_sync(server.url) as c:
+        sub = c.subscribe("bulk.sync")
+        n = 2000
+        assert (
+            c.publish_many(
+                [b"p%d" % (i % 7) for i in range(n)], ["bulk.sync"] * n, [b"%d" % i for i in range(n)]
+            )
+            == n
+        )
+        c.flush()
+        got = list(sub.iter(timeout=5, count=n))
+        assert sorted(int(m.payload) for m in got) == list(range(n))
+        with pytest.raises(ValueError):
+            c.publish_many([b"a"], [b"b"], [])
+
+
 def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: ServerProcess) -> None:
     async def main() -> None:
         async with broky.connect(server.url) as client:

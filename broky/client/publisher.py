@@ -31,7 +31,8 @@ so a tight publish loop cannot starve the readers. While a Link is down its
 outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
 `publish` raises PublishBufferFullError (counted in `stats.refused`).
 
-`_publish_rows` is the Spark sink's bulk path: the fast path's steps in one
+`_publish_rows` is the bulk path (`publish_many`, and the Spark sink with its
+deterministic uids): the fast path's steps in one
 loop over columns, without an await per row; where `publish` would raise
 PublishBufferFullError (the owner is down, its buffer full) it waits for the
 owner to come back first, up to flush_timeout (`_room_for`). `_send_encoded` queues a frame
@@ -194,6 +195,41 @@ class Publisher:
                 await asyncio.sleep(0)
         elif link.flush_handle is None:
             link.schedule_flush()
+
+    async def publish_many(
+        self,
+        key_partitions: Sequence[bytes | str],
+        keys: Sequence[bytes | str],
+        payloads: Sequence[bytes],
+        *,
+        ts_producers: Sequence[int | None] | None = None,
+    ) -> int:
+        """Publish many messages given as columns: message i is (key_partitions[i],
+        keys[i], payloads[i]), each with a new KSUID; the bulk producer's call.
+
+        It does what `publish` does for each message, in one loop without an await
+        per message (it yields only when a socket is backed up). Where `publish` would raise
+        PublishBufferFullError because the owning worker is down and its buffer is
+        full, it waits for the worker to come back, up to `flush_timeout`, first.
+        Order per key_partition is the columns' order. Returns the number of
+        messages; raises what `publish` raises, and then the messages before the
+        one that raised are published.
+
+        Args:
+            key_partitions, keys, payloads: sequences of one length (list, tuple,
+                or anything indexable); fields as in `publish`.
+            ts_producers: None = now for every message; else one per message
+                (None = now, 0 = not set).
+        """
+        n = len(key_partitions)
+        if len(keys) != n or len(payloads) != n or (ts_producers is not None and len(ts_producers) != n):
+            raise ValueError(
+                "publish_many: key_partitions, keys, payloads (and ts_producers) must have one length, "
+                f"got {n}, {len(keys)}, {len(payloads)}"
+                + ("" if ts_producers is None else f", {len(ts_producers)}")
+            )
+        await self._publish_rows(key_partitions, keys, payloads, ts_producers, None)
+        return n
 
     async def _publish_rows(
         self,

@@ -38,7 +38,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -257,6 +257,20 @@ class SyncClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     # ---------------------------------------------------------------- publishing
+
+    def publish_many(
+        self,
+        key_partitions: Sequence[bytes | str],
+        keys: Sequence[bytes | str],
+        payloads: Sequence[bytes],
+        *,
+        ts_producers: Sequence[int | None] | None = None,
+    ) -> int:
+        """Publish many messages given as columns (see `Client.publish_many`): one
+        hand-over to the I/O thread for all of them. Returns the number of messages."""
+        return self._call(
+            self._client.publish_many(key_partitions, keys, payloads, ts_producers=ts_producers)
+        )
 
     def publish(
         self,
