@@ -12,7 +12,6 @@ same bytes and end in the same state, and every counter must agree.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from broky.server import fastpath
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
+from tests.test_server_fanout_fuzz import Recorder, chunked
 
 if fastpath.compiled_scan is None and fastpath.pure_requested():
     pytest.skip(f"{fastpath.ENV_PURE} is set: no compiled twin to compare", allow_module_level=True)
@@ -37,34 +37,6 @@ def test_the_compiled_twin_is_built() -> None:
     # server would run several times slower without it (and say so).
     assert fastpath.compiled_scan is not None, fastpath.description
     assert fastpath.description == "compiled"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.eof = False
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def write_eof(self) -> None:
-        self.eof = True
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.eof or self.closed
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
 
 
 @pytest.fixture
@@ -94,11 +66,6 @@ control = st.one_of(
     st.builds(lambda i: encode_frame(Unsubscribe(100 + i)), st.integers(0, len(PATTERNS) - 1)),
 )
 stream = st.lists(st.one_of(message, message, message, control), min_size=1, max_size=60)
-
-
-def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tuple[Shard, list[Connection]]:
