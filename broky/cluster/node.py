@@ -50,8 +50,14 @@ mod_revision the leader last read (0: no map yet). So versions only grow and
 no two different maps ever carry one version, even when two nodes believe
 they lead for a moment. A new leader waits LEADER_SETTLE seconds before its
 first write, so that members coming back after an etcd outage re-register
-before it plans without them. It starts the move timeout of a prepared map
-when it first sees it.
+before it plans without them. For longer, up to REJOIN_GRACE (at least one
+lease TTL) after this node's session began, it does not plan away the
+vbuckets of a node that the map names as an owner but that is no member
+(yet): after an etcd outage that outlived the leases, every node registers
+again after its own backoff, and the leader would otherwise move a slower
+node's vbuckets and back, for nothing. It plans as soon as every such node is
+back; a node that died during the outage loses its vbuckets once the grace
+is over. It starts the move timeout of a prepared map when it first sees it.
 
 Drain (SIGTERM, see broky.server.master). `drain` marks the member key
 "draining"; the leader plans without the node (it stays in `nodes` while it
@@ -83,7 +89,7 @@ from broky.cluster.layout import (
     leader_of,
     parse_cluster_url,
 )
-from broky.protocol.routing import VBucketMap
+from broky.protocol.routing import NO_OWNER, VBucketMap
 from broky.server.config import ServerConfig
 
 log = logging.getLogger("broky.cluster")
@@ -93,6 +99,7 @@ IDLE_TICK = 1.0  # the same when nothing is pending (no move, no drain, a settle
 RETRY_MIN = 0.25  # backoff between two sessions, doubling up to RETRY_MAX
 RETRY_MAX = 2.0
 LEADER_SETTLE = 1.0  # a new leader waits this long before its first map write
+REJOIN_GRACE = RETRY_MAX + 2 * LEADER_SETTLE  # at least; see ClusterNode.rejoin_grace
 CLASH_GRACE = 2.0  # beyond the TTL of the lease that holds our node id, at startup
 CLASH_POLL = 0.5
 REVOKE_TIMEOUT = 1.0
@@ -124,6 +131,8 @@ class ClusterNode:
         self.ttl = config.lease_ttl
         self.move_timeout = config.move_timeout
         self.call_timeout = max(1.0, self.ttl / 3)
+        # how long after a session began owners that are no members are waited for
+        self.rejoin_grace = max(float(self.ttl), REJOIN_GRACE)
         self.host = host
         self.record = record
         self.node_id = record.node_id
@@ -147,6 +156,7 @@ class ClusterNode:
         self.drained = asyncio.Event()
         self.leader: str | None = None
         self.leading_since = 0.0
+        self.session_since = 0.0  # monotonic time this node last resynced with etcd
         self.prepared: tuple[int, float] | None = None  # (version, monotonic time first seen) as leader
         self._wake = asyncio.Event()
         self._endpoint = 0
@@ -197,6 +207,7 @@ class ClusterNode:
     async def _session(self, etcd: Etcd) -> None:
         await self._register(etcd)
         revision = await self._resync(etcd)
+        self.session_since = time.monotonic()
         self._up(etcd)
         await _first_failure(self._keepalive(etcd), self._watch(etcd, revision + 1), self._loop(etcd))
 
@@ -323,7 +334,16 @@ class ClusterNode:
             return True
         if self.map is not None and self.map.incoming is not None:
             return True
-        return self.is_leader and (self.map is None or time.monotonic() - self.leading_since < LEADER_SETTLE)
+        if not self.is_leader:
+            return False
+        return self.map is None or time.monotonic() - self.leading_since < LEADER_SETTLE or self._rejoining()
+
+    def _rejoining(self) -> bool:
+        """Within the rejoin grace of this session, a node the map names as an owner (or an
+        incoming owner) is no member: it may be registering again after an etcd outage."""
+        if self.map is None or time.monotonic() - self.session_since >= self.rejoin_grace:
+            return False
+        return bool(_owner_ids(self.map) - self.members.keys())
 
     # ------------------------------------------------------------ etcd's state
 
@@ -422,6 +442,8 @@ class ClusterNode:
         if moving and current is not None and (self.prepared is None or self.prepared[0] != current.version):
             self.prepared = (current.version, now)
         if current is not None and now - self.leading_since < LEADER_SETTLE:
+            return
+        if self._rejoining():
             return
         if current is not None and current.incoming is None and self._generation == self._planned:
             return  # nothing changed since the last plan (a prepared move is looked at every time)
@@ -582,6 +604,13 @@ class ClusterNode:
             "vbuckets": owned,
             "vbuckets_incoming": incoming,
         }
+
+
+def _owner_ids(vmap: VBucketMap) -> set[str]:
+    """The node ids that own or receive a vbucket in `vmap`."""
+    indexes = {node for node, _ in vmap.owners}
+    indexes.update(i[0] for i in vmap.incoming or () if i != NO_OWNER)
+    return {vmap.nodes[i].node_id for i in indexes}
 
 
 def _holder(kv: KeyValue) -> str:
