@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness.cluster import EtcdServer, http_get, wait_for
+from bench.harness.cluster import EtcdServer, http_get, settled_views, wait_for
 from bench.harness.servers import free_port
 from broky.protocol.routing import NO_OWNER, VBucketMap, vbucket_of
 from tests.serverproc import ServerProcess
@@ -165,22 +165,8 @@ class Cluster:
         return result
 
     def settled(self) -> dict[str, dict[str, Any]] | None:
-        """Every running node runs one committed map of exactly these nodes, balanced over
-        their workers, and every node is a serving member: their /stats "cluster" objects,
-        else None. (Balanced: a leader settling after a join runs an older map for a
-        moment, which would otherwise pass for the final one.)"""
-        views = {node_id: self.stats(node_id)["cluster"] for node_id in self.nodes}
-        versions = {v["map_version"] for v in views.values()}
-        if len(versions) != 1 or any(v["map_moving"] or not v["etcd_connected"] for v in views.values()):
-            return None
-        for v in views.values():
-            members = {m["node_id"]: m["state"] for m in v["members"]}
-            if members != dict.fromkeys(self.nodes, "serving"):
-                return None
-        counts = [n for v in views.values() for n in v["vbuckets"]]
-        if sum(counts) != 1024 or max(counts) - min(counts) > 1:
-            return None  # not yet balanced: the leader has not planned since the last join
-        return views
+        """The nodes' /stats "cluster" objects once they settled (bench.harness.cluster.settled_views)."""
+        return settled_views({node_id: self.stats(node_id)["cluster"] for node_id in self.nodes})
 
     def wait_settled(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         return wait_for(self.settled, timeout, f"nodes {sorted(self.nodes)} settled on one map")

@@ -140,15 +140,23 @@ def cluster_view(node: Server) -> dict[str, Any]:
 
 def settled(nodes: dict[str, Server]) -> dict[str, dict[str, Any]] | None:
     """Every node runs one committed map of exactly these nodes, all serving: their views."""
-    views = {node_id: cluster_view(node) for node_id, node in nodes.items()}
+    return settled_views({node_id: cluster_view(node) for node_id, node in nodes.items()})
+
+
+def settled_views(views: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """`views` (node id -> /stats "cluster") if every node runs one committed map, balanced
+    over the workers, and sees exactly these nodes as serving members; else None.
+    (Balanced: a leader settling after a join runs an older map for a moment, which would
+    otherwise pass for the final one.)"""
     if len({v["map_version"] for v in views.values()}) != 1:
         return None
     for v in views.values():
         if v["map_moving"] or not v["etcd_connected"]:
             return None
-        if {m["node_id"]: m["state"] for m in v["members"]} != dict.fromkeys(nodes, "serving"):
+        if {m["node_id"]: m["state"] for m in v["members"]} != dict.fromkeys(views, "serving"):
             return None
-    if sum(sum(v["vbuckets"]) for v in views.values()) != 1024:
+    counts = [n for v in views.values() for n in v["vbuckets"]]
+    if sum(counts) != 1024 or max(counts) - min(counts) > 1:
         return None
     return views
 
