@@ -50,11 +50,10 @@ from broky.protocol.routing import VBucketMap, to_ranges
 from broky.server import handoff, histogram
 from broky.server.config import ServerConfig
 from broky.server.httpd import HttpServer, Response
-from broky.server.metrics import Exporter
-from broky.server.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from broky.server.fanout import Shard
+    from broky.server.supervisor import Supervisor
 
 
 class ClusterView(Protocol):
@@ -177,6 +176,10 @@ class Monitor:
     """The master's monitoring endpoints."""
 
     def __init__(self, master: Observed) -> None:
+        # Here, not at the top: workers import this module for `answer`, and
+        # prometheus_client (12 MB resident) is the master's alone.
+        from broky.server.metrics import Exporter
+
         self.master = master
         self.exporter = Exporter()
 
