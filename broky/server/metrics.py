@@ -4,11 +4,18 @@ Theory of operation
 -------------------
 Nothing here runs per message. Workers keep plain integer counters
 (`WorkerStats` in broky.server.fanout) and a log2 latency histogram
-(broky.server.histogram); prometheus_client never runs in a worker. When
+(broky.server.histogram). When
 /metrics is scraped, the master asks every worker for its snapshot over the
-control channel (broky.server.monitor), then this module's custom collector
-turns the snapshots into metric families and prometheus_client renders them.
+control channel (broky.server.monitor), then this module turns the snapshots
+into metric families and renders them in Prometheus' text format (0.0.4).
 No multiprocess mode, no shared files, no lock.
+
+The rendering is this module's own (`Family`, about forty lines): the format
+is a few escaping rules, and prometheus_client, which rendered it before,
+imports its push gateway's and HTTP server's stdlib (http.client,
+urllib.request, http.server, wsgiref) with it, 4.6 MB of resident memory in
+the master for a 4 KB text. The tests parse every scrape with
+prometheus_client's parser and a real Prometheus scrapes a real server.
 
 Names follow the Prometheus conventions: `broky_` prefix, base units
 (seconds, bytes), `_total` on counters. Every worker series carries a
@@ -21,16 +28,9 @@ answer the scrape has `broky_worker_up 0` and no other series in that scrape.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
 
 from broky import __version__
 from broky.server import histogram
@@ -110,52 +110,113 @@ RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown")
 REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
 
 
+def _number(value: float) -> str:
+    """A sample value as the text format writes it (Go's ParseFloat reads it back)."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return "NaN" if math.isnan(value) else repr(value)
+
+
+def _label_value(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Family:
+    """One metric family of the text format: # HELP, # TYPE and its samples' lines."""
+
+    __slots__ = ("name", "kind", "doc", "labels", "lines")
+
+    def __init__(self, name: str, kind: str, doc: str, labels: Sequence[str] = ()) -> None:
+        self.name = name  # a counter's ends in _total, as its samples'
+        self.kind = kind  # "counter", "gauge" or "histogram"
+        self.doc = doc
+        self.labels = tuple(labels)
+        self.lines: list[str] = []
+
+    def add_metric(self, values: Sequence[str], value: float) -> None:
+        """One sample of a counter or a gauge, with these label values."""
+        self.lines.append(f"{self.name}{self._labels(values)} {_number(value)}\n")
+
+    def add_histogram(
+        self, values: Sequence[str], buckets: Sequence[tuple[str, float]], total: float
+    ) -> None:
+        """One histogram: cumulative (le, count) buckets ending with +Inf, and the sum."""
+        for le, count in buckets:
+            self.lines.append(f"{self.name}_bucket{self._labels(values, le)} {_number(count)}\n")
+        count = buckets[-1][1] if buckets else 0
+        self.lines.append(f"{self.name}_count{self._labels(values)} {_number(count)}\n")
+        self.lines.append(f"{self.name}_sum{self._labels(values)} {_number(total)}\n")
+
+    def _labels(self, values: Sequence[str], le: str | None = None) -> str:
+        pairs = list(zip(self.labels, values, strict=True))
+        if le is not None:
+            pairs.append(("le", le))
+        if not pairs:
+            return ""
+        return "{" + ",".join(f'{k}="{_label_value(v)}"' for k, v in sorted(pairs)) + "}"
+
+    def render(self) -> str:
+        doc = self.doc.replace("\\", "\\\\").replace("\n", "\\n")
+        return f"# HELP {self.name} {doc}\n# TYPE {self.name} {self.kind}\n" + "".join(self.lines)
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Family:
+    return Family(name, "gauge", doc, labels)
+
+
+def _counter(name: str, doc: str, labels: Sequence[str] = ()) -> Family:
+    return Family(name, "counter", doc, labels)
+
+
 class SnapshotCollector:
-    """A prometheus_client collector over the snapshots of the latest scrape."""
+    """The metric families of the snapshots of the latest scrape."""
 
     def __init__(self) -> None:
         self.snapshots: Sequence[dict[str, Any] | None] = ()
         self.master: dict[str, Any] = {}
         self.cluster: dict[str, Any] | None = None
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         snaps = [(str(i), s) for i, s in enumerate(self.snapshots) if s is not None]
-        up = GaugeMetricFamily("broky_worker_up", "1 if the worker answered this scrape.", labels=["worker"])
+        up = _gauge("broky_worker_up", "1 if the worker answered this scrape.", labels=["worker"])
         for i, s in enumerate(self.snapshots):
             up.add_metric([str(i)], 1.0 if s is not None else 0.0)
         yield up
         for name, field, doc in COUNTERS:
-            counter = CounterMetricFamily(name, doc, labels=["worker"])
+            counter = _counter(name, doc, labels=["worker"])
             for w, s in snaps:
                 counter.add_metric([w], float(s.get(field, 0)))
             yield counter
         for name, field, doc in GAUGES:
-            gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+            gauge = _gauge(name, doc, labels=["worker"])
             for w, s in snaps:
                 gauge.add_metric([w], float(s.get(field, 0)))
             yield gauge
-        dropped = CounterMetricFamily(
+        dropped = _counter(
             "broky_messages_dropped_total",
             "Messages or deliveries dropped, by reason.",
             labels=["worker", "reason"],
         )
-        refused = CounterMetricFamily(
+        refused = _counter(
             "broky_subscriptions_refused_total",
             "Subscribes refused with SUBSCRIPTION_LIMIT, by the limit: count "
             "(--max-subscriptions) or bytes (--max-subscription-bytes).",
             labels=["worker", "reason"],
         )
-        errors = CounterMetricFamily(
+        errors = _counter(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
         )
-        resumes = CounterMetricFamily(
+        resumes = _counter(
             "broky_resumes_total",
             "Reconnecting clients naming their previous connection, by whose account answered: "
             "this worker's (connection_lost), a dead worker's (worker_restart), none (unknown).",
             labels=["worker", "result"],
         )
-        latency = HistogramMetricFamily(
+        latency = Family(
             "broky_broker_latency_seconds",
+            "histogram",
             "Time inside the broker per delivered message: from the arrival of its read "
             "to that read's writes.",
             labels=["worker"],
@@ -173,7 +234,7 @@ class SnapshotCollector:
             for result, n in sorted(results.items()):
                 resumes.add_metric([w, result], float(n))
             counts = s.get("latency_us", [])
-            latency.add_metric(
+            latency.add_histogram(
                 [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
             )
         yield dropped
@@ -183,22 +244,22 @@ class SnapshotCollector:
         yield latency
         yield from self._master_metrics()
 
-    def _master_metrics(self) -> Iterator[Metric]:
+    def _master_metrics(self) -> Iterator[Family]:
         m = self.master
         if not m:
             return
-        restarts = CounterMetricFamily(
+        restarts = _counter(
             "broky_worker_restarts_total", "Times the worker was restarted after dying.", labels=["worker"]
         )
         for i, n in enumerate(m.get("worker_restarts", [])):
             restarts.add_metric([str(i)], float(n))
         yield restarts
-        handed = CounterMetricFamily(
+        handed = _counter(
             "broky_connections_accepted_total", "Connections whose Hello the master accepted and handed over."
         )
         handed.add_metric([], float(m.get("connections_handed", 0)))
         yield handed
-        refused = CounterMetricFamily(
+        refused = _counter(
             "broky_handshakes_refused_total",
             "Connections refused at the handshake, by code.",
             labels=["code"],
@@ -206,7 +267,7 @@ class SnapshotCollector:
         for code, n in sorted(m.get("handshakes_refused", {}).items()):
             refused.add_metric([code.lower()], float(n))
         yield refused
-        handoffs = CounterMetricFamily(
+        handoffs = _counter(
             "broky_handoffs_refused_total",
             "Connections a worker did not take from the master, by cause: no_fd or an errno name "
             "(the worker refused it), no_answer, channel_full.",
@@ -216,13 +277,13 @@ class SnapshotCollector:
             for cause, n in sorted(causes.items()):
                 handoffs.add_metric([str(i), cause], float(n))
         yield handoffs
-        ready = GaugeMetricFamily("broky_workers_ready", "Workers ready to serve.")
+        ready = _gauge("broky_workers_ready", "Workers ready to serve.")
         ready.add_metric([], float(m.get("workers_ready", 0)))
         yield ready
-        info = GaugeMetricFamily("broky_build_info", "Always 1; the version is a label.", labels=["version"])
+        info = _gauge("broky_build_info", "Always 1; the version is a label.", labels=["version"])
         info.add_metric([__version__], 1.0)
         yield info
-        owned = GaugeMetricFamily(
+        owned = _gauge(
             "broky_vbuckets_owned", "Vbuckets the worker owns in the node's current map.", labels=["worker"]
         )
         for i, n in enumerate(m.get("vbuckets_owned", [])):
@@ -230,7 +291,7 @@ class SnapshotCollector:
         yield owned
         yield from self._cluster_metrics()
 
-    def _cluster_metrics(self) -> Iterator[Metric]:
+    def _cluster_metrics(self) -> Iterator[Family]:
         """broky_cluster_*: only in cluster mode (--cluster)."""
         c = self.cluster
         if c is None:
@@ -255,7 +316,7 @@ class SnapshotCollector:
                 c["state"] == "draining",
             ),
         )
-        info = GaugeMetricFamily(
+        info = _gauge(
             "broky_cluster_node_info",
             "Always 1; this node's id and the leader it sees (empty: none) are labels.",
             labels=["node_id", "leader"],
@@ -263,7 +324,7 @@ class SnapshotCollector:
         info.add_metric([c["node_id"], c["leader"] or ""], 1.0)
         yield info
         for name, doc, value in gauges:
-            gauge = GaugeMetricFamily(name, doc)
+            gauge = _gauge(name, doc)
             gauge.add_metric([], float(value))
             yield gauge
 
@@ -277,8 +338,6 @@ class Exporter:
 
     def __init__(self) -> None:
         self.collector = SnapshotCollector()
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)
 
     def render(
         self,
@@ -291,7 +350,7 @@ class Exporter:
         self.collector.master = master
         self.collector.cluster = cluster
         try:
-            return generate_latest(self.registry)
+            return "".join(f.render() for f in self.collector.collect()).encode()
         finally:
             self.collector.snapshots = ()
             self.collector.master = {}

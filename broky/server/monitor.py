@@ -50,6 +50,7 @@ from broky.protocol.routing import VBucketMap, to_ranges
 from broky.server import handoff, histogram
 from broky.server.config import ServerConfig
 from broky.server.httpd import HttpServer, Response
+from broky.server.metrics import Exporter
 
 if TYPE_CHECKING:
     from broky.server.fanout import Shard
@@ -176,10 +177,6 @@ class Monitor:
     """The master's monitoring endpoints."""
 
     def __init__(self, master: Observed) -> None:
-        # Here, not at the top: workers import this module for `answer`, and
-        # prometheus_client (12 MB resident) is the master's alone.
-        from broky.server.metrics import Exporter
-
         self.master = master
         self.exporter = Exporter()
 
