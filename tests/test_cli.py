@@ -158,11 +158,36 @@ def unused_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("command", [[], ["pub"], ["sub"], ["info"]])
+@pytest.mark.parametrize(
+    "command", [[], ["pub"], ["sub"], ["info"], ["serve"], ["cluster"], ["cluster", "status"]]
+)
 def test_help(command: list[str]) -> None:
     done = broky_cli(*command, "--help")
     assert done.returncode == 0
     assert b"usage: broky" in done.stdout
+
+
+def test_the_command_table_names_every_command_its_module_adds() -> None:
+    import argparse
+
+    from broky import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(cli.COMMANDS)
+    for command, module in cli.COMMANDS.items():
+        alone = next(
+            a for a in cli.build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)
+        )
+        assert command in alone.choices, module
+
+
+def test_serve_loads_neither_the_sdk_nor_urllib() -> None:
+    code = (
+        "import sys, broky.cli, broky.server.master, broky.server.worker; broky.cli.build_parser('serve'); "
+        "print(sorted(m for m in sys.modules if m in ('broky.client', 'urllib.request', 'http.client')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.stdout.strip() == "[]", done.stderr
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,6 @@ import json
 import logging
 import mmap
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -105,7 +104,7 @@ class Supervisor:
 
     def _new_epoch(self) -> int:
         while True:
-            epoch = secrets.randbits(32)
+            epoch = int.from_bytes(os.urandom(4), "big")  # as secrets.randbits, without loading random
             if epoch and epoch not in self._epochs:
                 self._epochs.add(epoch)
                 return epoch
