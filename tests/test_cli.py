@@ -181,15 +181,6 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
         assert command in alone.choices, module
 
 
-def test_serve_loads_neither_the_sdk_nor_urllib() -> None:
-    code = (
-        "import sys, broky.cli, broky.server.master, broky.server.worker; broky.cli.build_parser('serve'); "
-        "print(sorted(m for m in sys.modules if m in ('broky.client', 'urllib.request', 'http.client')))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert done.stdout.strip() == "[]", done.stderr
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
