@@ -148,6 +148,37 @@ def sdk_section(running: dict[str, servers.Server], quick: bool) -> dict[str, An
     return out
 
 
+def sdk_to_sdk_rows(quick: bool) -> tuple[str, ...]:
+    """The ids of bench.sdk_burst.MATRIX run by this mode (quick: two of the four)."""
+    from bench import sdk_burst
+
+    ids = tuple(row[0] for row in sdk_burst.MATRIX)
+    return ("p256_100", "p1_1024") if quick else ids
+
+
+def sdk_to_sdk_section(
+    args: argparse.Namespace, systems: list[str], quick: bool, progress: Progress
+) -> dict[str, Any]:
+    """The headline rows: bursts SDK to SDK (bench.sdk_burst.matrix), each on fresh servers."""
+    from bench import sdk_burst
+
+    n = args.sdk_messages or (3_000 if quick else 300_000)
+    runs = 1 if quick else 3
+    wanted = sdk_to_sdk_rows(quick)
+    rows = []
+    for row_id, title, parts, size in sdk_burst.MATRIX:
+        if row_id not in wanted:
+            continue
+        progress.show(f"SDK to SDK, {title}")
+        got = sdk_burst.run(runs, n, args.workers, systems, parts, size)
+        summary = sdk_burst.summarize(got)
+        rows.append({"id": row_id, "title": title, "partitions": parts, "size": size, "messages": n,
+                     "runs": runs, "summary": summary, "results": got})  # fmt: skip
+        cpu = summary.get("broky", {}).get("server_cpu_us_per_delivery")
+        progress.show(f"SDK to SDK, {title}: Broky {cpu} µs/delivery", step=True)
+    return {"messages": n, "runs": runs, "rows": rows}
+
+
 def _safe(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return call()
@@ -189,6 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-latency", action="store_true")
     parser.add_argument("--no-sdk", action="store_true", help="skip the client-side SDK comparison")
+    parser.add_argument(
+        "--no-sdk-to-sdk", action="store_true", help="skip the SDK-to-SDK bursts (bench/sdk_burst.py)"
+    )
+    parser.add_argument("--sdk-messages", type=int, help="messages per SDK-to-SDK burst (default 300,000)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -210,7 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = machine.machine_info()
     with_sdk = not args.no_sdk and "broky" in systems
     sdk_runs = sum(s.id in SDK_SCENARIOS for s in chosen) if with_sdk else 0
-    progress = Progress(len(chosen) * len(systems) + sdk_runs + (0 if args.no_latency else len(systems)) + 1)
+    s2s_rows = 0 if args.no_sdk_to_sdk else len(sdk_to_sdk_rows(quick))
+    progress = Progress(
+        s2s_rows + len(chosen) * len(systems) + sdk_runs + (0 if args.no_latency else len(systems)) + 1
+    )
     running: dict[str, servers.Server] = {}
     drivers: dict[str, loadgen.Driver] = {}
     failed: dict[str, str] = {}
@@ -230,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput": [],
     }
     try:
+        if args.no_sdk_to_sdk:
+            results["sdk_to_sdk"] = {"skipped": "--no-sdk-to-sdk"}
+        else:  # first, before the shared servers start: each burst runs on a fresh server of its own
+            results["sdk_to_sdk"] = sdk_to_sdk_section(args, systems, quick, progress)
         for name in systems:
             progress.show(f"starting {name}")
             try:
@@ -322,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"latency/{n}"
         for n, r in results.get("latency", {}).get("results", {}).items()
         if "error" in r or "skipped" in r
+    ]
+    bad += [
+        f"sdk_to_sdk/{row['id']}/{n}"
+        for row in results["sdk_to_sdk"].get("rows", [])
+        for n, r in row["summary"].items()
+        if "error" in r or r.get("errors")
     ]
     if bad:
         print(f"runs that failed or were skipped: {', '.join(bad)}", file=sys.stderr)

@@ -83,6 +83,15 @@ def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
         p = lat["percentiles_us"]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["p99.9"] <= lat["max_us"]
     assert any(t["target"].startswith("p99 latency") for t in results["targets"])
+    s2s = results["sdk_to_sdk"]
+    assert [r["id"] for r in s2s["rows"]] == ["p256_100", "p1_1024"]
+    for row in s2s["rows"]:
+        for name in SYSTEMS:
+            summary = row["summary"][name]
+            assert "error" not in summary and not summary["errors"], (row["id"], name, summary)
+            assert summary["received_worst"] > 0 and summary["server_peak_rss_mb"] > 0, (row["id"], name)
+        assert row["summary"]["broky"]["lost_worst"] == 0, row["results"]["broky"]
+    assert any(t["target"].startswith("SDK to SDK, 256 key_partitions") for t in results["targets"])
 
     table = (out / "bench.md").read_text()
     assert "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis |" in table
@@ -90,7 +99,9 @@ def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
         machine["cpu_model"] in table and machine["nats_server"] in table and machine["redis_server"] in table
     )
     assert table.count("\n| 1 → 4 fan-out, 16 B |") == 4  # deliveries/s, CPU, RSS and SDK tables
-    for png in ("latency.png", "throughput.png", "cpu.png"):
+    assert "## SDK to SDK: a burst through the client libraries" in table
+    assert table.count("\n| 256 key_partitions, 100 B |") == 4  # CPU, deliveries/s, loss and RSS tables
+    for png in ("latency.png", "throughput.png", "cpu.png", "sdk_cpu.png", "sdk_rate.png"):
         assert (out / png).read_bytes().startswith(PNG_MAGIC), png
     assert stdout.decode().startswith("# Broky benchmark")
 

@@ -85,6 +85,30 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": None if rate is None else rate >= 1.0,
             }
         )
+    s2s = results.get("sdk_to_sdk") or {}
+    for row in s2s.get("rows", []):
+        summary = row["summary"]
+        cpu = ratio(
+            _get(summary.get("broky"), "server_cpu_us_per_delivery"),
+            _get(summary.get("nats"), "server_cpu_us_per_delivery"),
+        )
+        out.append(
+            {
+                "target": f"SDK to SDK, {row['title']}: server CPU per delivered message <= 1.0x "
+                "nats-server (1.5x accepted)",
+                "ratio": cpu,
+                "met": None if cpu is None else cpu <= 1.0,
+            }
+        )
+        lost = _get(summary.get("broky"), "lost_worst")
+        out.append(
+            {
+                "target": f"SDK to SDK, {row['title']}: nothing lost in a {row['messages']:,}-message burst "
+                "(Broky, worst run)",
+                "ratio": None,
+                "met": None if lost is None else lost == 0,
+            }
+        )
     lat = results.get("latency", {}).get("results", {})
     p99 = ratio(_p(lat.get("broky"), "p99"), _p(lat.get("nats"), "p99"))
     out.append(
@@ -135,6 +159,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"closed-loop with a bounded in-flight window, {results['settings']['warmup_s']} s warm-up then "
         f"{results['settings']['duration_s']} s measured. Ratios are Broky / peer.",
         "",
+        *_sdk_to_sdk(results.get("sdk_to_sdk")),
         "## Deliveries per second (higher is better)",
         "",
         "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis |",
@@ -272,6 +297,60 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+S2S_NAMES = {"broky": "Broky SDK", "nats": "nats.py", "redis": "redis-py"}
+
+
+def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
+    """The headline section: bursts from an SDK publisher process to an SDK subscriber process."""
+    if not s2s:
+        return []
+    if "skipped" in s2s or "error" in s2s:
+        return ["## SDK to SDK", "", f"Not measured: {s2s.get('skipped') or s2s.get('error')}", ""]
+    rows = s2s["rows"]
+    lines = [
+        "## SDK to SDK: a burst through the client libraries (the headline)",
+        "",
+        f"What users run: one asyncio publisher process publishes {s2s['messages']:,} messages as fast as "
+        "it can, one call each (redis-py: pipelined 1,000 per round trip), then flushes; one asyncio "
+        "subscriber process reads them with a wildcard subscription and `async for`. Broky SDK, nats.py "
+        "and redis-py (asyncio, hiredis) on both sides, every setting at its default, a fresh server per "
+        f"run; medians of {s2s['runs']} alternating runs (`bench/sdk_burst.py`).",
+        "",
+    ]
+    tables = (
+        ("Server CPU µs per delivered message (lower is better)", "server_cpu_us_per_delivery", 2, True),
+        (
+            "Deliveries per second, first publish to last delivery (higher is better)",
+            "deliveries_per_s",
+            0,
+            True,
+        ),
+        ("Messages lost, worst run (of those published)", "lost_worst", 0, False),
+        ("Server peak RSS, MB (every server process)", "server_peak_rss_mb", 1, True),
+    )
+    for title, key, digits, with_ratios in tables:
+        head = "| Scenario | " + " | ".join(S2S_NAMES[n] for n in SYSTEMS)
+        head += " | Broky/NATS | Broky/Redis |" if with_ratios else " |"
+        lines += [f"### {title}", "", head, "|---|" + "---:|" * (len(SYSTEMS) + (2 if with_ratios else 0))]
+        for row in rows:
+            summary = row["summary"]
+            cells = []
+            for n in SYSTEMS:
+                res = summary.get(n)
+                v = _get(res, key)
+                cells.append(_cell_error(res) or (f"{v:,.{digits}f}" if v is not None else "-"))
+            line = f"| {row['title']} | {' | '.join(cells)} |"
+            if with_ratios:
+                b = _get(summary.get("broky"), key)
+                line += " " + " | ".join(
+                    _fmt_ratio(ratio(b, _get(summary.get(p), key))) for p in ("nats", "redis")
+                )
+                line += " |"
+            lines.append(line)
+        lines.append("")
+    return lines
+
+
 def _problem(res: dict[str, Any]) -> str:
     """What went wrong in one run, or "" if nothing did."""
     if "error" in res or "skipped" in res:
@@ -330,10 +409,18 @@ def plot_latency(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _bars(results: dict[str, Any], path: Path, key: str, ylabel: str, title: str) -> None:
+def _bars(
+    results: dict[str, Any],
+    path: Path,
+    key: str,
+    ylabel: str,
+    title: str,
+    scen: list[dict[str, Any]] | None = None,
+) -> None:
+    """Bars of `key` per scenario (default: the pre-encoded runs; each {"title", "results"})."""
     import matplotlib.pyplot as plt
 
-    scen = results["throughput"]
+    scen = results["throughput"] if scen is None else scen
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(scen)), 5))
     width = 0.26
     for i, n in enumerate(SYSTEMS):
@@ -386,6 +473,28 @@ def write(results: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
             "Server CPU per delivered message",
         )
         paths += [out / "throughput.png", out / "cpu.png"]
+        s2s = [
+            {"title": r["title"], "results": r["summary"]}
+            for r in (results.get("sdk_to_sdk") or {}).get("rows", [])
+        ]
+        if s2s:
+            _bars(
+                results,
+                out / "sdk_cpu.png",
+                "server_cpu_us_per_delivery",
+                "server CPU µs per delivered message (log)",
+                "SDK to SDK: server CPU per delivered message",
+                s2s,
+            )
+            _bars(
+                results,
+                out / "sdk_rate.png",
+                "deliveries_per_s",
+                "deliveries per second (log)",
+                "SDK to SDK: deliveries per second",
+                s2s,
+            )
+            paths += [out / "sdk_cpu.png", out / "sdk_rate.png"]
     return paths
 
 
