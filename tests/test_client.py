@@ -162,6 +162,52 @@ def test_publish_many_delivers_every_column_row_in_order_per_partition(server: S
     run(main)
 
 
+def test_a_burst_to_a_worker_not_connected_yet_waits_for_its_connection(server: ServerProcess) -> None:
+    # The first publish for a worker opens its connection; a tight loop fills the buffer
+    # kept meanwhile (here 16 KiB) long before it is open. `publish` waits for it;
+    # `publish_nowait`, which cannot wait, refuses with PublishBufferFullError.
+    async def main() -> None:
+        async with broky.connect(server.url) as sub_client:
+            sub = await sub_client.subscribe("burst.>")
+            async with broky.connect(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
+                assert client._router.map is not None
+                kps = [p[0] for p in partitions_by_worker(client._router.map, 1).values()]
+                n = 2000
+                for i in range(n):
+                    await client.publish(kps[i % len(kps)], b"burst.k", b"%d" % i + b"x" * 100)
+                await client.flush()
+                assert client.stats.refused == 0 and client.stats.published == n
+                got = await take(sub, n)
+                assert sorted(int(m.payload.rstrip(b"x")) for m in got) == list(range(n))
+            async with broky.connect(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
+                assert client._router.map is not None
+                kps = [p[0] for p in partitions_by_worker(client._router.map, 1).values()]
+                with pytest.raises(broky.PublishBufferFullError):
+                    for i in range(n):
+                        client.publish_nowait(kps[i % len(kps)], b"burst.k", b"x" * 100)
+                assert client.stats.refused == 1
+
+    run(main)
+
+
+def test_a_blocking_burst_to_a_worker_not_connected_yet_waits_for_its_connection(
+    server: ServerProcess,
+) -> None:
+    with broky.connect_sync(server.url) as sub_client:
+        sub = sub_client.subscribe("burst.>")
+        with broky.connect_sync(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
+            vmap = client._client._router.map
+            assert vmap is not None
+            kps = [p[0] for p in partitions_by_worker(vmap, 1).values()]
+            n = 2000
+            for i in range(n):
+                client.publish(kps[i % len(kps)], b"burst.k", b"%d" % i + b"x" * 100)
+            client.flush()
+            assert client.stats.refused == 0 and client.stats.published == n
+        got = [sub.next(5) for _ in range(n)]
+        assert sorted(int(m.payload.rstrip(b"x")) for m in got) == list(range(n))
+
+
 def test_blocking_publish_many(server: ServerProcess) -> None:
     with broky.connect_sync(server.url) as c:
         sub = c.subscribe("bulk.sync")

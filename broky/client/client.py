@@ -713,7 +713,8 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
         batch_size: bytes after which the queued publishes of one worker are
             written at once (Kafka's batch.size), default 64 KiB.
         max_reconnect_buffer_bytes: publishes kept for a disconnected worker
-            (default 8 MiB); past it `publish` raises PublishBufferFullError.
+            (default 8 MiB); past it `publish` waits up to flush_timeout for
+            the worker, then raises PublishBufferFullError.
         flush_timeout: default timeout of `flush`, of `subscribe`'s confirmation
             and of the flush in `close` (default 10 s).
         reconnect_min_delay, reconnect_max_delay: bounds of the jittered

@@ -21,7 +21,8 @@ fields, other field types, a uid neither True nor 20 bytes, a closed
 client, a pack error) takes the general path (`_publish`), which raises the
 errors and, once the encoder has a template for the shape (the second time
 it comes), fills the cache (`_remember`). Every path publishes before its
-first await: `publish_nowait` relies on it.
+first await, but for one: the wait for room below, which `publish_nowait`
+turns off (`_nowait`) to run `publish` up to its first await.
 
 The Link writes its outbound list in one `transport.write` when it reaches
 `batch_size` bytes or `linger` seconds later (see broky.client.link). When a
@@ -29,7 +30,12 @@ batch has just been written, `publish` yields to the event loop once (or
 until the socket drains, if its write buffer is over its high-water mark),
 so a tight publish loop cannot starve the readers. While a Link is down its
 outbound list is bounded by `max_reconnect_buffer_bytes`; past that,
-`publish` raises PublishBufferFullError (counted in `stats.refused`).
+`publish` waits for the Link to come up, at most flush_timeout seconds,
+then raises PublishBufferFullError if it is still full (counted in
+`stats.refused`). The first connection to a worker is opened when the first
+publish for it comes (broky.client.routing): a tight loop fills 8 MiB in
+tens of milliseconds, before that connection is open, so the wait is part
+of every burst to a new worker, not only of a worker's restart.
 
 `_publish_rows` is the bulk path (`publish_many`, and the Spark sink with its
 deterministic uids): the fast path's steps in one
@@ -74,6 +80,7 @@ class Publisher:
     _router: Router
 
     def __init__(self) -> None:
+        self._nowait = False  # publish_nowait is running `publish`: it must not wait for room
         self._encoder = PublishEncoder()
         self._uids = self._encoder.uids
         self._fast: FastCache = {}
@@ -101,11 +108,16 @@ class Publisher:
         # `publish` does all its work before its first await (its awaits only yield
         # to the loop after a batch was written), so running it up to that point is
         # publishing without waiting, on the same fast path.
+        # (`_nowait` tells `publish` not to wait for room in a reconnect buffer: it raises
+        # PublishBufferFullError at once instead.)
         coro = self.publish(key_partition, key, payload, ts_producer=ts_producer, uid=uid)
+        self._nowait = True
         try:
             coro.send(None)
         except StopIteration:
             return
+        finally:
+            self._nowait = False
         coro.close()
 
     async def publish(
@@ -136,8 +148,9 @@ class Publisher:
             PayloadTooLargeError: the frame exceeds the server's max_frame_bytes
                 (nothing is sent; `size` and `limit` carry the numbers).
             PublishBufferFullError: the owning worker is disconnected and
-                `max_reconnect_buffer_bytes` already wait for it (counted in
-                `stats.refused`).
+                `max_reconnect_buffer_bytes` already wait for it, still after
+                waiting up to flush_timeout for its connection to open or come
+                back (`publish_nowait` does not wait; counted in `stats.refused`).
             BrokyConnectionError: reconnecting to the owning worker was given up
                 (max_reconnect_attempts; counted in `stats.refused`).
             ClientClosedError: the client is closed.
@@ -147,8 +160,8 @@ class Publisher:
         # key, payload length), then the steps of PublishEncoder.encode and Link.send.
         # Anything unusual (a miss, str fields, wrong types, uid neither True nor 20
         # bytes, closed client, a pack error) takes the general path, which raises
-        # the errors. Every path publishes before its first await: `publish_nowait`
-        # relies on it.
+        # the errors. Every path publishes before its first await but the wait for
+        # room in a down Link's buffer, which `publish_nowait` turns off.
         try:
             pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
         except Exception:
@@ -175,6 +188,8 @@ class Publisher:
             return await self._publish_general(key_partition, key, payload, ts_producer, uid)
         proto = link.proto
         if proto is None:
+            if link.out_bytes + len(frame) > link.client.max_reconnect_buffer_bytes and not self._nowait:
+                await self._wait_up(link)  # then published below, or refused if still full
             try:
                 link.send(frame)
             except BrokyError:  # buffer full, or given up: not published, counted as refused
@@ -299,9 +314,13 @@ class Publisher:
             return
         kp = key_partition if isinstance(key_partition, bytes) else str(key_partition).encode()
         link = self._router.owner_link(kp)
+        if link.proto is None and link.out_bytes + size + 256 > link.client.max_reconnect_buffer_bytes:
+            await self._wait_up(link)
+
+    async def _wait_up(self, link: Link) -> None:
+        """Wait until `link` is up (its first connection is being opened, or it reconnects),
+        reconnecting is given up, or flush_timeout seconds passed."""
         if link.proto is not None or link.failed is not None:
-            return
-        if link.out_bytes + size + 256 <= link.client.max_reconnect_buffer_bytes:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.flush_timeout):
@@ -315,6 +334,12 @@ class Publisher:
         ts_producer: int | None,
         uid: bool | bytes,
     ) -> None:
+        if not self._nowait:
+            try:
+                size = len(payload) + len(key)
+            except TypeError:
+                size = 0  # a field of the wrong type: `_publish` raises for it
+            await self._room_for(key_partition, size)
         link = self._publish(key_partition, key, payload, ts_producer, uid)
         if link is None:
             return

@@ -16,8 +16,10 @@ cross over in two ways:
 - the reconnect buffer bound is also checked in the caller's thread, so
   `publish` raises PublishBufferFullError itself: when the owning Link is
   down (or not opened yet), the caller adds the Link's buffered bytes and the
-  bytes handed off for it (`_down_bytes`, per worker) and refuses what does
-  not fit. The I/O thread moves such frames into the Link and takes them off
+  bytes handed off for it (`_down_bytes`, per worker); what does not fit
+  waits for the Link to come up (its first connection being opened, or a
+  reconnect), at most flush_timeout, and is refused after that. The I/O
+  thread moves such frames into the Link and takes them off
   `_down_bytes` under the same lock, so the sum is exact. Only a Link that
   drops between the check and the hand-off can make the I/O thread refuse a
   frame; that error is raised by the next `publish` or `flush`. Every refusal
@@ -62,6 +64,7 @@ from broky.protocol import Message
 T = TypeVar("T")
 
 DEFAULT_HANDOFF_BYTES = 1 << 20
+RESERVE_POLL = 0.005  # seconds between two looks at a down Link that `publish` waits for
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -286,7 +289,8 @@ class SyncClient:
         Raises:
             PayloadTooLargeError: the frame exceeds the server's limit (nothing sent).
             PublishBufferFullError: the owning worker is down and
-                `max_reconnect_buffer_bytes` already wait for it (nothing queued);
+                `max_reconnect_buffer_bytes` already wait for it, still after
+                waiting up to flush_timeout for it to come up (nothing queued);
                 or, rarely, an earlier publish met that in the I/O thread because
                 its worker dropped just after it was handed off (raised once).
             BrokyConnectionError: reconnecting to the owning worker was given up.
@@ -323,6 +327,8 @@ class SyncClient:
 
     def _reserve(self, vb: int, size: int) -> WorkerRef | None:
         """Caller's thread, under the lock: room for `size` bytes for a Link that is down?
+        If there is none, wait (the lock released) for the Link to come up or its buffer to
+        drain, at most flush_timeout.
 
         Returns:
             The worker whose `_down_bytes` now include the frame; None if its
@@ -336,19 +342,31 @@ class SyncClient:
         assert vmap is not None
         node, worker = vmap.owners[vb]
         ref = WorkerRef(vmap.nodes[node].node_id, worker)
-        link = client._router.links.get(ref)  # None: not opened yet, it starts down
-        if link is not None and link.proto is not None:
-            return None
-        if link is not None and link.failed is not None:
-            client.stats.refused += 1
-            raise link.gave_up_error()
-        queued = (link.out_bytes if link is not None else 0) + self._down_bytes.get(ref, 0)
         limit = client.max_reconnect_buffer_bytes
-        if queued + size > limit:
-            client.stats.refused += 1
-            raise PublishBufferFullError(queued, limit)
-        self._down_bytes[ref] = self._down_bytes.get(ref, 0) + size
-        return ref
+        deadline = 0.0
+        while True:
+            link = client._router.links.get(ref)  # None: not opened yet, it starts down
+            if link is not None and link.proto is not None:
+                return None
+            if link is not None and link.failed is not None:
+                client.stats.refused += 1
+                raise link.gave_up_error()
+            queued = (link.out_bytes if link is not None else 0) + self._down_bytes.get(ref, 0)
+            if queued + size <= limit:
+                self._down_bytes[ref] = self._down_bytes.get(ref, 0) + size
+                return ref
+            # Full: wait for the Link to open (the first publishes for a worker open its
+            # connection) or come back, at most flush_timeout, as the asyncio `publish` does.
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + client.flush_timeout
+                if not self._scheduled:  # let the I/O thread take what waits (and open the Link)
+                    self._scheduled = True
+                    self._loop.call_soon_threadsafe(self._drain)
+            elif now >= deadline or self._closed:
+                client.stats.refused += 1
+                raise PublishBufferFullError(queued, limit)
+            self._cond.wait(min(deadline - now, RESERVE_POLL))
 
     def _drain(self) -> None:
         """I/O thread: move the hand-off list into the client's buffers."""
