@@ -292,6 +292,8 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
         out[system] = {
             "received_worst": min(x["received"] for x in ok),
             "lost_worst": max(x["lost"] for x in ok),
+            # what the subscriber lost and was not told of (Broky's on_loss; None for the others)
+            "untold_worst": max(x["lost"] - x["told_lost"] for x in ok) if "told_lost" in ok[0] else None,
             "published": ok[0]["published"],
             "publish_s": med("seconds"),
             "delivered_after_s": med("delivered_after_s"),

@@ -101,12 +101,21 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
         lost = _get(summary.get("broky"), "lost_worst")
+        if row["size"] <= 100:  # the burst: 300,000 x 100 B fits in the default bounds
+            out.append(
+                {
+                    "target": f"SDK to SDK, {row['title']}: nothing lost in a {row['messages']:,}-message "
+                    "burst (Broky, worst run)",
+                    "ratio": None,
+                    "met": None if lost is None else lost == 0,
+                }
+            )
+        untold = _get(summary.get("broky"), "untold_worst")
         out.append(
             {
-                "target": f"SDK to SDK, {row['title']}: nothing lost in a {row['messages']:,}-message burst "
-                "(Broky, worst run)",
+                "target": f"SDK to SDK, {row['title']}: every lost message told to the subscriber (Broky)",
                 "ratio": None,
-                "met": None if lost is None else lost == 0,
+                "met": None if untold is None else untold == 0,
             }
         )
     lat = results.get("latency", {}).get("results", {})
@@ -325,7 +334,12 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
             0,
             True,
         ),
-        ("Messages lost, worst run (of those published)", "lost_worst", 0, False),
+        (
+            "Messages lost, worst run (of those published; Broky: how many the subscriber was not told of)",
+            "lost_worst",
+            0,
+            False,
+        ),
         ("Server peak RSS, MB (every server process)", "server_peak_rss_mb", 1, True),
     )
     for title, key, digits, with_ratios in tables:
@@ -338,7 +352,9 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
             for n in SYSTEMS:
                 res = summary.get(n)
                 v = _get(res, key)
-                cells.append(_cell_error(res) or (f"{v:,.{digits}f}" if v is not None else "-"))
+                cell = _cell_error(res) or (f"{v:,.{digits}f}" if v is not None else "-")
+                untold = _get(res, "untold_worst") if key == "lost_worst" else None
+                cells.append(cell if untold is None else f"{cell} (untold: {untold:,.0f})")
             line = f"| {row['title']} | {' | '.join(cells)} |"
             if with_ratios:
                 b = _get(summary.get("broky"), key)
