@@ -46,12 +46,10 @@ if str(ROOT) not in sys.path:
 
 from bench.harness import children, procstat, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness.report import SDK_TITLES, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SYSTEMS = ("broky", "nats", "redis")
-NAMES = {"broky": "Broky SDK", "nats": "nats.py", "redis": "redis-py"}
-SERVER_NAMES = {"broky": "Broky", "nats": "nats-server", "redis": "redis-server"}
 QUIET = 3.0  # seconds without a message after which the subscriber stops counting
 REDIS_PIPELINE = 1000
 
@@ -310,7 +308,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
     systems = list(results)
     peers = [s for s in systems if s != "broky"]
     lines = [
-        "# A burst, SDK to SDK, default settings: " + " vs ".join(NAMES[s] for s in systems),
+        "# A burst, SDK to SDK, default settings: " + " vs ".join(SDK_TITLES[s] for s in systems),
         "",
         f"Machine: {describe(info)}.",
         "",
@@ -325,8 +323,8 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
         "systems alternating.",
         "",
         "| | "
-        + " | ".join(NAMES[s] for s in systems)
-        + "".join(f" | Broky / {NAMES[p]}" for p in peers)
+        + " | ".join(SDK_TITLES[s] for s in systems)
+        + "".join(f" | Broky / {SDK_TITLES[p]}" for p in peers)
         + " |",
         "|---|" + "---:|" * (len(systems) + len(peers)),
     ]

@@ -168,6 +168,11 @@ class Cluster:
         """The nodes' /stats "cluster" objects once they settled (bench.harness.cluster.settled_views)."""
         return settled_views({node_id: self.stats(node_id)["cluster"] for node_id in self.nodes})
 
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        """Every node's /readyz answers 200 (each waited for up to `timeout` seconds)."""
+        for node_id in self.nodes:
+            wait_for(lambda node_id=node_id: self.readyz(node_id)[0] == 200, timeout, f"{node_id} ready")  # type: ignore[misc]
+
     def wait_settled(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         return wait_for(self.settled, timeout, f"nodes {sorted(self.nodes)} settled on one map")
 

@@ -215,8 +215,7 @@ def test_etcd_stopped_or_killed_and_restarted_publishing_never_stops(
             publish_and_receive(pub, sub, kp, n)
             time.sleep(0.2)
         etcd.resume()
-        for node_id in ("a", "b"):
-            wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+        cluster.wait_ready()
         views = cluster.wait_settled()
         assert all(v["etcd_connected"] for v in views.values())
         assert "lease expired while etcd was unreachable" in a.log()
@@ -231,8 +230,7 @@ def test_etcd_stopped_or_killed_and_restarted_publishing_never_stops(
             publish_and_receive(pub, sub, kp, n)
             time.sleep(0.1)
         etcd.start()
-        for node_id in ("a", "b"):
-            wait_for(lambda node_id=node_id: cluster.readyz(node_id)[0] == 200, 15, f"{node_id} ready again")  # type: ignore[misc]
+        cluster.wait_ready()
         after = cluster.wait_settled()
         n += 1
         publish_and_receive(pub, sub, kp, n)

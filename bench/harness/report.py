@@ -306,7 +306,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-S2S_NAMES = {"broky": "Broky SDK", "nats": "nats.py", "redis": "redis-py"}
+SDK_TITLES = {"broky": "Broky SDK", "nats": "nats.py", "redis": "redis-py"}  # the clients of SDK-to-SDK runs
 
 
 def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
@@ -343,7 +343,7 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
         ("Server peak RSS, MB (every server process)", "server_peak_rss_mb", 1, True),
     )
     for title, key, digits, with_ratios in tables:
-        head = "| Scenario | " + " | ".join(S2S_NAMES[n] for n in SYSTEMS)
+        head = "| Scenario | " + " | ".join(SDK_TITLES[n] for n in SYSTEMS)
         head += " | Broky/NATS | Broky/Redis |" if with_ratios else " |"
         lines += [f"### {title}", "", head, "|---|" + "---:|" * (len(SYSTEMS) + (2 if with_ratios else 0))]
         for row in rows:
