@@ -7,7 +7,25 @@ The client SDK is re-exported here: ``broky.connect`` (asyncio),
 
 __version__ = "0.1.0"
 
+import sys as _sys
+import types as _types
 from typing import TYPE_CHECKING, Any
+
+# The flatbuffers runtime and the code flatc generates (the control frames' encoders)
+# import numpy whenever it is installed, as it is beside pyspark and pyarrow, for
+# helpers Broky never calls (the `...AsNumpy` accessors): 15 MB of resident memory
+# and BLAS threads in each server process and in every SDK process. A process that
+# has not loaded numpy yet lets them import a placeholder instead; numpy itself
+# stays importable (the placeholder is gone once they are loaded).
+if "flatbuffers" not in _sys.modules and "numpy" not in _sys.modules:
+    _placeholder = _types.ModuleType("numpy", "stands in for numpy while flatbuffers is imported")
+    _sys.modules["numpy"] = _placeholder
+    try:
+        import broky.fbs  # noqa: F401  (and flatbuffers)
+    finally:
+        if _sys.modules.get("numpy") is _placeholder:
+            del _sys.modules["numpy"]
+    del _placeholder
 
 if TYPE_CHECKING:
     from broky.client import (
