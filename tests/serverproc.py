@@ -83,6 +83,17 @@ class ServerProcess:
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
 
+    def wait_log(self, text: str, timeout: float = 10.0) -> str:
+        """The log once it holds `text` (a line another process may see the effect of
+        before this one has written it); AssertionError with the log after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = self.log()
+            if text in log or time.monotonic() > deadline:
+                assert text in log, f"{text!r} not logged within {timeout:g} s; log:\n{log}"
+                return log
+            time.sleep(0.05)
+
     def worker_pids(self) -> list[int]:
         """Pids of the master's live child processes (the workers)."""
         children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
