@@ -1,7 +1,8 @@
 # Broky server image: `docker build -t broky .` then
 # `docker run --rm -p 4777:4777 -p 9477:9477 broky` (any `broky serve` option may follow).
 # The wheel is built with a C compiler (the fan-out's compiled fast path,
-# broky/server/_feedscan.c); the image that runs it has none.
+# broky/server/_feedscan.c, and the SDK's publish encoding, broky/client/_pubpack.c);
+# the image that runs it has none.
 FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -9,7 +10,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY broky ./broky
 RUN pip wheel --no-cache-dir --no-deps -w /wheels . \
-    && python -c "import glob, sys, zipfile; sys.exit(not any(n.endswith('.so') for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()))"
+    && python -c "import glob, sys, zipfile; n = [n for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()]; sys.exit(not all(any(x.startswith(m) and x.endswith('.so') for x in n) for m in ('broky/server/_feedscan', 'broky/client/_pubpack')))"
 
 FROM python:3.11-slim
 

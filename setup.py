@@ -1,8 +1,10 @@
-"""Build of the one compiled part: the twin of the fan-out fast path.
+"""Build of the compiled parts: the twins of the fan-out fast path (server) and
+of the SDK's publish encoding (client).
 
-Everything else is in pyproject.toml. The extension is optional: without a C
-compiler the install still succeeds and the server runs the pure-Python
-reference (and says so when it starts; see broky/server/fastpath.py).
+Everything else is in pyproject.toml. Both extensions are optional: without a
+C compiler the install still succeeds and the pure-Python reference runs (the
+server says so when it starts, see broky/server/fastpath.py; the client in
+broky.client.pubpack.description).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +16,12 @@ setup(
             ["broky/server/_feedscan.c"],
             optional=True,
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension(
+            "broky.client._pubpack",
+            ["broky/client/_pubpack.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
     ]
 )

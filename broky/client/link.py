@@ -119,6 +119,18 @@ def publishes_in(chunk: bytes) -> list[bytes]:
     return frames
 
 
+def frames_in(out: list[bytes]) -> list[bytes]:
+    """The frames of an outbound list: each entry is one frame, or a chunk of several
+    publishes packed by the compiled bulk path (broky.client.pubpack)."""
+    frames: list[bytes] = []
+    for entry in out:
+        if 4 + _u32(entry, 0)[0] == len(entry):
+            frames.append(entry)
+        else:
+            frames.extend(publishes_in(entry))
+    return frames
+
+
 def uids_in(tail: list[tuple[bytes, int]]) -> set[bytes]:
     """The uids of the deliveries in a connection's tail (data, end of its whole frames)."""
     uids: set[bytes] = set()
@@ -230,8 +242,12 @@ class Link:
         self.client = client
         self.ref = WorkerRef(node_id, worker)
         self.proto: WorkerProtocol | None = None
+        # Frames to write, and their size. An entry is one frame, or a chunk of
+        # publishes from the compiled bulk path: `out_extra` counts the publishes
+        # in chunks beyond one per entry (see `frames_in`).
         self.out: list[bytes] = []
         self.out_bytes = 0
+        self.out_extra = 0
         self.flush_handle: asyncio.Handle | None = None
         self.subs: dict[int, Subscription] = {}
         self.matcher: Matcher[Subscription, tuple[Subscription, ...]] = Matcher(tuple)
@@ -406,10 +422,11 @@ class Link:
 
     def _give_up(self, attempts: int, last: BaseException | None) -> None:
         self.settle(None)
-        dropped = len(self.out)
+        dropped = len(self.out) + self.out_extra
         self.client.stats.unsent_gave_up += dropped
         self.out = []
         self.out_bytes = 0
+        self.out_extra = 0
         exc = BrokyConnectionError(
             f"gave up on worker {self.ref.worker} after {attempts} attempts ({last}); "
             f"{dropped} buffered publishes dropped"
@@ -551,7 +568,7 @@ class Link:
             return
         out = self.out
         self.front = 0
-        published = len(out) - controls
+        published = len(out) - controls + self.out_extra
         ping_id = 0
         if published:
             client = self.client
@@ -564,6 +581,7 @@ class Link:
         proto.write(chunk)
         self.out = []
         self.out_bytes = 0
+        self.out_extra = 0
         if published:
             first = self.written
             self.written = written = first + published
@@ -614,6 +632,7 @@ class Link:
         self._stop_timers()
         out, self.out = self.out, []
         self.out_bytes = 0
+        self.out_extra = 0
         doubt, self.in_doubt = self.in_doubt, None
         tail, self.tail = self.tail, []
         if self.proto is not None:
@@ -629,7 +648,7 @@ class Link:
                 )
         self.pings.clear()
         self.up.set()
-        return [f for f in out if f[4:56] in (HEADER_UID, HEADER_NO_UID)], doubt, tail
+        return [f for f in frames_in(out) if f[4:56] in (HEADER_UID, HEADER_NO_UID)], doubt, tail
 
     def send_control(self, frame: bytes) -> None:
         """Write a control frame now, after every publish queued before it (nothing while

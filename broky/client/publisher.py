@@ -55,6 +55,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from broky.client import pubpack
 from broky.client.encoder import MAX_TEMPLATES, PublishEncoder, Template, as_bytes, payload_bytes
 from broky.client.link import Link
 from broky.client.routing import Router
@@ -62,9 +63,14 @@ from broky.client.stats import ClientStats
 from broky.errors import BrokyError
 
 _time_ns = time.time_ns
+# The compiled twin's functions (broky.client.pubpack), or None: the pure-Python loops.
+_stamp = None if pubpack.compiled is None else pubpack.compiled.stamp
+_pack_rows = None if pubpack.compiled is None else pubpack.compiled.pack_rows
+MAX_SLOTS = 65536  # key_partitions the bulk path keeps the Link of (then it starts again)
 
-# key_partition -> key -> payload length -> (pack, head, mid, block, Link); see Template
-FastCache = dict[object, dict[object, dict[int, tuple[Any, bytes, bytes, bytes, Link]]]]
+# key_partition -> key -> payload length -> entry, its Link last: (pack, head, mid, block, Link) for the
+# pure-Python path (see Template), (sample frame, Link) for the compiled one.
+FastCache = dict[object, dict[object, dict[int, tuple[Any, ...]]]]
 
 
 class Publisher:
@@ -82,9 +88,13 @@ class Publisher:
     def __init__(self) -> None:
         self._nowait = False  # publish_nowait is running `publish`: it must not wait for room
         self._encoder = PublishEncoder()
-        self._uids = self._encoder.uids
+        # one KSUID sequence for every path; with the compiled twin, its state is in C
+        self._uids = self._encoder.uids = pubpack.new_sequence()
         self._fast: FastCache = {}
         self._fast_count = 0
+        # The compiled bulk path's routes: key_partition -> index in _slot_links (its Link).
+        self._slots: dict[bytes, int] = {}
+        self._slot_links: list[Link] = []
 
     def _check_usable(self) -> None:
         """Raise why the client cannot publish (closed, or not connected yet): the Client's."""
@@ -211,6 +221,60 @@ class Publisher:
         elif link.flush_handle is None:
             link.schedule_flush()
 
+    async def _publish_stamped(
+        self,
+        key_partition: bytes | str,
+        key: bytes | str,
+        payload: bytes,
+        *,
+        ts_producer: int | None = None,
+        uid: bool | bytes = True,
+    ) -> None:
+        # `publish` with the compiled twin: the same steps, the frame made by
+        # pubpack's `stamp` from the cached sample frame (clock, uid and payload
+        # written in, and the frame appended to the Link's `out`, in C). None from
+        # `stamp` (odd types, a new second for the sequence) and a given uid take
+        # the general path, as in `publish`.
+        try:
+            sample, link = self._fast[key_partition][key][len(payload)]
+        except Exception:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        if uid is not True or not self._open:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        proto = link.proto
+        if proto is not None:
+            size = _stamp(sample, payload, ts_producer, self._uids, link.out)  # type: ignore[misc]
+            if size is None:
+                return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+            self.stats.published += 1
+            n = link.out_bytes = link.out_bytes + size
+            if n >= self.batch_size:
+                link.flush_out()
+                if proto.write_paused:
+                    await proto.drain()
+                else:
+                    await asyncio.sleep(0)
+            elif link.flush_handle is None:
+                link.schedule_flush()
+            return
+        frame = _stamp(sample, payload, ts_producer, self._uids)  # type: ignore[misc]
+        if frame is None:
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+        # the Link is down: its reconnect buffer is bounded
+        if link.out_bytes + len(frame) > link.client.max_reconnect_buffer_bytes and not self._nowait:
+            await self._wait_up(link)  # then published below, or refused if still full
+        try:
+            link.send(frame)
+        except BrokyError:  # buffer full, or given up: not published, counted as refused
+            self.stats.refused += 1
+            raise
+        self.stats.published += 1
+
+    _publish_stamped.__doc__ = publish.__doc__
+    _publish_pure = publish
+    if _stamp is not None:
+        publish = _publish_stamped
+
     async def publish_many(
         self,
         key_partitions: Sequence[bytes | str],
@@ -264,7 +328,99 @@ class Publisher:
         uid is the 12 bytes uid_prefix then uid_base + i as 8 little-endian bytes
         (the Spark sink's deterministic uids). Raises what `publish` raises; the
         rows before the one that raised are published.
+
+        With the compiled twin, pubpack's `pack_rows` runs the loop in C: it
+        encodes the rows into one chunk per Link, appended to the Link's
+        outbound list (`Link.out_extra` counts the publishes it holds), and
+        stops after a row that fills a batch (written here, as `publish` does) or
+        before a row that the pure-Python steps must take (`_publish_row`: a
+        key_partition whose Link it was not given yet, a field that is not
+        bytes, a down Link, a new second, an oversized frame).
         """
+        if _pack_rows is None:
+            return await self._publish_rows_pure(
+                key_partitions, keys, payloads, ts_producers, uid_prefix, uid_base
+            )
+        slots = self._slots
+        links = self._slot_links
+        stats = self.stats
+        encoder = self._encoder
+        n = len(key_partitions)
+        i = 0
+        while i < n:
+            up = self._open
+            limit = self.batch_size
+            room = [limit - link.out_bytes if up and link.proto is not None else -1 for link in links]
+            added = [0] * len(links)
+            counts = [0] * len(links)
+            stop, full = _pack_rows(
+                key_partitions, keys, payloads, ts_producers, i, slots, [link.out for link in links],
+                added, counts, room, encoder.max_frame_bytes, self._uids, uid_prefix, uid_base,
+            )  # fmt: skip
+            stats.published += stop - i
+            for j, size in enumerate(added):
+                if size:  # one chunk of counts[j] publishes was appended to its `out`
+                    link = links[j]
+                    link.out_bytes += size
+                    link.out_extra += counts[j] - 1
+                    if j != full and link.flush_handle is None:
+                        link.schedule_flush()
+            i = stop
+            if full >= 0:
+                link = links[full]
+                link.flush_out()
+                proto = link.proto
+                if proto is not None and proto.write_paused:  # the socket is backed up: wait for it
+                    await proto.drain()
+            elif i < n:
+                await self._publish_row(key_partitions, keys, payloads, ts_producers, uid_prefix, uid_base, i)
+                i += 1
+
+    async def _publish_row(
+        self,
+        key_partitions: Sequence[Any],
+        keys: Sequence[Any],
+        payloads: Sequence[Any],
+        ts_producers: Sequence[int | None] | None,
+        uid_prefix: bytes | None,
+        uid_base: int,
+        i: int,
+    ) -> None:
+        """Row i of `_publish_rows` by the general path (which raises the errors); then
+        its key_partition's Link goes to the compiled loop's routes."""
+        kp = key_partitions[i]
+        payload = payloads[i]
+        t = None if ts_producers is None else ts_producers[i]
+        uid = True if uid_prefix is None else uid_prefix + (uid_base + i).to_bytes(8, "little")
+        await self._room_for(kp, len(payload))
+        written = self._publish(kp, keys[i], payload, t, uid)
+        if written is not None and written.proto is not None and written.proto.write_paused:
+            await written.proto.drain()
+        slots = self._slots
+        if kp.__class__ is bytes and kp not in slots:
+            if len(slots) >= MAX_SLOTS:
+                slots.clear()
+                self._slot_links.clear()
+            link = self._router.owner_link(kp)
+            links = self._slot_links
+            for j, known in enumerate(links):
+                if known is link:
+                    slots[kp] = j
+                    break
+            else:
+                slots[kp] = len(links)
+                links.append(link)
+
+    async def _publish_rows_pure(
+        self,
+        key_partitions: Sequence[Any],
+        keys: Sequence[Any],
+        payloads: Sequence[Any],
+        ts_producers: Sequence[int | None] | None,
+        uid_prefix: bytes | None,
+        uid_base: int = 0,
+    ) -> None:
+        # `_publish_rows` without the compiled twin: the reference loop.
         fast = self._fast
         stats = self.stats
         seq = self._uids
@@ -407,7 +563,11 @@ class Publisher:
             self._fast.clear()
             self._fast_count = 0
         pack, head, mid, block, _ = template
-        entry = (pack, head, mid, block, link)
+        entry: tuple[Any, ...]
+        if _stamp is None:
+            entry = (pack, head, mid, block, link)
+        else:  # the compiled path's sample: the frame with zero time, uid and payload
+            entry = (pack(head, 0, mid, bytes(12), 0, block, bytes(pay_len)), link)
         self._fast.setdefault(kp, {}).setdefault(k, {})[pay_len] = entry
         self._fast_count += 1
         if key_partition.__class__ is str or key.__class__ is str:
@@ -417,9 +577,11 @@ class Publisher:
             self._fast_count += 1
 
     def _forget_routes(self) -> None:
-        """Drop the fast path's cache (templates and Links)."""
+        """Drop the fast path's cache (templates and Links) and the bulk path's routes."""
         self._fast.clear()
         self._fast_count = 0
+        self._slots.clear()
+        self._slot_links.clear()
 
     def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
         """Queue an already encoded and size-checked publish (the blocking client's path).

@@ -66,7 +66,7 @@ import contextlib
 from typing import Protocol
 
 from broky.client.connection import open_connection
-from broky.client.link import Link, LinkOwner, WorkerRef
+from broky.client.link import Link, LinkOwner, WorkerRef, frames_in
 from broky.client.subscription_table import SubscriptionTable
 from broky.client.url import ServerAddress
 from broky.errors import BrokyConnectionError, BrokyError, ProtocolError, RemoteProtocolError, ServerError
@@ -231,7 +231,7 @@ class Router:
         for old_link, vbs in moved_vbs.items():
             if old_link.out and old_link.proto is not None and old_link.ref.node_id in nodes:
                 keep = []
-                for frame in old_link.out:
+                for frame in frames_in(old_link.out):
                     kp = _kp(frame)
                     if kp is not None and vbucket_of(kp) in vbs:
                         self.owner_link(kp).send_first([frame])
@@ -239,6 +239,7 @@ class Router:
                         keep.append(frame)
                 old_link.out = keep
                 old_link.out_bytes = sum(len(f) for f in keep)
+                old_link.out_extra = 0
         for ref, link in list(self.links.items()):
             if ref.node_id not in nodes:
                 self.retire(link)
@@ -419,7 +420,7 @@ class Router:
         for task in list(self.settling):
             task.cancel()
         for link in self.links.values():
-            stats.unsent_on_close += len(link.out) if link.proto is None else 0
+            stats.unsent_on_close += len(link.out) + link.out_extra if link.proto is None else 0
             link.close()
         if self.refreshing is not None:
             self.refreshing.cancel()

@@ -1,0 +1,618 @@
+/* The compiled twin of the SDK's publish encoding (broky.client.publisher).
+ *
+ * Three pure functions and one small type, no I/O:
+ *
+ * - Sequence: the state of a KSUID sequence (broky.protocol.ksuid.KsuidSequence:
+ *   start, until, pre, next) held in C, so the functions below read and
+ *   advance it without attribute lookups. Its `roll` is KsuidSequence's own,
+ *   in Python (broky.client.pubpack subclasses this type with it).
+ * - encode(key_partition, key, payload, ts_producer, uid): the Message frame
+ *   in canonical layout with a uid, byte for byte what
+ *   broky.protocol.encode_message returns for the same fields.
+ * - stamp(sample, payload, ts_producer, seq): a new frame from a sample frame
+ *   of the same key_partition, key and payload length (an encoder template):
+ *   the sample's bytes with ts_producer, the next uid of `seq` and the payload
+ *   written in. publish's per-call fast path.
+ * - pack_rows(...): publish_many's loop over columns: the rows encoded one
+ *   after the other into one chunk per Link, appended to the Link's outbound
+ *   list, until a row the Python code must handle itself (see pack_rows_doc).
+ *
+ * Anything unusual (a field that is not bytes, a second the sequence has not
+ * rolled to, an oversized frame, an unknown route) is left to the Python code,
+ * which stays the reference: tests/test_client_pubpack.py holds this twin to it.
+ * The fixed header is handed over once by configure(), from the Python
+ * definition of the layout (broky.protocol.message.HEADER_UID).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define PUBPACK_VERSION 1
+#define HEADER_SIZE 52  /* fixed bytes f+4 .. f+56 */
+#define UID_AT 80       /* the uid's 20 bytes, after ts_producer, ts_broker and two offsets */
+#define KP_AT 100       /* key_partition's length, then its bytes */
+#define PRE_SIZE 12     /* the uid's time and seed; then an 8-byte little-endian counter */
+
+static unsigned char header_uid[HEADER_SIZE];
+static int configured = 0;
+
+static inline void
+put_u32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+static inline void
+put_u64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+}
+
+static inline uint32_t
+u32_at(const unsigned char *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+static inline Py_ssize_t
+pad4(Py_ssize_t n)
+{
+    return -n & 3;
+}
+
+/* time.time_ns(): nanoseconds since the Unix epoch. */
+static inline int64_t
+now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* The size of the canonical frame with a uid, size prefix included (message_size). */
+static inline Py_ssize_t
+frame_size(Py_ssize_t kp_len, Py_ssize_t key_len, Py_ssize_t pay_len)
+{
+    Py_ssize_t end = KP_AT + 12 + kp_len + pad4(kp_len) + key_len + pad4(key_len) + pay_len;
+    return end + (-end & 7);
+}
+
+/* Write the canonical frame with a uid into f (frame_size bytes, zero-filled here). */
+static void
+write_frame(unsigned char *f, Py_ssize_t size, const char *kp, Py_ssize_t kp_len, const char *key,
+            Py_ssize_t key_len, const char *pay, Py_ssize_t pay_len, int64_t ts_producer,
+            const unsigned char *pre, uint64_t counter)
+{
+    Py_ssize_t k = KP_AT + 4 + kp_len + pad4(kp_len); /* key's length */
+    Py_ssize_t p = k + 4 + key_len + pad4(key_len);   /* payload's length */
+    memset(f, 0, (size_t)size);
+    put_u32(f, (uint32_t)(size - 4));
+    memcpy(f + 4, header_uid, HEADER_SIZE);
+    put_u64(f + 56, (uint64_t)ts_producer);
+    /* f+64: ts_broker = 0 */
+    put_u32(f + 72, (uint32_t)(k - 72));
+    put_u32(f + 76, (uint32_t)(p - 76));
+    memcpy(f + UID_AT, pre, PRE_SIZE);
+    put_u64(f + UID_AT + PRE_SIZE, counter);
+    put_u32(f + KP_AT, (uint32_t)kp_len);
+    memcpy(f + KP_AT + 4, kp, (size_t)kp_len);
+    put_u32(f + k, (uint32_t)key_len);
+    memcpy(f + k + 4, key, (size_t)key_len);
+    put_u32(f + p, (uint32_t)pay_len);
+    memcpy(f + p + 4, pay, (size_t)pay_len);
+}
+
+/* ------------------------------------------------------------------ Sequence */
+
+typedef struct {
+    PyObject_HEAD
+    long long start;
+    long long until;
+    unsigned long long next;
+    PyObject *pre; /* bytes: PRE_SIZE once rolled */
+} Sequence;
+
+static int
+Sequence_traverse(Sequence *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->pre);
+    return 0;
+}
+
+static int
+Sequence_clear(Sequence *self)
+{
+    Py_CLEAR(self->pre);
+    return 0;
+}
+
+static void
+Sequence_dealloc(Sequence *self)
+{
+    PyObject_GC_UnTrack(self);
+    Sequence_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Sequence_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Sequence *self = (Sequence *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->pre = PyBytes_FromStringAndSize(NULL, 0);
+        if (self->pre == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    }
+    return (PyObject *)self;
+}
+
+static PyObject *
+Sequence_get_pre(Sequence *self, void *closure)
+{
+    return Py_NewRef(self->pre);
+}
+
+static int
+Sequence_set_pre(Sequence *self, PyObject *value, void *closure)
+{
+    if (value == NULL || !PyBytes_CheckExact(value)
+        || (PyBytes_GET_SIZE(value) != PRE_SIZE && PyBytes_GET_SIZE(value) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "pre must be 12 bytes");
+        return -1;
+    }
+    Py_SETREF(self->pre, Py_NewRef(value));
+    return 0;
+}
+
+static PyMemberDef Sequence_members[] = {
+    {"start", T_LONGLONG, offsetof(Sequence, start), 0, "first ns of the current second"},
+    {"until", T_LONGLONG, offsetof(Sequence, until), 0, "first ns after it"},
+    {"next", T_ULONGLONG, offsetof(Sequence, next), 0, "the next id's counter"},
+    {NULL},
+};
+
+static PyGetSetDef Sequence_getset[] = {
+    {"pre", (getter)Sequence_get_pre, (setter)Sequence_set_pre, "12 bytes: time and seed", NULL},
+    {NULL},
+};
+
+static PyTypeObject SequenceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "broky.client._pubpack.Sequence",
+    .tp_doc = PyDoc_STR("A KSUID sequence's state (see broky.protocol.ksuid.KsuidSequence)."),
+    .tp_basicsize = sizeof(Sequence),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Sequence_new,
+    .tp_traverse = (traverseproc)Sequence_traverse,
+    .tp_clear = (inquiry)Sequence_clear,
+    .tp_dealloc = (destructor)Sequence_dealloc,
+    .tp_members = Sequence_members,
+    .tp_getset = Sequence_getset,
+};
+
+/* The next uid of seq for the time ts: 0, or 1 when seq must roll first (Python's roll). */
+static inline int
+next_uid(Sequence *seq, int64_t ts, const unsigned char **pre, uint64_t *counter)
+{
+    if (ts < seq->start || ts >= seq->until || PyBytes_GET_SIZE(seq->pre) != PRE_SIZE
+        || seq->next == UINT64_MAX) {
+        return 1;
+    }
+    *pre = (const unsigned char *)PyBytes_AS_STRING(seq->pre);
+    *counter = seq->next++;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ functions */
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    Py_buffer uid;
+    if (!PyArg_ParseTuple(args, "y*", &uid)) {
+        return NULL;
+    }
+    if (uid.len != HEADER_SIZE) {
+        PyBuffer_Release(&uid);
+        PyErr_SetString(PyExc_ValueError, "configure: the canonical layout does not match this build");
+        return NULL;
+    }
+    memcpy(header_uid, uid.buf, HEADER_SIZE);
+    PyBuffer_Release(&uid);
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+/* An int64 ts_producer (None: now); -1 with an error set when out of range or not an int. */
+static inline int
+ts_of(PyObject *value, int64_t now, int64_t *ts)
+{
+    if (value == Py_None) {
+        *ts = now;
+        return 0;
+    }
+    if (!PyLong_CheckExact(value)) {
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *ts = v;
+    return 0;
+}
+
+PyDoc_STRVAR(encode_doc,
+"encode(key_partition, key, payload, ts_producer, uid) -> bytes\n\n"
+"The Message frame in canonical layout, as broky.protocol.encode_message(key_partition,\n"
+"key, payload, ts_producer, 0, uid) returns it; fields bytes, uid 20 bytes.");
+
+static PyObject *
+encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "encode() takes 5 arguments");
+        return NULL;
+    }
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "encode() before configure()");
+        return NULL;
+    }
+    PyObject *kp = args[0], *key = args[1], *pay = args[2], *uid = args[4];
+    if (!PyBytes_CheckExact(kp) || !PyBytes_CheckExact(key) || !PyBytes_CheckExact(pay)
+        || !PyBytes_CheckExact(uid) || PyBytes_GET_SIZE(uid) != 20) {
+        PyErr_SetString(PyExc_TypeError, "encode(bytes, bytes, bytes, int, 20 bytes)");
+        return NULL;
+    }
+    int64_t ts;
+    if (ts_of(args[3], 0, &ts) < 0 || args[3] == Py_None) {
+        PyErr_SetString(PyExc_OverflowError, "ts_producer must be an int64");
+        return NULL;
+    }
+    Py_ssize_t kp_len = PyBytes_GET_SIZE(kp), key_len = PyBytes_GET_SIZE(key), pay_len = PyBytes_GET_SIZE(pay);
+    if (kp_len > UINT32_MAX || key_len > UINT32_MAX || pay_len > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a field is over 4 GiB");
+        return NULL;
+    }
+    Py_ssize_t size = frame_size(kp_len, key_len, pay_len);
+    PyObject *frame = PyBytes_FromStringAndSize(NULL, size);
+    if (frame == NULL) {
+        return NULL;
+    }
+    const unsigned char *u = (const unsigned char *)PyBytes_AS_STRING(uid);
+    uint64_t counter = 0;
+    for (int i = 7; i >= 0; i--) {
+        counter = (counter << 8) | u[PRE_SIZE + i];
+    }
+    write_frame((unsigned char *)PyBytes_AS_STRING(frame), size, PyBytes_AS_STRING(kp), kp_len,
+                PyBytes_AS_STRING(key), key_len, PyBytes_AS_STRING(pay), pay_len, ts, u, counter);
+    return frame;
+}
+
+PyDoc_STRVAR(stamp_doc,
+"stamp(sample, payload, ts_producer, seq[, out]) -> bytes | int | None\n\n"
+"A frame like `sample` (a canonical frame with a uid and a payload of len(payload)\n"
+"bytes) with ts_producer (None: now), the next uid of seq and payload written in.\n"
+"With `out` (a list), the frame is appended to it and its size returned instead.\n"
+"None, with seq untouched, when the Python path must publish it: payload not bytes\n"
+"of the sample's length, ts_producer not an int64, or seq must roll first.");
+
+static PyObject *
+stamp(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "stamp() takes 4 or 5 arguments");
+        return NULL;
+    }
+    PyObject *sample = args[0], *pay = args[1], *out = nargs == 5 ? args[4] : NULL;
+    if (!PyBytes_CheckExact(sample) || !PyObject_TypeCheck(args[3], &SequenceType)
+        || (out != NULL && !PyList_CheckExact(out))) {
+        PyErr_SetString(PyExc_TypeError, "stamp(bytes, bytes, int | None, Sequence[, list])");
+        return NULL;
+    }
+    Sequence *seq = (Sequence *)args[3];
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(sample);
+    Py_ssize_t size = PyBytes_GET_SIZE(sample);
+    if (size < KP_AT + 12 || memcmp(s + 4, header_uid, HEADER_SIZE) != 0) {
+        PyErr_SetString(PyExc_ValueError, "stamp: the sample is not a canonical frame with a uid");
+        return NULL;
+    }
+    Py_ssize_t p = 76 + (Py_ssize_t)u32_at(s + 76); /* payload's length */
+    if (p + 4 > size || !PyBytes_CheckExact(pay) || (Py_ssize_t)u32_at(s + p) != PyBytes_GET_SIZE(pay)
+        || p + 4 + PyBytes_GET_SIZE(pay) > size) {
+        Py_RETURN_NONE;
+    }
+    int64_t now = now_ns(), ts;
+    if (ts_of(args[2], now, &ts) < 0) {
+        Py_RETURN_NONE;
+    }
+    const unsigned char *pre;
+    uint64_t counter;
+    if (next_uid(seq, now, &pre, &counter)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *frame = PyBytes_FromStringAndSize((const char *)s, size);
+    if (frame == NULL) {
+        seq->next--;
+        return NULL;
+    }
+    unsigned char *f = (unsigned char *)PyBytes_AS_STRING(frame);
+    put_u64(f + 56, (uint64_t)ts);
+    memcpy(f + UID_AT, pre, PRE_SIZE);
+    put_u64(f + UID_AT + PRE_SIZE, counter);
+    memcpy(f + p + 4, PyBytes_AS_STRING(pay), (size_t)PyBytes_GET_SIZE(pay));
+    if (out == NULL) {
+        return frame;
+    }
+    int rc = PyList_Append(out, frame);
+    Py_DECREF(frame);
+    if (rc < 0) {
+        seq->next--;
+        return NULL;
+    }
+    return PyLong_FromSsize_t(size);
+}
+
+PyDoc_STRVAR(pack_rows_doc,
+"pack_rows(key_partitions, keys, payloads, ts_producers, start, slots, outs, added, counts,\n"
+"          room, max_frame, seq, uid_prefix, uid_base) -> (stop, full)\n\n"
+"publish_many's loop: from row `start`, encode row i (key_partitions[i], keys[i],\n"
+"payloads[i], ts_producers[i] or now when ts_producers is None) into the chunk of\n"
+"slot j = slots[key_partition] (now: a clock reading taken every 32 rows). The uid is the next of seq, or with uid_prefix (12\n"
+"bytes) uid_prefix + (uid_base + i) as 8 little-endian bytes. Stops before a row the\n"
+"Python path must publish (a field that is not bytes, a ts_producer that is not None\n"
+"or an int64, a key_partition not in slots, a slot whose room is negative, a frame over\n"
+"max_frame, seq to roll), or after a row that brings slot j's chunk to room[j] bytes\n"
+"or more (then full = j, else -1). Then each slot's chunk (bytes: its frames one after\n"
+"the other), if any, is appended to the list outs[j], with its size in added[j] and\n"
+"its frame count in counts[j]. Returns the row it stopped at.");
+
+#define CHUNK_MIN 4096
+/* The clock is read once per CLOCK_ROWS rows: "now" for a row is a reading at most
+ * that many rows old (a few microseconds: rows are encoded at tens of millions a second). */
+#define CLOCK_ROWS 32
+#define CHUNK_FIRST_MAX (1 << 20)
+
+static PyObject *
+pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError, "pack_rows() takes 14 arguments");
+        return NULL;
+    }
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "pack_rows() before configure()");
+        return NULL;
+    }
+    PyObject *kps = args[0], *keys = args[1], *pays = args[2], *tss = args[3];
+    PyObject *slots = args[5], *outs = args[6], *added = args[7], *counts = args[8], *room = args[9];
+    PyObject *prefix = args[12];
+    if (!PyDict_CheckExact(slots) || !PyList_CheckExact(outs) || !PyList_CheckExact(added)
+        || !PyList_CheckExact(counts) || !PyList_CheckExact(room)
+        || PyList_GET_SIZE(added) != PyList_GET_SIZE(outs) || PyList_GET_SIZE(counts) != PyList_GET_SIZE(outs)
+        || PyList_GET_SIZE(room) != PyList_GET_SIZE(outs) || !PyObject_TypeCheck(args[11], &SequenceType)
+        || (prefix != Py_None && (!PyBytes_CheckExact(prefix) || PyBytes_GET_SIZE(prefix) != PRE_SIZE))) {
+        PyErr_SetString(PyExc_TypeError, "pack_rows: bad arguments (see its docstring)");
+        return NULL;
+    }
+    Sequence *seq = (Sequence *)args[11];
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    long long max_frame = PyLong_AsLongLong(args[10]);
+    unsigned long long uid_base = prefix == Py_None ? 0 : PyLong_AsUnsignedLongLong(args[13]);
+    Py_ssize_t n = PySequence_Size(kps);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n_slots = PyList_GET_SIZE(outs);
+    /* Per slot: its chunk (bytes, grown as needed, cut to size at the end), the bytes
+     * used, the capacity, the frames in it, and the room left before a batch is full. */
+    typedef struct {
+        PyObject *chunk;
+        Py_ssize_t used, cap, frames, room;
+    } Slot;
+    Slot stack_slots[16];
+    Slot *sl = stack_slots;
+    if (n_slots > 16) {
+        sl = PyMem_Malloc(sizeof(Slot) * (size_t)n_slots);
+        if (sl == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    for (Py_ssize_t j = 0; j < n_slots; j++) {
+        sl[j].chunk = NULL;
+        sl[j].used = sl[j].cap = sl[j].frames = 0;
+        sl[j].room = PyLong_AsSsize_t(PyList_GET_ITEM(room, j));
+        if (!PyList_CheckExact(PyList_GET_ITEM(outs, j))) {
+            PyErr_SetString(PyExc_TypeError, "pack_rows: outs must hold lists");
+        }
+    }
+    if (PyErr_Occurred()) {
+        goto error;
+    }
+    int fast_cols = (PyList_CheckExact(kps) || PyTuple_CheckExact(kps))
+                    && (PyList_CheckExact(keys) || PyTuple_CheckExact(keys))
+                    && (PyList_CheckExact(pays) || PyTuple_CheckExact(pays))
+                    && (tss == Py_None || PyList_CheckExact(tss) || PyTuple_CheckExact(tss));
+    Py_ssize_t i = start, full = -1;
+    int64_t now = 0;
+    for (; i < n; i++) {
+        PyObject *kp, *key, *pay, *t = Py_None;
+        if (fast_cols) {
+            if (i >= PySequence_Fast_GET_SIZE(kps) || i >= PySequence_Fast_GET_SIZE(keys)
+                || i >= PySequence_Fast_GET_SIZE(pays)
+                || (tss != Py_None && i >= PySequence_Fast_GET_SIZE(tss))) {
+                break; /* columns of unequal length: the Python path raises */
+            }
+            kp = Py_NewRef(PySequence_Fast_GET_ITEM(kps, i));
+            key = Py_NewRef(PySequence_Fast_GET_ITEM(keys, i));
+            pay = Py_NewRef(PySequence_Fast_GET_ITEM(pays, i));
+            if (tss != Py_None) {
+                t = PySequence_Fast_GET_ITEM(tss, i);
+            }
+            Py_INCREF(t);
+        } else {
+            kp = PySequence_GetItem(kps, i);
+            key = kp == NULL ? NULL : PySequence_GetItem(keys, i);
+            pay = key == NULL ? NULL : PySequence_GetItem(pays, i);
+            t = pay == NULL ? NULL : (tss == Py_None ? Py_NewRef(Py_None) : PySequence_GetItem(tss, i));
+            if (t == NULL) {
+                Py_XDECREF(kp);
+                Py_XDECREF(key);
+                Py_XDECREF(pay);
+                PyErr_Clear(); /* the Python path reads the row again and raises */
+                break;
+            }
+        }
+        int stop = 1;
+        Py_ssize_t j = -1;
+        if (PyBytes_CheckExact(kp) && PyBytes_CheckExact(key) && PyBytes_CheckExact(pay)) {
+            PyObject *slot = PyDict_GetItemWithError(slots, kp); /* bytes keys: cannot raise */
+            j = slot == NULL || !PyLong_CheckExact(slot) ? -1 : PyLong_AsSsize_t(slot);
+            if (j == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+            }
+            Py_ssize_t kp_len = PyBytes_GET_SIZE(kp), key_len = PyBytes_GET_SIZE(key);
+            Py_ssize_t pay_len = PyBytes_GET_SIZE(pay);
+            Py_ssize_t size = frame_size(kp_len, key_len, pay_len);
+            if ((i - start) % CLOCK_ROWS == 0) {
+                now = now_ns();
+            }
+            int64_t ts;
+            const unsigned char *pre = NULL;
+            uint64_t counter = 0;
+            if (j >= 0 && j < n_slots && sl[j].room >= 0 && size - 4 <= max_frame && ts_of(t, now, &ts) == 0) {
+                if (prefix != Py_None) {
+                    pre = (const unsigned char *)PyBytes_AS_STRING(prefix);
+                    counter = (uint64_t)uid_base + (uint64_t)i;
+                    stop = counter < (uint64_t)uid_base; /* wrapped: the Python path raises */
+                } else {
+                    stop = next_uid(seq, now, &pre, &counter);
+                }
+            }
+            if (!stop) {
+                Slot *s = &sl[j];
+                if (s->used + size > s->cap) {
+                    Py_ssize_t cap = s->cap * 2;
+                    if (cap == 0) {
+                        cap = s->room + size < CHUNK_FIRST_MAX ? s->room + size : CHUNK_FIRST_MAX;
+                    }
+                    if (cap < s->used + size) {
+                        cap = s->used + size;
+                    }
+                    if (cap < CHUNK_MIN) {
+                        cap = CHUNK_MIN;
+                    }
+                    if (s->chunk == NULL) {
+                        s->chunk = PyBytes_FromStringAndSize(NULL, cap);
+                    } else if (_PyBytes_Resize(&s->chunk, cap) < 0) {
+                        s->chunk = NULL; /* freed by _PyBytes_Resize */
+                        s->used = s->frames = 0;
+                    }
+                    if (s->chunk == NULL) {
+                        if (prefix == Py_None) {
+                            seq->next--;
+                        }
+                        Py_DECREF(kp);
+                        Py_DECREF(key);
+                        Py_DECREF(pay);
+                        Py_DECREF(t);
+                        goto error;
+                    }
+                    s->cap = cap;
+                }
+                write_frame((unsigned char *)PyBytes_AS_STRING(s->chunk) + s->used, size, PyBytes_AS_STRING(kp),
+                            kp_len, PyBytes_AS_STRING(key), key_len, PyBytes_AS_STRING(pay), pay_len, ts, pre,
+                            counter);
+                s->used += size;
+                s->frames++;
+            }
+        }
+        Py_DECREF(kp);
+        Py_DECREF(key);
+        Py_DECREF(pay);
+        Py_DECREF(t);
+        if (stop) {
+            break;
+        }
+        if (sl[j].used >= sl[j].room) {
+            full = j;
+            i++;
+            break;
+        }
+    }
+    for (Py_ssize_t j = 0; j < n_slots; j++) {
+        Slot *s = &sl[j];
+        if (s->chunk == NULL) {
+            continue;
+        }
+        if (s->used < s->cap && _PyBytes_Resize(&s->chunk, s->used) < 0) {
+            s->chunk = NULL;
+            goto error;
+        }
+        PyObject *size = PyLong_FromSsize_t(s->used), *frames = PyLong_FromSsize_t(s->frames);
+        if (size == NULL || frames == NULL || PyList_Append(PyList_GET_ITEM(outs, j), s->chunk) < 0) {
+            Py_XDECREF(size);
+            Py_XDECREF(frames);
+            goto error;
+        }
+        Py_CLEAR(s->chunk);
+        PyList_SetItem(added, j, size);
+        PyList_SetItem(counts, j, frames);
+    }
+    if (sl != stack_slots) {
+        PyMem_Free(sl);
+    }
+    return Py_BuildValue("(nn)", i, full);
+error:
+    for (Py_ssize_t j = 0; j < n_slots; j++) {
+        Py_XDECREF(sl[j].chunk);
+    }
+    if (sl != stack_slots) {
+        PyMem_Free(sl);
+    }
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", (PyCFunction)configure, METH_VARARGS,
+     "configure(header_uid): the canonical layout's fixed header (with a uid)"},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, encode_doc},
+    {"stamp", (PyCFunction)(void (*)(void))stamp, METH_FASTCALL, stamp_doc},
+    {"pack_rows", (PyCFunction)(void (*)(void))pack_rows, METH_FASTCALL, pack_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "broky.client._pubpack",
+    "The compiled twin of the SDK's publish encoding (see broky/client/_pubpack.c).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__pubpack(void)
+{
+    if (PyType_Ready(&SequenceType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "VERSION", PUBPACK_VERSION) < 0
+        || PyModule_AddObjectRef(m, "Sequence", (PyObject *)&SequenceType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,31 @@
+from collections.abc import Sequence as Columns
+from typing import Any
+
+VERSION: int
+
+class Sequence:
+    start: int
+    until: int
+    next: int
+    pre: bytes
+
+def configure(header_uid: bytes, /) -> None: ...
+def encode(key_partition: bytes, key: bytes, payload: bytes, ts_producer: int, uid: bytes, /) -> bytes: ...
+def stamp(sample: bytes, payload: Any, ts_producer: Any, seq: Sequence, out: list[bytes] = ..., /) -> Any: ...
+def pack_rows(
+    key_partitions: Columns[Any],
+    keys: Columns[Any],
+    payloads: Columns[Any],
+    ts_producers: Columns[Any] | None,
+    start: int,
+    slots: dict[Any, int],
+    outs: list[list[bytes]],
+    added: list[int],
+    counts: list[int],
+    room: list[int],
+    max_frame: int,
+    seq: Sequence,
+    uid_prefix: bytes | None,
+    uid_base: int,
+    /,
+) -> tuple[int, int]: ...

@@ -1,0 +1,227 @@
+"""The compiled twin of the SDK's publish encoding (broky.client._pubpack) is held to
+the pure-Python reference: the same bytes as encode_message and the encoder's
+templates, the same uids from the same sequence, and it leaves to the Python path
+exactly the rows that path must take. Also: publishing through a real server
+with the twin turned off (BROKY_PURE_PYTHON=1) still passes the SDK's tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broky.client import pubpack
+from broky.client.encoder import PublishEncoder
+from broky.client.link import frames_in, publishes_in
+from broky.protocol import decode_message, encode_message
+from broky.protocol.ksuid import KsuidSequence
+from broky.protocol.message import message_size
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(pubpack.compiled is None, reason=f"publish twin: {pubpack.description}")
+small = st.binary(max_size=40)
+int64 = st.integers(-(2**63), 2**63 - 1)
+
+
+def _rolled() -> KsuidSequence:
+    seq = pubpack.new_sequence()
+    seq.roll(time.time_ns())
+    return seq
+
+
+def test_the_twin_is_built_and_used_in_ci() -> None:
+    # CI has a compiler: the twin must be there (a silent fallback would hide a broken build)
+    if os.environ.get("CI"):
+        assert pubpack.description == "compiled"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kp=small, key=small, payload=st.binary(max_size=600), ts=int64, uid=st.binary(min_size=20, max_size=20)
+)
+def test_encode_equals_encode_message(kp: bytes, key: bytes, payload: bytes, ts: int, uid: bytes) -> None:
+    assert pubpack.compiled.encode(kp, key, payload, ts, uid) == encode_message(kp, key, payload, ts, 0, uid)
+
+
+def test_encode_refuses_what_encode_message_refuses() -> None:
+    c = pubpack.compiled
+    with pytest.raises(TypeError):
+        c.encode("kp", b"k", b"v", 0, bytes(20))
+    with pytest.raises(TypeError):
+        c.encode(b"kp", b"k", b"v", 0, bytes(19))
+    with pytest.raises(OverflowError):
+        c.encode(b"kp", b"k", b"v", 2**63, bytes(20))
+
+
+@settings(max_examples=300, deadline=None)
+@given(kp=small, key=small, payload=st.binary(max_size=600), ts=st.one_of(st.none(), int64))
+def test_stamp_equals_the_template_and_advances_the_sequence(
+    kp: bytes, key: bytes, payload: bytes, ts: int | None
+) -> None:
+    encoder = PublishEncoder(1 << 20)
+    seq = encoder.uids = _rolled()
+    pack, head, mid, block, _ = encoder.template(kp, key, len(payload))
+    sample = pack(head, 0, mid, bytes(12), 0, block, bytes(len(payload)))
+    n = seq.next
+    before = time.time_ns()
+    frame = pubpack.compiled.stamp(sample, payload, ts, seq)
+    assert seq.next == n + 1
+    msg = decode_message(frame)
+    assert msg.uid == seq.pre + n.to_bytes(8, "little")
+    if ts is None:
+        assert before <= msg.ts_producer <= time.time_ns()
+    else:
+        assert msg.ts_producer == ts
+    assert frame == encode_message(kp, key, payload, msg.ts_producer, 0, msg.uid)
+    assert frame == pack(head, msg.ts_producer, mid, seq.pre, n, block, payload)
+    out: list[bytes] = [b"before"]
+    assert pubpack.compiled.stamp(sample, payload, 5, seq, out) == len(frame)
+    assert out[0] == b"before" and decode_message(out[1]).uid == seq.pre + (n + 1).to_bytes(8, "little")
+
+
+def test_stamp_leaves_to_the_python_path_what_it_must_take() -> None:
+    c = pubpack.compiled
+    seq = pubpack.new_sequence()  # never rolled
+    sample = encode_message(b"p", b"k", bytes(3), 0, 0, bytes(20))
+    assert c.stamp(sample, b"abc", None, seq) is None  # the sequence must roll first
+    seq.roll(time.time_ns())
+    n = seq.next
+    assert c.stamp(sample, b"abcd", None, seq) is None  # another payload length
+    assert c.stamp(sample, bytearray(b"abc"), None, seq) is None  # not bytes
+    assert c.stamp(sample, b"abc", 2**63, seq) is None  # ts_producer out of range
+    assert c.stamp(sample, b"abc", "1", seq) is None
+    seq.start, seq.until = seq.until, seq.until + 1  # a new second: the Python path rolls
+    assert c.stamp(sample, b"abc", None, seq) is None
+    assert seq.next == n  # nothing was taken
+    with pytest.raises(ValueError):
+        c.stamp(encode_message(b"p", b"k", b"abc", 0, 0, None), b"abc", None, seq)  # no uid
+    with pytest.raises(TypeError):
+        c.stamp(sample, b"abc", None, KsuidSequence())
+
+
+def test_sequence_state_in_c_behaves_as_ksuid_sequence() -> None:
+    seq = pubpack.new_sequence()
+    now = time.time_ns()
+    uids = [seq.new(now) for _ in range(1000)]
+    assert len(set(uids)) == 1000 and all(u[:12] == uids[0][:12] for u in uids)
+    later = seq.new(now + 1_000_000_000)
+    assert later[4:12] != uids[0][4:12]
+    with pytest.raises(TypeError):
+        seq.pre = b"short"
+
+
+# One row: key_partition, key, payload, ts_producer; kinds the compiled loop must leave
+# to the Python path are mixed in (str fields, an unknown key_partition, a big payload).
+KNOWN = [b"a", b"bb", b"tenant-7"]
+rows_strategy = st.lists(
+    st.tuples(
+        st.one_of(st.sampled_from(KNOWN), st.sampled_from([b"unknown", "a"])),
+        st.one_of(small, st.just("str-key")),
+        st.one_of(st.binary(max_size=80), st.just(b"x" * 500), st.just(bytearray(b"ba"))),
+        st.one_of(st.none(), int64, st.just(2**63)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=rows_strategy,
+    room=st.lists(st.integers(-1, 2000), min_size=2, max_size=2),
+    given_uids=st.booleans(),
+    ts_column=st.booleans(),
+)
+def test_pack_rows_encodes_rows_as_the_reference_and_stops_where_python_must(
+    rows: list[tuple[object, object, object, object]], room: list[int], given_uids: bool, ts_column: bool
+) -> None:
+    c = pubpack.compiled
+    seq = _rolled()
+    max_frame = 400
+    kps, keys, payloads = ([r[i] for r in rows] for i in range(3))
+    tss = [r[3] for r in rows] if ts_column else None
+    slots = {b"a": 0, b"bb": 1, b"tenant-7": 1}
+    outs: list[list[bytes]] = [[], []]
+    added, counts = [0, 0], [0, 0]
+    prefix = bytes(range(12)) if given_uids else None
+    base = 5 << 40
+    n0 = seq.next
+    before = time.time_ns()
+    stop, full = c.pack_rows(kps, keys, payloads, tss, 0, slots, outs, added, counts, room, max_frame,
+                             seq, prefix, base)  # fmt: skip
+    after = time.time_ns()
+    # Every row before `stop` went into its slot's chunk, in order, as the reference encodes it.
+    expected: list[list[bytes]] = [[], []]
+    for i in range(stop):
+        kp, key, payload, _ = rows[i]
+        j = slots[kp]  # type: ignore[index]
+        got = publishes_in(outs[j][0])[len(expected[j])] if outs[j] else None
+        assert got is not None
+        msg = decode_message(got)
+        uid = (
+            prefix + (base + i).to_bytes(8, "little") if prefix else seq.pre + (n0 + i).to_bytes(8, "little")
+        )
+        t = None if tss is None else tss[i]
+        assert msg.uid == uid
+        if t is None:
+            assert before <= msg.ts_producer <= after  # a reading of this call (every 32 rows)
+        else:
+            assert msg.ts_producer == t
+        assert got == encode_message(kp, key, payload, msg.ts_producer, 0, uid)  # type: ignore[arg-type]
+        expected[j].append(got)
+    for j in (0, 1):
+        assert frames_in(outs[j]) == expected[j]
+        assert len(outs[j]) == (1 if expected[j] else 0)  # one chunk per slot
+        assert added[j] == sum(len(f) for f in expected[j]) and counts[j] == len(expected[j])
+    if prefix is None:
+        assert seq.next == n0 + stop
+    # Where it stopped: a full slot, the end, or a row the Python path must take.
+    if full >= 0:
+        assert stop >= 1 and added[full] >= room[full]
+        assert slots[rows[stop - 1][0]] == full
+    elif stop < len(rows):
+        kp, key, payload, t = rows[stop]
+        t = t if ts_column else None
+        must = (
+            not all(x.__class__ is bytes for x in (kp, key, payload))
+            or kp not in slots
+            or room[slots[kp]] < 0
+            or message_size(len(kp), len(key), len(payload)) - 4 > max_frame
+            or (t is not None and not -(2**63) <= t < 2**63)
+        )
+        assert must, rows[stop]
+
+
+def test_pack_rows_takes_any_sequence_and_starts_where_told() -> None:
+    c = pubpack.compiled
+    seq = _rolled()
+    kps = (b"a", b"a", b"a")
+    outs: list[list[bytes]] = [[]]
+    stop, full = c.pack_rows(kps, range(3), [b"1", b"2", b"3"], None, 1, {b"a": 0}, outs, [0], [0], [10**6],
+                             1000, seq, None, 0)  # fmt: skip
+    assert (stop, full) == (1, -1) and outs == [[]]  # keys are ints: row 1 goes to the Python path
+    keys = type("Keys", (), {"__getitem__": lambda self, i: b"k%d" % i, "__len__": lambda self: 3})()
+    stop, full = c.pack_rows(kps, keys, [b"1", b"2", b"3"], None, 1, {b"a": 0}, outs, [0], [0], [10**6],
+                             1000, seq, None, 0)  # fmt: skip
+    assert (stop, full) == (3, -1)
+    assert [decode_message(f).key for f in frames_in(outs[0])] == [b"k1", b"k2"]
+
+
+def test_the_sdk_tests_pass_on_the_pure_python_path() -> None:
+    # The reference path stays working: the publish tests again, in a process with
+    # the twin turned off (as a machine without a C compiler runs them).
+    env = {**os.environ, "BROKY_PURE_PYTHON": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/test_client_fastpath.py", "tests/test_client.py", "-k", "publish or fast or rows",
+         "--timeout", "240"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout
