@@ -225,3 +225,31 @@ def test_the_sdk_tests_pass_on_the_pure_python_path() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout
+
+
+def test_a_chunk_of_publishes_is_counted_as_its_publishes_when_a_link_retires_or_gives_up() -> None:
+    # publish_many packs one chunk per Link; what is not written yet is still counted
+    # per publish: handed over when the Link retires, counted as dropped if it gives up.
+    import asyncio
+
+    from tests.test_client_fastpath import _client
+
+    async def main() -> None:
+        client, link = _client()
+        n = 10
+        await client.publish(b"p", b"k", b"first")  # the general path: a frame of its own
+        await client.publish_many([b"p"] * n, [b"k"] * n, [b"v%d" % i for i in range(n)])
+        assert len(link.out) < n + 1 and len(link.out) + link.out_extra == n + 1
+        assert [decode_message(f).payload for f in frames_in(link.out)] == [b"first"] + [
+            b"v%d" % i for i in range(n)
+        ]
+        link.proto = None  # its connection is gone: its node left the map
+        frames, _, _ = link.retire()
+        assert len(frames) == n + 1 and link.out_extra == 0
+        client2, link2 = _client()
+        await client2.publish_many([b"p"] * n, [b"k"] * n, [b"v"] * n)
+        link2.proto = None
+        link2._give_up(1, None)
+        assert client2.stats.unsent_gave_up == n and link2.out_extra == 0
+
+    asyncio.run(main())
