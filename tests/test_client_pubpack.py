@@ -106,6 +106,104 @@ def test_stamp_leaves_to_the_python_path_what_it_must_take() -> None:
         c.stamp(sample, b"abc", None, KsuidSequence())
 
 
+class _Link(pubpack.compiled.LinkState if pubpack.compiled is not None else object):  # type: ignore[misc]
+    """The part of broky.client.link.Link that FastPath touches: its state and schedule_flush."""
+
+    def __init__(self, up: bool) -> None:
+        self.proto = object() if up else None
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.flush_handle: object = None
+        self.scheduled = 0
+
+    def schedule_flush(self) -> None:
+        self.scheduled += 1
+        self.flush_handle = object()
+
+
+# One publish: key_partition (one the cache lacks too), payload length (one it lacks too),
+# a payload that is not bytes now and then, ts_producer (one out of range too).
+publish_strategy = st.lists(
+    st.tuples(
+        st.sampled_from([b"up", b"down", b"unknown", "up", ["unhashable"]]),
+        st.sampled_from([3, 7, 9]),
+        st.booleans(),
+        st.one_of(st.none(), int64, st.just(2**63), st.just("1")),
+        st.booleans(),  # the Link's scheduled write fires (flush_handle back to None)
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(publishes=publish_strategy, batch_size=st.integers(1, 3000))
+def test_fast_path_publishes_what_stamp_makes_and_leaves_the_rest(
+    publishes: list[tuple[object, int, bool, object, bool]], batch_size: int
+) -> None:
+    # FastPath.publish against a model of publish's fast path in Python: the
+    # same frame as stamp (the reference's bytes, the next uid), counted in
+    # out_bytes, a write scheduled once per batch, the Link returned at
+    # batch_size; False, with nothing changed, wherever the Python path must go.
+    encoder = PublishEncoder(1 << 20)
+    seq = encoder.uids = _rolled()
+    links = {b"up": _Link(up=True), b"down": _Link(up=False)}
+    fast: dict[object, dict[object, dict[int, tuple[bytes, _Link]]]] = {}
+    for cached_kp, cached_link in links.items():
+        for length in (3, 7):  # 9 is never cached
+            pack, head, mid, block, _ = encoder.template(cached_kp, b"k", length)
+            sample = pack(head, 0, mid, bytes(12), 0, block, bytes(length))
+            fast.setdefault(cached_kp, {}).setdefault(b"k", {})[length] = (sample, cached_link)
+    path = pubpack.compiled.FastPath(fast, seq, batch_size)
+    for kp, length, as_bytes, ts, fired in publishes:
+        payload: object = bytes(range(length)) if as_bytes else bytearray(length)
+        link = links.get(kp) if isinstance(kp, bytes) else None
+        before = [(lk.out[:], lk.out_bytes, lk.scheduled) for lk in links.values()]
+        handle_was_none = links[b"up"].flush_handle is None
+        n = seq.next
+        t0 = time.time_ns()
+        result = path.publish(kp, b"k", payload, ts)
+        takes = (
+            link is not None
+            and link.proto is not None
+            and length != 9
+            and as_bytes
+            and (ts is None or (isinstance(ts, int) and -(2**63) <= ts < 2**63))
+            and seq.start <= t0
+            and time.time_ns() < seq.until
+        )
+        if not takes:
+            if result is False and seq.next == n:
+                assert [(lk.out, lk.out_bytes, lk.scheduled) for lk in links.values()] == before
+                continue
+            # the only case the model cannot foresee: the clock passed a second boundary
+            assert result is False and time.time_ns() >= seq.until
+            seq.roll(time.time_ns())
+            continue
+        assert link is links[b"up"]
+        frame = link.out[-1]
+        assert seq.next == n + 1 and link.out[:-1] == before[0][0]
+        msg = decode_message(frame)
+        assert msg.uid == seq.pre + n.to_bytes(8, "little")
+        assert frame == encode_message(kp, b"k", payload, msg.ts_producer, 0, msg.uid)  # type: ignore[arg-type]
+        if ts is not None:
+            assert msg.ts_producer == ts
+        old_bytes, old_scheduled = before[0][1], before[0][2]
+        assert link.out_bytes == old_bytes + len(frame)
+        if link.out_bytes >= batch_size:
+            assert result is link and link.scheduled == old_scheduled  # the caller writes it now
+            link.out.clear()
+            link.out_bytes = 0
+            link.flush_handle = None
+        else:
+            assert result is None
+            assert link.scheduled == old_scheduled + (1 if handle_was_none else 0)
+            assert link.flush_handle is not None
+        if fired:  # the loop ran the scheduled write
+            link.out.clear()
+            link.out_bytes = 0
+            link.flush_handle = None
+
+
 def test_sequence_state_in_c_behaves_as_ksuid_sequence() -> None:
     seq = pubpack.new_sequence()
     now = time.time_ns()

@@ -30,7 +30,7 @@
 #include <string.h>
 #include <time.h>
 
-#define PUBPACK_VERSION 1
+#define PUBPACK_VERSION 2
 #define HEADER_SIZE 52  /* fixed bytes f+4 .. f+56 */
 #define UID_AT 80       /* the uid's 20 bytes, after ts_producer, ts_broker and two offsets */
 #define KP_AT 100       /* key_partition's length, then its bytes */
@@ -309,6 +309,45 @@ PyDoc_STRVAR(stamp_doc,
 "None, with seq untouched, when the Python path must publish it: payload not bytes\n"
 "of the sample's length, ts_producer not an int64, or seq must roll first.");
 
+/* stamp's work: *frame = a new frame from sample (see stamp_doc). 1 when made, 0 when the
+ * Python path must publish it (seq untouched), -1 on an error (set). */
+static int
+stamp_frame(PyObject *sample, PyObject *pay, PyObject *ts_producer, Sequence *seq, PyObject **frame)
+{
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(sample);
+    Py_ssize_t size = PyBytes_GET_SIZE(sample);
+    if (size < KP_AT + 12 || memcmp(s + 4, header_uid, HEADER_SIZE) != 0) {
+        PyErr_SetString(PyExc_ValueError, "stamp: the sample is not a canonical frame with a uid");
+        return -1;
+    }
+    Py_ssize_t p = 76 + (Py_ssize_t)u32_at(s + 76); /* payload's length */
+    if (p + 4 > size || !PyBytes_CheckExact(pay) || (Py_ssize_t)u32_at(s + p) != PyBytes_GET_SIZE(pay)
+        || p + 4 + PyBytes_GET_SIZE(pay) > size) {
+        return 0;
+    }
+    int64_t now = now_ns(), ts;
+    if (ts_of(ts_producer, now, &ts) < 0) {
+        return 0;
+    }
+    const unsigned char *pre;
+    uint64_t counter;
+    if (next_uid(seq, now, &pre, &counter)) {
+        return 0;
+    }
+    PyObject *f = PyBytes_FromStringAndSize((const char *)s, size);
+    if (f == NULL) {
+        seq->next--;
+        return -1;
+    }
+    unsigned char *b = (unsigned char *)PyBytes_AS_STRING(f);
+    put_u64(b + 56, (uint64_t)ts);
+    memcpy(b + UID_AT, pre, PRE_SIZE);
+    put_u64(b + UID_AT + PRE_SIZE, counter);
+    memcpy(b + p + 4, PyBytes_AS_STRING(pay), (size_t)PyBytes_GET_SIZE(pay));
+    *frame = f;
+    return 1;
+}
+
 static PyObject *
 stamp(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -323,39 +362,15 @@ stamp(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Sequence *seq = (Sequence *)args[3];
-    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(sample);
-    Py_ssize_t size = PyBytes_GET_SIZE(sample);
-    if (size < KP_AT + 12 || memcmp(s + 4, header_uid, HEADER_SIZE) != 0) {
-        PyErr_SetString(PyExc_ValueError, "stamp: the sample is not a canonical frame with a uid");
-        return NULL;
+    PyObject *frame;
+    int made = stamp_frame(sample, pay, args[2], seq, &frame);
+    if (made <= 0) {
+        return made < 0 ? NULL : Py_NewRef(Py_None);
     }
-    Py_ssize_t p = 76 + (Py_ssize_t)u32_at(s + 76); /* payload's length */
-    if (p + 4 > size || !PyBytes_CheckExact(pay) || (Py_ssize_t)u32_at(s + p) != PyBytes_GET_SIZE(pay)
-        || p + 4 + PyBytes_GET_SIZE(pay) > size) {
-        Py_RETURN_NONE;
-    }
-    int64_t now = now_ns(), ts;
-    if (ts_of(args[2], now, &ts) < 0) {
-        Py_RETURN_NONE;
-    }
-    const unsigned char *pre;
-    uint64_t counter;
-    if (next_uid(seq, now, &pre, &counter)) {
-        Py_RETURN_NONE;
-    }
-    PyObject *frame = PyBytes_FromStringAndSize((const char *)s, size);
-    if (frame == NULL) {
-        seq->next--;
-        return NULL;
-    }
-    unsigned char *f = (unsigned char *)PyBytes_AS_STRING(frame);
-    put_u64(f + 56, (uint64_t)ts);
-    memcpy(f + UID_AT, pre, PRE_SIZE);
-    put_u64(f + UID_AT + PRE_SIZE, counter);
-    memcpy(f + p + 4, PyBytes_AS_STRING(pay), (size_t)PyBytes_GET_SIZE(pay));
     if (out == NULL) {
         return frame;
     }
+    Py_ssize_t size = PyBytes_GET_SIZE(frame);
     int rc = PyList_Append(out, frame);
     Py_DECREF(frame);
     if (rc < 0) {
@@ -585,6 +600,254 @@ error:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ LinkState */
+
+/* The state of a Link (broky.client.link) that publish's fast path reads and writes,
+ * held in C so FastPath reaches it without attribute lookups: Link subclasses this
+ * type when the twin is built. Python code sees plain attributes. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *proto;        /* the connection's protocol, or None while down */
+    PyObject *out;          /* list: frames to write */
+    PyObject *out_bytes;    /* int: their size */
+    PyObject *flush_handle; /* the scheduled write, or None */
+} LinkState;
+
+static int
+LinkState_traverse(LinkState *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->proto);
+    Py_VISIT(self->out);
+    Py_VISIT(self->out_bytes);
+    Py_VISIT(self->flush_handle);
+    return 0;
+}
+
+static int
+LinkState_clear(LinkState *self)
+{
+    Py_CLEAR(self->proto);
+    Py_CLEAR(self->out);
+    Py_CLEAR(self->out_bytes);
+    Py_CLEAR(self->flush_handle);
+    return 0;
+}
+
+static void
+LinkState_dealloc(LinkState *self)
+{
+    PyObject_GC_UnTrack(self);
+    LinkState_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+LinkState_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    LinkState *self = (LinkState *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->proto = Py_NewRef(Py_None);
+    self->out = PyList_New(0);
+    self->out_bytes = PyLong_FromLong(0);
+    self->flush_handle = Py_NewRef(Py_None);
+    if (self->out == NULL || self->out_bytes == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static PyMemberDef LinkState_members[] = {
+    {"proto", T_OBJECT_EX, offsetof(LinkState, proto), 0, "the connection's protocol, or None while down"},
+    {"out", T_OBJECT_EX, offsetof(LinkState, out), 0, "frames to write"},
+    {"out_bytes", T_OBJECT_EX, offsetof(LinkState, out_bytes), 0, "their size"},
+    {"flush_handle", T_OBJECT_EX, offsetof(LinkState, flush_handle), 0, "the scheduled write, or None"},
+    {NULL},
+};
+
+static PyTypeObject LinkStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "broky.client._pubpack.LinkState",
+    .tp_doc = PyDoc_STR("The part of a Link's state publish's fast path uses (see FastPath)."),
+    .tp_basicsize = sizeof(LinkState),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = LinkState_new,
+    .tp_traverse = (traverseproc)LinkState_traverse,
+    .tp_clear = (inquiry)LinkState_clear,
+    .tp_dealloc = (destructor)LinkState_dealloc,
+    .tp_members = LinkState_members,
+};
+
+/* ------------------------------------------------------------------ FastPath */
+
+/* publish's whole fast path (broky.client.publisher): the cache lookup, stamp, and
+ * the Link's bookkeeping (Link.send's steps for a Link that is up). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fast;       /* dict: key_partition -> key -> payload length -> (sample, Link) */
+    Sequence *seq;
+    Py_ssize_t batch_size;
+} FastPath;
+
+static PyObject *str_schedule_flush;
+
+static int
+FastPath_traverse(FastPath *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fast);
+    Py_VISIT(self->seq);
+    return 0;
+}
+
+static int
+FastPath_clear(FastPath *self)
+{
+    Py_CLEAR(self->fast);
+    Py_CLEAR(self->seq);
+    return 0;
+}
+
+static void
+FastPath_dealloc(FastPath *self)
+{
+    PyObject_GC_UnTrack(self);
+    FastPath_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *fast, *seq;
+    Py_ssize_t batch_size;
+    if (!PyArg_ParseTuple(args, "O!O!n:FastPath", &PyDict_Type, &fast, &SequenceType, &seq, &batch_size)) {
+        return -1;
+    }
+    Py_XSETREF(self->fast, Py_NewRef(fast));
+    Py_XSETREF(self->seq, (Sequence *)Py_NewRef(seq));
+    self->batch_size = batch_size;
+    return 0;
+}
+
+/* d[key] (borrowed), NULL when missing or d is not a dict (no error set), or on an error. */
+static inline PyObject *
+lookup(PyObject *d, PyObject *key)
+{
+    if (d == NULL || !PyDict_CheckExact(d)) {
+        return NULL;
+    }
+    return PyDict_GetItemWithError(d, key);
+}
+
+PyDoc_STRVAR(FastPath_publish_doc,
+"publish(key_partition, key, payload, ts_producer) -> None | False | Link\n\n"
+"publish's fast path for a new KSUID: the cache entry (sample, link) of\n"
+"fast[key_partition][key][len(payload)]; the frame stamped from the sample (see stamp)\n"
+"and appended to link.out, link.out_bytes counted, and the Link's flush scheduled\n"
+"when none is (link.schedule_flush()). Returns None when published, the Link when\n"
+"published and its out_bytes reached batch_size (the caller writes the batch), False\n"
+"when nothing was done and the Python path must publish it: no cache entry, the Link\n"
+"down (link.proto None), or what makes stamp return None.");
+
+static PyObject *
+FastPath_publish(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "publish() takes 4 arguments");
+        return NULL;
+    }
+    PyObject *pay = args[2];
+    if (!PyBytes_CheckExact(pay)) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *by_key = lookup(self->fast, args[0]);
+    PyObject *by_len = lookup(by_key, args[1]);
+    if (by_len == NULL || !PyDict_CheckExact(by_len)) {
+        goto python_path;
+    }
+    PyObject *len = PyLong_FromSsize_t(PyBytes_GET_SIZE(pay));
+    if (len == NULL) {
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(by_len, len);
+    Py_DECREF(len);
+    if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
+        || !PyBytes_CheckExact(PyTuple_GET_ITEM(entry, 0))) {
+        goto python_path;
+    }
+    PyObject *link = PyTuple_GET_ITEM(entry, 1);
+    if (!PyObject_TypeCheck(link, &LinkStateType)) {
+        goto python_path;
+    }
+    LinkState *ls = (LinkState *)link;
+    if (ls->proto == NULL || ls->proto == Py_None || ls->out == NULL || !PyList_CheckExact(ls->out)
+        || ls->out_bytes == NULL || !PyLong_CheckExact(ls->out_bytes)) {
+        Py_RETURN_FALSE; /* the Link is down (or odd): the Python path */
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(ls->out_bytes);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *frame;
+    int made = stamp_frame(PyTuple_GET_ITEM(entry, 0), pay, args[3], self->seq, &frame);
+    if (made <= 0) {
+        return made < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    n += PyBytes_GET_SIZE(frame);
+    PyObject *count = PyLong_FromSsize_t(n);
+    if (count == NULL || PyList_Append(ls->out, frame) < 0) {
+        Py_XDECREF(count);
+        Py_DECREF(frame);
+        self->seq->next--;
+        return NULL;
+    }
+    Py_DECREF(frame);
+    Py_SETREF(ls->out_bytes, count); /* published: the frame is in out, and counted */
+    if (n >= self->batch_size) {
+        return Py_NewRef(link);
+    }
+    if (ls->flush_handle == NULL || ls->flush_handle == Py_None) {
+        Py_INCREF(link);
+        PyObject *r = PyObject_CallMethodNoArgs(link, str_schedule_flush);
+        Py_DECREF(link);
+        if (r == NULL) {
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+python_path: /* (an unhashable field too: the Python path tells what is wrong) */
+    PyErr_Clear();
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef FastPath_methods[] = {
+    {"publish", (PyCFunction)(void (*)(void))FastPath_publish, METH_FASTCALL, FastPath_publish_doc},
+    {NULL},
+};
+
+static PyMemberDef FastPath_members[] = {
+    {"batch_size", T_PYSSIZET, offsetof(FastPath, batch_size), 0, "a Link's batch is written at this many bytes"},
+    {NULL},
+};
+
+static PyTypeObject FastPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "broky.client._pubpack.FastPath",
+    .tp_doc = PyDoc_STR("FastPath(fast, seq, batch_size): publish's fast path over a publisher's cache (see publish)."),
+    .tp_basicsize = sizeof(FastPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastPath_init,
+    .tp_traverse = (traverseproc)FastPath_traverse,
+    .tp_clear = (inquiry)FastPath_clear,
+    .tp_dealloc = (destructor)FastPath_dealloc,
+    .tp_methods = FastPath_methods,
+    .tp_members = FastPath_members,
+};
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(header_uid): the canonical layout's fixed header (with a uid)"},
@@ -602,7 +865,12 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__pubpack(void)
 {
-    if (PyType_Ready(&SequenceType) < 0) {
+    if (PyType_Ready(&SequenceType) < 0 || PyType_Ready(&FastPathType) < 0
+        || PyType_Ready(&LinkStateType) < 0) {
+        return NULL;
+    }
+    str_schedule_flush = PyUnicode_InternFromString("schedule_flush");
+    if (str_schedule_flush == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -610,7 +878,9 @@ PyInit__pubpack(void)
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "VERSION", PUBPACK_VERSION) < 0
-        || PyModule_AddObjectRef(m, "Sequence", (PyObject *)&SequenceType) < 0) {
+        || PyModule_AddObjectRef(m, "Sequence", (PyObject *)&SequenceType) < 0
+        || PyModule_AddObjectRef(m, "FastPath", (PyObject *)&FastPathType) < 0
+        || PyModule_AddObjectRef(m, "LinkState", (PyObject *)&LinkStateType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

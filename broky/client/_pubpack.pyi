@@ -9,6 +9,17 @@ class Sequence:
     next: int
     pre: bytes
 
+class LinkState:
+    proto: Any
+    out: list[bytes]
+    out_bytes: int
+    flush_handle: Any
+
+class FastPath:
+    batch_size: int
+    def __init__(self, fast: dict[Any, Any], seq: Sequence, batch_size: int, /) -> None: ...
+    def publish(self, key_partition: Any, key: Any, payload: Any, ts_producer: Any, /) -> Any: ...
+
 def configure(header_uid: bytes, /) -> None: ...
 def encode(key_partition: bytes, key: bytes, payload: bytes, ts_producer: int, uid: bytes, /) -> bytes: ...
 def stamp(sample: bytes, payload: Any, ts_producer: Any, seq: Sequence, out: list[bytes] = ..., /) -> Any: ...

@@ -66,8 +66,9 @@ import logging
 import random
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from broky.client import pubpack
 from broky.client.connection import WorkerProtocol, open_connection, server_error
 from broky.client.stats import ClientStats
 from broky.client.subscription import Subscription
@@ -220,7 +221,18 @@ class LinkOwner(Protocol):
         """Call a user callback (awaited in a task if it returns an awaitable)."""
 
 
-class Link:
+# With the compiled twin, a Link's proto, out, out_bytes and flush_handle are held in C,
+# where publish's fast path (pubpack's FastPath) reads and writes them.
+if TYPE_CHECKING:
+
+    class _LinkState:
+        pass
+
+else:
+    _LinkState = object if pubpack.compiled is None else pubpack.compiled.LinkState
+
+
+class Link(_LinkState):
     """The logical connection to one worker; survives reconnects.
 
     Delivery accounting (what `flush` can promise): `written` counts the

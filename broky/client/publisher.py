@@ -16,7 +16,11 @@ list. The fast path does it with one cache lookup per publish:
 key_partition -> key -> payload length -> (encoder template, Link), then
 the steps of `PublishEncoder.encode` and `Link.send`, inlined. The cache is
 dropped when the map or max_frame_bytes changes (`_forget_routes`), and
-cleared when it holds MAX_TEMPLATES entries. Anything else (a miss, str
+cleared when it holds MAX_TEMPLATES entries. With the compiled twin
+(broky.client.pubpack) those steps run in C, in one call
+(`FastPath.publish`): the lookup, the frame stamped from the cached sample
+frame, and the Link's bookkeeping on its state held in C (`LinkState`).
+Anything else (a miss, str
 fields, other field types, a uid neither True nor 20 bytes, a closed
 client, a pack error) takes the general path (`_publish`), which raises the
 errors and, once the encoder has a template for the shape (the second time
@@ -65,6 +69,7 @@ from broky.errors import BrokyError
 _time_ns = time.time_ns
 # The compiled twin's functions (broky.client.pubpack), or None: the pure-Python loops.
 _stamp = None if pubpack.compiled is None else pubpack.compiled.stamp
+_FastPath = None if pubpack.compiled is None else pubpack.compiled.FastPath
 _pack_rows = None if pubpack.compiled is None else pubpack.compiled.pack_rows
 MAX_SLOTS = 65536  # key_partitions the bulk path keeps the Link of (then it starts again)
 # The compiled bulk path writes at least this much per write: its rows are all at hand,
@@ -96,6 +101,10 @@ class Publisher:
         self._uids = self._encoder.uids = pubpack.new_sequence()
         self._fast: FastCache = {}
         self._fast_count = 0
+        # publish's fast path over _fast in C (the compiled twin), or None
+        self._fastpath: Any = (
+            None if _FastPath is None else _FastPath(self._fast, self._uids, self.batch_size)
+        )
         # The compiled bulk path's routes: key_partition -> index in _slot_links (its Link).
         self._slots: dict[bytes, int] = {}
         self._slot_links: list[Link] = []
@@ -234,45 +243,26 @@ class Publisher:
         ts_producer: int | None = None,
         uid: bool | bytes = True,
     ) -> None:
-        # `publish` with the compiled twin: the same steps, the frame made by
-        # pubpack's `stamp` from the cached sample frame (clock, uid and payload
-        # written in, and the frame appended to the Link's `out`, in C). None from
-        # `stamp` (odd types, a new second for the sequence) and a given uid take
-        # the general path, as in `publish`.
-        try:
-            sample, link = self._fast[key_partition][key][len(payload)]
-        except Exception:
-            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        if uid is not True or not self._open:
-            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        proto = link.proto
-        if proto is not None:
-            size = _stamp(sample, payload, ts_producer, self._uids, link.out)  # type: ignore[misc]
-            if size is None:
-                return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-            self.stats.published += 1
-            n = link.out_bytes = link.out_bytes + size
-            if n >= self.batch_size:
+        # `publish` with the compiled twin: pubpack's FastPath runs the fast path's
+        # steps in C (the cache lookup, the frame stamped from the cached sample
+        # frame, appended to the Link's `out` and counted, its flush scheduled).
+        # False from it (a miss, odd types, the Link down, a new second for the
+        # sequence) and a uid other than True take the general path, as in `publish`.
+        if uid is True and self._open:
+            link = self._fastpath.publish(key_partition, key, payload, ts_producer)
+            if link is None:
+                self.stats.published += 1
+                return
+            if link is not False:  # published, and its Link's batch is full: written now
+                self.stats.published += 1
+                proto = link.proto
                 link.flush_out()
                 if proto.write_paused:
                     await proto.drain()
                 else:
                     await asyncio.sleep(0)
-            elif link.flush_handle is None:
-                link.schedule_flush()
-            return
-        frame = _stamp(sample, payload, ts_producer, self._uids)  # type: ignore[misc]
-        if frame is None:
-            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-        # the Link is down: its reconnect buffer is bounded
-        if link.out_bytes + len(frame) > link.client.max_reconnect_buffer_bytes and not self._nowait:
-            await self._wait_up(link)  # then published below, or refused if still full
-        try:
-            link.send(frame)
-        except BrokyError:  # buffer full, or given up: not published, counted as refused
-            self.stats.refused += 1
-            raise
-        self.stats.published += 1
+                return
+        return await self._publish_general(key_partition, key, payload, ts_producer, uid)
 
     _publish_stamped.__doc__ = publish.__doc__
     _publish_pure = publish

@@ -6,8 +6,13 @@ of broky.protocol.ksuid. Its two loops have a compiled twin,
 `broky.client._pubpack` (a small C extension that `pip install` builds with
 the server's when a C compiler is there; see its header):
 
-- `stamp`, publish's per-call fast path: a template's sample frame with the
-  time, the next uid and the payload written in;
+- `stamp`: a template's sample frame with the time, the next uid and the
+  payload written in;
+- `FastPath.publish`, publish's per-call fast path: the cache lookup, `stamp`,
+  and the Link's bookkeeping (the frame appended to its outbound list and
+  counted, its write scheduled), reading the Link's state from C
+  (`LinkState`, the base class of broky.client.link.Link when the twin is
+  built);
 - `pack_rows`, publish_many's loop (and the Spark sink's): each row encoded
   and appended to its Link's outbound list, in C, until a row that the
   Python path must take (a new key_partition, a field that is not bytes, a
@@ -31,7 +36,7 @@ from broky.protocol.ksuid import KsuidSequence
 from broky.protocol.message import HEADER_UID
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 1  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
+VERSION = 2  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
 
 
 def pure_requested() -> bool:
