@@ -345,3 +345,29 @@ def test_out_of_file_descriptors_pauses_accepting(start_server: Any) -> None:
 def process_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_supervisor_polls_fast_only_while_a_worker_boots_or_dies() -> None:
+    # An idle master must stay idle (its 0.1 s poll cost 4 ms of CPU per second): it
+    # sleeps REAP_SECONDS when every worker is up, BOOT_POLL_SECONDS while one boots or
+    # has closed its channel and is not reaped yet (a dead worker is back within a second).
+    import asyncio
+    from types import SimpleNamespace
+
+    from broky.server import supervisor
+    from broky.server.config import ServerConfig
+
+    async def poll_seconds() -> list[float]:
+        sup = supervisor.Supervisor(ServerConfig(workers=2), lambda wp, kind, payload: None)
+        up = [SimpleNamespace(ready=True, channel_closed=False) for _ in range(2)]
+        sup.workers = up  # type: ignore[assignment]
+        idle = sup._poll_seconds()
+        up[1].ready = False  # booting
+        booting = sup._poll_seconds()
+        up[1].ready, up[0].channel_closed = True, True  # exiting
+        dying = sup._poll_seconds()
+        return [idle, booting, dying]
+
+    idle, booting, dying = asyncio.run(poll_seconds())
+    assert idle == supervisor.REAP_SECONDS >= 1.0
+    assert booting == dying == supervisor.BOOT_POLL_SECONDS <= 0.1
