@@ -68,7 +68,6 @@ from broky.errors import BrokyError
 
 _time_ns = time.time_ns
 # The compiled twin's functions (broky.client.pubpack), or None: the pure-Python loops.
-_stamp = None if pubpack.compiled is None else pubpack.compiled.stamp
 _FastPath = None if pubpack.compiled is None else pubpack.compiled.FastPath
 _pack_rows = None if pubpack.compiled is None else pubpack.compiled.pack_rows
 MAX_SLOTS = 65536  # key_partitions the bulk path keeps the Link of (then it starts again)
@@ -234,7 +233,7 @@ class Publisher:
         elif link.flush_handle is None:
             link.schedule_flush()
 
-    async def _publish_stamped(
+    async def _publish_compiled(
         self,
         key_partition: bytes | str,
         key: bytes | str,
@@ -264,10 +263,10 @@ class Publisher:
                 return
         return await self._publish_general(key_partition, key, payload, ts_producer, uid)
 
-    _publish_stamped.__doc__ = publish.__doc__
+    _publish_compiled.__doc__ = publish.__doc__
     _publish_pure = publish
-    if _stamp is not None:
-        publish = _publish_stamped
+    if _FastPath is not None:
+        publish = _publish_compiled
 
     async def publish_many(
         self,
@@ -559,7 +558,7 @@ class Publisher:
             self._fast_count = 0
         pack, head, mid, block, _ = template
         entry: tuple[Any, ...]
-        if _stamp is None:
+        if _FastPath is None:
             entry = (pack, head, mid, block, link)
         else:  # the compiled path's sample: the frame with zero time, uid and payload
             entry = (pack(head, 0, mid, bytes(12), 0, block, bytes(pay_len)), link)
