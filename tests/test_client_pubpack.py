@@ -233,11 +233,16 @@ rows_strategy = st.lists(
 @given(
     rows=rows_strategy,
     room=st.lists(st.integers(-1, 2000), min_size=2, max_size=2),
+    part=st.integers(1, 1200),
     given_uids=st.booleans(),
     ts_column=st.booleans(),
 )
 def test_pack_rows_encodes_rows_as_the_reference_and_stops_where_python_must(
-    rows: list[tuple[object, object, object, object]], room: list[int], given_uids: bool, ts_column: bool
+    rows: list[tuple[object, object, object, object]],
+    room: list[int],
+    part: int,
+    given_uids: bool,
+    ts_column: bool,
 ) -> None:
     c = pubpack.compiled
     seq = _rolled()
@@ -251,16 +256,17 @@ def test_pack_rows_encodes_rows_as_the_reference_and_stops_where_python_must(
     base = 5 << 40
     n0 = seq.next
     before = time.time_ns()
-    stop, full = c.pack_rows(kps, keys, payloads, tss, 0, slots, outs, added, counts, room, max_frame,
-                             seq, prefix, base)  # fmt: skip
+    stop, full = c.pack_rows(kps, keys, payloads, tss, 0, slots, outs, added, counts, room, part,
+                             max_frame, seq, prefix, base)  # fmt: skip
     after = time.time_ns()
-    # Every row before `stop` went into its slot's chunk, in order, as the reference encodes it.
+    # Every row before `stop` went into its slot's chunks, in order, as the reference encodes it.
+    frames = [frames_in(out) for out in outs]
     expected: list[list[bytes]] = [[], []]
     for i in range(stop):
         kp, key, payload, _ = rows[i]
         j = slots[kp]  # type: ignore[index]
-        got = publishes_in(outs[j][0])[len(expected[j])] if outs[j] else None
-        assert got is not None
+        assert len(frames[j]) > len(expected[j])
+        got = frames[j][len(expected[j])]
         msg = decode_message(got)
         uid = (
             prefix + (base + i).to_bytes(8, "little") if prefix else seq.pre + (n0 + i).to_bytes(8, "little")
@@ -274,8 +280,13 @@ def test_pack_rows_encodes_rows_as_the_reference_and_stops_where_python_must(
         assert got == encode_message(kp, key, payload, msg.ts_producer, 0, uid)  # type: ignore[arg-type]
         expected[j].append(got)
     for j in (0, 1):
-        assert frames_in(outs[j]) == expected[j]
-        assert len(outs[j]) == (1 if expected[j] else 0)  # one chunk per slot
+        assert frames[j] == expected[j]
+        # chunks of whole frames, each at most `part` bytes or one larger frame, each
+        # as full as the next frame allowed
+        for chunk, after_it in zip(outs[j], [*outs[j][1:], b""]):
+            assert publishes_in(chunk) and (len(chunk) <= part or len(publishes_in(chunk)) == 1)
+            if after_it:
+                assert len(chunk) + len(publishes_in(after_it)[0]) > part
         assert added[j] == sum(len(f) for f in expected[j]) and counts[j] == len(expected[j])
     if prefix is None:
         assert seq.next == n0 + stop
@@ -302,11 +313,11 @@ def test_pack_rows_takes_any_sequence_and_starts_where_told() -> None:
     kps = (b"a", b"a", b"a")
     outs: list[list[bytes]] = [[]]
     stop, full = c.pack_rows(kps, range(3), [b"1", b"2", b"3"], None, 1, {b"a": 0}, outs, [0], [0], [10**6],
-                             1000, seq, None, 0)  # fmt: skip
+                             1 << 16, 1000, seq, None, 0)  # fmt: skip
     assert (stop, full) == (1, -1) and outs == [[]]  # keys are ints: row 1 goes to the Python path
     keys = type("Keys", (), {"__getitem__": lambda self, i: b"k%d" % i, "__len__": lambda self: 3})()
     stop, full = c.pack_rows(kps, keys, [b"1", b"2", b"3"], None, 1, {b"a": 0}, outs, [0], [0], [10**6],
-                             1000, seq, None, 0)  # fmt: skip
+                             1 << 16, 1000, seq, None, 0)  # fmt: skip
     assert (stop, full) == (3, -1)
     assert [decode_message(f).key for f in frames_in(outs[0])] == [b"k1", b"k2"]
 

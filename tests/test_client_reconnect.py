@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import broky
+from broky.client import pubpack
 from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
 from tests.test_client import partitions_by_worker, run, take
@@ -225,10 +226,12 @@ def test_blocking_client_survives_a_cut(server: ServerProcess, proxy: FaultProxy
         assert c.stats.reconnects == len(c._client._router.links)
 
 
-def test_a_killed_worker_loses_no_publish(server: ServerProcess) -> None:
+@pytest.mark.parametrize("bulk", [False, True], ids=["publish", "publish_many"])
+def test_a_killed_worker_loses_no_publish(server: ServerProcess, bulk: bool) -> None:
     """Publishes written to a worker that dies before processing them are sent again,
     exactly those (the dead worker's account says how many it processed): the
-    subscriber gets every publish once, and flush succeeds."""
+    subscriber gets every publish once, and flush succeeds. publish_many's writes
+    are several chunks each (a writev), kept as such until confirmed."""
 
     async def main() -> None:
         ev = Events()
@@ -248,12 +251,22 @@ def test_a_killed_worker_loses_no_publish(server: ServerProcess) -> None:
             assert len(await take(sub, 2)) == 2
             victim = server.worker_pids()[0]
             os.kill(victim, signal.SIGSTOP)  # it will read none of what follows
-            n = 50
-            for i in range(n):
-                for kp in kps:
-                    await client.publish(kp, b"lost.x", b"%d" % i)
+            if bulk:  # 2 x 1500 rows of ~120 bytes: writes of several chunks
+                n = 1500
+                rows = [(kp, b"lost.x", b"%d" % i) for i in range(n) for kp in kps]
+                task = asyncio.ensure_future(client.publish_many(*zip(*rows)))  # may wait to drain
+            else:
+                n = 50
+                for i in range(n):
+                    for kp in kps:
+                        await client.publish(kp, b"lost.x", b"%d" % i)
             await asyncio.sleep(0.1)  # written (linger 0); the stopped worker processed none
+            if bulk and pubpack.compiled is not None:  # writes of several chunks are kept
+                kept = [w for link in client._router.links.values() for w in link.retained]
+                assert any(len(w.chunks) > 1 for w in kept)
             os.kill(victim, signal.SIGKILL)
+            if bulk:
+                assert await task == 2 * n
             await until(lambda: len(ev.reconnects) == 1, timeout=20)
             await client.flush(timeout=20)
             killed = ev.reconnects[0]

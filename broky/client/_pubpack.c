@@ -30,7 +30,7 @@
 #include <string.h>
 #include <time.h>
 
-#define PUBPACK_VERSION 2
+#define PUBPACK_VERSION 3
 #define HEADER_SIZE 52  /* fixed bytes f+4 .. f+56 */
 #define UID_AT 80       /* the uid's 20 bytes, after ts_producer, ts_broker and two offsets */
 #define KP_AT 100       /* key_partition's length, then its bytes */
@@ -85,7 +85,9 @@ frame_size(Py_ssize_t kp_len, Py_ssize_t key_len, Py_ssize_t pay_len)
     return end + (-end & 7);
 }
 
-/* Write the canonical frame with a uid into f (frame_size bytes, zero-filled here). */
+/* Write the canonical frame with a uid into f (frame_size bytes). Every byte is
+ * written: the zero ones (ts_broker, the padding after key_partition, key and
+ * payload) first, by whole words that the fields written after overlap. */
 static void
 write_frame(unsigned char *f, Py_ssize_t size, const char *kp, Py_ssize_t kp_len, const char *key,
             Py_ssize_t key_len, const char *pay, Py_ssize_t pay_len, int64_t ts_producer,
@@ -93,11 +95,13 @@ write_frame(unsigned char *f, Py_ssize_t size, const char *kp, Py_ssize_t kp_len
 {
     Py_ssize_t k = KP_AT + 4 + kp_len + pad4(kp_len); /* key's length */
     Py_ssize_t p = k + 4 + key_len + pad4(key_len);   /* payload's length */
-    memset(f, 0, (size_t)size);
+    put_u64(f + size - 8, 0); /* the payload's tail and the frame's padding */
+    put_u32(f + k - 4, 0);    /* key_partition's tail and padding (or its length, when empty) */
+    put_u32(f + p - 4, 0);    /* key's tail and padding (or its length) */
+    put_u64(f + 64, 0);       /* ts_broker: the server stamps it */
     put_u32(f, (uint32_t)(size - 4));
     memcpy(f + 4, header_uid, HEADER_SIZE);
     put_u64(f + 56, (uint64_t)ts_producer);
-    /* f+64: ts_broker = 0 */
     put_u32(f + 72, (uint32_t)(k - 72));
     put_u32(f + 76, (uint32_t)(p - 76));
     memcpy(f + UID_AT, pre, PRE_SIZE);
@@ -382,29 +386,60 @@ stamp(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(pack_rows_doc,
 "pack_rows(key_partitions, keys, payloads, ts_producers, start, slots, outs, added, counts,\n"
-"          room, max_frame, seq, uid_prefix, uid_base) -> (stop, full)\n\n"
+"          room, part, max_frame, seq, uid_prefix, uid_base) -> (stop, full)\n\n"
 "publish_many's loop: from row `start`, encode row i (key_partitions[i], keys[i],\n"
-"payloads[i], ts_producers[i] or now when ts_producers is None) into the chunk of\n"
-"slot j = slots[key_partition] (now: a clock reading taken every 32 rows). The uid is the next of seq, or with uid_prefix (12\n"
-"bytes) uid_prefix + (uid_base + i) as 8 little-endian bytes. Stops before a row the\n"
-"Python path must publish (a field that is not bytes, a ts_producer that is not None\n"
-"or an int64, a key_partition not in slots, a slot whose room is negative, a frame over\n"
-"max_frame, seq to roll), or after a row that brings slot j's chunk to room[j] bytes\n"
-"or more (then full = j, else -1). Then each slot's chunk (bytes: its frames one after\n"
-"the other), if any, is appended to the list outs[j], with its size in added[j] and\n"
-"its frame count in counts[j]. Returns the row it stopped at.");
+"payloads[i], ts_producers[i] or now when ts_producers is None) into the chunks of\n"
+"slot j = slots[key_partition] (now: a clock reading taken every 32 rows). The uid is\n"
+"the next of seq, or with uid_prefix (12 bytes) uid_prefix + (uid_base + i) as 8\n"
+"little-endian bytes. Stops before a row the Python path must publish (a field that is\n"
+"not bytes, a ts_producer that is not None or an int64, a key_partition not in slots, a\n"
+"slot whose room is negative, a frame over max_frame, seq to roll), or after a row that\n"
+"brings slot j's chunks to room[j] bytes or more (then full = j, else -1). A chunk is\n"
+"bytes, whole frames one after the other, at most `part` bytes unless it holds one larger\n"
+"frame; slot j's are appended to the list outs[j], their size in added[j], their frame\n"
+"count in counts[j]. Returns the row it stopped at. On an error (MemoryError) outs is\n"
+"left as it was.");
 
 #define CHUNK_MIN 4096
 /* The clock is read once per CLOCK_ROWS rows: "now" for a row is a reading at most
  * that many rows old (a few microseconds: rows are encoded at tens of millions a second). */
 #define CLOCK_ROWS 32
-#define CHUNK_FIRST_MAX (1 << 20)
+
+/* One slot of pack_rows: its chunk being written (bytes, grown as needed up to a
+ * part, cut to size when finished), the bytes used and its capacity; the bytes of
+ * its chunks finished so far and all its frames; the room before its batch is
+ * full; its list of chunks (outs[j]) and that list's length before the call. */
+typedef struct {
+    PyObject *chunk;
+    Py_ssize_t used, cap, done, frames, room;
+    PyObject *out;
+    Py_ssize_t out0;
+} Slot;
+
+/* Cut the slot's chunk to its size and append it to its list. On error the
+ * chunk is released and -1 returned. */
+static int
+finish_chunk(Slot *s)
+{
+    if (s->used < s->cap && _PyBytes_Resize(&s->chunk, s->used) < 0) {
+        s->chunk = NULL; /* freed by _PyBytes_Resize */
+        return -1;
+    }
+    int err = PyList_Append(s->out, s->chunk);
+    Py_CLEAR(s->chunk);
+    if (err < 0) {
+        return -1;
+    }
+    s->done += s->used;
+    s->used = s->cap = 0;
+    return 0;
+}
 
 static PyObject *
 pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 14) {
-        PyErr_SetString(PyExc_TypeError, "pack_rows() takes 14 arguments");
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "pack_rows() takes 15 arguments");
         return NULL;
     }
     if (!configured) {
@@ -413,30 +448,29 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *kps = args[0], *keys = args[1], *pays = args[2], *tss = args[3];
     PyObject *slots = args[5], *outs = args[6], *added = args[7], *counts = args[8], *room = args[9];
-    PyObject *prefix = args[12];
+    PyObject *prefix = args[13];
     if (!PyDict_CheckExact(slots) || !PyList_CheckExact(outs) || !PyList_CheckExact(added)
         || !PyList_CheckExact(counts) || !PyList_CheckExact(room)
         || PyList_GET_SIZE(added) != PyList_GET_SIZE(outs) || PyList_GET_SIZE(counts) != PyList_GET_SIZE(outs)
-        || PyList_GET_SIZE(room) != PyList_GET_SIZE(outs) || !PyObject_TypeCheck(args[11], &SequenceType)
+        || PyList_GET_SIZE(room) != PyList_GET_SIZE(outs) || !PyObject_TypeCheck(args[12], &SequenceType)
         || (prefix != Py_None && (!PyBytes_CheckExact(prefix) || PyBytes_GET_SIZE(prefix) != PRE_SIZE))) {
         PyErr_SetString(PyExc_TypeError, "pack_rows: bad arguments (see its docstring)");
         return NULL;
     }
-    Sequence *seq = (Sequence *)args[11];
+    Sequence *seq = (Sequence *)args[12];
     Py_ssize_t start = PyLong_AsSsize_t(args[4]);
-    long long max_frame = PyLong_AsLongLong(args[10]);
-    unsigned long long uid_base = prefix == Py_None ? 0 : PyLong_AsUnsignedLongLong(args[13]);
+    Py_ssize_t part = PyLong_AsSsize_t(args[10]);
+    long long max_frame = PyLong_AsLongLong(args[11]);
+    unsigned long long uid_base = prefix == Py_None ? 0 : PyLong_AsUnsignedLongLong(args[14]);
     Py_ssize_t n = PySequence_Size(kps);
     if (PyErr_Occurred()) {
         return NULL;
     }
     Py_ssize_t n_slots = PyList_GET_SIZE(outs);
-    /* Per slot: its chunk (bytes, grown as needed, cut to size at the end), the bytes
-     * used, the capacity, the frames in it, and the room left before a batch is full. */
-    typedef struct {
-        PyObject *chunk;
-        Py_ssize_t used, cap, frames, room;
-    } Slot;
+    if (part < 1) {
+        PyErr_SetString(PyExc_ValueError, "pack_rows: part must be at least 1");
+        return NULL;
+    }
     Slot stack_slots[16];
     Slot *sl = stack_slots;
     if (n_slots > 16) {
@@ -447,10 +481,13 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t j = 0; j < n_slots; j++) {
         sl[j].chunk = NULL;
-        sl[j].used = sl[j].cap = sl[j].frames = 0;
+        sl[j].used = sl[j].cap = sl[j].frames = sl[j].done = sl[j].out0 = 0;
+        sl[j].out = PyList_GET_ITEM(outs, j);
         sl[j].room = PyLong_AsSsize_t(PyList_GET_ITEM(room, j));
-        if (!PyList_CheckExact(PyList_GET_ITEM(outs, j))) {
+        if (!PyList_CheckExact(sl[j].out)) {
             PyErr_SetString(PyExc_TypeError, "pack_rows: outs must hold lists");
+        } else {
+            sl[j].out0 = PyList_GET_SIZE(sl[j].out);
         }
     }
     if (PyErr_Occurred()) {
@@ -519,21 +556,27 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (!stop) {
                 Slot *s = &sl[j];
                 if (s->used + size > s->cap) {
-                    Py_ssize_t cap = s->cap * 2;
-                    if (cap == 0) {
-                        cap = s->room + size < CHUNK_FIRST_MAX ? s->room + size : CHUNK_FIRST_MAX;
+                    /* A chunk the frame would take past a part is finished (the frame
+                     * starts a new one); a smaller one grows by doubling, up to a part; a
+                     * new one starts with what the batch may still take, at most a part
+                     * (or the one frame, when larger). */
+                    int ok = s->chunk == NULL || s->used + size <= part || finish_chunk(s) == 0;
+                    Py_ssize_t cap = s->chunk == NULL ? s->room - s->done + size : s->cap * 2;
+                    if (cap < CHUNK_MIN) {
+                        cap = CHUNK_MIN;
+                    }
+                    if (cap > part) {
+                        cap = part;
                     }
                     if (cap < s->used + size) {
                         cap = s->used + size;
                     }
-                    if (cap < CHUNK_MIN) {
-                        cap = CHUNK_MIN;
-                    }
-                    if (s->chunk == NULL) {
+                    if (!ok) {
+                        /* finish_chunk failed: s->chunk is NULL */
+                    } else if (s->chunk == NULL) {
                         s->chunk = PyBytes_FromStringAndSize(NULL, cap);
                     } else if (_PyBytes_Resize(&s->chunk, cap) < 0) {
                         s->chunk = NULL; /* freed by _PyBytes_Resize */
-                        s->used = s->frames = 0;
                     }
                     if (s->chunk == NULL) {
                         if (prefix == Py_None) {
@@ -561,7 +604,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (stop) {
             break;
         }
-        if (sl[j].used >= sl[j].room) {
+        if (sl[j].done + sl[j].used >= sl[j].room) {
             full = j;
             i++;
             break;
@@ -569,20 +612,21 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t j = 0; j < n_slots; j++) {
         Slot *s = &sl[j];
-        if (s->chunk == NULL) {
-            continue;
-        }
-        if (s->used < s->cap && _PyBytes_Resize(&s->chunk, s->used) < 0) {
-            s->chunk = NULL;
+        if (s->chunk != NULL && finish_chunk(s) < 0) {
             goto error;
         }
-        PyObject *size = PyLong_FromSsize_t(s->used), *frames = PyLong_FromSsize_t(s->frames);
-        if (size == NULL || frames == NULL || PyList_Append(PyList_GET_ITEM(outs, j), s->chunk) < 0) {
+    }
+    for (Py_ssize_t j = 0; j < n_slots; j++) {
+        Slot *s = &sl[j];
+        if (s->frames == 0) {
+            continue;
+        }
+        PyObject *size = PyLong_FromSsize_t(s->done), *frames = PyLong_FromSsize_t(s->frames);
+        if (size == NULL || frames == NULL) {
             Py_XDECREF(size);
             Py_XDECREF(frames);
             goto error;
         }
-        Py_CLEAR(s->chunk);
         PyList_SetItem(added, j, size);
         PyList_SetItem(counts, j, frames);
     }
@@ -593,6 +637,12 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 error:
     for (Py_ssize_t j = 0; j < n_slots; j++) {
         Py_XDECREF(sl[j].chunk);
+        if (sl[j].out != NULL && PyList_CheckExact(sl[j].out) && PyList_GET_SIZE(sl[j].out) > sl[j].out0) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyList_SetSlice(sl[j].out, sl[j].out0, PyList_GET_SIZE(sl[j].out), NULL); /* outs as they were */
+            PyErr_Restore(type, value, tb);
+        }
     }
     if (sl != stack_slots) {
         PyMem_Free(sl);

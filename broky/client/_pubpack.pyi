@@ -34,6 +34,7 @@ def pack_rows(
     added: list[int],
     counts: list[int],
     room: list[int],
+    part: int,
     max_frame: int,
     seq: Sequence,
     uid_prefix: bytes | None,

@@ -298,6 +298,11 @@ class WorkerProtocol(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.write(data)
 
+    def writelines(self, chunks: list[bytes]) -> None:
+        """Write `chunks` one after the other, in one system call (writev), without joining them."""
+        if self.transport is not None and not self.closed:
+            self.transport.writelines(chunks)
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()

@@ -9,9 +9,11 @@ knows each by its `WorkerRef`; a Link knows its client only as a
 `LinkOwner`: the options, the loop, the counters and the callbacks.
 
 Outbound: publishes are appended to the Link's outbound list, which is
-written in one `transport.write` when it reaches `batch_size` bytes or
+written in one system call when it reaches `batch_size` bytes or
 `linger` seconds later (linger=0: at the next loop iteration, which already
-coalesces every publish made in between). Control frames (Subscribe,
+coalesces every publish made in between): joined into one bytes when it
+holds many frames, as a writev of its parts when it holds a few (publish_many's
+chunks of many publishes each, which are not copied again). Control frames (Subscribe,
 Unsubscribe, Ping) are written at once, after every publish queued before
 them, and not at all while the Link is down (it re-sends its subscriptions
 when it reconnects). While a Link is down its outbound list is bounded by
@@ -107,6 +109,12 @@ from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body
 log = logging.getLogger("broky.client")
 _u32 = struct.Struct("<I").unpack_from
 
+# An outbound list is written as it is (a writev of its parts) when it holds at
+# most WRITEV_PARTS parts or parts of JOIN_BELOW bytes on average (publish_many's
+# chunks); else (single frames of per-call publishes) it is joined first.
+WRITEV_PARTS = 4
+JOIN_BELOW = 4096
+
 
 def publishes_in(chunk: bytes) -> list[bytes]:
     """The Message frames of a chunk the Link wrote (Pings and Subscribes skipped)."""
@@ -144,16 +152,33 @@ def uids_in(tail: list[tuple[bytes, int]]) -> set[bytes]:
     return uids
 
 
+class Written(NamedTuple):
+    """One write of publishes, kept until a Pong confirms them: its chunks (the
+    frames, one after the other, in one or more bytes objects), the number of its
+    first publish on the connection, how many publishes it holds, and its size."""
+
+    chunks: list[bytes]
+    first: int
+    publishes: int
+    size: int
+
+    def frames(self) -> list[bytes]:
+        """The write's publish frames, in order (control frames left out)."""
+        if len(self.chunks) == 1:
+            return publishes_in(self.chunks[0])
+        return [frame for chunk in self.chunks for frame in publishes_in(chunk)]
+
+
 class InDoubt(NamedTuple):
     """The publishes of a lost connection that no Pong confirmed: the ones numbered
     `confirmed` .. `written` - 1 on it; `retained` holds the chunks that carried
-    them (chunk, number of its first publish, publishes in it), from `released` on
-    (older ones were let go to bound memory)."""
+    them (Written: the write's chunks, number of its first publish, publishes in it,
+    bytes), from `released` on (older ones were let go to bound memory)."""
 
     confirmed: int
     written: int
     released: int
-    retained: collections.deque[tuple[bytes, int, int]]
+    retained: collections.deque[Written]
 
 
 class WorkerRef(NamedTuple):
@@ -271,7 +296,7 @@ class Link(_LinkState):
         self.confirmed = 0
         self.unconfirmed = 0
         # chunks written since `confirmed`: (chunk, number of its first publish, publishes in it)
-        self.retained: collections.deque[tuple[bytes, int, int]] = collections.deque()
+        self.retained: collections.deque[Written] = collections.deque()
         self.retained_bytes = 0
         self.released = 0  # publishes before this number were let go of unconfirmed (memory bound)
         self.confirm_sent = 0.0  # loop time of the last Ping added to a write of publishes
@@ -390,9 +415,9 @@ class Link(_LinkState):
             self._settle_unknown(doubt)
             return
         again: list[bytes] = []
-        for chunk, first, count in doubt.retained:
-            if first + count > processed:
-                again.extend(publishes_in(chunk)[max(processed - first, 0) :])
+        for w in doubt.retained:
+            if w.first + w.publishes > processed:
+                again.extend(w.frames()[max(processed - w.first, 0) :])
         if again:
             self.out[:0] = again
             self.out_bytes += sum(len(f) for f in again)
@@ -407,9 +432,8 @@ class Link(_LinkState):
         again, through the client's routing (subscribers drop the duplicates this
         may cause, by uid); those without a uid may have been lost, and are counted."""
         again: list[bytes] = []
-        for chunk, first, _count in doubt.retained:
-            frames = publishes_in(chunk)
-            again.extend(frames[max(doubt.confirmed - first, 0) :])
+        for w in doubt.retained:
+            again.extend(w.frames()[max(doubt.confirmed - w.first, 0) :])
         with_uid = [f for f in again if f[4:56] == HEADER_UID]
         lost = doubt.written - doubt.confirmed - len(with_uid)
         if with_uid:
@@ -589,8 +613,16 @@ class Link(_LinkState):
                 self.confirm_sent = now
                 self.next_ping = ping_id = self.next_ping + 1
                 out.append(encode_ping(Ping(ping_id)))
-        chunk = out[0] if len(out) == 1 else b"".join(out)
-        proto.write(chunk)
+        if len(out) == 1:
+            proto.write(out[0])
+            size = len(out[0])
+        elif len(out) <= WRITEV_PARTS or self.out_bytes >= len(out) * JOIN_BELOW:  # not copied again
+            proto.writelines(out)
+            size = sum(map(len, out))
+        else:  # many frames (per-call publishes): one bytes, one write
+            out = [b"".join(out)]
+            proto.write(out[0])
+            size = len(out[0])
         self.out = []
         self.out_bytes = 0
         self.out_extra = 0
@@ -599,8 +631,8 @@ class Link(_LinkState):
             self.written = written = first + published
             if ping_id:
                 self.pings[ping_id] = (None, written)
-            self.retained.append((chunk, first, published))
-            self.retained_bytes += len(chunk)
+            self.retained.append(Written(out, first, published, size))
+            self.retained_bytes += size
             if self.retained_bytes > self.client.max_reconnect_buffer_bytes:
                 self._release()
 
@@ -610,9 +642,9 @@ class Link(_LinkState):
         retained = self.retained
         limit = self.client.max_reconnect_buffer_bytes
         while len(retained) > 1 and self.retained_bytes > limit:
-            chunk, first, count = retained.popleft()
-            self.retained_bytes -= len(chunk)
-            self.released = first + count
+            w = retained.popleft()
+            self.retained_bytes -= w.size
+            self.released = w.first + w.publishes
 
     def hold(self) -> None:
         """Write nothing until `release`: a vbucket moves here, and what its old owner
@@ -793,8 +825,8 @@ class Link(_LinkState):
                 if written > self.confirmed:
                     self.confirmed = written
                     retained = self.retained
-                    while retained and retained[0][1] + retained[0][2] <= written:
-                        self.retained_bytes -= len(retained.popleft()[0])
+                    while retained and retained[0].first + retained[0].publishes <= written:
+                        self.retained_bytes -= retained.popleft().size
                 if fut is not None and not fut.done():
                     fut.set_result(None)
         elif isinstance(frame, Error):

@@ -75,6 +75,11 @@ MAX_SLOTS = 65536  # key_partitions the bulk path keeps the Link of (then it sta
 # so a bigger write delays none of them, and costs the client and the worker fewer
 # wake-ups (a quarter less client CPU per message than 64 KiB writes; bench/README.md).
 BULK_WRITE_BYTES = 256 << 10
+# ... in chunks of at most this many bytes (a writev of them): under the C allocator's
+# threshold for mapping fresh pages (128 KiB), so each chunk reuses heap memory freed
+# by the ones before instead of faulting new pages in (a sixth of the bulk path's
+# client CPU with 256 KiB chunks; bench/README.md).
+BULK_CHUNK_BYTES = (64 << 10) - 64
 
 # key_partition -> key -> payload length -> entry, its Link last: (pack, head, mid, block, Link) for the
 # pure-Python path (see Template), (sample frame, Link) for the compiled one.
@@ -323,8 +328,9 @@ class Publisher:
         rows before the one that raised are published.
 
         With the compiled twin, pubpack's `pack_rows` runs the loop in C: it
-        encodes the rows into one chunk per Link, appended to the Link's
-        outbound list (`Link.out_extra` counts the publishes it holds), and
+        encodes the rows into chunks per Link (BULK_CHUNK_BYTES at most),
+        appended to the Link's outbound list (`Link.out_extra` counts the
+        publishes they hold beyond one per chunk), and
         stops after a row that fills a batch (`batch_size`, at least
         BULK_WRITE_BYTES) (written here, as `publish` does) or
         before a row that the pure-Python steps must take (`_publish_row`: a
@@ -347,16 +353,18 @@ class Publisher:
             room = [limit - link.out_bytes if up and link.proto is not None else -1 for link in links]
             added = [0] * len(links)
             counts = [0] * len(links)
+            outs = [link.out for link in links]
+            before = [len(out) for out in outs]
             stop, full = _pack_rows(
-                key_partitions, keys, payloads, ts_producers, i, slots, [link.out for link in links],
-                added, counts, room, encoder.max_frame_bytes, self._uids, uid_prefix, uid_base,
+                key_partitions, keys, payloads, ts_producers, i, slots, outs, added, counts, room,
+                BULK_CHUNK_BYTES, encoder.max_frame_bytes, self._uids, uid_prefix, uid_base,
             )  # fmt: skip
             stats.published += stop - i
             for j, size in enumerate(added):
-                if size:  # one chunk of counts[j] publishes was appended to its `out`
+                if size:  # chunks of counts[j] publishes in all were appended to its `out`
                     link = links[j]
                     link.out_bytes += size
-                    link.out_extra += counts[j] - 1
+                    link.out_extra += counts[j] - (len(outs[j]) - before[j])
                     if j != full and link.flush_handle is None:
                         link.schedule_flush()
             i = stop

@@ -36,7 +36,7 @@ from broky.protocol.ksuid import KsuidSequence
 from broky.protocol.message import HEADER_UID
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 2  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
+VERSION = 3  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
 
 
 def pure_requested() -> bool:
