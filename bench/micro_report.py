@@ -25,7 +25,10 @@ RESULTS = ROOT / "bench" / "results"
 TARGETS: dict[str, tuple[str, float | None]] = {
     "test_encode_message": ("encode a message (given uid)", 2.0),
     "test_encode_message_new_uid": ("encode_message + new_ksuid, the generic path", None),
-    "test_sdk_encode_new_uid": ("the SDK's publish encoder: template, new KSUID, ts_producer", 2.0),
+    "test_sdk_encode_new_uid": (
+        "the SDK's Python publish encoder (general path): template, new KSUID, ts_producer",
+        2.0,
+    ),
     "test_client_publish": ("Client.publish's fast path: cached template and Link, queued", None),
     "test_client_publish_rows_1000": ("publish_many and the Spark sink's bulk path, per row", None),
     "test_route_message": ("read the routing fields", 1.0),
