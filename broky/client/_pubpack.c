@@ -482,7 +482,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t j = 0; j < n_slots; j++) {
         sl[j].chunk = NULL;
         sl[j].used = sl[j].cap = sl[j].frames = sl[j].done = sl[j].out0 = 0;
-        sl[j].out = PyList_GET_ITEM(outs, j);
+        sl[j].out = Py_NewRef(PyList_GET_ITEM(outs, j)); /* held: a column's __getitem__ may run code */
         sl[j].room = PyLong_AsSsize_t(PyList_GET_ITEM(room, j));
         if (!PyList_CheckExact(sl[j].out)) {
             PyErr_SetString(PyExc_TypeError, "pack_rows: outs must hold lists");
@@ -630,6 +630,9 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyList_SetItem(added, j, size);
         PyList_SetItem(counts, j, frames);
     }
+    for (Py_ssize_t j = 0; j < n_slots; j++) {
+        Py_DECREF(sl[j].out);
+    }
     if (sl != stack_slots) {
         PyMem_Free(sl);
     }
@@ -637,12 +640,13 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 error:
     for (Py_ssize_t j = 0; j < n_slots; j++) {
         Py_XDECREF(sl[j].chunk);
-        if (sl[j].out != NULL && PyList_CheckExact(sl[j].out) && PyList_GET_SIZE(sl[j].out) > sl[j].out0) {
+        if (PyList_CheckExact(sl[j].out) && PyList_GET_SIZE(sl[j].out) > sl[j].out0) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
             PyList_SetSlice(sl[j].out, sl[j].out0, PyList_GET_SIZE(sl[j].out), NULL); /* outs as they were */
             PyErr_Restore(type, value, tb);
         }
+        Py_DECREF(sl[j].out);
     }
     if (sl != stack_slots) {
         PyMem_Free(sl);

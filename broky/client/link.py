@@ -295,7 +295,7 @@ class Link(_LinkState):
         self.written = 0
         self.confirmed = 0
         self.unconfirmed = 0
-        # chunks written since `confirmed`: (chunk, number of its first publish, publishes in it)
+        # the writes since `confirmed` (Written: chunks, number of its first publish, publishes, bytes)
         self.retained: collections.deque[Written] = collections.deque()
         self.retained_bytes = 0
         self.released = 0  # publishes before this number were let go of unconfirmed (memory bound)
