@@ -164,8 +164,6 @@ class Written(NamedTuple):
 
     def frames(self) -> list[bytes]:
         """The write's publish frames, in order (control frames left out)."""
-        if len(self.chunks) == 1:
-            return publishes_in(self.chunks[0])
         return [frame for chunk in self.chunks for frame in publishes_in(chunk)]
 
 
@@ -613,16 +611,13 @@ class Link(_LinkState):
                 self.confirm_sent = now
                 self.next_ping = ping_id = self.next_ping + 1
                 out.append(encode_ping(Ping(ping_id)))
+        if len(out) > WRITEV_PARTS and self.out_bytes < len(out) * JOIN_BELOW:
+            out = [b"".join(out)]  # many frames (per-call publishes): one bytes
         if len(out) == 1:
             proto.write(out[0])
-            size = len(out[0])
-        elif len(out) <= WRITEV_PARTS or self.out_bytes >= len(out) * JOIN_BELOW:  # not copied again
+        else:  # a few parts, or large ones (publish_many's chunks): a writev, not copied again
             proto.writelines(out)
-            size = sum(map(len, out))
-        else:  # many frames (per-call publishes): one bytes, one write
-            out = [b"".join(out)]
-            proto.write(out[0])
-            size = len(out[0])
+        size = sum(map(len, out))
         self.out = []
         self.out_bytes = 0
         self.out_extra = 0
