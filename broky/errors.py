@@ -37,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = _WireErrorCode.INTERNAL
     SUBSCRIPTION_LIMIT = _WireErrorCode.SUBSCRIPTION_LIMIT
     BAD_SID = _WireErrorCode.BAD_SID
+    TOO_MANY_CONNECTIONS = _WireErrorCode.TOO_MANY_CONNECTIONS
 
 
 class BrokyError(Exception):

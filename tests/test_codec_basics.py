@@ -65,9 +65,10 @@ def test_control_frames_round_trip(frame: object) -> None:
 def test_welcome_template_patches_connection_id() -> None:
     vmap = VBucketMap.single_node(NodeInfo("node-a", "127.0.0.1", 4777, 2))
     template = WelcomeTemplate(Welcome("node-a", 1, vmap, 1 << 20, 8 << 20))
-    welcome = decode_frame(template.for_connection(42))
+    welcome = decode_frame(template.for_connection(42, b"t" * 16))
     assert isinstance(welcome, Welcome)
     assert welcome.connection_id == 42
+    assert welcome.resume_token == b"t" * 16
     assert welcome.map == vmap
     assert welcome.map.owners[0] == (0, 0) and welcome.map.owners[1023] == (0, 1)
 

@@ -29,6 +29,7 @@ from broky.fbs import Body
 from broky.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     NO_OWNER,
+    RESUME_TOKEN_BYTES,
     VBUCKETS,
     Error,
     Frame,
@@ -109,7 +110,8 @@ welcomes = st.builds(
     connection_id=u64,
     server_version=st.none() | texts,
     protocol_version=u16,
-    resumed=st.none() | st.builds(Resumed, u64, u64),
+    resumed=st.none() | st.builds(Resumed, u64, u64, u64),
+    resume_token=st.none() | st.binary(min_size=RESUME_TOKEN_BYTES, max_size=RESUME_TOKEN_BYTES),
 )
 
 
@@ -142,7 +144,7 @@ def large_messages(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) 
     )
 
 
-previous_connections = st.builds(PreviousConnection, u64, u64, u64)
+previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40))
 control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(
         Hello,
@@ -261,7 +263,11 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.Hello:
         h = body(fbs.Hello)
         p = h.Previous()
-        previous = None if p is None else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost())
+        previous = (
+            None
+            if p is None
+            else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10))
+        )
         return Hello(h.ProtocolVersion(), h.Worker(), _text(h.ClientName()), _text(h.AuthToken()), previous)
     if kind == Body.Welcome:
         w = body(fbs.Welcome)
@@ -274,7 +280,10 @@ def generated_read(frame: bytes) -> Frame:
             w.ConnectionId(),
             _text(w.ServerVersion()),
             w.ProtocolVersion(),
-            None if w.Resumed() is None else Resumed(w.Resumed().ConnectionId(), w.Resumed().Processed()),
+            None
+            if w.Resumed() is None
+            else Resumed(w.Resumed().ConnectionId(), w.Resumed().Processed(), w.Resumed().Refused()),
+            _vec(w._tab, 22),
         )
     if kind == Body.Subscribe:
         s = body(fbs.Subscribe)
@@ -421,15 +430,15 @@ class Writer:
             previous = frame.previous
             prev = 0
             if previous is not None:
-                prev = self.table(
-                    fbs.PreviousConnectionStart,
-                    fbs.PreviousConnectionEnd,
-                    [
-                        lambda: fbs.PreviousConnectionAddConnectionId(b, previous.connection_id),
-                        lambda: fbs.PreviousConnectionAddReceived(b, previous.received),
-                        lambda: fbs.PreviousConnectionAddToldLost(b, previous.told_lost),
-                    ],
-                )
+                proof = self.refs({"proof": previous.resume_token})
+                prev_adders = [
+                    lambda: fbs.PreviousConnectionAddConnectionId(b, previous.connection_id),
+                    lambda: fbs.PreviousConnectionAddReceived(b, previous.received),
+                    lambda: fbs.PreviousConnectionAddToldLost(b, previous.told_lost),
+                ]
+                if "proof" in proof:
+                    prev_adders.append(lambda: fbs.PreviousConnectionAddResumeToken(b, proof["proof"]))
+                prev = self.table(fbs.PreviousConnectionStart, fbs.PreviousConnectionEnd, prev_adders)
             r = self.refs({"name": frame.client_name, "token": frame.auth_token})
             adders = [
                 lambda: fbs.HelloAddProtocolVersion(b, frame.protocol_version),
@@ -453,9 +462,12 @@ class Writer:
                     [
                         lambda: fbs.ResumedAddConnectionId(b, resumed.connection_id),
                         lambda: fbs.ResumedAddProcessed(b, resumed.processed),
+                        lambda: fbs.ResumedAddRefused(b, resumed.refused),
                     ],
                 )
-            r = self.refs({"node_id": frame.node_id, "version": frame.server_version})
+            r = self.refs(
+                {"node_id": frame.node_id, "version": frame.server_version, "proof": frame.resume_token}
+            )
             adders = [
                 lambda: fbs.WelcomeAddProtocolVersion(b, frame.protocol_version),
                 lambda: fbs.WelcomeAddNodeId(b, r["node_id"]),
@@ -469,6 +481,8 @@ class Writer:
                 adders.append(lambda: fbs.WelcomeAddServerVersion(b, r["version"]))
             if resumed is not None:
                 adders.append(lambda: fbs.WelcomeAddResumed(b, res))
+            if "proof" in r:
+                adders.append(lambda: fbs.WelcomeAddResumeToken(b, r["proof"]))
             return self.table(fbs.WelcomeStart, fbs.WelcomeEnd, adders)
         if isinstance(frame, Subscribe):
             r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
@@ -584,9 +598,12 @@ def test_encode_frame_reads_back_through_generated_accessors(frame: Frame) -> No
 @given(welcomes)
 def test_welcome_reads_back_through_generated_accessors(welcome: Welcome) -> None:
     assert generated_read(encode_frame(welcome)) == welcome
-    # The template patches the connection id, and the resumed table when there is one.
-    patched = WelcomeTemplate(welcome).for_connection(welcome.connection_id ^ 0x5A5A, welcome.resumed)
-    assert generated_read(patched) == welcome._replace(connection_id=welcome.connection_id ^ 0x5A5A)
+    # The template patches the connection id, the resume token, and the resumed table when there is one.
+    token = bytes(range(7, 7 + RESUME_TOKEN_BYTES))
+    patched = WelcomeTemplate(welcome).for_connection(welcome.connection_id ^ 0x5A5A, token, welcome.resumed)
+    assert generated_read(patched) == welcome._replace(
+        connection_id=welcome.connection_id ^ 0x5A5A, resume_token=token
+    )
 
 
 # ---------------------------------------------------------------- Builder -> codec

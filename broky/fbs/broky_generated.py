@@ -43,6 +43,9 @@ class ErrorCode(object):
     SUBSCRIPTION_LIMIT = 18
     # A Subscribe with sid 0 (reserved: an Error's sid 0 means no subscription).
     BAD_SID = 19
+    # The handshake is refused: the client's address holds as many
+    # connections as the server allows (--max-connections-per-address).
+    TOO_MANY_CONNECTIONS = 20
 
 
 class LossReason(object):
@@ -57,6 +60,11 @@ class LossReason(object):
     WORKER_RESTART = 3
     # Held for a paused connection when the server shut down.
     SHUTDOWN = 4
+    # The server has no account of the connection named by Hello.previous
+    # (the server or node restarted, the account expired, or the claim did not
+    # prove itself): deliveries queued to that connection may have been lost,
+    # and how many is not known. `dropped` is 0.
+    UNACCOUNTED = 5
 
 
 # The set of frames is closed within a protocol version: a new member here
@@ -335,10 +343,42 @@ class PreviousConnection(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-def PreviousConnectionStart(builder): builder.StartObject(3)
+    # Welcome.resume_token of the previous connection: the proof that the
+    # client making this claim is the one that connection was made by
+    # (schema/README.md section 7.1). A claim without it is answered as unknown.
+    # PreviousConnection
+    def ResumeToken(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # PreviousConnection
+    def ResumeTokenAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # PreviousConnection
+    def ResumeTokenLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # PreviousConnection
+    def ResumeTokenIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        return o == 0
+
+def PreviousConnectionStart(builder): builder.StartObject(4)
 def PreviousConnectionAddConnectionId(builder, connectionId): builder.PrependUint64Slot(0, connectionId, 0)
 def PreviousConnectionAddReceived(builder, received): builder.PrependUint64Slot(1, received, 0)
 def PreviousConnectionAddToldLost(builder, toldLost): builder.PrependUint64Slot(2, toldLost, 0)
+def PreviousConnectionAddResumeToken(builder, resumeToken): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(resumeToken), 0)
+def PreviousConnectionStartResumeTokenVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def PreviousConnectionEnd(builder): return builder.EndObject()
 
 
@@ -656,9 +696,20 @@ class Resumed(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-def ResumedStart(builder): builder.StartObject(2)
+    # How many of those processed publishes were refused with NOT_MY_VBUCKET
+    # (each answered by an Error carrying it back): a client that received
+    # fewer such Errors on that connection lost the others with it.
+    # Resumed
+    def Refused(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def ResumedStart(builder): builder.StartObject(3)
 def ResumedAddConnectionId(builder, connectionId): builder.PrependUint64Slot(0, connectionId, 0)
 def ResumedAddProcessed(builder, processed): builder.PrependUint64Slot(1, processed, 0)
+def ResumedAddRefused(builder, refused): builder.PrependUint64Slot(2, refused, 0)
 def ResumedEnd(builder): return builder.EndObject()
 
 
@@ -761,7 +812,37 @@ class Welcome(object):
             return obj
         return None
 
-def WelcomeStart(builder): builder.StartObject(9)
+    # A secret of this connection (16 random bytes), for Hello.previous on a
+    # reconnect: only the client that received it can resume this connection.
+    # Never logged, never listed by monitoring.
+    # Welcome
+    def ResumeToken(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Welcome
+    def ResumeTokenAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Welcome
+    def ResumeTokenLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Welcome
+    def ResumeTokenIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        return o == 0
+
+def WelcomeStart(builder): builder.StartObject(10)
 def WelcomeAddProtocolVersion(builder, protocolVersion): builder.PrependUint16Slot(0, protocolVersion, 1)
 def WelcomeAddServerVersion(builder, serverVersion): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(serverVersion), 0)
 def WelcomeAddNodeId(builder, nodeId): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(nodeId), 0)
@@ -771,6 +852,8 @@ def WelcomeAddMaxFrameBytes(builder, maxFrameBytes): builder.PrependUint32Slot(5
 def WelcomeAddMaxPendingBytes(builder, maxPendingBytes): builder.PrependUint64Slot(6, maxPendingBytes, 0)
 def WelcomeAddConnectionId(builder, connectionId): builder.PrependUint64Slot(7, connectionId, 0)
 def WelcomeAddResumed(builder, resumed): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(resumed), 0)
+def WelcomeAddResumeToken(builder, resumeToken): builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(resumeToken), 0)
+def WelcomeStartResumeTokenVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def WelcomeEnd(builder): return builder.EndObject()
 
 

@@ -7,6 +7,7 @@ socket, so every piece can be fuzzed and benchmarked alone.
 from broky.protocol.frames import (
     ANY_WORKER,
     PROTOCOL_VERSION,
+    RESUME_TOKEN_BYTES,
     Error,
     Frame,
     Goodbye,
@@ -39,6 +40,7 @@ __all__ = [
     "NEED_DATA",
     "NO_OWNER",
     "PROTOCOL_VERSION",
+    "RESUME_TOKEN_BYTES",
     "VBUCKETS",
     "Error",
     "Frame",

@@ -35,6 +35,7 @@ from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 PROTOCOL_VERSION = 1
 ANY_WORKER = -1
+RESUME_TOKEN_BYTES = 16  # Welcome.resume_token, as the server issues it
 
 _u32 = struct.Struct("<I").unpack_from
 _u64_into = struct.Struct("<Q").pack_into
@@ -48,6 +49,7 @@ class LossReason:
     CONNECTION_LOST = fbs.LossReason.CONNECTION_LOST
     WORKER_RESTART = fbs.LossReason.WORKER_RESTART
     SHUTDOWN = fbs.LossReason.SHUTDOWN
+    UNACCOUNTED = fbs.LossReason.UNACCOUNTED
 
     NAMES: ClassVar[dict[int, str]] = {
         0: "unknown",
@@ -55,6 +57,7 @@ class LossReason:
         2: "connection_lost",
         3: "worker_restart",
         4: "shutdown",
+        5: "unaccounted",
     }
 
     @classmethod
@@ -70,6 +73,7 @@ class PreviousConnection(NamedTuple):
     connection_id: int
     received: int = 0  # deliveries received on it
     told_lost: int = 0  # sum of the LossNotice.dropped received on it
+    resume_token: bytes | None = None  # its Welcome.resume_token: the proof of the claim
 
 
 class Hello(NamedTuple):
@@ -85,6 +89,7 @@ class Resumed(NamedTuple):
 
     connection_id: int
     processed: int  # the first `processed` publishes sent on it were processed, the rest never
+    refused: int = 0  # of those, refused with NOT_MY_VBUCKET (an Error carried each back)
 
 
 class Welcome(NamedTuple):
@@ -97,6 +102,7 @@ class Welcome(NamedTuple):
     server_version: str | None = None
     protocol_version: int = PROTOCOL_VERSION
     resumed: Resumed | None = None
+    resume_token: bytes | None = None  # RESUME_TOKEN_BYTES random bytes: the secret of this connection
 
 
 class Subscribe(NamedTuple):
@@ -187,6 +193,12 @@ def _string(b: flatbuffers.Builder, text: str) -> int:
     return int(b.CreateString(text))
 
 
+def _bytes_field(value: bytes, what: str) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"{what} takes bytes, not {type(value).__name__}")
+    return bytes(value)
+
+
 def _finish(builder: flatbuffers.Builder, body_type: int, body: int) -> bytes:
     fbs.FrameStart(builder)
     fbs.FrameAddBodyType(builder, body_type)
@@ -202,10 +214,15 @@ def encode_hello(hello: Hello) -> bytes:
     token = _string(b, hello.auth_token) if hello.auth_token is not None else 0
     previous = 0
     if hello.previous is not None:
+        proof = 0
+        if hello.previous.resume_token is not None:
+            proof = b.CreateByteVector(_bytes_field(hello.previous.resume_token, "resume_token"))
         fbs.PreviousConnectionStart(b)
         fbs.PreviousConnectionAddConnectionId(b, hello.previous.connection_id)
         fbs.PreviousConnectionAddReceived(b, hello.previous.received)
         fbs.PreviousConnectionAddToldLost(b, hello.previous.told_lost)
+        if proof:
+            fbs.PreviousConnectionAddResumeToken(b, proof)
         previous = fbs.PreviousConnectionEnd(b)
     fbs.HelloStart(b)
     fbs.HelloAddProtocolVersion(b, hello.protocol_version)
@@ -264,7 +281,11 @@ def encode_welcome(welcome: Welcome) -> bytes:
         fbs.ResumedStart(b)
         fbs.ResumedAddConnectionId(b, welcome.resumed.connection_id)
         fbs.ResumedAddProcessed(b, welcome.resumed.processed)
+        fbs.ResumedAddRefused(b, welcome.resumed.refused)
         resumed = fbs.ResumedEnd(b)
+    proof = 0
+    if welcome.resume_token is not None:
+        proof = b.CreateByteVector(_bytes_field(welcome.resume_token, "resume_token"))
     fbs.WelcomeStart(b)
     fbs.WelcomeAddProtocolVersion(b, welcome.protocol_version)
     if welcome.server_version is not None:
@@ -277,12 +298,14 @@ def encode_welcome(welcome: Welcome) -> bytes:
     fbs.WelcomeAddConnectionId(b, welcome.connection_id)
     if resumed:
         fbs.WelcomeAddResumed(b, resumed)
+    if proof:
+        fbs.WelcomeAddResumeToken(b, proof)
     return _finish(b, Body.Welcome, fbs.WelcomeEnd(b))
 
 
 class WelcomeTemplate:
-    """A Welcome encoded once; `for_connection` patches only connection_id (and
-    the two fields of `resumed`, for a reconnecting client).
+    """A Welcome encoded once; `for_connection` patches only connection_id, the
+    resume token's bytes (and the fields of `resumed`, for a reconnecting client).
 
     Encoding the 1024-entry map costs milliseconds, too much per connection:
     after a worker restart every client of that worker reconnects at once.
@@ -290,17 +313,21 @@ class WelcomeTemplate:
 
     _CONNECTION_ID_FIELD = 7
     _RESUMED_FIELD = 8
+    _RESUME_TOKEN_FIELD = 9
 
     def __init__(self, welcome: Welcome) -> None:
         # Non-default placeholders force the Builder to write the fields.
         ones = (1 << 64) - 1
-        self._bytes = encode_welcome(welcome._replace(connection_id=ones, resumed=None))
+        token = bytes(RESUME_TOKEN_BYTES)
+        self._bytes = encode_welcome(welcome._replace(connection_id=ones, resumed=None, resume_token=token))
         self._pos = self._field(self._bytes, None)
+        self._token_pos = self._token_at(self._bytes)
         self._resumed_bytes = encode_welcome(
-            welcome._replace(connection_id=ones, resumed=Resumed(ones, ones))
+            welcome._replace(connection_id=ones, resumed=Resumed(ones, ones, ones), resume_token=token)
         )
         self._resumed_pos = self._field(self._resumed_bytes, None)
-        self._resumed_fields = (self._field(self._resumed_bytes, 0), self._field(self._resumed_bytes, 1))
+        self._resumed_token_pos = self._token_at(self._resumed_bytes)
+        self._resumed_fields = tuple(self._field(self._resumed_bytes, i) for i in range(3))
 
     @classmethod
     def _field(cls, frame: bytes, resumed_field: int | None) -> int:
@@ -315,15 +342,31 @@ class WelcomeTemplate:
         assert pos
         return pos
 
-    def for_connection(self, connection_id: int, resumed: Resumed | None = None) -> bytes:
+    @classmethod
+    def _token_at(cls, frame: bytes) -> int:
+        body = root(frame, 0, len(frame)).table(1)
+        assert body is not None
+        pos, n = body.vector(cls._RESUME_TOKEN_FIELD, 1)
+        assert pos and n == RESUME_TOKEN_BYTES
+        return pos
+
+    def for_connection(self, connection_id: int, token: bytes, resumed: Resumed | None = None) -> bytes:
+        """The Welcome of connection `connection_id`, whose secret is `token`
+        (RESUME_TOKEN_BYTES bytes), resuming the account `resumed` if any."""
+        if len(token) != RESUME_TOKEN_BYTES:
+            raise LocalProtocolError(f"resume_token must be {RESUME_TOKEN_BYTES} bytes, got {len(token)}")
         if resumed is None:
             out = bytearray(self._bytes)
             _u64_into(out, self._pos, connection_id)
+            out[self._token_pos : self._token_pos + RESUME_TOKEN_BYTES] = token
             return bytes(out)
         out = bytearray(self._resumed_bytes)
         _u64_into(out, self._resumed_pos, connection_id)
-        _u64_into(out, self._resumed_fields[0], resumed.connection_id)
-        _u64_into(out, self._resumed_fields[1], resumed.processed)
+        out[self._resumed_token_pos : self._resumed_token_pos + RESUME_TOKEN_BYTES] = token
+        at = self._resumed_fields
+        _u64_into(out, at[0], resumed.connection_id)
+        _u64_into(out, at[1], resumed.processed)
+        _u64_into(out, at[2], resumed.refused)
         return bytes(out)
 
 
@@ -558,7 +601,11 @@ def _decode_map(t: Table) -> VBucketMap:
 def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Hello:
         prev = t.table(4)
-        previous = None if prev is None else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2))
+        previous = (
+            None
+            if prev is None
+            else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2), prev.byte_vector(3))
+        )
         return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous)
     if kind == Body.Welcome:
         vmap = t.table(4)
@@ -572,7 +619,8 @@ def _decode_body(kind: int, t: Table) -> Frame:
             connection_id=t.u64(7),
             server_version=t.string(1),
             protocol_version=t.u16(0, 1),
-            resumed=None if res is None else Resumed(res.u64(0), res.u64(1)),
+            resumed=None if res is None else Resumed(res.u64(0), res.u64(1), res.u64(2)),
+            resume_token=t.byte_vector(9),
         )
     if kind == Body.Subscribe:
         pattern = t.byte_vector(1)
