@@ -82,8 +82,9 @@ def kill_worker(server: ServerProcess, worker: int) -> None:
 
 
 def previous(w: Wire, received: int = 0, told_lost: int = 0) -> PreviousConnection:
+    """What the client of `w` names in its next Hello, with the proof its Welcome gave it."""
     assert w.welcome is not None
-    return PreviousConnection(w.welcome.connection_id, received, told_lost)
+    return PreviousConnection(w.welcome.connection_id, received, told_lost, w.welcome.resume_token)
 
 
 def read_messages(w: Wire, n: int) -> list[Message]:

@@ -13,10 +13,13 @@ answer it exactly, someone must still know, for that connection:
              received, that is what it lost (a LossNotice on the new connection);
   dropped    deliveries the worker dropped for it (slow consumer); minus the
              LossNotice counts the client says it was told, that is what it was
-             never told.
+             never told;
+  refused    of the processed publishes, those refused with NOT_MY_VBUCKET
+             (Welcome.resumed.refused): an Error carried each back, so a client
+             that received fewer of them lost the others with the connection.
 
-A worker keeps these three counters per connection anyway (`msgs_in`,
-`msgs_out`, `dropped_total` of broky.server.connection). To survive the
+A worker keeps these counters per connection anyway (`msgs_in`, `msgs_out`,
+`dropped_total`, `refused` of broky.server.connection). To survive the
 worker, it mirrors them into an `AccountBook`: a shared-memory table (a
 memfd the master creates, maps and passes to the worker at spawn) of one slot
 per connection. Only the worker writes it and only the master reads it, and
@@ -38,6 +41,15 @@ worker commits after routing a read and before writing anything to a socket
 (broky.server.fanout `Shard.feed`), so whatever a client could have received
 is already accounted.
 
+Claims. An account is a capability: only the client that made the connection
+may claim it. Every connection has a secret of RESUME_TOKEN_BYTES random bytes
+(its Welcome.resume_token, sent to that client alone), kept in its slot;
+a claim (Hello.previous) must carry it, and it is compared in constant time
+(`same_secret`). A claim without the right secret is refused as unknown and
+leaves the account where it was, for its owner. The secret is never logged
+and never listed (broky.server.monitor lists connection ids, which alone
+claim nothing).
+
 Lifetime. A slot is taken when a connection opens and kept ACCOUNT_TTL seconds
 after it closes, for a reconnecting client (`claim` gives it away once). The
 oldest closed slot is recycled when none is free; a connection that finds no
@@ -58,22 +70,35 @@ import mmap
 import os
 import struct
 import time
+from _operator import _compare_digest  # hmac.compare_digest without hmac's OpenSSL (0.7 MB)
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
+
+from broky.protocol import RESUME_TOKEN_BYTES
 
 ACCOUNT_TTL = 60.0  # seconds an account is kept after its connection closed (or its worker died)
 SLOTS = 65536  # connections with an account per worker (open, or closed within ACCOUNT_TTL)
 
-_MAGIC = 0x42524B5941434354  # "BRKYACCT"
+_MAGIC = 0x42524B5941434355  # "BRKYACCU": this layout (a worker of another layout reads as empty)
 _HEADER = struct.Struct("<QQQQ")  # magic, committed sequence number, slots, slots ever used
 _COMMITTED = 1  # word index of the committed sequence number
 _HIGH_WATER = 3  # word index of the number of slots ever used
 HEADER_BYTES = 64
-SLOT_BYTES = 96  # 12 words: conn_id, state, subs, reserved, version A (4 words), version B (4 words)
-_VERSION = struct.Struct("<QQQQ")  # seq, processed, delivered, dropped
-_SLOT = struct.Struct("<QQQQ" + "QQQQ" + "QQQQ")
-_ACCOUNT = struct.Struct("<QQQQ")  # conn_id, processed, delivered, dropped
+# A slot: conn_id, state, subs, spare, the connection's secret (2 words), then two
+# versions of its counters, each seq, processed, delivered, dropped, refused, spare.
+_SLOT_HEAD = 6  # words before version A
+_VERSION_WORDS = 6
+VERSION_BYTES = 8 * _VERSION_WORDS
+SLOT_BYTES = 8 * (_SLOT_HEAD + 2 * _VERSION_WORDS)  # 144
+_VERSION = struct.Struct("<QQQQQ")  # seq, processed, delivered, dropped, refused
+_SLOT = struct.Struct("<" + "Q" * (_SLOT_HEAD + 2 * _VERSION_WORDS))
+_ACCOUNT = struct.Struct("<QQQQQ")  # conn_id, processed, delivered, dropped, refused
 FREE, OPEN, CLOSED = 0, 1, 2
+
+
+def same_secret(given: bytes | None, kept: bytes) -> bool:
+    """Whether a claimed secret is the one kept, compared in constant time."""
+    return given is not None and len(kept) == RESUME_TOKEN_BYTES and _compare_digest(bytes(given), kept)
 
 
 def table_bytes(slots: int = SLOTS) -> int:
@@ -89,15 +114,17 @@ class Account(NamedTuple):
     dropped: int
     subscriptions: int = 0
     open: bool = False  # the connection was still open (the worker died under it)
+    refused: int = 0  # processed publishes refused with NOT_MY_VBUCKET
+    token: bytes = b""  # the connection's secret (never in a hand-off: the master checks it)
 
     def pack(self) -> bytes:
-        """The 32 bytes a hand-off carries (broky.server.handoff)."""
-        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped)
+        """The 40 bytes a hand-off carries (broky.server.handoff)."""
+        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped, self.refused)
 
     @classmethod
     def unpack(cls, data: bytes) -> Account:
-        conn_id, processed, delivered, dropped = _ACCOUNT.unpack(data)
-        return cls(conn_id, processed, delivered, dropped)
+        conn_id, processed, delivered, dropped, refused = _ACCOUNT.unpack(data)
+        return cls(conn_id, processed, delivered, dropped, refused=refused)
 
 
 class Accounted(Protocol):
@@ -107,6 +134,8 @@ class Accounted(Protocol):
     msgs_in: int
     msgs_out: int
     dropped_total: int
+    refused: int
+    token: bytes  # its secret, RESUME_TOKEN_BYTES random bytes (Welcome.resume_token)
     slot: int  # byte offset of its slot's first version, or -1: no account
     acct_ver: int  # 0 or 1: the version holding its latest committed counters
 
@@ -121,15 +150,21 @@ def new_table(slots: int = SLOTS) -> tuple[int, mmap.mmap]:
     return fd, table
 
 
-def _latest(words: memoryview, slot: int, committed: int) -> tuple[int, int, int]:
-    """(processed, delivered, dropped) of the slot's newest committed version."""
+def _latest(words: memoryview, slot: int, committed: int) -> tuple[int, int, int, int]:
+    """(processed, delivered, dropped, refused) of the slot's newest committed version."""
     base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
-    seq_a, seq_b = words[base + 4], words[base + 8]
+    a, b = base + _SLOT_HEAD, base + _SLOT_HEAD + _VERSION_WORDS
+    seq_a, seq_b = words[a], words[b]
     a_ok, b_ok = seq_a <= committed, seq_b <= committed
-    at = base + 4 if a_ok and (not b_ok or seq_a >= seq_b) else base + 8
+    at = a if a_ok and (not b_ok or seq_a >= seq_b) else b
     if not (a_ok or b_ok):  # pragma: no cover - the initial version has seq 0
-        return 0, 0, 0
-    return words[at + 1], words[at + 2], words[at + 3]
+        return 0, 0, 0, 0
+    return words[at + 1], words[at + 2], words[at + 3], words[at + 4]
+
+
+def _secret(words: memoryview, slot: int) -> bytes:
+    base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
+    return words[base + 4 : base + 6].tobytes()
 
 
 def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
@@ -146,8 +181,19 @@ def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
             state = words[base + 1]
             if state == FREE:
                 continue
-            processed, delivered, dropped = _latest(words, slot, committed)
-            out.append(Account(words[base], processed, delivered, dropped, words[base + 2], state == OPEN))
+            processed, delivered, dropped, refused = _latest(words, slot, committed)
+            out.append(
+                Account(
+                    words[base],
+                    processed,
+                    delivered,
+                    dropped,
+                    words[base + 2],
+                    state == OPEN,
+                    refused,
+                    _secret(words, slot),
+                )
+            )
         return out
     finally:
         words.release()
@@ -167,6 +213,7 @@ class AccountBook:
         self.free: list[int] = []
         self.closed: dict[int, tuple[int, float]] = {}  # conn_id -> (slot, closed at), oldest first
         self.unavailable = 0  # connections that found no slot
+        self.claims_refused = 0  # claims of a closed account without its secret
 
     @classmethod
     def from_fd(cls, fd: int) -> AccountBook:
@@ -202,6 +249,7 @@ class AccountBook:
         base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
         self.words[base] = 0  # first: a half-cleared slot must not name its old connection
         self.words[base + 1] = FREE
+        self.words[base + 4] = self.words[base + 5] = 0  # and keeps no secret
 
     def open(self, c: Accounted) -> None:
         """Give a new connection a slot (counters at zero), or none (c.slot = -1)."""
@@ -213,15 +261,16 @@ class AccountBook:
         base = HEADER_BYTES + slot * SLOT_BYTES
         # Zero both versions before naming the connection: a crash in between leaves
         # a slot that names nobody, never one that gives a new id old counters.
-        _SLOT.pack_into(self.table, base, 0, FREE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        _SLOT.pack_into(self.table, base, *(0 for _ in range(_SLOT_HEAD + 2 * _VERSION_WORDS)))
+        self.table[base + 32 : base + 48] = c.token
         self.words[base // 8] = c.conn_id
         self.words[base // 8 + 1] = OPEN
-        c.slot = base + 32
+        c.slot = base + 8 * _SLOT_HEAD
         c.acct_ver = 0
 
     def set_subscriptions(self, c: Accounted, count: int) -> None:
         if c.slot >= 0:
-            self.words[(c.slot - 32) // 8 + 2] = count
+            self.words[c.slot // 8 - _SLOT_HEAD + 2] = count
 
     def commit(self, conns: Iterable[Accounted]) -> None:
         """Record the counters of every connection a read changed, atomically."""
@@ -232,7 +281,7 @@ class AccountBook:
             at = c.slot
             if at >= 0:
                 v = c.acct_ver ^ 1
-                pack(table, at + (v << 5), seq, c.msgs_in, c.msgs_out, c.dropped_total)
+                pack(table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused)
                 c.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
 
@@ -245,13 +294,13 @@ class AccountBook:
         at = c.slot
         if at >= 0:
             v = c.acct_ver ^ 1
-            pack(table, at + (v << 5), seq, c.msgs_in, c.msgs_out, c.dropped_total)
+            pack(table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused)
             c.acct_ver = v
         for t in touched:
             at = t.slot
             if at >= 0 and t is not c:
                 v = t.acct_ver ^ 1
-                pack(table, at + (v << 5), seq, t.msgs_in, t.msgs_out, t.dropped_total)
+                pack(table, at + v * VERSION_BYTES, seq, t.msgs_in, t.msgs_out, t.dropped_total, t.refused)
                 t.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
 
@@ -260,21 +309,28 @@ class AccountBook:
         if c.slot < 0:
             return
         self.commit((c,))
-        slot = (c.slot - 32 - HEADER_BYTES) // SLOT_BYTES
-        self.words[(c.slot - 32) // 8 + 1] = CLOSED
+        base = c.slot - 8 * _SLOT_HEAD
+        slot = (base - HEADER_BYTES) // SLOT_BYTES
+        self.words[base // 8 + 1] = CLOSED
         self.closed[c.conn_id] = (slot, time.monotonic())
         c.slot = -1
 
-    def claim(self, conn_id: int) -> Account | None:
-        """The account of a closed connection, given away once (None: unknown or expired)."""
-        entry = self.closed.pop(conn_id, None)
+    def claim(self, conn_id: int, secret: bytes | None) -> Account | None:
+        """The account of a closed connection, given away once to a claim that
+        carries its secret (None: unknown, expired, or the secret is wrong; a
+        wrong one leaves the account to its owner and is counted)."""
+        entry = self.closed.get(conn_id)
         if entry is None:
             return None
         slot = entry[0]
-        processed, delivered, dropped = _latest(self.words, slot, self.seq)
+        if not same_secret(secret, _secret(self.words, slot)):
+            self.claims_refused += 1
+            return None
+        del self.closed[conn_id]
+        processed, delivered, dropped, refused = _latest(self.words, slot, self.seq)
         self._clear(slot)
         self.free.append(slot)
-        return Account(conn_id, processed, delivered, dropped)
+        return Account(conn_id, processed, delivered, dropped, refused=refused)
 
     def expire(self, now: float | None = None) -> int:
         """Free the accounts closed more than ACCOUNT_TTL seconds ago; return how many."""
@@ -297,6 +353,7 @@ class DeadAccounts:
 
     def __init__(self) -> None:
         self._accounts: dict[int, tuple[int, Account, float]] = {}  # conn_id -> (worker, account, death)
+        self.claims_refused = 0  # claims of a dead worker's account without its secret
 
     def __len__(self) -> int:
         return len(self._accounts)
@@ -307,10 +364,14 @@ class DeadAccounts:
         for account in accounts:
             self._accounts[account.conn_id] = (worker, account, now)
 
-    def find(self, conn_id: int, worker: int) -> Account | None:
-        """The account of a connection of a dead incarnation of `worker`, or None."""
+    def find(self, conn_id: int, worker: int, secret: bytes | None) -> Account | None:
+        """The account of a connection of a dead incarnation of `worker`, for a
+        claim that carries its secret; None otherwise (a wrong secret is counted)."""
         entry = self._accounts.get(conn_id)
         if entry is None or entry[0] != worker:
+            return None
+        if not same_secret(secret, entry[1].token):
+            self.claims_refused += 1
             return None
         return entry[1]
 

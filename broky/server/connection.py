@@ -58,7 +58,7 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks",
+        "reply_marks", "token", "refused",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -97,6 +97,10 @@ class Connection(asyncio.Protocol):
         self.msgs_in = 0  # messages published by this connection
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
+        self.refused = 0  # its publishes refused with NOT_MY_VBUCKET (counted as processed)
+        # Its secret (Welcome.resume_token): a client claims this connection's account
+        # with it (broky.server.accounts); never logged, never listed.
+        self.token = b""
         self.connected_at = time.time()
         # Called once the transport holds the socket, before a byte is read or written
         # (the worker answers the master's hand-off there; broky.server.worker).

@@ -138,6 +138,7 @@ from broky.errors import BadPatternError, ErrorCode, MalformedFrameError, Remote
 from broky.matching import Matcher, parse_pattern
 from broky.protocol import (
     PROTOCOL_VERSION,
+    RESUME_TOKEN_BYTES,
     Goodbye,
     Hello,
     LossNotice,
@@ -174,7 +175,7 @@ from broky.protocol.message import (
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
 from broky.server import fastpath, memory
-from broky.server.accounts import Account, AccountBook
+from broky.server.accounts import Account, AccountBook, same_secret
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection, Subscription
 from broky.server.logs import Throttle
@@ -256,7 +257,8 @@ class WorkerStats:
         }
         # Reconnecting clients (Hello.previous) by whose account answered them:
         # this worker's own (connection_lost), a dead worker's (worker_restart), none.
-        self.resumes: dict[str, int] = {"connection_lost": 0, "worker_restart": 0, "unknown": 0}
+        # "refused": claims that did not carry the connection's secret (they count as unknown too).
+        self.resumes: dict[str, int] = {"connection_lost": 0, "worker_restart": 0, "unknown": 0, "refused": 0}
         # The restart grace of a worker that replaced a dead one (see Shard.start_grace).
         self.restart_subscribers_expected = 0
         self.restart_subscribers_missing = 0
@@ -406,6 +408,7 @@ class Shard:
         connection of a dead worker, that connection's account)."""
         self._next_id += 1
         c = Connection(self, initial, (self.epoch << 32) | self._next_id)
+        c.token = os.urandom(RESUME_TOKEN_BYTES)
         c.account = account
         return c
 
@@ -432,7 +435,7 @@ class Shard:
         c.client_name = hello.client_name
         self.book.open(c)
         resumed, notices = (None, b"") if hello.previous is None else self.take_over(c, hello.previous)
-        welcome = self.welcome.for_connection(c.conn_id, resumed)
+        welcome = self.welcome.for_connection(c.conn_id, c.token, resumed)
         if notices:
             welcome += notices
         c.transport.write(welcome)
@@ -450,21 +453,30 @@ class Shard:
         drops it was never told of.
         """
         old_id = prev.connection_id
-        account, reason = c.account, LossReason.WORKER_RESTART
+        proof = prev.resume_token
+        account, reason = c.account, LossReason.WORKER_RESTART  # the master checked its proof
         c.account = None
+        stats = self.stats
         if account is None or account.conn_id != old_id:
             account, reason = None, LossReason.CONNECTION_LOST
             if old_id >> 32 == self.epoch:
                 old = self.conns.get(old_id)
                 if old is not None and old is not c:
-                    self.supersede(old)
-                account = self.book.claim(old_id)
-        if self.holding and old_id in self.expected:
-            c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
-        stats = self.stats
+                    if same_secret(proof, old.token):
+                        self.supersede(old)
+                    else:  # never close a live connection for a claim that cannot prove itself
+                        self.refuse_claim(c, old_id)
+                        old = None
+                refused_before = self.book.claims_refused
+                account = self.book.claim(old_id, proof)
+                if self.book.claims_refused != refused_before:
+                    self.refuse_claim(c, old_id)
         if account is None:
             stats.resumes["unknown"] += 1
-            return None, b""
+            # It may have had deliveries queued that never arrived: how many, nobody alive knows.
+            return None, encode_frame(LossNotice(0, LossReason.UNACCOUNTED))
+        if self.holding and old_id in self.expected:
+            c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
         stats.resumes[LossReason.name(reason)] += 1
         notices = []
         lost = account.delivered - prev.received
@@ -479,7 +491,19 @@ class Shard:
                 "connection %d from %s resumes %d: %d deliveries lost (%s), %d drops untold",
                 c.conn_id, c.peer, old_id, max(lost, 0), LossReason.name(reason), max(untold, 0),
             )  # fmt: skip
-        return Resumed(old_id, account.processed), b"".join(notices)
+        return Resumed(old_id, account.processed, account.refused), b"".join(notices)
+
+    def refuse_claim(self, c: Connection, old_id: int) -> None:
+        """A Hello.previous named a connection of this worker without its secret: the
+        claim gets nothing (no account, no supersede); counted, logged throttled."""
+        self.stats.resumes["refused"] += 1
+        held = self.warnings.allow(("claim", old_id >> 32))
+        if held is not None:
+            more = f" ({held} more since the last warning)" if held else ""
+            log.warning(
+                "connection %d from %s claims connection %d without its resume token: refused%s",
+                c.conn_id, c.peer, old_id, more,
+            )  # fmt: skip
 
     def supersede(self, old: Connection) -> None:
         """A client reconnected in place of `old`, which this worker still thinks open
@@ -1082,6 +1106,7 @@ class Shard:
         """A publish for a vbucket this worker does not own: refused, with the frame
         itself in the Error so that the client can send it to the owner."""
         self.stats.dropped["not_my_vbucket"] += 1
+        c.refused += 1  # processed (Welcome.resumed.processed counts it), and refused
         kp = route_message(data, pos, end)[0]
         self.error(
             c,

@@ -463,7 +463,7 @@ class Master:
         if prev is None or prev.connection_id >> 32 == wp.epoch:
             return None
         assert self.supervisor is not None
-        return self.supervisor.dead.find(prev.connection_id, wp.index)
+        return self.supervisor.dead.find(prev.connection_id, wp.index, prev.resume_token)
 
     def _ready_besides(self, refused_by: set[int]) -> bool:
         assert self.supervisor is not None

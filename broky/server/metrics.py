@@ -106,7 +106,7 @@ DROP_REASONS = (
     "worker_restart",
 )
 # Whose account answered a reconnecting client (Hello.previous): see broky.server.accounts.
-RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown")
+RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown", "refused")
 REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
 
 
@@ -211,7 +211,8 @@ class SnapshotCollector:
         resumes = _counter(
             "broky_resumes_total",
             "Reconnecting clients naming their previous connection, by whose account answered: "
-            "this worker's (connection_lost), a dead worker's (worker_restart), none (unknown).",
+            "this worker's (connection_lost), a dead worker's (worker_restart), none (unknown); "
+            "refused: claims of an account without its resume token (counted as unknown too).",
             labels=["worker", "result"],
         )
         latency = Family(
