@@ -541,21 +541,24 @@ class Client(Publisher):
         task.add_done_callback(self._tasks.discard)
 
     async def _acknowledge(self, version: int) -> None:
-        """Say MapApplied(version) on every connection once every Link that carries
-        subscriptions has confirmed them (a round trip): the cluster moves vbuckets
-        only when its subscribers are in place (schema/README.md section 6.3)."""
-        carrying = [link for link in self._router.links.values() if link.subs]
+        """Say MapApplied(version) on every connection once every incoming owner of
+        the map (a worker it moves vbuckets to) has confirmed the subscriptions it
+        carries (a round trip): the cluster moves vbuckets only when its subscribers
+        are in place there (schema/README.md section 6.3). Only those are waited
+        for: a worker that keeps or loses vbuckets (a frozen node's among them)
+        must not hold up a move that does not need it."""
+        vmap = self._router.map
+        incoming = set() if vmap is None else _incoming_refs(vmap)
+        carrying = [link for link in self._router.links.values() if link.subs and link.ref in incoming]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in carrying))
         vmap = self._router.map
         if self._closed or vmap is None or vmap.version != version:
             return  # superseded: the newer map says it
-        # A worker that is down (a dead node's, one restarting) gets its subscriptions and
-        # a MapApplied when it reconnects (`_reconnected`); only an incoming owner's
-        # subscriptions must be in place before the move commits.
-        incoming = _incoming_refs(vmap)
-        if any(link.proto is None and link.failed is None and link.ref in incoming for link in carrying):
+        # An incoming owner that is down gets its subscriptions and a MapApplied when it
+        # reconnects (`_reconnected`): not before, since they must be in place first.
+        if any(link.proto is None and link.failed is None for link in carrying):
             return
         frame = encode_map_applied(MapApplied(version))
         for link in self._router.links.values():
@@ -600,6 +603,18 @@ class Client(Publisher):
             return
         label = f"deliveries from worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
         self._losses.add(("server", ref, reason), label, dropped)
+
+    def _unaccounted(self, ref: WorkerRef) -> None:
+        self.stats.unaccounted += 1
+        if self.on_loss is not None:
+            self._emit(self.on_loss, ref, 0, LossReason.UNACCOUNTED)
+            return
+        label = (
+            f"deliveries from worker {ref.worker} of {ref.node_id}: no server could account for a lost "
+            "connection (a restart, or a node that died); some may have been lost, how many is unknown"
+        )
+        noun = ("connection unaccounted", "connections unaccounted")
+        self._losses.add(("unaccounted", ref), label, 1, noun)
 
     def _emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
         if callback is None:

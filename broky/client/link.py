@@ -91,6 +91,7 @@ from broky.protocol import (
     Goodbye,
     Hello,
     LossNotice,
+    LossReason,
     MapUpdate,
     Message,
     Ping,
@@ -237,6 +238,10 @@ class LinkOwner(Protocol):
     def _told_lost(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         """A LossNotice: `on_loss`, or a line in the loss log."""
 
+    def _unaccounted(self, ref: WorkerRef) -> None:
+        """A connection that carried subscriptions was lost and no server can say what
+        it lost (LossReason.UNACCOUNTED): `on_loss` with a count of 0, or the loss log."""
+
     def _report(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
 
@@ -299,13 +304,15 @@ class Link(_LinkState):
         self.released = 0  # publishes before this number were let go of unconfirmed (memory bound)
         self.confirm_sent = 0.0  # loop time of the last Ping added to a write of publishes
         self.conn_id = 0  # Welcome.connection_id of the current (or last) connection
+        self.resume_token: bytes | None = None  # its Welcome.resume_token (the proof of a resume)
         self.received = 0  # deliveries received on it
         self.told_lost = 0  # LossNotice counts received on it
+        self.refusals = 0  # publishes refused on it with NOT_MY_VBUCKET (Errors received)
+        self.lost_refusals = 0  # the same, of the lost connection named in `previous`
         self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
         self.paused_by: set[int] = set()  # sids whose full queues hold this connection's deliveries
-        self.leaving = False  # its node left the map; retired once it answered (Router.retire)
         self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
         self.holds = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
         self.front = 0  # frames at the head of `out` sent again for other Links, in order
@@ -340,8 +347,14 @@ class Link(_LinkState):
         lost_one = self.previous is not None
         self.previous = None
         self.settle(None if resumed is None else resumed.processed)
+        if resumed is not None and resumed.refused > self.lost_refusals:
+            # refused with NOT_MY_VBUCKET, and the Errors carrying them back went with the connection
+            self._count_lost_refusals(resumed.refused - self.lost_refusals)
+        self.lost_refusals = 0
         # a new connection: count from zero (`out` holds publishes only while down)
         self.conn_id = welcome.connection_id
+        self.resume_token = welcome.resume_token
+        self.refusals = 0
         self.received = self.told_lost = 0
         self.written = self.confirmed = self.released = 0
         self.retained.clear()
@@ -443,6 +456,19 @@ class Link(_LinkState):
                 why += "; publishes without a uid are not sent twice"
             self._count_unconfirmed(lost, why)
 
+    def _count_lost_refusals(self, n: int) -> None:
+        """The server refused n publishes of the lost connection with NOT_MY_VBUCKET
+        (Welcome.resumed.refused), and the Errors that carried them back were lost with
+        it: they are lost, counted in `stats.misrouted` and reported by the next flush."""
+        self.unconfirmed += n
+        self.client.stats.misrouted += n
+        self.client._report(
+            BrokyConnectionError(
+                f"connection to worker {self.ref.worker} lost with {n} publishes refused with "
+                "NOT_MY_VBUCKET whose refusals (carrying them back) never arrived: they are lost"
+            )
+        )
+
     def _count_unconfirmed(self, n: int, why: str) -> None:
         client = self.client
         self.unconfirmed += n
@@ -507,7 +533,8 @@ class Link(_LinkState):
         if exc is None:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
         if self.conn_id:
-            self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost)
+            self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost, self.resume_token)
+            self.lost_refusals = self.refusals
             self.tail = proto.tail
         self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
         self.retained = collections.deque()
@@ -660,6 +687,12 @@ class Link(_LinkState):
         self.out_bytes += sum(len(f) for f in frames)
         if self.proto is not None and not self.holds and self.flush_handle is None:
             self.schedule_flush()
+
+    def ended_cleanly(self) -> bool:
+        """Nothing queued to this Link by its worker can have been lost unseen: it is
+        down, and its last connection ended with a Goodbye (the server writes every
+        delivery before it), or it never had one."""
+        return self.proto is None and (self.previous is None or self.goodbye_processed is not None)
 
     def retire(self) -> tuple[list[bytes], InDoubt | None, list[tuple[bytes, int]]]:
         """Its node left the map: stop for good. Returns what it still held for others
@@ -827,6 +860,8 @@ class Link(_LinkState):
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
+                if not err.sid:
+                    self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
                 client._not_my_vbucket(self, err, frame.refused)
             elif err.code == ErrorCode.SUBSCRIPTION_LIMIT and err.sid:
                 client._subscription_limited(self, err)
@@ -837,6 +872,10 @@ class Link(_LinkState):
         elif isinstance(frame, LossNotice):
             self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
+            if frame.reason == LossReason.UNACCOUNTED:
+                if self.subs:  # a connection that carried no subscription had no delivery to lose
+                    client._unaccounted(self.ref)
+                return
             client._told_lost(self.ref, frame.dropped, frame.reason)
         elif isinstance(frame, MapUpdate):
             client._map_update(self, frame.map)

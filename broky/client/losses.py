@@ -24,6 +24,7 @@ LOSS_LOG_INTERVAL = 5.0  # seconds between two lines about the same source
 @dataclass
 class _Source:
     label: str
+    noun: tuple[str, str] = ("message lost", "messages lost")  # one, many
     total: int = 0
     unreported: int = 0
     last: float = float("-inf")  # when its last line was written
@@ -44,11 +45,14 @@ class LossLog:
         self.clock = clock
         self.sources: dict[Hashable, _Source] = {}
 
-    def add(self, key: Hashable, label: str, lost: int) -> None:
-        """`lost` more messages of source `key` (described by `label`) were lost."""
+    def add(
+        self, key: Hashable, label: str, lost: int, noun: tuple[str, str] = ("message lost", "messages lost")
+    ) -> None:
+        """`lost` more messages of source `key` (described by `label`) were lost;
+        `noun` names what is counted (one, many), if not lost messages."""
         source = self.sources.get(key)
         if source is None:
-            source = self.sources[key] = _Source(label)
+            source = self.sources[key] = _Source(label, noun)
         source.total += lost
         source.unreported += lost
         now = self.clock()
@@ -65,7 +69,7 @@ class LossLog:
     def _write(self, source: _Source, now: float) -> None:
         if not source.unreported:
             return
-        lost = f"{source.unreported:,} message{'' if source.unreported == 1 else 's'} lost"
+        lost = f"{source.unreported:,} {source.noun[source.unreported != 1]}"
         if source.unreported == source.total:
             self.emit(f"{source.label}: {lost}")
         else:

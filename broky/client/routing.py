@@ -108,9 +108,6 @@ def _kp(frame: bytes) -> bytes | None:
         return None
 
 
-RETIRE_WAIT = 2.0  # seconds a Link whose node left the map has to answer before it is retired
-
-
 class Router:
     """The map, the route table and the Links of one client; follows map changes."""
 
@@ -242,7 +239,7 @@ class Router:
                 old_link.out_extra = 0
         for ref, link in list(self.links.items()):
             if ref.node_id not in nodes:
-                self.retire(link)
+                self.retire(link)  # at once: `_settle_moves` does not wait for it
         for new_link, olds in moved.items():
             task = self.owner._loop.create_task(self._settle_moves(new_link, olds))
             self.settling.add(task)
@@ -278,41 +275,31 @@ class Router:
                 continue
 
     def retire(self, link: Link) -> None:
-        """`link`'s node left the map: what it held goes to the new owners. Still
-        connected (a node that drained says Goodbye, and the map without it may come
-        first, from another node), it is asked a round trip first: its Pong (or its
-        Goodbye) says what it processed, so nothing it did process is sent again."""
-        if link.proto is not None and link.failed is None:
-            if link.leaving:
-                return
-            link.leaving = True
-            task = self.owner._loop.create_task(self._retire_when_answered(link))
-            self.settling.add(task)
-            task.add_done_callback(self.settling.discard)
-            return
-        self._retire_now(link)
+        """`link`'s node left the map, now: what it held goes to the new owners, ahead
+        of anything published to them since (they are held until then: `_hand_over`).
 
-    async def _retire_when_answered(self, link: Link) -> None:
-        with contextlib.suppress(TimeoutError, BrokyError):
-            async with asyncio.timeout(min(self.owner.flush_timeout, RETIRE_WAIT)):
-                await link.ping_now()  # its refusals come back before the Pong
-        vmap = self.map
-        if self.links.get(link.ref) is link and (vmap is None or vmap.node_index(link.ref.node_id) is None):
-            self._retire_now(link)
-        else:
-            link.leaving = False  # its node is back in the map meanwhile
-        if self.to_resend:
-            self.resend_refused()
-
-    def _retire_now(self, link: Link) -> None:
+        A node leaves the map once it is dead (its lease expired, its vbuckets moved
+        away) or once it has drained and stopped (it said Goodbye before leaving). It is
+        not waited for: a frozen node would stop the traffic of every vbucket moved
+        from it (and of every other vbucket of their new owners) for as long as it was
+        waited for. So its publishes that no Pong or Goodbye confirmed are settled as
+        without an account (sent again if they carry a uid, else counted as possibly
+        lost), its connection is closed, the uids of its last deliveries are dropped
+        as copies for a while, and a subscriber is told that deliveries may have been
+        lost with it when it ended without a Goodbye.
+        """
         del self.links[link.ref]
         self.subscriptions.forget_link(link)
+        carried = bool(link.subs)
+        clean = link.ended_cleanly()
         out, doubt, tail = link.retire()
+        self.owner._drop_duplicates(tail)  # publishers may send its last deliveries again
         if doubt is not None:
-            self.owner._drop_duplicates(tail)
             link.in_doubt = doubt
             link.settle(None)  # resends through `send_again`, or counts
         self.send_again(out)
+        if carried and not clean:
+            self.owner._unaccounted(link.ref)
         if link.unconfirmed:
             self.retired.append(link)  # its possible losses, for the next flush
 

@@ -35,6 +35,10 @@ class ClientStats:
     reconnects: int = 0
     ping_timeouts: int = 0  # connections closed because max_outstanding_pings went unanswered
     duplicates_dropped: int = 0  # deliveries dropped as copies of ones a lost connection delivered
+    # connections carrying subscriptions that were lost without an account (a server or node
+    # restart, a node that died): deliveries may have been lost, how many is unknown (on_loss
+    # is called with dropped 0 and LossReason.UNACCOUNTED)
+    unaccounted: int = 0
     errors: int = 0
     map_refreshes: int = 0
 
