@@ -264,6 +264,7 @@ class WorkerStats:
         self.restart_subscribers_missing = 0
         self.restart_connections_held = 0
         self.restart_grace_seconds = 0.0
+        self.node_restart_graces = 0  # graces given because the whole server restarted (start_node_grace)
         self.bytes_received = 0
         self.bytes_sent = 0
         self.connections = 0  # open now
@@ -345,6 +346,8 @@ class Shard:
         self.held: list[Connection] = []  # connections whose input waits for the grace to end
         self.grace_started = 0.0
         self.grace_timer: asyncio.TimerHandle | None = None
+        self.grace_until = 0.0  # monotonic time the grace ends at the latest
+        self.node_grace_until = 0.0  # monotonic end of a server restart grace (`start_node_grace`)
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
         self.freed_sub_bytes = 0  # subscription bytes freed since the last heap trim
         self.trimmed_at = 0.0  # monotonic time of the last heap trim
@@ -783,11 +786,40 @@ class Shard:
         self.holding = True
         self.expected = set(expected)
         self.grace_started = _monotonic()
+        self.grace_until = self.grace_started + seconds
         self.stats.restart_subscribers_expected = len(expected)
         self.grace_timer = self.loop.call_later(seconds, self.end_grace, f"{seconds:g} s passed")
         log.info(
             "worker %d replaces a dead worker: holding publishes until its %d subscribing "
             "connections are back (at most %g s)", self.index, len(expected), seconds,
+        )  # fmt: skip
+
+    def start_node_grace(self, seconds: float) -> None:
+        """The whole server (or node) restarted under its clients: a client named a
+        connection of an earlier server process (broky.server.master `_note_restart`).
+        Nobody knows which of that process's connections had subscriptions, so
+        Message frames are held for `seconds`, whoever comes back meanwhile; then
+        what was held is routed, in order. (A worker restart grace under way lasts
+        at least as long.)"""
+        if seconds <= 0 or self.closing:
+            return
+        now = _monotonic()
+        self.node_grace_until = max(self.node_grace_until, now + seconds)
+        self.stats.node_restart_graces += 1
+        if not self.holding:
+            self.holding = True
+            self.grace_started = now
+            self.grace_until = now
+        if self.node_grace_until > self.grace_until:
+            self.grace_until = self.node_grace_until
+            if self.grace_timer is not None:
+                self.grace_timer.cancel()
+            self.grace_timer = self.loop.call_later(
+                self.grace_until - now, self.end_grace, "the server restart grace passed"
+            )
+        log.info(
+            "worker %d: this server restarted under its clients; holding publishes %g s for the "
+            "subscribers of the previous process to subscribe again", self.index, seconds,
         )  # fmt: skip
 
     def feed_held(self, c: Connection, data: bytes) -> None:
@@ -838,7 +870,7 @@ class Shard:
         """A subscriber of the dead worker has restored its subscriptions."""
         self.expected.discard(c.resuming)
         c.resuming = 0
-        if not self.expected:
+        if not self.expected and _monotonic() >= self.node_grace_until:
             self.end_grace("every subscribing connection is back")
 
     def end_grace(self, why: str) -> None:

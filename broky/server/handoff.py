@@ -23,6 +23,10 @@ master -> worker
              fd attached
     STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
              or another view (broky.server.monitor.answer)
+    GRACE    uint32 milliseconds: this server (or node) restarted, as a
+             reconnecting client just showed: hold publishes that long so
+             that the previous process's subscribers can subscribe again
+             (broky.server.fanout `Shard.start_node_grace`)
 worker -> master
     READY    the worker serves (sent once after boot)
     ADOPTED  uint32 hand-off id + uint32 open connections (this one included):
@@ -64,6 +68,7 @@ EXPECT = b"E"
 MAP = b"M"
 CONN = b"C"
 STATS = b"S"
+GRACE = b"G"
 READY = b"R"
 LOAD = b"L"
 ADOPTED = b"A"
@@ -101,6 +106,14 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
     for s in (master, worker):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE + 4096)
     return master, worker
+
+
+def pack_u32(value: int) -> bytes:
+    return _u32.pack(value)
+
+
+def split_u32(payload: bytes) -> int:
+    return int(_u32.unpack_from(payload)[0])
 
 
 def send(chan: socket.socket, kind: bytes, payload: bytes = b"") -> None:

@@ -91,7 +91,7 @@ from broky.protocol import (
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import fastpath, handoff, monitor
-from broky.server.accounts import Account
+from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Response
 from broky.server.logs import Throttle
@@ -169,6 +169,8 @@ class Master:
         self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
         self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
         self.started = time.time()
+        self.started_monotonic = time.monotonic()
+        self.node_grace = False  # a restart of this server was seen, and its grace given (`_note_restart`)
         self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
         self.cluster_task: asyncio.Task[None] | None = None
 
@@ -369,6 +371,7 @@ class Master:
         """
         refused_by: set[int] = set()  # workers that did not take this connection
         refusal: _HandOffRefused | None = None
+        self._note_restart(hello)  # before the hand-off: its publishes may have to wait
         for _ in range(HAND_OVER_ATTEMPTS):
             wp = await self._pick_worker(hello, refused_by)
             account = self._dead_account(hello, wp)
@@ -454,6 +457,35 @@ class Master:
             if time.monotonic() > deadline:
                 raise Refused(ErrorCode.SERVER_BUSY, "no worker is ready")
             await asyncio.sleep(0.05)
+
+    def _note_restart(self, hello: Hello) -> None:
+        """A client names a connection of another server process: this server (or
+        node) restarted under it. Its workers start empty: a publisher reconnecting
+        first would have its publishes dropped as no_subscribers before the
+        subscribers of the previous process are back, and nobody would be told. So
+        every worker holds publishes for --restart-grace seconds from now (once per
+        process, within ACCOUNT_TTL of its start: a later reconnect of that kind is
+        a client that was away longer than any account lasts). A subscriber back
+        later than that is told it may have lost messages (LossNotice UNACCOUNTED)."""
+        prev = hello.previous
+        grace = self.config.restart_grace
+        if prev is None or self.node_grace or grace <= 0 or self.supervisor is None:
+            return
+        if self.supervisor.issued(prev.connection_id >> 32):
+            return
+        if time.monotonic() - self.started_monotonic > ACCOUNT_TTL:
+            return
+        self.node_grace = True
+        log.warning(
+            "a client resumes a connection of an earlier server process: this server restarted; "
+            "publishes wait %g s for that process's subscribers to subscribe again", grace,
+        )  # fmt: skip
+        payload = handoff.pack_u32(int(grace * 1000))
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.GRACE, payload)
+            except OSError as exc:  # dead: its successor starts without it
+                log.info("worker %d did not take the restart grace: %s", wp.index, exc)
 
     def _dead_account(self, hello: Hello, wp: WorkerProcess) -> Account | None:
         """The account of the connection a resuming client names, when that connection

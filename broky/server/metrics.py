@@ -69,6 +69,11 @@ COUNTERS = (
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
     (
+        "broky_server_restart_graces_total",
+        "node_restart_graces",
+        "Times publishes were held because a client showed that this server restarted under it.",
+    ),
+    (
         "broky_accounts_unavailable_total",
         "accounts_unavailable",
         "Connections served without an account (the table was full): they cannot be resumed.",
@@ -87,7 +92,8 @@ GAUGES = (
     (
         "broky_restart_grace_seconds",
         "restart_grace_seconds",
-        "How long this worker held publishes after it replaced a dead worker (0: it did not).",
+        "How long this worker last held publishes after it replaced a dead worker, or after the "
+        "server restarted (0: it did not).",
     ),
     (
         "broky_restart_subscribers_missing",

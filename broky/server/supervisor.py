@@ -207,6 +207,10 @@ class Supervisor:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    def issued(self, epoch: int) -> bool:
+        """Whether `epoch` (the high 32 bits of a connection id) is one this process gave out."""
+        return epoch in self._epochs
+
     def live(self) -> list[WorkerProcess]:
         return [wp for wp in self.workers if wp is not None]
 

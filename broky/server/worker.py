@@ -135,6 +135,8 @@ class Worker:
                     log.error("the master sent a map that does not read: %s", exc)
                 else:
                     self.shard.apply_map(vmap)
+            elif kind == handoff.GRACE:
+                self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
                 request_id, what = handoff.split_id(payload)
                 with contextlib.suppress(OSError):
