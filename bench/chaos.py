@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import worker_kill  # noqa: E402
+from bench.cluster_failover import ClusterRun, Load, owned_partitions  # noqa: E402
 from bench.harness import children, servers  # noqa: E402
+from bench.harness.cluster import start_node  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
 from broky.protocol import LossReason  # noqa: E402
@@ -123,6 +126,10 @@ class Outcome:
             f"publisher: resent_after_loss {self.publisher_resent_after_loss}, final flush "
             + (f"raised: {self.publisher_flush_error}" if self.publisher_flush_error else "succeeded"),
             "recovery after each fault (s): " + (", ".join(f"{r:.2f}" for r in rec) or "-"),
+            *(
+                f"  {f['what']}: " + ", ".join(f"{k} {v}" for k, v in f.items() if k not in ("what", "time"))
+                for f in self.faults
+            ),
             f"longest time without a delivery: {self.max_gap_s:.2f} s",
             f"lost - told = {max(self.untold, 0)}"
             + (f" (told {-self.untold} more than was lost)" if self.untold < 0 else ""),
@@ -250,10 +257,166 @@ def server_restart(
     return analyse("server-restart", published, subscribed, partitions, rate, faults)
 
 
+# ---------------------------------------------------------------- the cluster
+
+
+class Cluster(ClusterRun):
+    """bench.cluster_failover's cluster, each node on ports of its own that it keeps
+    when it is started again (a node restarted under its old id, at its old address)."""
+
+    def __init__(self, workers: int = 2, lease_ttl: int | None = None, *node_args: str) -> None:
+        super().__init__(workers, lease_ttl, *node_args)
+        self.ports: dict[str, tuple[int, int]] = {}
+
+    def start(self, node_id: str) -> servers.Server:
+        port, metrics = self.ports.setdefault(node_id, (servers.free_port(), servers.free_port()))
+        node = start_node(
+            self.url, node_id, self.workers, self.lease_ttl, *self.node_args,
+            "--port", str(port), "--metrics-port", str(metrics),
+        )  # fmt: skip
+        self.nodes[node_id] = node
+        return node
+
+    def pids(self, node_id: str) -> list[int]:
+        """The node's master and workers."""
+        node = self.nodes[node_id]
+        children = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
+        return [node.pid, *map(int, children)]
+
+
+def _cluster_run(
+    scenario: str,
+    faults_of: Any,
+    nodes: int = 3,
+    workers: int = 2,
+    rate: int = 2000,
+    partitions: int = 300,
+    lease_ttl: int | None = None,
+    node_args: tuple[str, ...] = (),
+) -> Outcome:
+    """A settled cluster under load; `faults_of(cluster)` injects the faults (returns them)."""
+    cluster = Cluster(workers, lease_ttl, *node_args)
+    load: Load | None = None
+    try:
+        for n in range(nodes):
+            cluster.start(chr(ord("a") + n))
+        cluster.wait_settled(90.0)
+        load = Load(cluster.seeds("a"), cluster.seeds(chr(ord("a") + nodes - 1)), rate, partitions)
+        time.sleep(1.0)
+        faults = faults_of(cluster, partitions)
+        cluster.wait_settled(90.0)
+        time.sleep(2.0)
+        published, subscribed = load.finish()
+    finally:
+        if load is not None:
+            load.kill()
+        cluster.stop()
+    out = analyse(scenario, published, subscribed, partitions, rate, faults)
+    _gaps(out, subscribed, partitions)
+    return out
+
+
+def _gaps(out: Outcome, subscribed: dict[str, Any], partitions: int) -> None:
+    """Per fault with the key_partitions it struck ("struck"): the longest time the others
+    went without a delivery while it lasted ("others_max_gap_s"), and when every struck one
+    received a message published after the fault ("every_s")."""
+    received = subscribed["received"]
+    for fault in out.faults:
+        struck = set(fault.pop("struck", ()))
+        if not struck:
+            continue
+        start, end = fault["time"], fault["time"] + fault.get("lasted_s", 0.0) + 10.0
+        times = sorted(t for i, _, t, _ in received if i not in struck and start <= t <= end)
+        gaps = [b - a for a, b in itertools.pairwise([start, *times])]
+        fault["others_max_gap_s"] = round(max(gaps, default=0.0), 3)
+        first: dict[int, float] = {}
+        for i, _, t_recv, ts in received:
+            if i in struck and i not in first and ts / 1e9 > fault["time"]:
+                first[i] = t_recv - fault["time"]
+        fault["every_s"] = round(max(first.values()), 3) if len(first) == len(struck) else None
+
+
+def node_kill_loop(
+    minutes: float = 2.0,
+    every: float = 15.0,
+    down: tuple[float, float] = (3.0, 5.0),
+    lease_ttl: int | None = None,
+    node_args: tuple[str, ...] = (),
+) -> Outcome:
+    """A node SIGKILLed every `every` seconds (in turn), started again under its id and
+    at its address after `down` (3-5) s; for `minutes`."""
+    import random
+
+    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+        done: list[dict[str, Any]] = []
+        names = sorted(cluster.nodes)
+        end = time.time() + minutes * 60
+        for victim in itertools.cycle(names):
+            if done and time.time() + every > end:
+                break
+            t0 = time.time()
+            struck = owned_partitions(cluster.map(), victim, partitions)
+            killed_at = cluster.kill(victim)
+            time.sleep(random.uniform(*down))
+            cluster.start(victim)
+            done.append({"what": f"kill {victim}", "time": killed_at, "struck": struck,
+                         "down_s": round(time.time() - killed_at, 3)})  # fmt: skip
+            time.sleep(max(0.0, every - (time.time() - t0)))
+        return done
+
+    return _cluster_run("node-kill-loop", faults, lease_ttl=lease_ttl, node_args=node_args)
+
+
+def frozen_node(
+    freezes: tuple[float, ...] = (30.0, 10.0), lease_ttl: int | None = None, node_args: tuple[str, ...] = ()
+) -> Outcome:
+    """A node (not the leader) SIGSTOPped for each of `freezes` seconds, then SIGCONTed
+    and left to rejoin."""
+
+    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+        done: list[dict[str, Any]] = []
+        for seconds in freezes:
+            leader = cluster.leader()
+            victim = next(n for n in sorted(cluster.nodes, reverse=True) if n != leader)
+            struck = owned_partitions(cluster.map(), victim, partitions)
+            pids = cluster.pids(victim)
+            frozen_at = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(seconds)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            done.append({"what": f"freeze {victim} {seconds:g} s", "time": frozen_at, "struck": struck,
+                         "lasted_s": seconds})  # fmt: skip
+            cluster.wait_settled(90.0)
+            time.sleep(2.0)
+        return done
+
+    return _cluster_run("frozen-node", faults, lease_ttl=lease_ttl, node_args=node_args)
+
+
+def etcd_outage(seconds: float = 30.0) -> Outcome:
+    """etcd SIGKILLed for `seconds`, then started again on its data."""
+
+    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+        at = time.time()
+        cluster.etcd.kill()
+        time.sleep(seconds)
+        cluster.etcd.start()
+        return [{"what": f"etcd down {seconds:g} s", "time": at, "lasted_s": seconds}]
+
+    return _cluster_run("etcd-outage", faults)
+
+
 # ---------------------------------------------------------------- main
 
 
-SCENARIOS = {"server-restart": server_restart}
+SCENARIOS: dict[str, Callable[[], Outcome]] = {
+    "server-restart": server_restart,
+    "node-kill-loop": node_kill_loop,
+    "frozen-node": frozen_node,
+    "etcd-outage": etcd_outage,
+}
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace, info: dict[str, Any]) -> str:
