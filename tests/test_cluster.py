@@ -7,6 +7,7 @@ bounded by 20 s. etcd is Debian's etcd-server, which `./run test` installs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from broky.protocol import MapApplied, MapUpdate, Message
+import broky
+from broky.protocol import MapApplied, MapUpdate, Message, vbucket_of
 from tests.cluster import (
     Cluster,
     EtcdServer,
@@ -307,3 +309,38 @@ def test_a_single_node_never_loads_grpc(start_server: object) -> None:
     stats = json.loads(http_get(server.metrics_port, "/stats")[1])
     assert stats["cluster"] is None and stats["map_version"] == 1
     assert stats["master"]["vbuckets_owned"] == [512, 512]
+
+
+@pytest.mark.timeout(120)
+def test_a_subscription_made_while_a_move_is_prepared_is_in_place_for_the_commit(cluster: Cluster) -> None:
+    """An SDK subscription made during a prepared move goes to its key_partition's owner
+    and to the worker it moves to, and the client says MapApplied for it: the commit then
+    needs no move timeout, and what the new owner routes reaches the subscriber."""
+    cluster.move_timeout = 60.0  # only MapApplied can commit the move in this test's time
+    cluster.start("a")
+    views = cluster.wait_settled()
+    version = views["a"]["map_version"]
+    follower = Wire.hello(cluster.nodes["a"].address, worker=0)  # keeps the move prepared
+    follower.subscribe(1, b"hold.>")
+    assert follower.flush() == []
+    cluster.start("b")
+    prepared = follower.expect(MapUpdate, timeout=10).map
+    assert prepared.version == version + 1 and prepared.incoming is not None
+    vb = next(vb for vb, owner in enumerate(prepared.incoming) if owner != (65535, 65535))
+    kp = next(k for k in (f"kp-{i}".encode() for i in range(100_000)) if vbucket_of(k) == vb)
+
+    async def subscribe_then_receive() -> list[bytes]:
+        async with broky.connect(f"{cluster.nodes['a'].host}:{cluster.nodes['a'].port}") as client:
+            sub = await client.subscribe("m.>", partition=kp)
+            links = client._subscriptions.links[sub.sid]
+            assert {link.ref.node_id for link in links} == {"a", "b"}  # owner and incoming owner
+            follower.send(MapApplied(prepared.version))  # the raw subscriber follows too
+            await asyncio.to_thread(cluster.wait_settled)  # committed without the timeout
+            await client.publish(kp, "m.x", b"after the move")
+            await client.flush()
+            return [(await sub.next_msg(timeout=5)).payload]
+
+    started = time.monotonic()
+    assert asyncio.run(subscribe_then_receive()) == [b"after the move"]
+    assert time.monotonic() - started < 30  # the move did not wait for its timeout
+    follower.close()

@@ -451,7 +451,12 @@ class Client(Publisher):
         part = partition.encode() if isinstance(partition, str) else partition
         sid = self._subscriptions.new_sid()
         sub = Subscription(self, sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
-        links = self._router.all_links() if part is None else [self._router.owner_link(part)]
+        router = self._router
+        if part is None:
+            links = router.all_links()
+        else:  # its owner, and the worker its vbucket is moving to (schema/README.md 6.3)
+            owner, incoming = router.owner_link(part), router.incoming_link(part)
+            links = [owner] if incoming is None or incoming is owner else [owner, incoming]
         self._subscriptions.add(sub, links)
         try:
             async with asyncio.timeout(self.flush_timeout):
@@ -467,6 +472,9 @@ class Client(Publisher):
         if limited is not None:
             await self._unsubscribe(sub)
             raise limited[0]
+        vmap = router.map
+        if vmap is not None and vmap.incoming is not None:  # a move waits for every subscriber
+            self._map_applied(vmap.version)
         return sub
 
     async def _confirm(self, link: Link) -> None:
@@ -563,6 +571,7 @@ class Client(Publisher):
         frame = encode_map_applied(MapApplied(version))
         for link in self._router.links.values():
             link.send_control(frame)
+        self._router.applied = max(self._router.applied, version)
 
     def _drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
         """The last deliveries of a connection lost without an account (the node is

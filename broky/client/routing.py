@@ -117,6 +117,7 @@ class Router:
         self.map: VBucketMap | None = None
         self.route: list[Link | None] = [None] * VBUCKETS  # vbucket -> Link, filled by `fill`
         self.links: dict[WorkerRef, Link] = {}
+        self.applied = 0  # the latest map version this client said MapApplied for
         self.seed_node = ""  # the node of the first connection; the seed's address reaches it...
         self.seed_advertised: tuple[str, int] | None = None  # ...while the map names it here
         self.refreshing: asyncio.Task[None] | None = None
@@ -195,14 +196,22 @@ class Router:
         self.route = [None] * VBUCKETS
         self.owner._forget_routes()
         self.owner.stats.map_refreshes += 1
-        if old is not None:
-            self._hand_over(old, vmap)
+        gained: set[Link] = set() if old is None else self._hand_over(old, vmap)
         self.subscriptions.follow_map(self.all_links, self.owner_link, self.incoming_link)
+        late = [link for link in gained if link.subs] if self.applied < vmap.version - 1 else []
+        if late:
+            # Vbuckets moved without this client's MapApplied for their prepared map (the
+            # leader's move timeout, or a prepared map it never saw): its subscriptions
+            # reach their new owners only now. What those routed before is lost to it, and
+            # nobody can say how much: told once the subscriptions are in place there.
+            task = self.owner._loop.create_task(self._tell_when_placed(late))
+            self.settling.add(task)
+            task.add_done_callback(self.settling.discard)
         self.owner._map_applied(vmap.version)
 
-    def _hand_over(self, old: VBucketMap, new: VBucketMap) -> None:
+    def _hand_over(self, old: VBucketMap, new: VBucketMap) -> set[Link]:
         """The vbuckets that changed owner: hold their new owners until the old ones
-        answered; retire the Links of nodes no longer in the map."""
+        answered; retire the Links of nodes no longer in the map. Returns the new owners."""
         moved: dict[Link, set[Link]] = {}  # new owner -> the old owners it waits for
         moved_vbs: dict[Link, set[int]] = {}  # old owner -> the vbuckets it lost
         for vb in range(VBUCKETS):
@@ -244,6 +253,16 @@ class Router:
             task = self.owner._loop.create_task(self._settle_moves(new_link, olds))
             self.settling.add(task)
             task.add_done_callback(self.settling.discard)
+        return set(moved)
+
+    async def _tell_when_placed(self, links: list[Link]) -> None:
+        """Tell that deliveries of `links` may have been lost (UNACCOUNTED), once the
+        subscriptions just sent to them are in place (a round trip; flush_timeout at most)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.owner.flush_timeout):
+                await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
+        for link in links:
+            self.owner._unaccounted(link.ref)
 
     async def _settle_moves(self, new_link: Link, olds: set[Link]) -> None:
         """Release `new_link` once every old owner of its new vbuckets answered a round
