@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from broky import errors
 from broky.matching import parse_pattern, pattern_matches
@@ -30,6 +31,16 @@ def test_hex_dump_is_the_canonical_encoding() -> None:
 def test_vbucket_example() -> None:
     assert "`t1` → 0xc03234fac12ac33c → vbucket 828" in DOC
     assert vbucket_of(b"t1") == 828
+
+
+@pytest.mark.parametrize(
+    "kp", [b"", b"t1", b"customer-42", "kéy-ü☃".encode(), b"x" * 100, bytes(range(256)) * 4]
+)
+def test_xxh3_table(kp: bytes) -> None:
+    """Each row of §6's table: the length, the hash and the vbucket of its key_partition."""
+    digest = xxhash.xxh3_64_intdigest(kp)
+    assert f"| {len(kp)} | {digest:#018x} | {vbucket_of(kp)} |" in DOC
+    assert digest % 1024 == vbucket_of(kp)
 
 
 @pytest.mark.parametrize(
