@@ -3,7 +3,9 @@
 `EtcdServer` runs one etcd member (Debian's etcd-server, which `./run test`
 installs) on free loopback ports with its own data directory, waits until its
 /health answers, and can be paused (SIGSTOP), resumed, killed and restarted
-on the same directory and ports. `start_node` starts one `broky serve
+on the same directory and ports, or wiped (`EtcdServer.wipe`: killed, its data
+directory removed, a fresh member started on the same ports: every key,
+lease and revision of the cluster is gone while its nodes run on). `start_node` starts one `broky serve
 --cluster` node (bench.harness.servers.start_broky). `cluster_view` reads the
 "cluster" object of a node's /stats. Everything is stopped by pid.
 """
@@ -112,6 +114,24 @@ class EtcdServer:
         self.proc.kill()
         self.proc.wait(10)
         self.proc = None
+
+    def wipe(self, down: float = 0.0, timeout: float = 15.0) -> tuple[float, float]:
+        """etcd loses its data under a running cluster: SIGKILL it, remove its data
+        directory, wait `down` seconds, then start a fresh, empty member on the same
+        ports (a new etcd cluster: no member keys, no map, no leases, revisions from 1).
+        Returns the wall-clock times (time.time()) of the kill and of the fresh etcd's
+        first healthy answer.
+
+        Raises:
+            AssertionError: the fresh etcd did not answer within `timeout` seconds.
+        """
+        self.kill()
+        wiped_at = time.time()
+        shutil.rmtree(os.path.join(self.dir, "data"), ignore_errors=True)
+        if down > 0:
+            time.sleep(down)
+        self.start(timeout)
+        return wiped_at, time.time()
 
     def stop(self) -> None:
         self.kill()
