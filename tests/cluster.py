@@ -13,8 +13,10 @@ drain), then etcd.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +70,19 @@ def map_history(endpoint: str, prefix: str = "/broky", timeout: float = 10.0) ->
 
     result: list[VBucketMap] = run_etcd(read, endpoint)
     return result
+
+
+def agreed(
+    endpoint: str, settled: Callable[[], dict[str, dict[str, Any]] | None], prefix: str = "/broky"
+) -> list[VBucketMap] | None:
+    """The map history if etcd holds a map and every node settled on it (`settled`: their
+    /stats "cluster" objects once settled), else None. After etcd lost its data the nodes
+    look settled on the map they ran well before the leader writes one: this waits for it."""
+    history = map_history(endpoint, prefix)
+    views = settled()
+    if not history or views is None:
+        return None
+    return history if {v["map_version"] for v in views.values()} == {history[-1].version} else None
 
 
 def moving(vmap: VBucketMap) -> dict[str, int]:
@@ -164,9 +179,10 @@ class Cluster:
         result: dict[str, Any] = json.loads(done.stdout)
         return result
 
-    def settled(self) -> dict[str, dict[str, Any]] | None:
-        """The nodes' /stats "cluster" objects once they settled (bench.harness.cluster.settled_views)."""
-        return settled_views({node_id: self.stats(node_id)["cluster"] for node_id in self.nodes})
+    def settled(self, *node_ids: str) -> dict[str, dict[str, Any]] | None:
+        """The nodes' /stats "cluster" objects once they settled (bench.harness.cluster.settled_views):
+        every node's, or those of `node_ids` (the others stopped)."""
+        return settled_views({node_id: self.stats(node_id)["cluster"] for node_id in node_ids or self.nodes})
 
     def wait_ready(self, timeout: float = 15.0) -> None:
         """Every node's /readyz answers 200 (each waited for up to `timeout` seconds)."""
@@ -179,9 +195,42 @@ class Cluster:
     def history(self) -> list[VBucketMap]:
         return map_history(self.etcd.endpoint, self.prefix)
 
+    def wait_agreed(self, timeout: float = 60.0) -> list[VBucketMap]:
+        """Wait until etcd holds a map and every node settled on it: the map history."""
+        return wait_for(
+            lambda: agreed(self.etcd.endpoint, self.settled, self.prefix),
+            timeout,
+            f"nodes {sorted(self.nodes)} settled on the map in etcd",
+        )
+
 
 def assert_versions_grow(history: list[VBucketMap]) -> None:
     """Map versions strictly increase, one write per version: no version carries two maps."""
     versions = [m.version for m in history]
     assert versions == sorted(set(versions)), versions
     assert versions == list(range(versions[0], versions[0] + len(versions))), versions
+
+
+def assert_every_move_prepared(history: list[VBucketMap]) -> None:
+    """No map moves anything in one step: every vbucket whose owner changes from one map
+    to the next was named, with that new owner, by the earlier map's `incoming` (a prepare)."""
+    for before, after in itertools.pairwise(history):
+        old, new = owners_by_id(before), owners_by_id(after)
+        changed = [vb for vb in range(len(new)) if old[vb] != new[vb]]
+        if not changed:
+            continue
+        assert before.incoming is not None, (
+            f"map version {after.version} moves {len(changed)} vbuckets that version {before.version} "
+            "did not prepare"
+        )
+        incoming = [None if i == NO_OWNER else (before.nodes[i[0]].node_id, i[1]) for i in before.incoming]
+        unprepared = [vb for vb in changed if incoming[vb] != new[vb]]
+        assert not unprepared, (
+            f"map version {after.version} moves {len(unprepared)} vbuckets (e.g. {unprepared[:5]}) to "
+            f"owners that version {before.version} did not prepare"
+        )
+
+
+def applied_versions(log: str) -> list[int]:
+    """The map versions a node applied, in order, from its log (ClusterNode._apply)."""
+    return [int(m) for m in re.findall(r"applied map version (\d+): \d+ vbuckets owned here", log)]

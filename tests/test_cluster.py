@@ -24,6 +24,8 @@ from broky.protocol import MapApplied, MapUpdate, Message, vbucket_of
 from tests.cluster import (
     Cluster,
     EtcdServer,
+    applied_versions,
+    assert_every_move_prepared,
     assert_versions_grow,
     free_port,
     http_get,
@@ -344,3 +346,82 @@ def test_a_subscription_made_while_a_move_is_prepared_is_in_place_for_the_commit
     assert asyncio.run(subscribe_then_receive()) == [b"after the move"]
     assert time.monotonic() - started < 30  # the move did not wait for its timeout
     follower.close()
+
+
+@pytest.mark.timeout(150)
+def test_etcd_wiped_the_running_map_is_restored_and_nothing_moves_in_one_step(
+    cluster: Cluster, etcd: EtcdServer
+) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    before = cluster.history()
+    running = before[-1]
+    assert running.incoming is None and len({n for n, _ in running.owners}) == 3
+
+    etcd.wipe(down=1.0)  # no map, no member keys, no leases: every node registers again
+    assert cluster.history() == []
+    after = cluster.wait_agreed()
+    views = cluster.wait_settled()
+    restored = after[0]
+    # the map the nodes ran, restored as it was under a version above theirs
+    assert restored.version == running.version + 1, (restored.version, running.version)
+    assert owners_by_id(restored) == owners_by_id(running) and restored.incoming is None
+    assert [n.node_id for n in restored.nodes] == ["a", "b", "c"]
+    leader = views["a"]["leader"]
+    assert f"map version {restored.version} written: the running map restored" in cluster.nodes[leader].log()
+    # then nothing had to move: the layout is the one before
+    assert owners_by_id(after[-1]) == owners_by_id(running)
+    history = before + after
+    assert_versions_grow(history)
+    assert_every_move_prepared(history)
+    for vmap in after:  # never everything on one node
+        assert {vmap.nodes[n].node_id for n, _ in vmap.owners} == {"a", "b", "c"}, vmap.version
+    written = {m.version for m in history}
+    for node_id, node in cluster.nodes.items():
+        applied = applied_versions(node.log())
+        assert applied == sorted(set(applied)) and set(applied) <= written, (node_id, applied)
+        assert applied[-1] == after[-1].version
+
+
+@pytest.mark.timeout(150)
+def test_etcd_wiped_a_leader_with_an_older_map_yields_to_a_node_with_the_newest(
+    cluster: Cluster, etcd: EtcdServer
+) -> None:
+    """c is frozen while a and b move its vbuckets away; etcd loses its data; c, back first
+    with its older map, leads: it must not restore that map (c's old vbuckets would move
+    back in one step). It yields, a or b restores the newest map, and c gets its share
+    back through a prepared move."""
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    c = cluster.nodes["c"]
+    os.killpg(c.pid, signal.SIGSTOP)
+    wait_for(lambda: cluster.settled("a", "b"), 30, "a and b settled without c")
+    before = cluster.history()
+    newest = before[-1]
+    assert newest.node_index("c") is None
+    for node_id in ("a", "b"):
+        os.killpg(cluster.nodes[node_id].pid, signal.SIGSTOP)
+    etcd.wipe()
+    os.killpg(c.pid, signal.SIGCONT)  # back first: registers first, leads, runs an older map
+    wait_for(lambda: cluster.stats("c")["cluster"]["is_leader"], 20, "c leading")
+    time.sleep(0.5)
+    for node_id in ("a", "b"):
+        os.killpg(cluster.nodes[node_id].pid, signal.SIGCONT)
+    after = cluster.wait_agreed()
+    views = cluster.wait_settled()
+    history = before + after
+    assert_versions_grow(history)
+    assert_every_move_prepared(history)
+    restored = after[0]
+    assert restored.version == newest.version + 1 and owners_by_id(restored) == owners_by_id(newest)
+    assert "registering again as the youngest member" in c.log()
+    assert views["c"]["leader"] in ("a", "b")
+    assert sorted(assert_balanced(views)) == [170, 170, 171, 171, 171, 171]  # c has its share again
+    prepare = next(m for m in after if m.incoming is not None)
+    assert moving(prepare) == {"c": sum(views["c"]["vbuckets"])}  # c's share, prepared
+    written = {m.version for m in history}
+    for node_id, node in cluster.nodes.items():
+        applied = applied_versions(node.log())
+        assert applied == sorted(set(applied)) and set(applied) <= written, (node_id, applied)

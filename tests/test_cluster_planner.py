@@ -49,7 +49,6 @@ def test_first_map_then_nothing() -> None:
     assert first.vmap.version == 1 and first.vmap.incoming is None
     assert [n.node_id for n in first.vmap.nodes] == ["a", "b", "c"]
     assert planner.plan(first.vmap, members, {}, False) is None
-    assert planner.plan(None, members, {}, False, first_version=8).vmap.version == 8  # type: ignore[union-attr]
 
 
 def test_a_join_is_prepared_then_committed_when_every_member_is_ready() -> None:
@@ -146,6 +145,61 @@ def test_a_member_back_with_fewer_workers_keeps_the_map_valid_until_the_commit()
     assert final.nodes[0].workers == 2 and set(by_node(final).values()) == {512}
 
 
+def running(members: list[MemberRecord], versions: dict[str, int]) -> list[MemberRecord]:
+    """The members as they register again after etcd lost its data: each with the map it runs."""
+    return [m._replace(map_version=versions.get(m.node_id, 0)) for m in members]
+
+
+def test_etcd_without_the_map_the_nodes_run_gets_it_back_under_a_newer_version() -> None:
+    three = [record("a"), record("b"), record("c")]
+    stable = settle(three)
+    v = stable.version
+    members = running(three, dict.fromkeys("abc", v))
+    assert planner.behind(None, members, v) == v and planner.behind(stable, members, v) == 0
+    step = planner.plan(None, members, {}, False, stable)  # etcd restarted empty
+    assert step is not None and step.kind == planner.RESTORE and step.moving == 0
+    assert step.vmap == stable._replace(version=v + 1)  # the same map, nothing moves
+    assert planner.plan(step.vmap, members, {}, False, step.vmap) is None  # and it stands
+    # the first node back: the others are not members yet; still nothing moves at once
+    alone = planner.plan(None, members[:1], {}, False, stable)
+    assert alone is not None and alone.kind == planner.RESTORE and alone.vmap.owners == stable.owners
+    after = planner.plan(alone.vmap, members[:1], {}, False, alone.vmap)  # the others never came back
+    assert after is not None and after.kind == planner.PREPARE and after.vmap.owners == stable.owners
+    # above every version a node runs, and above an older map etcd still holds (a backup)
+    ahead = running(three, {"a": v, "b": v + 5, "c": v})
+    old = stable._replace(version=2)
+    behind = running(three, {"a": v + 5, "b": v + 5, "c": v})
+    restored = planner.plan(old, behind, {}, False, stable._replace(version=v + 5))
+    assert restored is not None and restored.kind == planner.RESTORE and restored.vmap.version == v + 6
+    # a leader whose map is older than a member's restores nothing: it yields (the node)
+    assert planner.behind(None, ahead, v) == v + 5
+    assert planner.plan(None, ahead, {}, False, stable) is None
+    assert planner.plan(None, ahead, {}, False, None) is None
+
+
+def test_a_prepared_move_is_restored_prepared() -> None:
+    three = [record("a"), record("b"), record("c")]
+    prep = planner.plan(settle(three), [*three, record("d")], {}, False)
+    assert prep is not None and prep.kind == planner.PREPARE
+    v = prep.vmap.version
+    four = running([*three, record("d")], {"a": v, "b": v - 1, "c": v})  # b missed the prepare
+    step = planner.plan(None, four, {}, False, prep.vmap)
+    assert step is not None and step.kind == planner.RESTORE
+    assert step.vmap == prep.vmap._replace(version=prep.vmap.version + 1)
+    ready = {m.node_id: step.vmap.version for m in four}
+    commit = planner.plan(step.vmap, four, ready, False, step.vmap)  # then committed as usual
+    assert commit is not None and commit.kind == planner.COMMIT and commit.moving == 256
+
+
+def test_a_first_map_only_when_no_node_runs_one() -> None:
+    members = [record("a"), record("b")]
+    assert planner.behind(None, members, 0) == 0
+    first = planner.plan(None, members, {}, False, None)
+    assert first is not None and first.kind == planner.FIRST and first.vmap.version == 1
+    # a new node leads, but a member runs a map: no first map (the new node yields)
+    assert planner.plan(None, running(members, {"b": 4}), {}, False, None) is None
+
+
 def test_nobody_serving_plans_nothing() -> None:
     stable = settle([record("a")])
     assert planner.plan(stable, [record("a", state=DRAINING)], {}, False) is None
@@ -189,6 +243,10 @@ def test_keys_records_and_leader() -> None:
         MemberRecord.decode(b'{"node_id": "a"}')
     with pytest.raises(ValueError):
         MemberRecord.decode(rec._replace(state="odd").encode())
+    assert MemberRecord.decode(rec._replace(map_version=12).encode()).map_version == 12
+    assert MemberRecord.decode(b'{"node_id": "a", "host": "h", "port": 1, "workers": 1}').map_version == 0
+    with pytest.raises(ValueError):
+        MemberRecord.decode(rec._replace(map_version=-1).encode())
     assert decode_ready(encode_ready(7)) == 7 and decode_ready(b"junk") == 0
     members = [Member(record("b"), 5, 1), Member(record("a"), 9, 2)]
     assert leader_of(members) == "b" and leader_of([]) is None

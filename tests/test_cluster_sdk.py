@@ -16,8 +16,18 @@ from collections.abc import Iterator
 import pytest
 
 from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
+from bench.harness.cluster import settled
 from broky.protocol import VBucketMap
-from tests.cluster import assert_versions_grow, map_history, moved_between, moving, owners_by_id, wait_for
+from tests.cluster import (
+    agreed,
+    assert_every_move_prepared,
+    assert_versions_grow,
+    map_history,
+    moved_between,
+    moving,
+    owners_by_id,
+    wait_for,
+)
 
 LEASE_TTL = 2
 
@@ -150,3 +160,27 @@ def test_etcd_stopped_and_restarted_under_load_publishing_never_stops(cluster: C
     assert_nothing_lost(result)
     assert result.max_gap_s < 1.0, result  # 3,000 msgs/s: never a pause in the flow
     assert owners_by_id(cluster.map()) == owners_by_id(before)  # nothing moved for an etcd outage
+
+
+@pytest.mark.timeout(180)
+def test_etcd_wiped_under_load_the_map_is_restored_nothing_moves_nothing_lost(cluster: ClusterRun) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    before = map_history(cluster.etcd.endpoint)
+    load = Load(cluster.seeds("a"), cluster.seeds("b"), rate=3000, partitions=256)
+    time.sleep(1.0)
+    cluster.etcd.wipe(down=1.0)  # etcd back empty: no map, no members, no leases
+    after = wait_for(
+        lambda: agreed(cluster.etcd.endpoint, lambda: settled(cluster.nodes)), 60, "a map in etcd, agreed"
+    )
+    time.sleep(1.0)
+    result = finish(load, 256)
+    print(f"\netcd wiped: {result.published} published, longest silence {result.max_gap_s} s")
+    assert_nothing_lost(result)
+    assert result.publisher_resent_after_loss == 0 and result.subscriber_duplicates_dropped == 0, result
+    history = before + after
+    assert_versions_grow(history)
+    assert_every_move_prepared(history)
+    assert after[0].version == before[-1].version + 1  # the running map, restored
+    assert all(owners_by_id(m) == owners_by_id(before[-1]) for m in after)  # nothing moved

@@ -218,6 +218,7 @@ def _node(
         "lease_ttl_seconds": leases.get(node_id),
         "create_revision": member.create_revision if member is not None else None,
         "ready_version": ready.get(node_id),
+        "map_version": record.map_version if record is not None else None,
         "in_map": index is not None,
         "vbuckets": sum(w["vbuckets"] for w in per_worker),
         "vbuckets_incoming": sum(w["incoming"] for w in per_worker),

@@ -8,10 +8,14 @@ cluster keeps its keys (default /broky, so that several clusters can share one
 etcd). Under the prefix:
 
     <prefix>/members/<node_id>  leased by the node: a MemberRecord (JSON), the
-                                node's address, workers, metrics port, version
-                                and state ("serving", or "draining" once it was
-                                asked to leave). The key's create_revision
-                                orders the members: the lowest is the leader.
+                                node's address, workers, metrics port, version,
+                                state ("serving", or "draining" once it was
+                                asked to leave) and the version of the map it
+                                runs (kept current: what a leader restores
+                                from when etcd lost the map, see
+                                broky.cluster.planner). The key's
+                                create_revision orders the members: the lowest
+                                is the leader.
     <prefix>/map                the vbucket map (VBucketMap.to_json); only the
                                 leader writes it, and its version only grows.
     <prefix>/ready/<node_id>    leased by the node: {"version": v}, the last map
@@ -116,6 +120,7 @@ class MemberRecord(NamedTuple):
     metrics_port: int
     version: str  # broky's
     state: str = SERVING
+    map_version: int = 0  # the version of the map the node runs (0: none yet)
 
     @property
     def info(self) -> NodeInfo:
@@ -138,10 +143,11 @@ class MemberRecord(NamedTuple):
                 int(raw.get("metrics_port", 0)),
                 str(raw.get("version", "")),
                 str(raw.get("state", SERVING)),
+                int(raw.get("map_version", 0)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not a member record: {exc!r}") from None
-        if record.workers < 1 or record.state not in STATES:
+        if record.workers < 1 or record.state not in STATES or record.map_version < 0:
             raise ValueError(f"not a member record: {raw!r}")
         return record
 

@@ -26,7 +26,8 @@ Session. `run` loops over sessions, one gRPC channel each
    longer knows means registering again), the watch (updates the copy, wakes
    the loop) and the loop, which every TICK (IDLE_TICK when nothing is pending)
    or when woken:
-   - writes this node's state to its member key when it changed (draining);
+   - writes this node's record to its member key when it changed (draining,
+     or the version of the map it runs);
    - for an applied map with vbuckets moving (`incoming`), asks the master
      whether every worker runs it and every subscriber follows it
      (`map_ready`); once so, writes <prefix>/ready/<node_id> = that version;
@@ -58,6 +59,22 @@ again after its own backoff, and the leader would otherwise move a slower
 node's vbuckets and back, for nothing. It plans as soon as every such node is
 back; a node that died during the outage loses its vbuckets once the grace
 is over. It starts the move timeout of a prepared map when it first sees it.
+
+etcd lost its data (restarted empty, or from an old backup): no map key, no
+member key, no lease. Every session fails, every node registers again with
+the version of the map it runs in its member record, and the first one back
+leads. It must not plan a FIRST map (that would give it every vbucket in one
+step): a FIRST map is only for a cluster whose nodes run no map yet. When
+etcd's map is older than one a node runs (planner.behind), the leader waits
+LEADER_SETTLE and the rejoin grace for the nodes its own map names, then
+writes its running map again, unchanged, under a version above every
+member's (planner RESTORE), so every node accepts it and nothing moves;
+members that did not come back are planned away after the grace, through
+prepare and commit like any departure. A leader whose map is older than a
+member's does not restore it (the difference would move in one step): it
+revokes its lease and registers again, so that it becomes the youngest
+member, and the next oldest decides the same way, until a node with the
+newest map leads and restores that.
 
 Drain (SIGTERM, see broky.server.master). `drain` marks the member key
 "draining"; the leader plans without the node (it stays in `nodes` while it
@@ -123,6 +140,10 @@ class _LeaseLost(Exception):
     """etcd no longer knows this node's lease (or its member key)."""
 
 
+class _Yielded(Exception):
+    """This leader revoked its lease to give the leadership to a node with a newer map."""
+
+
 class ClusterNode:
     def __init__(self, config: ServerConfig, host: MapHost, record: MemberRecord) -> None:
         assert config.cluster is not None
@@ -145,7 +166,7 @@ class ClusterNode:
         # this node's registration
         self.lease = 0
         self.create_revision = 0
-        self.registered_state = ""  # the state our member key holds
+        self.registered: MemberRecord | None = None  # what our member key holds
         self.reported_ready = 0  # the last version written to our ready key
         # what /readyz and /stats show
         self.etcd_up = False
@@ -197,6 +218,9 @@ class ClusterNode:
                 log.warning("this node's lease is gone (etcd lost it or expired it): registering again")
                 self._forget_lease()
                 delay = RETRY_MIN
+            except _Yielded:
+                self._forget_lease()
+                delay = RETRY_MIN
             finally:
                 await etcd.close()
             if not self.etcd_up:
@@ -217,6 +241,7 @@ class ClusterNode:
                 kv = await etcd.get(self.member_key)
                 if kv is not None and kv.lease == self.lease:
                     self.create_revision = kv.create_revision
+                    self.registered = _record_of(kv)
                     return
             log.warning("this node's lease expired while etcd was unreachable: joining again as a new member")
             self._forget_lease()
@@ -224,11 +249,12 @@ class ClusterNode:
         waiting_since = 0.0
         limit = 0.0
         while True:
-            created, kv = await etcd.create(self.member_key, self.record.encode(), self.lease)
+            record = self._record()
+            created, kv = await etcd.create(self.member_key, record.encode(), self.lease)
             if created:
                 assert kv is not None
                 self.create_revision = kv.create_revision
-                self.registered_state = self.record.state
+                self.registered = record
                 log.info(
                     "registered as member %r of %s (lease %x, ttl %d s)",
                     self.node_id, self.url, self.lease, granted,
@@ -259,7 +285,7 @@ class ClusterNode:
     def _forget_lease(self) -> None:
         self.lease = 0
         self.create_revision = 0
-        self.registered_state = ""
+        self.registered = None
         self.reported_ready = 0
 
     async def _resync(self, etcd: Etcd) -> int:
@@ -336,14 +362,28 @@ class ClusterNode:
             return True
         if not self.is_leader:
             return False
-        return self.map is None or time.monotonic() - self.leading_since < LEADER_SETTLE or self._rejoining()
+        return (
+            self.map is None
+            or time.monotonic() - self.leading_since < LEADER_SETTLE
+            or self._rejoining(self.map)
+            or self._behind() > 0
+        )
 
-    def _rejoining(self) -> bool:
-        """Within the rejoin grace of this session, a node the map names as an owner (or an
+    def _rejoining(self, vmap: VBucketMap | None) -> bool:
+        """Within the rejoin grace of this session, a node `vmap` names as an owner (or an
         incoming owner) is no member: it may be registering again after an etcd outage."""
-        if self.map is None or time.monotonic() - self.session_since >= self.rejoin_grace:
+        if vmap is None or time.monotonic() - self.session_since >= self.rejoin_grace:
             return False
-        return bool(_owner_ids(self.map) - self.members.keys())
+        return bool(_owner_ids(vmap) - self.members.keys())
+
+    def _behind(self) -> int:
+        """The newest map version a node runs when etcd's map is older (planner.behind)."""
+        records = [m.record for m in self.members.values()]
+        return planner.behind(self.map, records, self.host.vmap.version)
+
+    def _record(self) -> MemberRecord:
+        """This node's member record as it should be in etcd now."""
+        return self.record._replace(map_version=self.host.vmap.version)
 
     # ------------------------------------------------------------ etcd's state
 
@@ -402,13 +442,15 @@ class ClusterNode:
     # ------------------------------------------------------------ the loop
 
     async def _step(self, etcd: Etcd) -> None:
-        if self.registered_state != self.record.state:
+        record = self._record()
+        if self.registered != record:
             guard = Guard("create", self.member_key, self.create_revision)
-            ok, _ = await etcd.put_if([guard], self.member_key, self.record.encode(), self.lease)
+            ok, _ = await etcd.put_if([guard], self.member_key, record.encode(), self.lease)
             if not ok:
                 raise _LeaseLost
-            self.registered_state = self.record.state
-            log.info("member %r is now %s", self.node_id, self.record.state)
+            if self.registered is None or self.registered.state != record.state:
+                log.info("member %r is now %s", self.node_id, record.state)
+            self.registered = record
         if await self._ready_for_move():
             version = self.host.vmap.version
             await etcd.put(self.keys.ready_of(self.node_id), encode_ready(version), self.lease)
@@ -441,12 +483,20 @@ class ClusterNode:
         moving = current is not None and current.incoming is not None
         if moving and current is not None and (self.prepared is None or self.prepared[0] != current.version):
             self.prepared = (current.version, now)
-        if current is not None and now - self.leading_since < LEADER_SETTLE:
-            return
-        if self._rejoining():
-            return
-        if current is not None and current.incoming is None and self._generation == self._planned:
-            return  # nothing changed since the last plan (a prepared move is looked at every time)
+        running = self.host.vmap
+        newest = self._behind()
+        if newest:  # etcd lost the map the nodes run: restore it (see the header)
+            if now - self.leading_since < LEADER_SETTLE or self._rejoining(running):
+                return
+            if running.version < newest:
+                await self._yield(etcd, newest)
+        else:
+            if current is not None and now - self.leading_since < LEADER_SETTLE:
+                return
+            if self._rejoining(current):
+                return
+            if current is not None and current.incoming is None and self._generation == self._planned:
+                return  # nothing changed since the last plan (a prepared move is looked at every time)
         self._planned = self._generation
         timed_out = (
             current is not None
@@ -455,7 +505,7 @@ class ClusterNode:
             and now - self.prepared[1] >= self.move_timeout
         )
         records = [m.record for m in self.members.values()]
-        step = planner.plan(current, records, self.ready, timed_out, first_version=self.host.vmap.version + 1)
+        step = planner.plan(current, records, self.ready, timed_out, running if running.version else None)
         if step is None:
             return
         guards = [
@@ -469,6 +519,19 @@ class ClusterNode:
         self._describe(step, now)
         self._take(Event(PUT, kv))
 
+    async def _yield(self, etcd: Etcd, newest: int) -> None:
+        """Leading with a map older than a member's while etcd has lost the newer one:
+        give the leadership up (revoke the lease, register again as the youngest member)."""
+        ahead = sorted(m.node_id for m in self.members.values() if m.record.map_version == newest)
+        log.warning(
+            "etcd has no map as new as the ones the nodes run; %s run%s map version %d, newer than "
+            "this node's %d: registering again as the youngest member, so that a node with the newest "
+            "map leads and restores it",
+            ", ".join(ahead), "s" if len(ahead) == 1 else "", newest, self.host.vmap.version,
+        )  # fmt: skip
+        await etcd.revoke(self.lease)
+        raise _Yielded
+
     def _describe(self, step: planner.Plan, now: float) -> None:
         vmap = step.vmap
         version = vmap.version
@@ -477,6 +540,13 @@ class ClusterNode:
         who = f"serving: {', '.join(serving)}" + (f"; draining: {', '.join(draining)}" if draining else "")
         if step.kind == planner.FIRST:
             log.info("map version %d written: the first map (%s)", version, who)
+        elif step.kind == planner.RESTORE:
+            log.warning(
+                "map version %d written: the running map restored (etcd had %s; this node ran "
+                "version %d, as new as any member's), nothing moved (%s)",
+                version, "no map" if self.map is None else f"version {self.map.version}",
+                self.host.vmap.version, who,
+            )  # fmt: skip
         elif step.kind == planner.PREPARE:
             log.info("map version %d prepared: %d vbuckets to move (%s)", version, step.moving, who)
         elif step.kind == planner.COMMIT:
@@ -611,6 +681,13 @@ def _owner_ids(vmap: VBucketMap) -> set[str]:
     indexes = {node for node, _ in vmap.owners}
     indexes.update(i[0] for i in vmap.incoming or () if i != NO_OWNER)
     return {vmap.nodes[i].node_id for i in indexes}
+
+
+def _record_of(kv: KeyValue) -> MemberRecord | None:
+    try:
+        return MemberRecord.decode(kv.value)
+    except ValueError:
+        return None
 
 
 def _holder(kv: KeyValue) -> str:

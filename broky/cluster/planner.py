@@ -26,7 +26,29 @@ leader prepares again from the current owners (a new version), or cancels
 the move (CANCEL: `incoming` removed) when nothing has to move any more. A
 change that moves nothing (a member's address, a gone node that owns
 nothing) is one UPDATE. The first map of a cluster (FIRST) moves nothing
-from anybody, so it needs no preparation.
+from anybody, so it needs no preparation: it is what a brand-new cluster
+gets, one whose nodes run no map yet.
+
+etcd lost the map (RESTORE). Every node runs a map and says which in its
+member record (MemberRecord.map_version). If etcd holds no map, or one older
+than a map some node runs (etcd restarted empty, or restored from an old
+backup), a FIRST map would give the leader every vbucket in one step. So
+`behind` names the newest version the nodes run, and the leader writes the
+map it runs itself, unchanged (owners, `incoming` if a move was prepared),
+under the version above every one the nodes and etcd hold: every node
+accepts it as newer, and nothing moves. From then on the plans above move
+only what must move, through PREPARE and COMMIT (members that did not come
+back are planned away only after the node's rejoin grace,
+broky.cluster.node). A leader whose own map is older than a member's does
+not restore (`plan` returns None): restoring it would move, in one step,
+whatever changed between the two. It yields instead (broky.cluster.node:
+it registers again, as the youngest member), until the leader is a member
+that runs the newest map, and that one restores. A node back after the
+leader's wait with a newer map than the restored one makes etcd's map
+behind again, and the same rule restores the newer one (what differs moves
+in one step: the wait is what makes that rare). Not covered: such a node
+whose map carries exactly the restored version; it keeps its own map until
+the next version (a member record carries no digest of its map to tell).
 
 `nodes` lists every member (serving or draining) and every node that still
 owns a vbucket (a node that died keeps its vbuckets until the commit), in
@@ -48,13 +70,21 @@ PREPARE = "prepare"
 COMMIT = "commit"
 CANCEL = "cancel"
 UPDATE = "update"
+RESTORE = "restore"
 
 
 class Plan(NamedTuple):
-    kind: str  # FIRST, PREPARE, COMMIT, CANCEL or UPDATE
+    kind: str  # FIRST, PREPARE, COMMIT, CANCEL, UPDATE or RESTORE
     vmap: VBucketMap  # the map to write
     moving: int  # vbuckets that this plan prepares to move (PREPARE) or moves (COMMIT, FIRST)
     not_ready: tuple[str, ...] = ()  # COMMIT after the move timeout: members that were not ready
+
+
+def behind(current: VBucketMap | None, members: Sequence[MemberRecord], running: int) -> int:
+    """The newest map version that a member or the leader (`running`) runs, when etcd's
+    map (`current`, None for none) is older than it: etcd lost it. Else 0."""
+    newest = max([running, *(m.map_version for m in members)])
+    return newest if newest > (0 if current is None else current.version) else 0
 
 
 def plan(
@@ -62,23 +92,29 @@ def plan(
     members: Sequence[MemberRecord],
     ready: Mapping[str, int],
     move_timed_out: bool,
-    first_version: int = 1,
+    running: VBucketMap | None = None,
 ) -> Plan | None:
-    """The next map, or None when the current one stands (or nobody serves).
+    """The next map, or None when the current one stands (or nobody serves, or a member
+    runs a newer map than the leader's while etcd's is behind: the leader yields).
 
     Args:
         current: the map in etcd (None: there is none yet).
         members: every live member, serving or draining.
         ready: node id -> the last prepared map version it said it applied.
         move_timed_out: the current prepared map was written --move-timeout ago.
-        first_version: the version of a first map.
+        running: the map the leader runs (None: none yet).
     """
     serving = [m.info for m in members if m.state == SERVING]
     if not serving:
         return None
+    newest = behind(current, members, 0 if running is None else running.version)
+    if newest:
+        if running is None or running.version < newest:
+            return None
+        return Plan(RESTORE, running._replace(version=newest + 1), 0)
     if current is None:
         first = assign(serving, [None] * VBUCKETS)
-        return Plan(FIRST, _build(first_version, members, None, first.owners, None), VBUCKETS)
+        return Plan(FIRST, _build(1, members, None, first.owners, None), VBUCKETS)
     owners = [(current.nodes[n].node_id, w) for n, w in current.owners]
     target = assign(serving, owners)
     version = current.version + 1
