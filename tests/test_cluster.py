@@ -425,3 +425,39 @@ def test_etcd_wiped_a_leader_with_an_older_map_yields_to_a_node_with_the_newest(
     for node_id, node in cluster.nodes.items():
         applied = applied_versions(node.log())
         assert applied == sorted(set(applied)) and set(applied) <= written, (node_id, applied)
+
+
+@pytest.mark.timeout(150)
+def test_etcd_wiped_during_a_prepared_move_the_move_is_restored_prepared_then_committed(
+    cluster: Cluster, etcd: EtcdServer
+) -> None:
+    for node_id in ("a", "b", "c"):
+        cluster.start(node_id)
+    cluster.wait_settled()
+    # a subscriber on a that answers MapApplied only when told: the move stays prepared
+    with Wire.hello(cluster.nodes["a"].address, worker=0) as follower:
+        follower.subscribe(1, b"x")
+        assert [f for f in follower.flush() if not isinstance(f, MapUpdate)] == []
+        cluster.start("d")
+        prepared = follower.expect(MapUpdate, timeout=10).map
+        assert moving(prepared) == {"d": 256}
+        before = cluster.history()
+        assert before[-1] == prepared
+
+        etcd.wipe(down=0.5)
+        restored = follower.expect(MapUpdate, timeout=30).map
+        assert restored == prepared._replace(version=prepared.version + 1)  # still prepared, nothing moved
+        follower.send(MapApplied(restored.version))
+        committed = follower.expect(MapUpdate, timeout=15).map
+        assert committed.incoming is None and committed.version == restored.version + 1
+        after = cluster.wait_agreed()
+    views = cluster.wait_settled()
+    assert sorted(assert_balanced(views)) == [128] * 8
+    history = before + after
+    assert_versions_grow(history)
+    assert_every_move_prepared(history)
+    assert after[:2] == [restored, committed] and moved_between(prepared, committed) == 256
+    leader = views["a"]["leader"]
+    assert f"map version {committed.version} committed: 256 vbuckets moved, every member ready" in (
+        cluster.nodes[leader].log()
+    )
