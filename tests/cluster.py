@@ -72,7 +72,7 @@ def map_history(endpoint: str, prefix: str = "/broky", timeout: float = 10.0) ->
     return result
 
 
-def agreed(
+def agreed_history(
     endpoint: str, settled: Callable[[], dict[str, dict[str, Any]] | None], prefix: str = "/broky"
 ) -> list[VBucketMap] | None:
     """The map history if etcd holds a map and every node settled on it (`settled`: their
@@ -198,7 +198,7 @@ class Cluster:
     def wait_agreed(self, timeout: float = 60.0) -> list[VBucketMap]:
         """Wait until etcd holds a map and every node settled on it: the map history."""
         return wait_for(
-            lambda: agreed(self.etcd.endpoint, self.settled, self.prefix),
+            lambda: agreed_history(self.etcd.endpoint, self.settled, self.prefix),
             timeout,
             f"nodes {sorted(self.nodes)} settled on the map in etcd",
         )

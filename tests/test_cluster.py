@@ -406,8 +406,7 @@ def test_etcd_wiped_a_leader_with_an_older_map_yields_to_a_node_with_the_newest(
     etcd.wipe()
     os.killpg(c.pid, signal.SIGCONT)  # back first: registers first, leads, runs an older map
     wait_for(lambda: cluster.stats("c")["cluster"]["is_leader"], 20, "c leading")
-    time.sleep(0.5)
-    for node_id in ("a", "b"):
+    for node_id in ("a", "b"):  # back within c's rejoin grace (4 s): c waits for them
         os.killpg(cluster.nodes[node_id].pid, signal.SIGCONT)
     after = cluster.wait_agreed()
     views = cluster.wait_settled()

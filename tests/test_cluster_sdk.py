@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import pytest
 
 from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
-from bench.harness.cluster import settled
+from bench.harness.cluster import agreed
 from broky.protocol import VBucketMap
 from tests.cluster import (
-    agreed,
     assert_every_move_prepared,
     assert_versions_grow,
     map_history,
@@ -171,9 +170,8 @@ def test_etcd_wiped_under_load_the_map_is_restored_nothing_moves_nothing_lost(cl
     load = Load(cluster.seeds("a"), cluster.seeds("b"), rate=3000, partitions=256)
     time.sleep(1.0)
     cluster.etcd.wipe(down=1.0)  # etcd back empty: no map, no members, no leases
-    after = wait_for(
-        lambda: agreed(cluster.etcd.endpoint, lambda: settled(cluster.nodes)), 60, "a map in etcd, agreed"
-    )
+    wait_for(lambda: agreed(cluster.etcd, cluster.nodes), 60, "the nodes settled on a map in etcd")
+    after = map_history(cluster.etcd.endpoint)
     time.sleep(1.0)
     result = finish(load, 256)
     print(f"\netcd wiped: {result.published} published, longest silence {result.max_gap_s} s")

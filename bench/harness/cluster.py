@@ -3,11 +3,13 @@
 `EtcdServer` runs one etcd member (Debian's etcd-server, which `./run test`
 installs) on free loopback ports with its own data directory, waits until its
 /health answers, and can be paused (SIGSTOP), resumed, killed and restarted
-on the same directory and ports, or wiped (`EtcdServer.wipe`: killed, its data
-directory removed, a fresh member started on the same ports: every key,
-lease and revision of the cluster is gone while its nodes run on). `start_node` starts one `broky serve
---cluster` node (bench.harness.servers.start_broky). `cluster_view` reads the
-"cluster" object of a node's /stats. Everything is stopped by pid.
+on the same directory and ports, or wiped (`EtcdServer.wipe`: killed, its
+data directory removed, a fresh member started on the same ports: every key,
+lease and revision of the cluster is gone while its nodes run on).
+`start_node` starts one `broky serve --cluster` node
+(bench.harness.servers.start_broky). `cluster_view` reads the "cluster"
+object of a node's /stats; `settled` says when the nodes agree on one map,
+and `agreed` also that it is the map etcd holds. Everything is stopped by pid.
 """
 
 from __future__ import annotations
@@ -196,3 +198,18 @@ def current_map(etcd: EtcdServer, prefix: str = "/broky") -> VBucketMap:
         return VBucketMap.from_json(json.loads(kv.value))
 
     return asyncio.run(read())
+
+
+def agreed(etcd: EtcdServer, nodes: dict[str, Server], prefix: str = "/broky") -> VBucketMap | None:
+    """The map etcd holds once every node settled on it (`settled`), else None. After
+    `EtcdServer.wipe` the nodes look settled on the map they ran before etcd holds any:
+    wait_for(lambda: agreed(etcd, nodes), ...) waits until the map is back in etcd too.
+
+    Raises:
+        AssertionError: etcd holds no map (wait_for retries it).
+    """
+    views = settled(nodes)
+    if views is None:
+        return None
+    vmap = current_map(etcd, prefix)
+    return vmap if {v["map_version"] for v in views.values()} == {vmap.version} else None
