@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 from bench import worker_kill  # noqa: E402
 from bench.cluster_failover import ClusterRun, Load, owned_partitions  # noqa: E402
 from bench.harness import children, servers  # noqa: E402
-from bench.harness.cluster import start_node  # noqa: E402
+from bench.harness.cluster import agreed, start_node, wait_for  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
 from broky.protocol import LossReason  # noqa: E402
@@ -305,6 +305,7 @@ def _cluster_run(
         time.sleep(1.0)
         faults = faults_of(cluster, partitions)
         cluster.wait_settled(90.0)
+        wait_for(lambda: agreed(cluster.etcd, cluster.nodes), 90.0, "etcd holds the map the nodes run")
         time.sleep(2.0)
         published, subscribed = load.finish()
     finally:
@@ -408,6 +409,32 @@ def etcd_outage(seconds: float = 30.0) -> Outcome:
     return _cluster_run("etcd-outage", faults)
 
 
+def etcd_wipe(down: float = 2.0) -> Outcome:
+    """etcd loses its data under the cluster: killed, its data removed, a fresh empty
+    etcd started on the same ports `down` seconds later. Also records whether any map
+    the nodes applied moved vbuckets without a prepare (there should be none)."""
+
+    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+        before = cluster.map()
+        wiped_at, back_at = cluster.etcd.wipe(down)
+        vmap = wait_for(lambda: agreed(cluster.etcd, cluster.nodes), 90.0, "the map restored")
+        same = [(vmap.nodes[n].node_id, w) for n, w in vmap.owners] == [
+            (before.nodes[n].node_id, w) for n, w in before.owners
+        ]
+        return [
+            {
+                "what": f"etcd wiped, back after {down:g} s",
+                "time": wiped_at,
+                "lasted_s": round(back_at - wiped_at, 3),
+                "restored_s": round(time.time() - back_at, 3),
+                "owners_unchanged": same,
+                "versions": f"{before.version} -> {vmap.version}",
+            }
+        ]
+
+    return _cluster_run("etcd-wipe", faults)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -416,6 +443,7 @@ SCENARIOS: dict[str, Callable[[], Outcome]] = {
     "node-kill-loop": node_kill_loop,
     "frozen-node": frozen_node,
     "etcd-outage": etcd_outage,
+    "etcd-wipe": etcd_wipe,
 }
 
 
