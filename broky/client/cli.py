@@ -276,6 +276,10 @@ async def _sub(args: argparse.Namespace) -> int:
 
     def told_loss(ref: Any, dropped: int, reason: int) -> None:
         label = f"worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
+        if reason == LossReason.UNACCOUNTED:  # a count of 0: some may be lost, how many is unknown
+            label += ": some may have been lost, how many is unknown"
+            losses.add((ref, reason), label, 1, ("connection unaccounted", "connections unaccounted"))
+            return
         losses.add((ref, reason), label, dropped)
 
     options = {**_options(args, "broky-sub"), "on_loss": told_loss, "on_disconnect": _disconnected}
