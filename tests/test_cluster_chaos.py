@@ -18,14 +18,18 @@ payload) and an SDK subscriber on `w.>`. Leases of 2 s keep them short.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 
+import broky
 from bench import chaos
 from bench.cluster_failover import Load
+from broky.protocol import vbucket_of
 
 
 def check_promise(out: chaos.Outcome) -> str:
@@ -98,3 +102,62 @@ def test_a_subscriber_not_in_place_when_a_move_times_out_is_told() -> None:
     assert out.unaccounted_notices >= 1, summary
     assert out.untold <= 0, summary
     assert out.duplicates == 0 and out.out_of_order == 0, summary
+
+
+@pytest.mark.timeout(180)
+def test_copies_of_what_a_frozen_node_delivered_are_dropped_for_a_pure_subscriber() -> None:
+    """Finding 3: a publisher sends again, with their uids, the publishes a frozen node
+    delivered but never confirmed; the subscriber (which publishes nothing) must drop
+    the copies. Its retired connection's last deliveries used to enter the duplicate
+    filter only when it had unconfirmed publishes of its own, so they reached the
+    application twice. Made certain here: the publisher confirms rarely, so all its
+    publishes to the frozen node are unconfirmed when it freezes."""
+    cluster = chaos.Cluster(2, 2)
+    try:
+        cluster.start("a")
+        cluster.start("b")
+        cluster.wait_settled()
+        vmap = cluster.map()
+        b = vmap.node_index("b")
+        kps = [k for k in (b"kp-%d" % i for i in range(2000)) if vmap.owners[vbucket_of(k)][0] == b][:200]
+        firsts = list({vmap.owners[vbucket_of(k)]: k for k in kps}.values())  # one per worker of b
+        seed = cluster.seeds("a")
+
+        async def run() -> tuple[list[bytes], broky.ClientStats]:
+            got: list[bytes] = []
+            async with (
+                broky.connect(seed) as sub_client,
+                broky.connect(seed, confirm_interval=60.0, ping_interval=None) as pub,
+            ):
+                await sub_client.subscribe("f.>", callback=lambda m: got.append(m.payload))
+                for kp in firsts:  # the first write to each worker of b carries the one Ping
+                    await pub.publish(kp, "f.x", b"first")
+                await pub.flush()
+                for i, kp in enumerate(kps):
+                    await pub.publish(kp, "f.x", b"%d" % i)  # written, delivered, never confirmed
+                await wait_until(lambda: len(got) == len(kps) + len(firsts), 10.0)
+                pids = cluster.pids("b")
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)  # b owned every one of them
+                try:
+                    # b's lease (2 s) expires, its vbuckets move to a, and the publisher
+                    # sends its unconfirmed publishes again to a, with their uids.
+                    await wait_until(lambda: pub.stats.resent_after_loss >= len(kps), 30.0)
+                    await asyncio.sleep(1.0)
+                finally:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+                return got, sub_client.stats
+
+        got, stats = asyncio.run(run())
+        assert sorted(got) == sorted([b"first"] * len(firsts) + [b"%d" % i for i in range(len(kps))])
+        assert stats.duplicates_dropped == len(kps)  # every copy arrived, and was dropped
+    finally:
+        cluster.stop()
+
+
+async def wait_until(check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        await asyncio.sleep(0.02)
