@@ -129,6 +129,25 @@ def test_health_ready_and_errors(server: ServerProcess) -> None:
         assert status == 400 and b"limit must be a positive integer" in body
 
 
+def test_a_limit_not_a_positive_integer_is_a_400_and_a_huge_one_is_clamped(server: ServerProcess) -> None:
+    # Unicode digits pass str.isdigit() but not int(), nor do 4,301 digits or more pass
+    # int(): both used to answer 500 and log a multi-kilobyte traceback.
+    bad = ["%C2%B2", "%D9%A3", "1%C2%B2", "%EF%BC%95", "", "0", "0000", "-3", "%2B5", "5.0", "0x10", "%FF"]
+    for path in ("/connections", "/topics"):
+        for value_ in bad:
+            status, ctype, body = get(server, f"{path}?limit={value_}")
+            assert (status, ctype) == (400, "text/plain"), (path, value_, status, body)
+            assert body.startswith(b"limit must be a positive integer") and len(body) < 200, body
+        for huge, expected in (("9" * 4301, 1000), ("1" * 6000, 1000), ("0" * 6000 + "7", 7)):
+            assert get_json(server, f"{path}?limit={huge}")["limit"] == expected
+    status, _, body = get(server, "/connections?limit=" + "x" * 6000)
+    assert status == 400 and len(body) < 200  # the value is quoted, cut short
+    assert get(server, "/healthz")[0] == 200
+    log = server.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    assert max(len(line) for line in log.splitlines()) < 500
+
+
 def test_an_oversized_request_head_gets_431(server: ServerProcess) -> None:
     with socket.create_connection((server.host, server.metrics_port), timeout=5) as sock:
         sock.sendall(b"GET /metrics HTTP/1.0\r\nX-Filler: " + b"a" * 20_000 + b"\r\n\r\n")

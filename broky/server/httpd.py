@@ -3,7 +3,8 @@
 Routes are a dict path -> async handler returning (status, content type,
 body); the master registers /healthz and /readyz, and broky.server.monitor
 adds /metrics, /stats, /connections and /topics. A handler in
-`query_routes` gets the query string as a dict (last value of each name wins).
+`query_routes` gets the query string as a dict (last value of each name wins;
+an empty value is kept, so `?limit=` is the handler's to refuse).
 GET and HEAD only; one request per connection. A request head (request line
 and headers) longer than MAX_REQUEST_BYTES gets 431 and the connection is
 closed; one that does not arrive within REQUEST_TIMEOUT seconds is dropped.
@@ -97,7 +98,9 @@ class HttpServer:
             return 404, "text/plain", b"not found\n", method == "GET"
         try:
             if query_handler is not None:
-                status, ctype, body = await query_handler(dict(urllib.parse.parse_qsl(query)))
+                status, ctype, body = await query_handler(
+                    dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+                )
             else:
                 assert handler is not None
                 status, ctype, body = await handler()

@@ -27,6 +27,12 @@ Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
     /connections  {"total", "limit", "connections": [...]} busiest first
     /topics       {"total", "limit", "topics": [...]} most subscriptions first
 
+?limit= is a positive decimal integer in ASCII digits (`str.isdigit()` alone
+would take "²", which int() refuses), of any length: over MAX_LIMIT it is
+MAX_LIMIT, and a string of more digits than MAX_LIMIT has is never given to
+int() (which refuses 4,301 digits or more). Anything else is a 400 quoting
+the value cut short; other names in the query string are ignored.
+
 /topics is exact by construction: an entry is one pattern on one worker (a
 pattern subscribed on two workers is two entries), with the number of
 subscriptions (sids, over all of that worker's connections) having exactly
@@ -308,12 +314,17 @@ def install(master: Observed) -> Monitor:
 
 
 def _limit(query: dict[str, str]) -> tuple[int, bytes]:
+    """?limit=: a positive decimal integer (ASCII digits; any length, clamped to MAX_LIMIT)."""
     raw = query.get("limit")
     if raw is None:
         return DEFAULT_LIMIT, b""
-    if not raw.isdigit() or int(raw) < 1:
-        return 0, f"limit must be a positive integer, not {raw!r}\n".encode()
-    return min(int(raw), MAX_LIMIT), b""
+    digits = raw.lstrip("0")
+    if not raw.isascii() or not raw.isdigit() or not digits:  # str.isdigit() alone takes "²"
+        shown = ascii(raw) if len(raw) <= 40 else ascii(raw[:40]) + f"... ({len(raw)} characters)"
+        return 0, f"limit must be a positive integer (at most {MAX_LIMIT} are listed), not {shown}\n".encode()
+    if len(digits) > len(str(MAX_LIMIT)):  # never int() of a huge string (4,301 digits raise)
+        return MAX_LIMIT, b""
+    return min(int(digits), MAX_LIMIT), b""
 
 
 def _latency_summary(snap: dict[str, Any]) -> dict[str, Any]:
