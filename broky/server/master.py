@@ -93,7 +93,7 @@ from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import fastpath, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
-from broky.server.httpd import HttpServer, Response
+from broky.server.httpd import HttpServer, Request, Response
 from broky.server.logs import Throttle
 from broky.server.supervisor import Supervisor, WorkerProcess
 
@@ -186,8 +186,8 @@ class Master:
             return 1
         port = self.listener.getsockname()[1]
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
-        self.http.routes["/healthz"] = self.healthz
-        self.http.routes["/readyz"] = self.readyz
+        self.http.route("/healthz", self.healthz)
+        self.http.route("/readyz", self.readyz)
         monitor.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
@@ -664,10 +664,10 @@ class Master:
         answers = await self.worker_stats(b"ready:%d" % version)
         return all(a is not None and a["ready"] and a["version"] >= version for a in answers)
 
-    async def healthz(self) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return 200, "text/plain", b"ok\n"
 
-    async def readyz(self) -> Response:
+    async def readyz(self, request: Request) -> Response:
         """200 when every worker is ready, answering and taking connections; a hung worker
         (e.g. stopped) is not, nor one that refused a hand-off in the last few seconds."""
         assert self.supervisor is not None

@@ -55,7 +55,7 @@ from broky import __version__
 from broky.protocol.routing import VBucketMap, to_ranges
 from broky.server import handoff, histogram
 from broky.server.config import ServerConfig
-from broky.server.httpd import HttpServer, Response
+from broky.server.httpd import HttpServer, Request, Response, quote
 from broky.server.metrics import Exporter
 
 if TYPE_CHECKING:
@@ -186,12 +186,12 @@ class Monitor:
         self.master = master
         self.exporter = Exporter()
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         snapshots = await self.master.worker_stats()
         body = self.exporter.render(snapshots, self._master_view(), self._cluster_view())
         return 200, self.exporter.content_type, body
 
-    async def stats(self) -> Response:
+    async def stats(self, request: Request) -> Response:
         snapshots = await self.master.worker_stats()
         workers: list[dict[str, Any]] = []
         totals: dict[str, Any] = dict.fromkeys(TOTALS, 0)
@@ -230,8 +230,8 @@ class Monitor:
         }
         return 200, "application/json", _json(body)
 
-    async def connections(self, query: dict[str, str]) -> Response:
-        limit, error = _limit(query)
+    async def connections(self, request: Request) -> Response:
+        limit, error = _limit(request.query)
         if error:
             return 400, "text/plain", error
         views = await self.master.worker_stats(b"connections:%d" % limit)
@@ -245,8 +245,8 @@ class Monitor:
         }
         return 200, "application/json", _json(body)
 
-    async def topics(self, query: dict[str, str]) -> Response:
-        limit, error = _limit(query)
+    async def topics(self, request: Request) -> Response:
+        limit, error = _limit(request.query)
         if error:
             return 400, "text/plain", error
         views = await self.master.worker_stats(b"topics:%d" % limit)
@@ -306,10 +306,11 @@ def _by_worker(counts: dict[tuple[int, str], int], workers: int) -> list[dict[st
 def install(master: Observed) -> Monitor:
     """Register the monitoring endpoints on the master's HTTP server."""
     mon = Monitor(master)
-    master.http.routes["/metrics"] = mon.metrics
-    master.http.routes["/stats"] = mon.stats
-    master.http.query_routes["/connections"] = mon.connections
-    master.http.query_routes["/topics"] = mon.topics
+    http = master.http
+    http.route("/metrics", mon.metrics)
+    http.route("/stats", mon.stats)
+    http.route("/connections", mon.connections)
+    http.route("/topics", mon.topics)
     return mon
 
 
@@ -320,8 +321,10 @@ def _limit(query: dict[str, str]) -> tuple[int, bytes]:
         return DEFAULT_LIMIT, b""
     digits = raw.lstrip("0")
     if not raw.isascii() or not raw.isdigit() or not digits:  # str.isdigit() alone takes "²"
-        shown = ascii(raw) if len(raw) <= 40 else ascii(raw[:40]) + f"... ({len(raw)} characters)"
-        return 0, f"limit must be a positive integer (at most {MAX_LIMIT} are listed), not {shown}\n".encode()
+        return (
+            0,
+            f"limit must be a positive integer (at most {MAX_LIMIT} are listed), not {quote(raw)}\n".encode(),
+        )
     if len(digits) > len(str(MAX_LIMIT)):  # never int() of a huge string (4,301 digits raise)
         return MAX_LIMIT, b""
     return min(int(digits), MAX_LIMIT), b""

@@ -1,0 +1,447 @@
+"""The HTTP port's request handling: no input gets a 500 or a traceback.
+
+In-process, the sans-IO parser (`parse_head`, `head_length`), the answer path
+of `HttpServer` and the ?limit= check are fuzzed with hypothesis. Then a real
+`broky serve` gets generated requests over raw sockets on every route: every
+answer must be a well-formed HTTP/1.0 response with an allowed status (the
+exact one for a request built well), the server must keep answering, and its
+log must hold no traceback and no error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from decimal import Decimal
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from broky.server import httpd, monitor
+from broky.server.httpd import HttpError, HttpServer, Request, Response, head_length, parse_head
+from tests.serverproc import ServerProcess
+
+TOKEN = "t0ken-f7"
+OPEN = ("/healthz", "/readyz", "/metrics")
+PRIVATE = ("/stats", "/connections", "/topics")
+ROUTES = OPEN + PRIVATE
+PARSE_STATUSES = {400, 405, 505}
+_STATUS_LINE = re.compile(rb"HTTP/1\.0 ([1-5][0-9][0-9]) [A-Za-z ]*\r\n")
+
+# ---------------------------------------------------------------- strategies
+
+TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+methods_ok = st.sampled_from(["GET", "HEAD"])
+methods_any = st.one_of(
+    methods_ok,
+    st.sampled_from(["POST", "PUT", "DELETE", "OPTIONS", "get", "head", "PRI", "CONNECT", "TRACE"]),
+    st.text(TOKEN_CHARS, min_size=1, max_size=8),
+    st.binary(min_size=0, max_size=8).map(lambda b: b.decode("latin-1")),
+)
+paths_ok = st.one_of(  # two in three name a route
+    st.sampled_from(ROUTES),
+    st.sampled_from(ROUTES),
+    st.sampled_from(["/", "/nope", "/metrics/", "/stats/x", "/healthz.json", "/debug/stats"]),
+)
+paths_any = st.one_of(
+    paths_ok,
+    st.sampled_from(["*", "", "metrics", "//metrics", "/%6Detrics", "/met%00rics", "/metrics#x", "/\u00e9"]),
+    st.text(max_size=30).map(lambda t: "/" + t),
+)
+limit_values = st.one_of(
+    st.integers(min_value=-5, max_value=2000).map(str),
+    st.sampled_from(
+        ["%C2%B2", "%D9%A3", "%EF%BC%95", "%FF", "%ZZ", "%", "%2", "", "+5", "0x10", "1e3", "5.0"]
+    ),
+    st.integers(min_value=4290, max_value=4400).map(lambda n: "9" * n),
+    st.text(max_size=12).map(lambda t: urllib.parse.quote(t, safe="")),
+    st.binary(max_size=12).map(lambda b: "".join(f"%{x:02X}" for x in b)),
+)
+query_pairs = st.lists(
+    st.tuples(st.sampled_from(["limit", "Limit", "x", "", "limit[]", "%6Cimit"]), limit_values), max_size=4
+)
+line_ends = st.sampled_from(["\r\n", "\n"])
+SINGLE = ("host", "authorization", "content-length")  # a second one is a 400
+
+
+@dataclass
+class Generated:
+    raw: bytes
+    valid: bool  # every part well formed: the expected status is known
+    method: str
+    path: str
+    query: dict[str, str]
+    auth: str  # "none", "right", "wrong", "malformed"
+
+
+@st.composite
+def requests(draw: st.DrawFn, token: str = TOKEN) -> Generated:
+    valid = draw(st.booleans())
+    method = draw(methods_ok if valid else methods_any)
+    path = draw(paths_ok if valid else paths_any)
+    pairs = draw(query_pairs)
+    query = "&".join(f"{k}={v}" for k, v in pairs)
+    with_query = bool(pairs) or draw(st.booleans())  # "/metrics?" too
+    target = path + ("?" + query if with_query else "")
+    if valid and draw(st.booleans()):
+        target = "http://localhost:9477" + target
+    version = draw(
+        st.sampled_from(["HTTP/1.1", "HTTP/1.0"])
+        if valid
+        else st.sampled_from(
+            ["HTTP/1.1", "HTTP/1.0", "HTTP/2.0", "HTTP/0.9", "HTTP/1", "http/1.1", "HTTP/1.1 ", ""]
+        )
+    )
+    auth = draw(st.sampled_from(["none", "right", "right", "right", "wrong", "malformed"]))
+    headers: list[str] = []
+    if draw(st.booleans()):
+        headers.append("Host: localhost")
+    headers.append(
+        {
+            "none": "",
+            "right": f"Authorization: {draw(st.sampled_from(['Bearer', 'bearer', 'BEARER']))} {token}",
+            "wrong": f"Authorization: Bearer {draw(st.text(TOKEN_CHARS, min_size=1, max_size=40))}",
+            "malformed": "Authorization: "
+            + draw(st.sampled_from(["Bearer", "Basic dXNlcjpwdw==", "Token x", "", "Bearer  "])),
+        }[auth]
+    )
+    headers += draw(
+        st.lists(
+            st.tuples(
+                st.text(TOKEN_CHARS, min_size=1, max_size=20).filter(lambda n: n.lower() not in SINGLE),
+                st.text("abc xyz=;,/\t", max_size=60),
+            ).map(lambda kv: f"{kv[0]}: {kv[1]}"),
+            max_size=4,
+        )
+    )
+    if not valid:
+        headers += draw(
+            st.lists(
+                st.one_of(
+                    st.sampled_from(
+                        [
+                            "NoColon",
+                            " folded: line",
+                            "\tfolded",
+                            "Bad Name: x",
+                            ": empty name",
+                            "X: a\x00b",
+                            "X: a\rb",
+                            "X: \x7f",
+                            "Authorization: Bearer x",
+                            "Host: a",
+                            "Content-Length: 5",
+                            "X-Big: " + "a" * 9000,
+                        ]
+                    ),
+                    st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+                ),
+                max_size=3,
+            )
+        )
+    headers = [h for h in headers if h]
+    end = draw(line_ends) if valid else draw(st.sampled_from(["\r\n", "\n", "\r"]))
+    request_line = (
+        f"{method} {target} {version}"
+        if valid
+        else draw(
+            st.sampled_from(
+                [f"{method} {target} {version}", f"{method}  {target} {version}", f"{method} {target}"]
+            )
+        )
+    )
+    raw = (request_line + end + "".join(h + end for h in headers) + end).encode("utf-8", "surrogatepass")
+    if head_length(raw) < 0:  # "\r" alone ends no line: end the head (else the server waits for it)
+        raw += b"\r\n\r\n"
+    if valid and draw(st.booleans()):
+        raw += draw(st.binary(max_size=64))  # a body or pipelined junk after the head
+    decoded = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    return Generated(raw, valid, method, path, decoded, auth)
+
+
+def expected_status(g: Generated, limits_ok: bool) -> set[int]:
+    """What the server must answer a valid request (see httpd's theory of operation)."""
+    if g.path not in ROUTES:
+        return {404}
+    if g.path == "/readyz":
+        return {200, 503}
+    if g.path in ("/connections", "/topics") and not limits_ok:
+        return {400}
+    return {200}
+
+
+def limit_ok(query: dict[str, str]) -> bool:
+    raw = query.get("limit")
+    return raw is None or (raw.isascii() and raw.isdigit() and raw.strip("0") != "")
+
+
+# ---------------------------------------------------------------- in process
+
+
+FAST = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(st.binary(max_size=300))
+def test_any_bytes_parse_to_a_request_or_a_4xx(data: bytes) -> None:
+    _parse_or_4xx(data)
+
+
+@FAST
+@given(requests())
+def test_generated_heads_parse_to_a_request_or_a_4xx(g: Generated) -> None:
+    end = head_length(g.raw)
+    assert end > 0
+    request = _parse_or_4xx(g.raw[:end])
+    if g.valid and end <= httpd.MAX_REQUEST_BYTES:
+        assert request is not None, g
+        assert (request.method, request.path) == (g.method, g.path)
+        assert request.query == g.query
+        assert ("authorization" in request.headers) == (g.auth != "none")
+
+
+def _parse_or_4xx(head: bytes) -> Request | None:
+    try:
+        request = parse_head(head)
+    except HttpError as exc:
+        assert exc.status in PARSE_STATUSES, exc.status
+        assert 0 < len(exc.message) < 200, exc.message
+        return None
+    assert request.method in httpd.METHODS and request.path.startswith("/")
+    assert all(k == k.lower() for k in request.headers)
+    return request
+
+
+@FAST
+@given(st.binary(min_size=1, max_size=200), st.binary(max_size=50))
+def test_head_length_finds_the_first_empty_line_and_nothing_before_it(line: bytes, tail: bytes) -> None:
+    body = line.replace(b"\n", b" ").lstrip(b"\r") or b"X"
+    head = b"\r\n" + body + b"\r\n\r\n"  # an empty line before the request line is skipped
+    for k in range(len(head)):
+        assert head_length(head[:k]) == -1, k
+    assert head_length(head + tail) == len(head)
+    assert head_length(head.replace(b"\r\n", b"\n") + tail) == len(head) - 3
+
+
+@FAST
+@given(
+    st.one_of(
+        st.text(max_size=20), st.integers(-10, 10**30).map(str), st.integers(4290, 4400).map("7".__mul__)
+    )
+)
+def test_limit_is_a_clamped_positive_integer_or_a_400_body(raw: str) -> None:
+    limit, error = monitor._limit({"limit": raw})
+    positive = raw.isascii() and raw.isdigit() and Decimal(raw) > 0  # Decimal: no 4,300-digit limit
+    if error:
+        assert limit == 0 and error.startswith(b"limit must be a positive integer") and len(error) < 200
+        assert not positive
+    else:
+        assert positive and limit == min(Decimal(raw), monitor.MAX_LIMIT)
+
+
+def _in_process_server() -> HttpServer:
+    http = HttpServer()
+
+    async def echo(request: Request) -> Response:
+        return 200, "application/json", json.dumps(request.query).encode()
+
+    for path in ROUTES:
+        http.route(path, echo)
+    return http
+
+
+@FAST
+@given(requests())
+def test_the_answer_to_a_generated_request_is_its_expected_status(g: Generated) -> None:
+    http = _in_process_server()
+    end = head_length(g.raw)
+    answer = asyncio.run(http.answer(g.raw[:end]))
+    assert answer.status in PARSE_STATUSES | {200, 404, 431}
+    if g.valid and end <= httpd.MAX_REQUEST_BYTES:
+        assert answer.status == (200 if g.path in ROUTES else 404)
+        assert answer.send_body == (g.method == "GET")
+    _check_response(answer.encode(), head_only=not answer.send_body)
+
+
+def test_a_failing_handler_answers_500_and_is_logged_once_per_interval_with_its_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    http = HttpServer()
+
+    async def broken(request: Request) -> Response:
+        raise ValueError("a bug")
+
+    http.route("/broken", broken)
+    caplog.set_level(logging.ERROR, "broky.master")
+
+    async def run(n: int) -> list[httpd.Answer]:
+        return [await http.answer(b"GET /broken?x=%d HTTP/1.0\r\n\r\n" % i) for i in range(n)]
+
+    answers = asyncio.run(run(50))
+    assert {(a.status, a.body) for a in answers} == {(500, b"internal error\n")}
+    lines = [r for r in caplog.records if "HTTP handler for /broken failed" in r.getMessage()]
+    assert len(lines) == 1 and "(1 failures so far, 0 not logged" in lines[0].getMessage()
+    assert lines[0].exc_info is not None  # a bug of ours: its traceback, once
+    http.log_throttle.interval = 0.0  # the interval has passed
+    asyncio.run(run(1))
+    lines = [r for r in caplog.records if "HTTP handler for /broken failed" in r.getMessage()]
+    assert len(lines) == 2 and "(51 failures so far, 49 not logged" in lines[1].getMessage()
+    assert http.failures == {"/broken": 51}
+
+
+@pytest.mark.timeout(30)
+def test_a_head_that_never_ends_gets_408_and_one_cut_by_the_client_400(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(httpd, "REQUEST_TIMEOUT", 0.2)
+
+    async def read(data: bytes, eof: bool) -> bytes | HttpError | None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        if eof:
+            reader.feed_eof()
+        return await httpd._read_head(reader)
+
+    def status(data: bytes, eof: bool) -> int | None:
+        got = asyncio.run(read(data, eof))
+        return got.status if isinstance(got, HttpError) else None
+
+    assert status(b"GET /healthz HTTP/1.0\r\n", eof=False) == 408
+    assert status(b"GET /healthz HTTP/1.0\r\n", eof=True) == 400
+    assert status(b"", eof=False) is None  # nothing sent: closed silently
+    assert status(b"", eof=True) is None
+    assert status(b"\r\n\r\n", eof=True) is None
+    assert status(b"X" * 9000, eof=False) == 431
+    assert asyncio.run(read(b"GET / HTTP/1.0\n\nrest", eof=False)) == b"GET / HTTP/1.0\n\n"
+
+
+def _check_response(data: bytes, head_only: bool | None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of a well-formed HTTP/1.0 response, or AssertionError.
+    head_only: no body (the answer to a HEAD), the whole body, or None: either."""
+    match = _STATUS_LINE.match(data)
+    assert match is not None, data[:200]
+    head, sep, body = data.partition(b"\r\n\r\n")
+    assert sep, data[:200]
+    headers: dict[str, str] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, colon, value = line.partition(b": ")
+        assert colon and re.fullmatch(rb"[A-Za-z-]+", name), line
+        headers[name.decode().lower()] = value.decode("ascii")
+    assert headers["connection"] == "close" and headers["content-type"]
+    length = int(headers["content-length"])
+    sizes = {0, length} if head_only is None else {0 if head_only else length}
+    assert len(body) in sizes, (len(body), length, data[:300])
+    return int(match.group(1)), headers, body
+
+
+# ---------------------------------------------------------------- a real server
+
+
+@pytest.fixture(scope="module")
+def http_server() -> Iterator[ServerProcess]:
+    server = ServerProcess("--log-level", "debug").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def exchange(server: ServerProcess, raw: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes to the HTTP port and read until the server closes."""
+    with socket.create_connection((server.host, server.metrics_port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def http(
+    server: ServerProcess, target: str, method: str = "GET", auth: str | None = TOKEN
+) -> tuple[int, dict[str, str], bytes]:
+    header = f"Authorization: Bearer {auth}\r\n" if auth is not None else ""
+    raw = f"{method} {target} HTTP/1.1\r\nHost: x\r\n{header}\r\n".encode()
+    return _check_response(exchange(server, raw), head_only=method == "HEAD")
+
+
+def assert_clean_log(server: ServerProcess) -> None:
+    log = server.log()
+    assert "Traceback" not in log and " ERROR " not in log and " CRITICAL " not in log, log[-4000:]
+    assert max(len(line) for line in log.splitlines()) < 1000
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(g=requests())
+def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
+    http_server: ServerProcess, g: Generated
+) -> None:
+    answer = exchange(http_server, g.raw)
+    end = head_length(g.raw)
+    too_long = end > httpd.MAX_REQUEST_BYTES  # 431 before the method is read: with a body
+    head_only = g.method == "HEAD" and not too_long if g.valid else None
+    status, headers, body = _check_response(answer, head_only)
+    assert status in {200, 400, 404, 405, 431, 503, 505}, (status, g.raw[:300])
+    event(f"{'valid' if g.valid else 'invalid'} request: {status}")
+    if g.valid:
+        expected = {431} if too_long else expected_status(g, limit_ok(g.query))
+        assert status in expected, (status, expected, g.raw[:300], answer[:300])
+        if status == 200 and g.method == "GET" and g.path in PRIVATE:
+            data = json.loads(body)
+            if g.path != "/stats":
+                assert data["limit"] == monitor._limit(g.query)[0]
+    if status == 405:
+        assert headers["allow"] == "GET, HEAD"
+
+
+def test_after_the_fuzz_the_server_answers_and_logged_no_traceback(http_server: ServerProcess) -> None:
+    # Runs after the fuzz (file order), on the same server.
+    assert http(http_server, "/healthz", auth=None)[::2] == (200, b"ok\n")
+    assert http(http_server, "/stats")[0] == 200
+    assert_clean_log(http_server)
+
+
+def test_request_parsing_edge_cases(http_server: ServerProcess) -> None:
+    s = http_server
+    assert _check_response(exchange(s, b"GET /healthz HTTP/1.0\n\n"), False)[::2] == (200, b"ok\n")
+    assert _check_response(exchange(s, b"\r\nGET /healthz HTTP/1.0\r\n\r\n"), False)[0] == 200
+    absolute = b"GET http://example.com/healthz?x=1 HTTP/1.1\r\n\r\n"
+    assert _check_response(exchange(s, absolute), False)[0] == 200
+    # Bytes after the head (a body, a pipelined request) do not reset the answer away.
+    junk = b"GET /healthz HTTP/1.0\r\nContent-Length: 100000\r\n\r\n" + b"j" * 100_000
+    assert _check_response(exchange(s, junk), False)[::2] == (200, b"ok\n")
+    assert http(s, "/nope", "HEAD")[::2] == (404, b"")
+    status, headers, body = http(s, "/metrics", "POST")
+    assert (status, headers["allow"], body) == (405, "GET, HEAD", b"GET or HEAD only\n")
+    assert _check_response(exchange(s, b"GET /healthz HTTP/2.0\r\n\r\n"), False)[0] == 505
+    for bad in (
+        b"GET /healthz\r\n\r\n",
+        b"GET  /healthz HTTP/1.1\r\n\r\n",
+        b"GET /hea\x01lthz HTTP/1.1\r\n\r\n",
+        b"GET /\xc3\xa9 HTTP/1.1\r\n\r\n",
+        b"GET healthz HTTP/1.1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nNo colon\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nX: 1\r\n folded\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nX : 1\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nX: a\x00b\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"G\xe9T /healthz HTTP/1.1\r\n\r\n",
+    ):
+        status, _, body = _check_response(exchange(s, bad), False)
+        assert status == 400 and 0 < len(body) < 200, (bad, status, body)
+    # A client that half-closes inside the head is told so.
+    with socket.create_connection((s.host, s.metrics_port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert _check_response(answer, False)[::2] == (400, b"the connection ended inside the request head\n")
+    assert_clean_log(s)
