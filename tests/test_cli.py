@@ -120,6 +120,17 @@ def test_info_shows_the_map(server: ServerProcess) -> None:
     assert re.search(r"^  \S*messages_published\S* 3$", text, re.MULTILINE), text
 
 
+def test_info_reads_the_stats_of_a_server_with_a_token(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--auth-token", "tok")
+    pub = broky_cli("pub", "k", "x", "--server", server.url, "--auth-token", "tok")
+    assert pub.returncode == 0, pub.stderr
+    metrics = f"127.0.0.1:{server.metrics_port}"
+    done = broky_cli("info", "--server", server.url, "--auth-token", "tok", "--metrics", metrics)
+    assert done.returncode == 0, done.stderr
+    # /stats (it needs the token) rather than the /metrics fallback: its flattened names
+    assert re.search(r"^  totals\.messages_published 1$", done.stdout.decode(), re.MULTILINE), done.stdout
+
+
 def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess, tmp_path: Path) -> None:
     # `true` exits at once, long before info has connected: its output meets a closed pipe.
     script = 'set -o pipefail; "$@" 2>errors | true; echo "exit $?"; cat errors'

@@ -1,22 +1,26 @@
-"""The HTTP port's request handling: no input gets a 500 or a traceback.
+"""The HTTP port's request handling: no input gets a 500 or a traceback, private
+endpoints need the token, and nothing any endpoint or log line shows helps a
+resume claim.
 
 In-process, the sans-IO parser (`parse_head`, `head_length`), the answer path
 of `HttpServer` and the ?limit= check are fuzzed with hypothesis. Then a real
-`broky serve` gets generated requests over raw sockets on every route: every
-answer must be a well-formed HTTP/1.0 response with an allowed status (the
-exact one for a request built well), the server must keep answering, and its
-log must hold no traceback and no error.
+`broky serve` (with an auth token) gets generated requests over raw sockets on
+every route: every answer must be a well-formed HTTP/1.0 response with an
+allowed status (the exact one for a request built well), the server must keep
+answering, and its log must hold no traceback and no error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import re
 import socket
+import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -24,9 +28,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from broky.protocol import LossNotice, Message, PreviousConnection
 from broky.server import httpd, monitor
 from broky.server.httpd import HttpError, HttpServer, Request, Response, head_length, parse_head
 from tests.serverproc import ServerProcess
+from tests.wire import Wire, kp_for_worker
 
 TOKEN = "t0ken-f7"
 OPEN = ("/healthz", "/readyz", "/metrics")
@@ -170,6 +176,8 @@ def expected_status(g: Generated, limits_ok: bool) -> set[int]:
     """What the server must answer a valid request (see httpd's theory of operation)."""
     if g.path not in ROUTES:
         return {404}
+    if g.path in PRIVATE and g.auth != "right":
+        return {401}
     if g.path == "/readyz":
         return {200, 503}
     if g.path in ("/connections", "/topics") and not limits_ok:
@@ -247,13 +255,13 @@ def test_limit_is_a_clamped_positive_integer_or_a_400_body(raw: str) -> None:
 
 
 def _in_process_server() -> HttpServer:
-    http = HttpServer()
+    http = HttpServer(TOKEN)
 
     async def echo(request: Request) -> Response:
         return 200, "application/json", json.dumps(request.query).encode()
 
     for path in ROUTES:
-        http.route(path, echo)
+        http.route(path, echo, private=path in PRIVATE)
     return http
 
 
@@ -263,10 +271,13 @@ def test_the_answer_to_a_generated_request_is_its_expected_status(g: Generated) 
     http = _in_process_server()
     end = head_length(g.raw)
     answer = asyncio.run(http.answer(g.raw[:end]))
-    assert answer.status in PARSE_STATUSES | {200, 404, 431}
+    assert answer.status in PARSE_STATUSES | {200, 401, 404, 431}
     if g.valid and end <= httpd.MAX_REQUEST_BYTES:
-        assert answer.status == (200 if g.path in ROUTES else 404)
+        expected = 401 if g.path in PRIVATE and g.auth != "right" else 200 if g.path in ROUTES else 404
+        assert answer.status == expected
         assert answer.send_body == (g.method == "GET")
+        if answer.status == 401:
+            assert dict(answer.headers)["WWW-Authenticate"].startswith("Bearer")
     _check_response(answer.encode(), head_only=not answer.send_body)
 
 
@@ -345,8 +356,8 @@ def _check_response(data: bytes, head_only: bool | None) -> tuple[int, dict[str,
 
 
 @pytest.fixture(scope="module")
-def http_server() -> Iterator[ServerProcess]:
-    server = ServerProcess("--log-level", "debug").start()
+def token_server() -> Iterator[ServerProcess]:
+    server = ServerProcess("--auth-token", TOKEN, "--log-level", "debug").start()
     try:
         yield server
     finally:
@@ -381,14 +392,14 @@ def assert_clean_log(server: ServerProcess) -> None:
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(g=requests())
 def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
-    http_server: ServerProcess, g: Generated
+    token_server: ServerProcess, g: Generated
 ) -> None:
-    answer = exchange(http_server, g.raw)
+    answer = exchange(token_server, g.raw)
     end = head_length(g.raw)
     too_long = end > httpd.MAX_REQUEST_BYTES  # 431 before the method is read: with a body
     head_only = g.method == "HEAD" and not too_long if g.valid else None
     status, headers, body = _check_response(answer, head_only)
-    assert status in {200, 400, 404, 405, 431, 503, 505}, (status, g.raw[:300])
+    assert status in {200, 400, 401, 404, 405, 431, 503, 505}, (status, g.raw[:300])
     event(f"{'valid' if g.valid else 'invalid'} request: {status}")
     if g.valid:
         expected = {431} if too_long else expected_status(g, limit_ok(g.query))
@@ -397,19 +408,21 @@ def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
             data = json.loads(body)
             if g.path != "/stats":
                 assert data["limit"] == monitor._limit(g.query)[0]
+    if status == 401:
+        assert headers["www-authenticate"].startswith("Bearer")
     if status == 405:
         assert headers["allow"] == "GET, HEAD"
 
 
-def test_after_the_fuzz_the_server_answers_and_logged_no_traceback(http_server: ServerProcess) -> None:
+def test_after_the_fuzz_the_server_answers_and_logged_no_traceback(token_server: ServerProcess) -> None:
     # Runs after the fuzz (file order), on the same server.
-    assert http(http_server, "/healthz", auth=None)[::2] == (200, b"ok\n")
-    assert http(http_server, "/stats")[0] == 200
-    assert_clean_log(http_server)
+    assert http(token_server, "/healthz", auth=None)[::2] == (200, b"ok\n")
+    assert http(token_server, "/stats")[0] == 200
+    assert_clean_log(token_server)
 
 
-def test_request_parsing_edge_cases(http_server: ServerProcess) -> None:
-    s = http_server
+def test_request_parsing_edge_cases(token_server: ServerProcess) -> None:
+    s = token_server
     assert _check_response(exchange(s, b"GET /healthz HTTP/1.0\n\n"), False)[::2] == (200, b"ok\n")
     assert _check_response(exchange(s, b"\r\nGET /healthz HTTP/1.0\r\n\r\n"), False)[0] == 200
     absolute = b"GET http://example.com/healthz?x=1 HTTP/1.1\r\n\r\n"
@@ -445,3 +458,125 @@ def test_request_parsing_edge_cases(http_server: ServerProcess) -> None:
             answer += chunk
     assert _check_response(answer, False)[::2] == (400, b"the connection ended inside the request head\n")
     assert_clean_log(s)
+
+
+def test_private_endpoints_need_the_token_and_say_why_not(start_server: Callable[..., ServerProcess]) -> None:
+    s = start_server("--auth-token", TOKEN)  # its own: refusals are logged once per interval per process
+    for path in PRIVATE:
+        status, headers, body = http(s, path, auth=None)
+        assert status == 401 and headers["www-authenticate"] == 'Bearer realm="broky"'
+        assert (
+            body == f"{path} needs the server's auth token: send 'Authorization: Bearer <token>'\n".encode()
+        )
+        assert http(s, path, "HEAD", auth=None)[::2] == (401, b"")
+        for malformed in ("Basic dXNlcjpwdw==", "Bearer", TOKEN):
+            raw = f"GET {path} HTTP/1.1\r\nAuthorization: {malformed}\r\n\r\n".encode()
+            status, headers, body = _check_response(exchange(s, raw), False)
+            assert status == 401 and b"malformed Authorization header" in body
+            assert 'error="invalid_request"' in headers["www-authenticate"]
+        for wrong in (TOKEN + "x", TOKEN[:-1], TOKEN.upper(), "\u00e9"):
+            status, headers, body = http(s, path, auth=wrong)
+            assert (status, body) == (401, b"wrong auth token\n")
+            assert 'error="invalid_token"' in headers["www-authenticate"]
+        assert http(s, path)[0] == 200
+        raw = f"GET {path} HTTP/1.1\r\nauthorization:   bearer {TOKEN}  \r\n\r\n".encode()
+        assert _check_response(exchange(s, raw), False)[0] == 200  # scheme and name in any case
+    for path in OPEN:
+        assert http(s, path, auth=None)[0] == 200
+        assert http(s, path, auth="wrong")[0] == 200  # a token is not checked where none is needed
+    # Each refusal cause is logged once per interval, without what was sent.
+    new = s.wait_log("refused: wrong auth token")
+    assert new.count("refused: wrong auth token") == 1 and new.count("refused: missing auth token") == 1
+    assert TOKEN not in new and "dXNlcjpwdw" not in new
+    assert_clean_log(s)
+
+
+def test_without_a_token_every_endpoint_is_open(server: ServerProcess) -> None:
+    for path in ROUTES:
+        assert http(server, path, auth=None)[0] == 200
+        assert http(server, path, auth="anything")[0] == 200
+
+
+def test_metrics_and_probes_list_no_client_address_name_pattern_or_connection_id(
+    token_server: ServerProcess,
+) -> None:
+    s = token_server
+    kp = kp_for_worker(0, 2, prefix="kp-secret-zq")
+    with (
+        Wire.hello(s.address, worker=0, token=TOKEN, name="client-name-zq") as sub,
+        Wire.hello(s.address, worker=0, token=TOKEN, name="other-name-zq") as pub,
+    ):
+        sub.subscribe(1, b"pattern-zq.*", kp)
+        sub.subscribe(2, b"orders-zq.>")
+        assert sub.flush() == []
+        pub.publish(kp, b"pattern-zq.x", b"payload-zq")
+        assert pub.flush() == []
+        assert [m.payload for m in sub.messages()] == [b"payload-zq"]
+        assert sub.welcome is not None and pub.welcome is not None
+        ports = [str(w.sock.getsockname()[1]) for w in (sub, pub)]
+        ids = [sub.welcome.connection_id, pub.welcome.connection_id]
+        secrets = ["client-name-zq", "other-name-zq", "pattern-zq", "orders-zq", "kp-secret-zq", "payload-zq"]
+        # The private endpoints do list them (so the search below can find them) ...
+        listed = http(s, "/connections")[2].decode() + http(s, "/topics")[2].decode()
+        for text in [*secrets[:4], *ports, *map(str, ids)]:
+            assert text in listed, text
+        # ... the open ones list counters only.
+        for path in OPEN:
+            status, _, body = http(s, path, auth=None)
+            assert status == 200
+            text = body.decode()
+            for secret in secrets:
+                assert secret not in text, (path, secret)
+            for conn_id in ids:
+                assert str(conn_id) not in text and f"{conn_id:x}" not in text, (path, conn_id)
+            for port in ports:
+                assert f":{port}" not in text and f'"{port}"' not in text, (path, "a client's port")
+
+
+@pytest.mark.timeout(60)
+def test_no_endpoint_and_no_log_line_shows_a_resume_token(token_server: ServerProcess) -> None:
+    s = token_server
+    kp = kp_for_worker(0, 2)
+    first = Wire.hello(s.address, worker=0, token=TOKEN, name="resumer")
+    first.subscribe(1, b"r.>")
+    assert first.flush() == []
+    assert first.welcome is not None and first.welcome.resume_token
+    tokens = [first.welcome.resume_token]
+    claim = PreviousConnection(first.welcome.connection_id, 0, 0, first.welcome.resume_token)
+    first.close()
+    time.sleep(0.2)
+    # A claim with a wrong secret (refused, counted), then the right one (resumed).
+    wrong = bytes(b ^ 1 for b in first.welcome.resume_token)
+    with Wire.hello(s.address, worker=0, token=TOKEN, previous=claim._replace(resume_token=wrong)) as thief:
+        assert thief.welcome is not None and thief.welcome.resumed is None
+    second = Wire.hello(s.address, worker=0, token=TOKEN, name="resumer", previous=claim)
+    assert second.welcome is not None and second.welcome.resumed is not None
+    assert second.welcome.resume_token
+    tokens.append(second.welcome.resume_token)
+    with Wire.hello(s.address, worker=0, token=TOKEN) as pub:
+        second.subscribe(1, b"r.>")
+        assert [f for f in second.flush() if not isinstance(f, LossNotice)] == []
+        pub.publish(kp, b"r.x", b"hello")
+        pub.flush()
+        assert [m.payload for m in second.messages() if isinstance(m, Message)] == [b"hello"]
+        bodies = {
+            path: http(s, path)[2] for path in (*ROUTES, "/connections?limit=1000", "/topics?limit=1000")
+        }
+    second.close()
+    log = s.log().encode()
+    for token in tokens:
+        forms = {
+            "raw": token,
+            "hex": token.hex().encode(),
+            "HEX": token.hex().upper().encode(),
+            "base64": base64.b64encode(token).rstrip(b"="),
+            "urlsafe base64": base64.urlsafe_b64encode(token).rstrip(b"="),
+            "repr": repr(token)[2:-1].encode(),
+            "list": str(list(token))[1:-1].encode(),
+        }
+        for form, needle in forms.items():
+            for path, body in bodies.items():
+                assert needle not in body, (form, path)
+            assert needle not in log, (form, "the server log")
+    assert json.loads(bodies["/stats"])["totals"]  # the bodies searched are real answers
+    assert b"resumer" in bodies["/connections?limit=1000"]

@@ -19,7 +19,7 @@ HEAVY = {
     "broky.client": "the SDK",
     "urllib.request": "only `broky info` fetches over HTTP",
     "http.client": "idem",
-    "hmac": "loaded by a server with an auth token, at its first Hello",
+    "hmac": "loaded by a server with an auth token, at its first Hello or request for a private endpoint",
 }
 WORKER_ONLY = {
     "argparse": "workers read a ServerConfig, they parse no flag",

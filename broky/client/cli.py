@@ -336,15 +336,19 @@ def _run(coro: Any) -> int:
 # ---------------------------------------------------------------- info
 
 
-def fetch_counters(url: str, timeout: float = 2.0) -> dict[str, float]:
-    """Live counters from a metrics endpoint: JSON /stats, else Prometheus /metrics.
+def fetch_counters(url: str, timeout: float = 2.0, token: str | None = None) -> dict[str, float]:
+    """Live counters from a metrics endpoint: JSON /stats (it needs the server's auth
+    token, if it has one), else Prometheus /metrics (open).
 
     Raises:
         OSError: neither endpoint answered.
     """
     base = url if "://" in url else f"http://{url}"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(f"{base}/stats", timeout=timeout) as resp:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{base}/stats", headers=headers), timeout=timeout
+        ) as resp:
             data = json.load(resp)
         flat: dict[str, float] = {}
         _flatten("", data, flat)
@@ -383,7 +387,8 @@ def _fmt(value: float) -> str:
 
 
 async def _info(args: argparse.Namespace) -> int:
-    client = Client(args.server, **_options(args, "broky-info"))
+    options = _options(args, "broky-info")
+    client = Client(args.server, **options)
     await client.connect()
     try:
         info = client.server_info
@@ -404,7 +409,7 @@ async def _info(args: argparse.Namespace) -> int:
     explicit = args.metrics or os.environ.get(ENV_METRICS)
     metrics = explicit or f"{client.address.host}:{DEFAULT_METRICS_PORT}"
     try:
-        counters = await asyncio.to_thread(fetch_counters, metrics)
+        counters = await asyncio.to_thread(fetch_counters, metrics, 2.0, options["auth_token"])
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         if explicit:  # asked for: a failure

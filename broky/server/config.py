@@ -158,8 +158,19 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--host", "host", str, "address to bind (default %(default)s)"),
     ("--port", "port", _port, "TCP port for clients, 0 = any free port (default %(default)s)"),
     ("--workers", "workers", _positive_int, "worker processes, one shard each (default: CPU cores)"),
-    ("--metrics-port", "metrics_port", _port, "HTTP port for /healthz and metrics (default %(default)s)"),
-    ("--auth-token", "auth_token", str, "token every Hello must carry (default: none)"),
+    (
+        "--metrics-port",
+        "metrics_port",
+        _port,
+        "HTTP port for /metrics, /healthz, /readyz, /stats, /connections and /topics (default %(default)s)",
+    ),
+    (
+        "--auth-token",
+        "auth_token",
+        str,
+        "token every Hello must carry, and every request for /stats, /connections and /topics "
+        "(as 'Authorization: Bearer TOKEN'; default: none)",
+    ),
     ("--max-frame-bytes", "max_frame_bytes", _size, "largest accepted frame (default %(default)s)"),
     (
         "--max-pending-bytes",

@@ -6,7 +6,7 @@ One request per connection, GET and HEAD only. Routes map a path to an async
 handler that takes the parsed `Request` and returns (status, content type,
 body); the master registers /healthz and /readyz, and broky.server.monitor
 adds /metrics, /stats, /connections and /topics (see there for what each
-lists).
+lists, and which need the auth token).
 
 Every request takes the same steps, each of which may end it with a 4xx:
 
@@ -25,6 +25,10 @@ Every request takes the same steps, each of which may end it with a 4xx:
               too). The query string is decoded (percent-escapes as UTF-8,
               invalid sequences replaced; the last value of a name wins);
               the path is matched as sent, undecoded (unknown: 404)
+    authorize a route registered `private` needs, when the server has an
+              auth token, "Authorization: Bearer <token>" (compared in
+              constant time): 401 with WWW-Authenticate: Bearer and a body
+              saying whether it was missing, malformed or wrong
     handle    the route's handler; its query-string checks are its own
               (a bad value is its 400)
 
@@ -38,7 +42,8 @@ destroys the answer.
 No input reaches a traceback or a 500: a handler that raises is a bug of
 ours. It answers 500 with a short body, and is logged with its traceback at
 most once per route per LOG_INTERVAL seconds, with the running count of its
-failures (broky.server.logs.Throttle).
+failures (broky.server.logs.Throttle). Refused tokens are logged the same
+way, once per cause per LOG_INTERVAL, never with what was sent.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -81,7 +87,7 @@ _REASONS = {
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT = 5.0
 LINGER_SECONDS = 1.0
-LOG_INTERVAL = 10.0  # seconds between two log lines about one route's failures
+LOG_INTERVAL = 10.0  # seconds between two log lines about one route's failures (or one refusal cause)
 QUOTED_CHARS = 40  # of the input quoted in an error body
 METHODS = ("GET", "HEAD")
 _SINGLE = frozenset({"authorization", "host", "content-length"})  # headers a request may carry once
@@ -126,6 +132,12 @@ class Answer:
         ]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode()
         return head + self.body if self.send_body else head
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    handler: Handler
+    private: bool  # needs the auth token when the server has one
 
 
 # ---------------------------------------------------------------- sans-IO
@@ -225,15 +237,17 @@ def quote(data: bytes | str) -> str:
 
 
 class HttpServer:
-    def __init__(self) -> None:
-        self.routes: dict[str, Handler] = {}
+    def __init__(self, token: str | None = None) -> None:
+        self.routes: dict[str, Route] = {}
         self.server: asyncio.AbstractServer | None = None
+        self._token = token.encode() if token else None
         self.failures: dict[str, int] = {}  # route -> handler failures (answered 500)
+        self.refused: dict[str, int] = {}  # cause -> requests refused for their token (401)
         self.log_throttle = Throttle(LOG_INTERVAL)
 
-    def route(self, path: str, handler: Handler) -> None:
-        """Serve `path` with `handler`."""
-        self.routes[path] = handler
+    def route(self, path: str, handler: Handler, private: bool = False) -> None:
+        """Serve `path` with `handler`; `private`: only with the auth token, if the server has one."""
+        self.routes[path] = Route(handler, private)
 
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port."""
@@ -271,21 +285,58 @@ class HttpServer:
             writer.close()
 
     async def answer(self, head: bytes) -> Answer:
-        """The answer to one request head: parse, route, handle."""
+        """The answer to one request head: parse, route, authorize, handle."""
         try:
             request = parse_head(head)
         except HttpError as exc:
             return exc.answer()
         send_body = request.method != "HEAD"
-        handler = self.routes.get(request.path)
-        if handler is None:
+        route = self.routes.get(request.path)
+        if route is None:
             return Answer(404, "text/plain", b"not found\n", send_body=send_body)
+        if route.private and self._token is not None:
+            refused = self._authorize(request)
+            if refused is not None:
+                refused.send_body = send_body
+                return refused.answer()
         try:
-            status, ctype, body = await handler(request)
+            status, ctype, body = await route.handler(request)
         except Exception:
             self._failed(request.path)
             return Answer(500, "text/plain", b"internal error\n", send_body=send_body)
         return Answer(status, ctype, body, send_body=send_body)
+
+    def _authorize(self, request: Request) -> HttpError | None:
+        """None when the request carries the token, else the 401 that says why not."""
+        assert self._token is not None
+        value = request.headers.get("authorization")
+        scheme, _, credentials = (value or "").partition(" ")
+        credentials = credentials.strip(" \t")
+        if value is None:
+            cause = "missing"
+            why = f"{request.path} needs the server's auth token: send 'Authorization: Bearer <token>'"
+            challenge = 'Bearer realm="broky"'
+        elif scheme.lower() != "bearer" or not credentials:
+            cause = "malformed"
+            why = "malformed Authorization header: expected 'Bearer <token>'"
+            challenge = 'Bearer realm="broky", error="invalid_request"'
+        else:
+            import hmac  # here: a server without a token never loads hashlib's OpenSSL digests
+
+            if hmac.compare_digest(credentials.encode("latin-1"), self._token):
+                return None
+            cause = "wrong"
+            why = "wrong auth token"
+            challenge = 'Bearer realm="broky", error="invalid_token"'
+        self.refused[cause] = total = self.refused.get(cause, 0) + 1
+        held = self.log_throttle.allow(("refused", cause))
+        if held is not None:
+            log.warning(
+                "HTTP request for %s refused: %s auth token (%d refused for this cause so far, "
+                "%d not logged since the last line)",
+                request.path, cause, total, held,
+            )  # fmt: skip
+        return HttpError(401, why, (("WWW-Authenticate", challenge),))
 
     def _failed(self, where: str) -> None:
         """Count a failure of ours (in the handler of route `where`) and log it, throttled."""

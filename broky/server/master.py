@@ -57,8 +57,10 @@ its control channel within HEARTBEAT_TIMEOUT and took every hand-off of the
 last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
-(`worker_stats`). SIGTERM or SIGINT: stop accepting, ask every worker to say Goodbye
-and close, exit 0 within 5 s.
+(`worker_stats`); the last three need the auth token of a server that has one
+(broky.server.httpd checks it, the master hands it the token). SIGTERM or
+SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
+within 5 s.
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ class Master:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
-        self.http = HttpServer()
+        self.http = HttpServer(config.auth_token)
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}

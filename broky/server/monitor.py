@@ -19,19 +19,35 @@ bounded (`?limit=`, at most MAX_LIMIT) and a worker's answer is trimmed to
 fit one control message, so no endpoint can grow with the traffic.
 
 Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
-    /metrics      Prometheus text format (broky.server.metrics)
-    /healthz      200 while the master runs (registered by the master)
-    /readyz       200 when every worker is ready, heard from and taking connections, else 503 (master)
-    /stats        {"node_id", "version", "map_version", "master", "workers": [...], "totals",
-                   "cluster" (None for a single node; see broky.cluster.node `view`)}
-    /connections  {"total", "limit", "connections": [...]} busiest first
-    /topics       {"total", "limit", "topics": [...]} most subscriptions first
+    /metrics      Prometheus text format (broky.server.metrics)                          open
+    /healthz      200 while the master runs (registered by the master)                   open
+    /readyz       200 when every worker is ready, heard from and taking connections,     open
+                  else 503 (master)
+    /stats        {"node_id", "version", "map_version", "master", "workers": [...],      token
+                   "totals", "cluster" (None for a single node; broky.cluster.node `view`)}
+    /connections  {"total", "limit", "connections": [...]} busiest first                 token
+    /topics       {"total", "limit", "topics": [...]} most subscriptions first           token
 
 ?limit= is a positive decimal integer in ASCII digits (`str.isdigit()` alone
 would take "²", which int() refuses), of any length: over MAX_LIMIT it is
 MAX_LIMIT, and a string of more digits than MAX_LIMIT has is never given to
 int() (which refuses 4,301 digits or more). Anything else is a 400 quoting
 the value cut short; other names in the query string are ignored.
+
+Exposure (decided). "open" endpoints answer anyone: Prometheus scrapes and
+orchestrator probes usually carry no credential, and they list counters only
+(per worker and reason, code, result or cause; the version; in a cluster the
+node's own id and the leader's), never a client's address, name, pattern,
+key_partition or connection id (tests/test_monitor_http.py holds /metrics to
+it). "token" endpoints list more (pids, cluster members' addresses, clients'
+addresses, names, patterns and connection ids): when the server has an
+--auth-token, they need it as "Authorization: Bearer <token>" (the route is
+registered `private`; broky.server.httpd answers 401 otherwise and says
+whether it was missing, malformed or wrong). Without a token they are open,
+like the client port: bind --host where only trusted hosts reach it. Nothing
+any endpoint lists lets a client claim another's connection: a resume needs
+that connection's secret (Welcome.resume_token, broky.server.accounts), which
+no endpoint and no log line shows; a connection id alone claims nothing.
 
 /topics is exact by construction: an entry is one pattern on one worker (a
 pattern subscribed on two workers is two entries), with the number of
@@ -307,10 +323,10 @@ def install(master: Observed) -> Monitor:
     """Register the monitoring endpoints on the master's HTTP server."""
     mon = Monitor(master)
     http = master.http
-    http.route("/metrics", mon.metrics)
-    http.route("/stats", mon.stats)
-    http.route("/connections", mon.connections)
-    http.route("/topics", mon.topics)
+    http.route("/metrics", mon.metrics)  # counters only: open, see the theory of operation
+    http.route("/stats", mon.stats, private=True)
+    http.route("/connections", mon.connections, private=True)
+    http.route("/topics", mon.topics, private=True)
     return mon
 
 
