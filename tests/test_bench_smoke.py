@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests import requires
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("broky", "nats", "redis")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,11 +27,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(
-    not (shutil.which("nats-server") and shutil.which("redis-server")),
-    reason="nats-server and redis-server are installed by ./run test",
-)
 def test_bench_quick_runs_end_to_end(tmp_path: Path) -> None:
+    requires.program("nats-server")
+    requires.program("redis-server")
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "bench", "--quick", "--out", str(out)]
     proc = subprocess.Popen(

@@ -21,6 +21,7 @@ import pytest
 
 import broky
 from broky.protocol import MapApplied, MapUpdate, Message, vbucket_of
+from tests import requires
 from tests.cluster import (
     Cluster,
     EtcdServer,
@@ -40,6 +41,7 @@ from tests.wire import Wire
 
 @pytest.fixture
 def etcd() -> Iterator[EtcdServer]:
+    requires.program("etcd")
     server = EtcdServer().start()
     yield server
     server.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from broky.protocol import (
     route_message,
 )
 from broky.protocol.frames import error_frame
+from tests import requires
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,6 +142,7 @@ def test_garbage_is_a_protocol_error() -> None:
 
 
 def test_generated_code_is_current() -> None:
+    requires.program("flatc")
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "generate.py"), "--check"],
         capture_output=True,
@@ -151,15 +152,15 @@ def test_generated_code_is_current() -> None:
 
 
 def test_generated_code_names_its_flatc_version() -> None:
-    version = subprocess.run(["flatc", "--version"], capture_output=True, text=True, check=True).stdout
+    flatc = requires.program("flatc")
+    version = subprocess.run([flatc, "--version"], capture_output=True, text=True, check=True).stdout
     header = (ROOT / "broky" / "fbs" / "broky_generated.py").read_text().splitlines()[:3]
     assert f"# flatc version: {version.removeprefix('flatc version').strip()}" in header
 
 
 def test_check_with_another_flatc_release_names_both_versions(tmp_path: Path) -> None:
     # A flatc that reports another version but generates exactly what the real one does.
-    real = shutil.which("flatc")
-    assert real is not None, "flatc is needed (Debian's flatbuffers-compiler)"
+    real = requires.program("flatc")
     fake = tmp_path / "flatc"
     fake.write_text(
         "#!/bin/sh\n"

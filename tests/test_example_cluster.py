@@ -10,7 +10,6 @@ import asyncio
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 import broky
 from broky.server import config
+from tests import requires
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 READY = re.compile(r"cluster ready: 3 nodes, map version \d+, leader node\d, seeds (\S+)")
@@ -79,10 +79,8 @@ async def round_trip(seeds: str, partitions: int) -> dict[bytes, list[bytes]]:
     return got
 
 
-@pytest.mark.skipif(
-    shutil.which("etcd") is None, reason="etcd-server is not installed (./run test installs it)"
-)
 def test_run_py_starts_a_cluster_clients_use_and_stops_every_process() -> None:
+    requires.program("etcd")
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLE / "run.py"), "--port", "0", "--workers", "1"],
         stdout=subprocess.PIPE,
@@ -163,11 +161,9 @@ def test_docker_compose_nodes_are_valid_broky_serve_settings() -> None:
         assert f"{name}:{env['BROKY_METRICS_PORT']}" in prometheus
 
 
-@pytest.mark.skipif(
-    shutil.which("promtool") is None, reason="prometheus is not installed (./run test installs it)"
-)
 def test_the_example_prometheus_configuration_is_valid() -> None:
+    promtool = requires.program("promtool")
     done = subprocess.run(
-        ["promtool", "check", "config", str(EXAMPLE / "prometheus.yml")], capture_output=True, timeout=30
+        [promtool, "check", "config", str(EXAMPLE / "prometheus.yml")], capture_output=True, timeout=30
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests import requires
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
@@ -46,9 +47,7 @@ def _free_port() -> int:
 
 class Prometheus:
     def __init__(self, target_port: int) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            pytest.fail("the prometheus binary is missing: ./run test installs Debian's prometheus package")
+        binary = requires.program("prometheus")
         self.dir = Path(tempfile.mkdtemp(prefix="broky-prometheus-"))
         (self.dir / "prometheus.yml").write_text(CONFIG.format(port=target_port))
         self.port = _free_port()

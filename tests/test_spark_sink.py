@@ -28,6 +28,7 @@ from broky.protocol.ksuid import ksuid_time
 from broky.spark import SinkWriteError, partition_writer
 from broky.spark.columns import SinkSpec
 from broky.spark.sink import ClientConfig, UidPlan, write_task
+from tests import requires
 from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
 from tests.spark_fixtures import SparkLog, spark, spark_log  # noqa: F401  (the fixtures)
@@ -165,6 +166,7 @@ def test_batch_write_into_a_three_node_cluster_given_several_seeds(spark: Any) -
     """etcd and three nodes; the seeds list a dead address first. Every row arrives once,
     and every node took its share (the sink follows the cluster's map, not the seed)."""
     rows = 30_000
+    requires.program("etcd")
     cluster = ClusterRun(1, 2)
     try:
         for node_id in ("a", "b", "c"):
