@@ -10,9 +10,16 @@ per-partition sequence number. Every `--interval` seconds one worker
 At the end the subscriber's sequences are checked against what was
 published:
 
-- lost: published, never received (per partition, by sequence number);
-- told: the deliveries the subscriber was told it lost (LossNotice counts);
-- duplicates, and messages out of order within a partition;
+- lost: published, never received (per partition, by sequence number), and
+  per worker (the owner of the partition: one node, so it never changes);
+- told: the deliveries the subscriber was told it lost (LossNotice counts),
+  per worker (the connection the notice came on);
+- duplicates, messages out of order within a partition, strays (a
+  sequence number that was never published) and corrupt deliveries (a key,
+  key_partition or padding other than the publisher's);
+- received: what the subscriber's callback got, which must also be what the
+  SDK counted (its deliveries less the copies its duplicate filter dropped),
+  and the copies that filter dropped (none: every resend was accounted for);
 - the publisher's report: `stats.unconfirmed_lost` (publishes it says may
   not have reached the server), `stats.resent_after_loss` (sent again after
   the server's account said they were not processed) and whether `flush`
@@ -27,8 +34,10 @@ past --max-pending-bytes, drops some) when it dies: then the subscriber must
 be told exactly what it lost (LossNotice WORKER_RESTART, and the
 slow-consumer drops the dead worker had not told yet).
 
-The promise checked: lost == told (nothing lost silently), no duplicate, no
-reordering, and the publisher's report bounds what its publishes lost.
+The promise checked: lost == told for every worker (nothing lost silently;
+a total would let over-telling on one worker hide a silent loss on another),
+no duplicate, no reordering, and the publisher's report bounds what its
+publishes lost.
 Results go to bench/results/worker_kill.md and .json with the machine
 (worker_kill_stalled.* with --stall-subscriber).
 `run` is also what tests/test_worker_kill.py calls, with one kill.
@@ -76,7 +85,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
     """Publish at `rate` for `duration` seconds (0: until a line, or EOF, on stdin), then flush."""
     errors: list[str] = []
     disconnects: list[str] = []
-    refused = 0
+    refused: list[tuple[int, int]] = []  # (partition, sequence number) of publishes refused
     async with broky.connect(
         url,
         on_error=lambda e: errors.append(str(e)),
@@ -97,7 +106,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
                 try:
                     await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + pad)
                 except broky.PublishBufferFullError:
-                    refused += 1  # not published: the caller knows (the sequence number is skipped)
+                    refused.append((i, seq[i]))  # not published: the caller knows (the number is skipped)
                 seq[i] += 1
                 sent += 1
             await asyncio.sleep(0.001)
@@ -110,7 +119,8 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
     return {
         "sent": sent,
         "per_partition": seq,
-        "refused": refused,
+        "refused": len(refused),
+        "refused_seqs": refused,
         "stats": stats,
         "flush_error": flush_error,
         "errors": errors[-20:],
@@ -120,16 +130,20 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
 
 async def subscriber(url: str) -> dict[str, Any]:
     received: list[tuple[int, int, float, int]] = []  # partition, seq, receive time, ts_producer
-    losses: list[tuple[int, int, int, float]] = []  # worker, dropped, reason, time
+    losses: list[tuple[str, int, int, int, float]] = []  # node, worker, dropped, reason, time
     disconnects: list[str] = []
+    corrupt = 0  # a key, key_partition or padding other than the publisher's
 
     def on_message(msg: broky.Message) -> None:
+        nonlocal corrupt
         i, s = _head.unpack_from(msg.payload)
         received.append((i, s, time.time(), msg.ts_producer or 0))
+        if msg.key != KEY or msg.key_partition != partition(i) or msg.payload[_head.size :].strip(b"x"):
+            corrupt += 1
 
     async with broky.connect(
         url,
-        on_loss=lambda ref, n, reason: losses.append((ref.worker, n, reason, time.time())),
+        on_loss=lambda ref, n, reason: losses.append((ref.node_id, ref.worker, n, reason, time.time())),
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}: {why}"),
     ) as client:
         await client.subscribe("w.>", callback=on_message)
@@ -138,7 +152,13 @@ async def subscriber(url: str) -> dict[str, Any]:
         await loop.run_in_executor(None, sys.stdin.readline)  # "stop", or EOF
         await asyncio.sleep(0.5)  # the last deliveries
         stats = asdict(client.stats)
-    return {"received": received, "losses": losses, "disconnects": disconnects, "stats": stats}
+    return {
+        "received": received,
+        "losses": losses,
+        "disconnects": disconnects,
+        "stats": stats,
+        "corrupt": corrupt,
+    }
 
 
 # ---------------------------------------------------------------- the run
@@ -153,8 +173,15 @@ class Result:
     lost: int = 0
     told: int = 0
     told_by_reason: dict[str, int] = field(default_factory=dict)
+    lost_by_worker: list[int] = field(default_factory=list)
+    told_by_worker: list[int] = field(default_factory=list)
     duplicates: int = 0
     out_of_order: int = 0
+    stray: int = 0
+    corrupt: int = 0  # deliveries whose key, key_partition or padding was not what was published
+    subscriber_sdk_delivered: int = 0  # the SDK's count of what it handed to the callback
+    subscriber_duplicates_dropped: int = 0
+    subscriber_unaccounted: int = 0
     publisher_unconfirmed_lost: int = 0
     publisher_resent_after_loss: int = 0
     publisher_flush_error: str | None = None
@@ -257,6 +284,46 @@ def _owner_worker(kp: bytes, workers: int) -> int:
     return vbucket_of(kp) * workers // 1024
 
 
+@dataclass
+class Sequences:
+    """What the subscriber's sequence numbers say, key_partition by key_partition."""
+
+    received: list[list[int]]  # per partition: the sequence numbers, in the order they arrived
+    lost: list[int]  # per partition: published (not refused), never received
+    duplicates: int = 0
+    out_of_order: int = 0  # below a sequence number received before it (copies not counted)
+    stray: int = 0  # never published: past the publisher's count, refused, or an unknown partition
+
+
+def sequences(published: dict[str, Any], received: list[Any], partitions: int) -> Sequences:
+    """Check every delivery (partition, sequence number, ...) against what was published."""
+    counts: list[int] = published["per_partition"]
+    refused: list[set[int]] = [set() for _ in range(partitions)]
+    for i, s in published.get("refused_seqs", []):
+        refused[i].add(s)
+    out = Sequences([[] for _ in range(partitions)], [0] * partitions)
+    seen: list[set[int]] = [set() for _ in range(partitions)]
+    last = [-1] * partitions
+    for i, s, *_ in received:
+        if not 0 <= i < partitions or not 0 <= s < counts[i] or s in refused[i]:
+            out.stray += 1
+            continue
+        if s in seen[i]:
+            out.duplicates += 1
+        elif s < last[i]:
+            out.out_of_order += 1
+        seen[i].add(s)
+        out.received[i].append(s)
+        last[i] = max(last[i], s)
+    out.lost = [counts[i] - len(refused[i]) - len(seen[i]) for i in range(partitions)]
+    return out
+
+
+def sdk_delivered(stats: dict[str, Any]) -> int:
+    """What a one-subscription client's SDK handed to the application, by its own counters."""
+    return int(stats["received"] - stats["duplicates_dropped"] - stats["unmatched"] - stats["dropped_local"])
+
+
 def _analyse(
     result: Result, published: dict[str, Any], subscribed: dict[str, Any], partitions: int, workers: int
 ) -> None:
@@ -268,27 +335,28 @@ def _analyse(
     result.publisher_flush_error = published["flush_error"]
     result.publisher_disconnects = published["disconnects"]
     result.subscriber_disconnects = subscribed["disconnects"]
+    sub_stats = subscribed["stats"]
+    result.subscriber_sdk_delivered = sdk_delivered(sub_stats)
+    result.subscriber_duplicates_dropped = sub_stats["duplicates_dropped"]
+    result.subscriber_unaccounted = sub_stats["unaccounted"]
     received = subscribed["received"]
     result.received = len(received)
-    seen: list[set[int]] = [set() for _ in range(partitions)]
-    last = [-1] * partitions
-    for i, s, _, _ in received:
-        if s in seen[i]:
-            result.duplicates += 1
-        seen[i].add(s)
-        if s < last[i]:
-            result.out_of_order += 1
-        last[i] = max(last[i], s)
-    for i, count in enumerate(published["per_partition"]):
-        result.lost += sum(1 for s in range(count) if s not in seen[i])
-    result.lost -= published["refused"]  # never published
+    seqs = sequences(published, received, partitions)
+    result.duplicates, result.out_of_order, result.stray = seqs.duplicates, seqs.out_of_order, seqs.stray
+    result.corrupt = subscribed["corrupt"]
+    result.lost = sum(seqs.lost)
+    owner = [_owner_worker(partition(i), workers) for i in range(partitions)]
+    result.lost_by_worker = [0] * workers
+    for i, n in enumerate(seqs.lost):
+        result.lost_by_worker[owner[i]] += n
     from broky.protocol import LossReason
 
-    for _, n, reason, _ in subscribed["losses"]:
+    result.told_by_worker = [0] * workers
+    for _, worker, n, reason, _ in subscribed["losses"]:
         result.told += n
+        result.told_by_worker[worker] += n
         name = LossReason.name(reason)
         result.told_by_reason[name] = result.told_by_reason.get(name, 0) + n
-    owner = [_owner_worker(partition(i), workers) for i in range(partitions)]
     for kill in result.kills:
         after = [
             t_recv - kill["time"]
@@ -323,8 +391,12 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
         f"| received by the subscriber | {result.received} |",
         f"| lost (published, never received) | {result.lost} |",
         f"| told lost (LossNotice counts) | {result.told} {result.told_by_reason or ''} |",
-        f"| duplicates | {result.duplicates} |",
+        f"| lost, per worker | {' / '.join(map(str, result.lost_by_worker))} |",
+        f"| told lost, per worker | {' / '.join(map(str, result.told_by_worker))} |",
+        f"| subscriber: copies its duplicate filter dropped | {result.subscriber_duplicates_dropped} |",
+        f"| duplicates delivered | {result.duplicates} |",
         f"| out of order within a partition | {result.out_of_order} |",
+        f"| never published, or corrupt | {result.stray} / {result.corrupt} |",
         f"| publisher: `unconfirmed_lost` (may not have reached the server) | "
         f"{result.publisher_unconfirmed_lost} |",
         f"| publisher: `resent_after_loss` (not processed, sent again) | "
@@ -346,8 +418,8 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
         "|---:|---:|---:|",
         *(f"| {n + 1} | {k['worker']} | {k['recovery_s']} |" for n, k in enumerate(result.kills)),
         "",
-        f"Verdict: {'met' if promise_kept(result) else 'NOT met'} (lost == told, no duplicate, in order, "
-        "the publisher's report bounds its losses).",
+        f"Verdict: {'met' if promise_kept(result) else 'NOT met'} (lost == told for every worker, no "
+        "duplicate, in order, nothing corrupt, the publisher's report bounds its losses).",
         "",
     ]
     return "\n".join(lines)
@@ -355,9 +427,12 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
 
 def promise_kept(result: Result) -> bool:
     return (
-        result.lost == result.told
+        result.lost_by_worker == result.told_by_worker
+        and result.received == result.subscriber_sdk_delivered == result.published - result.told
         and result.duplicates == 0
         and result.out_of_order == 0
+        and result.stray == 0
+        and result.corrupt == 0
         and result.publisher_flush_error is None
     )
 

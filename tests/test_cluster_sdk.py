@@ -6,6 +6,12 @@ per key_partition in every payload, and an SDK subscriber on `w.>`, each
 given a different node as its seed. Leases of 2 s and moves committed after
 4 s at most keep the tests short; bench/cluster_failover.py runs the failover
 with the defaults and ten kills.
+
+"Nothing lost" is checked key_partition by key_partition (each one's
+sequence numbers, every one, once, ascending), what arrived is counted by
+the subscriber's callback and by its SDK and compared with the publisher's
+count, and the copies the SDK's duplicate filter dropped are counted too: a
+server that delivered twice would otherwise pass as "no duplicates".
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import pytest
 from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
 from bench.harness.cluster import agreed
 from broky.protocol import VBucketMap
+from tests import requires
 from tests.cluster import (
     assert_every_move_prepared,
     assert_versions_grow,
@@ -33,6 +40,7 @@ LEASE_TTL = 2
 
 @pytest.fixture
 def cluster() -> Iterator[ClusterRun]:
+    requires.program("etcd")
     c = ClusterRun(2, LEASE_TTL, "--move-timeout", "4")
     yield c
     c.stop()
@@ -45,9 +53,13 @@ def finish(load: Load, partitions: int) -> Result:
 
 def assert_nothing_lost(result: Result) -> None:
     summary = f"{result}"
-    assert result.lost == 0 and result.told == 0, summary
-    assert result.received == result.published, summary
+    assert result.lost == 0 and result.told == 0, summary  # on every key_partition (sums of counts)
+    # counted, not derived from the sequences: the callback's count, the SDK's, the publisher's
+    assert result.received == result.subscriber_sdk_delivered == result.published, summary
     assert result.duplicates == 0 and result.out_of_order == 0, summary
+    assert result.stray == 0 and result.corrupt == 0, summary
+    # nothing was sent twice, so a copy the SDK's filter dropped would be a double delivery
+    assert result.subscriber_duplicates_dropped == 0, summary
     assert result.publisher_flush_error is None and result.publisher_unconfirmed_lost == 0, summary
 
 
@@ -118,6 +130,7 @@ def _three_maps(committed: list[VBucketMap]) -> tuple[VBucketMap, VBucketMap, VB
 
 @pytest.mark.timeout(240)
 def test_a_node_then_the_leader_killed_under_load_flow_resumes_and_loss_is_counted() -> None:
+    requires.program("etcd")
     result = run(kills=2, rate=5000, partitions=500, lease_ttl=LEASE_TTL)
     kills = [e for e in result.events if e["what"] == "kill"]
     print(
@@ -129,9 +142,20 @@ def test_a_node_then_the_leader_killed_under_load_flow_resumes_and_loss_is_count
     )
     summary = f"{result}"
     assert [k["leader"] for k in kills] == [False, True], summary
-    # the SDK's loss count is what the subscriber missed (nothing lost silently)
+    # Nothing lost silently, split as finely as the run allows (the map moves key_partitions
+    # only at kills and joins): on the key_partitions of the killed nodes, what the SDK counted
+    # as possibly lost and what their workers told; on the others, what their workers told.
+    assert result.lost_on_killed == result.told_by_killed + result.publisher_unconfirmed_lost, summary
+    assert result.lost_elsewhere == result.told_elsewhere, summary
     assert result.lost == result.told + result.publisher_unconfirmed_lost, summary
+    # counted, not derived from the sequences: the callback's count, the SDK's, the publisher's
+    assert result.received == result.published - result.told - result.publisher_unconfirmed_lost, summary
+    assert result.received == result.subscriber_sdk_delivered, summary
     assert result.duplicates == 0 and result.out_of_order == 0, summary
+    assert result.stray == 0 and result.corrupt == 0, summary
+    # Copies come only from publishes sent again (a dead node confirmed no delivery of them):
+    # the SDK's filter may drop at most one copy of each; more would be a double delivery.
+    assert result.subscriber_duplicates_dropped <= result.publisher_resent_after_loss, summary
     assert result.publisher_flush_error is None, summary
     for k in kills:  # every key_partition of the dead node flows again: lease, then the leader's move
         assert k["every"] is not None and k["every"] < 3 * LEASE_TTL + 5, summary
@@ -157,7 +181,10 @@ def test_etcd_stopped_and_restarted_under_load_publishing_never_stops(cluster: C
     result = finish(load, 256)
     print(f"\netcd outages: {result.published} published, longest silence {result.max_gap_s} s")
     assert_nothing_lost(result)
-    assert result.max_gap_s < 1.0, result  # 3,000 msgs/s: never a pause in the flow
+    # 3,000 msgs/s: the flow never waits for etcd. Its pause lasted LEASE_TTL + 1.5 s, so a flow
+    # held by it would show a silence that long; a loaded 2-core machine running etcd, six
+    # workers and both clients can show a silence of about a second without any such wait.
+    assert result.max_gap_s < LEASE_TTL + 0.5, result
     assert owners_by_id(cluster.map()) == owners_by_id(before)  # nothing moved for an etcd outage
 
 
