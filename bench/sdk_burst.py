@@ -25,6 +25,13 @@ the subscriber had the last message, deliveries per second over that time,
 the server's CPU per delivered message over the burst, and the server's peak
 RSS (every process of it). MATRIX lists the SDK-to-SDK headline rows of
 `python -m bench`. Results: bench/results/sdk_burst.md and .json, with the machine.
+
+`one_run(..., check=True)` (tests/test_sdk_burst.py; Broky only) also puts
+the key_partition's index and a sequence number per key_partition in the
+first 8 bytes of every payload, and the subscriber checks every message it
+takes: its key, key_partition and padding, and each key_partition's
+sequence (copies, reordering, gaps). Benchmark runs leave it off: the checks
+cost the subscriber CPU the peers' subscribers do not spend.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -52,6 +60,7 @@ RESULTS = ROOT / "bench" / "results"
 SYSTEMS = ("broky", "nats", "redis")
 QUIET = 3.0  # seconds without a message after which the subscriber stops counting
 REDIS_PIPELINE = 1000
+_head = struct.Struct("<II")  # check mode: key_partition index, sequence number in it
 
 
 def partitions(system: str, count: int) -> list[Any]:
@@ -64,16 +73,42 @@ def partitions(system: str, count: int) -> list[Any]:
 # ------------------------------------------------------------ subscribers
 
 
-async def _broky_sub(address: str, expected: int) -> dict[str, Any]:
+async def _broky_sub(
+    address: str, expected: int, parts: int = 0, size: int = 0, check: bool = False
+) -> dict[str, Any]:
     import broky
 
     told: list[int] = []
+    checked: dict[str, Any] = {}
     async with broky.connect(address, on_loss=lambda ref, n, reason: told.append(n)) as client:
         sub = await client.subscribe("cpu.>")
         print("ready", flush=True)
-        got, last, error = await _count(sub.__aiter__(), expected)
+        it = _checked(sub.__aiter__(), parts, size, checked) if check else sub.__aiter__()
+        got, last, error = await _count(it, expected)
         return {"received": got, "told_lost": sum(told), "dropped_local": client.stats.dropped_local,
-                "pauses": client.stats.pauses, "last_at": last, "error": error}  # fmt: skip
+                "pauses": client.stats.pauses, "duplicates_dropped": client.stats.duplicates_dropped,
+                "last_at": last, "error": error, **checked}  # fmt: skip
+
+
+async def _checked(it: Any, parts: int, size: int, out: dict[str, Any]) -> Any:
+    """Check mode: every message of `it`, checked (see the header), then passed on; the
+    counts in `out` (per key_partition: the messages taken)."""
+    names = partitions("broky", parts)
+    pad = b"x" * (size - _head.size)
+    nxt = [0] * parts  # the sequence number expected next, per key_partition
+    out.update(corrupt=0, duplicates=0, out_of_order=0, gaps=0, per_partition=[0] * parts)
+    async for msg in it:
+        i, seq = _head.unpack_from(msg.payload)
+        if i >= parts or msg.key != b"cpu.k" or msg.key_partition != names[i] or msg.payload[8:] != pad:
+            out["corrupt"] += 1
+        else:
+            out["per_partition"][i] += 1
+            if seq < nxt[i]:
+                out["duplicates" if seq == nxt[i] - 1 else "out_of_order"] += 1
+            else:
+                out["gaps"] += seq - nxt[i]
+                nxt[i] = seq + 1
+        yield msg
 
 
 async def _nats_sub(address: str, expected: int) -> dict[str, Any]:
@@ -134,15 +169,20 @@ async def _count(it: Any, expected: int) -> tuple[int, float, str | None]:
 # ------------------------------------------------------------ publishers
 
 
-async def _broky_pub(address: str, n: int, parts: int, size: int) -> dict[str, Any]:
+async def _broky_pub(address: str, n: int, parts: int, size: int, check: bool = False) -> dict[str, Any]:
     import broky
 
     names = partitions("broky", parts)
     payload = b"x" * size
+    pad = payload[_head.size :]
     async with broky.connect(address) as client:
         started = time.time()
-        for i in range(n):
-            await client.publish(names[i % parts], b"cpu.k", payload)
+        if check:  # round robin: message i is number i // parts of key_partition i % parts
+            for i in range(n):
+                await client.publish(names[i % parts], b"cpu.k", _head.pack(i % parts, i // parts) + pad)
+        else:
+            for i in range(n):
+                await client.publish(names[i % parts], b"cpu.k", payload)
         await client.flush()
         return {"published": n, "started_at": started, "seconds": time.time() - started}
 
@@ -192,9 +232,11 @@ PUBLISHERS: dict[str, Callable[[str, int, int, int], Any]] = {
 # ------------------------------------------------------------ runs
 
 
-def _client(role: str, system: str, address: str, n: int, parts: int, size: int) -> subprocess.Popen[str]:
+def _client(
+    role: str, system: str, address: str, n: int, parts: int, size: int, check: bool = False
+) -> subprocess.Popen[str]:
     argv = ["--role", f"{system}:{role}", "--address", address, "--messages", str(n),
-            "--partitions", str(parts), "--size", str(size)]  # fmt: skip
+            "--partitions", str(parts), "--size", str(size), *(["--check"] if check else [])]  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
@@ -206,13 +248,18 @@ def _start(system: str, workers: int) -> servers.Server:
     return servers.STARTERS[system]()
 
 
-def one_run(system: str, n: int, workers: int, parts: int = 256, size: int = 100) -> dict[str, Any]:
-    """One burst of `n` messages through `system`'s server and clients, on a fresh server."""
+def one_run(
+    system: str, n: int, workers: int, parts: int = 256, size: int = 100, check: bool = False
+) -> dict[str, Any]:
+    """One burst of `n` messages through `system`'s server and clients, on a fresh server
+    (check: every message checked, see the header; Broky only)."""
+    if check and (system != "broky" or size < _head.size):
+        raise ValueError(f"check mode is for Broky and payloads of {_head.size} B or more")
     server = _start(system, workers)
     procs: list[subprocess.Popen[str]] = []
     try:
         address = f"{server.host}:{server.port}"
-        sub = _client("sub", system, address, n, parts, size)
+        sub = _client("sub", system, address, n, parts, size, check)
         procs.append(sub)
         assert sub.stdout is not None
         if sub.stdout.readline().strip() != "ready":
@@ -221,7 +268,7 @@ def one_run(system: str, n: int, workers: int, parts: int = 256, size: int = 100
         for pid in pids:
             procstat.reset_peak_rss(pid)
         cpu0 = procstat.total_cpu_seconds(pids)
-        pub = _client("pub", system, address, n, parts, size)
+        pub = _client("pub", system, address, n, parts, size, check)
         procs.append(pub)
         pub_out, _ = pub.communicate(timeout=600)
         sub_out, _ = sub.communicate(timeout=600)
@@ -366,12 +413,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
         system, role = args.role.split(":")
         import uvloop
 
-        if role == "sub":
+        if args.check:  # Broky only (one_run says so)
+            if role == "sub":
+                result = uvloop.run(_broky_sub(args.address, args.messages, args.partitions, args.size, True))
+            else:
+                result = uvloop.run(_broky_pub(args.address, args.messages, args.partitions, args.size, True))
+        elif role == "sub":
             result = uvloop.run(SUBSCRIBERS[system](args.address, args.messages))
         else:
             result = uvloop.run(PUBLISHERS[system](args.address, args.messages, args.partitions, args.size))
