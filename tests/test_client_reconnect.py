@@ -504,7 +504,7 @@ def test_subscribe_does_not_wait_for_a_worker_that_is_down(server: ServerProcess
             started = loop.time()
             every = await subscriber.subscribe("down.*")
             scoped = await subscriber.subscribe("down.*", partition=kps[0])
-            assert loop.time() - started < 1  # not flush_timeout (5 s) per subscribe
+            assert loop.time() - started < 4  # not flush_timeout (5 s) per subscribe (or even one)
             assert not any(isinstance(e, broky.BrokyTimeoutError) for e in ev.errors)
             proxy.refuse(False)
             await until(lambda: sorted(ev.reconnects) == [0, 1])

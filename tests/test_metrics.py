@@ -463,8 +463,9 @@ def test_readyz_reports_a_hung_worker(server: ServerProcess) -> None:
 
 
 def test_endpoints_answer_within_one_deadline_however_many_workers_hang(start_server: Any) -> None:
-    server = start_server(workers=3)
-    kp0 = kp_for_worker(0, 3)
+    # Four workers hang: one 2 s deadline for all their answers, or 8 s if each had its own.
+    server = start_server(workers=5)
+    kp0 = kp_for_worker(0, 5)
     with Wire.hello(server.address, worker=0) as pub:
         for _ in range(7):
             pub.publish(kp0, b"nobody", b"x")
@@ -476,28 +477,26 @@ def test_endpoints_answer_within_one_deadline_however_many_workers_hang(start_se
         for path in ("/metrics", "/stats"):
             started = time.monotonic()
             status, _, body = get(server, path)
-            # One 2 s deadline for all the answers, not 2 s per hung worker.
-            assert status == 200 and time.monotonic() - started < 3.5, path
+            # One 2 s deadline for all the answers, not 2 s per hung worker (8 s): a bound
+            # three times the one deadline, for a loaded machine.
+            assert status == 200 and time.monotonic() - started < 6, path
         stats = json.loads(body)
-        assert stats["totals"]["workers_up"] == 1 and [w["up"] for w in stats["workers"]] == [
-            True,
-            False,
-            False,
-        ]
+        assert stats["totals"]["workers_up"] == 1
+        assert [w["up"] for w in stats["workers"]] == [True, False, False, False, False]
         assert stats["totals"]["messages_published"] == 7
         _, s = scrape(server)
-        assert [value(s, "broky_worker_up", worker=w) for w in "012"] == [1, 0, 0]
+        assert [value(s, "broky_worker_up", worker=w) for w in "01234"] == [1, 0, 0, 0, 0]
         assert value(s, "broky_messages_published_total", worker="0") == 7
         assert value(s, "broky_messages_dropped_total", worker="0", reason="no_subscribers") == 7
         assert ("broky_messages_published_total", frozenset({("worker", "1")})) not in s
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 6  # late answers to the old requests are ignored
-    while [value(s := scrape(server)[1], "broky_worker_up", worker=w) for w in "012"] != [1, 1, 1]:
+    deadline = time.monotonic() + 20  # late answers to the old requests are ignored
+    while [value(s := scrape(server)[1], "broky_worker_up", worker=w) for w in "01234"] != [1] * 5:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert [value(s, "broky_messages_published_total", worker=w) for w in "012"] == [7, 0, 0]
+    assert [value(s, "broky_messages_published_total", worker=w) for w in "01234"] == [7, 0, 0, 0, 0]
 
 
 def test_worker_stats_forgets_the_requests_it_stopped_waiting_for(monkeypatch: pytest.MonkeyPatch) -> None:
