@@ -254,7 +254,7 @@ def analyse(
         on_killed.update(e.get("partitions", ()))
     result.lost_on_killed = sum(seqs.lost[i] for i in on_killed)
     killed_nodes = {e["node"] for e in killed}
-    for node, worker, n, reason, _ in subscribed["losses"]:
+    for (node, worker), n, reason, _ in subscribed["losses"]:
         ref = f"{node}/{worker}"
         if reason == LossReason.UNACCOUNTED:
             result.subscriber_unaccounted.append(ref)

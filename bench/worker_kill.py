@@ -130,7 +130,8 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
 
 async def subscriber(url: str) -> dict[str, Any]:
     received: list[tuple[int, int, float, int]] = []  # partition, seq, receive time, ts_producer
-    losses: list[tuple[str, int, int, int, float]] = []  # node, worker, dropped, reason, time
+    # [node, worker], dropped, reason, time (the worker's node: in a cluster, several have a worker 0)
+    losses: list[tuple[tuple[str, int], int, int, float]] = []
     disconnects: list[str] = []
     corrupt = 0  # a key, key_partition or padding other than the publisher's
 
@@ -143,7 +144,7 @@ async def subscriber(url: str) -> dict[str, Any]:
 
     async with broky.connect(
         url,
-        on_loss=lambda ref, n, reason: losses.append((ref.node_id, ref.worker, n, reason, time.time())),
+        on_loss=lambda ref, n, reason: losses.append(((ref.node_id, ref.worker), n, reason, time.time())),
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}: {why}"),
     ) as client:
         await client.subscribe("w.>", callback=on_message)
@@ -352,7 +353,7 @@ def _analyse(
     from broky.protocol import LossReason
 
     result.told_by_worker = [0] * workers
-    for _, worker, n, reason, _ in subscribed["losses"]:
+    for (_, worker), n, reason, _ in subscribed["losses"]:
         result.told += n
         result.told_by_worker[worker] += n
         name = LossReason.name(reason)
