@@ -51,6 +51,24 @@ def test_open_commit_close_claim() -> None:
     assert {x.conn_id for x in read_accounts(book.table)} == {a.conn_id}
 
 
+def test_a_cut_connection_says_so_in_its_account() -> None:
+    book = AccountBook.in_memory(slots=2)
+    a, b = Conn(1 << 32 | 1), Conn(1 << 32 | 2)
+    book.open(a)
+    book.open(b)
+    a.msgs_out, a.dropped_total = 7, 3
+    book.commit((a,))
+    book.mark_cut(a)
+    assert [x.cut for x in sorted(read_accounts(book.table))] == [True, False]  # what a master reads
+    book.close(a)
+    claimed = book.claim(a.conn_id, a.token)
+    assert claimed == Account(a.conn_id, 0, 7, 3, cut=True)
+    assert Account.unpack(claimed.pack()) == claimed  # a hand-off carries it
+    book.open(c := Conn(1 << 32 | 3))  # the slot again: a fresh account is not cut
+    book.close(c)
+    assert book.claim(c.conn_id, c.token) == Account(c.conn_id, 0, 0, 0)
+
+
 def test_slots_are_recycled_oldest_closed_first_and_then_run_out() -> None:
     book = AccountBook.in_memory(slots=2)
     a, b, c, d = (Conn(i) for i in range(1, 5))

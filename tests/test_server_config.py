@@ -53,6 +53,23 @@ def test_connection_limits_and_the_reply_bound() -> None:
         parse(["--max-subscriptions", "0"])
 
 
+def test_memory_budget() -> None:
+    cfg = parse([])
+    assert cfg.memory_budget == 1 << 30
+    assert parse([], {"BROKY_MEMORY_BUDGET": "256M"}).memory_budget == 256 << 20
+    # A share smaller than one connection's bound works, but is worth a word.
+    warnings: list[str] = []
+    parse(["--memory-budget", "64M", "--workers", "2"], warnings=warnings)
+    assert len(warnings) == 1 and "--max-pending-bytes" in warnings[0], warnings
+    warnings.clear()
+    parse(["--memory-budget", "64M", "--workers", "1"], warnings=warnings)
+    assert warnings == []
+    with pytest.raises(ValueError, match="--memory-budget must give each of the 4 workers"):
+        parse(["--memory-budget", "3", "--workers", "4", "--max-pending-bytes", "1"])
+    with pytest.raises(SystemExit):
+        parse(["--memory-budget", "0"])
+
+
 def test_cluster_settings() -> None:
     cfg = parse([])
     assert cfg.cluster is None  # a single node
@@ -145,8 +162,8 @@ def test_serve_help_lists_every_flag() -> None:
     assert proc.returncode == 0
     flags = (
         "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes max-reply-bytes "
-        "max-subscriptions max-subscription-bytes log-level log-format cluster lease-ttl move-timeout "
-        "drain-timeout"
+        "max-subscriptions max-subscription-bytes memory-budget "
+        "log-level log-format cluster lease-ttl move-timeout drain-timeout"
     )
     for flag in flags.split():
         assert f"--{flag} ".encode() in proc.stdout

@@ -17,6 +17,9 @@ answer it exactly, someone must still know, for that connection:
   refused    of the processed publishes, those refused with NOT_MY_VBUCKET
              (Welcome.resumed.refused): an Error carried each back, so a client
              that received fewer of them lost the others with the connection.
+  cut        the worker closed it to stay within its memory budget
+             (broky.server.fanout, "Memory budget"): what it lost with the
+             connection is then told as SLOW_CONSUMER, not CONNECTION_LOST.
 
 A worker keeps these counters per connection anyway (`msgs_in`, `msgs_out`,
 `dropped_total`, `refused` of broky.server.connection). To survive the
@@ -84,7 +87,7 @@ _HEADER = struct.Struct("<QQQQ")  # magic, committed sequence number, slots, slo
 _COMMITTED = 1  # word index of the committed sequence number
 _HIGH_WATER = 3  # word index of the number of slots ever used
 HEADER_BYTES = 64
-# A slot: conn_id, state, subs, spare, the connection's secret (2 words), then two
+# A slot: conn_id, state, subs, flags, the connection's secret (2 words), then two
 # versions of its counters, each seq, processed, delivered, dropped, refused, spare.
 _SLOT_HEAD = 6  # words before version A
 _VERSION_WORDS = 6
@@ -92,8 +95,10 @@ VERSION_BYTES = 8 * _VERSION_WORDS
 SLOT_BYTES = 8 * (_SLOT_HEAD + 2 * _VERSION_WORDS)  # 144
 _VERSION = struct.Struct("<QQQQQ")  # seq, processed, delivered, dropped, refused
 _SLOT = struct.Struct("<" + "Q" * (_SLOT_HEAD + 2 * _VERSION_WORDS))
-_ACCOUNT = struct.Struct("<QQQQQ")  # conn_id, processed, delivered, dropped, refused
+_ACCOUNT = struct.Struct("<QQQQQQ")  # conn_id, processed, delivered, dropped, refused, flags
+_FLAGS = 3  # word index, in a slot, of its flags
 FREE, OPEN, CLOSED = 0, 1, 2
+CUT = 1  # flag: the worker cut the connection (memory budget)
 
 
 def same_secret(given: bytes | None, kept: bytes) -> bool:
@@ -116,15 +121,17 @@ class Account(NamedTuple):
     open: bool = False  # the connection was still open (the worker died under it)
     refused: int = 0  # processed publishes refused with NOT_MY_VBUCKET
     token: bytes = b""  # the connection's secret (never in a hand-off: the master checks it)
+    cut: bool = False  # the worker cut it to stay within its memory budget
 
     def pack(self) -> bytes:
-        """The 40 bytes a hand-off carries (broky.server.handoff)."""
-        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped, self.refused)
+        """The 48 bytes a hand-off carries (broky.server.handoff)."""
+        flags = CUT if self.cut else 0
+        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped, self.refused, flags)
 
     @classmethod
     def unpack(cls, data: bytes) -> Account:
-        conn_id, processed, delivered, dropped, refused = _ACCOUNT.unpack(data)
-        return cls(conn_id, processed, delivered, dropped, refused=refused)
+        conn_id, processed, delivered, dropped, refused, flags = _ACCOUNT.unpack(data)
+        return cls(conn_id, processed, delivered, dropped, refused=refused, cut=bool(flags & CUT))
 
 
 class Accounted(Protocol):
@@ -192,6 +199,7 @@ def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
                     state == OPEN,
                     refused,
                     _secret(words, slot),
+                    bool(words[base + _FLAGS] & CUT),
                 )
             )
         return out
@@ -249,6 +257,7 @@ class AccountBook:
         base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
         self.words[base] = 0  # first: a half-cleared slot must not name its old connection
         self.words[base + 1] = FREE
+        self.words[base + _FLAGS] = 0
         self.words[base + 4] = self.words[base + 5] = 0  # and keeps no secret
 
     def open(self, c: Accounted) -> None:
@@ -267,6 +276,11 @@ class AccountBook:
         self.words[base // 8 + 1] = OPEN
         c.slot = base + 8 * _SLOT_HEAD
         c.acct_ver = 0
+
+    def mark_cut(self, c: Accounted) -> None:
+        """The worker cuts c (memory budget): its account will say so."""
+        if c.slot >= 0:
+            self.words[c.slot // 8 - _SLOT_HEAD + _FLAGS] |= CUT
 
     def set_subscriptions(self, c: Accounted, count: int) -> None:
         if c.slot >= 0:
@@ -328,9 +342,10 @@ class AccountBook:
             return None
         del self.closed[conn_id]
         processed, delivered, dropped, refused = _latest(self.words, slot, self.seq)
+        cut = bool(self.words[(HEADER_BYTES + slot * SLOT_BYTES) // 8 + _FLAGS] & CUT)
         self._clear(slot)
         self.free.append(slot)
-        return Account(conn_id, processed, delivered, dropped, refused=refused)
+        return Account(conn_id, processed, delivered, dropped, refused=refused, cut=cut)
 
     def expire(self, now: float | None = None) -> int:
         """Free the accounts closed more than ACCOUNT_TTL seconds ago; return how many."""

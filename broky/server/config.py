@@ -36,6 +36,11 @@ DEFAULT_MAX_PENDING_BYTES = 64 << 20
 DEFAULT_MAX_SUBSCRIPTIONS = 10_000
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
+# Defaults a 2-core, 4 GiB host can afford (the arithmetic: README, "Limits on a
+# small host"; schema/README.md section 8). The memory budget bounds every worker's
+# pending outbound bytes together (broky.server.budget): 1 GiB, a quarter of the
+# host.
+DEFAULT_MEMORY_BUDGET = 1 << 30
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
 
@@ -54,6 +59,7 @@ class ServerConfig:
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
+    memory_budget: int = DEFAULT_MEMORY_BUDGET  # server-wide; each worker gets memory_budget // workers
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -198,6 +204,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "most subscription bytes one connection may hold: pattern + key_partition + 64 per "
         "pattern token, summed (default %(default)s)",
     ),
+    (
+        "--memory-budget",
+        "memory_budget",
+        _size,
+        "server-wide bound of the outbound bytes queued to connections, every worker's together "
+        "(each gets an equal share); over its share a worker closes the connections with the most "
+        "pending bytes, which are told what they lost when they reconnect (default %(default)s)",
+    ),
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),
     ("--node-id", "node_id", str, "node id in the vbucket map (default: host name)"),
@@ -338,4 +352,12 @@ def from_args(
         raise ValueError("--max-frame-bytes must fit in 32 bits")
     if config.workers > 1024:
         raise ValueError("--workers cannot exceed the 1024 vbuckets")
+    if config.memory_budget < config.workers:
+        raise ValueError(f"--memory-budget must give each of the {config.workers} workers at least a byte")
+    share = config.memory_budget // config.workers
+    if share < config.max_pending_bytes:
+        warn(
+            f"--memory-budget gives each worker {share} bytes, less than --max-pending-bytes "
+            f"({config.max_pending_bytes}): one slow connection can fill a worker's share alone"
+        )
     return config

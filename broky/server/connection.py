@@ -17,6 +17,10 @@ reading could pile them up: once more than --max-reply-bytes of replies are
 unread, the shard stops reading from that connection
 (`transport.pause_reading`) until they drain (`reads_held`). Deliveries do not
 count toward that bound.
+
+What a connection counts in its worker's memory budget (broky.server.budget)
+is `charged`: its pending bytes as of the last flush that touched it, or of
+the last exact refresh (every tick, and before the worker cuts anyone).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks", "token", "refused",
+        "reply_marks", "token", "refused", "charged",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -75,6 +79,7 @@ class Connection(asyncio.Protocol):
         self.touched = False  # already in the shard's list of connections to flush
         self.unflushed = 0
         self.base = 0
+        self.charged = 0  # its pending bytes as counted in the worker's budget (broky.server.budget)
         self.limit = shard.config.max_pending_bytes
         self.paused = False  # the client sent Pause: deliveries stay in `out`
         self.write_paused = False  # the transport's buffer is over its high-water mark

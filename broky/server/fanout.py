@@ -95,15 +95,42 @@ cost 850 KB, a 4 KB pattern of two tokens about 9.4 KB, a short pattern about
 one connection holds at most about 13 MB, whatever its patterns (measured:
 8-9 MB with 10,000 short patterns, 12 MB with patterns of one-byte tokens).
 
-Memory: what a closed connection's subscriptions used goes back to the
-allocators, but glibc keeps freed heap below its top (fragmentation), so a
-worker's RSS stayed far above its baseline after a subscription flood
-(50,000 Subscribes of 4 KB, limits raised: 44 MB before, 490 MB at the peak,
-100-290 MB after the close). Once closed connections or Unsubscribes freed
-TRIM_AFTER_BYTES subscription bytes, `tick` shrinks the matcher's tables that
-had an entry per pattern (`Matcher.compact`) and calls malloc_trim(0)
-(broky.server.memory), at most once per TRIM_INTERVAL seconds: 53-64 MB after
-the same flood, for 20-40 ms of the worker's time.
+Memory budget: every worker keeps the pending bytes of all its connections
+together under its share of --memory-budget (broky.server.budget), however
+many connections there are and whatever their --max-pending-bytes allows.
+`flush` charges each connection it touched (`charged` := its pending bytes
+now: O(1) per touched connection, where `base` and `unflushed` change
+anyway; nothing for one that had and has nothing pending) and adds the
+difference to the worker's running total, `budget.pending`; a new peak of it
+over the budget's room calls `enforce_budget` once the read is written
+(`budget.peaked`: one test per read). That first makes the total exact
+(`refresh_pending`: every transport's write buffer, as `tick` does four
+times a second), since buffers drain unseen between writes; if still over,
+it cuts the connections with the most pending bytes first, until the total
+is under the low mark (a quarter below the room): `cut` aborts the transport
+(its buffer freed at once), closes the connection as if lost, and marks its
+account (broky.server.accounts, `cut`). The client is not told then (its
+socket is full or stalled): when it reconnects naming the connection
+(Hello.previous), the LossNotice after its Welcome carries exactly what it
+lost (deliveries queued minus received) with reason SLOW_CONSUMER, counted
+under dropped{slow_consumer}; each cut counts in `budget_cuts` and
+`budget_cut_bytes`, and the worker logs at most one line per
+WARNING_INTERVAL. The check runs after a read's deliveries are queued, so
+the budget is overshot by at most one read's deliveries (at most about 256
+KB read times the targets of its messages), until that read's flush ends.
+
+Memory: what a closed connection's subscriptions or pending bytes used goes
+back to the allocators, but glibc keeps freed heap below its top
+(fragmentation), so a worker's RSS stayed far above its baseline after a
+subscription flood (50,000 Subscribes of 4 KB, limits raised: 44 MB before,
+490 MB at the peak, 100-290 MB after the close), and after a burst held for
+stalled subscribers. Once closed connections or Unsubscribes freed
+TRIM_AFTER_BYTES subscription bytes, or the pending bytes fell from a peak
+over TRIM_AFTER_PEAK (or a quarter of the budget's room, if less) to under a
+quarter of it, `tick` shrinks the matcher's tables that had an entry per
+pattern (`Matcher.compact`) and calls malloc_trim(0) (broky.server.memory),
+at most once per TRIM_INTERVAL seconds: 53-64 MB after the same flood, for
+20-40 ms of the worker's time.
 
 Restart grace: a worker that replaced a dead one holds every Message frame
 (`feed_held`: a connection's reads pause at its first publish) until each of
@@ -176,6 +203,7 @@ from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
 from broky.server import fastpath, memory
 from broky.server.accounts import Account, AccountBook, same_secret
+from broky.server.budget import Budget
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection, Subscription
 from broky.server.logs import Throttle
@@ -198,14 +226,23 @@ Shape = tuple[Callable[[Buffer, int], tuple[Any, ...]], int, int, int, int]
 _time_ns = time.time_ns
 _monotonic = time.monotonic
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
+# A Shard keeps at most this many instance attributes. CPython 3.11 keeps an
+# instance's attributes in a table shared with its class, and looks them up by a
+# cached position, only while they are few: a 30th attribute made every read of
+# one message 4-6% slower (bench/test_micro.py, test_shard_feed_one_message). New
+# state goes into an object of its own (as `budget`).
+SHARD_ATTRIBUTES = 29
 ROUTE_CACHE_SIZE = 65536
 # Routes of messages whose key_partition and key together exceed this many bytes are
 # not cached: a cache bounded by entries must not hold megabytes of keys.
 ROUTE_CACHE_MAX_KEY = 256
-WARNING_INTERVAL = 10.0  # seconds between two warnings about one connection's non-fatal errors of one code
+# Seconds between two warnings about one connection's non-fatal errors of one code (or
+# about connections cut for the memory budget).
+WARNING_INTERVAL = 10.0
 SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
 MAX_REPLY_MARKS = 64  # per connection; past it the newest mark moves forward (counts replies longer)
 TRIM_AFTER_BYTES = 1 << 20  # subscription bytes freed before the heap is trimmed
+TRIM_AFTER_PEAK = 64 << 20  # ... or pending bytes that fell from a peak over this to a quarter of it
 TRIM_INTERVAL = 5.0  # seconds between two trims at least
 
 
@@ -274,6 +311,8 @@ class WorkerStats:
         self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
         self.reads_held = 0  # times a connection was read no more for its unread replies
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
+        self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
+        self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
@@ -284,6 +323,10 @@ class WorkerStats:
 
     def count_error(self, code: ErrorCode) -> None:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
+
+
+def _charged(c: Connection) -> int:
+    return c.charged
 
 
 def _rss_bytes() -> int:
@@ -349,8 +392,10 @@ class Shard:
         self.grace_until = 0.0  # monotonic time the grace ends at the latest
         self.node_grace_until = 0.0  # monotonic end of a server restart grace (`start_node_grace`)
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
-        self.freed_sub_bytes = 0  # subscription bytes freed since the last heap trim
-        self.trimmed_at = 0.0  # monotonic time of the last heap trim
+        # This worker's share of --memory-budget (see "Memory budget"; the replay buffer
+        # will draw from it too), and the heap trim's bookkeeping.
+        self.budget = Budget(config.memory_budget // config.workers)
+        # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
     # ------------------------------------------------------------ the vbucket map
@@ -483,6 +528,8 @@ class Shard:
         stats.resumes[LossReason.name(reason)] += 1
         notices = []
         lost = account.delivered - prev.received
+        if account.cut:  # this worker cut it for its memory budget: a slow consumer
+            reason = LossReason.SLOW_CONSUMER
         if lost > 0:
             stats.dropped[LossReason.name(reason)] += lost
             notices.append(encode_frame(LossNotice(lost, reason)))
@@ -537,6 +584,8 @@ class Shard:
         if c.linger is not None:
             c.linger.cancel()
             c.linger = None
+        self.budget.pending -= c.charged
+        c.charged = 0
         if self.conns.pop(c.conn_id, None) is not None:
             self.stats.connections -= 1
         if exc is not None:
@@ -550,7 +599,7 @@ class Shard:
             self.matcher.remove(sub.pattern, sub)
         self.stats.subscriptions -= len(c.subs)
         self.stats.subscription_bytes -= c.sub_bytes
-        self.freed_sub_bytes += c.sub_bytes
+        self.budget.freed_sub_bytes += c.sub_bytes
         c.sub_bytes = 0
         c.subs.clear()
         self.book.set_subscriptions(c, 0)
@@ -983,15 +1032,20 @@ class Shard:
         self._interned.clear()
 
     def flush(self) -> None:
-        """Write once to every connection touched during this read."""
+        """Write once to every connection touched during this read; charge what each
+        has pending to the worker's budget, and enforce it (see "Memory budget")."""
         sent = 0
         for t in self._touched:
             t.touched = False
             if t.paused or t.state != OPEN:
+                if t.state != CLOSED:  # held for a paused one; a lingering close's buffer
+                    self.charge(t, t.base + t.unflushed)
                 continue
             sent += self.write_out(t)
         self._touched.clear()
         self.stats.bytes_sent += sent
+        if self.budget.peaked:
+            self.new_peak()
 
     def write_out(self, t: Connection) -> int:
         """Write what is queued for t (flush, and a Pause: what came before it goes out);
@@ -1005,11 +1059,85 @@ class Shard:
         t.sent += size
         t.unflushed = 0
         t.base = base = transport.get_write_buffer_size()
+        if base or t.charged:  # it has bytes pending, or had: the budget's total changes
+            self.charge(t, base)
         if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
             self.check_replies(t, base)
         if t.dropped and base <= t.limit >> 2:
             self.notify_loss(t)
         return size
+
+    # ------------------------------------------------------------ memory budget
+
+    def charge(self, c: Connection, pending: int) -> None:
+        """c has `pending` bytes pending now: the budget's running total follows."""
+        budget = self.budget
+        budget.pending += pending - c.charged
+        c.charged = pending
+        if budget.pending > budget.peak:
+            budget.peaked = True  # `flush` calls new_peak once the read is written
+
+    def new_peak(self) -> None:
+        """The pending bytes reached a new peak: over the room, enforce the budget."""
+        budget = self.budget
+        budget.peaked = False
+        if budget.pending > budget.room:
+            budget.peak = budget.room  # at most the room: every read past it checks again
+            self.enforce_budget()
+        else:
+            budget.peak = budget.pending
+
+    def refresh_pending(self) -> int:
+        """Make every connection's charge, and their total, exact; return the total."""
+        total = 0
+        for c in self.conns.values():
+            c.base = buffered = c.transport.get_write_buffer_size()
+            c.charged = pending = buffered + c.unflushed
+            total += pending
+        self.budget.pending = total
+        return total
+
+    def enforce_budget(self) -> None:
+        """Over the budget's room (maybe: the total may be stale): made exact, and if
+        still over, the connections with the most pending bytes are cut, worst first,
+        until the total is under the low mark."""
+        budget = self.budget
+        total = self.refresh_pending()
+        if total <= budget.room:
+            return
+        low = budget.low
+        worst = sorted(self.conns.values(), key=_charged, reverse=True)
+        cut = freed = 0
+        largest = worst[0]
+        largest_bytes = largest.charged
+        for c in worst:
+            if total <= low or not c.charged:
+                break
+            total -= c.charged
+            freed += c.charged
+            cut += 1
+            self.cut(c)
+        held = self.warnings.allow("budget cuts")
+        if held is not None:
+            more = f"; {held} more cut since the last line" if held else ""
+            log.warning(
+                "worker %d over its memory budget (%d bytes for pending bytes): cut %d connections "
+                "holding %d bytes, the most pending first (connection %d from %s: %d bytes); "
+                "%d cut so far%s",
+                self.index, budget.room, cut, freed, largest.conn_id, largest.peer, largest_bytes,
+                self.stats.budget_cuts, more,
+            )  # fmt: skip
+
+    def cut(self, c: Connection) -> None:
+        """Close c at once, its buffers freed, to keep the worker within its budget. Its
+        account says so: a client reconnecting in its place is told exactly what it
+        lost, as SLOW_CONSUMER (`take_over`)."""
+        stats = self.stats
+        stats.budget_cuts += 1
+        stats.budget_cut_bytes += c.charged
+        self.book.mark_cut(c)
+        c.transport.abort()
+        self.lost(c, None)
 
     def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
         """c is at its pending bound: queue the leading messages of the run that fit,
@@ -1246,7 +1374,7 @@ class Shard:
         self.stats.subscriptions -= 1
         self.book.set_subscriptions(c, len(c.subs))
         self.stats.subscription_bytes -= s.size
-        self.freed_sub_bytes += s.size
+        self.budget.freed_sub_bytes += s.size
         c.sub_bytes -= s.size
         self.forget_routes()
 
@@ -1366,8 +1494,12 @@ class Shard:
         self.fatal(c, ErrorCode.SLOW_CONSUMER, why)
 
     def tick(self) -> None:
-        """Periodic: slow consumer and truncated frame deadlines, held reads, heap trim."""
+        """Periodic: slow consumer and truncated frame deadlines, held reads, the memory
+        budget made exact (and enforced), heap trim."""
         now = _monotonic()
+        budget = self.budget
+        if self.refresh_pending() > budget.peak:
+            self.new_peak()
         deadline = self.config.slow_consumer_deadline
         frame_timeout = self.config.frame_timeout
         for c in list(self.conns.values()):
@@ -1387,22 +1519,28 @@ class Shard:
                 self.slow_disconnect(c)
             elif c.rest and not c.held and now - c.partial_since > frame_timeout:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
-        if self.freed_sub_bytes >= TRIM_AFTER_BYTES and now - self.trimmed_at >= TRIM_INTERVAL:
+        if (
+            budget.freed_sub_bytes >= TRIM_AFTER_BYTES
+            or (budget.peak >= min(TRIM_AFTER_PEAK, budget.share >> 2) and budget.pending < budget.peak >> 2)
+        ) and now - budget.trimmed_at >= TRIM_INTERVAL:
             self.trim_heap(now)
 
     def trim_heap(self, now: float) -> None:
-        """Give the heap that freed subscriptions left behind back to the OS."""
-        freed = self.freed_sub_bytes
-        self.freed_sub_bytes = 0
-        self.trimmed_at = now
+        """Give the heap that freed subscriptions or pending bytes left behind back to the OS."""
+        budget = self.budget
+        freed, peak = budget.freed_sub_bytes, budget.peak
+        budget.freed_sub_bytes = 0
+        budget.peak = budget.pending
+        budget.trimmed_at = now
         before = _rss_bytes()
         self.matcher.compact()
         if memory.trim():
             self.stats.memory_trims += 1
             after = _rss_bytes()
             log.debug(
-                "heap trimmed after %d subscription bytes were freed: RSS %d -> %d bytes (%.1f ms)",
-                freed, before, after, (_monotonic() - now) * 1000,
+                "heap trimmed (%d subscription bytes freed, pending bytes %d after a peak of %d): "
+                "RSS %d -> %d bytes (%.1f ms)",
+                freed, budget.pending, peak, before, after, (_monotonic() - now) * 1000,
             )  # fmt: skip
 
     def shutdown(self) -> None:
@@ -1445,5 +1583,8 @@ class Shard:
             map_version=self.map.version,
             accounts_unavailable=self.book.unavailable,
             accounts_closed_kept=len(self.book.closed),
+            pending_bytes=self.budget.pending,
+            memory_budget=self.budget.share,
+            budget=self.budget.snapshot(),
         )
         return data

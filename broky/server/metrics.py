@@ -64,7 +64,18 @@ COUNTERS = (
     (
         "broky_memory_trims_total",
         "memory_trims",
-        "Heap trims (malloc_trim) after connections holding many subscription bytes left.",
+        "Heap trims (malloc_trim) after connections holding many subscription bytes or pending bytes left.",
+    ),
+    (
+        "broky_budget_cuts_total",
+        "budget_cuts",
+        "Connections closed to keep the worker within its share of --memory-budget, the most "
+        "pending bytes first (told what they lost, as slow_consumer, when they reconnect).",
+    ),
+    (
+        "broky_budget_cut_bytes_total",
+        "budget_cut_bytes",
+        "Pending outbound bytes freed by closing connections for the memory budget.",
     ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
@@ -89,6 +100,16 @@ GAUGES = (
     ),
     ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),
+    (
+        "broky_pending_bytes",
+        "pending_bytes",
+        "Outbound bytes queued to the worker's connections (as counted against its memory budget).",
+    ),
+    (
+        "broky_memory_budget_bytes",
+        "memory_budget",
+        "The worker's share of --memory-budget.",
+    ),
     (
         "broky_restart_grace_seconds",
         "restart_grace_seconds",

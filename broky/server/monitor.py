@@ -114,7 +114,7 @@ _ANSWER_BUDGET = handoff.MAX_MESSAGE - (64 << 10)  # leaves room for the header
 TOTALS = (
     "connections", "connections_total", "subscriptions", "subscription_bytes", "topics",
     "messages_published", "messages_delivered", "bytes_received", "bytes_sent",
-    "slow_consumer_disconnects", "bytes_discarded", "reads_held",
+    "slow_consumer_disconnects", "bytes_discarded", "reads_held", "pending_bytes", "budget_cuts",
 )  # fmt: skip
 
 
