@@ -53,10 +53,13 @@ def test_connection_limits_and_the_reply_bound() -> None:
         parse(["--max-subscriptions", "0"])
 
 
-def test_memory_budget() -> None:
+def test_memory_budget_and_connection_limits() -> None:
     cfg = parse([])
     assert cfg.memory_budget == 1 << 30
-    assert parse([], {"BROKY_MEMORY_BUDGET": "256M"}).memory_budget == 256 << 20
+    assert (cfg.max_connections, cfg.max_connections_per_address) == (10_000, 1_000)
+    env = {"BROKY_MEMORY_BUDGET": "256M", "BROKY_MAX_CONNECTIONS_PER_ADDRESS": "0"}
+    cfg = parse(["--max-connections", "0", "--workers", "2"], env)
+    assert (cfg.memory_budget, cfg.max_connections, cfg.max_connections_per_address) == (256 << 20, 0, 0)
     # A share smaller than one connection's bound works, but is worth a word.
     warnings: list[str] = []
     parse(["--memory-budget", "64M", "--workers", "2"], warnings=warnings)
@@ -66,8 +69,13 @@ def test_memory_budget() -> None:
     assert warnings == []
     with pytest.raises(ValueError, match="--memory-budget must give each of the 4 workers"):
         parse(["--memory-budget", "3", "--workers", "4", "--max-pending-bytes", "1"])
-    with pytest.raises(SystemExit):
-        parse(["--memory-budget", "0"])
+    for bad in (
+        ["--max-connections", "-1"],
+        ["--max-connections-per-address", "x"],
+        ["--memory-budget", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            parse(bad)
 
 
 def test_cluster_settings() -> None:
@@ -162,7 +170,7 @@ def test_serve_help_lists_every_flag() -> None:
     assert proc.returncode == 0
     flags = (
         "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes max-reply-bytes "
-        "max-subscriptions max-subscription-bytes memory-budget "
+        "max-subscriptions max-subscription-bytes memory-budget max-connections max-connections-per-address "
         "log-level log-format cluster lease-ttl move-timeout drain-timeout"
     )
     for flag in flags.split():

@@ -5,12 +5,16 @@ never read. What is checked: the worker's memory stays within its share of
 --memory-budget under a burst (RSS), the connections with the most pending
 bytes are cut first, a cut subscriber that reconnects naming its connection
 is told exactly what it lost (SLOW_CONSUMER), a healthy subscriber on the
-same worker loses nothing, and the heap is given back after the burst.
+same worker loses nothing, and the heap is given back after the burst. Then
+--max-connections (per worker) and --max-connections-per-address: refused
+with the right code, counted, and freed again when connections close or
+their worker dies.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import threading
 import time
@@ -19,14 +23,19 @@ from typing import Any
 
 import pytest
 
+from broky.errors import ErrorCode
 from broky.protocol import (
+    Error,
+    Hello,
     LossNotice,
     LossReason,
     Message,
     PreviousConnection,
+    Welcome,
     encode_message,
 )
 from tests.serverproc import ServerProcess
+from tests.test_metrics import scrape, value
 from tests.test_server_pubsub import debug_stats
 from tests.wire import Wire, kp_for_worker
 
@@ -228,4 +237,72 @@ def test_the_worst_offenders_are_cut_first_and_told_exactly_on_reconnect(start_s
         assert "over its memory budget" in server.log()
     finally:
         for w in opened:
+            w.close()
+
+
+def refused(server: ServerProcess, worker: int) -> Error:
+    """A Hello the server refuses: the fatal Error it answers."""
+    with Wire(server.address) as w:
+        w.send(Hello(worker=worker))
+        frames = w.expect_closed()
+    assert len(frames) == 1 and isinstance(frames[0], Error) and frames[0].fatal, frames
+    return frames[0]
+
+
+def welcomed(server: ServerProcess, worker: int, timeout: float = 10.0) -> Wire:
+    """A Hello the server accepts (once a limit has freed up: tried until `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        w = Wire(server.address)
+        w.send(Hello(worker=worker))
+        frame = w.next()
+        if isinstance(frame, Welcome):
+            w.welcome = frame
+            return w
+        w.close()
+        assert time.monotonic() < deadline, f"still refused: {frame!r}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_connection_limits_per_worker_and_per_address(start_server: Any) -> None:
+    server: ServerProcess = start_server(
+        "--max-connections", "3", "--max-connections-per-address", "4", "--restart-grace", "0"
+    )
+    held = [Wire.hello(server.address, worker=0) for _ in range(3)]
+    try:
+        # Worker 0 is full: a Hello naming it is refused, one for any worker goes to worker 1.
+        busy = refused(server, 0)
+        assert busy.code == ErrorCode.SERVER_BUSY and "--max-connections 3" in (busy.message or "")
+        held.append(Wire.hello(server.address))
+        assert held[-1].welcome is not None and held[-1].welcome.worker == 1
+        # 127.0.0.1 holds 4: the most one address may, whichever worker it asks for.
+        for worker in (-1, 1, 1):
+            too_many = refused(server, worker)
+            assert too_many.code == ErrorCode.TOO_MANY_CONNECTIONS
+            assert "--max-connections-per-address 4" in (too_many.message or "")
+        master = debug_stats(server)["master"]
+        assert master["connections_refused"] == {"max_connections": 1, "max_connections_per_address": 3}
+        assert master["handshakes_refused"] == {"SERVER_BUSY": 1, "TOO_MANY_CONNECTIONS": 3}
+        _, samples = scrape(server)
+        refusals = "broky_connections_refused_total"
+        assert value(samples, refusals, reason="max_connections_per_address") == 3
+        assert value(samples, refusals, reason="max_connections") == 1
+        log = server.log()
+        assert log.count("connection refused: TOO_MANY_CONNECTIONS") == 1  # one line per 10 s
+        assert log.count("connection refused: SERVER_BUSY") == 1
+
+        # A connection that closes frees its place at once (the worker says CLOSED).
+        held.pop(0).close()
+        held.append(welcomed(server, 0, timeout=5))
+        assert refused(server, 1).code == ErrorCode.TOO_MANY_CONNECTIONS
+
+        # A worker that dies takes its connections with it: its count is dropped.
+        pids = debug_stats(server)["master"]["worker_pids"]
+        os.kill(pids[1], signal.SIGKILL)
+        held.append(welcomed(server, 1, timeout=20))
+        assert debug_stats(server)["master"]["worker_pids"][1] != pids[1]
+        assert refused(server, -1).code == ErrorCode.TOO_MANY_CONNECTIONS
+    finally:
+        for w in held:
             w.close()

@@ -39,8 +39,11 @@ DEFAULT_MAX_REPLY_BYTES = 1 << 20
 # Defaults a 2-core, 4 GiB host can afford (the arithmetic: README, "Limits on a
 # small host"; schema/README.md section 8). The memory budget bounds every worker's
 # pending outbound bytes together (broky.server.budget): 1 GiB, a quarter of the
-# host.
+# host. An idle connection costs about 2 KB of a worker's memory and 5 KB of the
+# kernel's (measured), so 10,000 per worker cost about 140 MB on two workers.
 DEFAULT_MEMORY_BUDGET = 1 << 30
+DEFAULT_MAX_CONNECTIONS = 10_000  # per worker
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1_000  # per client IP address, over the whole server
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
 
@@ -60,6 +63,8 @@ class ServerConfig:
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
     memory_budget: int = DEFAULT_MEMORY_BUDGET  # server-wide; each worker gets memory_budget // workers
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # per worker; 0 = no limit
+    max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS  # 0 = no limit
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -107,6 +112,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise _invalid(f"must be >= 1, got {value}")
+    return value
+
+
+def _count_or_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise _invalid(f"must be >= 0 (0: no limit), got {value}")
     return value
 
 
@@ -211,6 +223,20 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "server-wide bound of the outbound bytes queued to connections, every worker's together "
         "(each gets an equal share); over its share a worker closes the connections with the most "
         "pending bytes, which are told what they lost when they reconnect (default %(default)s)",
+    ),
+    (
+        "--max-connections",
+        "max_connections",
+        _count_or_zero,
+        "most connections one worker serves; a client asking for any worker goes to another one, "
+        "one naming a full worker gets SERVER_BUSY; 0 = no limit (default %(default)s)",
+    ),
+    (
+        "--max-connections-per-address",
+        "max_connections_per_address",
+        _count_or_zero,
+        "most connections from one client IP address, over all workers; one more gets "
+        "TOO_MANY_CONNECTIONS; 0 = no limit (default %(default)s)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),

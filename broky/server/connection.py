@@ -62,7 +62,7 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks", "token", "refused", "charged",
+        "reply_marks", "token", "refused", "charged", "handoff_id",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -110,6 +110,7 @@ class Connection(asyncio.Protocol):
         # Called once the transport holds the socket, before a byte is read or written
         # (the worker answers the master's hand-off there; broky.server.worker).
         self.on_adopted: Callable[[], object] | None = None
+        self.handoff_id = 0  # the master's hand-off that brought it (named when it closes)
         # Its account (broky.server.accounts): msgs_in, msgs_out and dropped_total as of
         # the last commit, at byte `slot` of the shared table (-1: none).
         self.slot = -1

@@ -395,6 +395,8 @@ class Shard:
         # This worker's share of --memory-budget (see "Memory budget"; the replay buffer
         # will draw from it too), and the heap trim's bookkeeping.
         self.budget = Budget(config.memory_budget // config.workers)
+        # Called once per connection when it is gone (the worker tells the master).
+        self.on_closed: Callable[[Connection], object] | None = None
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
@@ -588,6 +590,8 @@ class Shard:
         c.charged = 0
         if self.conns.pop(c.conn_id, None) is not None:
             self.stats.connections -= 1
+            if self.on_closed is not None:
+                self.on_closed(c)
         if exc is not None:
             log.debug("connection %d lost: %s", c.conn_id, exc)
 

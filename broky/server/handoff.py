@@ -38,10 +38,15 @@ worker -> master
              file descriptors) or the errno name of the failure (e.g. EMFILE)
     STATS    uint32 request id + JSON snapshot
     LOAD     uint32 number of open connections; sent when it differs from the
-             last number the worker reported (in LOAD or ADOPTED), and at least
-             every 0.5 s: the master's heartbeat for /readyz
+             last number the worker reported (in LOAD, ADOPTED or CLOSED), and at
+             least every 0.5 s: the master's heartbeat for /readyz
+    CLOSED   uint32 hand-off id + uint32 open connections: a connection the
+             worker adopted (that hand-off's) is gone; the master counts open
+             connections per client address with it (--max-connections-per-address)
 
-Every CONN is answered by exactly one ADOPTED or REFUSED with its id. The
+Every CONN is answered by exactly one ADOPTED or REFUSED with its id, and
+every adopted one is followed by one CLOSED when its connection is gone (a
+worker that dies sends none: the master drops what it counted for it). The
 master keeps its own copy of the client socket until then, so a refused
 hand-off can still be answered on the wire (SERVER_BUSY) instead of being
 dropped without a word. The master's view of a worker's load is exact: the
@@ -73,6 +78,7 @@ READY = b"R"
 LOAD = b"L"
 ADOPTED = b"A"
 REFUSED = b"F"
+CLOSED = b"X"
 
 NO_FD = "no_fd"  # the REFUSED cause of a CONN that arrived without its file descriptor
 
@@ -200,6 +206,17 @@ def pack_adopted(handoff_id: int, open_connections: int) -> bytes:
 
 def split_adopted(payload: bytes) -> tuple[int, int]:
     """(hand-off id, open connections) of an ADOPTED payload."""
+    handoff_id, open_connections = _adopted.unpack_from(payload)
+    return handoff_id, open_connections
+
+
+def pack_closed(handoff_id: int, open_connections: int) -> bytes:
+    """The payload of a CLOSED message."""
+    return _adopted.pack(handoff_id, open_connections)
+
+
+def split_closed(payload: bytes) -> tuple[int, int]:
+    """(hand-off id, open connections) of a CLOSED payload."""
     handoff_id, open_connections = _adopted.unpack_from(payload)
     return handoff_id, open_connections
 

@@ -46,10 +46,22 @@ file descriptors it stops accepting for ACCEPT_PAUSE seconds (one log line
 per episode). At SIGTERM/SIGINT, connections still in the handshake get a
 Goodbye too.
 
+Connection limits. A worker serves at most --max-connections connections
+(its placement load as above, so hand-offs in flight count): a Hello for any
+worker goes to the least-loaded one with room, and one naming a full worker,
+or for any worker when none has room, gets SERVER_BUSY saying so. A client
+address holds at most --max-connections-per-address connections over all
+workers: the supervisor counts them (`by_address`: from the hand-off's CONN
+until the worker refuses it, says CLOSED, or dies), and the check and the
+count happen together, with no await between them, right before the CONN is
+sent; one more gets TOO_MANY_CONNECTIONS. Each refusal is counted by limit
+(/metrics broky_connections_refused_total) and logged at most once per
+LIMIT_LOG_INTERVAL per limit with the number held back.
+
 A refused handshake gets one fatal Error frame, one log line (throttled as
-above when a worker refused it), and a lingering close: the master
-half-closes and discards input for up to a second so that the client reads
-the Error instead of a connection reset.
+above when a worker refused it or a limit was reached), and a lingering
+close: the master half-closes and discards input for up to a second so that
+the client reads the Error instead of a connection reset.
 
 The master also answers HTTP on the metrics port: /healthz (200 while the
 master runs) and /readyz (200 when every worker is ready, was heard from on
@@ -113,6 +125,9 @@ HAND_OVER_ATTEMPTS = 3  # hand-offs tried per connection when a worker is dead (
 HAND_OVER_TIMEOUT = 2.0  # a hand-off waits this long for a full channel to drain, then for the answer
 NOT_READY_AFTER_REFUSAL = 3.0  # /readyz: a worker that failed a hand-off this recently is not ready
 HANDOFF_LOG_INTERVAL = 10.0  # seconds between two log lines about one (worker, cause) of failed hand-offs
+LIMIT_LOG_INTERVAL = 10.0  # seconds between two log lines about connections refused for one limit
+MAX_CONNECTIONS = "max_connections"  # the connection limits, as counted and labelled
+MAX_CONNECTIONS_PER_ADDRESS = "max_connections_per_address"
 NO_ANSWER = "no_answer"  # hand-off failure causes of the master's own (the worker's are in REFUSED)
 CHANNEL_FULL = "channel_full"
 _CAUSES = {
@@ -170,6 +185,9 @@ class Master:
         self.vmap: VBucketMap = VBucketMap(0, (), ())  # set in `run`, once the port is bound
         self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
         self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
+        # Handshakes refused for a connection limit, by limit.
+        self.limits_refused: dict[str, int] = {MAX_CONNECTIONS: 0, MAX_CONNECTIONS_PER_ADDRESS: 0}
+        self._limit_log = Throttle(LIMIT_LOG_INTERVAL)
         self.started = time.time()
         self.started_monotonic = time.monotonic()
         self.node_grace = False  # a restart of this server was seen, and its grace given (`_note_restart`)
@@ -332,7 +350,7 @@ class Master:
                 log.warning("accepting again after %.1f s", time.monotonic() - self._accept_paused_since)
                 self._accept_paused_since = 0.0
             sock.setblocking(False)
-            task = self.loop.create_task(self._handshake(sock, f"{addr[0]}:{addr[1]}"))
+            task = self.loop.create_task(self._handshake(sock, addr[0], f"{addr[0]}:{addr[1]}"))
             self.handshakes.add(task)
             task.add_done_callback(self.handshakes.discard)
 
@@ -341,7 +359,7 @@ class Master:
             return
         self.loop.add_reader(listener.fileno(), self._accept)
 
-    async def _handshake(self, sock: socket.socket, peer: str) -> None:
+    async def _handshake(self, sock: socket.socket, address: str, peer: str) -> None:
         try:
             try:
                 hello_bytes, hello = await asyncio.wait_for(self._read_hello(sock), self.config.hello_timeout)
@@ -351,7 +369,7 @@ class Master:
                 ) from None
             except RemoteProtocolError as exc:
                 raise Refused(exc.code, str(exc)) from None
-            await self._place(sock, hello_bytes, hello)
+            await self._place(sock, hello_bytes, hello, address)
         except Refused as exc:
             await self._refuse(sock, peer, exc.code, str(exc), exc.logged)  # (a cancel in there: no Goodbye)
         except EOFError:
@@ -365,11 +383,12 @@ class Master:
         finally:
             sock.close()
 
-    async def _place(self, sock: socket.socket, hello_bytes: bytes, hello: Hello) -> None:
-        """Hand the socket to a worker that adopts it.
+    async def _place(self, sock: socket.socket, hello_bytes: bytes, hello: Hello, address: str) -> None:
+        """Hand the socket (from client IP `address`) to a worker that adopts it.
 
         Raises:
-            Refused: no worker took it (SERVER_BUSY).
+            Refused: no worker took it (SERVER_BUSY), or a connection limit is reached
+                (SERVER_BUSY, TOO_MANY_CONNECTIONS).
         """
         refused_by: set[int] = set()  # workers that did not take this connection
         refusal: _HandOffRefused | None = None
@@ -378,7 +397,7 @@ class Master:
             wp = await self._pick_worker(hello, refused_by)
             account = self._dead_account(hello, wp)
             try:
-                await self._hand_over(sock, hello_bytes, wp, account.pack() if account else b"")
+                await self._hand_over(sock, hello_bytes, wp, address, account.pack() if account else b"")
                 if account is not None:
                     assert self.supervisor is not None
                     self.supervisor.dead.discard(account.conn_id)  # answered by its new worker
@@ -440,9 +459,11 @@ class Master:
         return frame, hello
 
     async def _pick_worker(self, hello: Hello, refused_by: set[int]) -> WorkerProcess:
-        """Hello.worker, or for -1 the least-loaded ready worker not in `refused_by`."""
+        """Hello.worker, or for -1 the least-loaded ready worker not in `refused_by`,
+        with room for one more connection (--max-connections)."""
         assert self.supervisor is not None
         n = self.config.workers
+        limit = self.config.max_connections
         wanted = hello.worker
         if wanted != ANY_WORKER and not 0 <= wanted < n:
             raise Refused(ErrorCode.NO_SUCH_WORKER, f"worker {wanted} does not exist (workers: {n})")
@@ -455,7 +476,18 @@ class Master:
                 ready = [wp for wp in ready if wp.index not in refused_by]
             if ready:
                 now = time.monotonic()
-                return min(ready, key=lambda wp: (_refusing(wp, now), wp.placement_load, wp.index))
+                room = [wp for wp in ready if not limit or wp.placement_load < limit]
+                if room:
+                    return min(room, key=lambda wp: (_refusing(wp, now), wp.placement_load, wp.index))
+                if wanted != ANY_WORKER:
+                    why = f"worker {wanted} serves {ready[0].placement_load} connections"
+                else:
+                    why = f"every worker serves {limit} connections or more"
+                raise self._limit_refused(
+                    MAX_CONNECTIONS,
+                    ErrorCode.SERVER_BUSY,
+                    f"{why}: the most one worker may (--max-connections {limit})",
+                )
             if time.monotonic() > deadline:
                 raise Refused(ErrorCode.SERVER_BUSY, "no worker is ready")
             await asyncio.sleep(0.05)
@@ -504,13 +536,15 @@ class Master:
         return any(wp.ready and not wp.gone and wp.index not in refused_by for wp in self.supervisor.live())
 
     async def _hand_over(
-        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, account: bytes = b""
+        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, address: str, account: bytes = b""
     ) -> None:
         """Send the socket (with the account of the connection it resumes, if any) to wp,
         waiting (bounded) while its channel is full, and wait (bounded) for its answer.
-        On return the worker has adopted it.
+        On return the worker has adopted it. The connection counts for its client
+        `address` from the moment the CONN is sent.
 
         Raises:
+            Refused: `address` holds --max-connections-per-address connections already.
             _WorkerGone: the channel is broken, or the worker died before answering.
             _HandOffRefused: the worker refused it or did not answer in time, the
                 channel stayed full, or sending failed (counted and logged here).
@@ -521,8 +555,10 @@ class Master:
         while True:
             if wp.gone:
                 raise _WorkerGone("its control channel is closed")
+            self._check_address(address)  # and counted right after the send: no await between
             try:
                 handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account)
+                self.supervisor.count_connection(wp, handoff_id, address)
                 break
             except (BlockingIOError, InterruptedError):
                 if not wp.backlogged:  # one line per episode
@@ -557,6 +593,30 @@ class Master:
         if refused is not None:
             raise self._handoff_refused(wp, refused, retry=True)
         self.handed_total += 1
+
+    def _check_address(self, address: str) -> None:
+        """Refuse a connection from an address that holds as many as it may."""
+        assert self.supervisor is not None
+        limit = self.config.max_connections_per_address
+        held = self.supervisor.by_address.get(address, 0)
+        if limit and held >= limit:
+            raise self._limit_refused(
+                MAX_CONNECTIONS_PER_ADDRESS,
+                ErrorCode.TOO_MANY_CONNECTIONS,
+                f"{address} holds {held} connections: the most one client address may "
+                f"(--max-connections-per-address {limit})",
+            )
+
+    def _limit_refused(self, limit: str, code: ErrorCode, message: str) -> Refused:
+        """Count a handshake refused for a connection limit and log it (throttled)."""
+        self.limits_refused[limit] = total = self.limits_refused[limit] + 1
+        held = self._limit_log.allow(limit)
+        if held is not None:
+            log.warning(
+                "connection refused: %s: %s; refused for --%s: %d so far, %d not logged since the last line",
+                code.name, message, limit.replace("_", "-"), total, held,
+            )  # fmt: skip
+        return Refused(code, message, logged=True)
 
     def _handoff_refused(
         self, wp: WorkerProcess, cause: str, retry: bool, detail: str = ""

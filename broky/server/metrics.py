@@ -305,6 +305,15 @@ class SnapshotCollector:
             for cause, n in sorted(causes.items()):
                 handoffs.add_metric([str(i), cause], float(n))
         yield handoffs
+        limits = _counter(
+            "broky_connections_refused_total",
+            "Handshakes refused for a connection limit, by the limit: max_connections (a worker's, "
+            "SERVER_BUSY) or max_connections_per_address (TOO_MANY_CONNECTIONS).",
+            labels=["reason"],
+        )
+        for limit, n in sorted(m.get("connections_refused", {}).items()):
+            limits.add_metric([limit], float(n))
+        yield limits
         ready = _gauge("broky_workers_ready", "Workers ready to serve.")
         ready.add_metric([], float(m.get("workers_ready", 0)))
         yield ready

@@ -96,6 +96,7 @@ class Observed(Protocol):
     handed_total: int
     refused_total: dict[str, int]
     handoffs_refused: dict[tuple[int, str], int]
+    limits_refused: dict[str, int]
 
     @property
     def cluster(self) -> ClusterView | None: ...
@@ -292,6 +293,7 @@ class Monitor:
             "handshakes_refused": dict(m.refused_total),
             "handoffs_pending": [len(wp.pending) if wp is not None else 0 for wp in sup.workers],
             "handoffs_refused": _by_worker(m.handoffs_refused, m.config.workers),
+            "connections_refused": dict(m.limits_refused),
             "vbuckets_owned": _owned(m),
         }
 

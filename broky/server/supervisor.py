@@ -19,6 +19,12 @@ worker is reaped, its accounts are read into `dead` for resuming clients, and
 its successor is told which of the dead worker's connections had
 subscriptions, so that it holds publishes until they are back (the restart
 grace, broky.server.fanout `Shard.start_grace`).
+
+The supervisor also counts every worker's connections by client address
+(`by_address`, for --max-connections-per-address): a hand-off counts from
+the moment its CONN is sent (`count_connection`) until the worker refuses
+it (REFUSED) or says its connection is gone (CLOSED); a dead worker's are
+all dropped when it is reaped.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class WorkerProcess:
         self.backlogged = False  # a hand-off found its channel full (logged once per episode)
         self.writable: asyncio.Future[None] | None = None  # set when a full channel drains
         self.heard = self.started  # last message from the worker (LOAD comes at least every 0.5 s)
+        # Client address of every hand-off sent to it that is not refused or closed yet.
+        self.peers: dict[int, str] = {}
 
     @property
     def pid(self) -> int:
@@ -107,6 +115,8 @@ class Supervisor:
         self.map_json: dict[str, object] | None = None  # the cluster's map, for workers that boot
         self._epochs: set[int] = set()  # every epoch given out (ids must never repeat)
         self._ready_changed = asyncio.Event()
+        # Connections (open, or handed over and not answered yet) by client address.
+        self.by_address: dict[str, int] = {}
 
     # ------------------------------------------------------------ processes
 
@@ -181,9 +191,27 @@ class Supervisor:
                 _answer(wp, handoff_id, None)
             elif kind == handoff.REFUSED:
                 handoff_id, cause = handoff.split_refused(payload)
+                self._uncount(wp, handoff_id)
                 _answer(wp, handoff_id, cause)
+            elif kind == handoff.CLOSED:
+                handoff_id, wp.load = handoff.split_closed(payload)
+                self._uncount(wp, handoff_id)
             else:
                 self.on_message(wp, kind, payload)
+
+    def count_connection(self, wp: WorkerProcess, handoff_id: int, address: str) -> None:
+        """A connection from `address` was handed to wp (CONN sent): it counts until refused or closed."""
+        wp.peers[handoff_id] = address
+        self.by_address[address] = self.by_address.get(address, 0) + 1
+
+    def _uncount(self, wp: WorkerProcess, handoff_id: int) -> None:
+        address = wp.peers.pop(handoff_id, None)
+        if address is not None:
+            left = self.by_address[address] - 1
+            if left:
+                self.by_address[address] = left
+            else:
+                del self.by_address[address]
 
     async def wait_writable(self, wp: WorkerProcess, timeout: float) -> bool:
         """Wait until wp's channel is writable (or closed); False after `timeout` s.
@@ -286,6 +314,8 @@ class Supervisor:
         for fut in wp.pending.values():
             fut.cancel()  # hand-offs it never answered: the handshakes waiting for them see `gone`
         wp.pending.clear()
+        for handoff_id in list(wp.peers):  # its connections died with it
+            self._uncount(wp, handoff_id)
         wp.chan.close()
         wp.ready = False
         self.workers[wp.index] = None

@@ -11,7 +11,7 @@ Ownership. A worker owns, and never shares:
   * its counters (`WorkerStats`).
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
-(CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, STATS
+(CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, CLOSED, STATS
 request/answer, READY, LOAD). There is no lock, and one piece of shared
 memory, written by the worker only: the accounts of its connections
 (broky.server.accounts), which the master reads once this process is gone, so
@@ -35,7 +35,10 @@ descriptors) or whose adoption failed (any exception before connection_made)
 is answered REFUSED with the cause ("no_fd", or the errno name such as
 EMFILE); the master still holds the socket and tells the client SERVER_BUSY.
 Refusals are logged through a Throttle: one line per cause per
-ADOPT_LOG_INTERVAL with the running count, never one per connection.
+ADOPT_LOG_INTERVAL with the running count, never one per connection. When an
+adopted connection is gone, the worker says CLOSED with its hand-off id (the
+master counts connections per client address); one that finds the channel
+full is sent again at the next tick.
 
 Stopping. SIGTERM, or EOF on the channel (the master is gone), starts the
 shutdown: Goodbye to every connection (behind the deliveries already queued
@@ -65,6 +68,7 @@ from broky.protocol import Goodbye, VBucketMap, encode_frame
 from broky.server import handoff, monitor
 from broky.server.accounts import Account, AccountBook
 from broky.server.config import ServerConfig
+from broky.server.connection import Connection
 from broky.server.fanout import Shard
 from broky.server.logs import Throttle, setup_logging
 
@@ -97,9 +101,11 @@ class Worker:
         self.done: asyncio.Future[None] = self.loop.create_future()
         self.refused: dict[str, int] = {}  # hand-offs answered REFUSED, by cause
         self._refusal_log = Throttle(ADOPT_LOG_INTERVAL)
-        self._reported_load = -1  # open connections, as last reported in LOAD or ADOPTED
+        self._reported_load = -1  # open connections, as last reported in LOAD, ADOPTED or CLOSED
         self._reported_at = 0.0
         self._stopping = False
+        self._unsent_closed: list[int] = []  # hand-off ids of closed connections not told yet
+        self.shard.on_closed = self._closed
 
     async def run(self) -> None:
         loop = self.loop
@@ -179,6 +185,7 @@ class Worker:
                 return
             account = Account.unpack(handed.account) if handed.account else None
             conn = self.shard.new_connection(handed.hello, account)
+            conn.handoff_id = handed.handoff_id
             conn.on_adopted = answer_adopted
             await self.loop.connect_accepted_socket(lambda: conn, sock=sock)
         except Exception as exc:  # the client is told SERVER_BUSY by the master, whatever failed
@@ -198,6 +205,26 @@ class Worker:
             handoff.send(self.chan, handoff.ADOPTED, handoff.pack_adopted(handoff_id, open_connections))
             self._reported_load = open_connections
 
+    def _closed(self, conn: Connection) -> None:
+        """An adopted connection is gone: tell the master (CLOSED), now or at the next tick."""
+        self._unsent_closed.append(conn.handoff_id)
+        if len(self._unsent_closed) == 1:
+            self._send_closed()
+
+    def _send_closed(self) -> None:
+        unsent = self._unsent_closed
+        load = len(self.shard.conns)
+        while unsent:
+            try:
+                handoff.send(self.chan, handoff.CLOSED, handoff.pack_closed(unsent[0], load))
+            except BlockingIOError:
+                return  # the channel is full: the next tick tries again
+            except OSError:
+                unsent.clear()  # the master is gone
+                return
+            unsent.pop(0)
+            self._reported_load = load
+
     def _refuse(self, handoff_id: int, cause: str, why: str) -> None:
         """Answer REFUSED (the master tells the client SERVER_BUSY) and log it, throttled."""
         self.refused[cause] = total = self.refused.get(cause, 0) + 1
@@ -216,6 +243,8 @@ class Worker:
             await asyncio.sleep(TICK_SECONDS)
             self.shard.tick()
             self.shard.book.expire()
+            if self._unsent_closed:
+                self._send_closed()
             # Compared with the last number reported in LOAD or ADOPTED: a connection adopted
             # (ADOPTED said n + 1) and closed before this tick is reported gone (n).
             load = len(self.shard.conns)
