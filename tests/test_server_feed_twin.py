@@ -20,7 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broky.protocol import Message, Ping, Subscribe, Unsubscribe, encode_frame, encode_message, new_ksuid
+from broky.protocol import (
+    RESUME_TOKEN_BYTES,
+    Message,
+    Ping,
+    Subscribe,
+    Unsubscribe,
+    encode_frame,
+    encode_message,
+    new_ksuid,
+)
 from broky.protocol.routing import vbucket_of
 from broky.server import fastpath
 from broky.server.config import ServerConfig
@@ -75,6 +84,7 @@ def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tupl
     def connection(i: int) -> Connection:
         c = Connection(shard, b"", i)
         c.transport = Recorder()  # type: ignore[assignment]
+        c.token = bytes(RESUME_TOKEN_BYTES)  # its secret (Shard.new_connection gives a random one)
         shard.conns[i] = c
         shard.book.open(c)
         return c
