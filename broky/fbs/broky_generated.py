@@ -50,7 +50,9 @@ class ErrorCode(object):
 
 class LossReason(object):
     UNKNOWN = 0
-    # Pending outbound bytes over the bound (includes a paused subscriber).
+    # Pending outbound bytes over the bound (includes a paused subscriber), or
+    # the connection was closed to keep the server within its memory budget
+    # (told on reconnecting, for the connection Hello.previous names).
     SLOW_CONSUMER = 1
     # Queued to the previous connection (Hello.previous), never received:
     # that connection dropped while the worker kept running.
