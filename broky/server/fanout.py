@@ -259,6 +259,20 @@ def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) 
     return len(pattern) + len(key_partition or b"") + SUBSCRIPTION_TOKEN_BYTES * tokens
 
 
+class Grace:
+    """The state of a restart grace (see `Shard.start_grace`); `Shard.holding` is its flag."""
+
+    __slots__ = ("expected", "held", "started", "timer", "until", "node_until")
+
+    def __init__(self) -> None:
+        self.expected: set[int] = set()  # ids of the dead worker's subscribers, until each is back
+        self.held: list[Connection] = []  # connections whose input waits for the grace to end
+        self.started = 0.0  # monotonic time it began
+        self.timer: asyncio.TimerHandle | None = None
+        self.until = 0.0  # monotonic time it ends at the latest
+        self.node_until = 0.0  # monotonic end of a server restart grace (`start_node_grace`)
+
+
 class Plan(NamedTuple):
     """Where a message with a given key goes."""
 
@@ -385,12 +399,7 @@ class Shard:
         self.warnings = Throttle(WARNING_INTERVAL)  # of clients' non-fatal mistakes
         # Restart grace (see `start_grace`): while `holding`, Message frames are held.
         self.holding = False
-        self.expected: set[int] = set()  # ids of the dead worker's subscribers, until each is back
-        self.held: list[Connection] = []  # connections whose input waits for the grace to end
-        self.grace_started = 0.0
-        self.grace_timer: asyncio.TimerHandle | None = None
-        self.grace_until = 0.0  # monotonic time the grace ends at the latest
-        self.node_grace_until = 0.0  # monotonic end of a server restart grace (`start_node_grace`)
+        self.grace = Grace()
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
         # This worker's share of --memory-budget (see "Memory budget"; the replay buffer
         # will draw from it too), and the heap trim's bookkeeping.
@@ -525,7 +534,7 @@ class Shard:
             stats.resumes["unknown"] += 1
             # It may have had deliveries queued that never arrived: how many, nobody alive knows.
             return None, encode_frame(LossNotice(0, LossReason.UNACCOUNTED))
-        if self.holding and old_id in self.expected:
+        if self.holding and old_id in self.grace.expected:
             c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
         stats.resumes[LossReason.name(reason)] += 1
         notices = []
@@ -580,7 +589,7 @@ class Shard:
         self.book.close(c)
         if c.held:
             c.held = False
-            self.held.remove(c)
+            self.grace.held.remove(c)
         c.out.clear()
         self.detach(c)
         if c.linger is not None:
@@ -836,12 +845,13 @@ class Shard:
         the rest) and its frames keep their order."""
         if not expected or seconds <= 0:
             return
+        grace = self.grace
         self.holding = True
-        self.expected = set(expected)
-        self.grace_started = _monotonic()
-        self.grace_until = self.grace_started + seconds
+        grace.expected = set(expected)
+        grace.started = _monotonic()
+        grace.until = grace.started + seconds
         self.stats.restart_subscribers_expected = len(expected)
-        self.grace_timer = self.loop.call_later(seconds, self.end_grace, f"{seconds:g} s passed")
+        grace.timer = self.loop.call_later(seconds, self.end_grace, f"{seconds:g} s passed")
         log.info(
             "worker %d replaces a dead worker: holding publishes until its %d subscribing "
             "connections are back (at most %g s)", self.index, len(expected), seconds,
@@ -857,18 +867,19 @@ class Shard:
         if seconds <= 0 or self.closing:
             return
         now = _monotonic()
-        self.node_grace_until = max(self.node_grace_until, now + seconds)
+        grace = self.grace
+        grace.node_until = max(grace.node_until, now + seconds)
         self.stats.node_restart_graces += 1
         if not self.holding:
             self.holding = True
-            self.grace_started = now
-            self.grace_until = now
-        if self.node_grace_until > self.grace_until:
-            self.grace_until = self.node_grace_until
-            if self.grace_timer is not None:
-                self.grace_timer.cancel()
-            self.grace_timer = self.loop.call_later(
-                self.grace_until - now, self.end_grace, "the server restart grace passed"
+            grace.started = now
+            grace.until = now
+        if grace.node_until > grace.until:
+            grace.until = grace.node_until
+            if grace.timer is not None:
+                grace.timer.cancel()
+            grace.timer = self.loop.call_later(
+                grace.until - now, self.end_grace, "the server restart grace passed"
             )
         log.info(
             "worker %d: this server restarted under its clients; holding publishes %g s for the "
@@ -902,7 +913,7 @@ class Shard:
                         break  # that was the last one: the normal path takes the rest
                 if kind == BODY_MESSAGE:
                     c.held = True
-                    self.held.append(c)
+                    self.grace.held.append(c)
                     c.transport.pause_reading()
                     break
                 self.control(c, data, pos, end)
@@ -921,9 +932,10 @@ class Shard:
 
     def came_back(self, c: Connection) -> None:
         """A subscriber of the dead worker has restored its subscriptions."""
-        self.expected.discard(c.resuming)
+        grace = self.grace
+        grace.expected.discard(c.resuming)
         c.resuming = 0
-        if not self.expected and _monotonic() >= self.node_grace_until:
+        if not grace.expected and _monotonic() >= grace.node_until:
             self.end_grace("every subscribing connection is back")
 
     def end_grace(self, why: str) -> None:
@@ -931,14 +943,15 @@ class Shard:
         if not self.holding:
             return
         self.holding = False
-        if self.grace_timer is not None:
-            self.grace_timer.cancel()
-            self.grace_timer = None
-        held, self.held = self.held, []
-        missing = len(self.expected)
-        self.expected.clear()
+        grace = self.grace
+        if grace.timer is not None:
+            grace.timer.cancel()
+            grace.timer = None
+        held, grace.held = grace.held, []
+        missing = len(grace.expected)
+        grace.expected.clear()
         stats = self.stats
-        stats.restart_grace_seconds = _monotonic() - self.grace_started
+        stats.restart_grace_seconds = _monotonic() - grace.started
         stats.restart_subscribers_missing = missing
         stats.restart_connections_held = len(held)
         (log.warning if missing else log.info)(
