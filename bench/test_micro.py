@@ -111,6 +111,9 @@ class _NullProto:
     def write(self, data: bytes) -> None:
         pass
 
+    def writelines(self, chunks: list[bytes]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
