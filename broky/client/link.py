@@ -689,30 +689,35 @@ class Link(_LinkState):
             self.schedule_flush()
 
     def ended_cleanly(self) -> bool:
-        """Nothing queued to this Link by its worker can have been lost unseen: it is
-        down, and its last connection ended with a Goodbye (the server writes every
-        delivery before it), or it never had one."""
-        return self.proto is None and (self.previous is None or self.goodbye_processed is not None)
+        """Nothing queued to this Link by its worker can have been lost unseen: its last
+        connection ended with a Goodbye (the server writes every delivery before it; its
+        close may still be on its way), or it never had one."""
+        return self.goodbye_processed is not None or (self.proto is None and self.previous is None)
 
     def retire(self) -> tuple[list[bytes], InDoubt | None, list[tuple[bytes, int]]]:
         """Its node left the map: stop for good. Returns what it still held for others
-        to take over: publishes never written, the lost connection's unconfirmed ones,
-        and the tail of its last reads."""
+        to take over: publishes never written (first those its worker said, in a
+        Goodbye, it did not process), the lost connection's unconfirmed ones that no
+        server can account for, and the tail of its last reads."""
         self.retired = True
         if self.task is not None:
             self.task.cancel()
         self._stop_timers()
-        out, self.out = self.out, []
-        self.out_bytes = 0
-        self.out_extra = 0
-        doubt, self.in_doubt = self.in_doubt, None
         tail, self.tail = self.tail, []
         if self.proto is not None:
             proto, self.proto = self.proto, None
             proto.close()
             tail = proto.tail
             if self.written > self.confirmed:
-                doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
+                self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
+        if self.in_doubt is not None and self.goodbye_processed is not None:
+            # A Goodbye came (its connection's close may still be on its way): it said
+            # what was processed; the rest is sent again, ahead of what was never written.
+            self.settle(self.goodbye_processed)
+        out, self.out = self.out, []
+        self.out_bytes = 0
+        self.out_extra = 0
+        doubt, self.in_doubt = self.in_doubt, None
         for fut, _ in self.pings.values():
             if fut is not None and not fut.done():
                 fut.set_exception(
