@@ -265,7 +265,9 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "restart_grace",
         _seconds_or_zero,
         "after a worker died, its successor holds publishes until the dead worker's subscribers "
-        "are back, at most this many seconds; 0 = never hold (default %(default)s)",
+        "are back, at most this many seconds; after the whole server restarted under its clients, "
+        "every worker holds them this long once the first client names a connection of the "
+        "earlier process; 0 = never hold (default %(default)s)",
     ),
     (
         "--cluster",
