@@ -1,0 +1,217 @@
+"""A worker's replay buffer: the most recent messages of its vbuckets, bounded in bytes.
+
+Theory of operation
+-------------------
+Every message a worker accepts gets the next offset of its vbucket (and the
+vbucket's epoch) stamped in place, in the copy of the read the worker makes
+anyway to stamp ts_broker (broky.server.fanout). The replay buffer keeps
+those copies, not the messages one by one: a *segment* is one stamped copy
+(a bytearray, usually one read), retained whole, and the index says where in
+which segment each retained message of a vbucket starts. Storing a message
+therefore costs no copy and no object: 8 bytes appended to its vbucket's
+index.
+
+    segments   oldest first: (segment id, bytes); ids only grow
+    index[vb]  a bytearray of little-endian u64, one per retained message of
+               vb in offset order: segment id << 32 | position of the frame's
+               first byte in that segment
+    base[vb]   the offset of index[vb]'s first entry
+
+Offsets are consecutive per vbucket (every accepted message gets one), so the
+message with offset o is entry o - base[vb]: a lookup by position is an index,
+a lookup by time a binary search over ts_broker, read from the frames
+themselves (`ts_at`).
+
+Bounds. `limit` bytes of segments (`--replay-bytes`, per worker). When a new
+segment takes the total over it, the oldest segments go first, whole; their
+index entries are left behind and dropped lazily (`_trim`: a vbucket's stale
+prefix is cut when it is next read, and by `trim_all`, which the worker's
+tick calls), so eviction costs nothing per message either. An age bound
+(`max_age`, seconds) evicts segments older than that the same way.
+
+Epochs. The buffer holds messages of the current epoch of each vbucket only:
+`drop_vbucket` forgets a vbucket whose sequence ends here (it moved away, or
+a new epoch starts), and its entries.
+
+The buffer is sans-I/O: the worker appends (`retain`, `record`) on its read
+path and reads (`read`, `first`, `offset_at_time`) when a subscription asks
+for positions. It never blocks and never allocates per message but the 8
+index bytes (amortised: bytearrays grow by doubling).
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+
+from broky.protocol import VBUCKETS
+from broky.protocol.message import TS_BROKER_OFFSET
+
+_u32 = struct.Struct("<I").unpack_from
+_i64 = struct.Struct("<q").unpack_from
+_entry = struct.Struct("<Q")
+SEGMENT_SHIFT = 32  # an index entry: segment id << 32 | position
+
+
+class ReplayBuffer:
+    """The retained messages of one worker's vbuckets (see the module's header)."""
+
+    def __init__(
+        self, limit: int, max_age: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if limit < 0:
+            raise ValueError(f"replay limit must be >= 0 bytes, not {limit}")
+        self.limit = limit
+        self.max_age = max_age
+        self.clock = clock
+        self.segments: deque[tuple[int, bytearray | bytes, float]] = deque()  # (id, bytes, added at)
+        self.by_id: dict[int, bytearray | bytes] = {}
+        self.bytes = 0  # bytes of the retained segments
+        self.next_id = 1
+        self.live = 1  # the oldest segment id still retained (ids below it are evicted)
+        self.index = [bytearray() for _ in range(VBUCKETS)]
+        self.base = [1] * VBUCKETS  # offset of index[vb]'s first entry
+        self.evicted_messages = 0  # messages whose segment was evicted (counted when trimmed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+    # ---------------------------------------------------------------- the read path
+
+    def retain(self, segment: bytearray | bytes) -> int:
+        """Keep `segment` (a stamped copy of a read); its id, for `record`. Evicts the
+        oldest segments while the total is over the limit (never the new one)."""
+        seg_id = self.next_id
+        self.next_id = seg_id + 1
+        self.segments.append((seg_id, segment, self.clock()))
+        self.by_id[seg_id] = segment
+        self.bytes += len(segment)
+        if self.bytes > self.limit:
+            self._evict_to(self.limit)
+        return seg_id
+
+    def record(self, vb: int, offset: int, seg_id: int, pos: int) -> None:
+        """The message with `offset` of vbucket `vb` starts at `pos` in segment `seg_id`
+        (offsets of one vbucket are recorded in order, none skipped)."""
+        index = self.index[vb]
+        if not index:
+            self.base[vb] = offset
+        index += _entry.pack(seg_id << SEGMENT_SHIFT | pos)
+
+    # ---------------------------------------------------------------- bounds
+
+    def _evict_to(self, target: int) -> None:
+        """Drop the oldest segments until their bytes are at most `target` (the newest stays)."""
+        segments = self.segments
+        while self.bytes > target and len(segments) > 1:
+            seg_id, segment, _ = segments.popleft()
+            del self.by_id[seg_id]
+            self.bytes -= len(segment)
+            self.live = seg_id + 1
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop the segments older than `max_age` (the worker's tick)."""
+        if self.max_age is None:
+            return
+        now = self.clock() if now is None else now
+        segments = self.segments
+        while segments and now - segments[0][2] > self.max_age:
+            seg_id, segment, _ = segments.popleft()
+            del self.by_id[seg_id]
+            self.bytes -= len(segment)
+            self.live = seg_id + 1
+
+    def shrink(self, target: int) -> None:
+        """Give memory back: at most `target` bytes retained (the memory budget asked)."""
+        self._evict_to(target)
+
+    def _trim(self, vb: int) -> None:
+        """Cut vb's index entries whose segments were evicted."""
+        index = self.index[vb]
+        if not index:
+            return
+        with memoryview(index) as raw, raw.cast("Q") as entries:
+            if entries[0] >> SEGMENT_SHIFT >= self.live:
+                return
+            stale = bisect.bisect_left(entries, self.live << SEGMENT_SHIFT)
+        del index[: 8 * stale]
+        self.base[vb] += stale
+        self.evicted_messages += stale
+
+    def trim_all(self) -> None:
+        """Cut every vbucket's stale index entries (the worker's tick)."""
+        for vb in range(VBUCKETS):
+            self._trim(vb)
+
+    def drop_vbucket(self, vb: int) -> int:
+        """Forget vb's retained messages (its sequence ends here); how many there were."""
+        self._trim(vb)
+        n = len(self.index[vb]) // 8
+        self.index[vb] = bytearray()
+        return n
+
+    # ---------------------------------------------------------------- lookups
+
+    def first(self, vb: int) -> int | None:
+        """The oldest retained offset of vb, or None when none is retained."""
+        self._trim(vb)
+        return self.base[vb] if self.index[vb] else None
+
+    def count(self, vb: int) -> int:
+        self._trim(vb)
+        return len(self.index[vb]) // 8
+
+    def _locate(self, entry: int) -> tuple[bytearray | bytes, int]:
+        return self.by_id[entry >> SEGMENT_SHIFT], entry & 0xFFFFFFFF
+
+    def read(self, vb: int, start: int, stop: int) -> list[tuple[bytearray | bytes, int, int]]:
+        """The retained messages of vb with offsets start <= offset < stop, in order, as
+        (segment, first byte, end); offsets before `first(vb)` are left out (the caller
+        counts them as evicted)."""
+        self._trim(vb)
+        index = self.index[vb]
+        if not index:
+            return []
+        base = self.base[vb]
+        lo = max(start, base) - base
+        hi = min(stop - base, len(index) // 8)
+        if lo >= hi:
+            return []
+        with memoryview(index) as raw, raw.cast("Q") as entries:
+            chosen = entries[lo:hi].tolist()
+        out = []
+        for entry in chosen:
+            segment, pos = self._locate(entry)
+            out.append((segment, pos, pos + 4 + _u32(segment, pos)[0]))
+        return out
+
+    def ts_at(self, vb: int, offset: int) -> int:
+        """ts_broker of the retained message `offset` of vb."""
+        with memoryview(self.index[vb]) as raw, raw.cast("Q") as entries:
+            entry = entries[offset - self.base[vb]]
+        segment, pos = self._locate(entry)
+        return int(_i64(segment, pos + TS_BROKER_OFFSET)[0])
+
+    def offset_at_time(self, vb: int, ts: int) -> int | None:
+        """The first retained offset of vb whose ts_broker >= ts (ns), or None if every
+        retained message of vb is older."""
+        self._trim(vb)
+        n = len(self.index[vb]) // 8
+        if n == 0:
+            return None
+        base = self.base[vb]
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.ts_at(vb, base + mid) < ts:
+                lo = mid + 1
+            else:
+                hi = mid
+        return base + lo if lo < n else None
+
+
+__all__ = ["ReplayBuffer"]
