@@ -69,7 +69,13 @@ def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.one_of(messages, st.builds(Pong, st.integers(0, 2**64 - 1))), max_size=12), st.data())
+@given(
+    st.lists(
+        st.one_of(messages, st.builds(Pong, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1))),
+        max_size=12,
+    ),
+    st.data(),
+)
 def test_any_split_gives_the_codec_frames(frames: list[Frame], data: st.DataObject) -> None:
     stream = b"".join(encode_frame(f) for f in frames)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))

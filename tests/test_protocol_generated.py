@@ -44,7 +44,10 @@ from broky.protocol import (
     Pause,
     Ping,
     Pong,
+    Position,
     PreviousConnection,
+    Read,
+    ReadDone,
     Resume,
     Resumed,
     Subscribe,
@@ -144,6 +147,7 @@ def large_messages(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) 
     )
 
 
+positions = st.builds(Position, u16, u64, u64)
 previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40))
 control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(
@@ -154,16 +158,34 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.none() | texts,
         st.none() | st.builds(PreviousConnection, u64, u64, u64),
     ),
-    st.builds(Subscribe, u32, st.binary(max_size=100), st.none() | st.binary(max_size=40)),
+    st.builds(
+        Subscribe,
+        u32,
+        st.binary(max_size=100),
+        st.none() | st.binary(max_size=40),
+        st.lists(positions, max_size=5).map(tuple),
+        i64,
+        u32,
+    ),
     st.builds(Unsubscribe, u32),
     st.just(Pause()),
     st.just(Resume()),
     st.builds(Ping, u64),
-    st.builds(Pong, u64),
+    st.builds(Pong, u64, i64),
     st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
     st.builds(LossNotice, u64, u8),
     st.builds(Goodbye, st.none() | texts, u64),
     st.builds(MapApplied, u64),
+    st.builds(
+        Read,
+        u32,
+        st.binary(max_size=100),
+        st.none() | st.binary(max_size=40),
+        st.lists(positions, max_size=5).map(tuple),
+        i64,
+        st.lists(positions, max_size=5).map(tuple),
+    ),
+    st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -288,7 +310,11 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.Subscribe:
         s = body(fbs.Subscribe)
         assert s.PatternLength() == len(_vec(s._tab, 6) or b"")
-        return Subscribe(s.Sid(), _vec(s._tab, 6) or b"", _vec(s._tab, 8))
+        since = tuple(
+            Position(s.Since(i).Vbucket(), s.Since(i).Epoch(), s.Since(i).Offset())
+            for i in range(s.SinceLength())
+        )
+        return Subscribe(s.Sid(), _vec(s._tab, 6) or b"", _vec(s._tab, 8), since, s.SinceTime(), s.Last())
     if kind == Body.Unsubscribe:
         return Unsubscribe(body(fbs.Unsubscribe).Sid())
     if kind == Body.Pause:
@@ -298,7 +324,8 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.Ping:
         return Ping(body(fbs.Ping).Id())
     if kind == Body.Pong:
-        return Pong(body(fbs.Pong).Id())
+        pong = body(fbs.Pong)
+        return Pong(pong.Id(), pong.Ts())
     if kind == Body.Error:
         e = body(fbs.Error)
         assert e.RefusedLength() == len(_vec(e._tab, 14) or b"")
@@ -313,6 +340,22 @@ def generated_read(frame: bytes) -> Frame:
         return MapUpdate(_read_map(body(fbs.MapUpdate).Map()))
     if kind == Body.MapApplied:
         return MapApplied(body(fbs.MapApplied).Version())
+    if kind == Body.Read:
+        r = body(fbs.Read)
+        start = tuple(
+            Position(r.Start(i).Vbucket(), r.Start(i).Epoch(), r.Start(i).Offset())
+            for i in range(r.StartLength())
+        )
+        stop = tuple(
+            Position(r.Stop(i).Vbucket(), r.Stop(i).Epoch(), r.Stop(i).Offset())
+            for i in range(r.StopLength())
+        )
+        return Read(r.Rid(), _vec(r._tab, 6) or b"", _vec(r._tab, 8), start, r.StartTime(), stop)
+    if kind == Body.ReadDone:
+        d = body(fbs.ReadDone)
+        return ReadDone(
+            d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining()
+        )
     raise AssertionError(f"unknown body type {kind}")
 
 
@@ -333,6 +376,8 @@ _BODY_TYPES: dict[type, int] = {
     Goodbye: Body.Goodbye,
     MapUpdate: Body.MapUpdate,
     MapApplied: Body.MapApplied,
+    Read: Body.Read,
+    ReadDone: Body.ReadDone,
 }
 
 
@@ -361,6 +406,16 @@ class Writer:
                 self.b.CreateString(value) if isinstance(value, str) else self.b.CreateByteVector(value)
             )
         return out
+
+    def positions(self, start_vector: Callable[[Any, int], Any], at: tuple[Position, ...]) -> int | None:
+        """A vector of Position structs, or None (drawn: an empty vector or none at all)."""
+        if not at and self.draw(st.booleans()):
+            return None
+        self.junk()
+        start_vector(self.b, len(at))
+        for p in reversed(at):
+            fbs.CreatePosition(self.b, p.epoch, p.offset, p.vbucket)
+        return int(self.b.EndVector())
 
     def table(
         self, start: Callable[[Any], None], end: Callable[[Any], int], adders: list[Callable[[], None]]
@@ -485,14 +540,49 @@ class Writer:
                 adders.append(lambda: fbs.WelcomeAddResumeToken(b, r["proof"]))
             return self.table(fbs.WelcomeStart, fbs.WelcomeEnd, adders)
         if isinstance(frame, Subscribe):
+            since = self.positions(fbs.SubscribeStartSinceVector, frame.since)
             r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
             adders = [
                 lambda: fbs.SubscribeAddSid(b, frame.sid),
                 lambda: fbs.SubscribeAddPattern(b, r["pattern"]),
+                lambda: fbs.SubscribeAddSinceTime(b, frame.since_time),
+                lambda: fbs.SubscribeAddLast(b, frame.last),
             ]
             if "kp" in r:
                 adders.append(lambda: fbs.SubscribeAddKeyPartition(b, r["kp"]))
+            if since is not None:
+                adders.append(lambda: fbs.SubscribeAddSince(b, since))
             return self.table(fbs.SubscribeStart, fbs.SubscribeEnd, adders)
+        if isinstance(frame, Read):
+            start = self.positions(fbs.ReadStartStartVector, frame.start)
+            stop = self.positions(fbs.ReadStartStopVector, frame.stop)
+            r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
+            adders = [
+                lambda: fbs.ReadAddRid(b, frame.rid),
+                lambda: fbs.ReadAddPattern(b, r["pattern"]),
+                lambda: fbs.ReadAddStartTime(b, frame.start_time),
+            ]
+            if "kp" in r:
+                adders.append(lambda: fbs.ReadAddKeyPartition(b, r["kp"]))
+            if start is not None:
+                adders.append(lambda: fbs.ReadAddStart(b, start))
+            if stop is not None:
+                adders.append(lambda: fbs.ReadAddStop(b, stop))
+            return self.table(fbs.ReadStart, fbs.ReadEnd, adders)
+        if isinstance(frame, ReadDone):
+            return self.table(
+                fbs.ReadDoneStart,
+                fbs.ReadDoneEnd,
+                [
+                    lambda: fbs.ReadDoneAddRid(b, frame.rid),
+                    lambda: fbs.ReadDoneAddVbucket(b, frame.vbucket),
+                    lambda: fbs.ReadDoneAddEpoch(b, frame.epoch),
+                    lambda: fbs.ReadDoneAddNext(b, frame.next),
+                    lambda: fbs.ReadDoneAddEvicted(b, frame.evicted),
+                    lambda: fbs.ReadDoneAddEpochChanged(b, frame.epoch_changed),
+                    lambda: fbs.ReadDoneAddRemaining(b, frame.remaining),
+                ],
+            )
         if isinstance(frame, Unsubscribe):
             return self.table(
                 fbs.UnsubscribeStart, fbs.UnsubscribeEnd, [lambda: fbs.UnsubscribeAddSid(b, frame.sid)]
@@ -504,7 +594,11 @@ class Writer:
         if isinstance(frame, Ping):
             return self.table(fbs.PingStart, fbs.PingEnd, [lambda: fbs.PingAddId(b, frame.id)])
         if isinstance(frame, Pong):
-            return self.table(fbs.PongStart, fbs.PongEnd, [lambda: fbs.PongAddId(b, frame.id)])
+            return self.table(
+                fbs.PongStart,
+                fbs.PongEnd,
+                [lambda: fbs.PongAddId(b, frame.id), lambda: fbs.PongAddTs(b, frame.ts)],
+            )
         if isinstance(frame, Error):
             r = self.refs({"message": frame.message, "refused": frame.refused})
             adders = [

@@ -67,6 +67,16 @@ class LossReason(object):
     # prove itself): deliveries queued to that connection may have been lost,
     # and how many is not known. `dropped` is 0.
     UNACCOUNTED = 5
+    # A subscription or read asked for positions the replay buffer no longer
+    # holds (evicted, oldest first): `dropped` of them are gone (0: unknown,
+    # for a start given as a time).
+    EVICTED = 6
+    # A subscription or read named a position of an epoch that is gone (the
+    # vbucket's sequence restarted: a worker or node restart, a failover):
+    # what came after that position in the old epoch is lost, how many is not
+    # known; `dropped` is 0. The new epoch is delivered from its oldest
+    # retained message.
+    EPOCH_CHANGED = 7
 
 
 # The set of frames is closed within a protocol version: a new member here
@@ -88,6 +98,8 @@ class Body(object):
     Goodbye = 12
     MapUpdate = 13
     MapApplied = 14
+    Read = 15
+    ReadDone = 16
 
 
 # Timestamps of a message, in nanoseconds since the Unix epoch; 0 = not set.
@@ -148,6 +160,37 @@ def CreateKsuid(builder, bytes):
     builder.Prep(1, 20)
     for _idx0 in range(20 , 0, -1):
         builder.PrependUint8(bytes[_idx0-1])
+    return builder.Offset()
+
+
+# A message's position in its vbucket's sequence (schema/README.md section 5.1):
+# `offset` counts the messages the vbucket's owner accepted, from 1, with no
+# gaps, while `epoch` stays the same; a new epoch means the sequence may have
+# restarted (a worker or node restart, a failover).
+class Position(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def SizeOf(cls):
+        return 24
+
+    # Position
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Position
+    def Epoch(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(0))
+    # Position
+    def Offset(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(8))
+    # Position
+    def Vbucket(self): return self._tab.Get(flatbuffers.number_types.Uint16Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(16))
+
+def CreatePosition(builder, epoch, offset, vbucket):
+    builder.Prep(8, 24)
+    builder.Pad(6)
+    builder.PrependUint16(vbucket)
+    builder.PrependUint64(offset)
+    builder.PrependUint64(epoch)
     return builder.Offset()
 
 
@@ -946,12 +989,59 @@ class Subscribe(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         return o == 0
 
-def SubscribeStart(builder): builder.StartObject(3)
+    # Where to start, per vbucket (section 5.1): the last position the client
+    # has; the retained messages after it are delivered first, then live ones.
+    # Subscribe
+    def Since(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 24
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Subscribe
+    def SinceLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Subscribe
+    def SinceIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        return o == 0
+
+    # For the vbuckets `since` does not name: the retained messages whose
+    # ts_broker is at least this (ns), then live ones. 0: not set.
+    # Subscribe
+    def SinceTime(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # For the vbuckets neither names: the last `last` retained messages of
+    # each, then live ones. 0: none (live ones only).
+    # Subscribe
+    def Last(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def SubscribeStart(builder): builder.StartObject(6)
 def SubscribeAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
 def SubscribeAddPattern(builder, pattern): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(pattern), 0)
 def SubscribeStartPatternVector(builder, numElems): return builder.StartVector(1, numElems, 1)
 def SubscribeAddKeyPartition(builder, keyPartition): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(keyPartition), 0)
 def SubscribeStartKeyPartitionVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def SubscribeAddSince(builder, since): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(since), 0)
+def SubscribeStartSinceVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def SubscribeAddSinceTime(builder, sinceTime): builder.PrependInt64Slot(4, sinceTime, 0)
+def SubscribeAddLast(builder, last): builder.PrependUint32Slot(5, last, 0)
 def SubscribeEnd(builder): return builder.EndObject()
 
 
@@ -1111,8 +1201,19 @@ class Pong(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-def PongStart(builder): builder.StartObject(1)
+    # The server's clock (ns) as stamped on the messages of the read the Ping
+    # came in: a subscription confirmed by this Pong gets every message with
+    # a ts_broker at least this (section 5.1).
+    # Pong
+    def Ts(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+def PongStart(builder): builder.StartObject(2)
 def PongAddId(builder, id): builder.PrependUint64Slot(0, id, 0)
+def PongAddTs(builder, ts): builder.PrependInt64Slot(1, ts, 0)
 def PongEnd(builder): return builder.EndObject()
 
 
@@ -1336,6 +1437,252 @@ class MapApplied(object):
 def MapAppliedStart(builder): builder.StartObject(1)
 def MapAppliedAddVersion(builder, version): builder.PrependUint64Slot(0, version, 0)
 def MapAppliedEnd(builder): return builder.EndObject()
+
+
+# Client -> server: read a closed range of retained messages, then stop
+# (section 5.2): nothing live. Per vbucket of this worker: from after
+# `start`'s position for it (offset 0: from the oldest retained), or from
+# `start_time`, else from the oldest retained; up to `stop`'s position for
+# it, else up to the last message accepted when the Read was processed.
+class Read(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Read()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsRead(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ReadBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # Read
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Client-chosen id, echoed by every ReadDone of this read.
+    # Read
+    def Rid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # Read
+    def Pattern(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Read
+    def PatternAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Read
+    def PatternLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def PatternIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        return o == 0
+
+    # Absent: every key_partition. Present: only this one.
+    # Read
+    def KeyPartition(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Read
+    def KeyPartitionAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Read
+    def KeyPartitionLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def KeyPartitionIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        return o == 0
+
+    # Read
+    def Start(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 24
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Read
+    def StartLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def StartIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        return o == 0
+
+    # Read
+    def StartTime(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # Read
+    def Stop(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 24
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Read
+    def StopLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def StopIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        return o == 0
+
+def ReadStart(builder): builder.StartObject(6)
+def ReadAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
+def ReadAddPattern(builder, pattern): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(pattern), 0)
+def ReadStartPatternVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def ReadAddKeyPartition(builder, keyPartition): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(keyPartition), 0)
+def ReadStartKeyPartitionVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def ReadAddStart(builder, start): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(start), 0)
+def ReadStartStartVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def ReadAddStartTime(builder, startTime): builder.PrependInt64Slot(4, startTime, 0)
+def ReadAddStop(builder, stop): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(stop), 0)
+def ReadStartStopVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def ReadEnd(builder): return builder.EndObject()
+
+
+# Server -> client: one vbucket of read `rid` is done: every retained message
+# of the range that matches was delivered before this frame.
+class ReadDone(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = ReadDone()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsReadDone(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ReadDoneBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # ReadDone
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # ReadDone
+    def Rid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # The vbucket, its epoch, and the first offset after the range (the
+    # position to start the next read from is `next` - 1).
+    # ReadDone
+    def Vbucket(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
+    # ReadDone
+    def Epoch(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # ReadDone
+    def Next(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # Offsets of the range that were evicted before they could be read.
+    # ReadDone
+    def Evicted(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # `start` named another epoch: what followed it in that epoch is lost.
+    # ReadDone
+    def EpochChanged(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # ReadDones of this read still to come (0: the read is complete).
+    # ReadDone
+    def Remaining(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
+def ReadDoneStart(builder): builder.StartObject(7)
+def ReadDoneAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
+def ReadDoneAddVbucket(builder, vbucket): builder.PrependUint16Slot(1, vbucket, 0)
+def ReadDoneAddEpoch(builder, epoch): builder.PrependUint64Slot(2, epoch, 0)
+def ReadDoneAddNext(builder, next): builder.PrependUint64Slot(3, next, 0)
+def ReadDoneAddEvicted(builder, evicted): builder.PrependUint64Slot(4, evicted, 0)
+def ReadDoneAddEpochChanged(builder, epochChanged): builder.PrependBoolSlot(5, epochChanged, 0)
+def ReadDoneAddRemaining(builder, remaining): builder.PrependUint16Slot(6, remaining, 0)
+def ReadDoneEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the server is shutting down and will close.

@@ -50,6 +50,8 @@ class LossReason:
     WORKER_RESTART = fbs.LossReason.WORKER_RESTART
     SHUTDOWN = fbs.LossReason.SHUTDOWN
     UNACCOUNTED = fbs.LossReason.UNACCOUNTED
+    EVICTED = fbs.LossReason.EVICTED
+    EPOCH_CHANGED = fbs.LossReason.EPOCH_CHANGED
 
     NAMES: ClassVar[dict[int, str]] = {
         0: "unknown",
@@ -58,6 +60,8 @@ class LossReason:
         3: "worker_restart",
         4: "shutdown",
         5: "unaccounted",
+        6: "evicted",
+        7: "epoch_changed",
     }
 
     @classmethod
@@ -105,10 +109,21 @@ class Welcome(NamedTuple):
     resume_token: bytes | None = None  # RESUME_TOKEN_BYTES random bytes: the secret of this connection
 
 
+class Position(NamedTuple):
+    """A message's place in its vbucket's sequence (stamped by the owning worker)."""
+
+    vbucket: int
+    epoch: int
+    offset: int
+
+
 class Subscribe(NamedTuple):
     sid: int
     pattern: bytes
     key_partition: bytes | None = None
+    since: tuple[Position, ...] = ()  # per vbucket: the last position the client has
+    since_time: int = 0  # ns: for the vbuckets `since` does not name (0: not set)
+    last: int = 0  # for the vbuckets neither names: the last N retained (0: live only)
 
 
 class Unsubscribe(NamedTuple):
@@ -129,6 +144,7 @@ class Ping(NamedTuple):
 
 class Pong(NamedTuple):
     id: int = 0
+    ts: int = 0  # the server's clock (ns) as stamped on the messages of the Ping's read
 
 
 class Error(NamedTuple):
@@ -162,9 +178,32 @@ class MapApplied(NamedTuple):
     version: int
 
 
+class Read(NamedTuple):
+    """Client -> server: a bounded read of retained messages (schema/README.md 5.2)."""
+
+    rid: int
+    pattern: bytes
+    key_partition: bytes | None = None
+    start: tuple[Position, ...] = ()  # per vbucket: read after this position
+    start_time: int = 0  # ns: for the vbuckets `start` does not name (0: from the oldest retained)
+    stop: tuple[Position, ...] = ()  # per vbucket: up to this position (else: up to now)
+
+
+class ReadDone(NamedTuple):
+    """Server -> client: one vbucket of read `rid` is done."""
+
+    rid: int
+    vbucket: int
+    epoch: int
+    next: int  # the first offset after the range
+    evicted: int = 0  # offsets of the range gone before they could be read
+    epoch_changed: bool = False  # the start named an epoch that is gone
+    remaining: int = 0  # ReadDones of this read still to come
+
+
 Frame = (
     Message | Hello | Welcome | Subscribe | Unsubscribe | Pause | Resume | Ping | Pong | Error
-    | LossNotice | Goodbye | MapUpdate | MapApplied
+    | LossNotice | Goodbye | MapUpdate | MapApplied | Read | ReadDone
 )  # fmt: skip
 
 
@@ -387,17 +426,69 @@ def encode_map_applied(applied: MapApplied) -> bytes:
     return _finish(b, Body.MapApplied, fbs.MapAppliedEnd(b))
 
 
+def _positions(
+    b: flatbuffers.Builder, start_vector: Callable[[Any, int], Any], at: tuple[Position, ...]
+) -> int:
+    """A vector of Position structs (written last to first, as the Builder wants)."""
+    start_vector(b, len(at))
+    for p in reversed(at):
+        fbs.CreatePosition(b, p.epoch, p.offset, p.vbucket)
+    return int(b.EndVector())
+
+
 @_encoder
 def encode_subscribe(sub: Subscribe) -> bytes:
-    b = flatbuffers.Builder(64)
+    b = flatbuffers.Builder(64 + 24 * len(sub.since))
     pattern = b.CreateByteVector(sub.pattern)
     kp = b.CreateByteVector(sub.key_partition) if sub.key_partition is not None else 0
+    since = _positions(b, fbs.SubscribeStartSinceVector, sub.since) if sub.since else 0
     fbs.SubscribeStart(b)
     fbs.SubscribeAddSid(b, sub.sid)
     fbs.SubscribeAddPattern(b, pattern)
     if sub.key_partition is not None:
         fbs.SubscribeAddKeyPartition(b, kp)
+    if since:
+        fbs.SubscribeAddSince(b, since)
+    if sub.since_time:
+        fbs.SubscribeAddSinceTime(b, sub.since_time)
+    if sub.last:
+        fbs.SubscribeAddLast(b, sub.last)
     return _finish(b, Body.Subscribe, fbs.SubscribeEnd(b))
+
+
+@_encoder
+def encode_read(read: Read) -> bytes:
+    b = flatbuffers.Builder(64 + 24 * (len(read.start) + len(read.stop)))
+    pattern = b.CreateByteVector(read.pattern)
+    kp = b.CreateByteVector(read.key_partition) if read.key_partition is not None else 0
+    start = _positions(b, fbs.ReadStartStartVector, read.start) if read.start else 0
+    stop = _positions(b, fbs.ReadStartStopVector, read.stop) if read.stop else 0
+    fbs.ReadStart(b)
+    fbs.ReadAddRid(b, read.rid)
+    fbs.ReadAddPattern(b, pattern)
+    if read.key_partition is not None:
+        fbs.ReadAddKeyPartition(b, kp)
+    if start:
+        fbs.ReadAddStart(b, start)
+    if read.start_time:
+        fbs.ReadAddStartTime(b, read.start_time)
+    if stop:
+        fbs.ReadAddStop(b, stop)
+    return _finish(b, Body.Read, fbs.ReadEnd(b))
+
+
+@_encoder
+def encode_read_done(done: ReadDone) -> bytes:
+    b = flatbuffers.Builder(64)
+    fbs.ReadDoneStart(b)
+    fbs.ReadDoneAddRid(b, done.rid)
+    fbs.ReadDoneAddVbucket(b, done.vbucket)
+    fbs.ReadDoneAddEpoch(b, done.epoch)
+    fbs.ReadDoneAddNext(b, done.next)
+    fbs.ReadDoneAddEvicted(b, done.evicted)
+    fbs.ReadDoneAddEpochChanged(b, done.epoch_changed)
+    fbs.ReadDoneAddRemaining(b, done.remaining)
+    return _finish(b, Body.ReadDone, fbs.ReadDoneEnd(b))
 
 
 @_encoder
@@ -440,8 +531,24 @@ def _id_template(
 
 
 _PING = _id_template(Body.Ping, fbs.PingStart, fbs.PingAddId, fbs.PingEnd)
-_PONG = _id_template(Body.Pong, fbs.PongStart, fbs.PongAddId, fbs.PongEnd)
 _pack_u64 = struct.Struct("<Q").pack
+
+
+def _pong_template() -> tuple[bytes, int, int]:
+    """A Pong with its id and ts present, and the positions of both (patched per Pong)."""
+    b = flatbuffers.Builder(32)
+    fbs.PongStart(b)
+    fbs.PongAddId(b, (1 << 64) - 1)  # not the defaults: the fields are written
+    fbs.PongAddTs(b, -1)
+    frame = _finish(b, Body.Pong, fbs.PongEnd(b))
+    body = root(frame, 0, len(frame)).table(1)
+    assert body is not None
+    return frame, body.field(0, 8), body.field(1, 8)
+
+
+_PONG_FRAME, _PONG_ID_AT, _PONG_TS_AT = _pong_template()
+_pong_into = struct.Struct("<Q").pack_into
+_pong_ts_into = struct.Struct("<q").pack_into
 
 
 def _patched(template: tuple[bytes, int], value: int, what: str) -> bytes:
@@ -475,7 +582,13 @@ def ping_id(buf: Buffer, f: int, end: int) -> int | None:
 
 
 def encode_pong(pong: Pong) -> bytes:
-    return _patched(_PONG, pong.id, "Pong")
+    out = bytearray(_PONG_FRAME)
+    try:
+        _pong_into(out, _PONG_ID_AT, pong.id)
+        _pong_ts_into(out, _PONG_TS_AT, pong.ts)
+    except (struct.error, TypeError) as exc:
+        raise LocalProtocolError(f"cannot encode {pong!r:.100}: {exc}") from None
+    return bytes(out)
 
 
 @_encoder
@@ -548,6 +661,8 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     Goodbye: encode_goodbye,
     MapUpdate: encode_map_update,
     MapApplied: encode_map_applied,
+    Read: encode_read,
+    ReadDone: encode_read_done,
 }
 
 
@@ -624,7 +739,14 @@ def _decode_body(kind: int, t: Table) -> Frame:
         )
     if kind == Body.Subscribe:
         pattern = t.byte_vector(1)
-        return Subscribe(t.u32(0), _required(pattern, "Subscribe.pattern"), t.byte_vector(2))  # type: ignore[arg-type]
+        return Subscribe(
+            t.u32(0),
+            _required(pattern, "Subscribe.pattern"),  # type: ignore[arg-type]
+            t.byte_vector(2),
+            _decode_positions(t, 3),
+            t.i64(4),
+            t.u32(5),
+        )
     if kind == Body.Unsubscribe:
         return Unsubscribe(t.u32(0))
     if kind == Body.Pause:
@@ -634,7 +756,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Ping:
         return Ping(t.u64(0))
     if kind == Body.Pong:
-        return Pong(t.u64(0))
+        return Pong(t.u64(0), t.i64(1))
     if kind == Body.Error:
         return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4), t.byte_vector(5))
     if kind == Body.LossNotice:
@@ -646,7 +768,31 @@ def _decode_body(kind: int, t: Table) -> Frame:
         return MapUpdate(_decode_map(_required(vmap, "MapUpdate.map")))  # type: ignore[arg-type]
     if kind == Body.MapApplied:
         return MapApplied(t.u64(0))
+    if kind == Body.Read:
+        pattern = t.byte_vector(1)
+        return Read(
+            t.u32(0),
+            _required(pattern, "Read.pattern"),  # type: ignore[arg-type]
+            t.byte_vector(2),
+            _decode_positions(t, 3),
+            t.i64(4),
+            _decode_positions(t, 5),
+        )
+    if kind == Body.ReadDone:
+        return ReadDone(t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6))
     raise UnknownFrameError(kind)
+
+
+_position = struct.Struct("<QQH6x")  # the Position struct: epoch, offset, vbucket, padding
+
+
+def _decode_positions(t: Table, index: int) -> tuple[Position, ...]:
+    pos, n = t.vector(index, _position.size)
+    out = []
+    for i in range(n):
+        epoch, offset, vbucket = _position.unpack_from(t.buf, pos + i * _position.size)
+        out.append(Position(vbucket, epoch, offset))
+    return tuple(out)
 
 
 def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:

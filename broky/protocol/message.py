@@ -51,7 +51,7 @@ from broky.protocol import ksuid
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
-BODY_LAST: int = Body.MapApplied
+BODY_LAST: int = Body.ReadDone
 FILE_IDENTIFIER = b"BRKY"
 UID_SIZE = ksuid.SIZE
 

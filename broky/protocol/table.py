@@ -97,6 +97,10 @@ class Table:
         p = self.field(index, 8)
         return _u64(self.buf, p)[0] if p else default
 
+    def i64(self, index: int, default: int = 0) -> int:
+        p = self.field(index, 8)
+        return _i64(self.buf, p)[0] if p else default
+
     def boolean(self, index: int, default: bool = False) -> bool:
         p = self.field(index, 1)
         return _u8(self.buf, p)[0] != 0 if p else default
