@@ -107,3 +107,17 @@ def test_a_zero_limit_keeps_only_the_newest_segment_until_the_next() -> None:
     b = rb.retain(bytearray(frame(1, 2, 2, 0)))
     rb.record(1, 2, b, 0)
     assert [payload_of(*m) for m in rb.read(1, 0, 10)] == [(1, 2)]
+
+
+def test_sequences_count_per_vbucket_from_one_under_one_epoch() -> None:
+    from broky.server.sequences import Sequences
+
+    seqs = Sequences(epoch=42)
+    assert [seqs.take(5) for _ in range(3)] == [1, 2, 3]
+    assert seqs.take(6) == 1 and seqs.next_of(5) == 4
+    assert {seqs.epoch_of(vb) for vb in range(1024)} == {42}
+    seqs.restart(5)
+    assert seqs.epoch_of(5) not in (0, 42) and seqs.take(5) == 1
+    seqs.resume(6, 7, 100)
+    assert (seqs.epoch_of(6), seqs.take(6)) == (7, 100)
+    assert Sequences().epoch != Sequences().epoch  # a new incarnation, a new epoch
