@@ -6,7 +6,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from broky.server import histogram
-from broky.server.fanout import WorkerStats
+from broky.server.stats import WorkerStats
 
 
 @given(st.integers(min_value=0, max_value=1 << 50))

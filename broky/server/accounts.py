@@ -18,8 +18,8 @@ answer it exactly, someone must still know, for that connection:
              (Welcome.resumed.refused): an Error carried each back, so a client
              that received fewer of them lost the others with the connection.
   cut        the worker closed it to stay within its memory budget
-             (broky.server.fanout, "Memory budget"): what it lost with the
-             connection is then told as SLOW_CONSUMER, not CONNECTION_LOST.
+             (broky.server.memory_budget): what it lost with the connection
+             is then told as SLOW_CONSUMER, not CONNECTION_LOST.
 
 A worker keeps these counters per connection anyway (`msgs_in`, `msgs_out`,
 `dropped_total`, `refused` of broky.server.connection). To survive the

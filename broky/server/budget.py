@@ -12,7 +12,7 @@ What uses a share, by kind:
   pending  the outbound bytes of the worker's connections: what their
            transports' write buffers hold and what is queued in `out`
            (deliveries and replies; see broky.server.connection). The shard
-           (broky.server.fanout) keeps the running total in `pending`,
+           (broky.server.memory_budget) keeps the running total in `pending`,
            updated once per touched connection per read and made exact from
            the transports at every tick and before any cut.
   others   anything else a worker holds for its clients and can give back,
@@ -20,14 +20,14 @@ What uses a share, by kind:
 
 The pending bytes may use what the other kinds leave (`room`). When they go
 over it, the shard cuts the connections with the most pending bytes until
-they are under the low mark (LOW_MARK of `room`); see broky.server.fanout,
-"Memory budget". The other kinds never take room that the pending bytes use
+they are under the low mark (LOW_MARK of `room`); see
+broky.server.memory_budget. The other kinds never take room that the pending bytes use
 now: `take` fails instead, and the caller frees some of its own (the replay
 buffer evicts its oldest messages). Connections come first because their
 bytes are owed (each was counted as delivered); held bytes are an extra.
 
 It also keeps the bookkeeping of the heap trim that gives memory back after
-a burst or a subscription flood (broky.server.fanout, "Memory"): the peak
+a burst or a subscription flood (broky.server.memory_budget, "Memory"): the peak
 of the pending bytes and the subscription bytes freed since the last trim,
 and when that was.
 """
@@ -44,7 +44,7 @@ class Budget:
 
     def __init__(self, share: int) -> None:
         self.share = share
-        # Outbound bytes of every connection (broky.server.fanout keeps it): the sum of
+        # Outbound bytes of every connection (broky.server.memory_budget keeps it): the sum of
         # their `charged` bytes.
         self.pending = 0
         # The highest `pending` seen since the heap was last trimmed, at most `room`: the

@@ -27,7 +27,7 @@ DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 # Per-connection limits on subscriptions. Measured on CPython 3.11 (see
-# broky.server.fanout, "Limits"): a subscription with a short pattern costs a
+# broky.server.control, "Limits"): a subscription with a short pattern costs a
 # worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
 # copy in its tokens), and each token that needs a trie node of its own about
 # 420 bytes; at these limits one connection holds at most about 13 MB of a

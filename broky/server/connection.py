@@ -21,6 +21,10 @@ count toward that bound.
 What a connection counts in its worker's memory budget (broky.server.budget)
 is `charged`: its pending bytes as of the last flush that touched it, or of
 the last exact refresh (every tick, and before the worker cuts anyone).
+
+A connection's subscriptions are `Subscription`s; the subscription table
+(broky.server.control) compiles those matching a key into a `Plan`, the
+distinct connections a message with that key goes to.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from broky.server.accounts import Account
@@ -89,7 +93,7 @@ class Connection(asyncio.Protocol):
         self.over_since = 0.0  # monotonic time of the first drop since the last notice
         self.subs: dict[int, Subscription] = {}
         self.sub_bytes = 0  # summed Subscription.size of `subs` (--max-subscription-bytes)
-        # Unread replies (see broky.server.fanout, "Replies"): bytes ever handed to the
+        # Unread replies (see broky.server.backpressure, "Replies"): bytes ever handed to the
         # transport; reply bytes queued in `out`, ever written, known to have left the
         # write buffer; marks (stream position after a write, reply_sent then).
         self.sent = 0
@@ -169,4 +173,21 @@ class Subscription:
         self.sid = sid
         self.pattern = pattern
         self.key_partition = key_partition
-        self.size = size  # charged against --max-subscription-bytes (`subscription_size`)
+        self.size = size  # charged against --max-subscription-bytes (control.subscription_size)
+
+
+class Plan(NamedTuple):
+    """Where a message with a given key goes."""
+
+    everyone: tuple[Connection, ...]  # connections with an all-partition subscription
+    scoped: dict[bytes, tuple[Connection, ...]] | None  # further connections by key_partition
+
+
+def compile_plan(subs: list[Subscription]) -> Plan:
+    """Turn the subscriptions matching a key into a delivery plan (distinct connections)."""
+    everyone = dict.fromkeys(s.conn for s in subs if s.key_partition is None)
+    scoped: dict[bytes, dict[Connection, None]] = {}
+    for s in subs:
+        if s.key_partition is not None and s.conn not in everyone:
+            scoped.setdefault(s.key_partition, {})[s.conn] = None
+    return Plan(tuple(everyone), {kp: tuple(c) for kp, c in scoped.items()} if scoped else None)

@@ -12,10 +12,10 @@ master -> worker
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
              messages that follow}
     MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
-             to apply (the cluster's; broky.server.fanout `Shard.apply_map`)
+             to apply (the cluster's; broky.server.ownership `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
              dead one): the dead worker's connections that had subscriptions
-             (broky.server.fanout `Shard.start_grace`)
+             (broky.server.grace `Shard.start_grace`)
     CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
              read from the client: its Hello frame, and for a client resuming
              a connection of a dead worker, that connection's account:
@@ -26,7 +26,7 @@ master -> worker
     GRACE    uint32 milliseconds: this server (or node) restarted, as a
              reconnecting client just showed: hold publishes that long so
              that the previous process's subscribers can subscribe again
-             (broky.server.fanout `Shard.start_node_grace`)
+             (broky.server.grace `Shard.start_node_grace`)
 worker -> master
     READY    the worker serves (sent once after boot)
     ADOPTED  uint32 hand-off id + uint32 open connections (this one included):

@@ -9,11 +9,13 @@ to 490 MB, and was still at 100-290 MB after the connection closed.
 `malloc_trim(0)` releases every whole free page of the heap (madvise), which
 brought it back to about its baseline. Where there is no glibc (musl, macOS)
 `trim` does nothing and says so. ctypes is loaded at the first trim, not
-before: an idle worker does not keep it (0.4 MB).
+before: an idle worker does not keep it (0.4 MB). `rss_bytes` tells what the
+process has resident, for the trim's log line and the worker's snapshot.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 
@@ -42,3 +44,12 @@ def trim() -> bool:
         return False
     _malloc_trim(0)
     return True
+
+
+def rss_bytes() -> int:
+    """The resident set size of this process (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Nothing here runs per message. Workers keep plain integer counters
-(`WorkerStats` in broky.server.fanout) and a log2 latency histogram
+(`WorkerStats` in broky.server.stats) and a log2 latency histogram
 (broky.server.histogram). When
 /metrics is scraped, the master asks every worker for its snapshot over the
 control channel (broky.server.monitor), then this module turns the snapshots

@@ -22,7 +22,7 @@ Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
 supervisor with the worker end of the channel as FD and its accounts table as
 BOOK_FD. It reads CONFIG and the EXPECT messages (blocking), starts uvloop and
 sends READY; every tick it reports its LOAD. A worker that replaces a dead one
-starts in the restart grace (broky.server.fanout `Shard.start_grace`).
+starts in the restart grace (broky.server.grace `Shard.start_grace`).
 
 Hand-offs. Every CONN is answered. The worker adopts the socket with
 `loop.connect_accepted_socket` and answers ADOPTED (with its number of open

@@ -1,0 +1,192 @@
+"""A connection's arrival: its Hello answered with a Welcome, and a reconnecting client's claim.
+
+Theory of operation
+-------------------
+The master reads a client's Hello and hands the socket to a worker with
+those bytes (broky.server.handoff); the worker makes a Connection of it
+(`new_connection`: an id made of this worker incarnation's `epoch` and a
+counter, and a secret of its own, the resume token) and answers the Hello
+with a Welcome once the transport holds the socket (`opened`), or with a
+Goodbye if it is shutting down.
+
+A client that reconnects names the connection it replaces (Hello.previous:
+its id, its resume token, what it received and what it was told it lost).
+`take_over` finds that connection's account: from the master when its worker
+died (attached to the hand-off, the token checked there), or from this
+worker's own book (broky.server.accounts) when it was one of this worker's
+connections, still open if the server has not noticed the loss yet (it is
+closed now: `supersede`). A claim without the connection's token gets
+nothing and closes nothing (`refuse_claim`). The Welcome says how many of
+the old connection's publishes were processed (Welcome.resumed), and
+LossNotices follow it: deliveries queued to the old connection that the
+client did not receive, and drops it was never told of; without an account,
+one LossNotice UNACCOUNTED. A subscriber of a dead worker that comes back
+during the restart grace is marked (`resuming`), so that the grace ends once
+they are all back (broky.server.grace).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from broky.errors import ErrorCode, RemoteProtocolError
+from broky.protocol import (
+    PROTOCOL_VERSION,
+    RESUME_TOKEN_BYTES,
+    Hello,
+    LossNotice,
+    LossReason,
+    PreviousConnection,
+    Resumed,
+    WelcomeTemplate,
+    decode_frame,
+    encode_frame,
+)
+from broky.server.accounts import Account, same_secret
+from broky.server.connection import Connection
+
+if TYPE_CHECKING:
+    from broky.server.accounts import AccountBook
+    from broky.server.config import ServerConfig
+    from broky.server.grace import Grace
+    from broky.server.logs import Throttle
+    from broky.server.stats import WorkerStats
+
+log = logging.getLogger("broky.worker")
+
+
+class Arrivals:
+    """The Shard's part that welcomes connections (a mixin of broky.server.fanout.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard (a Connection's too: connection.Shard)
+        config: ServerConfig
+        book: AccountBook
+        epoch: int
+        welcome: WelcomeTemplate
+        stats: WorkerStats
+        conns: dict[int, Connection]
+        _next_id: int
+        closing: bool
+        warnings: Throttle
+        holding: bool
+        grace: Grace
+
+        def feed(self, c: Connection, data: bytes) -> None: ...
+        def eof(self, c: Connection) -> bool: ...
+        def drained(self, c: Connection) -> None: ...
+        def goodbye(self, c: Connection, reason: str) -> None: ...
+        def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
+        def lost(self, c: Connection, exc: Exception | None) -> None: ...
+
+    def new_connection(self, initial: bytes, account: Account | None = None) -> Connection:
+        """A connection handed over with its Hello (and, for a client resuming a
+        connection of a dead worker, that connection's account)."""
+        self._next_id += 1
+        c = Connection(self, initial, (self.epoch << 32) | self._next_id)
+        c.token = os.urandom(RESUME_TOKEN_BYTES)
+        c.account = account
+        return c
+
+    def opened(self, c: Connection) -> None:
+        """A handed-over socket is adopted: answer its Hello with a Welcome."""
+        self.conns[c.conn_id] = c
+        self.stats.connections += 1
+        self.stats.connections_total += 1
+        if self.closing:
+            self.goodbye(c, "server shutting down")
+            return
+        try:
+            hello = decode_frame(c.initial) if c.initial else None
+        except RemoteProtocolError as exc:
+            self.fatal(c, exc.code, str(exc))
+            return
+        c.initial = b""
+        if not isinstance(hello, Hello):
+            self.fatal(c, ErrorCode.EXPECTED_HELLO, "the first frame must be a Hello")
+            return
+        if hello.protocol_version != PROTOCOL_VERSION:
+            self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
+            return
+        c.client_name = hello.client_name
+        self.book.open(c)
+        resumed, notices = (None, b"") if hello.previous is None else self.take_over(c, hello.previous)
+        welcome = self.welcome.for_connection(c.conn_id, c.token, resumed)
+        if notices:
+            welcome += notices
+        c.transport.write(welcome)
+        c.sent = len(welcome)
+        log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
+
+    def take_over(self, c: Connection, prev: PreviousConnection) -> tuple[Resumed | None, bytes]:
+        """c replaces the connection `prev` names: its account, if anyone has it.
+
+        The account comes from the master when prev's worker died (attached to the
+        hand-off), or from this worker's own book when prev was one of its own
+        connections (still open, if the server has not noticed the loss yet: it is
+        retired now). Returns Welcome.resumed and the LossNotices that follow the
+        Welcome: deliveries queued to prev that the client did not receive, and
+        drops it was never told of.
+        """
+        old_id = prev.connection_id
+        proof = prev.resume_token
+        account, reason = c.account, LossReason.WORKER_RESTART  # the master checked its proof
+        c.account = None
+        stats = self.stats
+        if account is None or account.conn_id != old_id:
+            account, reason = None, LossReason.CONNECTION_LOST
+            if old_id >> 32 == self.epoch:
+                old = self.conns.get(old_id)
+                if old is not None and old is not c:
+                    if same_secret(proof, old.token):
+                        self.supersede(old)
+                    else:  # never close a live connection for a claim that cannot prove itself
+                        self.refuse_claim(c, old_id)
+                        old = None
+                refused_before = self.book.claims_refused
+                account = self.book.claim(old_id, proof)
+                if self.book.claims_refused != refused_before:
+                    self.refuse_claim(c, old_id)
+        if account is None:
+            stats.resumes["unknown"] += 1
+            # It may have had deliveries queued that never arrived: how many, nobody alive knows.
+            return None, encode_frame(LossNotice(0, LossReason.UNACCOUNTED))
+        if self.holding and old_id in self.grace.expected:
+            c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
+        stats.resumes[LossReason.name(reason)] += 1
+        notices = []
+        lost = account.delivered - prev.received
+        if account.cut:  # this worker cut it for its memory budget: a slow consumer
+            reason = LossReason.SLOW_CONSUMER
+        if lost > 0:
+            stats.dropped[LossReason.name(reason)] += lost
+            notices.append(encode_frame(LossNotice(lost, reason)))
+        untold = account.dropped - prev.told_lost
+        if untold > 0:  # dropped (and counted) as slow_consumer back then; the notice never arrived
+            notices.append(encode_frame(LossNotice(untold, LossReason.SLOW_CONSUMER)))
+        if notices:
+            log.info(
+                "connection %d from %s resumes %d: %d deliveries lost (%s), %d drops untold",
+                c.conn_id, c.peer, old_id, max(lost, 0), LossReason.name(reason), max(untold, 0),
+            )  # fmt: skip
+        return Resumed(old_id, account.processed, account.refused), b"".join(notices)
+
+    def refuse_claim(self, c: Connection, old_id: int) -> None:
+        """A Hello.previous named a connection of this worker without its secret: the
+        claim gets nothing (no account, no supersede); counted, logged throttled."""
+        self.stats.resumes["refused"] += 1
+        held = self.warnings.allow(("claim", old_id >> 32))
+        if held is not None:
+            more = f" ({held} more since the last warning)" if held else ""
+            log.warning(
+                "connection %d from %s claims connection %d without its resume token: refused%s",
+                c.conn_id, c.peer, old_id, more,
+            )  # fmt: skip
+
+    def supersede(self, old: Connection) -> None:
+        """A client reconnected in place of `old`, which this worker still thinks open
+        (a half-open connection): close it now, so that its account is final."""
+        log.info("connection %d from %s is replaced by a reconnect; closing it", old.conn_id, old.peer)
+        old.transport.abort()
+        self.lost(old, None)

@@ -1,0 +1,197 @@
+"""Control frames: subscriptions and their limits, Ping, Pause and Resume, MapApplied.
+
+Every frame of a client other than a Message (and the SDK's Pings, which
+the read path answers itself) comes here, decoded, in its place in the
+connection's stream (`control`). A subscription goes into the worker's
+subscription table, a broky.matching.Matcher whose match for a key is
+compiled into a `Plan` (broky.server.connection: the distinct connections
+to deliver to; the read path in broky.server.fanout caches it per route),
+and every change to the table (Subscribe, Unsubscribe, a connection's end:
+`detach`) empties the route cache.
+
+Theory of operation
+-------------------
+Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
+(pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
+over the connection) gets a non-fatal SUBSCRIPTION_LIMIT and creates nothing.
+The token charge is there because a pattern token that no other pattern shares
+costs a trie node of about 420 bytes (CPython 3.11): 4 KB of one-byte tokens
+cost 850 KB, a 4 KB pattern of two tokens about 9.4 KB, a short pattern about
+0.7-1 KB with its own Subscription and table entries. At the default limits
+one connection holds at most about 13 MB, whatever its patterns (measured:
+8-9 MB with 10,000 short patterns, 12 MB with patterns of one-byte tokens).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from broky.errors import BadPatternError, ErrorCode
+from broky.matching import Matcher, parse_pattern
+from broky.protocol import (
+    LossNotice,
+    LossReason,
+    MapApplied,
+    Pause,
+    Ping,
+    Pong,
+    Resume,
+    Subscribe,
+    Unsubscribe,
+    decode_frame,
+    encode_frame,
+)
+from broky.protocol.routing import vbucket_of
+from broky.server.connection import Connection, Plan, Subscription
+
+if TYPE_CHECKING:
+    from broky.server.accounts import AccountBook
+    from broky.server.budget import Budget
+    from broky.server.config import ServerConfig
+    from broky.server.stats import WorkerStats
+
+SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
+
+
+def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) -> int:
+    """What a subscription counts against --max-subscription-bytes (schema/README.md, §5)."""
+    return len(pattern) + len(key_partition or b"") + SUBSCRIPTION_TOKEN_BYTES * tokens
+
+
+class ControlFrames:
+    """The Shard's part that handles control frames (a mixin of broky.server.fanout.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        config: ServerConfig
+        book: AccountBook
+        accepts: bytes
+        matcher: Matcher[Subscription, Plan]
+        stats: WorkerStats
+        budget: Budget
+        _touched: list[Connection]
+
+        def forget_routes(self) -> None: ...
+        def write_out(self, t: Connection) -> int: ...
+        def reply(self, c: Connection, frame: bytes) -> None: ...
+        def error(
+            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+        ) -> None: ...
+        def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
+
+    def control(self, c: Connection, data: bytes, pos: int, end: int) -> None:
+        frame = decode_frame(data, pos, end)
+        kind = type(frame)
+        if kind is Subscribe:
+            self.subscribe(c, frame)  # type: ignore[arg-type]
+        elif kind is Unsubscribe:
+            self.unsubscribe(c, frame.sid)  # type: ignore[union-attr]
+        elif kind is Ping:
+            self.reply(c, encode_frame(Pong(frame.id)))  # type: ignore[union-attr]
+        elif kind is Pause:
+            if c.out and not c.paused:  # queued before the Pause (a Pong among them): out now
+                self.stats.bytes_sent += self.write_out(c)
+            c.paused = True
+        elif kind is Resume:
+            self.resume(c)
+        elif kind is MapApplied:
+            if frame.version > c.map_applied:  # type: ignore[union-attr]
+                c.map_applied = frame.version  # type: ignore[union-attr]
+        else:
+            name = kind.__name__
+            self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
+
+    def subscribe(self, c: Connection, sub: Subscribe) -> None:
+        if not sub.sid:
+            self.error(c, ErrorCode.BAD_SID, "sid 0 is reserved (an Error's sid 0 means no subscription)")
+            return
+        if sub.sid in c.subs:
+            self.error(c, ErrorCode.DUPLICATE_SID, f"sid {sub.sid} is already in use", sub.sid)
+            return
+        try:
+            tokens = len(parse_pattern(sub.pattern))
+        except BadPatternError as exc:
+            self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
+            return
+        kp = sub.key_partition
+        if kp is not None and not self.accepts[vbucket_of(kp)]:
+            self.error(
+                c, ErrorCode.NOT_MY_VBUCKET, f"key_partition {kp!r} is owned by another worker", sub.sid
+            )
+            return
+        size = subscription_size(sub.pattern, kp, tokens)
+        config = self.config
+        if len(c.subs) >= config.max_subscriptions:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "count",
+                f"the connection holds {len(c.subs)} subscriptions, max_subscriptions is "
+                f"{config.max_subscriptions}",
+            )
+            return
+        if c.sub_bytes + size > config.max_subscription_bytes:
+            self.refuse_subscription(
+                c,
+                sub.sid,
+                "bytes",
+                f"the connection holds {c.sub_bytes} subscription bytes, this one is {size} "
+                f"(pattern + key_partition + {SUBSCRIPTION_TOKEN_BYTES} per token), "
+                f"max_subscription_bytes is {config.max_subscription_bytes}",
+            )
+            return
+        s = Subscription(c, sub.sid, sub.pattern, kp, size)
+        c.subs[sub.sid] = s
+        c.sub_bytes += size
+        self.matcher.add(sub.pattern, s)
+        self.stats.subscriptions += 1
+        self.book.set_subscriptions(c, len(c.subs))
+        self.stats.subscription_bytes += size
+        self.forget_routes()
+
+    def refuse_subscription(self, c: Connection, sid: int, limit: str, why: str) -> None:
+        """A Subscribe over a per-connection limit: non-fatal SUBSCRIPTION_LIMIT, counted."""
+        self.stats.subscriptions_refused[limit] += 1
+        self.error(c, ErrorCode.SUBSCRIPTION_LIMIT, f"subscription {sid} refused: {why}", sid)
+
+    def unsubscribe(self, c: Connection, sid: int) -> None:
+        s = c.subs.pop(sid, None)
+        if s is None:
+            self.error(c, ErrorCode.UNKNOWN_SID, f"no subscription with sid {sid}", sid)
+            return
+        self.matcher.remove(s.pattern, s)
+        self.stats.subscriptions -= 1
+        self.book.set_subscriptions(c, len(c.subs))
+        self.stats.subscription_bytes -= s.size
+        self.budget.freed_sub_bytes += s.size
+        c.sub_bytes -= s.size
+        self.forget_routes()
+
+    def detach(self, c: Connection) -> None:
+        """Remove every subscription of a connection."""
+        if not c.subs:
+            return
+        for sub in c.subs.values():
+            self.matcher.remove(sub.pattern, sub)
+        self.stats.subscriptions -= len(c.subs)
+        self.stats.subscription_bytes -= c.sub_bytes
+        self.budget.freed_sub_bytes += c.sub_bytes
+        c.sub_bytes = 0
+        c.subs.clear()
+        self.book.set_subscriptions(c, 0)
+        self.forget_routes()
+
+    def resume(self, c: Connection) -> None:
+        if not c.paused:
+            return
+        c.paused = False
+        if c.out and not c.touched:
+            c.touched = True
+            self._touched.append(c)
+        if c.dropped:
+            # After the held deliveries, which this read's flush writes first.
+            c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
+            c.dropped = 0
+            c.over_since = 0.0
+            if not c.touched:
+                c.touched = True
+                self._touched.append(c)

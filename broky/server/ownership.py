@@ -1,0 +1,120 @@
+"""The vbucket map: what this worker owns, and what it refuses.
+
+Theory of operation
+-------------------
+A worker owns the vbuckets that the map gives it (node `config.node_id`,
+worker `index`): `owned` has one byte per vbucket, 1 for its own, and
+`accepts` also has 1 for those a prepared map moves to this worker, so that
+a client that adopted the commit before this worker did is not refused
+(schema/README.md 6.3). The read path tests `accepts` once per route cache
+miss (broky.server.fanout `Shard.route`), as a scoped Subscribe does
+(broky.server.control). A publish for a vbucket this worker does not accept
+is dropped and counted, and refused with a non-fatal NOT_MY_VBUCKET Error
+that carries the frame back (`not_mine`), for the client to send to the
+owner; the connection stays open.
+
+A newer map from the master (`apply_map`) is taken at once (the Welcome of
+later connections carries it, and the route cache is emptied) and pushed to
+every welcomed client as a MapUpdate, a reply (never dropped). Clients answer
+MapApplied once they follow it; the cluster moves vbuckets only when every
+connection with subscriptions has (`map_ready`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from broky import __version__
+from broky.errors import ErrorCode
+from broky.protocol import MapUpdate, VBucketMap, Welcome, WelcomeTemplate, encode_frame, route_message
+from broky.server.connection import OPEN, Connection
+
+if TYPE_CHECKING:
+    from broky.server.config import ServerConfig
+    from broky.server.stats import WorkerStats
+
+log = logging.getLogger("broky.worker")
+
+
+class Ownership:
+    """The Shard's part that follows the vbucket map (a mixin of broky.server.fanout.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        config: ServerConfig
+        index: int
+        map: VBucketMap
+        owned: bytes
+        accepts: bytes
+        welcome: WelcomeTemplate
+        stats: WorkerStats
+        conns: dict[int, Connection]
+
+        def forget_routes(self) -> None: ...
+        def flush(self) -> None: ...
+        def reply(self, c: Connection, frame: bytes) -> None: ...
+        def error(
+            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+        ) -> None: ...
+
+    def take_map(self, vmap: VBucketMap) -> None:
+        """Own what `vmap` gives this worker (node `config.node_id`, worker `index`)."""
+        me = vmap.node_index(self.config.node_id)
+        mine = (me, self.index)
+        self.map = vmap
+        self.owned = bytes(1 if owner == mine else 0 for owner in vmap.owners)
+        incoming = vmap.incoming or ()
+        self.accepts = bytes(
+            1 if owned or (incoming and incoming[vb] == mine) else 0 for vb, owned in enumerate(self.owned)
+        )
+        config = self.config
+        self.welcome = WelcomeTemplate(
+            Welcome(
+                node_id=config.node_id,
+                worker=self.index,
+                map=vmap,
+                max_frame_bytes=config.max_frame_bytes,
+                max_pending_bytes=config.max_pending_bytes,
+                server_version=__version__,
+            )
+        )
+        self.forget_routes()
+
+    def apply_map(self, vmap: VBucketMap) -> None:
+        """A newer map from the master: take it and push it to every client (MapUpdate).
+
+        From now on a publish for a vbucket this worker no longer owns is refused
+        with NOT_MY_VBUCKET (it carries the frame back for the client to resend).
+        The MapUpdate is a reply: never dropped, behind what each connection has
+        queued; clients answer MapApplied once they have followed it.
+        """
+        if vmap.version <= self.map.version:
+            return
+        self.take_map(vmap)
+        frame = encode_frame(MapUpdate(vmap))
+        for c in self.conns.values():
+            if c.state == OPEN and not c.initial:  # welcomed (an older map): told
+                self.reply(c, frame)
+        self.flush()
+        log.info(
+            "worker %d applied map version %d: %d vbuckets owned", self.index, vmap.version, sum(self.owned)
+        )
+
+    def map_ready(self, version: int) -> dict[str, Any]:
+        """Whether every connection with subscriptions has applied map `version`
+        (MapApplied): the cluster moves vbuckets only then (schema/README.md 6.3)."""
+        lagging = [c for c in self.conns.values() if c.state == OPEN and c.subs and c.map_applied < version]
+        return {"version": self.map.version, "ready": not lagging, "lagging": len(lagging)}
+
+    def not_mine(self, c: Connection, data: bytes, pos: int, end: int) -> None:
+        """A publish for a vbucket this worker does not own: refused, with the frame
+        itself in the Error so that the client can send it to the owner."""
+        self.stats.dropped["not_my_vbucket"] += 1
+        c.refused += 1  # processed (Welcome.resumed.processed counts it), and refused
+        kp = route_message(data, pos, end)[0]
+        self.error(
+            c,
+            ErrorCode.NOT_MY_VBUCKET,
+            f"key_partition {kp!r} is owned by another worker",
+            refused=data[pos:end],
+        )

@@ -1,0 +1,116 @@
+"""A worker's counters, and the snapshot of them that the master reads.
+
+Theory of operation
+-------------------
+Every counter is a plain attribute of `WorkerStats`, bumped where the thing
+happens (the read path adds up its counts and bumps them once per read) and
+never locked: a worker is one thread. For /stats and /metrics the master
+asks each worker over the control channel (a STATS request, answered by
+broky.server.monitor `answer`); `snapshot` copies the counters and adds what
+is read only then (the matcher's sizes, RSS, the memory budget's use).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from broky.errors import ErrorCode
+from broky.server import memory
+
+if TYPE_CHECKING:
+    from broky.matching import Matcher
+    from broky.protocol import VBucketMap
+    from broky.server.accounts import AccountBook
+    from broky.server.budget import Budget
+    from broky.server.connection import Plan, Subscription
+
+_LATENCY_BUCKETS = 32  # log2 buckets of microseconds
+
+
+class WorkerStats:
+    """Plain counters of one worker, read at scrape time (never locked)."""
+
+    def __init__(self) -> None:
+        self.messages_published = 0
+        self.messages_delivered = 0
+        self.dropped: dict[str, int] = {
+            "no_subscribers": 0,
+            "slow_consumer": 0,
+            "not_my_vbucket": 0,
+            "shutdown": 0,
+            # deliveries queued to a connection that dropped, never received (counted
+            # when its client reconnects and says what it received: broky.server.accounts)
+            "connection_lost": 0,
+            "worker_restart": 0,
+        }
+        # Reconnecting clients (Hello.previous) by whose account answered them:
+        # this worker's own (connection_lost), a dead worker's (worker_restart), none.
+        # "refused": claims that did not carry the connection's secret (they count as unknown too).
+        self.resumes: dict[str, int] = {"connection_lost": 0, "worker_restart": 0, "unknown": 0, "refused": 0}
+        # The restart grace of a worker that replaced a dead one (see Shard.start_grace).
+        self.restart_subscribers_expected = 0
+        self.restart_subscribers_missing = 0
+        self.restart_connections_held = 0
+        self.restart_grace_seconds = 0.0
+        self.node_restart_graces = 0  # graces given because the whole server restarted (start_node_grace)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.connections = 0  # open now
+        self.connections_total = 0
+        self.subscriptions = 0  # now
+        self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
+        self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
+        self.reads_held = 0  # times a connection was read no more for its unread replies
+        self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
+        self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
+        self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
+        self.slow_consumer_disconnects = 0
+        self.errors: dict[str, int] = {}  # Error frames sent, by code name
+        self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
+        # Delivered messages by log2 of their read's receive-to-write time: bucket i
+        # counts times under 2**(i+10) ns (about 2**i us; see broky.server.histogram).
+        self.latency_us = [0] * _LATENCY_BUCKETS
+        self.latency_ns_sum = 0  # sum of those times, one per delivered message
+
+    def count_error(self, code: ErrorCode) -> None:
+        self.errors[code.name] = self.errors.get(code.name, 0) + 1
+
+
+class Monitoring:
+    """The Shard's part that reports its counters (a mixin of broky.server.fanout.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        index: int
+        book: AccountBook
+        map: VBucketMap
+        matcher: Matcher[Subscription, Plan]
+        stats: WorkerStats
+        budget: Budget
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter, for the master's /stats and the metrics exporter."""
+        s = self.stats
+        data = dict(vars(s))
+        data["dropped"] = dict(s.dropped)
+        data["resumes"] = dict(s.resumes)
+        data["errors"] = dict(s.errors)
+        data["subscriptions_refused"] = dict(s.subscriptions_refused)
+        data["latency_us"] = list(s.latency_us)
+        data.update(
+            worker=self.index,
+            pid=os.getpid(),
+            topics=len(self.matcher.patterns),
+            match_cache_entries=self.matcher.cache_len,
+            match_cache_hits=self.matcher.cache_hits,
+            match_cache_misses=self.matcher.cache_misses,
+            matcher_empty=self.matcher.is_empty(),
+            rss_bytes=memory.rss_bytes(),
+            map_version=self.map.version,
+            accounts_unavailable=self.book.unavailable,
+            accounts_closed_kept=len(self.book.closed),
+            pending_bytes=self.budget.pending,
+            memory_budget=self.budget.share,
+            budget=self.budget.snapshot(),
+        )
+        return data
