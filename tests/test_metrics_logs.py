@@ -120,7 +120,7 @@ def test_throttle_allows_one_event_per_key_and_interval() -> None:
     assert t.allow("a", now=1.0) is None
     assert t.allow("a", now=9.9) is None
     assert t.allow("b", now=2.0) == 0  # another key has its own allowance
-    assert t.allow("a", now=10.0) == 2  # allowed again, with the count of those held back
+    assert t.allow("a", now=10.0) == 2  # allowed again, with the count of those suppressed
     assert t.allow("a", now=11.0) is None
     assert t.allow("a", now=25.0) == 1
     for i in range(100):  # memory stays bounded; a forgotten key is allowed again

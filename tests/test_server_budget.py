@@ -18,10 +18,10 @@ def test_other_kinds_take_only_what_is_free_and_leave_the_pending_bytes_less_roo
     assert budget.take("replay", 300)
     assert (budget.room, budget.used()) == (700, 900)
     assert not budget.take("replay", 101)  # the pending bytes keep what they use now
-    assert budget.held == {"replay": 300}
+    assert budget.taken == {"replay": 300}
     assert budget.take("replay", 100)
     budget.give("replay", 250)
-    assert (budget.room, budget.used(), budget.held) == (850, 750, {"replay": 150})
+    assert (budget.room, budget.used(), budget.taken) == (850, 750, {"replay": 150})
     assert budget.snapshot() == {"share": 1000, "pending": 600, "replay": 150}
     with pytest.raises(ValueError):
         budget.give("replay", 151)

@@ -223,7 +223,7 @@ def test_a_subscription_flood_is_bounded_and_its_memory_returns(start_server: An
     assert final["subscriptions"] == final["subscription_bytes"] == 0 and final["matcher_empty"]
 
 
-def test_a_client_that_pings_without_reading_is_held_at_the_reply_bound(start_server: Any) -> None:
+def test_a_client_that_pings_without_reading_is_read_no_more_at_the_reply_bound(start_server: Any) -> None:
     server = start_server("--max-reply-bytes", "128K", "--slow-consumer-deadline", "30")
     ping = encode_frame(Ping(7))
     chunk = ping * ((64 << 10) // len(ping))
@@ -239,16 +239,16 @@ def test_a_client_that_pings_without_reading_is_held_at_the_reply_bound(start_se
             except BlockingIOError:
                 continue
         assert sent < 256 * MB, "the server kept reading"
-        # Held with its unread Pongs over 128 KiB, far below the 8 MiB pending bound (what
-        # one read of Pings could add on top: 256 KiB). Until the kernel's buffers are full
-        # the held connection's buffer drains, it is read again, and so on: wait for that.
+        # Read no more with its unread Pongs over 128 KiB, far below the 8 MiB pending bound
+        # (what one read of Pings could add on top: 256 KiB). Until the kernel's buffers are
+        # full the stopped connection's buffer drains, it is read again, and so on: wait for that.
         deadline = time.monotonic() + 10
         while True:
             [conn] = get_json(server, "/connections")["connections"]
-            if (conn["reads_held"] and conn["pending_bytes"] > 128 << 10) or time.monotonic() > deadline:
+            if (conn["reads_stopped"] and conn["pending_bytes"] > 128 << 10) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert conn["reads_held"] is True and worker0(server)["reads_held"] >= 1
+        assert conn["reads_stopped"] is True and worker0(server)["reads_stopped"] >= 1
         assert 128 << 10 < conn["pending_bytes"] < (128 + 256 + 64) << 10, conn
         # It reads now: every Ping it sent is answered, and it is read again.
         w.sock.setblocking(True)
@@ -266,9 +266,9 @@ def test_a_client_that_pings_without_reading_is_held_at_the_reply_bound(start_se
     assert worker0(server)["slow_consumer_disconnects"] == 0
 
 
-def test_a_delivery_backlog_never_holds_that_clients_publishes(start_server: Any) -> None:
+def test_a_delivery_backlog_never_stops_reading_that_clients_publishes(start_server: Any) -> None:
     # A subscriber that reads nothing, at its pending bound, still publishes and pings:
-    # only unread replies hold a connection's reads, never its deliveries.
+    # only unread replies stop a connection's reads, never its deliveries.
     server = start_server(
         "--max-pending-bytes", "1M", "--max-reply-bytes", "64K", "--slow-consumer-deadline", "30"
     )
@@ -293,5 +293,5 @@ def test_a_delivery_backlog_never_holds_that_clients_publishes(start_server: Any
             got += [m.payload for m in other.messages()]
         assert got == [b"%d" % i for i in range(n)]
         stats = worker0(server)
-        assert stats["reads_held"] == 0
+        assert stats["reads_stopped"] == 0
         assert stats["messages_published"] == 4000 + n

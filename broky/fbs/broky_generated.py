@@ -60,7 +60,7 @@ class LossReason(object):
     # Queued to the previous connection, never received: the worker serving
     # it died and was restarted.
     WORKER_RESTART = 3
-    # Held for a paused connection when the server shut down.
+    # Kept queued for a paused connection when the server shut down.
     SHUTDOWN = 4
     # The server has no account of the connection named by Hello.previous
     # (the server or node restarted, the account expired, or the claim did not
@@ -1080,7 +1080,7 @@ def UnsubscribeAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
 def UnsubscribeEnd(builder): return builder.EndObject()
 
 
-# Client -> server: hold deliveries (they count against the pending bound).
+# Client -> server: keep deliveries queued (they count against the pending bound).
 class Pause(object):
     __slots__ = ['_tab']
 

@@ -176,9 +176,9 @@ class Arrivals:
         """A Hello.previous named a connection of this worker without its secret: the
         claim gets nothing (no account, no supersede); counted, logged throttled."""
         self.stats.resumes["refused"] += 1
-        held = self.warnings.allow(("claim", old_id >> 32))
-        if held is not None:
-            more = f" ({held} more since the last warning)" if held else ""
+        suppressed = self.warnings.allow(("claim", old_id >> 32))
+        if suppressed is not None:
+            more = f" ({suppressed} more since the last warning)" if suppressed else ""
             log.warning(
                 "connection %d from %s claims connection %d without its resume token: refused%s",
                 c.conn_id, c.peer, old_id, more,

@@ -21,7 +21,7 @@ keeps its deliveries in `out` under the same bound.
 Replies: control replies (Pong, Error) count in the pending bytes but are
 never dropped, and they have a bound of their own, --max-reply-bytes (at most
 the pending bound): a connection with more unread replies than that is read no
-more (`hold_reads`) until they are down to a quarter of it, and its clock runs
+more (`stop_reading`) until they are down to a quarter of it, and its clock runs
 meanwhile. Only replies count here, never deliveries: a subscriber's backlog
 must not stop that client's publishes. The write buffer is a FIFO, so a
 connection counts the bytes it ever handed to its transport (`sent`) and, for
@@ -31,7 +31,7 @@ size; every mark at or before that point is popped, and the replies not known
 to have left are the unread ones, except that the writes up to the first mark
 left count at most their bytes still in the buffer (an upper bound, exact when
 those writes held only replies). This runs only on rare paths: a flush whose
-read queued a reply, and a connection whose reads are held (`flush`, `drained`,
+read queued a reply, and a connection whose reads are stopped (`flush`, `drained`,
 and `tick` for a buffer that never reached the high-water mark).
 """
 
@@ -87,7 +87,7 @@ class Backpressure:
         """
         if c.paused:
             transport = c.transport
-            transport.write(frame)  # not held: only deliveries wait for Resume
+            transport.write(frame)  # not kept: only deliveries wait for Resume
             c.sent += len(frame)
             c.reply_out += len(frame)
             self.stats.bytes_sent += len(frame)
@@ -105,9 +105,9 @@ class Backpressure:
     ) -> None:
         """A non-fatal Error frame, and a warning (at most one per connection and code per 10 s)."""
         self.stats.count_error(code)
-        held = self.warnings.allow((c.conn_id, code))
-        if held is not None:
-            more = f" ({held} more since the last warning)" if held else ""
+        suppressed = self.warnings.allow((c.conn_id, code))
+        if suppressed is not None:
+            more = f" ({suppressed} more since the last warning)" if suppressed else ""
             log.warning("connection %d from %s: %s: %s%s", c.conn_id, c.peer, code.name, message, more)
         self.reply(
             c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid, refused=refused)
@@ -126,14 +126,14 @@ class Backpressure:
         """c's write buffer fell to its low-water mark (a quarter of the bound)."""
         if c.state != OPEN:
             return
-        if c.reads_held:
+        if c.reads_stopped:
             self.check_replies(c, c.transport.get_write_buffer_size())
         if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
 
     def check_replies(self, c: Connection, buffered: int) -> None:
-        """Rare path: mark the replies just written (c.reply_out) and hold or release
+        """Rare path: mark the replies just written (c.reply_out) and stop or restart
         c's reads by its unread replies; `buffered` is its write buffer's size now."""
         if c.reply_out:
             c.reply_sent += c.reply_out
@@ -147,9 +147,9 @@ class Backpressure:
                 marks[-1] = (c.sent, c.reply_sent)
         unread = self.unread_replies(c, buffered)
         if unread > self.max_reply_bytes:
-            self.hold_reads(c)
-        elif c.reads_held and unread <= self.max_reply_bytes >> 2:
-            self.release_reads(c)
+            self.stop_reading(c)
+        elif c.reads_stopped and unread <= self.max_reply_bytes >> 2:
+            self.read_again(c)
 
     def unread_replies(self, c: Connection, buffered: int) -> int:
         """Reply bytes written to c that may still be in its write buffer (an upper bound)."""
@@ -166,20 +166,20 @@ class Backpressure:
         end, upto = marks[0]
         return min(upto - c.reply_left, end - left) + c.reply_sent - upto
 
-    def hold_reads(self, c: Connection) -> None:
+    def stop_reading(self, c: Connection) -> None:
         """c's unread replies are over the reply bound: read nothing more from it until
         they drain (`check_replies`), so its own sends back up; the slow-consumer clock runs."""
-        if c.reads_held or c.state != OPEN:
+        if c.reads_stopped or c.state != OPEN:
             return
-        c.reads_held = True
+        c.reads_stopped = True
         c.transport.pause_reading()
-        self.stats.reads_held += 1
+        self.stats.reads_stopped += 1
         if not c.over_since:
             c.over_since = _monotonic()
         log.debug("connection %d from %s does not read its replies; reading paused", c.conn_id, c.peer)
 
-    def release_reads(self, c: Connection) -> None:
-        c.reads_held = False
+    def read_again(self, c: Connection) -> None:
+        c.reads_stopped = False
         if not c.held:  # held by the restart grace: `end_grace` resumes it
             c.transport.resume_reading()
         if not c.dropped:
@@ -191,14 +191,14 @@ class Backpressure:
             c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
             c.dropped = 0
         deadline = self.config.slow_consumer_deadline
-        if c.reads_held:
+        if c.reads_stopped:
             why = f"over {self.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
         else:
             why = f"over {c.limit} pending bytes for more than {deadline:g} s"
         self.fatal(c, ErrorCode.SLOW_CONSUMER, why)
 
     def tick(self) -> None:
-        """Periodic: slow consumer and truncated frame deadlines, held reads, the memory
+        """Periodic: slow consumer and truncated frame deadlines, stopped reads, the memory
         budget made exact (and enforced), heap trim."""
         now = _monotonic()
         budget = self.budget
@@ -209,7 +209,7 @@ class Backpressure:
         for c in list(self.conns.values()):
             if c.state != OPEN:
                 continue
-            if c.reads_held:  # its replies may have drained below the high-water mark
+            if c.reads_stopped:  # its replies may have drained below the high-water mark
                 self.check_replies(c, c.transport.get_write_buffer_size())
             if (
                 c.dropped

@@ -7,7 +7,7 @@ Error frame, then half-closes (write_eof) and discards further input until the
 peer closes or --frame-timeout passes (then the socket is reset). This lingering
 close lets the client read the Error even if it had more bytes in flight.
 At shutdown every connection gets the same treatment with a Goodbye: what was
-queued to it goes first (deliveries held for a paused connection are dropped),
+queued to it goes first (deliveries kept for a paused connection are dropped),
 and the messages it publishes after the Goodbye are counted and dropped
 (`discard_after_goodbye`), both under the drop reason `shutdown`.
 
@@ -81,10 +81,10 @@ class Closing:
 
     def lost(self, c: Connection, exc: Exception | None) -> None:
         if c.state == OPEN and c.paused and c.out:
-            held = self.count_messages(c.out)
-            self.stats.dropped["slow_consumer"] += held
-            c.msgs_out -= held  # queued, never sent: a drop, told on resume (broky.server.accounts)
-            c.dropped_total += held
+            kept = self.count_messages(c.out)
+            self.stats.dropped["slow_consumer"] += kept
+            c.msgs_out -= kept  # queued, never sent: a drop, told on resume (broky.server.accounts)
+            c.dropped_total += kept
         c.state = CLOSED
         self.book.close(c)
         if c.held:
@@ -113,20 +113,20 @@ class Closing:
         self.final_frame(c, error_frame(code, message, fatal=True, map_version=self.map.version))
 
     def goodbye(self, c: Connection, reason: str) -> None:
-        """Queued deliveries, then Goodbye, then a lingering close. Deliveries held for a
+        """Queued deliveries, then Goodbye, then a lingering close. Deliveries kept for a
         paused connection are dropped, and so are the messages it publishes after the
         Goodbye (`discard_after_goodbye`): both counted as `shutdown`."""
         if c.state != OPEN:
             return
         notice = b""
         if c.paused and c.out:
-            held = self.count_messages(c.out)
-            self.stats.dropped["shutdown"] += held
+            kept = self.count_messages(c.out)
+            self.stats.dropped["shutdown"] += kept
             c.out.clear()
-            c.msgs_out -= held  # never sent: a drop, and the client is told so
-            c.dropped_total += held
+            c.msgs_out -= kept  # never sent: a drop, and the client is told so
+            c.dropped_total += kept
             self.book.commit((c,))
-            notice = encode_frame(LossNotice(held, LossReason.SHUTDOWN))
+            notice = encode_frame(LossNotice(kept, LossReason.SHUTDOWN))
         c.said_goodbye = True
         self.final_frame(c, notice + encode_frame(Goodbye(reason, c.msgs_in)), keep_rest=True)
 
@@ -167,8 +167,8 @@ class Closing:
         c.state = CLOSING
         if not keep_rest:
             c.rest = b""
-        if c.reads_held:  # a lingering close reads until the peer's EOF
-            c.reads_held = False
+        if c.reads_stopped:  # a lingering close reads until the peer's EOF
+            c.reads_stopped = False
             c.transport.resume_reading()
         chunk = b"".join([*c.out, frame])
         c.out.clear()

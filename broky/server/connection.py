@@ -7,7 +7,7 @@ to the shard. It parses nothing itself.
 
 Pending bytes of a connection = bytes in its transport's write buffer (`base`,
 refreshed at every flush and before any drop) + bytes appended to `out` since
-the last flush or held while paused (`unflushed`): deliveries and control
+the last flush or kept while paused (`unflushed`): deliveries and control
 replies alike. The write buffer's high-water mark is half the pending bound and
 its low-water mark a quarter; `pause_writing`/`resume_writing` tell the shard
 when the connection stalls and when it has drained again. Deliveries never
@@ -15,7 +15,7 @@ take the pending bytes past the bound (they are dropped instead); replies are
 never dropped, so a client that keeps asking (Pings, bad requests) without
 reading could pile them up: once more than --max-reply-bytes of replies are
 unread, the shard stops reading from that connection
-(`transport.pause_reading`) until they drain (`reads_held`). Deliveries do not
+(`transport.pause_reading`) until they drain (`reads_stopped`). Deliveries do not
 count toward that bound.
 
 What a connection counts in its worker's memory budget (broky.server.budget)
@@ -63,7 +63,7 @@ class Connection(asyncio.Protocol):
     __slots__ = (
         "shard", "transport", "initial", "conn_id", "peer", "client_name", "state",
         "rest", "partial_since", "out", "touched", "unflushed", "base", "limit",
-        "paused", "write_paused", "reads_held", "said_goodbye", "dropped", "over_since", "subs", "linger",
+        "paused", "write_paused", "reads_stopped", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id",
@@ -79,7 +79,9 @@ class Connection(asyncio.Protocol):
         self.state = OPEN
         self.rest = b""  # start of an incomplete frame
         self.partial_since = 0.0  # monotonic time of the last read that left `rest`
-        self.out: list[bytes | bytearray] = []  # frames to write at the end of this read (or held)
+        self.out: list[
+            bytes | bytearray
+        ] = []  # frames to write at the end of this read (or kept while paused)
         self.touched = False  # already in the shard's list of connections to flush
         self.unflushed = 0
         self.base = 0
@@ -87,7 +89,7 @@ class Connection(asyncio.Protocol):
         self.limit = shard.config.max_pending_bytes
         self.paused = False  # the client sent Pause: deliveries stay in `out`
         self.write_paused = False  # the transport's buffer is over its high-water mark
-        self.reads_held = False  # its unread replies are over the bound: reading is paused
+        self.reads_stopped = False  # its unread replies are over the bound: reading is paused
         self.said_goodbye = False  # the shutdown's Goodbye was sent: input is counted and dropped
         self.dropped = 0  # deliveries lost since the last LossNotice
         self.over_since = 0.0  # monotonic time of the first drop since the last notice

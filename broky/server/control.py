@@ -188,7 +188,7 @@ class ControlFrames:
             c.touched = True
             self._touched.append(c)
         if c.dropped:
-            # After the held deliveries, which this read's flush writes first.
+            # After the kept deliveries, which this read's flush writes first.
             c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
             c.dropped = 0
             c.over_since = 0.0

@@ -2,7 +2,7 @@
 
 The Shard is one class built from one part per concern, each a mixin in a
 module of its own whose methods reach the shard's state as `self.x`, as
-cheaply as the read path does. This module holds the read path, top to
+cheaply as the read path does. This module has the read path, top to
 bottom (`feed`, then `emit`, `shape`, `route`, `flush`, `write_out` and
 `squeeze`), and the Shard's state (`__init__`); the other parts live in:
 
@@ -17,8 +17,8 @@ bottom (`feed`, then `emit`, `shape`, `route`, `flush`, `write_out` and
   broky.server.stats         the worker's counters and their snapshot
 
 Each opens with its part of the theory of operation, and says what it uses
-of the others (its declarations under TYPE_CHECKING, which mypy holds to the
-definitions). New state goes into an object of its own (SHARD_ATTRIBUTES).
+of the others (its declarations under TYPE_CHECKING, which mypy checks
+against the definitions). New state goes into an object of its own (SHARD_ATTRIBUTES).
 
 Theory of operation
 -------------------
@@ -513,7 +513,7 @@ class Shard(
         for t in self._touched:
             t.touched = False
             if t.paused or t.state != OPEN:
-                if t.state != CLOSED:  # held for a paused one; a lingering close's buffer
+                if t.state != CLOSED:  # kept for a paused one; a lingering close's buffer
                     self.charge(t, t.base + t.unflushed)
                 continue
             sent += self.write_out(t)
@@ -536,7 +536,7 @@ class Shard(
         t.base = base = transport.get_write_buffer_size()
         if base or t.charged:  # it has bytes pending, or had: the budget's total changes
             self.charge(t, base)
-        if t.reply_out or t.reads_held:  # rare: this read queued replies, or reads wait for them
+        if t.reply_out or t.reads_stopped:  # rare: this read queued replies, or reads wait for them
             self.check_replies(t, base)
         if t.dropped and base <= t.limit >> 2:
             self.notify_loss(t)

@@ -17,6 +17,12 @@ connections had subscriptions, so whoever comes back meanwhile counts.
 The read handler (broky.server.fanout `Shard.feed`) tests one flag per read,
 `Shard.holding`; the rest of the grace's state lives in a `Grace` of its own
 (`Shard.grace`), so that the Shard stays within SHARD_ATTRIBUTES.
+
+"Hold" means this and nothing else in Broky: the reply bound stops reading a
+connection (broky.server.backpressure), a paused connection's deliveries are
+kept, other kinds of memory take bytes of the budget (broky.server.budget),
+and in the SDK a full queue pauses its connections while a vbucket that
+moves fences its new owner's Link (broky.client.routing).
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class RestartGrace:
         reconnected naming it (Hello.previous) and restored its subscriptions, or
         `seconds` pass, Message frames are held, not routed: a publish must not be
         dropped as no_subscribers merely because its subscribers are not back yet.
-        Holding a connection pauses its reads, so memory stays bounded (TCP holds
+        Holding a connection pauses its reads, so memory stays bounded (TCP keeps
         the rest) and its frames keep their order."""
         if not expected or seconds <= 0:
             return
@@ -205,6 +211,6 @@ class RestartGrace:
             c.held = False
             if c.state != OPEN:
                 continue
-            if not c.reads_held:
+            if not c.reads_stopped:
                 c.transport.resume_reading()
             self.feed(c, b"")

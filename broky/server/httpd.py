@@ -329,23 +329,23 @@ class HttpServer:
             why = "wrong auth token"
             challenge = 'Bearer realm="broky", error="invalid_token"'
         self.refused[cause] = total = self.refused.get(cause, 0) + 1
-        held = self.log_throttle.allow(("refused", cause))
-        if held is not None:
+        suppressed = self.log_throttle.allow(("refused", cause))
+        if suppressed is not None:
             log.warning(
                 "HTTP request for %s refused: %s auth token (%d refused for this cause so far, "
                 "%d not logged since the last line)",
-                request.path, cause, total, held,
+                request.path, cause, total, suppressed,
             )  # fmt: skip
         return HttpError(401, why, (("WWW-Authenticate", challenge),))
 
     def _failed(self, where: str) -> None:
         """Count a failure of ours (in the handler of route `where`) and log it, throttled."""
         self.failures[where] = total = self.failures.get(where, 0) + 1
-        held = self.log_throttle.allow(("failed", where))
-        if held is not None:
+        suppressed = self.log_throttle.allow(("failed", where))
+        if suppressed is not None:
             log.exception(
                 "HTTP handler for %s failed (%d failures so far, %d not logged since the last line)",
-                where, total, held,
+                where, total, suppressed,
             )  # fmt: skip
 
 

@@ -94,10 +94,10 @@ def _unraisable(unraisable: Any) -> None:
 
 
 class Throttle:
-    """At most one event per key per `interval` seconds; counts the ones held back.
+    """At most one event per key per `interval` seconds; counts the ones it suppressed.
 
     `allow(key)` returns None to stay silent, else how many events of this key
-    were held back since the last one allowed. At most `max_keys` keys are
+    were suppressed since the last one allowed. At most `max_keys` keys are
     remembered; beyond that the oldest are forgotten (a forgotten key is
     allowed again), so the memory is bounded whatever the traffic.
     """
@@ -105,7 +105,7 @@ class Throttle:
     def __init__(self, interval: float, max_keys: int = 1024) -> None:
         self.interval = interval
         self.max_keys = max_keys
-        self._last: dict[Hashable, list[float]] = {}  # key -> [time allowed, events held back]
+        self._last: dict[Hashable, list[float]] = {}  # key -> [time allowed, events suppressed]
 
     def allow(self, key: Hashable, now: float | None = None) -> int | None:
         if now is None:
@@ -114,11 +114,11 @@ class Throttle:
         if last is not None and now - last[0] < self.interval:
             last[1] += 1
             return None
-        held = int(last[1]) if last is not None else 0
+        suppressed = int(last[1]) if last is not None else 0
         if last is None and len(self._last) >= self.max_keys:
             self._forget(now)
         self._last[key] = [now, 0]
-        return held
+        return suppressed
 
     def _forget(self, now: float) -> None:
         fresh = {k: v for k, v in self._last.items() if now - v[0] < self.interval}

@@ -33,7 +33,7 @@ ready worker: the client did not choose the worker, and a worker out of
 descriptors would otherwise attract every such connection (it has the fewest
 open). Each such failure is counted by (worker, cause) (/metrics
 broky_handoffs_refused_total, /stats), logged at most once per
-HANDOFF_LOG_INTERVAL per (worker, cause) with the number held back, and makes
+HANDOFF_LOG_INTERVAL per (worker, cause) with the number not logged, and makes
 /readyz report that worker not ready for NOT_READY_AFTER_REFUSAL seconds.
 
 Only a broken channel (EPIPE, ECONNRESET, ENOTCONN, or one the supervisor
@@ -56,7 +56,7 @@ until the worker refuses it, says CLOSED, or dies), and the check and the
 count happen together, with no await between them, right before the CONN is
 sent; one more gets TOO_MANY_CONNECTIONS. Each refusal is counted by limit
 (/metrics broky_connections_refused_total) and logged at most once per
-LIMIT_LOG_INTERVAL per limit with the number held back.
+LIMIT_LOG_INTERVAL per limit with the number not logged.
 
 A refused handshake gets one fatal Error frame, one log line (throttled as
 above when a worker refused it or a limit was reached), and a lingering
@@ -598,23 +598,23 @@ class Master:
         """Refuse a connection from an address that holds as many as it may."""
         assert self.supervisor is not None
         limit = self.config.max_connections_per_address
-        held = self.supervisor.by_address.get(address, 0)
-        if limit and held >= limit:
+        count = self.supervisor.by_address.get(address, 0)
+        if limit and count >= limit:
             raise self._limit_refused(
                 MAX_CONNECTIONS_PER_ADDRESS,
                 ErrorCode.TOO_MANY_CONNECTIONS,
-                f"{address} holds {held} connections: the most one client address may "
+                f"{address} holds {count} connections: the most one client address may "
                 f"(--max-connections-per-address {limit})",
             )
 
     def _limit_refused(self, limit: str, code: ErrorCode, message: str) -> Refused:
         """Count a handshake refused for a connection limit and log it (throttled)."""
         self.limits_refused[limit] = total = self.limits_refused[limit] + 1
-        held = self._limit_log.allow(limit)
-        if held is not None:
+        suppressed = self._limit_log.allow(limit)
+        if suppressed is not None:
             log.warning(
                 "connection refused: %s: %s; refused for --%s: %d so far, %d not logged since the last line",
-                code.name, message, limit.replace("_", "-"), total, held,
+                code.name, message, limit.replace("_", "-"), total, suppressed,
             )  # fmt: skip
         return Refused(code, message, logged=True)
 
@@ -627,11 +627,11 @@ class Master:
         wp.refused_at = time.monotonic()
         wp.refused_cause = cause
         message = f"worker {wp.index} cannot take connections: {detail or _describe(cause)}"
-        held = self._handoff_log.allow(key)
-        if held is not None:
+        suppressed = self._handoff_log.allow(key)
+        if suppressed is not None:
             log.error(
                 "%s (%s); hand-offs refused for this cause: %d so far, %d not logged since the last line",
-                message, cause, total, held,
+                message, cause, total, suppressed,
             )  # fmt: skip
         return _HandOffRefused(message, retry)
 

@@ -34,7 +34,7 @@ Memory: what a closed connection's subscriptions or pending bytes used goes
 back to the allocators, but glibc keeps freed heap below its top
 (fragmentation), so a worker's RSS stayed far above its baseline after a
 subscription flood (50,000 Subscribes of 4 KB, limits raised: 44 MB before,
-490 MB at the peak, 100-290 MB after the close), and after a burst held for
+490 MB at the peak, 100-290 MB after the close), and after a burst queued for
 stalled subscribers. Once closed connections or Unsubscribes freed
 TRIM_AFTER_BYTES subscription bytes, or the pending bytes fell from a peak
 over TRIM_AFTER_PEAK (or a quarter of the budget's room, if less) to under a
@@ -136,12 +136,12 @@ class BudgetEnforcement:
             freed += c.charged
             cut += 1
             self.cut(c)
-        held = self.warnings.allow("budget cuts")
-        if held is not None:
-            more = f"; {held} more cut since the last line" if held else ""
+        suppressed = self.warnings.allow("budget cuts")
+        if suppressed is not None:
+            more = f"; {suppressed} more cut since the last line" if suppressed else ""
             log.warning(
                 "worker %d over its memory budget (%d bytes for pending bytes): cut %d connections "
-                "holding %d bytes, the most pending first (connection %d from %s: %d bytes); "
+                "with %d bytes pending, the most pending first (connection %d from %s: %d bytes); "
                 "%d cut so far%s",
                 self.index, budget.room, cut, freed, largest.conn_id, largest.peer, largest_bytes,
                 self.stats.budget_cuts, more,

@@ -57,14 +57,14 @@ COUNTERS = (
         "Unsent bytes of connections reset at the end of a lingering close.",
     ),
     (
-        "broky_reads_held_total",
-        "reads_held",
+        "broky_reads_stopped_total",
+        "reads_stopped",
         "Times a connection was read no more because of its unread replies (--max-reply-bytes).",
     ),
     (
         "broky_memory_trims_total",
         "memory_trims",
-        "Heap trims (malloc_trim) after connections holding many subscription bytes or pending bytes left.",
+        "Heap trims (malloc_trim) after connections with many subscription bytes or pending bytes left.",
     ),
     (
         "broky_budget_cuts_total",
@@ -96,7 +96,7 @@ GAUGES = (
     (
         "broky_subscription_bytes",
         "subscription_bytes",
-        "Subscription bytes held by all connections (pattern + key_partition + 64 per token).",
+        "Subscription bytes of all connections (pattern + key_partition + 64 per token).",
     ),
     ("broky_topics", "topics", "Distinct subscription patterns on the worker."),
     ("broky_worker_resident_memory_bytes", "rss_bytes", "Resident memory of the worker process."),

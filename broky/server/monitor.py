@@ -115,7 +115,7 @@ _ANSWER_BUDGET = handoff.MAX_MESSAGE - (64 << 10)  # leaves room for the header
 TOTALS = (
     "connections", "connections_total", "subscriptions", "subscription_bytes", "topics",
     "messages_published", "messages_delivered", "bytes_received", "bytes_sent",
-    "slow_consumer_disconnects", "bytes_discarded", "reads_held", "pending_bytes", "budget_cuts",
+    "slow_consumer_disconnects", "bytes_discarded", "reads_stopped", "pending_bytes", "budget_cuts",
 )  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
                 "patterns": patterns,
                 "pending_bytes": pending,
                 "paused": c.paused,
-                "reads_held": c.reads_held,
+                "reads_stopped": c.reads_stopped,
                 "messages_in": c.msgs_in,
                 "messages_out": c.msgs_out,
                 "dropped": c.dropped_total,

@@ -61,7 +61,7 @@ class WorkerStats:
         self.subscriptions = 0  # now
         self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
         self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
-        self.reads_held = 0  # times a connection was read no more for its unread replies
+        self.reads_stopped = 0  # times a connection was read no more for its unread replies
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
         self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them

@@ -230,12 +230,12 @@ class Worker:
         self.refused[cause] = total = self.refused.get(cause, 0) + 1
         with contextlib.suppress(OSError):
             handoff.send(self.chan, handoff.REFUSED, handoff.pack_refused(handoff_id, cause))
-        held = self._refusal_log.allow(cause)
-        if held is not None:
+        suppressed = self._refusal_log.allow(cause)
+        if suppressed is not None:
             log.error(
                 "worker %d refused a connection (%s): %s; refused for this cause: %d so far, "
                 "%d not logged since the last line",
-                self.index, cause, why, total, held,
+                self.index, cause, why, total, suppressed,
             )  # fmt: skip
 
     async def _ticker(self) -> None:
