@@ -263,7 +263,7 @@ def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: Server
 
 
 def test_a_full_queue_pauses_its_connections_and_loses_nothing(server: ServerProcess) -> None:
-    """A subscription whose queue is full holds its connections (Pause): the server keeps
+    """A subscription whose queue is full pauses its connections (Pause): the server keeps
     the deliveries, and they come once the consumer has taken the queue down to half."""
 
     async def main() -> None:
@@ -273,7 +273,7 @@ def test_a_full_queue_pauses_its_connections_and_loses_nothing(server: ServerPro
             small = await client.subscribe("s", max_pending_bytes=10)
             for i in range(50):
                 await client.publish(b"kp", b"s", b"%03d" % i)
-            await client.flush()  # Pongs are never held
+            await client.flush()  # Pongs are never kept back
             await asyncio.sleep(0.05)
             assert client.stats.pauses >= 1
             assert 5 <= sub.pending <= 50 and 3 <= small.pending <= 50
@@ -289,10 +289,10 @@ def test_a_full_queue_pauses_its_connections_and_loses_nothing(server: ServerPro
     run(main)
 
 
-def test_a_stalled_subscriber_is_told_what_the_server_could_not_hold(
+def test_a_stalled_subscriber_is_told_what_the_server_could_not_keep(
     start_server: Callable[..., ServerProcess],
 ) -> None:
-    """Paused, the server holds deliveries under its own bound and counts what does not
+    """Paused, the server keeps deliveries under its own bound and counts what does not
     fit: what the subscriber gets plus what it is told it lost is what was published."""
     server = start_server("--max-pending-bytes", "64K", workers=1)
 
@@ -470,7 +470,7 @@ def test_sync_iteration_with_a_consumer_thread(server: ServerProcess) -> None:
     assert received == [b"%d" % i for i in range(100)]
 
 
-def test_linger_holds_a_publish_back(server: ServerProcess) -> None:
+def test_linger_keeps_a_publish_back(server: ServerProcess) -> None:
     async def main() -> None:
         async with broky.connect(server.url) as reader, broky.connect(server.url, linger=0.3) as lingering:
             sub = await reader.subscribe("linger")

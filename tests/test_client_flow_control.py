@@ -1,7 +1,7 @@
 """A subscription's queue, its flow control and its hard bounds, without a server.
 
 The server side of Pause is tested with real servers in test_client.py; here, what the
-queue does with deliveries that keep coming after it held its connections (a server that
+queue does with deliveries that keep coming after it paused its connections (a server that
 does not pause): queued up to `hard_bounds`, dropped, counted and reported past them."""
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ class Owner:
     def __init__(self) -> None:
         self.stats = ClientStats()
         self.errors: list[BaseException] = []
-        self.holds = 0
-        self.releases = 0
+        self.pauses = 0
+        self.resumes = 0
 
     def _report(self, exc: BaseException) -> None:
         self.errors.append(exc)
 
-    def _hold(self, sub: broky.Subscription) -> None:
-        self.holds += 1
+    def _pause(self, sub: broky.Subscription) -> None:
+        self.pauses += 1
 
-    def _release(self, sub: broky.Subscription) -> None:
-        self.releases += 1
+    def _resume(self, sub: broky.Subscription) -> None:
+        self.resumes += 1
 
     async def _unsubscribe(self, sub: broky.Subscription) -> None:
         sub._close()
@@ -44,23 +44,23 @@ def test_hard_bounds_are_eight_times_the_queue_and_never_below_the_defaults() ->
     assert hard_bounds(100_000, 100 << 20) == (800_000, 800 << 20)
 
 
-def test_a_full_queue_holds_once_queues_to_the_hard_bound_then_drops_and_reports() -> None:
+def test_a_full_queue_pauses_once_queues_to_the_hard_bound_then_drops_and_reports() -> None:
     async def main() -> None:
         owner = Owner()
         sub = broky.Subscription(owner, 1, b"k", None, None, 5, 1 << 30)
         hard = hard_bounds(5, 1 << 30)[0]
         for i in range(5):
             sub._deliver(msg(i))
-        assert owner.holds == 0  # room for every one
+        assert owner.pauses == 0  # room for every one
         for i in range(5, hard + 100):
             sub._deliver(msg(i))
         assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
-        assert owner.holds > 1  # once when full, then on every drop (a Link put on since)
+        assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
         await asyncio.sleep(0)  # one report for the burst, with its count
         assert [(e.sid, e.dropped) for e in owner.errors] == [(1, 100)]  # type: ignore[attr-defined]
         # the consumer takes it down to half the queue: released once, in order
         got = [int((await sub.next_msg(0)).payload) for _ in range(hard - 2)]
-        assert got == list(range(hard - 2)) and owner.releases == 1
+        assert got == list(range(hard - 2)) and owner.resumes == 1
         assert sub.pending == 2
 
     asyncio.run(main())

@@ -7,7 +7,7 @@ payload) and an SDK subscriber on `w.>`. Leases of 2 s keep them short.
 - A frozen node (SIGSTOP of its master and workers) costs only its own
   vbuckets, and only until its lease expires and they move: before, the
   subscriber's MapApplied waited on round trips to the frozen node (a 10 s
-  freeze never failed over), and at the commit the SDK held every new
+  freeze never failed over), and at the commit the SDK fenced every new
   owner's traffic for 2 s, moved or not. One message delivered just before
   the freeze also came twice: the retired connection's last deliveries
   entered the duplicate filter only when the client had unconfirmed
@@ -45,7 +45,7 @@ def check_promise(out: chaos.Outcome) -> str:
 @pytest.mark.timeout(240)
 def test_a_frozen_node_costs_only_its_own_vbuckets_until_they_move() -> None:
     # --move-timeout 4: an SDK that waited for the frozen node would let the leader
-    # commit only after 4 s more, while the node is still frozen, and then hold the
+    # commit only after 4 s more, while the node is still frozen, and then fence the
     # new owners for the 2 s it gave the frozen node to answer.
     out = chaos.frozen_node(freezes=(10.0,), lease_ttl=2, node_args=("--move-timeout", "4"))
     summary = check_promise(out)

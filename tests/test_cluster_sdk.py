@@ -194,7 +194,7 @@ def test_etcd_stopped_and_restarted_under_load_publishing_never_stops(cluster: C
     print(f"\netcd outages: {result.published} published, longest silence {result.max_gap_s} s")
     assert_nothing_lost(result)
     # 3,000 msgs/s: the flow never waits for etcd. Its pause lasted LEASE_TTL + 1.5 s, so a flow
-    # held by it would show a silence that long; a loaded 2-core machine running etcd, six
+    # stopped by it would show a silence that long; a loaded 2-core machine running etcd, six
     # workers and both clients can show a silence of about a second without any such wait.
     assert result.max_gap_s < LEASE_TTL + 0.5, result
     assert owners_by_id(cluster.map()) == owners_by_id(before)  # nothing moved for an etcd outage

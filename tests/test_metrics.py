@@ -401,27 +401,27 @@ def test_slow_consumer_disconnect_is_counted(start_server: Any) -> None:
 
 def test_deliveries_lost_to_a_shutdown_are_counted_as_shutdown(start_server: Any) -> None:
     # Documented: messages that cannot be delivered because the server stops are
-    # dropped and counted under reason="shutdown". Here: deliveries held for a
+    # dropped and counted under reason="shutdown". Here: deliveries kept for a
     # paused subscriber. A subscriber that does not read keeps the worker in its
     # shutdown (up to 4 s, waiting for its bytes to leave), so /metrics still answers.
     server = start_server("--max-pending-bytes", "1M")
-    held = 25
+    kept = 25
     stuck = Wire.hello(server.address, worker=0, name="stuck", rcvbuf=4096)
     paused = Wire.hello(server.address, worker=0, name="paused")
     try:
         stuck.subscribe(1, b"fill")
         stuck.flush()
-        paused.subscribe(1, b"held")
+        paused.subscribe(1, b"kept")
         paused.send(Pause())
         paused.flush()
         with Wire.hello(server.address, worker=0) as pub:
             batch = encode_message(KP0, b"fill", b"x" * 1000) * 1000
             for _ in range(8):
                 pub.sock.sendall(batch)
-            pub.send(b"".join(encode_message(KP0, b"held", b"%d" % i) for i in range(held)))
+            pub.send(b"".join(encode_message(KP0, b"kept", b"%d" % i) for i in range(kept)))
             pub.flush(timeout=30)
         lazy = next(c for c in get_json(server, "/connections")["connections"] if c["name"] == "paused")
-        assert lazy["messages_out"] == held and lazy["dropped"] == 0
+        assert lazy["messages_out"] == kept and lazy["dropped"] == 0
         _, s = scrape(server)
         assert value(s, "broky_messages_dropped_total", worker="0", reason="shutdown") == 0
         server.signal(signal.SIGTERM)
@@ -431,7 +431,7 @@ def test_deliveries_lost_to_a_shutdown_are_counted_as_shutdown(start_server: Any
         ):
             assert time.monotonic() < deadline, "no shutdown drop counted"
             time.sleep(0.05)
-        assert value(s, "broky_messages_dropped_total", worker="0", reason="shutdown") == held
+        assert value(s, "broky_messages_dropped_total", worker="0", reason="shutdown") == kept
         frames = paused.expect_closed()
         assert not any(isinstance(f, Message) for f in frames) and isinstance(frames[-1], Goodbye)
     finally:

@@ -124,12 +124,12 @@ def test_signal_goodbye_and_exit_0_within_5_s(start_server: Any, sig: int) -> No
     clients = [Wire.hello(server.address, worker=w) for w in (0, 1, 0)]
     clients[0].subscribe(1, b"k")
     clients[0].flush()
-    paused = clients[2]  # holds three deliveries when the signal comes: they are dropped
-    paused.subscribe(1, b"held")
+    paused = clients[2]  # three deliveries kept for it when the signal comes: they are dropped
+    paused.subscribe(1, b"kept")
     paused.send(Pause())
     assert paused.flush() == []
     with Wire.hello(server.address, worker=0) as pub:
-        pub.send(*(encode_message(KP[0], b"held", b"%d" % i) for i in range(3)))  # one read, one run
+        pub.send(*(encode_message(KP[0], b"kept", b"%d" % i) for i in range(3)))  # one read, one run
         assert pub.flush() == []
     paused.expect_silence()
     started = time.monotonic()
@@ -138,7 +138,7 @@ def test_signal_goodbye_and_exit_0_within_5_s(start_server: Any, sig: int) -> No
     assert time.monotonic() - started < 5.0
     for c in clients:
         frames = c.expect_closed()
-        # Goodbye is not held; the paused client is told what it lost first.
+        # Goodbye is not kept back; the paused client is told what it lost first.
         told = [LossNotice(3, LossReason.SHUTDOWN)] if c is paused else []
         assert frames == [*told, Goodbye("server shutting down", 0)], frames
         c.close()

@@ -195,11 +195,11 @@ def test_unmatched_messages_are_counted(server: ServerProcess) -> None:
     assert stats["workers"][0]["dropped"]["no_subscribers"] == 0
 
 
-def test_pause_holds_and_resume_delivers(server: ServerProcess) -> None:
+def test_pause_keeps_and_resume_delivers(server: ServerProcess) -> None:
     with Wire.hello(server.address, worker=0) as sub, Wire.hello(server.address, worker=0) as pub:
         sub.subscribe(1, b"k")
         sub.send(Pause())
-        assert sub.flush() == []  # Pong is not held
+        assert sub.flush() == []  # Pong is not kept back
         for i in range(3):
             pub.publish(KP0, b"k", b"%d" % i)
         pub.flush()
@@ -208,19 +208,19 @@ def test_pause_holds_and_resume_delivers(server: ServerProcess) -> None:
         assert [m.payload for m in sub.messages()] == [b"0", b"1", b"2"]
 
 
-def test_a_pong_queued_before_a_pause_in_the_same_read_is_not_held(server: ServerProcess) -> None:
+def test_a_pong_queued_before_a_pause_in_the_same_read_is_not_kept_back(server: ServerProcess) -> None:
     """Ping then Pause in one write: the Pong was queued before the Pause and is a reply,
-    so it goes out (held, a client flushing before it pauses would wait for ever)."""
+    so it goes out (kept back, a client flushing before it pauses would wait for ever)."""
     with Wire.hello(server.address, worker=0) as sub, Wire.hello(server.address, worker=0) as pub:
         sub.subscribe(1, b"k")
         assert sub.flush() == []
         sub.send(Ping(7), Pause())  # one sendall: one read on the server
         assert sub.expect(Pong, timeout=2).id == 7
-        pub.publish(KP0, b"k", b"held")
+        pub.publish(KP0, b"k", b"kept")
         pub.flush()
         sub.expect_silence()
         sub.send(Resume())
-        assert [m.payload for m in sub.messages()] == [b"held"]
+        assert [m.payload for m in sub.messages()] == [b"kept"]
 
 
 @pytest.mark.parametrize("limit", ["64K"])

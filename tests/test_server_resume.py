@@ -139,10 +139,10 @@ def test_a_killed_workers_accounts_answer_its_clients_through_its_successor(
     start_server: Any, clients: Clients
 ) -> None:
     server = clients.server = start_server()
-    held = clients.hello(worker=0)  # paused: its deliveries stay in the worker
-    held.subscribe(1, b"k.>")
-    held.send(Pause())
-    assert held.flush() == []
+    paused = clients.hello(worker=0)  # its deliveries stay in the worker
+    paused.subscribe(1, b"k.>")
+    paused.send(Pause())
+    assert paused.flush() == []
     reader = clients.hello(worker=0)
     reader.subscribe(1, b"k.>")
     assert reader.flush() == []
@@ -153,12 +153,14 @@ def test_a_killed_workers_accounts_answer_its_clients_through_its_successor(
     kill_worker(server, 0)
 
     # Every subscribing connection of the dead worker comes back (the grace ends).
-    held2 = clients.hello(worker=0, previous=previous(held))
-    assert held2.welcome is not None and held2.welcome.resumed == Resumed(previous(held).connection_id, 0)
+    paused2 = clients.hello(worker=0, previous=previous(paused))
+    assert paused2.welcome is not None and paused2.welcome.resumed == Resumed(
+        previous(paused).connection_id, 0
+    )
     reader2 = clients.hello(worker=0, previous=previous(reader, received=7))
     pub2 = clients.hello(worker=0, previous=previous(pub))
     assert pub2.welcome is not None and pub2.welcome.resumed == Resumed(previous(pub).connection_id, 7)
-    assert held2.flush() == [LossNotice(7, LossReason.WORKER_RESTART)]
+    assert paused2.flush() == [LossNotice(7, LossReason.WORKER_RESTART)]
     assert reader2.flush() == []
     assert pub2.flush() == []
     _, body = http_get(server, "/metrics")

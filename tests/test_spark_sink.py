@@ -434,7 +434,7 @@ def test_write_task_goes_on_through_a_worker_killed_mid_write(server: ServerProc
     with subscriber(server, "kill.row", reconnect_min_delay=0.01, reconnect_max_delay=0.02) as sub:
         done = write_task(batches(), spec, config, UidPlan.new(streaming=False))
         got = drain(sub, 200_000)
-        told = sub._client.stats.server_lost  # what the killed worker held for the subscriber
+        told = sub._client.stats.server_lost  # what the killed worker had queued for the subscriber
     assert killed and done.rows == 200_000
     payloads = [int(m.payload) for m in got]
     assert len(payloads) == len(set(payloads)), "a row arrived twice"
@@ -566,7 +566,7 @@ def test_a_worker_killed_mid_write_costs_no_row_and_no_retry(
         killer = KillAfter(sub, 30_000, kill_a_worker)
         df.write.format("broky").option("broky.servers", servers(server)).mode("append").save()
         got = killer.join() + list(sub.iter(timeout=3))
-        # deliveries the killed worker held for the subscriber are lost, and it is told
+        # deliveries the killed worker had queued for the subscriber are lost, and it is told
         told = sub._client.stats.server_lost
     assert killed
     uids = [m.uid for m in got]

@@ -428,7 +428,7 @@ class Client(Publisher):
                 iteration; a coroutine function is awaited, one message at a time.
             max_pending_msgs, max_pending_bytes: bound of the local queue; once
                 it is full the connections that carry the subscription are
-                paused (the server holds their deliveries, under its own bound)
+                paused (the server keeps their deliveries queued, under its own bound)
                 until the queue is down to half (see broky.client.subscription).
 
         Returns:
@@ -490,12 +490,12 @@ class Client(Publisher):
         with contextlib.suppress(BrokyConnectionError):  # dropped: restored on reconnect
             await link.round_trip(retry=False)
 
-    def _hold(self, sub: Subscription) -> None:
-        self._subscriptions.hold(sub)
+    def _pause(self, sub: Subscription) -> None:
+        self._subscriptions.pause(sub)
 
-    def _release(self, sub: Subscription) -> None:
+    def _resume(self, sub: Subscription) -> None:
         if not self._closed:
-            self._subscriptions.release(sub)
+            self._subscriptions.resume(sub)
 
     async def _unsubscribe(self, sub: Subscription) -> None:
         self._check_open()

@@ -249,7 +249,7 @@ class LinkOwner(Protocol):
         """Call a user callback (awaited in a task if it returns an awaitable)."""
 
 
-# With the compiled twin, a Link's proto, out, out_bytes and flush_handle are held in C,
+# With the compiled twin, a Link's proto, out, out_bytes and flush_handle are kept in C,
 # where publish's fast path (pubpack's FastPath) reads and writes them.
 if TYPE_CHECKING:
 
@@ -312,9 +312,9 @@ class Link(_LinkState):
         self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
-        self.paused_by: set[int] = set()  # sids whose full queues hold this connection's deliveries
+        self.paused_by: set[int] = set()  # sids whose full queues paused this connection's deliveries
         self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
-        self.holds = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
+        self.fences = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
         self.front = 0  # frames at the head of `out` sent again for other Links, in order
         self.retired = False  # its node left the map: no more reconnects
         self.outstanding = 0  # keepalive Pings sent since the last Pong
@@ -364,7 +364,7 @@ class Link(_LinkState):
         subscribes = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
         if subscribes:
             proto.write(b"".join(subscribes))  # first: a restarted worker waits for them (section 7.2)
-        if self.paused_by:  # a subscriber's queue is still full: the new connection holds too
+        if self.paused_by:  # a subscriber's queue is still full: the new connection is paused too
             proto.write(PAUSE_FRAME)
         if reconnect or self.out:
             self._send_ping(None)  # after the publishes that wait in `out`, in the same write
@@ -625,7 +625,7 @@ class Link(_LinkState):
             self.flush_handle.cancel()
             self.flush_handle = None
         proto = self.proto
-        if proto is None or not self.out or self.holds:
+        if proto is None or not self.out or self.fences:
             return
         out = self.out
         self.front = 0
@@ -668,15 +668,15 @@ class Link(_LinkState):
             self.retained_bytes -= w.size
             self.released = w.first + w.publishes
 
-    def hold(self) -> None:
-        """Write nothing until `release`: a vbucket moves here, and what its old owner
+    def fence(self) -> None:
+        """Write nothing until `lift_fence`: a vbucket moves here, and what its old owner
         refuses must be sent here before the publishes made since (broky.client.routing)."""
-        self.holds += 1
+        self.fences += 1
 
-    def release(self) -> None:
-        self.holds -= 1
-        if not self.holds and self.out and self.proto is not None:
-            self.flush_out()  # only publishes wait in `out` while held (`send_control`)
+    def lift_fence(self) -> None:
+        self.fences -= 1
+        if not self.fences and self.out and self.proto is not None:
+            self.flush_out()  # only publishes wait in `out` while fenced (`send_control`)
 
     def send_first(self, frames: list[bytes]) -> None:
         """Queue publishes sent again for another Link (refused, or left by a Link whose
@@ -685,7 +685,7 @@ class Link(_LinkState):
         self.out[at:at] = frames
         self.front = at + len(frames)
         self.out_bytes += sum(len(f) for f in frames)
-        if self.proto is not None and not self.holds and self.flush_handle is None:
+        if self.proto is not None and not self.fences and self.flush_handle is None:
             self.schedule_flush()
 
     def ended_cleanly(self) -> bool:
@@ -695,7 +695,7 @@ class Link(_LinkState):
         return self.goodbye_processed is not None or (self.proto is None and self.previous is None)
 
     def retire(self) -> tuple[list[bytes], InDoubt | None, list[tuple[bytes, int]]]:
-        """Its node left the map: stop for good. Returns what it still held for others
+        """Its node left the map: stop for good. Returns what it still had for others
         to take over: publishes never written (first those its worker said, in a
         Goodbye, it did not process), the lost connection's unconfirmed ones that no
         server can account for, and the tail of its last reads."""
@@ -729,12 +729,12 @@ class Link(_LinkState):
 
     def send_control(self, frame: bytes) -> None:
         """Write a control frame now, after every publish queued before it (nothing while
-        down). While held (a move settles), it goes ahead of the held publishes: a
+        down). While fenced (a move settles), it goes ahead of the fenced publishes: a
         Subscribe must be in place before them, and a Ping covers what was written."""
         proto = self.proto
         if proto is None:
             return
-        if self.holds:
+        if self.fences:
             proto.write(frame)
             return
         self.out.append(frame)
@@ -748,7 +748,7 @@ class Link(_LinkState):
         return fut
 
     def ping_now(self) -> asyncio.Future[None]:
-        """A Ping written at once, even while held: its Pong says the worker processed
+        """A Ping written at once, even while fenced: its Pong says the worker processed
         every frame written before it (not those still in `out`)."""
         fut: asyncio.Future[None] = self.client._loop.create_future()
         if self.proto is None:
@@ -809,8 +809,8 @@ class Link(_LinkState):
             self.send_control(encode_unsubscribe(Unsubscribe(sub.sid)))
 
     def pause_for(self, sid: int) -> None:
-        """Subscription `sid`'s queue is full: the worker holds this connection's
-        deliveries (Pause) until every subscription that asked has room again."""
+        """Subscription `sid`'s queue is full: the worker keeps this connection's
+        deliveries queued (Pause) until every subscription that asked has room again."""
         if sid in self.paused_by:
             return
         self.paused_by.add(sid)

@@ -7,7 +7,7 @@ what is *logged* is at most one line per source every `interval` seconds:
 the count since the previous line and the running total. The first loss of a
 source is logged at once; later ones within the interval wait for a timer,
 so a burst of any length costs one line now and one line later, and the last
-count is never held back longer than the interval. `close` writes what is
+count is never kept back longer than the interval. `close` writes what is
 still unreported.
 """
 

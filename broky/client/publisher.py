@@ -19,7 +19,7 @@ dropped when the map or max_frame_bytes changes (`_forget_routes`), and
 cleared when it holds MAX_TEMPLATES entries. With the compiled twin
 (broky.client.pubpack) those steps run in C, in one call
 (`FastPath.publish`): the lookup, the frame stamped from the cached sample
-frame, and the Link's bookkeeping on its state held in C (`LinkState`).
+frame, and the Link's bookkeeping on its state kept in C (`LinkState`).
 Anything else (a miss, str
 fields, other field types, a uid neither True nor 20 bytes, a closed
 client, a pack error) takes the general path (`_publish`), which raises the

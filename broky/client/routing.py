@@ -14,7 +14,7 @@ version is adopted at once (`apply`):
 
 - the route table and the publish path's cache of Links are dropped;
 - vbuckets that changed owner (a node joined, left or died): the new
-  owner's Link is held (it writes nothing) until every Link that used to own
+  owner's Link is fenced (it writes nothing) until every Link that used to own
   one of them has answered a round trip (`_settle_moves`): that old owner
   processed, or refused with NOT_MY_VBUCKET, every publish sent to it before
   (the refused ones come back in the Errors, before the Pong). The refused
@@ -210,7 +210,7 @@ class Router:
         self.owner._map_applied(vmap.version)
 
     def _hand_over(self, old: VBucketMap, new: VBucketMap) -> set[Link]:
-        """The vbuckets that changed owner: hold their new owners until the old ones
+        """The vbuckets that changed owner: fence their new owners until the old ones
         answered; retire the Links of nodes no longer in the map. Returns the new owners."""
         moved: dict[Link, set[Link]] = {}  # new owner -> the old owners it waits for
         moved_vbs: dict[Link, set[int]] = {}  # old owner -> the vbuckets it lost
@@ -226,14 +226,14 @@ class Router:
             moved.setdefault(new_link, set()).add(old_link)
             moved_vbs.setdefault(old_link, set()).add(vb)
         for new_link in moved:
-            new_link.hold()
+            new_link.fence()
         nodes = {n.node_id for n in new.nodes}
         # Publishes a connected old owner has not written yet (they wait for the next
         # write): to their new owner now, ahead of anything published from now on. Not
         # those of an old owner that is down: its lost connection's unconfirmed publishes
         # come before them, and go first (a Link that leaves: `retire`; one that
         # reconnects: sent again to it, refused, resent in order while the new owner is
-        # held).
+        # fenced).
         for old_link, vbs in moved_vbs.items():
             if old_link.out and old_link.proto is not None and old_link.ref.node_id in nodes:
                 keep = []
@@ -265,7 +265,7 @@ class Router:
             self.owner._unaccounted(link.ref)
 
     async def _settle_moves(self, new_link: Link, olds: set[Link]) -> None:
-        """Release `new_link` once every old owner of its new vbuckets answered a round
+        """Lift `new_link`'s fence once every old owner of its new vbuckets answered a round
         trip (their NOT_MY_VBUCKET refusals came back first and were resent)."""
         try:
             with contextlib.suppress(TimeoutError):
@@ -274,7 +274,7 @@ class Router:
             if self.to_resend:
                 self.resend_refused()
         finally:
-            new_link.release()
+            new_link.lift_fence()
 
     @staticmethod
     async def _answered(old: Link) -> None:
@@ -287,15 +287,15 @@ class Router:
                 await old.up.wait()  # set once connected again, retired or given up
                 continue
             try:
-                # written now, past anything held: an old owner may be held too
+                # written now, past anything fenced: an old owner may be fenced too
                 await old.ping_now()
                 return
             except BrokyConnectionError:
                 continue
 
     def retire(self, link: Link) -> None:
-        """`link`'s node left the map, now: what it held goes to the new owners, ahead
-        of anything published to them since (they are held until then: `_hand_over`).
+        """`link`'s node left the map, now: what it had goes to the new owners, ahead
+        of anything published to them since (they are fenced until then: `_hand_over`).
 
         A node leaves the map once it is dead (its lease expired, its vbuckets moved
         away) or once it has drained and stopped (it said Goodbye before leaving). It is

@@ -3,11 +3,11 @@
 Deliveries arrive on the connection's reader (inside `data_received`); they
 must never block it. So each subscription has a bounded pending queue
 (`max_pending_msgs` messages and `max_pending_bytes` payload bytes). Flow
-control: once the queue is full the subscription *holds* the connections
+control: once the queue is full the subscription *pauses* the connections
 that carry it (the client sends Pause on each: the server keeps their
 deliveries under its own bound, `Welcome.max_pending_bytes`, and counts and
-tells what does not fit), and releases them (Resume) once the consumer has
-taken the queue down to half. Deliveries already on their way when it held
+tells what does not fit), and resumes them (Resume) once the consumer has
+taken the queue down to half. Deliveries already on their way when it paused
 still go into the queue (the server stops sending at the Pause, so that is
 bounded by what it had queued for the connection and the sockets' buffers);
 past `hard_bounds` (a server that does not pause) a message is dropped,
@@ -44,7 +44,7 @@ from broky.protocol import Message
 
 DEFAULT_MAX_PENDING_MSGS = 65536
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
-# A held subscription still queues what was on its way when it paused (what the server
+# A paused subscription still queues what was on its way when it paused (what the server
 # had queued for the connection, under the server's own bound, and what the sockets
 # hold); it drops only past these (a server that does not pause): 8 times its bounds,
 # and never less than the defaults.
@@ -70,10 +70,10 @@ class SubscriptionOwner(Protocol):
     def _report(self, exc: BaseException) -> None:
         """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
 
-    def _hold(self, sub: Subscription) -> None:
+    def _pause(self, sub: Subscription) -> None:
         """`sub`'s queue is full: pause the connections that carry it."""
 
-    def _release(self, sub: Subscription) -> None:
+    def _resume(self, sub: Subscription) -> None:
         """`sub`'s queue has room again: resume them."""
 
     async def _unsubscribe(self, sub: Subscription) -> None:
@@ -114,7 +114,7 @@ class Subscription:
         self._queue_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
         self._unreported_drops = 0
-        self._holding = False  # its queue filled up: its connections are paused
+        self._paused = False  # its queue filled up: its connections are paused
         self._task: asyncio.Task[None] | None = None
         self._inline: Callback | None = None
         if callback is not None:
@@ -154,11 +154,11 @@ class Subscription:
             return
         size = len(msg.payload)
         if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
-            if not self._holding:
-                self._holding = True
-                self._owner._hold(self)
+            if not self._paused:
+                self._paused = True
+                self._owner._pause(self)
             if len(self._queue) >= self._hard_msgs or self._queue_bytes + size > self._hard_bytes:
-                self._owner._hold(self)  # a connection it was put on since it held
+                self._owner._pause(self)  # a connection it was put on since it paused
                 self.dropped += 1
                 self._owner.stats.dropped_local += 1
                 if not self._unreported_drops:
@@ -221,12 +221,12 @@ class Subscription:
         self._queue_bytes -= len(msg.payload)
         self.delivered += 1
         if (
-            self._holding
+            self._paused
             and len(self._queue) <= self.max_pending_msgs // 2
             and self._queue_bytes <= self.max_pending_bytes // 2
         ):
-            self._holding = False
-            self._owner._release(self)
+            self._paused = False
+            self._owner._resume(self)
         return msg
 
     def __aiter__(self) -> AsyncIterator[Message]:

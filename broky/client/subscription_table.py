@@ -47,7 +47,7 @@ class SubscriptionTable:
         self.rejected: dict[int, Link] = {}  # sid -> the Link whose worker refused it (NOT_MY_VBUCKET)
         # sid -> (the last SUBSCRIPTION_LIMIT Error, the Links whose worker refused it)
         self.limited: dict[int, tuple[ServerError, list[Link]]] = {}
-        self.holding: dict[int, set[Link]] = {}  # sid -> the Links it paused (its queue is full)
+        self.paused: dict[int, set[Link]] = {}  # sid -> the Links it paused (its queue is full)
         self.last_sid = 0
 
     def new_sid(self) -> int:
@@ -66,22 +66,22 @@ class SubscriptionTable:
         self.subs.pop(sub.sid, None)
         self.rejected.pop(sub.sid, None)
         self.limited.pop(sub.sid, None)
-        self.release(sub)
+        self.resume(sub)
         for link in self.links.pop(sub.sid, []):
             link.remove_sub(sub)
         sub._close()
 
-    def hold(self, sub: Subscription) -> None:
+    def pause(self, sub: Subscription) -> None:
         """`sub`'s queue is full: pause every Link that carries it (again: one it was
         put on since)."""
-        held = self.holding.setdefault(sub.sid, set())
+        paused = self.paused.setdefault(sub.sid, set())
         for link in self.links.get(sub.sid, []):
-            held.add(link)
+            paused.add(link)
             link.pause_for(sub.sid)
 
-    def release(self, sub: Subscription) -> None:
-        """`sub` has room again: its Links may deliver (once no other subscription holds them)."""
-        for link in self.holding.pop(sub.sid, ()):
+    def resume(self, sub: Subscription) -> None:
+        """`sub` has room again: its Links may deliver (once no other subscription paused them)."""
+        for link in self.paused.pop(sub.sid, ()):
             link.resume_for(sub.sid)
 
     def refused(self, sid: int, link: Link) -> None:
@@ -113,8 +113,8 @@ class SubscriptionTable:
 
     def forget_link(self, link: Link) -> None:
         """`link` is retired (its node left the map): it carries no subscription any more."""
-        for held in self.holding.values():
-            held.discard(link)
+        for paused in self.paused.values():
+            paused.discard(link)
         for links in self.links.values():
             if link in links:
                 links.remove(link)

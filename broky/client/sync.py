@@ -92,7 +92,7 @@ class SyncSubscription:
         self._bytes = 0
         self._cond = threading.Condition()
         self._unreported = 0
-        self._holding = False  # the queue filled up: its connections are paused (I/O thread sets)
+        self._paused = False  # the queue filled up: its connections are paused (I/O thread sets)
 
     def __repr__(self) -> str:
         return f"<SyncSubscription {self._sub!r}>"
@@ -111,11 +111,11 @@ class SyncSubscription:
         that carry the subscription (as an asyncio Subscription does); drop past its
         `hard_bounds`."""
         size = len(msg.payload)
-        hold = False
+        pause = False
         with self._cond:
             full = len(self._queue) >= self.max_pending_msgs or self._bytes + size > self.max_pending_bytes
-            if full and not self._holding:
-                self._holding = hold = True
+            if full and not self._paused:
+                self._paused = pause = True
             over = len(self._queue) >= self._hard_msgs or self._bytes + size > self._hard_bytes
             first: bool | None = None
             if full and over:
@@ -127,18 +127,18 @@ class SyncSubscription:
                 self._bytes += size
                 self._cond.notify()
         client = self._client._client
-        if hold and self._sub is not None:
-            client._hold(self._sub)
+        if pause and self._sub is not None:
+            client._pause(self._sub)
         if first is None:
             return
         client.stats.dropped_local += 1
         if first:
             client._loop.call_soon(self._report_drops)
 
-    def _release(self) -> None:
+    def _resume(self) -> None:
         """I/O thread: the reader took the queue down to half."""
         if self._sub is not None:
-            self._client._client._release(self._sub)
+            self._client._client._resume(self._sub)
 
     def _report_drops(self) -> None:
         with self._cond:
@@ -174,13 +174,13 @@ class SyncSubscription:
             self._bytes -= len(msg.payload)
             self.delivered += 1
             if (
-                self._holding
+                self._paused
                 and len(self._queue) <= self.max_pending_msgs // 2
                 and self._bytes <= self.max_pending_bytes // 2
             ):
-                self._holding = False
+                self._paused = False
                 with contextlib.suppress(RuntimeError):  # the client's loop is closed
-                    self._client._client._loop.call_soon_threadsafe(self._release)
+                    self._client._client._loop.call_soon_threadsafe(self._resume)
             return msg
 
     def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[Message]:

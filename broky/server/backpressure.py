@@ -30,7 +30,7 @@ position, replies written so far). Bytes that left the buffer = sent minus its
 size; every mark at or before that point is popped, and the replies not known
 to have left are the unread ones, except that the writes up to the first mark
 left count at most their bytes still in the buffer (an upper bound, exact when
-those writes held only replies). This runs only on rare paths: a flush whose
+those writes carried only replies). This runs only on rare paths: a flush whose
 read queued a reply, and a connection whose reads are stopped (`flush`, `drained`,
 and `tick` for a buffer that never reached the high-water mark).
 """
