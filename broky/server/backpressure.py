@@ -21,18 +21,18 @@ keeps its deliveries in `out` under the same bound.
 Replies: control replies (Pong, Error) count in the pending bytes but are
 never dropped, and they have a bound of their own, --max-reply-bytes (at most
 the pending bound): a connection with more unread replies than that is read no
-more (`stop_reading`) until they are down to a quarter of it, and its clock runs
-meanwhile. Only replies count here, never deliveries: a subscriber's backlog
-must not stop that client's publishes. The write buffer is a FIFO, so a
-connection counts the bytes it ever handed to its transport (`sent`) and, for
-writes that carried replies, marks where they end (`reply_marks`: stream
+more (`stop_reading`) until they are down to a quarter of it, and its clock
+runs meanwhile. Only replies count here, never deliveries: a subscriber's
+backlog must not stop that client's publishes. The write buffer is a FIFO, so
+a connection counts the bytes it ever handed to its transport (`sent`) and,
+for writes that carried replies, marks where they end (`reply_marks`: stream
 position, replies written so far). Bytes that left the buffer = sent minus its
 size; every mark at or before that point is popped, and the replies not known
 to have left are the unread ones, except that the writes up to the first mark
 left count at most their bytes still in the buffer (an upper bound, exact when
-those writes carried only replies). This runs only on rare paths: a flush whose
-read queued a reply, and a connection whose reads are stopped (`flush`, `drained`,
-and `tick` for a buffer that never reached the high-water mark).
+those writes carried only replies). This runs only on rare paths: a flush
+whose read queued a reply, and a connection whose reads are stopped (`flush`,
+`drained`, and `tick` for a buffer that never reached the high-water mark).
 """
 
 from __future__ import annotations

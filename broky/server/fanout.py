@@ -1,24 +1,26 @@
 """One worker's shard: its subscription table and the fan-out fast path.
 
-The Shard is one class built from one part per concern, each a mixin in a
-module of its own whose methods reach the shard's state as `self.x`, as
-cheaply as the read path does. This module has the read path, top to
-bottom (`feed`, then `emit`, `shape`, `route`, `flush`, `write_out` and
-`squeeze`), and the Shard's state (`__init__`); the other parts live in:
+The Shard is one class assembled from one part per concern, each a mixin
+class in a module of its own. A part's methods reach the shard's state as
+`self.x`, as cheaply as the read path does; the state is created here
+(`__init__`), and a part that needs more keeps it in an object of its own
+(`Grace`, `Budget`: see SHARD_ATTRIBUTES). This module has the read path,
+top to bottom: `feed`, then `emit`, `shape`, `route`, `flush`, `write_out`
+and `squeeze`. The other parts:
 
-  broky.server.ownership     the vbucket map: what the worker owns and refuses
-  broky.server.arrivals      Hello and Welcome; a reconnecting client's claim
-  broky.server.control       control frames: subscriptions and their limits,
-                             Ping, Pause and Resume, MapApplied
-  broky.server.backpressure  replies and their bound, slow consumers, `tick`
-  broky.server.grace         the restart grace
-  broky.server.memory_budget the memory budget kept, the heap trimmed
-  broky.server.closing       lost connections, fatal errors, Goodbye, shutdown
-  broky.server.stats         the worker's counters and their snapshot
+  broky.server.ownership      the vbucket map: what the worker owns and refuses
+  broky.server.arrivals       Hello and Welcome; a reconnecting client's claim
+  broky.server.control        control frames: subscriptions and their limits,
+                              Ping, Pause and Resume, MapApplied
+  broky.server.backpressure   replies and their bound, slow consumers, `tick`
+  broky.server.grace          the restart grace
+  broky.server.memory_budget  the memory budget kept, the heap trimmed
+  broky.server.closing        lost connections, fatal errors, Goodbye, shutdown
+  broky.server.stats          the worker's counters and their snapshot
 
-Each opens with its part of the theory of operation, and says what it uses
-of the others (its declarations under TYPE_CHECKING, which mypy checks
-against the definitions). New state goes into an object of its own (SHARD_ATTRIBUTES).
+Each opens with its share of the theory of operation and declares what it
+uses of the others (under TYPE_CHECKING: mypy checks those declarations
+against the definitions).
 
 Theory of operation
 -------------------
@@ -202,7 +204,7 @@ class Shard(
         self.holding = False
         self.grace = Grace()
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
-        # This worker's share of --memory-budget (see "Memory budget"; the replay buffer
+        # This worker's share of --memory-budget (broky.server.memory_budget; the replay buffer
         # will draw from it too), and the heap trim's bookkeeping.
         self.budget = Budget(config.memory_budget // config.workers)
         # Called once per connection when it is gone (the worker tells the master).
