@@ -41,6 +41,7 @@ from broky.protocol import (
     route_message,
     vbucket_of,
 )
+from broky.protocol.layout import TS_BROKER_AT
 from broky.protocol.message import message_size
 
 KP = b"tenant-7"
@@ -97,7 +98,7 @@ def test_decode_frame_message(benchmark) -> None:  # type: ignore[no-untyped-def
 
 def test_route_message(benchmark) -> None:  # type: ignore[no-untyped-def]
     kp, key, ts_pos = benchmark(route_message, FRAME, 0, len(FRAME))
-    assert (kp, key, ts_pos) == (KP, KEY, 64)
+    assert (kp, key, ts_pos) == (KP, KEY, TS_BROKER_AT)
 
 
 # ---------------------------------------------------------------- the client's publish path

@@ -13,6 +13,7 @@ from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
 from broky.errors import LocalProtocolError, PayloadTooLargeError
 from broky.protocol import decode_message, encode_message, vbucket_of
 from broky.protocol.ksuid import ksuid_time
+from broky.protocol.layout import UID_AT, UID_END
 
 small = st.binary(min_size=0, max_size=40)
 
@@ -29,7 +30,7 @@ def test_template_frames_equal_encode_message(kp: bytes, key: bytes, payload: by
     before = time.time_ns()
     for _ in range(2):  # the second time comes from the cached template
         frame, vb = enc.encode(kp, key, payload, ts)
-        uid = frame[80:100]
+        uid = frame[UID_AT:UID_END]
         msg = decode_message(frame)
         assert frame == encode_message(kp, key, payload, msg.ts_producer, 0, uid)
         assert (msg.key_partition, msg.key, msg.payload, msg.ts_broker, msg.uid) == (kp, key, payload, 0, uid)
@@ -61,7 +62,7 @@ def test_given_uid_frames_equal_encode_message(
 
 def test_uids_are_unique() -> None:
     enc = PublishEncoder(1 << 20)
-    uids = {enc.encode(b"p", b"k", b"", None)[0][80:100] for _ in range(10_000)}
+    uids = {enc.encode(b"p", b"k", b"", None)[0][UID_AT:UID_END] for _ in range(10_000)}
     assert len(uids) == 10_000
 
 
@@ -105,13 +106,13 @@ def test_forked_child_gets_fresh_random_bytes() -> None:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
-        os.write(w, enc.encode(b"p", b"k", b"", None)[0][84:100])
+        os.write(w, enc.encode(b"p", b"k", b"", None)[0][UID_AT + 4 : UID_END])
         os._exit(0)
     os.close(w)
     child = os.read(r, 16)
     os.close(r)
     os.waitpid(pid, 0)
-    assert child != enc.encode(b"p", b"k", b"", None)[0][84:100]
+    assert child != enc.encode(b"p", b"k", b"", None)[0][UID_AT + 4 : UID_END]
 
 
 def test_templates_only_for_shapes_that_repeat(monkeypatch: pytest.MonkeyPatch) -> None:

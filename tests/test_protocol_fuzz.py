@@ -22,14 +22,8 @@ from hypothesis import strategies as st
 
 from broky.errors import ProtocolError
 from broky.protocol import NEED_DATA, Frame, FrameReader, Message, decode_frame, decode_message, route_message
-from broky.protocol.message import (
-    HEADER_NO_UID,
-    HEADER_UID,
-    TS_BROKER_OFFSET,
-    _decode_generic,
-    _route_generic,
-    canonical_copy,
-)
+from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
+from broky.protocol.message import _decode_generic, _route_generic, canonical_copy
 from tests.test_protocol_generated import all_frames, encoded_frames, generated_read, messages, welcomes
 
 LIMIT = 1 << 16
@@ -91,9 +85,9 @@ def check_message_readers_agree(raw: bytes, f: int = 0, end: int | None = None) 
         assert (kp, key) == (fast.key_partition, fast.key)
         assert decode_frame(buf, f, end) == fast
         stamp = 0x1234_5678_9ABC_DEF0
-        if buf[f + 4 : f + 56] in (HEADER_UID, HEADER_NO_UID):
+        if buf[f + HEADER_AT : f + HEADER_END] in (HEADER_UID, HEADER_NO_UID):
             # Canonical: stamped in place, and nothing but ts_broker changes.
-            assert ts_at == f + TS_BROKER_OFFSET
+            assert ts_at == f + TS_BROKER_AT
             assert struct.unpack_from("<q", buf, ts_at)[0] == fast.ts_broker
             stamped = bytearray(buf)
             struct.pack_into("<q", stamped, ts_at, stamp)

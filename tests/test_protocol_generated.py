@@ -61,7 +61,8 @@ from broky.protocol import (
     encode_message,
     route_message,
 )
-from broky.protocol.message import HEADER_NO_UID, HEADER_UID, TS_BROKER_OFFSET, canonical_copy, message_size
+from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
+from broky.protocol.message import canonical_copy, message_size
 
 # ---------------------------------------------------------------- strategies
 
@@ -714,10 +715,10 @@ def _check_message_readers(msg: Message, frame: bytes) -> None:
     assert (kp, key) == (msg.key_partition, msg.key)
     assert type(kp) is bytes and type(key) is bytes
     expected = msg._replace(ts_broker=-12345)
-    if frame[4:56] in (HEADER_UID, HEADER_NO_UID):
+    if frame[HEADER_AT:HEADER_END] in (HEADER_UID, HEADER_NO_UID):
         # The canonical layout: ts_broker sits where route_message says, and
         # stamping it in place changes only ts_broker.
-        assert ts_pos == 13 + TS_BROKER_OFFSET
+        assert ts_pos == 13 + TS_BROKER_AT
         stamped = bytearray(frame)
         struct.pack_into("<q", stamped, ts_pos - 13, -12345)
         assert decode_message(stamped) == expected
@@ -745,7 +746,7 @@ def test_builder_messages_read_by_fast_decoder(case: tuple[Frame, bytes]) -> Non
 def test_canonical_messages_read_and_route(msg: Message) -> None:
     frame = encode_message(*msg)
     _check_message_readers(msg, frame)
-    assert route_message(frame, 0, len(frame))[2] == TS_BROKER_OFFSET
+    assert route_message(frame, 0, len(frame))[2] == TS_BROKER_AT
 
 
 LARGE = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

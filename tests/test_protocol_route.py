@@ -29,24 +29,21 @@ from broky.protocol import (
     encode_message,
     route_message,
 )
-from broky.protocol.message import (
+from broky.protocol.layout import (
+    HEADER_AT,
+    HEADER_END,
     HEADER_NO_UID,
     HEADER_UID,
-    TS_BROKER_OFFSET,
-    _route_generic,
-    body_type,
-    canonical_copy,
+    KEY_UOFFSET_AT,
+    KP_UOFFSET_AT,
+    MESSAGE_VTABLE_AT,
+    PAYLOAD_UOFFSET_AT,
+    STAMPS_AT,
+    TS_BROKER_AT,
+    VECTORS_AT,
 )
+from broky.protocol.message import _route_generic, body_type, canonical_copy
 from tests.test_protocol_generated import builder_frames, generated_read, messages
-
-# Positions (from the start of the size prefix) of the canonical variable words.
-KEY_OFFSET_AT = 72
-PAYLOAD_OFFSET_AT = 76
-
-
-def kp_length_at(has_uid: bool) -> int:
-    return 100 if has_uid else 80
-
 
 lies = st.sampled_from([0, 1, 2, 3, 4, 8, 12, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_FFF8]) | st.integers(
     0, 2**32 - 1
@@ -63,19 +60,19 @@ lies = st.sampled_from([0, 1, 2, 3, 4, 8, 12, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_F
 def test_lying_offsets_are_refused_or_read_correctly(msg: Message, lie: dict[str, int]) -> None:
     frame = bytearray(encode_message(*msg))
     has_uid = msg.uid is not None
-    key_vec = KEY_OFFSET_AT + struct.unpack_from("<I", frame, KEY_OFFSET_AT)[0]
-    pay_vec = PAYLOAD_OFFSET_AT + struct.unpack_from("<I", frame, PAYLOAD_OFFSET_AT)[0]
+    key_vec = KEY_UOFFSET_AT + struct.unpack_from("<I", frame, KEY_UOFFSET_AT)[0]
+    pay_vec = PAYLOAD_UOFFSET_AT + struct.unpack_from("<I", frame, PAYLOAD_UOFFSET_AT)[0]
     where = {
-        "key_off": KEY_OFFSET_AT,
-        "pay_off": PAYLOAD_OFFSET_AT,
-        "kp_len": kp_length_at(has_uid),
+        "key_off": KEY_UOFFSET_AT,
+        "pay_off": PAYLOAD_UOFFSET_AT,
+        "kp_len": VECTORS_AT[has_uid],
         "key_len": key_vec,
         "pay_len": pay_vec,
     }
     for name, value in lie.items():
         struct.pack_into("<I", frame, where[name], value)
     raw = bytes(frame)
-    assert raw[4:56] == (HEADER_UID if has_uid else HEADER_NO_UID)  # still the fast path
+    assert raw[HEADER_AT:HEADER_END] == (HEADER_UID if has_uid else HEADER_NO_UID)  # still the fast path
 
     # An independent answer: the bounds-checked generic reader.
     try:
@@ -89,7 +86,7 @@ def test_lying_offsets_are_refused_or_read_correctly(msg: Message, lie: dict[str
         with pytest.raises(MalformedFrameError):
             decode_message(raw)
         return
-    assert route_message(raw, 0, len(raw)) == (*expected[:2], TS_BROKER_OFFSET)
+    assert route_message(raw, 0, len(raw)) == (*expected[:2], TS_BROKER_AT)
     # Valid by the bounds checks, so the generated code can read it too.
     reference = generated_read(raw)
     assert isinstance(reference, Message)
@@ -98,7 +95,7 @@ def test_lying_offsets_are_refused_or_read_correctly(msg: Message, lie: dict[str
     # However the vectors lie, none of them covers ts_broker: stamping it in place
     # changes nothing else.
     stamped = bytearray(raw)
-    struct.pack_into("<q", stamped, TS_BROKER_OFFSET, -1)
+    struct.pack_into("<q", stamped, TS_BROKER_AT, -1)
     assert decode_message(stamped) == reference._replace(ts_broker=-1)
 
 
@@ -108,9 +105,9 @@ def test_key_pointing_back_into_the_header_is_read_as_flatbuffers_would(has_uid:
     # so the key is empty: odd but a valid FlatBuffer, read identically.
     uid = bytes(20) if has_uid else None
     frame = bytearray(encode_message(b"part", b"a.b", b"pay", 0, 0, uid))
-    struct.pack_into("<I", frame, KEY_OFFSET_AT, 0)
+    struct.pack_into("<I", frame, KEY_UOFFSET_AT, 0)
     raw = bytes(frame)
-    assert route_message(raw, 0, len(raw)) == (b"part", b"", TS_BROKER_OFFSET)
+    assert route_message(raw, 0, len(raw)) == (b"part", b"", TS_BROKER_AT)
     assert generated_read(raw) == Message(b"part", b"", b"pay", 0, 0, uid)
 
 
@@ -159,14 +156,14 @@ def test_server_scan_stamps_or_copies_every_message(stream: list[tuple[Message, 
         kp, key, ts_pos = route_message(data, pos, end)
         stamp = 1_700_000_000_000_000_000 + len(routed)
         if ts_pos is None:
-            assert raw[4:56] not in (HEADER_UID, HEADER_NO_UID)
+            assert raw[HEADER_AT:HEADER_END] not in (HEADER_UID, HEADER_NO_UID)
             forwarded.append(canonical_copy(data, pos, end, stamp))
         else:
             struct.pack_into("<q", buf, ts_pos, stamp)
             forwarded.append(bytes(buf[pos:end]))
             # Only the 8 ts_broker bytes changed.
             diff = [j for j in range(len(raw)) if buf[pos + j] != raw[j]]
-            assert all(TS_BROKER_OFFSET <= j < TS_BROKER_OFFSET + 8 for j in diff)
+            assert all(TS_BROKER_AT <= j < TS_BROKER_AT + 8 for j in diff)
         routed.append((kp, key))
         pos = end
     assert routed == [(m.key_partition, m.key) for m, _ in stream]
@@ -179,7 +176,7 @@ def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> N
     # so that its vector's length overlaps the stamps struct. The frame reads
     # fine as it is, but stamping ts_broker in place would break it.
     frame = bytearray(encode_message(b"p1", b"k.a", b"\x00" * 5))
-    frame[52] = 9  # key_partition offset (Message table at 48): vector at 61, inside stamps (56..72)
+    frame[KP_UOFFSET_AT] = STAMPS_AT + 5 - KP_UOFFSET_AT  # key_partition vector inside the stamps
     raw = bytes(frame)
     ts = 1_700_000_000_123_456_789
     published = decode_message(raw)
@@ -187,10 +184,10 @@ def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> N
     assert (kp, key, ts_pos) == (published.key_partition, published.key, None)
     copy = canonical_copy(raw, 0, len(raw), ts)
     assert decode_message(copy) == published._replace(ts_broker=ts)
-    assert copy[4:56] == HEADER_NO_UID
+    assert copy[HEADER_AT:HEADER_END] == HEADER_NO_UID
     # What stamping in place would have done: the key_partition's length changes.
     stamped = bytearray(raw)
-    struct.pack_into("<q", stamped, 64, ts)
+    struct.pack_into("<q", stamped, TS_BROKER_AT, ts)
     try:
         broken: Message | None = decode_message(bytes(stamped))
     except MalformedFrameError:
@@ -231,7 +228,7 @@ def overlap_frame() -> bytes:
 def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:
     raw = overlap_frame()
     published = Message(b"p1", b"a.b", b"hello", 7, 0, None)
-    assert raw[4:56] not in (HEADER_UID, HEADER_NO_UID)
+    assert raw[HEADER_AT:HEADER_END] not in (HEADER_UID, HEADER_NO_UID)
     assert generated_read(raw) == published == decode_message(raw)
     assert route_message(raw, 0, len(raw)) == (b"p1", b"a.b", None)
     # The trap: probes with all-zero or all-one ts_broker read like the
@@ -244,16 +241,18 @@ def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:
     ts = 0x18 << 56 | 12345
     copy = canonical_copy(raw, 0, len(raw), ts)
     assert decode_message(copy) == generated_read(copy) == published._replace(ts_broker=ts)
-    assert route_message(copy, 0, len(copy)) == (b"p1", b"a.b", TS_BROKER_OFFSET)
+    assert route_message(copy, 0, len(copy)) == (b"p1", b"a.b", TS_BROKER_AT)
 
 
 def test_a_canonical_copy_over_the_frame_limit_is_refused() -> None:
     # Vectors that share bytes: a small frame whose copy is three times larger.
     frame = bytearray(encode_message(b"", b"", b"x" * 1000))
-    payload_at = 76 + struct.unpack_from("<I", frame, 76)[0]
-    struct.pack_into("<H", frame, 34, 36)  # Message table size 36, not 32: not canonical, still valid
-    struct.pack_into("<I", frame, 52, payload_at - 52)  # key_partition = the payload
-    struct.pack_into("<I", frame, 72, payload_at - 72)  # key = the payload
+    payload_at = PAYLOAD_UOFFSET_AT + struct.unpack_from("<I", frame, PAYLOAD_UOFFSET_AT)[0]
+    table_size = struct.unpack_from("<H", frame, MESSAGE_VTABLE_AT + 2)[0]
+    # Message table 4 bytes larger: not canonical, still valid
+    struct.pack_into("<H", frame, MESSAGE_VTABLE_AT + 2, table_size + 4)
+    struct.pack_into("<I", frame, KP_UOFFSET_AT, payload_at - KP_UOFFSET_AT)  # key_partition = the payload
+    struct.pack_into("<I", frame, KEY_UOFFSET_AT, payload_at - KEY_UOFFSET_AT)  # key = the payload
     raw = bytes(frame)
     msg = decode_message(raw)
     assert msg.key_partition == msg.key == msg.payload == b"x" * 1000
@@ -306,7 +305,7 @@ def test_bounds_outside_the_buffer_are_malformed() -> None:
 def test_route_message_reads_bytearray_and_memoryview(kind: type, has_uid: bool) -> None:
     frame = encode_message(b"kp", b"a.b", b"payload", 1, 0, bytes(20) if has_uid else None)
     builder = builder_message(b"kp", b"a.b", b"payload")
-    for raw, ts in ((frame, 5 + TS_BROKER_OFFSET), (builder, None)):
+    for raw, ts in ((frame, 5 + TS_BROKER_AT), (builder, None)):
         buf = kind(b"\xee" * 5 + raw + b"\xee" * 3)
         kp, key, ts_pos = route_message(buf, 5, 5 + len(raw))
         assert (kp, key, ts_pos) == (b"kp", b"a.b", ts)

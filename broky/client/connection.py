@@ -36,7 +36,22 @@ from broky.errors import (
 from broky.protocol import Error, Frame, Hello, Message, Welcome, decode_frame
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
-from broky.protocol.message import HEADER_UID
+from broky.protocol.layout import (
+    FIXED_SIZE,
+    HEADER_AT,
+    HEADER_SIZE,
+    HEADER_UID,
+    KEY_UOFFSET_AT,
+    PAYLOAD_UOFFSET_AT,
+    SIZE_AT,
+    TS_BROKER_AT,
+    TS_PRODUCER_AT,
+    UID_AT,
+    UID_SIZE,
+    VECTORS_AT,
+    read_shape,
+    struct_at,
+)
 
 # Inbound frames are deliveries (bounded by the server's max_frame_bytes) and
 # control frames; a Welcome with a large map is a few KiB.
@@ -48,15 +63,31 @@ TAIL_BYTES = 1 << 20
 WRITE_HIGH_WATER = 1 << 20
 
 _u32 = struct.Struct("<I").unpack_from
-# canonical Message with uid, at f+56: ts_producer, ts_broker, key offset,
-# payload offset, uid, key_partition length (see broky.protocol.message)
-_uid_fields = struct.Struct("<qqII20sI").unpack_from
-# ... and from f+0: the size prefix, the 52 fixed header bytes, the key and
-# payload offsets and the key_partition length, in one read
-_canonical_head = struct.Struct("<I52s16xII20xI").unpack_from
+# A canonical Message with uid (broky.protocol.layout), from TS_PRODUCER_AT:
+# ts_producer, ts_broker, the key and payload uoffsets, the uid, the
+# key_partition's length
+_uid_fields = struct_at(
+    (TS_PRODUCER_AT, "q"),
+    (TS_BROKER_AT, "q"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (UID_AT, f"{UID_SIZE}s"),
+    (VECTORS_AT[True], "I"),
+    start=TS_PRODUCER_AT,
+).unpack_from
+# ... and from f: the size prefix, the fixed header, the key and payload uoffsets
+# and the key_partition's length, in one read
+_canonical_head = struct_at(
+    (SIZE_AT, "I"),
+    (HEADER_AT, f"{HEADER_SIZE}s"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (VECTORS_AT[True], "I"),
+).unpack_from
+_FIXED_UID = FIXED_SIZE[True]  # bytes at fixed positions (with a uid): the key_partition follows
 _tuple_new = tuple.__new__
 SHAPE_CACHE_SIZE = 1024
-# (read of every field from f+56, key length, payload length, frame length)
+# (read of every field from TS_PRODUCER_AT, key length, payload length, frame length)
 Shape = tuple[Callable[[bytes, int], tuple[Any, ...]], int, int, int]
 
 
@@ -132,7 +163,7 @@ class WorkerProtocol(asyncio.Protocol):
         shapes = self._shapes
         try:
             while n - pos >= 4:
-                if on_message is not None and n - pos >= 104:
+                if on_message is not None and n - pos >= _FIXED_UID:
                     size, head, key_off, pay_off, kp_len = _canonical_head(data, pos)
                     if head == HEADER_UID:
                         try:
@@ -144,7 +175,7 @@ class WorkerProtocol(asyncio.Protocol):
                             end = pos + end_at
                             if end > n:
                                 break
-                            ts_p, ts_b, uid, kp, k_len, key, p_len, payload = read(data, pos + 56)
+                            ts_p, ts_b, uid, kp, k_len, key, p_len, payload = read(data, pos + TS_PRODUCER_AT)
                             if k_len == key_len and p_len == pay_len:
                                 on_message(_tuple_new(Message, (kp, key, payload, ts_p, ts_b, uid)))
                                 pos = end
@@ -155,11 +186,15 @@ class WorkerProtocol(asyncio.Protocol):
                 end = pos + 4 + size
                 if end > n:
                     break
-                if on_message is not None and end - pos >= 104 and data.startswith(HEADER_UID, pos + 4):
-                    ts_p, ts_b, key_off, pay_off, uid, kp_len = _uid_fields(data, pos + 56)
-                    kp_stop = pos + 104 + kp_len
-                    k = pos + 72 + key_off
-                    p = pos + 76 + pay_off
+                if (
+                    on_message is not None
+                    and end - pos >= _FIXED_UID
+                    and data.startswith(HEADER_UID, pos + HEADER_AT)
+                ):
+                    ts_p, ts_b, key_off, pay_off, uid, kp_len = _uid_fields(data, pos + TS_PRODUCER_AT)
+                    kp_stop = pos + _FIXED_UID + kp_len
+                    k = pos + KEY_UOFFSET_AT + key_off
+                    p = pos + PAYLOAD_UOFFSET_AT + pay_off
                     if kp_stop > end or k + 4 > end or p + 4 > end:
                         raise MalformedFrameError("malformed frame: vector overruns the frame")
                     key_stop = k + 4 + _u32(data, k)[0]
@@ -168,7 +203,7 @@ class WorkerProtocol(asyncio.Protocol):
                         raise MalformedFrameError("malformed frame: vector overruns the frame")
                     on_message(
                         Message(
-                            data[pos + 104 : kp_stop],
+                            data[pos + _FIXED_UID : kp_stop],
                             data[k + 4 : key_stop],
                             data[p + 4 : pay_stop],
                             ts_p,
@@ -201,23 +236,25 @@ class WorkerProtocol(asyncio.Protocol):
     ) -> Shape | None:
         """The Shape of the canonical delivery at pos (cached), or None: a size out of
         bounds, or vectors not in the order key_partition, key, payload inside the
-        frame (such frames take the checked general read)."""
-        k = 72 + key_off
-        p = 76 + pay_off
+        frame, as broky.protocol.layout.read_shape checks (such frames take the
+        checked general read)."""
         end = 4 + size
         shape: Shape | None = None
-        if (
-            MIN_FRAME_SIZE <= size <= self.max_frame_bytes
-            and pos + end <= len(data)
-            and k == 104 + kp_len + (-kp_len & 3)
-            and k + 4 <= p
-            and p + 4 <= end
-        ):
-            key_len = _u32(data, pos + k)[0]
-            pay_len = _u32(data, pos + p)[0]
-            if k + 4 + key_len <= p and p + 4 + pay_len <= end:
-                fields = f"<qq8x20s4x{kp_len}s{k - 104 - kp_len}xI{key_len}s{p - k - 4 - key_len}xI{pay_len}s"
-                shape = (struct.Struct(fields).unpack_from, key_len, pay_len, end)
+        v = read_shape(True, size, key_off, pay_off, kp_len)
+        if v is not None and MIN_FRAME_SIZE <= size <= self.max_frame_bytes and pos + end <= len(data):
+            key_len = _u32(data, pos + v.key_at)[0]
+            pay_len = _u32(data, pos + v.payload_at)[0]
+            if v.key_at + 4 + key_len <= v.payload_at and v.payload_at + 4 + pay_len <= end:
+                fields = struct_at(
+                    (TS_PRODUCER_AT, "q"),
+                    (TS_BROKER_AT, "q"),
+                    (UID_AT, f"{UID_SIZE}s"),
+                    (v.kp_at + 4, f"{kp_len}s"),
+                    (v.key_at, f"I{key_len}s"),
+                    (v.payload_at, f"I{pay_len}s"),
+                    start=TS_PRODUCER_AT,
+                )
+                shape = (fields.unpack_from, key_len, pay_len, end)
         if pos + end > len(data):
             return shape  # a partial frame: the bounds of its shape are not known yet
         if len(self._shapes) >= SHAPE_CACHE_SIZE:

@@ -9,9 +9,11 @@ repeats a few (key_partition, key) pairs with payloads of a few sizes, so the
 encoder keeps, for each (key_partition, key, payload length), a `Template`:
 
 - the frame's constant bytes, cut from one frame that `encode_message`
-  produced (canonical layout, see broky.protocol.message): the 56 header
-  bytes, the 16 bytes after ts_producer (ts_broker = 0 and two offsets) and
-  the block from key_partition's length through the payload's length;
+  produced (canonical layout, see broky.protocol.layout): the head (size
+  prefix and fixed header, up to ts_producer), the middle (after ts_producer
+  up to the uid: the stamped region, zeros, and the key and payload
+  uoffsets) and the block from key_partition's length through the payload's
+  length;
 - a struct that packs header, ts_producer, those 16 bytes, the uid (12 bytes
   of time prefix and seed, then an 8-byte counter: see
   `broky.protocol.ksuid.KsuidSequence`), the block and the payload in one call;
@@ -42,7 +44,18 @@ from collections.abc import Callable
 from broky.errors import LocalProtocolError, PayloadTooLargeError
 from broky.protocol import encode_message, vbucket_of
 from broky.protocol.ksuid import KsuidSequence
-from broky.protocol.message import HEADER_UID
+from broky.protocol.layout import (
+    HEADER_AT,
+    HEADER_END,
+    HEADER_UID,
+    PAYLOAD_UOFFSET_AT,
+    SIZE_AT,
+    TS_PRODUCER_AT,
+    UID_AT,
+    UID_END,
+    UID_SIZE,
+    struct_at,
+)
 
 _u32 = struct.Struct("<I").unpack_from
 _time_ns = time.time_ns
@@ -210,13 +223,21 @@ class PublishEncoder:
         size = len(sample) - 4
         if size > self.max_frame_bytes:
             raise PayloadTooLargeError(size, self.max_frame_bytes)
-        if sample[4:56] != HEADER_UID:  # pragma: no cover - encode_message is canonical
+        if sample[HEADER_AT:HEADER_END] != HEADER_UID:  # pragma: no cover - encode_message is canonical
             raise LocalProtocolError("unexpected Message layout")
-        pay_at = 76 + _u32(sample, 76)[0] + 4  # first payload byte
-        head, mid, block = sample[:56], sample[64:80], sample[100:pay_at]
-        tail = len(sample) - pay_at - pay_len
-        fmt = f"<56sq16s12sQ{len(block)}s{pay_len}s{tail}x"
-        entry = (struct.Struct(fmt).pack, head, mid, block, vbucket_of(key_partition))
+        pay_at = PAYLOAD_UOFFSET_AT + _u32(sample, PAYLOAD_UOFFSET_AT)[0] + 4  # first payload byte
+        mid_at = TS_PRODUCER_AT + 8
+        head, mid, block = sample[:TS_PRODUCER_AT], sample[mid_at:UID_AT], sample[UID_END:pay_at]
+        fields = struct_at(
+            (SIZE_AT, f"{len(head)}s"),
+            (TS_PRODUCER_AT, "q"),
+            (mid_at, f"{len(mid)}s"),
+            (UID_AT, f"{UID_SIZE - 8}sQ"),  # KsuidSequence's pre, then its counter
+            (UID_END, f"{len(block)}s"),
+            (pay_at, f"{pay_len}s"),
+            end=len(sample),
+        )
+        entry = (fields.pack, head, mid, block, vbucket_of(key_partition))
         if len(self._templates) >= MAX_TEMPLATES:
             self._templates.clear()
         self._templates[key_partition, key, pay_len] = entry

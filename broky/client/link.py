@@ -105,7 +105,8 @@ from broky.protocol import (
 from broky.protocol.frames import PAUSE as PAUSE_FRAME
 from broky.protocol.frames import RESUME as RESUME_FRAME
 from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
-from broky.protocol.message import BODY_MESSAGE, HEADER_NO_UID, HEADER_UID, body_type
+from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, UID_AT, UID_END
+from broky.protocol.message import BODY_MESSAGE, body_type
 
 log = logging.getLogger("broky.client")
 _u32 = struct.Struct("<I").unpack_from
@@ -147,8 +148,8 @@ def uids_in(tail: list[tuple[bytes, int]]) -> set[bytes]:
     for data, end in tail:
         pos = 0
         while pos < end:
-            if data[pos + 4 : pos + 56] == HEADER_UID:  # every delivery is canonical
-                uids.add(data[pos + 80 : pos + 100])
+            if data[pos + HEADER_AT : pos + HEADER_END] == HEADER_UID:  # every delivery is canonical
+                uids.add(data[pos + UID_AT : pos + UID_END])
             pos += 4 + _u32(data, pos)[0]
     return uids
 
@@ -445,7 +446,7 @@ class Link(_LinkState):
         again: list[bytes] = []
         for w in doubt.retained:
             again.extend(w.frames()[max(doubt.confirmed - w.first, 0) :])
-        with_uid = [f for f in again if f[4:56] == HEADER_UID]
+        with_uid = [f for f in again if f[HEADER_AT:HEADER_END] == HEADER_UID]
         lost = doubt.written - doubt.confirmed - len(with_uid)
         if with_uid:
             self.client.stats.resent_after_loss += len(with_uid)
@@ -725,7 +726,11 @@ class Link(_LinkState):
                 )
         self.pings.clear()
         self.up.set()
-        return [f for f in frames_in(out) if f[4:56] in (HEADER_UID, HEADER_NO_UID)], doubt, tail
+        return (
+            [f for f in frames_in(out) if f[HEADER_AT:HEADER_END] in (HEADER_UID, HEADER_NO_UID)],
+            doubt,
+            tail,
+        )
 
     def send_control(self, frame: bytes) -> None:
         """Write a control frame now, after every publish queued before it (nothing while

@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from broky.protocol.ksuid import KsuidSequence
-from broky.protocol.message import HEADER_UID
+from broky.protocol.layout import HEADER_UID
 
 ENV_PURE = "BROKY_PURE_PYTHON"
 VERSION = 3  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)

@@ -22,10 +22,10 @@ import flatbuffers
 from broky import fbs
 from broky.errors import ErrorCode, LocalProtocolError, MalformedFrameError, UnknownFrameError
 from broky.fbs import Body
+from broky.protocol.layout import FILE_IDENTIFIER
 from broky.protocol.message import (
     BODY_LAST,
     BODY_MESSAGE,
-    FILE_IDENTIFIER,
     Message,
     _canonical,
     decode_message,

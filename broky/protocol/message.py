@@ -2,36 +2,27 @@
 
 Theory of operation
 -------------------
-Every Message frame written by Broky has one canonical layout (below); only
-the three vector lengths and the presence of a uid vary. The encoder packs it
-with one cached struct.Struct per shape. The readers first compare 48 fixed
-header bytes with the canonical header and then read the fields at known
-offsets; any other valid layout (another encoder, flatbuffers.Builder) takes
-the bounds-checked generic path in broky.protocol.table. Both paths agree:
-the property tests check them against flatbuffers.Builder and the generated
-accessors.
+Every Message frame written by Broky has one canonical layout
+(broky.protocol.layout); only the three vector lengths and the presence of a
+uid vary. The encoder packs it with one cached struct.Struct per shape. The
+readers first compare the fixed header's bytes with the canonical header's
+and then read the fields at known positions; any other valid layout (another
+encoder, flatbuffers.Builder) takes the bounds-checked generic path in
+broky.protocol.table. Both paths agree: the property tests check them against
+flatbuffers.Builder and the generated accessors.
 
-Canonical layout, offsets from the first byte of the size prefix (f):
+Every byte position of that layout is defined in broky.protocol.layout (its
+header draws the layout); this module asks it for each one and builds its
+struct formats from them.
 
-    f+0   uint32  size of what follows (frame length - 4)
-    f+4   uint32  root offset = 16 -> Frame table at f+20
-    f+8   "BRKY"  file identifier
-    f+12  Frame vtable: 8, 12, body_type@8, body@4
-    f+20  Frame table: soffset 8, body offset 24 (-> f+48), body_type 1, pad
-    f+32  Message vtable: 14, table size, kp@4, key@24, payload@28,
-          stamps@8, uid@32 (0 without uid), 2 bytes pad
-    f+48  Message table: soffset 16, kp offset, ts_producer (f+56),
-          ts_broker (f+64), key offset, payload offset, [uid 20 bytes]
-    f+80 or f+100: key_partition, key, payload vectors, each padded to 4,
-          the frame padded to a multiple of 8.
-
-The server stamps ts_broker in place (8 bytes at the offset the routing read
-returns) and forwards the publisher's bytes unchanged otherwise. It does so
-only for the canonical layout, where ts_broker (f+64..f+72) cannot share a
-byte with anything a reader reads: every vector starts at or after f+72. In
-any other layout the stamps struct may overlap an offset, a length or a
-vector, so `route_message` returns no stamp position for it and the server
-forwards `canonical_copy` instead (decoded, stamped and re-encoded).
+The server stamps ts_broker in place (8 bytes at the position the routing
+read returns) and forwards the publisher's bytes unchanged otherwise. It does
+so only for the canonical layout, where the stamped region cannot share a
+byte with anything a reader reads: every uoffset, the uid and every vector
+lie at or after layout.STAMPS_END. In any other layout the stamps struct may
+overlap an offset, a length or a vector, so `route_message` returns no stamp
+position for it and the server forwards `canonical_copy` instead (decoded,
+stamped and re-encoded).
 """
 
 from __future__ import annotations
@@ -48,33 +39,71 @@ from broky.errors import (
 )
 from broky.fbs import Body
 from broky.protocol import ksuid
+from broky.protocol.layout import (
+    FIXED_SIZE,
+    HEADER_AT,
+    HEADER_END,
+    HEADER_NO_UID,
+    HEADER_SIZE,
+    HEADER_UID,
+    KEY_UOFFSET_AT,
+    PAYLOAD_UOFFSET_AT,
+    SIZE_AT,
+    TS_BROKER_AT,
+    TS_PRODUCER_AT,
+    UID_AT,
+    UID_SIZE,
+    VECTORS_AT,
+    shape,
+    struct_at,
+)
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
 BODY_LAST: int = Body.ReadDone
-FILE_IDENTIFIER = b"BRKY"
-UID_SIZE = ksuid.SIZE
 
 _u32 = struct.Struct("<I").unpack_from
 _qq = struct.Struct("<qq").unpack_from
 _ts = struct.Struct("<q")
 pack_ts_into = _ts.pack_into
 
-# Fixed bytes f+4 .. f+56 of the canonical layout (through the key_partition
-# offset), with and without uid.
-_HEAD = struct.Struct("<I4sHHHHiIB3xHHHHHHH2xiI")
-HEADER_UID = _HEAD.pack(16, FILE_IDENTIFIER, 8, 12, 8, 4, 8, 24, BODY_MESSAGE,
-                        14, 52, 4, 24, 28, 8, 32, 16, 48)  # fmt: skip
-HEADER_NO_UID = _HEAD.pack(16, FILE_IDENTIFIER, 8, 12, 8, 4, 8, 24, BODY_MESSAGE,
-                           14, 32, 4, 24, 28, 8, 0, 16, 28)  # fmt: skip
-HEADER_SIZE = len(HEADER_UID)  # 52: bytes f+4 .. f+56
-TS_BROKER_OFFSET = 64  # canonical position of ts_broker from f
-# From f: the fixed header bytes f+4..f+56, key offset, payload offset, and the
-# key_partition length (@100 after a uid; without uid @80, inside the "20x").
-_route_uid = struct.Struct("<4x52s16xII20xI").unpack_from
-_route_no_uid = struct.Struct("<4x52s16xIII").unpack_from
-_decode_no_uid = struct.Struct("<qqIII").unpack_from  # @56: ts, ts, key, payload, kp length
-_decode_uid = struct.Struct("<qqII20sI").unpack_from  # @56: ... uid, kp length
+# Where the key_partition's length word and its bytes lie, without and with uid.
+_VECTORS_PLAIN = VECTORS_AT[False]
+_FIXED_PLAIN, _FIXED_UID = FIXED_SIZE
+# From f: the fixed header, the key and payload uoffsets, and the key_partition's
+# length (with a uid; without one it lies where the uid would, inside the skipped
+# bytes) -- or, for a frame too short to hold a uid, the key_partition's length
+# without uid.
+_route_uid = struct_at(
+    (HEADER_AT, f"{HEADER_SIZE}s"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (VECTORS_AT[True], "I"),
+).unpack_from
+_route_no_uid = struct_at(
+    (HEADER_AT, f"{HEADER_SIZE}s"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (VECTORS_AT[False], "I"),
+).unpack_from
+# From TS_PRODUCER_AT: the stamps, the uoffsets, [the uid,] the key_partition's length.
+_decode_no_uid = struct_at(
+    (TS_PRODUCER_AT, "q"),
+    (TS_BROKER_AT, "q"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (VECTORS_AT[False], "I"),
+    start=TS_PRODUCER_AT,
+).unpack_from
+_decode_uid = struct_at(
+    (TS_PRODUCER_AT, "q"),
+    (TS_BROKER_AT, "q"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (UID_AT, f"{UID_SIZE}s"),
+    (VECTORS_AT[True], "I"),
+    start=TS_PRODUCER_AT,
+).unpack_from
 
 # Message field indexes in schema order.
 F_KEY_PARTITION, F_KEY, F_PAYLOAD, F_STAMPS, F_UID = range(5)
@@ -96,36 +125,40 @@ class Message(NamedTuple):
         return None if self.uid is None else ksuid.ksuid_text(self.uid)
 
 
-def _pad4(n: int) -> int:
-    return -n & 3
+# (struct, size prefix, header, key uoffset, payload uoffset) per (kp_len, key_len,
+# pay_len, has_uid): the struct packs a whole frame of that shape.
+_Packer = tuple[struct.Struct, int, bytes, int, int]
+_packers: dict[tuple[int, int, int, bool], _Packer] = {}
+_MAX_PACKERS = 4096
 
 
-_Shape = tuple[struct.Struct, int, bytes, int, int]
-_shapes: dict[tuple[int, int, int, bool], _Shape] = {}
-_MAX_SHAPES = 4096
-
-
-def _shape(kp_len: int, key_len: int, pay_len: int, has_uid: bool) -> _Shape:
-    d = 100 if has_uid else 80
-    k = d + 4 + kp_len + _pad4(kp_len)
-    p = k + 4 + key_len + _pad4(key_len)
-    end = p + 4 + pay_len
-    tail = -end & 7
-    fmt = (
-        f"<I{HEADER_SIZE}sqqII"
-        + ("20s" if has_uid else "")
-        + f"I{kp_len}s{_pad4(kp_len)}xI{key_len}s{_pad4(key_len)}xI{pay_len}s{tail}x"
-    )
+def _packer(kp_len: int, key_len: int, pay_len: int, has_uid: bool) -> _Packer:
+    v = shape(has_uid, kp_len, key_len, pay_len)
+    fields = [
+        (SIZE_AT, "I"),
+        (HEADER_AT, f"{HEADER_SIZE}s"),
+        (TS_PRODUCER_AT, "q"),
+        (TS_BROKER_AT, "q"),
+        (KEY_UOFFSET_AT, "I"),
+        (PAYLOAD_UOFFSET_AT, "I"),
+    ]
+    if has_uid:
+        fields.append((UID_AT, f"{UID_SIZE}s"))
+    fields += [
+        (v.kp_at, f"I{kp_len}s"),
+        (v.key_at, f"I{key_len}s"),
+        (v.payload_at, f"I{pay_len}s"),
+    ]
     entry = (
-        struct.Struct(fmt),
-        end + tail - 4,
+        struct_at(*fields, end=v.frame_len),
+        v.frame_len - 4,
         HEADER_UID if has_uid else HEADER_NO_UID,
-        k - 72,
-        p - 76,
+        v.key_at - KEY_UOFFSET_AT,
+        v.payload_at - PAYLOAD_UOFFSET_AT,
     )
-    if len(_shapes) >= _MAX_SHAPES:
-        _shapes.clear()
-    _shapes[(kp_len, key_len, pay_len, has_uid)] = entry
+    if len(_packers) >= _MAX_PACKERS:
+        _packers.clear()
+    _packers[(kp_len, key_len, pay_len, has_uid)] = entry
     return entry
 
 
@@ -149,9 +182,9 @@ def encode_message(
         key_len = len(key)
         pay_len = len(payload)
         try:
-            s, size, head, o_key, o_pay = _shapes[(kp_len, key_len, pay_len, has_uid)]
+            s, size, head, o_key, o_pay = _packers[(kp_len, key_len, pay_len, has_uid)]
         except KeyError:
-            s, size, head, o_key, o_pay = _shape(kp_len, key_len, pay_len, has_uid)
+            s, size, head, o_key, o_pay = _packer(kp_len, key_len, pay_len, has_uid)
         if has_uid:
             if len(uid) != UID_SIZE:  # type: ignore[arg-type]
                 raise LocalProtocolError(f"uid must be {UID_SIZE} bytes, got {len(uid)}")  # type: ignore[arg-type]
@@ -165,13 +198,11 @@ def encode_message(
 
 def message_size(kp_len: int, key_len: int, pay_len: int, has_uid: bool = True) -> int:
     """Length in bytes of the canonical frame of a message with these lengths."""
-    d = 100 if has_uid else 80
-    end = d + 12 + kp_len + _pad4(kp_len) + key_len + _pad4(key_len) + pay_len
-    return end + (-end & 7)
+    return shape(has_uid, kp_len, key_len, pay_len).frame_len
 
 
 def _canonical(buf: Buffer, f: int, end: int) -> bool:
-    head = buf[f + 4 : f + 56]
+    head = buf[f + HEADER_AT : f + HEADER_END]
     return head == HEADER_NO_UID or head == HEADER_UID
 
 
@@ -205,32 +236,32 @@ def route_message(buf: bytes, f: int, end: int) -> tuple[bytes, bytes, int | Non
     # land inside buf (then the stop <= end checks decide) or past its end
     # (struct.error).
     try:
-        if end - f >= 104:
+        if end - f >= _FIXED_UID:
             head, key_off, pay_off, kp_len = _route_uid(buf, f)
             if head == HEADER_UID:
-                kp_start = f + 104
+                kp_start = f + _FIXED_UID
             elif head == HEADER_NO_UID:
-                kp_len = _u32(buf, f + 80)[0]
-                kp_start = f + 84
+                kp_len = _u32(buf, f + _VECTORS_PLAIN)[0]
+                kp_start = f + _FIXED_PLAIN
             else:
                 return _route_generic(buf, f, end)
-        elif end - f >= 84:
+        elif end - f >= _FIXED_PLAIN:
             head, key_off, pay_off, kp_len = _route_no_uid(buf, f)
             if head != HEADER_NO_UID:
                 return _route_generic(buf, f, end)
-            kp_start = f + 84
+            kp_start = f + _FIXED_PLAIN
         else:
             return _route_generic(buf, f, end)
-        k = f + 72 + key_off
+        k = f + KEY_UOFFSET_AT + key_off
         key_stop = k + 4 + _u32(buf, k)[0]
-        p = f + 76 + pay_off
+        p = f + PAYLOAD_UOFFSET_AT + pay_off
         pay_stop = p + 4 + _u32(buf, p)[0]
     except struct.error:
         raise malformed("vector overruns the frame") from None
     kp_stop = kp_start + kp_len
     if kp_stop > end or key_stop > end or pay_stop > end:
         raise malformed("vector overruns the frame")
-    return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + TS_BROKER_OFFSET
+    return buf[kp_start:kp_stop], buf[k + 4 : key_stop], f + TS_BROKER_AT
 
 
 def _route_copy(buf: object, f: int, end: int) -> tuple[bytes, bytes, int | None]:
@@ -291,22 +322,22 @@ def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
             raise malformed("size prefix larger than the buffer")
     elif f < 0 or end > len(buf):
         raise out_of_buffer(buf, f, end)
-    head = buf[f + 4 : f + 56]
+    head = buf[f + HEADER_AT : f + HEADER_END]
     uid: bytes | None
     try:  # reads past the buffer raise struct.error; past `end`, the checks below
         if head == HEADER_UID:
-            ts_p, ts_b, key_off, pay_off, uid, kp_len = _decode_uid(buf, f + 56)
-            kp_start = f + 104
+            ts_p, ts_b, key_off, pay_off, uid, kp_len = _decode_uid(buf, f + TS_PRODUCER_AT)
+            kp_start = f + _FIXED_UID
         elif head == HEADER_NO_UID:
-            ts_p, ts_b, key_off, pay_off, kp_len = _decode_no_uid(buf, f + 56)
-            kp_start = f + 84
+            ts_p, ts_b, key_off, pay_off, kp_len = _decode_no_uid(buf, f + TS_PRODUCER_AT)
+            kp_start = f + _FIXED_PLAIN
             uid = None
         else:
             return _decode_generic(buf, f, end)
         kp_stop = kp_start + kp_len
-        k = f + 72 + key_off
+        k = f + KEY_UOFFSET_AT + key_off
         key_stop = k + 4 + _u32(buf, k)[0]
-        p = f + 76 + pay_off
+        p = f + PAYLOAD_UOFFSET_AT + pay_off
         pay_stop = p + 4 + _u32(buf, p)[0]
     except struct.error:
         raise malformed("vector overruns the frame") from None
@@ -341,7 +372,7 @@ def body_type(buf: Buffer, f: int, end: int) -> int:
     """The union type of the frame in buf[f:end] (validated root table)."""
     if f < 0 or end > len(buf):
         raise out_of_buffer(buf, f, end)
-    if end - f >= 84 and _canonical(buf, f, end):
+    if end - f >= _FIXED_PLAIN and _canonical(buf, f, end):
         return BODY_MESSAGE
     return root(buf, f, end).u8(0)
 

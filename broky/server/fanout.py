@@ -28,7 +28,7 @@ Theory of operation
 
 1. Parse every whole frame of the read (uint32 size prefix, checked against
    max_frame_bytes before anything is buffered). A Message frame in the
-   canonical layout (broky.protocol.message) is recognised by its fixed header,
+   canonical layout (broky.protocol.layout) is recognised by its fixed header,
    read with its size prefix and every offset in one struct read. Its shape
    (size, offsets, key_partition length) is checked once, when first met, and
    cached (`shape`: size within the limit, vectors inside the frame in the
@@ -95,15 +95,25 @@ from broky.matching import Matcher
 from broky.protocol import NodeInfo, Pong, VBucketMap, WelcomeTemplate, route_message
 from broky.protocol.frames import PING_SIZE_PREFIX, encode_pong, ping_id
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
-from broky.protocol.message import (
-    BODY_MESSAGE,
+from broky.protocol.layout import (
+    FIXED_SIZE,
+    HEADER_AT,
+    HEADER_END,
     HEADER_NO_UID,
+    HEADER_SIZE,
     HEADER_UID,
-    TS_BROKER_OFFSET,
-    body_type,
-    canonical_copy,
-    pack_ts_into,
+    KEY_UOFFSET_AT,
+    PAYLOAD_UOFFSET_AT,
+    SIZE_AT,
+    STAMPS_END,
+    TS_BROKER_AT,
+    UID_AT,
+    UID_END,
+    VECTORS_AT,
+    read_shape,
+    struct_at,
 )
+from broky.protocol.message import BODY_MESSAGE, body_type, canonical_copy, pack_ts_into
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
 from broky.server import fastpath
@@ -124,11 +134,20 @@ from broky.server.stats import Monitoring, WorkerStats
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
-# Canonical Message (broky.protocol.message): size prefix @0, the 52 fixed header
-# bytes @4, key offset @72, payload offset @76 (each relative to its own
-# position), key_partition length @80, or @100 after a uid. One read gives all.
-_canonical_head = struct.Struct("<I52s16xIII16xI").unpack_from
-CANONICAL_HEAD_SIZE = 104
+# Canonical Message (broky.protocol.layout): the size prefix, the fixed header, the
+# key and payload uoffsets (each relative to its own position), and the
+# key_partition's length where it lies without a uid and where it lies with one.
+# One read gives all.
+_canonical_head = struct_at(
+    (SIZE_AT, "I"),
+    (HEADER_AT, f"{HEADER_SIZE}s"),
+    (KEY_UOFFSET_AT, "I"),
+    (PAYLOAD_UOFFSET_AT, "I"),
+    (VECTORS_AT[False], "I"),
+    (VECTORS_AT[True], "I"),
+).unpack_from
+CANONICAL_HEAD_SIZE = FIXED_SIZE[True]
+_PLAIN_VECTORS_AT = VECTORS_AT[False]
 SHAPE_CACHE_SIZE = 4096
 # A shape: (read of the key's and the payload's lengths, positions relative to the
 # frame's first byte of the key vector, the payload vector, the end and the
@@ -271,36 +290,36 @@ class Shard(
                     same_head is not None
                     and pos == run_end
                     and startswith(same_head, pos)
-                    and startswith(same_route, pos + 72)
-                    and (same_tail is None or startswith(same_tail, pos + 100))
+                    and startswith(same_route, pos + STAMPS_END)
+                    and (same_tail is None or startswith(same_tail, pos + UID_END))
                 ):
                     end = pos + same_len
                     if end > n:
                         break
-                    pack_ts_into(buf, pos + TS_BROKER_OFFSET, t0)  # type: ignore[arg-type]
+                    pack_ts_into(buf, pos + TS_BROKER_AT, t0)  # type: ignore[arg-type]
                     run_end = end
                     run_n += 1
                     published += 1
                     pos = end
                     continue
-                # Canonical Message (layout in broky.protocol.message): one read gives
+                # Canonical Message (layout in broky.protocol.layout): one read gives
                 # the header and every offset; the frame's shape (size, offsets,
                 # key_partition length) was checked once, when first met (`shape`):
                 # its vectors lie inside the frame, in order. What varies within a
                 # shape, the key's and the payload's lengths, is checked here.
                 shape: Shape | None = None
                 if n - pos >= CANONICAL_HEAD_SIZE:
-                    size, head, key_off, pay_off, len80, len100 = _canonical_head(data, pos)
+                    size, head, key_off, pay_off, plain_kp_len, uid_kp_len = _canonical_head(data, pos)
                     if head == HEADER_UID:
                         try:
-                            shape = uid_shapes[size, key_off, pay_off, len100]
+                            shape = uid_shapes[size, key_off, pay_off, uid_kp_len]
                         except KeyError:
-                            shape = self.shape(True, size, key_off, pay_off, len100)
+                            shape = self.shape(True, size, key_off, pay_off, uid_kp_len)
                     elif head == HEADER_NO_UID:
                         try:
-                            shape = plain_shapes[size, key_off, pay_off, len80]
+                            shape = plain_shapes[size, key_off, pay_off, plain_kp_len]
                         except KeyError:
-                            shape = self.shape(False, size, key_off, pay_off, len80)
+                            shape = self.shape(False, size, key_off, pay_off, plain_kp_len)
                 if shape is not None:
                     lengths, k_at, p_at, end_at, route_at = shape
                     end = pos + end_at
@@ -318,7 +337,7 @@ class Shard(
                         # The routing bytes: the key_partition and key vectors. (Not the
                         # payload's length: payloads of many sizes would multiply the routes.)
                         rkey: object = data[pos + route_at : key_stop]
-                        ts_at: int | None = pos + TS_BROKER_OFFSET
+                        ts_at: int | None = pos + TS_BROKER_AT
                 if shape is None:
                     size = _u32(data, pos)[0]
                     if size > max_frame or size < MIN_FRAME_SIZE:
@@ -392,14 +411,14 @@ class Shard(
                     run_end = end
                     run_n = 1
                     if shape is not None:  # canonical: the key ends before the payload's length
-                        same_head = data[pos : pos + 56]
+                        same_head = data[pos : pos + HEADER_END]
                         same_len = end - pos
-                        if route_at == 80:
-                            same_route = data[pos + 72 : pos + p_at + 4]
+                        if route_at == _PLAIN_VECTORS_AT:
+                            same_route = data[pos + STAMPS_END : pos + p_at + 4]
                             same_tail = None
                         else:
-                            same_route = data[pos + 72 : pos + 80]
-                            same_tail = data[pos + 100 : pos + p_at + 4]
+                            same_route = data[pos + STAMPS_END : pos + UID_AT]
+                            same_tail = data[pos + UID_END : pos + p_at + 4]
                     else:
                         same_head = None
                 pos = end
@@ -459,21 +478,13 @@ class Shard(
 
         None (cached too) sends such frames to the generic read: a size out of
         bounds (which then raises), or vectors not in the order key_partition,
-        key, payload with the key right after the key_partition.
+        key, payload with the key right after the key_partition (layout.read_shape).
         """
-        route_at = 100 if uid else 80  # the key_partition vector (its length) in the frame
-        k_at = 72 + key_off  # the key vector
-        p_at = 76 + pay_off  # the payload vector
-        end_at = 4 + size
         shape: Shape | None = None
-        if (
-            MIN_FRAME_SIZE <= size <= self.config.max_frame_bytes
-            and k_at == route_at + 4 + kp_len + (-kp_len & 3)
-            and k_at + 4 <= p_at
-            and p_at + 4 <= end_at
-        ):
-            lengths = struct.Struct(f"<I{p_at - k_at - 4}xI").unpack_from
-            shape = (lengths, k_at, p_at, end_at, route_at)
+        v = read_shape(uid, size, key_off, pay_off, kp_len)
+        if v is not None and MIN_FRAME_SIZE <= size <= self.config.max_frame_bytes:
+            lengths = struct_at((v.key_at, "I"), (v.payload_at, "I"), start=v.key_at).unpack_from
+            shape = (lengths, v.key_at, v.payload_at, v.frame_len, v.kp_at)
         shapes = self.uid_shapes if uid else self.plain_shapes
         if len(shapes) >= SHAPE_CACHE_SIZE:
             shapes.clear()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.protocol.message import HEADER_NO_UID, HEADER_UID, TS_BROKER_OFFSET
+from broky.protocol.layout import HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
 
 ENV_PURE = "BROKY_PURE_PYTHON"
 VERSION = 1  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
@@ -39,7 +39,7 @@ def _load() -> tuple[Scan | None, str]:
         return None, f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler"
     if getattr(_feedscan, "VERSION", None) != VERSION:
         return None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
-    _feedscan.configure(HEADER_UID, HEADER_NO_UID, TS_BROKER_OFFSET, MIN_FRAME_SIZE)
+    _feedscan.configure(HEADER_UID, HEADER_NO_UID, TS_BROKER_AT, MIN_FRAME_SIZE)
     return _feedscan.scan, "compiled"
 
 
