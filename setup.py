@@ -4,7 +4,9 @@ of the SDK's publish encoding (client).
 Everything else is in pyproject.toml. Both extensions are optional: without a
 C compiler the install still succeeds and the pure-Python reference runs (the
 server says so when it starts, see broky/server/fastpath.py; the client in
-broky.client.pubpack.description).
+broky.client.pubpack.description). Both read the canonical Message layout's
+positions from broky.protocol.layout when they are configured at import
+(broky/protocol/_layout.h).
 """
 
 from setuptools import Extension, setup
@@ -14,12 +16,14 @@ setup(
         Extension(
             "broky.server._feedscan",
             ["broky/server/_feedscan.c"],
+            depends=["broky/protocol/_layout.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),
         Extension(
             "broky.client._pubpack",
             ["broky/client/_pubpack.c"],
+            depends=["broky/protocol/_layout.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

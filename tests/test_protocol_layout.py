@@ -1,19 +1,31 @@
 """The canonical Message layout has one owner, broky.protocol.layout.
 
 Its writer's and reader's views (`shape`, `read_shape`) agree with the
-encoder; `struct_at` builds the formats the readers use.
+encoder; `struct_at` builds the formats the readers use. The two compiled
+twins read their positions from it when they are configured: each gives back
+exactly the owner's values, and a twin configured with a position moved
+does something else with the same input than the twin configured with the
+owner's layout, so no position is spelled in C instead of asked for (and the
+property tests of each twin would catch it against its Python reference).
 """
 
 from __future__ import annotations
 
 import struct
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broky.protocol import encode_message
+from broky.client import pubpack
+from broky.protocol import encode_message, layout
+from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.protocol.layout import (
+    FIXED_SIZE,
     HEADER_AT,
     HEADER_END,
     HEADER_NO_UID,
@@ -29,6 +41,7 @@ from broky.protocol.layout import (
     shape,
     struct_at,
 )
+from broky.server import fastpath
 
 lengths = st.integers(0, 300)
 
@@ -76,3 +89,180 @@ def test_struct_at_fills_the_gaps_and_refuses_overlaps() -> None:
         struct_at((0, "q"), (4, "I"))
     with pytest.raises(ValueError, match="past the end"):
         struct_at((0, "q"), end=4)
+
+
+# ---------------------------------------------------------------- the compiled twins
+
+# What each twin reads from the owner, by the owner's names (broky/protocol/_layout.h).
+TWIN_NAMES = {
+    "HEADER_AT",
+    "HEADER_END",
+    "HEADER_UID",
+    "HEADER_NO_UID",
+    "TS_PRODUCER_AT",
+    "TS_BROKER_AT",
+    "KEY_UOFFSET_AT",
+    "PAYLOAD_UOFFSET_AT",
+    "UID_AT",
+    "VECTORS_AT",
+    "FIXED_SIZE",
+}
+
+
+def _twins() -> dict[str, Any]:
+    """The compiled twins, by name; a test fails (with the reason) without them."""
+    if fastpath.pure_requested():
+        pytest.skip(f"{fastpath.ENV_PURE} is set: no compiled twins")
+    from broky.client import _pubpack
+    from broky.server import _feedscan
+
+    assert fastpath.compiled_scan is not None, fastpath.description
+    assert pubpack.compiled is not None, pubpack.description
+    return {"feedscan": _feedscan, "pubpack": _pubpack}
+
+
+def test_the_twins_were_configured_with_the_owners_positions() -> None:
+    for name, twin in _twins().items():
+        configured = twin.layout()
+        assert configured is not None, name
+        assert set(configured) == TWIN_NAMES, name
+        assert configured == {n: getattr(layout, n) for n in TWIN_NAMES}, name
+
+
+def _configure(name: str, twin: Any, owner: object) -> None:
+    if name == "feedscan":
+        twin.configure(owner, MIN_FRAME_SIZE)
+    else:
+        twin.configure(owner)
+
+
+@contextmanager
+def _configured(name: str, twin: Any, **moved: object) -> Iterator[None]:
+    """The twin configured with the owner's layout but for `moved`; the owner's again after."""
+    owner = types.SimpleNamespace(**{n: getattr(layout, n) for n in TWIN_NAMES})
+    for n, value in moved.items():
+        setattr(owner, n, value)
+    try:
+        _configure(name, twin, owner)
+        yield
+    finally:
+        _configure(name, twin, layout)
+        assert twin.layout() == {n: getattr(layout, n) for n in TWIN_NAMES}
+
+
+def _flip(header: bytes) -> bytes:
+    return header[:20] + bytes([header[20] ^ 1]) + header[21:]
+
+
+# Each name the twins read, moved so that the moved layout still passes the twin's
+# checks: the twin must then read or write the frame somewhere else.
+MOVES: dict[str, dict[str, object]] = {
+    "HEADER_AT": {"HEADER_AT": HEADER_AT + 1, "HEADER_END": HEADER_END + 1},
+    "HEADER_UID": {"HEADER_UID": _flip(HEADER_UID)},
+    "HEADER_NO_UID": {"HEADER_NO_UID": _flip(HEADER_NO_UID)},
+    "TS_PRODUCER_AT": {"TS_PRODUCER_AT": TS_PRODUCER_AT + 8},
+    "TS_BROKER_AT": {"TS_BROKER_AT": TS_BROKER_AT - 8},
+    "KEY_UOFFSET_AT": {"KEY_UOFFSET_AT": KEY_UOFFSET_AT + 4},
+    "PAYLOAD_UOFFSET_AT": {"PAYLOAD_UOFFSET_AT": PAYLOAD_UOFFSET_AT - 4},
+    "UID_AT": {"UID_AT": UID_AT - 4},
+    "VECTORS_AT": {
+        "VECTORS_AT": (VECTORS_AT[0], VECTORS_AT[1] + 4),
+        "FIXED_SIZE": (FIXED_SIZE[0], FIXED_SIZE[1] + 4),
+    },
+    "FIXED_SIZE": {"FIXED_SIZE": (FIXED_SIZE[0], FIXED_SIZE[1] + 100)},
+}
+# The names each twin uses (the others it reads only to check them, or not at all).
+USES = {
+    "feedscan": {
+        "HEADER_AT",
+        "HEADER_UID",
+        "HEADER_NO_UID",
+        "TS_BROKER_AT",
+        "KEY_UOFFSET_AT",
+        "PAYLOAD_UOFFSET_AT",
+        "VECTORS_AT",
+        "FIXED_SIZE",
+    },
+    "pubpack": {
+        "HEADER_AT",
+        "HEADER_UID",
+        "TS_PRODUCER_AT",
+        "KEY_UOFFSET_AT",
+        "PAYLOAD_UOFFSET_AT",
+        "UID_AT",
+        "VECTORS_AT",
+    },
+}
+
+
+def _feedscan_run(twin: Any) -> object:
+    """What scan() does with a read of canonical Messages with and without uid, all routed."""
+    frames = [
+        encode_message(
+            b"p%d" % i, b"k.%d" % i, b"x" * (i * 7), 10 + i, 0, bytes(range(i, i + 20)) if i % 2 else None
+        )
+        for i in range(8)
+    ]
+    routes: dict[bytes, tuple[str, ...]] = {}
+    for i, frame in enumerate(frames):
+        v = shape(bool(i % 2), 2, 3, i * 7)
+        routes[frame[v.kp_at : v.key_at + 4 + 3]] = ("target",)
+    runs: list[Any] = []
+    try:
+        pos, buf, published, unmatched = twin.scan(b"".join(frames), 0, None, 1234, routes, 1 << 20, runs)
+    except ValueError as exc:
+        return repr(exc)
+    return pos, None if buf is None else bytes(buf), published, unmatched, runs
+
+
+def _pubpack_run(twin: Any) -> object:
+    """What encode() and stamp() make of one message."""
+    seq = pubpack.new_sequence()
+    seq.start, seq.until, seq.pre, seq.next = 0, 1 << 62, bytes(range(12)), 5
+    sample = encode_message(b"kp", b"a.b", bytes(9), 0, 0, bytes(20))
+    makes: list[Callable[[], object]] = [
+        lambda: twin.encode(b"kp", b"a.b", b"payload", 7, bytes(range(20))),
+        lambda: twin.stamp(sample, b"123456789", 7, seq),
+    ]
+    out: list[object] = []
+    for make in makes:
+        try:
+            out.append(make())
+        except ValueError as exc:
+            out.append(repr(exc))
+    return out
+
+
+RUNS: dict[str, Callable[[Any], object]] = {"feedscan": _feedscan_run, "pubpack": _pubpack_run}
+
+
+@pytest.mark.parametrize("twin_name", ["feedscan", "pubpack"])
+def test_a_twin_reads_every_position_from_its_configuration(twin_name: str) -> None:
+    assert set(MOVES) | {"HEADER_END"} == TWIN_NAMES == USES["feedscan"] | USES["pubpack"] | {"HEADER_END"}
+    twin = _twins()[twin_name]
+    run = RUNS[twin_name]
+    expected = run(twin)
+    if twin_name == "pubpack":  # the reference: what the owner's layout gives
+        assert expected == [
+            encode_message(b"kp", b"a.b", b"payload", 7, 0, bytes(range(20))),
+            encode_message(b"kp", b"a.b", b"123456789", 7, 0, bytes(range(12)) + (5).to_bytes(8, "little")),
+        ]
+    else:
+        assert isinstance(expected, tuple) and expected[2] == 8  # every message handled
+    for name in sorted(USES[twin_name]):
+        with _configured(twin_name, twin, **MOVES[name]):
+            assert run(twin) != expected, f"{twin_name} ignores a moved {name}"
+
+
+def test_a_twin_refuses_a_layout_it_cannot_hold_and_keeps_its_own() -> None:
+    for name, twin in _twins().items():
+        for moved in (
+            {"TS_BROKER_AT": VECTORS_AT[0]},  # ts_broker among the vectors
+            {"HEADER_UID": HEADER_UID[:-1]},  # headers of two sizes
+            {"VECTORS_AT": (VECTORS_AT[0], UID_END - 4)},  # the uid runs into the vectors
+            {"FIXED_SIZE": (FIXED_SIZE[0], 1000)},  # more than a twin holds
+            {"KEY_UOFFSET_AT": "72"},
+        ):
+            with pytest.raises((ValueError, TypeError)), _configured(name, twin, **moved):
+                pass
+            assert twin.layout() == {n: getattr(layout, n) for n in TWIN_NAMES}, (name, moved)

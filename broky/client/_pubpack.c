@@ -20,8 +20,9 @@
  * Anything unusual (a field that is not bytes, a second the sequence has not
  * rolled to, an oversized frame, an unknown route) is left to the Python code,
  * which stays the reference: tests/test_client_pubpack.py holds this twin to it.
- * The fixed header is handed over once by configure(), from the Python
- * definition of the layout (broky.protocol.message.HEADER_UID).
+ * The layout (the fixed header, the positions of ts_producer, the uoffsets, the
+ * uid and the vectors) is handed over once by configure(), from its one owner,
+ * broky.protocol.layout (see broky/protocol/_layout.h); layout() gives it back.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,13 +31,24 @@
 #include <string.h>
 #include <time.h>
 
-#define PUBPACK_VERSION 3
-#define HEADER_SIZE 52  /* fixed bytes f+4 .. f+56 */
-#define UID_AT 80       /* the uid's 20 bytes, after ts_producer, ts_broker and two offsets */
-#define KP_AT 100       /* key_partition's length, then its bytes */
-#define PRE_SIZE 12     /* the uid's time and seed; then an 8-byte little-endian counter */
+#include "../protocol/_layout.h"
 
-static unsigned char header_uid[HEADER_SIZE];
+#define PUBPACK_VERSION 4
+#define PRE_SIZE 12 /* the uid's time and seed; then an 8-byte little-endian counter */
+
+#define MAX_ZEROS 16
+
+/* What write_frame needs: the layout, and where to write zero words so that the
+ * bytes before the vectors of a frame with a uid that none of the fields it writes
+ * covers (the stamped region, which the server writes, and any padding) are zeros.
+ * A word may run over a field or the vectors' first bytes: those are written after. */
+typedef struct {
+    Layout l;
+    Py_ssize_t n_zeros;
+    Py_ssize_t zeros[MAX_ZEROS]; /* positions of 8-byte zero words */
+} Writer;
+
+static Writer writer;
 static int configured = 0;
 
 static inline void
@@ -77,37 +89,56 @@ now_ns(void)
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* The size of the canonical frame with a uid, size prefix included (message_size). */
-static inline Py_ssize_t
-frame_size(Py_ssize_t kp_len, Py_ssize_t key_len, Py_ssize_t pay_len)
+/* memcpy of n bytes, 16 <= n: by 16-byte moves, the last one overlapping (a call
+ * into libc for the few dozen bytes of the fixed header costs more than the copy). */
+static inline void
+copy_small(unsigned char *to, const unsigned char *from, Py_ssize_t n)
 {
-    Py_ssize_t end = KP_AT + 12 + kp_len + pad4(kp_len) + key_len + pad4(key_len) + pay_len;
+    Py_ssize_t i = 0;
+    for (; i + 16 < n; i += 16) {
+        memcpy(to + i, from + i, 16);
+    }
+    memcpy(to + n - 16, from + n - 16, 16);
+}
+
+/* The size of the canonical frame with a uid, size prefix included (message_size):
+ * the vectors one after the other, each padded to 4, the frame to 8
+ * (broky.protocol.layout.shape). */
+static inline Py_ssize_t
+frame_size(const Layout *l, Py_ssize_t kp_len, Py_ssize_t key_len, Py_ssize_t pay_len)
+{
+    Py_ssize_t end = l->vectors_at[1] + 12 + kp_len + pad4(kp_len) + key_len + pad4(key_len) + pay_len;
     return end + (-end & 7);
 }
 
 /* Write the canonical frame with a uid into f (frame_size bytes). Every byte is
- * written: the zero ones (ts_broker, the padding after key_partition, key and
- * payload) first, by whole words that the fields written after overlap. */
-static void
-write_frame(unsigned char *f, Py_ssize_t size, const char *kp, Py_ssize_t kp_len, const char *key,
-            Py_ssize_t key_len, const char *pay, Py_ssize_t pay_len, int64_t ts_producer,
+ * written: the zero ones (the bytes between the fields at fixed positions, the
+ * padding after key_partition, key and payload) first, by whole words that the
+ * fields written after overlap. */
+static inline void
+write_frame(const Writer *w, unsigned char *f, Py_ssize_t size, const char *kp, Py_ssize_t kp_len,
+            const char *key, Py_ssize_t key_len, const char *pay, Py_ssize_t pay_len, int64_t ts_producer,
             const unsigned char *pre, uint64_t counter)
 {
-    Py_ssize_t k = KP_AT + 4 + kp_len + pad4(kp_len); /* key's length */
+    const Layout *l = &w->l;
+    Py_ssize_t kp_at = l->vectors_at[1];              /* key_partition's length */
+    Py_ssize_t k = kp_at + 4 + kp_len + pad4(kp_len); /* key's length */
     Py_ssize_t p = k + 4 + key_len + pad4(key_len);   /* payload's length */
     put_u64(f + size - 8, 0); /* the payload's tail and the frame's padding */
     put_u32(f + k - 4, 0);    /* key_partition's tail and padding (or its length, when empty) */
     put_u32(f + p - 4, 0);    /* key's tail and padding (or its length) */
-    put_u64(f + 64, 0);       /* ts_broker: the server stamps it */
+    for (Py_ssize_t i = 0; i < w->n_zeros; i++) {
+        put_u64(f + w->zeros[i], 0);
+    }
     put_u32(f, (uint32_t)(size - 4));
-    memcpy(f + 4, header_uid, HEADER_SIZE);
-    put_u64(f + 56, (uint64_t)ts_producer);
-    put_u32(f + 72, (uint32_t)(k - 72));
-    put_u32(f + 76, (uint32_t)(p - 76));
-    memcpy(f + UID_AT, pre, PRE_SIZE);
-    put_u64(f + UID_AT + PRE_SIZE, counter);
-    put_u32(f + KP_AT, (uint32_t)kp_len);
-    memcpy(f + KP_AT + 4, kp, (size_t)kp_len);
+    copy_small(f + l->header_at, l->header_uid, l->header_size);
+    put_u64(f + l->ts_producer_at, (uint64_t)ts_producer);
+    put_u32(f + l->key_uoffset_at, (uint32_t)(k - l->key_uoffset_at));
+    put_u32(f + l->payload_uoffset_at, (uint32_t)(p - l->payload_uoffset_at));
+    memcpy(f + l->uid_at, pre, PRE_SIZE);
+    put_u64(f + l->uid_at + PRE_SIZE, counter);
+    put_u32(f + kp_at, (uint32_t)kp_len);
+    memcpy(f + kp_at + 4, kp, (size_t)kp_len);
     put_u32(f + k, (uint32_t)key_len);
     memcpy(f + k + 4, key, (size_t)key_len);
     put_u32(f + p, (uint32_t)pay_len);
@@ -220,21 +251,51 @@ next_uid(Sequence *seq, int64_t ts, const unsigned char **pre, uint64_t *counter
 /* ------------------------------------------------------------------ functions */
 
 static PyObject *
-configure(PyObject *module, PyObject *args)
+configure(PyObject *module, PyObject *owner)
 {
-    Py_buffer uid;
-    if (!PyArg_ParseTuple(args, "y*", &uid)) {
+    Writer w = {.n_zeros = 0};
+    if (layout_load(owner, &w.l) < 0) {
         return NULL;
     }
-    if (uid.len != HEADER_SIZE) {
-        PyBuffer_Release(&uid);
-        PyErr_SetString(PyExc_ValueError, "configure: the canonical layout does not match this build");
-        return NULL;
+    /* The zero words: over the bytes before the vectors (of a frame with a uid) that no
+     * field covers. The frame has at least 8 bytes after the last of them. */
+    const Layout *l = &w.l;
+    unsigned char covered[LAYOUT_MAX_FIXED] = {0};
+    const Py_ssize_t fields[][2] = {
+        {0, 4}, /* the size prefix */
+        {l->header_at, l->header_size},
+        {l->ts_producer_at, 8},
+        {l->key_uoffset_at, 4},
+        {l->payload_uoffset_at, 4},
+        {l->uid_at, LAYOUT_UID_SIZE},
+    };
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        memset(covered + fields[i][0], 1, (size_t)fields[i][1]); /* before the vectors: layout_load checked */
     }
-    memcpy(header_uid, uid.buf, HEADER_SIZE);
-    PyBuffer_Release(&uid);
+    for (Py_ssize_t at = 0; at < l->vectors_at[1]; at++) {
+        if (covered[at]) {
+            continue;
+        }
+        if (w.n_zeros == MAX_ZEROS) {
+            PyErr_SetString(PyExc_ValueError, "configure: this layout does not fit the compiled twin: "
+                                              "more than 128 bytes between its fields");
+            return NULL;
+        }
+        w.zeros[w.n_zeros++] = at;
+        at += 7; /* the word's last byte */
+    }
+    writer = w;
     configured = 1;
     Py_RETURN_NONE;
+}
+
+static PyObject *
+layout_of(PyObject *module, PyObject *unused)
+{
+    if (!configured) {
+        Py_RETURN_NONE;
+    }
+    return layout_as_dict(&writer.l);
 }
 
 /* An int64 ts_producer (None: now); -1 with an error set when out of range or not an int. */
@@ -276,7 +337,7 @@ encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *kp = args[0], *key = args[1], *pay = args[2], *uid = args[4];
     if (!PyBytes_CheckExact(kp) || !PyBytes_CheckExact(key) || !PyBytes_CheckExact(pay)
-        || !PyBytes_CheckExact(uid) || PyBytes_GET_SIZE(uid) != 20) {
+        || !PyBytes_CheckExact(uid) || PyBytes_GET_SIZE(uid) != LAYOUT_UID_SIZE) {
         PyErr_SetString(PyExc_TypeError, "encode(bytes, bytes, bytes, int, 20 bytes)");
         return NULL;
     }
@@ -290,7 +351,7 @@ encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_OverflowError, "a field is over 4 GiB");
         return NULL;
     }
-    Py_ssize_t size = frame_size(kp_len, key_len, pay_len);
+    Py_ssize_t size = frame_size(&writer.l, kp_len, key_len, pay_len);
     PyObject *frame = PyBytes_FromStringAndSize(NULL, size);
     if (frame == NULL) {
         return NULL;
@@ -300,7 +361,7 @@ encode(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     for (int i = 7; i >= 0; i--) {
         counter = (counter << 8) | u[PRE_SIZE + i];
     }
-    write_frame((unsigned char *)PyBytes_AS_STRING(frame), size, PyBytes_AS_STRING(kp), kp_len,
+    write_frame(&writer, (unsigned char *)PyBytes_AS_STRING(frame), size, PyBytes_AS_STRING(kp), kp_len,
                 PyBytes_AS_STRING(key), key_len, PyBytes_AS_STRING(pay), pay_len, ts, u, counter);
     return frame;
 }
@@ -320,11 +381,17 @@ stamp_frame(PyObject *sample, PyObject *pay, PyObject *ts_producer, Sequence *se
 {
     const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(sample);
     Py_ssize_t size = PyBytes_GET_SIZE(sample);
-    if (size < KP_AT + 12 || memcmp(s + 4, header_uid, HEADER_SIZE) != 0) {
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "stamp() before configure()");
+        return -1;
+    }
+    const Layout *l = &writer.l;
+    if (size < l->vectors_at[1] + 12 || memcmp(s + l->header_at, l->header_uid, (size_t)l->header_size) != 0) {
         PyErr_SetString(PyExc_ValueError, "stamp: the sample is not a canonical frame with a uid");
         return -1;
     }
-    Py_ssize_t p = 76 + (Py_ssize_t)u32_at(s + 76); /* payload's length */
+    /* the payload's length */
+    Py_ssize_t p = l->payload_uoffset_at + (Py_ssize_t)u32_at(s + l->payload_uoffset_at);
     if (p + 4 > size || !PyBytes_CheckExact(pay) || (Py_ssize_t)u32_at(s + p) != PyBytes_GET_SIZE(pay)
         || p + 4 + PyBytes_GET_SIZE(pay) > size) {
         return 0;
@@ -344,9 +411,9 @@ stamp_frame(PyObject *sample, PyObject *pay, PyObject *ts_producer, Sequence *se
         return -1;
     }
     unsigned char *b = (unsigned char *)PyBytes_AS_STRING(f);
-    put_u64(b + 56, (uint64_t)ts);
-    memcpy(b + UID_AT, pre, PRE_SIZE);
-    put_u64(b + UID_AT + PRE_SIZE, counter);
+    put_u64(b + l->ts_producer_at, (uint64_t)ts);
+    memcpy(b + l->uid_at, pre, PRE_SIZE);
+    put_u64(b + l->uid_at + PRE_SIZE, counter);
     memcpy(b + p + 4, PyBytes_AS_STRING(pay), (size_t)PyBytes_GET_SIZE(pay));
     *frame = f;
     return 1;
@@ -458,6 +525,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Sequence *seq = (Sequence *)args[12];
+    const Writer w = writer; /* read once per call: a copy the calls in the loop cannot change */
     Py_ssize_t start = PyLong_AsSsize_t(args[4]);
     Py_ssize_t part = PyLong_AsSsize_t(args[10]);
     long long max_frame = PyLong_AsLongLong(args[11]);
@@ -537,7 +605,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             Py_ssize_t kp_len = PyBytes_GET_SIZE(kp), key_len = PyBytes_GET_SIZE(key);
             Py_ssize_t pay_len = PyBytes_GET_SIZE(pay);
-            Py_ssize_t size = frame_size(kp_len, key_len, pay_len);
+            Py_ssize_t size = frame_size(&w.l, kp_len, key_len, pay_len);
             if ((i - start) % CLOCK_ROWS == 0) {
                 now = now_ns();
             }
@@ -590,7 +658,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     }
                     s->cap = cap;
                 }
-                write_frame((unsigned char *)PyBytes_AS_STRING(s->chunk) + s->used, size, PyBytes_AS_STRING(kp),
+                write_frame(&w, (unsigned char *)PyBytes_AS_STRING(s->chunk) + s->used, size, PyBytes_AS_STRING(kp),
                             kp_len, PyBytes_AS_STRING(key), key_len, PyBytes_AS_STRING(pay), pay_len, ts, pre,
                             counter);
                 s->used += size;
@@ -903,8 +971,11 @@ static PyTypeObject FastPathType = {
 };
 
 static PyMethodDef methods[] = {
-    {"configure", (PyCFunction)configure, METH_VARARGS,
-     "configure(header_uid): the canonical layout's fixed header (with a uid)"},
+    {"configure", (PyCFunction)configure, METH_O,
+     "configure(layout): the canonical layout's positions, read by name from `layout`\n"
+     "(broky.protocol.layout)"},
+    {"layout", (PyCFunction)layout_of, METH_NOARGS,
+     "layout() -> dict | None: the positions configure() read, by the owner's names"},
     {"encode", (PyCFunction)(void (*)(void))encode, METH_FASTCALL, encode_doc},
     {"stamp", (PyCFunction)(void (*)(void))stamp, METH_FASTCALL, stamp_doc},
     {"pack_rows", (PyCFunction)(void (*)(void))pack_rows, METH_FASTCALL, pack_rows_doc},

@@ -25,6 +25,11 @@ runs the pure Python loops (the same bytes at two to several times the CPU
 per message), and `broky.client.pubpack.description` says why.
 BROKY_PURE_PYTHON=1 chooses the pure-Python loops on purpose (to compare the
 two), as it does for the server's fan-out.
+
+The twin takes every position of the canonical layout from its owner,
+broky.protocol.layout, handed to its configure() here at import; a twin that
+refuses that layout (a change it cannot hold) leaves the pure-Python loops in
+charge, and `description` says why.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from broky.protocol import layout
 from broky.protocol.ksuid import KsuidSequence
-from broky.protocol.layout import HEADER_UID
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 3  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
+VERSION = 4  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
 
 
 def pure_requested() -> bool:
@@ -55,7 +60,10 @@ def _load() -> tuple[Any, str]:
         )
     if getattr(_pubpack, "VERSION", None) != VERSION:
         return None, "pure Python: the compiled publish path is out of date; reinstall (pip install -e .)"
-    _pubpack.configure(HEADER_UID)
+    try:
+        _pubpack.configure(layout)
+    except ValueError as exc:
+        return None, f"pure Python: {exc}"
     return _pubpack, "compiled"
 
 

@@ -13,22 +13,22 @@
  * stays the reference and handles every rare case; tests/test_server_feed_twin.py
  * holds this twin to it (same bytes in, same deliveries, drops and errors out).
  *
- * It does no I/O and keeps no state between calls: the headers and offsets it
- * compares against are handed over once by configure(), from the Python
- * definitions of the layout.
+ * It does no I/O and keeps no state between calls: the layout (the headers it
+ * compares against, the positions it reads and stamps) is handed over once by
+ * configure(), from its one owner, broky.protocol.layout (see
+ * broky/protocol/_layout.h); layout() gives it back.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define FEEDSCAN_VERSION 1
-#define HEADER_SIZE 52     /* fixed bytes f+4 .. f+56 */
-#define CANONICAL_HEAD 104 /* bytes read before the shape is known */
+#include "../protocol/_layout.h"
 
-static unsigned char header_uid[HEADER_SIZE];
-static unsigned char header_no_uid[HEADER_SIZE];
-static Py_ssize_t ts_offset = -1; /* ts_broker's position from the frame's first byte */
+#define FEEDSCAN_VERSION 2
+
+static Layout layout;
+static int configured = 0;
 static uint64_t min_frame = 0;
 
 static inline uint64_t
@@ -49,25 +49,25 @@ put_i64(unsigned char *p, int64_t value)
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
-    Py_buffer uid, no_uid;
-    Py_ssize_t ts;
+    PyObject *owner;
     unsigned long long min;
-    if (!PyArg_ParseTuple(args, "y*y*nK", &uid, &no_uid, &ts, &min)) {
+    Layout l;
+    if (!PyArg_ParseTuple(args, "OK", &owner, &min) || layout_load(owner, &l) < 0) {
         return NULL;
     }
-    if (uid.len != HEADER_SIZE || no_uid.len != HEADER_SIZE || ts < 56 || ts + 8 > CANONICAL_HEAD) {
-        PyBuffer_Release(&uid);
-        PyBuffer_Release(&no_uid);
-        PyErr_SetString(PyExc_ValueError, "configure: the canonical layout does not match this build");
-        return NULL;
-    }
-    memcpy(header_uid, uid.buf, HEADER_SIZE);
-    memcpy(header_no_uid, no_uid.buf, HEADER_SIZE);
-    PyBuffer_Release(&uid);
-    PyBuffer_Release(&no_uid);
-    ts_offset = ts;
+    layout = l;
     min_frame = min;
+    configured = 1;
     Py_RETURN_NONE;
+}
+
+static PyObject *
+layout_of(PyObject *module, PyObject *unused)
+{
+    if (!configured) {
+        Py_RETURN_NONE;
+    }
+    return layout_as_dict(&layout);
 }
 
 /* Append one run (targets, start, end, count) to the list `runs`. */
@@ -99,7 +99,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "scan() takes 7 arguments");
         return NULL;
     }
-    if (ts_offset < 0) {
+    if (!configured) {
         PyErr_SetString(PyExc_RuntimeError, "scan() before configure()");
         return NULL;
     }
@@ -125,28 +125,36 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "scan(): buf is not a copy of data");
         return NULL;
     }
+    /* The layout, read once per call. */
+    const unsigned char *header_uid = layout.header_uid, *header_no_uid = layout.header_no_uid;
+    const Py_ssize_t header_at = layout.header_at, header_size = layout.header_size;
+    const Py_ssize_t fixed_size = layout.fixed_size[1], ts_broker_at = layout.ts_broker_at;
+    const uint64_t key_uoffset_at = (uint64_t)layout.key_uoffset_at;
+    const uint64_t payload_uoffset_at = (uint64_t)layout.payload_uoffset_at;
+    const uint64_t vectors_at[2] = {(uint64_t)layout.vectors_at[0], (uint64_t)layout.vectors_at[1]};
     Py_INCREF(buf); /* our reference, returned */
     Py_ssize_t published = 0, unmatched = 0;
     PyObject *run = NULL; /* the current run's targets (a strong reference) */
     Py_ssize_t run_start = 0, run_end = -1, run_n = 0;
 
-    while (n - pos >= CANONICAL_HEAD) {
+    while (n - pos >= fixed_size) {
         const unsigned char *p = d + pos;
         int uid;
-        if (memcmp(p + 4, header_uid, HEADER_SIZE) == 0) {
+        if (memcmp(p + header_at, header_uid, (size_t)header_size) == 0) {
             uid = 1;
-        } else if (memcmp(p + 4, header_no_uid, HEADER_SIZE) == 0) {
+        } else if (memcmp(p + header_at, header_no_uid, (size_t)header_size) == 0) {
             uid = 0;
         } else {
             break; /* another frame or layout */
         }
         uint64_t size = u32_at(p);
-        uint64_t route_at = uid ? 100 : 80; /* the key_partition vector */
+        uint64_t route_at = vectors_at[uid]; /* the key_partition vector */
         uint64_t kp_len = u32_at(p + route_at);
-        uint64_t k_at = 72 + u32_at(p + 72); /* the key vector */
-        uint64_t p_at = 76 + u32_at(p + 76); /* the payload vector */
+        uint64_t k_at = key_uoffset_at + u32_at(p + key_uoffset_at);         /* the key vector */
+        uint64_t p_at = payload_uoffset_at + u32_at(p + payload_uoffset_at); /* the payload vector */
         uint64_t end_at = 4 + size;
-        /* The shape: what Shard.shape checks once per (size, offsets, kp length). */
+        /* The shape: what Shard.shape checks once per (size, offsets, kp length),
+         * broky.protocol.layout.read_shape. */
         if (!(min_frame <= size && size <= max_frame && k_at == route_at + 4 + kp_len + ((4 - (kp_len & 3)) & 3)
               && k_at + 4 <= p_at && p_at + 4 <= end_at)) {
             break;
@@ -188,7 +196,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 return NULL;
             }
         }
-        put_i64((unsigned char *)PyByteArray_AS_STRING(buf) + pos + ts_offset, (int64_t)t0);
+        put_i64((unsigned char *)PyByteArray_AS_STRING(buf) + pos + ts_broker_at, (int64_t)t0);
         if (targets == run && pos == run_end) {
             run_end = end;
             run_n++;
@@ -217,7 +225,10 @@ error:
 
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
-     "configure(header_uid, header_no_uid, ts_broker_offset, min_frame_size): the canonical layout"},
+     "configure(layout, min_frame_size): the canonical layout's positions, read by name from `layout`\n"
+     "(broky.protocol.layout), and the smallest valid frame's size prefix"},
+    {"layout", (PyCFunction)layout_of, METH_NOARGS,
+     "layout() -> dict | None: the positions configure() read, by the owner's names"},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
     {NULL, NULL, 0, NULL},
 };

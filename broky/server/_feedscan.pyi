@@ -2,9 +2,8 @@ from typing import Any
 
 VERSION: int
 
-def configure(
-    header_uid: bytes, header_no_uid: bytes, ts_broker_offset: int, min_frame_size: int, /
-) -> None: ...
+def configure(layout: object, min_frame_size: int, /) -> None: ...
+def layout() -> dict[str, Any] | None: ...
 def scan(
     data: bytes,
     pos: int,

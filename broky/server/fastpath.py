@@ -8,6 +8,11 @@ when it was built and matches this code; otherwise the worker runs the pure
 Python loop, which handles every frame the same way at several times the CPU
 per message, and the server says so in a warning when it starts.
 BROKY_PURE_PYTHON=1 chooses the pure-Python loop on purpose (to compare the two).
+
+The twin takes every position of the canonical layout from its owner,
+broky.protocol.layout, handed to its configure() here at import; a twin that
+refuses that layout (a change it cannot hold) leaves the pure-Python loop in
+charge, and says why.
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.protocol.layout import HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 1  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 2  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
 # scan(data, pos, buf, t0, routes, max_frame, runs) -> (pos, buf, published, unmatched)
 Scan = Callable[[bytes, int, Any, int, dict[Any, Any], int, list[Any]], tuple[int, Any, int, int]]
@@ -39,7 +44,10 @@ def _load() -> tuple[Scan | None, str]:
         return None, f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler"
     if getattr(_feedscan, "VERSION", None) != VERSION:
         return None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
-    _feedscan.configure(HEADER_UID, HEADER_NO_UID, TS_BROKER_AT, MIN_FRAME_SIZE)
+    try:
+        _feedscan.configure(layout, MIN_FRAME_SIZE)
+    except ValueError as exc:
+        return None, f"pure Python: {exc}"
     return _feedscan.scan, "compiled"
 
 
