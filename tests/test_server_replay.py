@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broky.protocol import encode_message
-from broky.protocol.message import TS_BROKER_OFFSET
+from broky.protocol.layout import TS_BROKER_AT
 from broky.server.replay import ReplayBuffer
 
 _ts = struct.Struct("<q")
@@ -18,7 +18,7 @@ _ts = struct.Struct("<q")
 def frame(vb: int, offset: int, ts: int, size: int) -> bytes:
     """A canonical Message whose payload names (vb, offset), ts_broker set to ts."""
     out = bytearray(encode_message(b"kp", b"k", b"%d:%d:" % (vb, offset) + bytes(size)))
-    _ts.pack_into(out, TS_BROKER_OFFSET, ts)
+    _ts.pack_into(out, TS_BROKER_AT, ts)
     return bytes(out)
 
 

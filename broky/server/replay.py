@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable
 
 from broky.protocol import VBUCKETS
-from broky.protocol.message import TS_BROKER_OFFSET
+from broky.protocol.layout import TS_BROKER_AT
 
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
@@ -194,7 +194,7 @@ class ReplayBuffer:
         with memoryview(self.index[vb]) as raw, raw.cast("Q") as entries:
             entry = entries[offset - self.base[vb]]
         segment, pos = self._locate(entry)
-        return int(_i64(segment, pos + TS_BROKER_OFFSET)[0])
+        return int(_i64(segment, pos + TS_BROKER_AT)[0])
 
     def offset_at_time(self, vb: int, ts: int) -> int | None:
         """The first retained offset of vb whose ts_broker >= ts (ns), or None if every
