@@ -368,7 +368,7 @@ def _builder_encode() -> bytes:
     fbs.MessageAddKeyPartition(b, kp)
     fbs.MessageAddKey(b, key)
     fbs.MessageAddPayload(b, pay)
-    fbs.MessageAddStamps(b, fbs.CreateStamps(b, TS, 0))
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, TS, 0, 0, 0, 0))
     fbs.MessageAddUid(b, fbs.CreateKsuid(b, UID))
     body = fbs.MessageEnd(b)
     fbs.FrameStart(b)

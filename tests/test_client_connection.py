@@ -19,6 +19,9 @@ messages = st.builds(
     st.integers(0, 2**63 - 1),
     st.integers(0, 2**63 - 1),
     st.one_of(st.none(), st.binary(min_size=20, max_size=20)),
+    vbucket=st.integers(0, 1023),
+    epoch=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**64 - 1),
 )
 
 

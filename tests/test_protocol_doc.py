@@ -22,10 +22,14 @@ def test_hex_dump_is_the_canonical_encoding() -> None:
     dump = b"".join(bytes.fromhex(hexes) for _, hexes in rows)
     assert [int(offset, 16) for offset, _ in rows] == list(range(0, len(dump), 16))
     uid = bytes.fromhex("11e1a300" + "0123456789abcdef" * 2)
-    msg = Message(b"t1", b"orders.eu", b"hello", 1_700_000_000_000_000_000, 0, uid)
+    stamped = (1_700_000_000_000_250_000, uid, 828, 0x5EED5EED5EED5EED, 42)
+    msg = Message(b"t1", b"orders.eu", b"hello", 1_700_000_000_000_000_000, *stamped)
     assert dump == encode_message(*msg)
     assert generated_read(dump) == msg == decode_frame(dump)
-    assert len(encode_message(b"t1", b"orders.eu", b"hello")) == 120
+    assert vbucket_of(b"t1") == msg.vbucket
+    published = encode_message(b"t1", b"orders.eu", b"hello", msg.ts_producer, 0, uid)
+    assert published == dump[:64] + bytes(32) + dump[96:]  # the publish: zeros where it is stamped
+    assert len(encode_message(b"t1", b"orders.eu", b"hello")) == 144
 
 
 def test_vbucket_example() -> None:

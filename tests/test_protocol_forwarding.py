@@ -1,4 +1,4 @@
-"""What a subscriber receives is what was published, with only ts_broker set.
+"""What a subscriber receives is what was published, with only its stamps set.
 
 The worker's read handler (a real broky.server.fanout.Shard, with in-memory
 transports as in tests/test_server_fanout_fuzz.py) stamps canonical Message
@@ -6,7 +6,8 @@ frames in place and forwards a canonical copy of any other layout. For every
 Message frame it accepts, in any layout (the codec's, flatbuffers.Builder's
 with drawn choices, mutated ones, a frame crafted against stamp probes), each
 subscriber must decode exactly the publisher's message with ts_broker set to
-the read's time, in publish order.
+the read's time and its position (its vbucket, the vbucket's epoch, the next
+offset of that vbucket) set, in publish order.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from broky.protocol import (
     decode_frame,
     encode_message,
 )
+from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
 from broky.server.connection import OPEN, Connection
 from broky.server.fanout import Shard
 from tests.test_protocol_fuzz import mutate, mutation
 from tests.test_protocol_generated import builder_frames, messages
-from tests.test_protocol_route import overlap_frame
+from tests.test_protocol_route import OVERLAP_MESSAGE, overlap_frame
 from tests.test_server_fanout_fuzz import Recorder
 
 
@@ -84,7 +86,7 @@ def fix_prefix(frame: bytearray) -> bytes:
 layouts = st.one_of(
     messages.map(lambda m: (m, encode_message(*m))),
     builder_frames(messages),
-    st.just((Message(b"p1", b"a.b", b"hello", 7, 0, None), overlap_frame())),
+    st.just((OVERLAP_MESSAGE, overlap_frame())),
 )
 
 
@@ -117,13 +119,24 @@ def test_every_accepted_message_is_delivered_as_published(
     assert all(isinstance(m, Message) for m in got)
     stamps = {m.ts_broker for m in got if isinstance(m, Message)}
     assert len(stamps) == 1 and before <= stamps.pop() <= after  # one time per read
-    unstamped = [m._replace(ts_broker=0) for m in got if isinstance(m, Message)]
+    messages = [m for m in got if isinstance(m, Message)]
+    assert all(m.vbucket == vbucket_of(m.key_partition) for m in messages)
+    assert len({m.epoch for m in messages}) == 1
+    offsets: dict[int, list[int]] = {}
+    for m in messages:
+        offsets.setdefault(m.vbucket, []).append(m.offset)
+    assert all(o == list(range(1, len(o) + 1)) for o in offsets.values())  # nothing else was accepted
+    unstamped = [m._replace(ts_broker=0, vbucket=0, epoch=0, offset=0) for m in messages]
     published = outcome(middle)
     refused = [f for f in received(publisher) if isinstance(f, Error) and f.fatal]
     if isinstance(published, Message):
         # A valid Message is always accepted, and delivered between its neighbours.
         assert not refused and publisher.state == OPEN
-        assert unstamped == [decode_frame(first), published._replace(ts_broker=0), decode_frame(last)]
+        assert unstamped == [
+            decode_frame(first),
+            published._replace(ts_broker=0, vbucket=0, epoch=0, offset=0),
+            decode_frame(last),
+        ]
     elif refused:
         assert unstamped == [decode_frame(first)]  # nothing after the refused frame
     else:  # a valid control frame
@@ -148,7 +161,10 @@ def test_the_crafted_overlap_frame_reaches_subscribers_intact(loop: asyncio.Abst
     ]
     for m in got:
         assert isinstance(m, Message) and m.key == b"a.b" and before <= m.ts_broker <= after
-    assert got[1] == Message(b"p1", b"a.b", b"hello", 7, got[1].ts_broker, None)  # type: ignore[union-attr]
+    assert [m.offset for m in got] == [1, 2, 3, 4]  # type: ignore[union-attr]
+    m = got[1]
+    assert isinstance(m, Message)
+    assert m == Message(b"p1", b"a.b", b"hello", 7, m.ts_broker, None, vbucket_of(b"p1"), m.epoch, 2)
     assert received(publisher) == [] and publisher.state == OPEN
     assert shard.stats.messages_published == 4 and shard.stats.messages_delivered == 4
 

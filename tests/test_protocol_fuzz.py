@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from broky.errors import ProtocolError
 from broky.protocol import NEED_DATA, Frame, FrameReader, Message, decode_frame, decode_message, route_message
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
-from broky.protocol.message import _decode_generic, _route_generic, canonical_copy
+from broky.protocol.message import _decode_generic, _route_generic, canonical_copy, pack_stamp_into
 from tests.test_protocol_generated import all_frames, encoded_frames, generated_read, messages, welcomes
 
 LIMIT = 1 << 16
@@ -85,18 +85,20 @@ def check_message_readers_agree(raw: bytes, f: int = 0, end: int | None = None) 
         assert (kp, key) == (fast.key_partition, fast.key)
         assert decode_frame(buf, f, end) == fast
         stamp = 0x1234_5678_9ABC_DEF0
+        vb, epoch, offset = 1023, 0xFEDC_BA98_7654_3210, 0x0123_4567_89AB_CDEF
+        stamped_msg = fast._replace(ts_broker=stamp, vbucket=vb, epoch=epoch, offset=offset)
         if buf[f + HEADER_AT : f + HEADER_END] in (HEADER_UID, HEADER_NO_UID):
-            # Canonical: stamped in place, and nothing but ts_broker changes.
+            # Canonical: stamped in place (ts_broker and the position), nothing else changes.
             assert ts_at == f + TS_BROKER_AT
             assert struct.unpack_from("<q", buf, ts_at)[0] == fast.ts_broker
             stamped = bytearray(buf)
-            struct.pack_into("<q", stamped, ts_at, stamp)
-            assert decode_message(stamped, f, end) == fast._replace(ts_broker=stamp)
+            pack_stamp_into(stamped, ts_at, stamp, epoch, offset, vb)
+            assert decode_message(stamped, f, end) == stamped_msg
         else:
             # Any other layout: not stamped in place; its canonical copy is forwarded.
             assert ts_at is None
-            copy = canonical_copy(buf, f, end, stamp)
-            assert decode_message(copy) == fast._replace(ts_broker=stamp)
+            copy = canonical_copy(buf, f, end, stamp, None, vb, epoch, offset)
+            assert decode_message(copy) == stamped_msg
 
 
 # ---------------------------------------------------------------- random bytes

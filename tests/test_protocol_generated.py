@@ -62,7 +62,7 @@ from broky.protocol import (
     route_message,
 )
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
-from broky.protocol.message import canonical_copy, message_size
+from broky.protocol.message import canonical_copy, message_size, pack_stamp_into
 
 # ---------------------------------------------------------------- strategies
 
@@ -85,6 +85,9 @@ messages = st.builds(
     ts_producer=i64_edges,
     ts_broker=i64_edges,
     uid=uids,
+    vbucket=st.integers(0, 1023) | u16,
+    epoch=u64,
+    offset=u64,
 )
 
 
@@ -249,7 +252,15 @@ def _read_message(m: Any) -> Message:
     stamps, uid = m.Stamps(), m.Uid()
     assert stamps is not None
     return Message(
-        kp, key, payload, stamps.TsProducer(), stamps.TsBroker(), None if uid is None else bytes(uid.Bytes())
+        kp,
+        key,
+        payload,
+        stamps.TsProducer(),
+        stamps.TsBroker(),
+        None if uid is None else bytes(uid.Bytes()),
+        stamps.Vbucket(),
+        stamps.Epoch(),
+        stamps.Offset(),
     )
 
 
@@ -476,7 +487,12 @@ class Writer:
                 lambda: fbs.MessageAddKey(b, r["key"]),
                 lambda: fbs.MessageAddPayload(b, r["payload"]),
                 # Structs are written inline, right before their slot.
-                lambda: fbs.MessageAddStamps(b, fbs.CreateStamps(b, frame.ts_producer, frame.ts_broker)),
+                lambda: fbs.MessageAddStamps(
+                    b,
+                    fbs.CreateStamps(
+                        b, frame.ts_producer, frame.ts_broker, frame.epoch, frame.offset, frame.vbucket
+                    ),
+                ),
             ]
             if frame.uid is not None:
                 uid = frame.uid
@@ -714,20 +730,21 @@ def _check_message_readers(msg: Message, frame: bytes) -> None:
     kp, key, ts_pos = route_message(padded, 13, 13 + len(frame))
     assert (kp, key) == (msg.key_partition, msg.key)
     assert type(kp) is bytes and type(key) is bytes
-    expected = msg._replace(ts_broker=-12345)
+    # The server stamps ts_broker and the position (vbucket, epoch, offset).
+    expected = msg._replace(ts_broker=-12345, vbucket=517, epoch=2**64 - 1, offset=2**63 + 9)
     if frame[HEADER_AT:HEADER_END] in (HEADER_UID, HEADER_NO_UID):
         # The canonical layout: ts_broker sits where route_message says, and
-        # stamping it in place changes only ts_broker.
+        # stamping in place changes only the stamped fields.
         assert ts_pos == 13 + TS_BROKER_AT
         stamped = bytearray(frame)
-        struct.pack_into("<q", stamped, ts_pos - 13, -12345)
+        pack_stamp_into(stamped, ts_pos - 13, -12345, 2**64 - 1, 2**63 + 9, 517)
         assert decode_message(stamped) == expected
         assert generated_read(bytes(stamped)) == expected
     else:
         # Any other layout is not stamped in place: the server forwards a
-        # canonical copy that differs from the original in ts_broker only.
+        # canonical copy that differs from the original in the stamped fields only.
         assert ts_pos is None
-        forwarded = canonical_copy(padded, 13, 13 + len(frame), -12345)
+        forwarded = canonical_copy(padded, 13, 13 + len(frame), -12345, None, 517, 2**64 - 1, 2**63 + 9)
         assert forwarded == encode_message(*expected)
         assert generated_read(forwarded) == expected
 
@@ -867,7 +884,7 @@ def test_large_builder_message_read_by_fast_decoder() -> None:
     key_off = b.CreateByteVector(key)
     fbs.MessageStart(b)
     fbs.MessageAddKey(b, key_off)
-    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 7, 8))
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 7, 8, 0, 0, 0))
     fbs.MessageAddPayload(b, pay_off)
     fbs.MessageAddKeyPartition(b, kp_off)
     body = fbs.MessageEnd(b)

@@ -25,23 +25,27 @@ from broky.client import pubpack
 from broky.protocol import encode_message, layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.protocol.layout import (
+    EPOCH_AT,
     FIXED_SIZE,
     HEADER_AT,
     HEADER_END,
     HEADER_NO_UID,
     HEADER_UID,
     KEY_UOFFSET_AT,
+    OFFSET_AT,
     PAYLOAD_UOFFSET_AT,
     TS_BROKER_AT,
     TS_PRODUCER_AT,
     UID_AT,
     UID_END,
+    VBUCKET_AT,
     VECTORS_AT,
     read_shape,
     shape,
     struct_at,
 )
 from broky.server import fastpath
+from broky.server.sequences import Sequences
 
 lengths = st.integers(0, 300)
 
@@ -99,6 +103,9 @@ TWIN_NAMES = {
     "HEADER_NO_UID",
     "TS_PRODUCER_AT",
     "TS_BROKER_AT",
+    "EPOCH_AT",
+    "OFFSET_AT",
+    "VBUCKET_AT",
     "KEY_UOFFSET_AT",
     "PAYLOAD_UOFFSET_AT",
     "UID_AT",
@@ -160,6 +167,9 @@ MOVES: dict[str, dict[str, object]] = {
     "HEADER_NO_UID": {"HEADER_NO_UID": _flip(HEADER_NO_UID)},
     "TS_PRODUCER_AT": {"TS_PRODUCER_AT": TS_PRODUCER_AT + 8},
     "TS_BROKER_AT": {"TS_BROKER_AT": TS_BROKER_AT - 8},
+    "EPOCH_AT": {"EPOCH_AT": EPOCH_AT + 4},
+    "OFFSET_AT": {"OFFSET_AT": OFFSET_AT - 4},
+    "VBUCKET_AT": {"VBUCKET_AT": VBUCKET_AT + 2},
     "KEY_UOFFSET_AT": {"KEY_UOFFSET_AT": KEY_UOFFSET_AT + 4},
     "PAYLOAD_UOFFSET_AT": {"PAYLOAD_UOFFSET_AT": PAYLOAD_UOFFSET_AT - 4},
     "UID_AT": {"UID_AT": UID_AT - 4},
@@ -176,6 +186,9 @@ USES = {
         "HEADER_UID",
         "HEADER_NO_UID",
         "TS_BROKER_AT",
+        "EPOCH_AT",
+        "OFFSET_AT",
+        "VBUCKET_AT",
         "KEY_UOFFSET_AT",
         "PAYLOAD_UOFFSET_AT",
         "VECTORS_AT",
@@ -201,13 +214,16 @@ def _feedscan_run(twin: Any) -> object:
         )
         for i in range(8)
     ]
-    routes: dict[bytes, tuple[str, ...]] = {}
+    routes: dict[bytes, tuple[tuple[str, ...], int]] = {}
     for i, frame in enumerate(frames):
         v = shape(bool(i % 2), 2, 3, i * 7)
-        routes[frame[v.kp_at : v.key_at + 4 + 3]] = ("target",)
+        routes[frame[v.kp_at : v.key_at + 4 + 3]] = (("target",), 3 * i)
     runs: list[Any] = []
+    seqs = Sequences(epoch=77).state
     try:
-        pos, buf, published, unmatched = twin.scan(b"".join(frames), 0, None, 1234, routes, 1 << 20, runs)
+        pos, buf, published, unmatched = twin.scan(
+            b"".join(frames), 0, None, 1234, routes, 1 << 20, runs, seqs, None, 0
+        )
     except ValueError as exc:
         return repr(exc)
     return pos, None if buf is None else bytes(buf), published, unmatched, runs

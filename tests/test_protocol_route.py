@@ -39,10 +39,11 @@ from broky.protocol.layout import (
     MESSAGE_VTABLE_AT,
     PAYLOAD_UOFFSET_AT,
     STAMPS_AT,
+    STAMPS_END,
     TS_BROKER_AT,
     VECTORS_AT,
 )
-from broky.protocol.message import _route_generic, body_type, canonical_copy
+from broky.protocol.message import _route_generic, body_type, canonical_copy, pack_stamp_into
 from tests.test_protocol_generated import builder_frames, generated_read, messages
 
 lies = st.sampled_from([0, 1, 2, 3, 4, 8, 12, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_FFF8]) | st.integers(
@@ -145,30 +146,33 @@ def test_control_frames_do_not_route() -> None:
 )
 def test_server_scan_stamps_or_copies_every_message(stream: list[tuple[Message, bytes]]) -> None:
     # The loop a worker runs over one read: frame boundaries, route, then stamp
-    # in place or forward a canonical copy.
+    # (ts_broker and the position) in place or forward a canonical copy.
     data = b"".join(raw for _, raw in stream)
     buf = bytearray(data)
     pos = 0
     routed: list[tuple[bytes, bytes]] = []
     forwarded: list[bytes] = []
+    stamps: list[tuple[int, int, int, int]] = []
     for _, raw in stream:
         end = pos + 4 + struct.unpack_from("<I", data, pos)[0]
         kp, key, ts_pos = route_message(data, pos, end)
-        stamp = 1_700_000_000_000_000_000 + len(routed)
+        i = len(routed)
+        ts, vb, epoch, offset = 1_700_000_000_000_000_000 + i, (i * 7) % 1024, 0x5EED + i, 1000 + i
+        stamps.append((ts, vb, epoch, offset))
         if ts_pos is None:
             assert raw[HEADER_AT:HEADER_END] not in (HEADER_UID, HEADER_NO_UID)
-            forwarded.append(canonical_copy(data, pos, end, stamp))
+            forwarded.append(canonical_copy(data, pos, end, ts, None, vb, epoch, offset))
         else:
-            struct.pack_into("<q", buf, ts_pos, stamp)
+            pack_stamp_into(buf, ts_pos, ts, epoch, offset, vb)
             forwarded.append(bytes(buf[pos:end]))
-            # Only the 8 ts_broker bytes changed.
+            # Only the stamped region changed: ts_broker and the position.
             diff = [j for j in range(len(raw)) if buf[pos + j] != raw[j]]
-            assert all(TS_BROKER_AT <= j < TS_BROKER_AT + 8 for j in diff)
+            assert all(TS_BROKER_AT <= j < STAMPS_END for j in diff)
         routed.append((kp, key))
         pos = end
     assert routed == [(m.key_partition, m.key) for m, _ in stream]
-    for i, ((msg, _), out) in enumerate(zip(stream, forwarded)):
-        assert decode_frame(out) == msg._replace(ts_broker=1_700_000_000_000_000_000 + i)
+    for (msg, _), out, (ts, vb, epoch, offset) in zip(stream, forwarded, stamps):
+        assert decode_frame(out) == msg._replace(ts_broker=ts, vbucket=vb, epoch=epoch, offset=offset)
 
 
 def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> None:
@@ -197,6 +201,8 @@ def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> N
 
 # The key offset of the crafted frame below: Message table at 48, field at table+23.
 OVERLAP_KEY_FIELD = 48 + 23
+# What it decodes to: its epoch reads the key offset's bytes after ts_broker's (1).
+OVERLAP_MESSAGE = Message(b"p1", b"a.b", b"hello", 7, 0, None, 0, 1, 0)
 
 
 def overlap_frame() -> bytes:
@@ -212,14 +218,15 @@ def overlap_frame() -> bytes:
     struct.pack_into("<I", frame, 0, len(frame) - 4)
     # Root offset, identifier, Frame vtable and table: as in the canonical layout.
     struct.pack_into("<I4sHHHHiIB", frame, 4, 16, b"BRKY", 8, 12, 8, 4, 8, 24, 1)
-    # Message vtable at 32: 14 bytes, table 32 bytes; kp@4, key@23, payload@28, stamps@8, no uid.
-    struct.pack_into("<HHHHHHH", frame, 32, 14, 32, 4, 23, 28, 8, 0)
-    struct.pack_into("<iI", frame, 48, 16, 80 - 52)  # soffset; kp vector at 80
+    # Message vtable at 32: 14 bytes, table 52 bytes; kp@4, key@23, payload@48, stamps@8 (40
+    # bytes: its epoch shares bytes with the key offset too), no uid.
+    struct.pack_into("<HHHHHHH", frame, 32, 14, 52, 4, 23, 48, 8, 0)
+    struct.pack_into("<iI", frame, 48, 16, 100 - 52)  # soffset; kp vector at 100
     struct.pack_into("<qq", frame, 56, 7, 0)  # ts_producer 7, ts_broker 0
     struct.pack_into("<BBB", frame, 72, 0x01, 0, 0)  # key offset = 0x100 + ts_broker's top byte
-    struct.pack_into("<I", frame, 76, 88 - 76)  # payload vector at 88
-    struct.pack_into("<I2s", frame, 80, 2, b"p1")
-    struct.pack_into("<I5s", frame, 88, 5, b"hello")
+    struct.pack_into("<I", frame, 96, 108 - 96)  # payload vector at 108
+    struct.pack_into("<I2s", frame, 100, 2, b"p1")
+    struct.pack_into("<I5s", frame, 108, 5, b"hello")
     for top, key in ((0x00, b"a.b"), (0xFF, b"a.b"), (0x18, b"x.y")):
         struct.pack_into("<I3s", frame, OVERLAP_KEY_FIELD + 0x100 + top, 3, key)
     return bytes(frame)
@@ -227,7 +234,7 @@ def overlap_frame() -> bytes:
 
 def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:
     raw = overlap_frame()
-    published = Message(b"p1", b"a.b", b"hello", 7, 0, None)
+    published = OVERLAP_MESSAGE
     assert raw[HEADER_AT:HEADER_END] not in (HEADER_UID, HEADER_NO_UID)
     assert generated_read(raw) == published == decode_message(raw)
     assert route_message(raw, 0, len(raw)) == (b"p1", b"a.b", None)
@@ -240,7 +247,7 @@ def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:
     # What the server forwards instead: the canonical copy, stamped.
     ts = 0x18 << 56 | 12345
     copy = canonical_copy(raw, 0, len(raw), ts)
-    assert decode_message(copy) == generated_read(copy) == published._replace(ts_broker=ts)
+    assert decode_message(copy) == generated_read(copy) == published._replace(ts_broker=ts, epoch=0)
     assert route_message(copy, 0, len(copy)) == (b"p1", b"a.b", TS_BROKER_AT)
 
 
@@ -270,7 +277,7 @@ def builder_message(kp: bytes, key: bytes, payload: bytes) -> bytes:
     b = flatbuffers.Builder(0)
     vectors = [b.CreateByteVector(v) for v in (payload, key, kp)]
     fbs.MessageStart(b)
-    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 1, 0))
+    fbs.MessageAddStamps(b, fbs.CreateStamps(b, 1, 0, 0, 0, 0))
     fbs.MessageAddPayload(b, vectors[0])
     fbs.MessageAddKey(b, vectors[1])
     fbs.MessageAddKeyPartition(b, vectors[2])

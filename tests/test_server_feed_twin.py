@@ -22,10 +22,12 @@ from hypothesis import strategies as st
 
 from broky.protocol import (
     RESUME_TOKEN_BYTES,
+    FrameReader,
     Message,
     Ping,
     Subscribe,
     Unsubscribe,
+    decode_frame,
     encode_frame,
     encode_message,
     new_ksuid,
@@ -80,6 +82,8 @@ stream = st.lists(st.one_of(message, message, message, control), min_size=1, max
 def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tuple[Shard, list[Connection]]:
     config = ServerConfig(workers=2, node_id="twin", max_pending_bytes=pending)
     shard = Shard(config, 0, loop, compiled=compiled)
+    for vb in range(1024):  # one epoch for both shards (each incarnation draws its own)
+        shard.seqs.view[2 * vb] = 0x5EED
 
     def connection(i: int) -> Connection:
         c = Connection(shard, b"", i)
@@ -100,8 +104,12 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
     snap = shard.snapshot()
     for volatile in ("rss_bytes", "pid"):
         snap.pop(volatile)
+    assert shard.replay is not None
     return {
         "stats": snap,
+        "sequences": bytes(shard.seqs.state),  # every vbucket's epoch and next offset
+        "replay": [bytes(ix) for ix in shard.replay.index],  # where each retained message lies
+        "segments": [(seg_id, bytes(seg)) for seg_id, seg, _ in shard.replay.segments],
         "conns": [
             (
                 bytes(c.transport.data),  # type: ignore[attr-defined]
@@ -200,3 +208,45 @@ def test_the_pure_python_choice_is_honoured() -> None:
     env = {**os.environ, fastpath.ENV_PURE: "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"True pure Python ({fastpath.ENV_PURE} is set)"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=stream, cuts=st.lists(st.integers(0, 1 << 16), max_size=6), compiled=st.booleans())
+def test_every_accepted_message_gets_the_next_offset_of_its_vbucket_and_is_retained(
+    loop: asyncio.AbstractEventLoop,
+    monkeypatch: pytest.MonkeyPatch,
+    frames: list[bytes],
+    cuts: list[int],
+    compiled: bool,
+) -> None:
+    """Per vbucket, the offsets a worker stamps count its accepted messages from 1, with
+    no gap, under one epoch; a subscriber on everything receives them in that order; and
+    the replay buffer holds exactly those messages, stamped as delivered."""
+    import broky.server.fanout as fanout
+
+    monkeypatch.setattr(fanout, "_time_ns", lambda: 1_700_000_000_123_456_789)
+    shard, conns = build(loop, compiled, 64 << 20)
+    watcher = conns[2]  # subscribes to every key here: sid 3, pattern ">"
+    shard.subscribe(watcher, Subscribe(3, b">", None))
+    for read in chunked(b"".join(frames), cuts):
+        shard.feed(conns[-1], read)
+    reader = FrameReader()
+    reader.feed(bytes(watcher.transport.data))  # type: ignore[attr-defined]
+    delivered: dict[int, list[Message]] = {}
+    for raw in reader.frames():
+        frame = decode_frame(raw)
+        if isinstance(frame, Message):
+            delivered.setdefault(frame.vbucket, []).append(frame)
+    assert shard.replay is not None
+    for vb in range(1024):
+        msgs = delivered.get(vb, [])
+        assert vbucket_of_all(msgs, vb)
+        assert [m.offset for m in msgs] == list(range(1, len(msgs) + 1))
+        assert {m.epoch for m in msgs} <= {0x5EED}
+        assert shard.seqs.next_of(vb) == len(msgs) + 1  # nothing accepted that it did not get
+        retained = [decode_frame(bytes(seg[a:b])) for seg, a, b in shard.replay.read(vb, 1, 1 << 62)]
+        assert retained == msgs
+
+
+def vbucket_of_all(msgs: list[Message], vb: int) -> bool:
+    return all(vbucket_of(m.key_partition) == vb for m in msgs)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from broky.protocol import encode_message
 from broky.protocol.layout import TS_BROKER_AT
 from broky.server.replay import ReplayBuffer
+from broky.server.sequences import Sequences
 
 _ts = struct.Struct("<q")
 
@@ -40,23 +41,23 @@ reads = st.lists(
 def test_the_buffer_keeps_the_newest_whole_segments_and_finds_every_retained_message(
     reads: list[list[tuple[int, int]]], limit: int
 ) -> None:
-    rb = ReplayBuffer(limit)
-    next_offset = [1] * 4
+    seqs = Sequences()
+    rb = ReplayBuffer(limit, seqs)
     model: list[tuple[int, list[tuple[int, int]]]] = []  # (segment size, [(vb, offset)])
     ts = 1000
     for read in reads:
         parts, spots, pos = [], [], 0
         for vb, size in read:
-            f = frame(vb, next_offset[vb], ts, size)
-            spots.append((vb, next_offset[vb], pos))
-            next_offset[vb] += 1
+            offset = seqs.take(vb)
+            f = frame(vb, offset, ts, size)
+            spots.append((vb, offset, pos))
             parts.append(f)
             pos += len(f)
             ts += 1
         segment = bytearray(b"".join(parts))
         seg_id = rb.retain(segment)
-        for vb, offset, at in spots:
-            rb.record(vb, offset, seg_id, at)
+        for vb, _, at in spots:
+            rb.record(vb, seg_id, at)
         model.append((len(segment), [(vb, o) for vb, o, _ in spots]))
     # The model: the newest segments whose sizes fit the limit (the newest always stays).
     kept: list[tuple[int, list[tuple[int, int]]]] = []
@@ -82,11 +83,13 @@ def test_the_buffer_keeps_the_newest_whole_segments_and_finds_every_retained_mes
 
 def test_lookups_by_time_and_the_age_bound() -> None:
     now = [0.0]
-    rb = ReplayBuffer(1 << 20, max_age=10.0, clock=lambda: now[0])
+    seqs = Sequences()
+    rb = ReplayBuffer(1 << 20, seqs, max_age=10.0, clock=lambda: now[0])
     for i in range(1, 11):  # ten reads, one second apart, one message each, ts 100 * i
         now[0] = float(i)
+        assert seqs.take(7) == i
         seg = rb.retain(bytearray(frame(7, i, 100 * i, 10)))
-        rb.record(7, i, seg, 0)
+        rb.record(7, seg, 0)
     assert rb.offset_at_time(7, 0) == 1
     assert rb.offset_at_time(7, 450) == 5
     assert rb.offset_at_time(7, 500) == 5
@@ -100,12 +103,15 @@ def test_lookups_by_time_and_the_age_bound() -> None:
 
 
 def test_a_zero_limit_keeps_only_the_newest_segment_until_the_next() -> None:
-    rb = ReplayBuffer(0)
+    seqs = Sequences()
+    rb = ReplayBuffer(0, seqs)
     assert not rb.enabled
+    seqs.take(1)
     a = rb.retain(bytearray(frame(1, 1, 1, 0)))
-    rb.record(1, 1, a, 0)
+    rb.record(1, a, 0)
+    seqs.take(1)
     b = rb.retain(bytearray(frame(1, 2, 2, 0)))
-    rb.record(1, 2, b, 0)
+    rb.record(1, b, 0)
     assert [payload_of(*m) for m in rb.read(1, 0, 10)] == [(1, 2)]
 
 
@@ -121,3 +127,45 @@ def test_sequences_count_per_vbucket_from_one_under_one_epoch() -> None:
     seqs.resume(6, 7, 100)
     assert (seqs.epoch_of(6), seqs.take(6)) == (7, 100)
     assert Sequences().epoch != Sequences().epoch  # a new incarnation, a new epoch
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 400), max_size=40),
+    pending=st.lists(st.integers(0, 1200), max_size=40),
+    share=st.integers(0, 1500),
+)
+def test_the_buffer_draws_on_the_memory_budget_and_gives_it_back(
+    sizes: list[int], pending: list[int], share: int
+) -> None:
+    # Segment sizes arrive while the connections' pending bytes move: the buffer's bytes are
+    # always what it took from the share, never more than the share leaves to it, and a
+    # segment it could not keep is evicted at once (its messages counted, not found).
+    from broky.server.budget import Budget
+
+    seqs = Sequences()
+    budget = Budget(share)
+    rb = ReplayBuffer(1000, seqs, budget=budget)
+    for i, size in enumerate(sizes):
+        budget.pending = pending[i] if i < len(pending) else 0
+        offset = seqs.take(0)
+        segment = frame(0, offset, 1000 + i, size)
+        free_before = share - budget.pending - rb.bytes
+        seg_id = rb.retain(segment)
+        rb.record(0, seg_id, 0)
+        assert rb.bytes == budget.taken.get("replay", 0) == sum(len(s) for _, s, _ in rb.segments)
+        assert rb.bytes <= 1000 and (rb.bytes == 0 or rb.bytes + budget.pending <= share)
+        if len(segment) > share - budget.pending:  # no room even with everything evicted
+            assert rb.segments_refused and not rb.segments
+        elif len(segment) <= free_before:  # room without evicting anything else
+            assert rb.segments[-1][1] is segment
+        found = [payload_of(*hit)[1] for hit in rb.read(0, 1, offset + 1)]
+        assert found == list(range(offset - len(found) + 1, offset + 1))  # the newest, consecutive
+        assert len(found) == len(rb.segments)
+    # Evicted and refused messages are counted once, when trimmed.
+    rb.trim_all()
+    assert rb.evicted_messages == len(sizes) - rb.count(0)
+    # Shrinking for the pending bytes gives everything back to the share.
+    given = rb.shrink(0)
+    assert rb.bytes == 0 == budget.taken.get("replay", 0) and given >= 0
+    assert budget.room == share

@@ -15,6 +15,7 @@ import struct
 from broky.errors import ErrorCode
 from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import Error, Message, Ping, Pong, encode_frame, encode_message, new_ksuid
+from broky.protocol.layout import KEY_UOFFSET_AT, PAYLOAD_UOFFSET_AT
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
@@ -105,8 +106,8 @@ def test_subscription_changes_reroute_cached_keys(server: ServerProcess) -> None
 
 
 def tamper_payload_length(frame: bytes, value: int) -> bytes:
-    """The same canonical frame with another payload length (offsets as in broky.protocol.message)."""
-    at = 76 + struct.unpack_from("<I", frame, 76)[0]
+    """The same canonical frame with another payload length (positions from broky.protocol.layout)."""
+    at = PAYLOAD_UOFFSET_AT + struct.unpack_from("<I", frame, PAYLOAD_UOFFSET_AT)[0]
     return frame[:at] + struct.pack("<I", value) + frame[at + 4 :]
 
 
@@ -132,8 +133,8 @@ def overlapping_key(payload: bytes) -> tuple[bytes, bytes]:
     """A valid but odd frame whose key vector runs on into the payload vector;
     return it with the key a FlatBuffers reader sees."""
     frame = bytearray(encode_message(KP_A, b"ab", payload))
-    k = 72 + struct.unpack_from("<I", frame, 72)[0]
-    p = 76 + struct.unpack_from("<I", frame, 76)[0]
+    k = KEY_UOFFSET_AT + struct.unpack_from("<I", frame, KEY_UOFFSET_AT)[0]
+    p = PAYLOAD_UOFFSET_AT + struct.unpack_from("<I", frame, PAYLOAD_UOFFSET_AT)[0]
     key_len = p + 8 - (k + 4)  # through the payload's length and its first 4 bytes
     struct.pack_into("<I", frame, k, key_len)
     return bytes(frame), bytes(frame[k + 4 : k + 4 + key_len])

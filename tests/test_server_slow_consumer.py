@@ -65,8 +65,9 @@ STALL_DEADLINE = 5
 @pytest.mark.timeout(180)
 def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) -> None:
     server: ServerProcess = start_server(
-        "--max-pending-bytes", "4M", "--slow-consumer-deadline", str(STALL_DEADLINE), "--frame-timeout", "60"
-    )
+        "--max-pending-bytes", "4M", "--slow-consumer-deadline", str(STALL_DEADLINE), "--frame-timeout", "60",
+        "--replay-bytes", "8M",
+    )  # fmt: skip
     n = 1_000_000
     frame = encode_message(KP0, b"t.x", b"p" * 8 + bytes(8))
     at = frame.index(b"p" * 8) + 8  # the payload's last 8 bytes carry a sequence number
@@ -110,8 +111,10 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
         # Every message reached the fast subscriber, in full and nothing else.
         assert counter.count == n * len(frame)
         assert counter.head.startswith(frame[:60])
-        # The server's memory stayed bounded (120 MB were published to each subscriber).
-        assert peak - baseline < 48 << 20, (baseline, peak)
+        # The server's memory stayed bounded (120 MB were published to each subscriber),
+        # the replay buffer's 8 MiB besides.
+        assert debug_stats(server)["workers"][0]["replay_bytes"] <= 8 << 20
+        assert peak - baseline < (48 + 8) << 20, (baseline, peak)
 
         # The stalled one stays stalled past the deadline: reading it earlier would let it
         # drain and stop its clock.
@@ -249,7 +252,7 @@ def test_a_client_that_never_reads_its_replies_is_read_no_more(start_server: Any
 
 
 def test_large_unique_keys_do_not_stay_in_the_route_caches(start_server: Any) -> None:
-    server = start_server(workers=1)
+    server = start_server("--replay-bytes", "4M", workers=1)
     kp = kp_for_worker(0, 1)
     filler = b"x" * 200_000
 
@@ -267,7 +270,7 @@ def test_large_unique_keys_do_not_stay_in_the_route_caches(start_server: Any) ->
         before = rss(worker)
         publish_unique(pub, 20, 250)  # 50 MB of distinct keys
         after = rss(worker)
-        assert after - before < 20 << 20, (before, after)
+        assert after - before < (20 + 4) << 20, (before, after)  # and the replay buffer's 4 MiB
         stats = debug_stats(server)["workers"][0]
         assert stats["match_cache_entries"] == 0 and stats["dropped"]["no_subscribers"] == 270
         # Big keys are still routed (each time anew).

@@ -57,6 +57,7 @@ from broky.protocol import (
     decode_frame,
     encode_frame,
     encode_message,
+    layout,
 )
 
 BATCH_BYTES = 64 * 1024
@@ -240,7 +241,7 @@ class BrokyDriver(Driver):
     def publish(self, key: Key, payload: bytes) -> tuple[bytes, int]:
         kp, k = key
         frame = encode_message(kp, k, payload)
-        offset = 84 + len(kp) + (-len(kp) & 3) + 4 + len(k) + (-len(k) & 3) + 4  # canonical layout, no uid
+        offset = layout.shape(False, len(kp), len(k), len(payload)).payload_at + 4
         if frame[offset : offset + len(payload)] != payload:
             raise LoadError("unexpected Message layout; update BrokyDriver.publish")
         return frame, offset
@@ -420,7 +421,7 @@ class BrokySdkDriver(BrokyDriver):
     def record(self, key: Key, payload: bytes, wildcard: bool) -> Record:
         kp, k = key
         frame = encode_message(kp, k, payload, 1, 0, bytes(20))
-        offset = 104 + len(kp) + (-len(kp) & 3) + 4 + len(k) + (-len(k) & 3) + 4  # canonical, with uid
+        offset = layout.shape(True, len(kp), len(k), len(payload)).payload_at + 4
         if frame[offset : offset + len(payload)] != payload:
             raise LoadError("unexpected Message layout; update BrokySdkDriver.record")
         return Record(len(frame), frame[:4], offset)

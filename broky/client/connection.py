@@ -37,17 +37,20 @@ from broky.protocol import Error, Frame, Hello, Message, Welcome, decode_frame
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.layout import (
+    EPOCH_AT,
     FIXED_SIZE,
     HEADER_AT,
     HEADER_SIZE,
     HEADER_UID,
     KEY_UOFFSET_AT,
+    OFFSET_AT,
     PAYLOAD_UOFFSET_AT,
     SIZE_AT,
     TS_BROKER_AT,
     TS_PRODUCER_AT,
     UID_AT,
     UID_SIZE,
+    VBUCKET_AT,
     VECTORS_AT,
     read_shape,
     struct_at,
@@ -64,11 +67,14 @@ WRITE_HIGH_WATER = 1 << 20
 
 _u32 = struct.Struct("<I").unpack_from
 # A canonical Message with uid (broky.protocol.layout), from TS_PRODUCER_AT:
-# ts_producer, ts_broker, the key and payload uoffsets, the uid, the
-# key_partition's length
+# ts_producer, ts_broker, the position (epoch, offset, vbucket), the key and
+# payload uoffsets, the uid, the key_partition's length
 _uid_fields = struct_at(
     (TS_PRODUCER_AT, "q"),
     (TS_BROKER_AT, "q"),
+    (EPOCH_AT, "Q"),
+    (OFFSET_AT, "Q"),
+    (VBUCKET_AT, "H"),
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (UID_AT, f"{UID_SIZE}s"),
@@ -175,9 +181,15 @@ class WorkerProtocol(asyncio.Protocol):
                             end = pos + end_at
                             if end > n:
                                 break
-                            ts_p, ts_b, uid, kp, k_len, key, p_len, payload = read(data, pos + TS_PRODUCER_AT)
+                            ts_p, ts_b, epoch, offset, vb, uid, kp, k_len, key, p_len, payload = read(
+                                data, pos + TS_PRODUCER_AT
+                            )
                             if k_len == key_len and p_len == pay_len:
-                                on_message(_tuple_new(Message, (kp, key, payload, ts_p, ts_b, uid)))
+                                on_message(
+                                    _tuple_new(
+                                        Message, (kp, key, payload, ts_p, ts_b, uid, vb, epoch, offset)
+                                    )
+                                )
                                 pos = end
                                 continue
                 size = _u32(data, pos)[0]
@@ -191,7 +203,9 @@ class WorkerProtocol(asyncio.Protocol):
                     and end - pos >= _FIXED_UID
                     and data.startswith(HEADER_UID, pos + HEADER_AT)
                 ):
-                    ts_p, ts_b, key_off, pay_off, uid, kp_len = _uid_fields(data, pos + TS_PRODUCER_AT)
+                    ts_p, ts_b, epoch, offset, vb, key_off, pay_off, uid, kp_len = _uid_fields(
+                        data, pos + TS_PRODUCER_AT
+                    )
                     kp_stop = pos + _FIXED_UID + kp_len
                     k = pos + KEY_UOFFSET_AT + key_off
                     p = pos + PAYLOAD_UOFFSET_AT + pay_off
@@ -209,6 +223,9 @@ class WorkerProtocol(asyncio.Protocol):
                             ts_p,
                             ts_b,
                             uid,
+                            vb,
+                            epoch,
+                            offset,
                         )
                     )
                 else:
@@ -248,6 +265,9 @@ class WorkerProtocol(asyncio.Protocol):
                 fields = struct_at(
                     (TS_PRODUCER_AT, "q"),
                     (TS_BROKER_AT, "q"),
+                    (EPOCH_AT, "Q"),
+                    (OFFSET_AT, "Q"),
+                    (VBUCKET_AT, "H"),
                     (UID_AT, f"{UID_SIZE}s"),
                     (v.kp_at + 4, f"{kp_len}s"),
                     (v.key_at, f"I{key_len}s"),

@@ -102,16 +102,17 @@ class Body(object):
     ReadDone = 16
 
 
-# Timestamps of a message, in nanoseconds since the Unix epoch; 0 = not set.
-# A struct (stored inline, always present) so that the server can stamp
-# ts_broker in place and forward the publisher's bytes without re-encoding
-# (for the canonical layout of schema/README.md).
+# Timestamps of a message, in nanoseconds since the Unix epoch (0 = not set),
+# and its position. A struct (stored inline, always present) so that the
+# server can stamp ts_broker and the position in place and forward the
+# publisher's bytes without re-encoding (for the canonical layout of
+# schema/README.md).
 class Stamps(object):
     __slots__ = ['_tab']
 
     @classmethod
     def SizeOf(cls):
-        return 16
+        return 40
 
     # Stamps
     def Init(self, buf, pos):
@@ -121,9 +122,21 @@ class Stamps(object):
     def TsProducer(self): return self._tab.Get(flatbuffers.number_types.Int64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(0))
     # Stamps
     def TsBroker(self): return self._tab.Get(flatbuffers.number_types.Int64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(8))
+    # The message's position (section 5.1), stamped by the worker that owns
+    # its vbucket when it accepts it: a publisher writes zeros.
+    # Stamps
+    def Epoch(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(16))
+    # Stamps
+    def Offset(self): return self._tab.Get(flatbuffers.number_types.Uint64Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(24))
+    # Stamps
+    def Vbucket(self): return self._tab.Get(flatbuffers.number_types.Uint16Flags, self._tab.Pos + flatbuffers.number_types.UOffsetTFlags.py_type(32))
 
-def CreateStamps(builder, tsProducer, tsBroker):
-    builder.Prep(8, 16)
+def CreateStamps(builder, tsProducer, tsBroker, epoch, offset, vbucket):
+    builder.Prep(8, 40)
+    builder.Pad(6)
+    builder.PrependUint16(vbucket)
+    builder.PrependUint64(offset)
+    builder.PrependUint64(epoch)
     builder.PrependInt64(tsBroker)
     builder.PrependInt64(tsProducer)
     return builder.Offset()

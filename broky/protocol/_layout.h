@@ -32,6 +32,7 @@ typedef struct {
     Py_ssize_t header_at, header_size;
     unsigned char header_uid[LAYOUT_MAX_HEADER], header_no_uid[LAYOUT_MAX_HEADER];
     Py_ssize_t ts_producer_at, ts_broker_at;
+    Py_ssize_t epoch_at, offset_at, vbucket_at; /* the position, stamped by the server */
     Py_ssize_t key_uoffset_at, payload_uoffset_at;
     Py_ssize_t uid_at;
     Py_ssize_t vectors_at[2]; /* the key_partition vector's length word */
@@ -108,6 +109,8 @@ layout_load(PyObject *owner, Layout *l)
         || layout_bytes(owner, "HEADER_NO_UID", l->header_no_uid, &no_uid_len) < 0
         || layout_int(owner, "TS_PRODUCER_AT", &l->ts_producer_at) < 0
         || layout_int(owner, "TS_BROKER_AT", &l->ts_broker_at) < 0
+        || layout_int(owner, "EPOCH_AT", &l->epoch_at) < 0 || layout_int(owner, "OFFSET_AT", &l->offset_at) < 0
+        || layout_int(owner, "VBUCKET_AT", &l->vbucket_at) < 0
         || layout_int(owner, "KEY_UOFFSET_AT", &l->key_uoffset_at) < 0
         || layout_int(owner, "PAYLOAD_UOFFSET_AT", &l->payload_uoffset_at) < 0
         || layout_int(owner, "UID_AT", &l->uid_at) < 0
@@ -124,7 +127,8 @@ layout_load(PyObject *owner, Layout *l)
     if (l->header_at < 4 || l->header_size < 16 || uid_len != l->header_size || no_uid_len != l->header_size) {
         wrong = "the fixed header lies after the size prefix and is HEADER_END - HEADER_AT >= 16 bytes";
     } else if (l->header_at + l->header_size > plain || l->ts_producer_at + 8 > plain
-               || l->ts_broker_at + 8 > plain || l->key_uoffset_at + 4 > plain
+               || l->ts_broker_at + 8 > plain || l->epoch_at + 8 > plain || l->offset_at + 8 > plain
+               || l->vbucket_at + 2 > plain || l->key_uoffset_at + 4 > plain
                || l->payload_uoffset_at + 4 > plain) {
         wrong = "every field at a fixed position lies before the vectors";
     } else if (l->uid_at + LAYOUT_UID_SIZE > l->vectors_at[1]) {
@@ -145,10 +149,11 @@ static PyObject *
 layout_as_dict(const Layout *l)
 {
     return Py_BuildValue(
-        "{s:n,s:n,s:y#,s:y#,s:n,s:n,s:n,s:n,s:n,s:(nn),s:(nn)}", "HEADER_AT", l->header_at, "HEADER_END",
+        "{s:n,s:n,s:y#,s:y#,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:(nn),s:(nn)}", "HEADER_AT", l->header_at, "HEADER_END",
         l->header_at + l->header_size, "HEADER_UID", (const char *)l->header_uid, l->header_size, "HEADER_NO_UID",
         (const char *)l->header_no_uid, l->header_size, "TS_PRODUCER_AT", l->ts_producer_at, "TS_BROKER_AT",
-        l->ts_broker_at, "KEY_UOFFSET_AT", l->key_uoffset_at, "PAYLOAD_UOFFSET_AT", l->payload_uoffset_at, "UID_AT",
+        l->ts_broker_at, "EPOCH_AT", l->epoch_at, "OFFSET_AT", l->offset_at, "VBUCKET_AT", l->vbucket_at,
+        "KEY_UOFFSET_AT", l->key_uoffset_at, "PAYLOAD_UOFFSET_AT", l->payload_uoffset_at, "UID_AT",
         l->uid_at, "VECTORS_AT", l->vectors_at[0], l->vectors_at[1], "FIXED_SIZE", l->fixed_size[0],
         l->fixed_size[1]);
 }

@@ -39,19 +39,23 @@ The layout (offsets from f; with uid | without uid):
     f+12     Frame vtable: 8, 12, body_type@8, body@4         FRAME_VTABLE_AT
     f+20     Frame table: soffset 8, body uoffset 24          FRAME_TABLE_AT
              (-> f+48), body_type 1 (Message), 3 pad bytes
-    f+32     Message vtable: 14, table size 52 | 32,          MESSAGE_VTABLE_AT
-             key_partition@4, key@24, payload@28, stamps@8,
-             uid@32 | 0, 2 pad bytes
+    f+32     Message vtable: 14, table size 76 | 56,          MESSAGE_VTABLE_AT
+             key_partition@4, key@48, payload@52, stamps@8,
+             uid@56 | 0, 2 pad bytes
     f+48     Message table: soffset 16 (-> f+32)              MESSAGE_TABLE_AT
-    f+52     u32   key_partition uoffset 48 | 28              KP_UOFFSET_AT
-    f+56   Stamps, 16 bytes                                   STAMPS_AT .. STAMPS_END
+    f+52     u32   key_partition uoffset 72 | 52              KP_UOFFSET_AT
+    f+56   Stamps, 40 bytes                                   STAMPS_AT .. STAMPS_END
     f+56     i64   ts_producer                                TS_PRODUCER_AT
-    f+64     i64   ts_broker: the stamped region,             TS_BROKER_AT, STAMPED_AT
-                   written by the server in place             .. STAMPS_END
-    f+72   u32   key uoffset (from f+72)                      KEY_UOFFSET_AT
-    f+76   u32   payload uoffset (from f+76)                  PAYLOAD_UOFFSET_AT
-    f+80   20 bytes uid (only with uid)                       UID_AT .. UID_END
-    f+100 | f+80: the vectors key_partition, key, payload,    VECTORS_AT[has_uid]
+    f+64     the stamped region, written by the server in     STAMPED_AT .. STAMPS_END
+             place (a publisher writes zeros):
+    f+64       i64   ts_broker                                TS_BROKER_AT
+    f+72       u64   epoch     } the message's position:      EPOCH_AT
+    f+80       u64   offset    } (vbucket, epoch, offset)     OFFSET_AT
+    f+88       u16   vbucket   } then 6 pad bytes             VBUCKET_AT
+    f+96   u32   key uoffset (from f+96)                      KEY_UOFFSET_AT
+    f+100  u32   payload uoffset (from f+100)                 PAYLOAD_UOFFSET_AT
+    f+104  20 bytes uid (only with uid)                       UID_AT .. UID_END
+    f+124 | f+104: the vectors key_partition, key, payload,   VECTORS_AT[has_uid]
            each a u32 length then the bytes, padded with
            zeros to 4; the frame padded with zeros to 8.      (`shape`)
 
@@ -89,12 +93,15 @@ STAMPS_AT = 56  # the Stamps struct
 TS_PRODUCER_AT = 56  # i64, written by the publisher
 TS_BROKER_AT = 64  # i64, written by the server
 STAMPED_AT = 64  # the stamped region: what the server writes in place, up to STAMPS_END
-STAMPS_END = 72
-KEY_UOFFSET_AT = 72  # u32, relative to itself
-PAYLOAD_UOFFSET_AT = 76  # u32, relative to itself
-UID_AT = 80  # 20 bytes, only with a uid
-UID_END = 100
-VECTORS_AT = (80, 100)  # [has_uid]: the key_partition vector's length word, then key, payload
+EPOCH_AT = 72  # u64, the position's epoch, written by the server
+OFFSET_AT = 80  # u64, the position's offset, written by the server
+VBUCKET_AT = 88  # u16, the position's vbucket, written by the server (then 6 pad bytes)
+STAMPS_END = 96
+KEY_UOFFSET_AT = 96  # u32, relative to itself
+PAYLOAD_UOFFSET_AT = 100  # u32, relative to itself
+UID_AT = 104  # 20 bytes, only with a uid
+UID_END = 124
+VECTORS_AT = (104, 124)  # [has_uid]: the key_partition vector's length word, then key, payload
 
 HEADER_SIZE = HEADER_END - HEADER_AT
 # Bytes from f through the key_partition's length word, the last field at a fixed
@@ -256,6 +263,15 @@ def _check() -> None:
         ),
         (STAMPS_AT <= TS_PRODUCER_AT and TS_PRODUCER_AT + 8 <= STAMPED_AT, "ts_producer is not stamped"),
         (STAMPED_AT <= TS_BROKER_AT and TS_BROKER_AT + 8 <= STAMPS_END, "ts_broker is in the stamped region"),
+        (
+            TS_BROKER_AT + 8 <= EPOCH_AT
+            and EPOCH_AT + 8 <= OFFSET_AT
+            and OFFSET_AT + 8 <= VBUCKET_AT
+            and VBUCKET_AT + 2 <= STAMPS_END
+            and EPOCH_AT % 8 == 0
+            and OFFSET_AT % 8 == 0,
+            "the position is in the stamped region, after ts_broker, aligned",
+        ),
         (VECTORS_AT == (UID_AT, UID_END), "the uid is the last field before the vectors"),
         (all(at >= STAMPS_END for at in (KEY_UOFFSET_AT, PAYLOAD_UOFFSET_AT, UID_AT)), "read after stamps"),
         (len(HEADER_UID) == len(HEADER_NO_UID) == HEADER_SIZE, "two headers of one size"),

@@ -40,6 +40,7 @@ from broky.errors import (
 from broky.fbs import Body
 from broky.protocol import ksuid
 from broky.protocol.layout import (
+    EPOCH_AT,
     FIXED_SIZE,
     HEADER_AT,
     HEADER_END,
@@ -47,12 +48,16 @@ from broky.protocol.layout import (
     HEADER_SIZE,
     HEADER_UID,
     KEY_UOFFSET_AT,
+    OFFSET_AT,
     PAYLOAD_UOFFSET_AT,
     SIZE_AT,
+    STAMPS_AT,
+    STAMPS_END,
     TS_BROKER_AT,
     TS_PRODUCER_AT,
     UID_AT,
     UID_SIZE,
+    VBUCKET_AT,
     VECTORS_AT,
     shape,
     struct_at,
@@ -66,6 +71,17 @@ _u32 = struct.Struct("<I").unpack_from
 _qq = struct.Struct("<qq").unpack_from
 _ts = struct.Struct("<q")
 pack_ts_into = _ts.pack_into
+# The stamped region from TS_BROKER_AT: ts_broker, and the position (epoch, offset,
+# vbucket). pack_stamp_into(buf, frame start + TS_BROKER_AT, ts, epoch, offset, vbucket).
+_stamp = struct_at(
+    (TS_BROKER_AT, "q"), (EPOCH_AT, "Q"), (OFFSET_AT, "Q"), (VBUCKET_AT, "H"), start=TS_BROKER_AT
+)
+pack_stamp_into = _stamp.pack_into
+# The Stamps struct as a generic reader finds it: ts_producer, ts_broker, epoch, offset, vbucket.
+_stamps = struct_at(
+    (TS_PRODUCER_AT, "q"), (TS_BROKER_AT, "q"), (EPOCH_AT, "Q"), (OFFSET_AT, "Q"), (VBUCKET_AT, "H"),
+    start=STAMPS_AT, end=STAMPS_END,
+)  # fmt: skip
 
 # Where the key_partition's length word and its bytes lie, without and with uid.
 _VECTORS_PLAIN = VECTORS_AT[False]
@@ -90,6 +106,9 @@ _route_no_uid = struct_at(
 _decode_no_uid = struct_at(
     (TS_PRODUCER_AT, "q"),
     (TS_BROKER_AT, "q"),
+    (EPOCH_AT, "Q"),
+    (OFFSET_AT, "Q"),
+    (VBUCKET_AT, "H"),
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (VECTORS_AT[False], "I"),
@@ -98,6 +117,9 @@ _decode_no_uid = struct_at(
 _decode_uid = struct_at(
     (TS_PRODUCER_AT, "q"),
     (TS_BROKER_AT, "q"),
+    (EPOCH_AT, "Q"),
+    (OFFSET_AT, "Q"),
+    (VBUCKET_AT, "H"),
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (UID_AT, f"{UID_SIZE}s"),
@@ -110,7 +132,9 @@ F_KEY_PARTITION, F_KEY, F_PAYLOAD, F_STAMPS, F_UID = range(5)
 
 
 class Message(NamedTuple):
-    """One message: immutable; ts_* are ns since the Unix epoch (0 = not set)."""
+    """One message: immutable; ts_* are ns since the Unix epoch (0 = not set); its
+    position (vbucket, epoch, offset) is stamped by the worker that accepted it
+    (0, 0, 0 in a publish)."""
 
     key_partition: bytes
     key: bytes
@@ -118,6 +142,9 @@ class Message(NamedTuple):
     ts_producer: int = 0
     ts_broker: int = 0
     uid: bytes | None = None
+    vbucket: int = 0
+    epoch: int = 0
+    offset: int = 0
 
     @property
     def uid_text(self) -> str | None:
@@ -139,6 +166,9 @@ def _packer(kp_len: int, key_len: int, pay_len: int, has_uid: bool) -> _Packer:
         (HEADER_AT, f"{HEADER_SIZE}s"),
         (TS_PRODUCER_AT, "q"),
         (TS_BROKER_AT, "q"),
+        (EPOCH_AT, "Q"),
+        (OFFSET_AT, "Q"),
+        (VBUCKET_AT, "H"),
         (KEY_UOFFSET_AT, "I"),
         (PAYLOAD_UOFFSET_AT, "I"),
     ]
@@ -169,12 +199,16 @@ def encode_message(
     ts_producer: int = 0,
     ts_broker: int = 0,
     uid: bytes | None = None,
+    vbucket: int = 0,
+    epoch: int = 0,
+    offset: int = 0,
 ) -> bytes:
-    """Return the whole Message frame (size prefix included) in canonical layout.
+    """Return the whole Message frame (size prefix included) in canonical layout
+    (the Message fields in order: a publisher leaves the position at 0).
 
     Raises:
         LocalProtocolError: a field is not bytes, uid is not 20 bytes, or a
-            timestamp is not an int64.
+            number is out of its field's range.
     """
     has_uid = uid is not None
     try:
@@ -188,9 +222,9 @@ def encode_message(
         if has_uid:
             if len(uid) != UID_SIZE:  # type: ignore[arg-type]
                 raise LocalProtocolError(f"uid must be {UID_SIZE} bytes, got {len(uid)}")  # type: ignore[arg-type]
-            return s.pack(size, head, ts_producer, ts_broker, o_key, o_pay, uid,
+            return s.pack(size, head, ts_producer, ts_broker, epoch, offset, vbucket, o_key, o_pay, uid,
                           kp_len, key_partition, key_len, key, pay_len, payload)  # fmt: skip
-        return s.pack(size, head, ts_producer, ts_broker, o_key, o_pay,
+        return s.pack(size, head, ts_producer, ts_broker, epoch, offset, vbucket, o_key, o_pay,
                       kp_len, key_partition, key_len, key, pay_len, payload)  # fmt: skip
     except (struct.error, TypeError) as exc:
         raise LocalProtocolError(f"cannot encode message: {exc}") from None
@@ -282,13 +316,21 @@ def _route_generic(buf: Buffer, f: int, end: int) -> tuple[bytes, bytes, None]:
 
 
 def canonical_copy(
-    buf: Buffer, f: int, end: int, ts_broker: int, max_frame_bytes: int | None = None
+    buf: Buffer,
+    f: int,
+    end: int,
+    ts_broker: int,
+    max_frame_bytes: int | None = None,
+    vbucket: int = 0,
+    epoch: int = 0,
+    offset: int = 0,
 ) -> bytes:
-    """The Message frame in buf[f:end] re-encoded in the canonical layout, ts_broker set.
+    """The Message frame in buf[f:end] re-encoded in the canonical layout, ts_broker
+    and the position set.
 
     What the server forwards for a Message whose stamp position route_message
     gives as None (any layout but the canonical one): every field as the
-    publisher wrote it, but ts_broker.
+    publisher wrote it, but the stamped ones.
 
     Raises:
         MalformedFrameError, UnknownFrameError: as decode_message.
@@ -297,7 +339,9 @@ def canonical_copy(
             bytes, or by a few bytes of padding at the very limit).
     """
     msg = decode_message(buf, f, end)
-    frame = encode_message(msg.key_partition, msg.key, msg.payload, msg.ts_producer, ts_broker, msg.uid)
+    frame = encode_message(
+        msg.key_partition, msg.key, msg.payload, msg.ts_producer, ts_broker, msg.uid, vbucket, epoch, offset
+    )
     if max_frame_bytes is not None and len(frame) - 4 > max_frame_bytes:
         raise RemoteProtocolError(
             f"this Message re-encoded in the canonical layout would be a frame of {len(frame) - 4} "
@@ -326,10 +370,12 @@ def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
     uid: bytes | None
     try:  # reads past the buffer raise struct.error; past `end`, the checks below
         if head == HEADER_UID:
-            ts_p, ts_b, key_off, pay_off, uid, kp_len = _decode_uid(buf, f + TS_PRODUCER_AT)
+            ts_p, ts_b, epoch, offset, vb, key_off, pay_off, uid, kp_len = _decode_uid(
+                buf, f + TS_PRODUCER_AT
+            )
             kp_start = f + _FIXED_UID
         elif head == HEADER_NO_UID:
-            ts_p, ts_b, key_off, pay_off, kp_len = _decode_no_uid(buf, f + TS_PRODUCER_AT)
+            ts_p, ts_b, epoch, offset, vb, key_off, pay_off, kp_len = _decode_no_uid(buf, f + TS_PRODUCER_AT)
             kp_start = f + _FIXED_PLAIN
             uid = None
         else:
@@ -350,13 +396,16 @@ def decode_message(buf: Buffer, f: int = 0, end: int | None = None) -> Message:
         ts_p,
         ts_b,
         uid,
+        vb,
+        epoch,
+        offset,
     )
 
 
 def _decode_generic(buf: Buffer, f: int, end: int) -> Message:
     msg = _generic_table(buf, f, end)
     kp, key, payload, stamps = _generic_refs(msg)
-    ts_p, ts_b = _qq(buf, stamps)
+    ts_p, ts_b, epoch, offset, vb = _stamps.unpack_from(buf, stamps)
     uid_pos = msg.field(F_UID, UID_SIZE)
     return Message(
         bytes(buf[kp[0] : kp[1]]),
@@ -365,6 +414,9 @@ def _decode_generic(buf: Buffer, f: int, end: int) -> Message:
         ts_p,
         ts_b,
         bytes(buf[uid_pos : uid_pos + UID_SIZE]) if uid_pos else None,
+        vb,
+        epoch,
+        offset,
     )
 
 
@@ -401,7 +453,7 @@ def _generic_refs(msg: Table) -> tuple[tuple[int, int], tuple[int, int], tuple[i
         if not start:
             raise malformed(f"Message.{name} is required")
         spans.append((start, start + n))
-    stamps = msg.field(F_STAMPS, 16)
+    stamps = msg.field(F_STAMPS, _stamps.size)
     if not stamps:
         raise malformed("Message.stamps is required")
     return spans[0], spans[1], spans[2], stamps

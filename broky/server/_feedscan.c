@@ -4,9 +4,13 @@
  * canonical layout (broky.protocol.message) whose route is in the route cache,
  * and does for each exactly what the pure-Python loop of Shard.feed does:
  * check the frame's shape and the key's and payload's bounds, look the routing
- * bytes (key_partition and key vectors) up in the cache, count a message that
- * matches nobody, stamp ts_broker into the copy of the read, and group
- * consecutive messages with the same targets into runs. It stops, leaving the
+ * bytes (key_partition and key vectors) up in the cache (a route is the
+ * targets and the vbucket), give the message its vbucket's next offset (the
+ * sequences: 1024 x (epoch, next offset), broky.server.sequences), count a
+ * message that matches nobody, stamp ts_broker and the position into the copy
+ * of the read, record it in the replay buffer's index when there is one
+ * (broky.server.replay: 8 bytes appended to its vbucket's bytearray), and
+ * group consecutive messages with the same targets into runs. It stops, leaving the
  * frame at the returned position to the Python code, at anything else: a
  * frame of another kind or layout, a shape or bound the checks refuse, a route
  * not in the cache or not owned here, an incomplete frame. So the Python code
@@ -25,7 +29,8 @@
 
 #include "../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 2
+#define FEEDSCAN_VERSION 3
+#define VBUCKETS 1024
 
 static Layout layout;
 static int configured = 0;
@@ -38,12 +43,21 @@ u32_at(const unsigned char *p)
 }
 
 static inline void
-put_i64(unsigned char *p, int64_t value)
+put_u64(unsigned char *p, uint64_t v)
 {
-    uint64_t v = (uint64_t)value;
     for (int i = 0; i < 8; i++) {
         p[i] = (unsigned char)(v >> (8 * i));
     }
+}
+
+static inline uint64_t
+u64_at(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) {
+        v = (v << 8) | p[i];
+    }
+    return v;
 }
 
 static PyObject *
@@ -84,19 +98,22 @@ add_run(PyObject *runs, PyObject *targets, Py_ssize_t start, Py_ssize_t end, Py_
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(data, pos, buf, t0, routes, max_frame, runs) -> (pos, buf, published, unmatched)\n\n"
-"Handle the canonical Messages with a cached route from data[pos:], as Shard.feed's\n"
-"Python loop would; stop at the first frame that loop must handle itself. buf is the\n"
-"bytearray copy of data that is stamped (None until a message has targets: then it\n"
-"is made). Each run of consecutive messages with the same targets is appended to\n"
-"`runs` as (targets, start, end, count). Returns where it stopped, buf, the messages\n"
-"handled and how many of them matched nobody.");
+"scan(data, pos, buf, t0, routes, max_frame, runs, seqs, index, seg) -> (pos, buf, published, unmatched)\n\n"
+"Handle the canonical Messages with a cached route ((targets, vbucket)) from data[pos:], as\n"
+"Shard.feed's Python loop would; stop at the first frame that loop must handle itself. buf\n"
+"is the bytearray copy of data that is stamped (None until a message has targets, or any\n"
+"accepted message when there is an index: then it is made). seqs is the bytearray of the\n"
+"sequences (epoch, next offset per vbucket): each message takes its vbucket's next offset.\n"
+"index (the replay buffer's list of 1024 bytearrays, or None) gets seg << 32 | position\n"
+"appended for each message. Each run of consecutive messages with the same targets is\n"
+"appended to `runs` as (targets, start, end, count). Returns where it stopped, buf, the\n"
+"messages handled and how many of them matched nobody.");
 
 static PyObject *
 scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "scan() takes 7 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes 10 arguments");
         return NULL;
     }
     if (!configured) {
@@ -104,14 +121,20 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *data = args[0], *buf = args[2], *routes = args[4], *runs = args[6];
+    PyObject *seqs = args[7], *index = args[8];
     if (!PyBytes_CheckExact(data) || !PyDict_CheckExact(routes) || !PyList_CheckExact(runs)
-        || (buf != Py_None && !PyByteArray_CheckExact(buf))) {
-        PyErr_SetString(PyExc_TypeError, "scan(bytes, int, bytearray | None, int, dict, int, list)");
+        || (buf != Py_None && !PyByteArray_CheckExact(buf)) || !PyByteArray_CheckExact(seqs)
+        || PyByteArray_GET_SIZE(seqs) != VBUCKETS * 16
+        || (index != Py_None && (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != VBUCKETS))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "scan(bytes, int, bytearray | None, int, dict, int, list, bytearray(16384), "
+                        "list of 1024 bytearrays | None, int)");
         return NULL;
     }
     Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
     long long t0 = PyLong_AsLongLong(args[3]);
     unsigned long long max_frame = PyLong_AsUnsignedLongLong(args[5]);
+    unsigned long long seg = PyLong_AsUnsignedLongLong(args[9]);
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -129,6 +152,8 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     const unsigned char *header_uid = layout.header_uid, *header_no_uid = layout.header_no_uid;
     const Py_ssize_t header_at = layout.header_at, header_size = layout.header_size;
     const Py_ssize_t fixed_size = layout.fixed_size[1], ts_broker_at = layout.ts_broker_at;
+    const Py_ssize_t epoch_at = layout.epoch_at, offset_at = layout.offset_at, vbucket_at = layout.vbucket_at;
+    unsigned char *seq = (unsigned char *)PyByteArray_AS_STRING(seqs);
     const uint64_t key_uoffset_at = (uint64_t)layout.key_uoffset_at;
     const uint64_t payload_uoffset_at = (uint64_t)layout.payload_uoffset_at;
     const uint64_t vectors_at[2] = {(uint64_t)layout.vectors_at[0], (uint64_t)layout.vectors_at[1]};
@@ -170,23 +195,36 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (rkey == NULL) {
             goto error;
         }
-        PyObject *targets = PyDict_GetItemWithError(routes, rkey); /* borrowed */
+        PyObject *route = PyDict_GetItemWithError(routes, rkey); /* borrowed */
         Py_DECREF(rkey);
-        if (targets == NULL) {
+        if (route == NULL) {
             if (PyErr_Occurred()) {
                 goto error;
             }
             break; /* not cached: Shard.route decides */
         }
-        if (!PyTuple_CheckExact(targets)) {
+        if (!PyTuple_CheckExact(route) || PyTuple_GET_SIZE(route) != 2) {
             break; /* None: not this worker's vbucket */
+        }
+        PyObject *targets = PyTuple_GET_ITEM(route, 0);
+        long vb = PyLong_AsLong(PyTuple_GET_ITEM(route, 1));
+        if (!PyTuple_CheckExact(targets) || vb < 0 || vb >= VBUCKETS) {
+            PyErr_Clear();
+            break; /* not a route this loop knows: the Python code decides */
         }
         Py_ssize_t end = pos + (Py_ssize_t)end_at;
         published++;
-        if (PyTuple_GET_SIZE(targets) == 0) {
+        /* Accepted: the next offset of its vbucket is its own. */
+        unsigned char *s = seq + 16 * vb;
+        uint64_t epoch = u64_at(s), offset = u64_at(s + 8);
+        put_u64(s + 8, offset + 1);
+        int nobody = PyTuple_GET_SIZE(targets) == 0;
+        if (nobody) {
             unmatched++;
-            pos = end;
-            continue;
+            if (index == Py_None) { /* nobody gets it, nobody can ask for it later */
+                pos = end;
+                continue;
+            }
         }
         if (buf == Py_None) {
             Py_DECREF(buf);
@@ -196,7 +234,28 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 return NULL;
             }
         }
-        put_i64((unsigned char *)PyByteArray_AS_STRING(buf) + pos + ts_broker_at, (int64_t)t0);
+        unsigned char *frame = (unsigned char *)PyByteArray_AS_STRING(buf) + pos;
+        put_u64(frame + ts_broker_at, (uint64_t)t0);
+        put_u64(frame + epoch_at, epoch);
+        put_u64(frame + offset_at, offset);
+        frame[vbucket_at] = (unsigned char)(vb & 0xFF);
+        frame[vbucket_at + 1] = (unsigned char)(vb >> 8);
+        if (index != Py_None) { /* the replay buffer's index: seg << 32 | pos */
+            PyObject *ix = PyList_GET_ITEM(index, vb);
+            if (!PyByteArray_CheckExact(ix)) {
+                PyErr_SetString(PyExc_TypeError, "scan(): the index holds a bytearray per vbucket");
+                goto error;
+            }
+            Py_ssize_t len = PyByteArray_GET_SIZE(ix);
+            if (PyByteArray_Resize(ix, len + 8) < 0) {
+                goto error;
+            }
+            put_u64((unsigned char *)PyByteArray_AS_STRING(ix) + len, (uint64_t)(seg << 32 | (uint64_t)pos));
+        }
+        if (nobody) { /* retained; delivered to nobody */
+            pos = end;
+            continue;
+        }
         if (targets == run && pos == run_end) {
             run_end = end;
             run_n++;

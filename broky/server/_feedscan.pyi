@@ -12,5 +12,8 @@ def scan(
     routes: dict[Any, Any],
     max_frame: int,
     runs: list[Any],
+    seqs: bytearray,
+    index: list[bytearray] | None,
+    seg: int,
     /,
 ) -> tuple[int, bytearray | None, int, int]: ...

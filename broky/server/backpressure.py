@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
     from broky.server.logs import Throttle
+    from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -72,6 +73,7 @@ class Backpressure:
         warnings: Throttle
         max_reply_bytes: int
         budget: Budget
+        replay: ReplayBuffer | None
         _touched: list[Connection]
 
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
@@ -199,7 +201,8 @@ class Backpressure:
 
     def tick(self) -> None:
         """Periodic: slow consumer and truncated frame deadlines, stopped reads, the memory
-        budget made exact (and enforced), heap trim."""
+        budget made exact (and enforced), the replay buffer's age bound and stale index
+        entries, heap trim."""
         now = _monotonic()
         budget = self.budget
         if self.refresh_pending() > budget.peak:
@@ -223,6 +226,10 @@ class Backpressure:
                 self.slow_disconnect(c)
             elif c.rest and not c.held and now - c.partial_since > frame_timeout:
                 self.fatal(c, ErrorCode.TRUNCATED_FRAME, f"silence inside a frame for {frame_timeout:g} s")
+        replay = self.replay
+        if replay is not None:
+            replay.expire()
+            replay.trim_all()
         if (
             budget.freed_sub_bytes >= TRIM_AFTER_BYTES
             or (budget.peak >= min(TRIM_AFTER_PEAK, budget.share >> 2) and budget.pending < budget.peak >> 2)

@@ -16,17 +16,18 @@ What uses a share, by kind:
            updated once per touched connection per read and made exact from
            the transports at every tick and before any cut.
   others   anything else a worker keeps for its clients and can give back,
-           by name (the replay buffer will be one): `take` and `give`, and
-           what each took is in `taken`.
+           by name: `take` and `give`, and what each took is in `taken`.
+           The replay buffer ("replay", broky.server.replay) is one.
 
 The pending bytes may use what the other kinds leave (`room`). When they go
 over it, the shard cuts the connections with the most pending bytes until
 they are under the low mark (LOW_MARK of `room`); see
 broky.server.memory_budget. The other kinds never take room that the
 pending bytes use now: `take` fails instead, and the caller frees some of
-its own (the replay buffer evicts its oldest messages). Connections come
-first because their bytes are owed (each was counted as delivered); what the
-others take is an extra.
+its own (the replay buffer evicts its oldest messages). And when the pending
+bytes go over their room, the replay buffer gives room back before any
+connection is cut. Connections come first because their bytes are owed
+(each was counted as delivered); what the others take is an extra.
 
 It also keeps the bookkeeping of the heap trim that gives memory back after
 a burst or a subscription flood (broky.server.memory_budget, "Memory"): the

@@ -78,7 +78,9 @@ class ControlFrames:
         ) -> None: ...
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
 
-    def control(self, c: Connection, data: bytes, pos: int, end: int) -> None:
+    def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None:
+        """A control frame of c; t0: the clock reading stamped on the messages of this
+        read (a Pong carries it)."""
         frame = decode_frame(data, pos, end)
         kind = type(frame)
         if kind is Subscribe:
@@ -86,7 +88,7 @@ class ControlFrames:
         elif kind is Unsubscribe:
             self.unsubscribe(c, frame.sid)  # type: ignore[union-attr]
         elif kind is Ping:
-            self.reply(c, encode_frame(Pong(frame.id)))  # type: ignore[union-attr]
+            self.reply(c, encode_frame(Pong(frame.id, t0)))  # type: ignore[union-attr]
         elif kind is Pause:
             if c.out and not c.paused:  # queued before the Pause (a Pong among them): out now
                 self.stats.bytes_sent += self.write_out(c)

@@ -113,7 +113,7 @@ from broky.protocol.layout import (
     read_shape,
     struct_at,
 )
-from broky.protocol.message import BODY_MESSAGE, body_type, canonical_copy, pack_ts_into
+from broky.protocol.message import BODY_MESSAGE, body_type, canonical_copy, pack_stamp_into
 from broky.protocol.routing import vbucket_of
 from broky.protocol.table import Buffer
 from broky.server import fastpath
@@ -129,6 +129,8 @@ from broky.server.grace import Grace, RestartGrace
 from broky.server.logs import Throttle
 from broky.server.memory_budget import BudgetEnforcement
 from broky.server.ownership import Ownership
+from broky.server.replay import ReplayBuffer
+from broky.server.sequences import Sequences
 from broky.server.stats import Monitoring, WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -154,6 +156,8 @@ SHAPE_CACHE_SIZE = 4096
 # routing bytes); None for a valid canonical header whose vectors are not laid out
 # key_partition, key, payload (the generic read handles it).
 Shape = tuple[Callable[[Buffer, int], tuple[Any, ...]], int, int, int, int]
+# A route: the target connections of a key (interned) and its key_partition's vbucket.
+Route = tuple[tuple[Connection, ...], int]
 _time_ns = time.time_ns
 _monotonic = time.monotonic
 # A Shard keeps at most this many instance attributes. CPython 3.11 keeps an
@@ -207,8 +211,8 @@ class Shard(
         self.welcome: WelcomeTemplate
         self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
         # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
-        # for any other layout) -> target connections, or None when not our vbucket.
-        self.routes: dict[object, tuple[Connection, ...] | None] = {}
+        # for any other layout) -> (target connections, vbucket), or None when not our vbucket.
+        self.routes: dict[object, Route | None] = {}
         # Shapes of canonical Messages met so far, with and without uid (see `shape`).
         self.uid_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
         self.plain_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
@@ -224,10 +228,18 @@ class Shard(
         self.grace = Grace()
         self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
         # This worker's share of --memory-budget (broky.server.memory_budget; the replay buffer
-        # will draw from it too), and the heap trim's bookkeeping.
+        # draws from it too), and the heap trim's bookkeeping.
         self.budget = Budget(config.memory_budget // config.workers)
         # Called once per connection when it is gone (the worker tells the master).
         self.on_closed: Callable[[Connection], object] | None = None
+        # Every vbucket's epoch and next offset (broky.server.sequences), and the most
+        # recent stamped reads (broky.server.replay; None: --replay-bytes 0).
+        self.seqs = Sequences()
+        self.replay = (
+            ReplayBuffer(config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget)
+            if config.replay_bytes
+            else None
+        )
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
@@ -254,17 +266,21 @@ class Shard(
         uid_shapes = self.uid_shapes
         plain_shapes = self.plain_shapes
         startswith = data.startswith
+        seq = self.seqs.view  # [2 vb] epoch, [2 vb + 1] next offset
+        replay = self.replay
         buf: bytearray | None = None
+        seg = 0  # buf's segment id in the replay buffer
         run: tuple[Connection, ...] | None = None  # targets of the current run of messages
         run_start = run_end = run_n = 0
         published = delivered = unmatched = 0
         # The first frame of the current run, for a cheap "same route again" test:
         # size prefix and header, then the routing bytes that precede and follow
-        # the uid (the stamps and the uid differ from message to message).
+        # the uid (the stamps and the uid differ from message to message); and its
+        # vbucket (the same routing bytes: the same key_partition).
         same_head: bytes | None = None
         same_route = b""
         same_tail: bytes | None = None
-        same_len = 0
+        same_len = same_vb = 0
         pos = 0
         scan = self.scan
         runs: list[Any] = []
@@ -273,7 +289,14 @@ class Shard(
                 if scan is not None and n - pos >= CANONICAL_HEAD_SIZE:
                     # The compiled twin takes the canonical Messages with a cached route
                     # (broky.server.fastpath); what it stops at is handled below.
-                    pos, buf, handled, unrouted = scan(data, pos, buf, t0, routes, max_frame, runs)
+                    had = buf
+                    index = None if replay is None else replay.index
+                    pos, buf, handled, unrouted = scan(
+                        data, pos, buf, t0, routes, max_frame, runs, self.seqs.state, index,
+                        replay.next_id if replay is not None and buf is None else seg,
+                    )  # fmt: skip
+                    if buf is not had and replay is not None:
+                        seg = replay.retain(buf)  # the id the twin recorded its messages under
                     if handled:
                         published += handled
                         unmatched += unrouted
@@ -296,7 +319,12 @@ class Shard(
                     end = pos + same_len
                     if end > n:
                         break
-                    pack_ts_into(buf, pos + TS_BROKER_AT, t0)  # type: ignore[arg-type]
+                    at = 2 * same_vb + 1
+                    offset = seq[at]
+                    seq[at] = offset + 1
+                    pack_stamp_into(buf, pos + TS_BROKER_AT, t0, seq[at - 1], offset, same_vb)  # type: ignore[arg-type]
+                    if replay is not None:
+                        replay.record(same_vb, seg, pos)
                     run_end = end
                     run_n += 1
                     published += 1
@@ -351,7 +379,7 @@ class Shard(
                         if run is not None:
                             delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                             run = same_head = None
-                        self.reply(c, encode_pong(Pong(ping)))
+                        self.reply(c, encode_pong(Pong(ping, t0)))
                         pos = end
                         continue
                     try:
@@ -363,7 +391,7 @@ class Shard(
                         if run is not None:  # earlier deliveries go out before any reply
                             delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                             run = same_head = None
-                        self.control(c, data, pos, end)
+                        self.control(c, data, pos, end, t0)
                         pos = end
                         if c.state != OPEN:
                             break
@@ -371,34 +399,51 @@ class Shard(
                     rkey = (kp, key)
                 published += 1
                 try:
-                    targets = routes[rkey]
+                    route = routes[rkey]
                 except KeyError:
                     kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
-                    targets = self.route(rkey, kp, key)
-                if not targets:
-                    if targets is None:
-                        if run is not None:
-                            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
-                            run = same_head = None
-                        self.not_mine(c, data, pos, end)
-                    else:
-                        unmatched += 1
+                    route = self.route(rkey, kp, key)
+                if route is None:
+                    if run is not None:
+                        delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                        run = same_head = None
+                    self.not_mine(c, data, pos, end)
                     pos = end
                     continue
+                # Accepted: the next offset of its vbucket is its own (its position).
+                targets, vb = route
+                at = 2 * vb + 1
+                offset = seq[at]
+                seq[at] = offset + 1
+                if not targets:
+                    unmatched += 1
+                    if replay is None:  # nobody gets it, nobody can ask for it later
+                        pos = end
+                        continue
                 if ts_at is None:
-                    # Not the canonical layout: its ts_broker may share bytes with another
+                    # Not the canonical layout: its stamps may share bytes with another
                     # field, so it is not stamped in place but forwarded re-encoded (rare:
                     # Broky's SDK writes the canonical layout). The run so far goes first.
                     if run is not None:
                         delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                         run = same_head = None
-                    copy = bytearray(canonical_copy(data, pos, end, t0, max_frame))
-                    delivered += self.emit(copy, targets, 0, len(copy), 1)
+                    copy = bytearray(canonical_copy(data, pos, end, t0, max_frame, vb, seq[at - 1], offset))
+                    if replay is not None:
+                        replay.record(vb, replay.retain(copy), 0)
+                    if targets:
+                        delivered += self.emit(copy, targets, 0, len(copy), 1)
                     pos = end
                     continue
                 if buf is None:
                     buf = bytearray(data)
-                pack_ts_into(buf, ts_at, t0)
+                    if replay is not None:
+                        seg = replay.retain(buf)
+                pack_stamp_into(buf, ts_at, t0, seq[at - 1], offset, vb)
+                if replay is not None:
+                    replay.record(vb, seg, pos)
+                    if not targets:  # retained; delivered to nobody
+                        pos = end
+                        continue
                 if targets is run and pos == run_end:
                     run_end = end
                     run_n += 1
@@ -413,6 +458,7 @@ class Shard(
                     if shape is not None:  # canonical: the key ends before the payload's length
                         same_head = data[pos : pos + HEADER_END]
                         same_len = end - pos
+                        same_vb = vb
                         if route_at == _PLAIN_VECTORS_AT:
                             same_route = data[pos + STAMPS_END : pos + p_at + 4]
                             same_tail = None
@@ -491,11 +537,13 @@ class Shard(
         shapes[size, key_off, pay_off, kp_len] = shape
         return shape
 
-    def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[Connection, ...] | None:
-        """Slow path of the route cache: None if not our vbucket, else the target connections."""
-        targets: tuple[Connection, ...] | None
-        if not self.accepts[vbucket_of(kp)]:
-            targets = None
+    def route(self, rkey: object, kp: bytes, key: bytes) -> Route | None:
+        """Slow path of the route cache: None if not our vbucket, else the target
+        connections and the vbucket."""
+        route: Route | None
+        vb = vbucket_of(kp)
+        if not self.accepts[vb]:
+            route = None
         else:
             everyone, scoped = self.matcher.match(key)
             if scoped is not None:
@@ -503,16 +551,16 @@ class Shard(
                 if more:
                     everyone = everyone + more
             if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
-                return everyone  # neither cached nor interned: that would keep the big key alive
+                return everyone, vb  # neither cached nor interned: that would keep the big key alive
             # Equal target sets share one tuple, so runs of messages are found by identity.
-            targets = self._interned.setdefault(everyone, everyone)
+            route = self._interned.setdefault(everyone, everyone), vb
         if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
             return None
         if len(self.routes) >= ROUTE_CACHE_SIZE:
             self.routes.clear()
             self._interned.clear()
-        self.routes[rkey] = targets
-        return targets
+        self.routes[rkey] = route
+        return route
 
     def forget_routes(self) -> None:
         """Subscriptions changed: every cached route may be wrong."""

@@ -25,10 +25,12 @@ from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 2  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 3  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
-# scan(data, pos, buf, t0, routes, max_frame, runs) -> (pos, buf, published, unmatched)
-Scan = Callable[[bytes, int, Any, int, dict[Any, Any], int, list[Any]], tuple[int, Any, int, int]]
+# scan(data, pos, buf, t0, routes, max_frame, runs, seqs, index, seg) -> (pos, buf, published, unmatched)
+Scan = Callable[
+    [bytes, int, Any, int, dict[Any, Any], int, list[Any], bytearray, Any, int], tuple[int, Any, int, int]
+]
 
 
 def pure_requested() -> bool:

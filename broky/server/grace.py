@@ -79,7 +79,7 @@ class RestartGrace:
         _touched: list[Connection]
 
         def feed(self, c: Connection, data: bytes) -> None: ...
-        def control(self, c: Connection, data: bytes, pos: int, end: int) -> None: ...
+        def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None: ...
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
         def flush(self) -> None: ...
 
@@ -164,7 +164,7 @@ class RestartGrace:
                     self.grace.held.append(c)
                     c.transport.pause_reading()
                     break
-                self.control(c, data, pos, end)
+                self.control(c, data, pos, end, time.time_ns())
                 pos = end
                 if c.state != OPEN:
                     break

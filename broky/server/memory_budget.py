@@ -17,7 +17,9 @@ over the budget's room calls `enforce_budget` once the read is written
 (`budget.peaked`: one test per read). That first makes the total exact
 (`refresh_pending`: every transport's write buffer, as `tick` does four
 times a second), since buffers drain unseen between writes; if still over,
-it cuts the connections with the most pending bytes first, until the total
+the replay buffer gives room back first (broky.server.replay, `shrink`: as
+much of what it retains as it takes to bring the total under the low mark),
+and if that is not enough, it cuts the connections with the most pending bytes first, until the total
 is under the low mark (a quarter below the room): `cut` aborts the transport
 (its buffer freed at once), closes the connection as if lost, and marks its
 account (broky.server.accounts, `cut`). The client is not told then (its
@@ -47,10 +49,12 @@ at most once per TRIM_INTERVAL seconds: 53-64 MB after the same flood, for
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
 from broky.server import memory
+from broky.server.budget import LOW_MARK
 from broky.server.connection import Connection
 
 if TYPE_CHECKING:
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
     from broky.server.budget import Budget
     from broky.server.connection import Plan, Subscription
     from broky.server.logs import Throttle
+    from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -85,6 +90,7 @@ class BudgetEnforcement:
         conns: dict[int, Connection]
         warnings: Throttle
         budget: Budget
+        replay: ReplayBuffer | None
 
         def lost(self, c: Connection, exc: Exception | None) -> None: ...
 
@@ -124,6 +130,14 @@ class BudgetEnforcement:
         total = self.refresh_pending()
         if total <= budget.room:
             return
+        replay = self.replay
+        if replay is not None and replay.bytes:
+            # Owed bytes before an extra: the replay buffer makes room (down to the low mark).
+            wanted = math.ceil(total / LOW_MARK) - budget.room
+            replay.shrink(max(0, replay.bytes - wanted))
+            self.stats.replay_shrinks += 1
+            if total <= budget.room:
+                return
         low = budget.low
         worst = sorted(self.conns.values(), key=_charged, reverse=True)
         cut = freed = 0

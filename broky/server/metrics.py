@@ -77,6 +77,17 @@ COUNTERS = (
         "budget_cut_bytes",
         "Pending outbound bytes freed by closing connections for the memory budget.",
     ),
+    (
+        "broky_replay_evicted_messages_total",
+        "replay_evicted_messages",
+        "Messages that left the replay buffer for its bounds (--replay-bytes, --replay-max-age, "
+        "the memory budget); a subscriber asking for one is told (evicted).",
+    ),
+    (
+        "broky_replay_shrinks_total",
+        "replay_shrinks",
+        "Times the replay buffer gave memory back so that no connection had to be cut for the budget.",
+    ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
     (
@@ -105,6 +116,8 @@ GAUGES = (
         "pending_bytes",
         "Outbound bytes queued to the worker's connections (as counted against its memory budget).",
     ),
+    ("broky_replay_bytes", "replay_bytes", "Bytes of messages retained for replay."),
+    ("broky_replay_messages", "replay_messages", "Messages retained for replay."),
     (
         "broky_memory_budget_bytes",
         "memory_budget",

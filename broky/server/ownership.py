@@ -18,6 +18,12 @@ later connections carries it, and the route cache is emptied) and pushed to
 every welcomed client as a MapUpdate, a reply (never dropped). Clients answer
 MapApplied once they follow it; the cluster moves vbuckets only when every
 connection with subscriptions has (`map_ready`).
+
+Sequences: a vbucket's offsets (broky.server.sequences) count on the worker
+that accepts its publishes. One that comes here starts a new sequence, under
+a new epoch; one that goes leaves its retained messages behind (dropped,
+counted in `replay_dropped_messages`), and its sequence ends
+(`follow_sequences`).
 """
 
 from __future__ import annotations
@@ -27,11 +33,21 @@ from typing import TYPE_CHECKING, Any
 
 from broky import __version__
 from broky.errors import ErrorCode
-from broky.protocol import MapUpdate, VBucketMap, Welcome, WelcomeTemplate, encode_frame, route_message
+from broky.protocol import (
+    VBUCKETS,
+    MapUpdate,
+    VBucketMap,
+    Welcome,
+    WelcomeTemplate,
+    encode_frame,
+    route_message,
+)
 from broky.server.connection import OPEN, Connection
 
 if TYPE_CHECKING:
     from broky.server.config import ServerConfig
+    from broky.server.replay import ReplayBuffer
+    from broky.server.sequences import Sequences
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -49,6 +65,8 @@ class Ownership:
         welcome: WelcomeTemplate
         stats: WorkerStats
         conns: dict[int, Connection]
+        seqs: Sequences
+        replay: ReplayBuffer | None
 
         def forget_routes(self) -> None: ...
         def flush(self) -> None: ...
@@ -64,9 +82,12 @@ class Ownership:
         self.map = vmap
         self.owned = bytes(1 if owner == mine else 0 for owner in vmap.owners)
         incoming = vmap.incoming or ()
+        accepted = self.accepts
         self.accepts = bytes(
             1 if owned or (incoming and incoming[vb] == mine) else 0 for vb, owned in enumerate(self.owned)
         )
+        if accepted:  # not the first map: sequences of vbuckets that came or went
+            self.follow_sequences(accepted, self.accepts)
         config = self.config
         self.welcome = WelcomeTemplate(
             Welcome(
@@ -79,6 +100,18 @@ class Ownership:
             )
         )
         self.forget_routes()
+
+    def follow_sequences(self, before: bytes, after: bytes) -> None:
+        """A vbucket that came here starts a new sequence (a new epoch, offsets from 1);
+        one that went forgets its retained messages, and starts a new sequence too,
+        should it ever come back. Subscribers that resume at its new owner from a
+        position of the old epoch are told (LossReason EPOCH_CHANGED)."""
+        seqs, replay = self.seqs, self.replay
+        for vb in range(VBUCKETS):
+            if before[vb] != after[vb]:
+                if replay is not None and not after[vb]:
+                    self.stats.replay_dropped_messages += replay.drop_vbucket(vb)
+                seqs.restart(vb)
 
     def apply_map(self, vmap: VBucketMap) -> None:
         """A newer map from the master: take it and push it to every client (MapUpdate).

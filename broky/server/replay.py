@@ -11,16 +11,19 @@ which segment each retained message of a vbucket starts. Storing a message
 therefore costs no copy and no object: 8 bytes appended to its vbucket's
 index.
 
-    segments   oldest first: (segment id, bytes); ids only grow
+    segments   oldest first: (segment id, bytes, when added); ids only grow
     index[vb]  a bytearray of little-endian u64, one per retained message of
                vb in offset order: segment id << 32 | position of the frame's
                first byte in that segment
-    base[vb]   the offset of index[vb]'s first entry
 
-Offsets are consecutive per vbucket (every accepted message gets one), so the
-message with offset o is entry o - base[vb]: a lookup by position is an index,
-a lookup by time a binary search over ts_broker, read from the frames
-themselves (`ts_at`).
+Offsets are consecutive per vbucket (every accepted message gets one, and
+every one is recorded here), so the retained messages of vb are the offsets
+next - count .. next - 1, where next is the vbucket's next offset
+(broky.server.sequences) and count its index's entries: the message with
+offset o is entry o - (next - count). A lookup by position is an index, a
+lookup by time a binary search over ts_broker, read from the frames
+themselves (`ts_at`). The compiled read path appends to the same bytearrays
+(broky.server._feedscan).
 
 Bounds. `limit` bytes of segments (`--replay-bytes`, per worker). When a new
 segment takes the total over it, the oldest segments go first, whole; their
@@ -29,9 +32,21 @@ prefix is cut when it is next read, and by `trim_all`, which the worker's
 tick calls), so eviction costs nothing per message either. An age bound
 (`max_age`, seconds) evicts segments older than that the same way.
 
+The retained bytes are drawn from the worker's share of --memory-budget
+(broky.server.budget, kind "replay"): every segment is taken from it when it
+is kept and given back when it goes, so `budget.taken["replay"]` is always
+`bytes`. When the share has no room for a new segment the oldest go until it
+has; when nothing is left to evict, the new segment is not kept either (its
+messages are evicted at once). And when the connections' pending bytes need
+the room, the worker shrinks the buffer before it cuts any connection
+(`shrink`, from broky.server.memory_budget): what a subscriber is owed comes
+before what one might ask for later. Every message that leaves the buffer is
+counted (`evicted_messages`), and a subscriber that asks for it is told
+(LossReason EVICTED).
+
 Epochs. The buffer holds messages of the current epoch of each vbucket only:
 `drop_vbucket` forgets a vbucket whose sequence ends here (it moved away, or
-a new epoch starts), and its entries.
+a new epoch starts), and its entries; the caller restarts its sequence.
 
 The buffer is sans-I/O: the worker appends (`retain`, `record`) on its read
 path and reads (`read`, `first`, `offset_at_time`) when a subscription asks
@@ -46,9 +61,14 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from broky.protocol import VBUCKETS
 from broky.protocol.layout import TS_BROKER_AT
+from broky.server.sequences import Sequences
+
+if TYPE_CHECKING:
+    from broky.server.budget import Budget
 
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
@@ -60,21 +80,29 @@ class ReplayBuffer:
     """The retained messages of one worker's vbuckets (see the module's header)."""
 
     def __init__(
-        self, limit: int, max_age: float | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        limit: int,
+        seqs: Sequences,
+        max_age: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        budget: Budget | None = None,
     ) -> None:
         if limit < 0:
             raise ValueError(f"replay limit must be >= 0 bytes, not {limit}")
         self.limit = limit
+        self.seqs = seqs
         self.max_age = max_age
         self.clock = clock
+        self.budget = budget  # the worker's share of --memory-budget, or None: `limit` alone bounds it
         self.segments: deque[tuple[int, bytearray | bytes, float]] = deque()  # (id, bytes, added at)
         self.by_id: dict[int, bytearray | bytes] = {}
         self.bytes = 0  # bytes of the retained segments
         self.next_id = 1
         self.live = 1  # the oldest segment id still retained (ids below it are evicted)
         self.index = [bytearray() for _ in range(VBUCKETS)]
-        self.base = [1] * VBUCKETS  # offset of index[vb]'s first entry
         self.evicted_messages = 0  # messages whose segment was evicted (counted when trimmed)
+        self.trimmed_at = 1  # `live` when every index was last trimmed
+        self.segments_refused = 0  # new segments not kept: the memory budget had no room at all
 
     @property
     def enabled(self) -> bool:
@@ -84,34 +112,53 @@ class ReplayBuffer:
 
     def retain(self, segment: bytearray | bytes) -> int:
         """Keep `segment` (a stamped copy of a read); its id, for `record`. Evicts the
-        oldest segments while the total is over the limit (never the new one)."""
+        oldest segments while the total is over the limit (never the new one), or while
+        the memory budget has no room for it (then the new one too, if it must)."""
         seg_id = self.next_id
         self.next_id = seg_id + 1
+        n = len(segment)
+        budget = self.budget
+        if budget is not None and not budget.take("replay", n):
+            while True:
+                if not self.segments:  # nothing left to give back: not kept
+                    self.live = seg_id + 1
+                    self.segments_refused += 1
+                    return seg_id
+                self._drop_oldest()
+                if budget.take("replay", n):
+                    break
         self.segments.append((seg_id, segment, self.clock()))
         self.by_id[seg_id] = segment
-        self.bytes += len(segment)
+        self.bytes += n
         if self.bytes > self.limit:
             self._evict_to(self.limit)
         return seg_id
 
-    def record(self, vb: int, offset: int, seg_id: int, pos: int) -> None:
-        """The message with `offset` of vbucket `vb` starts at `pos` in segment `seg_id`
-        (offsets of one vbucket are recorded in order, none skipped)."""
-        index = self.index[vb]
-        if not index:
-            self.base[vb] = offset
-        index += _entry.pack(seg_id << SEGMENT_SHIFT | pos)
+    def record(self, vb: int, seg_id: int, pos: int) -> None:
+        """The message of vbucket `vb` that just got its offset (the one before the
+        vbucket's next) starts at `pos` in segment `seg_id`."""
+        self.index[vb] += _entry.pack(seg_id << SEGMENT_SHIFT | pos)
+
+    def base(self, vb: int) -> int:
+        """The offset of vb's first index entry."""
+        return self.seqs.next_of(vb) - len(self.index[vb]) // 8
 
     # ---------------------------------------------------------------- bounds
+
+    def _drop_oldest(self) -> None:
+        seg_id, segment, _ = self.segments.popleft()
+        del self.by_id[seg_id]
+        n = len(segment)
+        self.bytes -= n
+        self.live = seg_id + 1
+        if self.budget is not None:
+            self.budget.give("replay", n)
 
     def _evict_to(self, target: int) -> None:
         """Drop the oldest segments until their bytes are at most `target` (the newest stays)."""
         segments = self.segments
         while self.bytes > target and len(segments) > 1:
-            seg_id, segment, _ = segments.popleft()
-            del self.by_id[seg_id]
-            self.bytes -= len(segment)
-            self.live = seg_id + 1
+            self._drop_oldest()
 
     def expire(self, now: float | None = None) -> None:
         """Drop the segments older than `max_age` (the worker's tick)."""
@@ -120,14 +167,15 @@ class ReplayBuffer:
         now = self.clock() if now is None else now
         segments = self.segments
         while segments and now - segments[0][2] > self.max_age:
-            seg_id, segment, _ = segments.popleft()
-            del self.by_id[seg_id]
-            self.bytes -= len(segment)
-            self.live = seg_id + 1
+            self._drop_oldest()
 
-    def shrink(self, target: int) -> None:
-        """Give memory back: at most `target` bytes retained (the memory budget asked)."""
-        self._evict_to(target)
+    def shrink(self, target: int) -> int:
+        """Give memory back: at most `target` bytes retained, the newest segment too if it
+        must (the memory budget asked); the bytes given back."""
+        before = self.bytes
+        while self.bytes > target and self.segments:
+            self._drop_oldest()
+        return before - self.bytes
 
     def _trim(self, vb: int) -> None:
         """Cut vb's index entries whose segments were evicted."""
@@ -139,11 +187,14 @@ class ReplayBuffer:
                 return
             stale = bisect.bisect_left(entries, self.live << SEGMENT_SHIFT)
         del index[: 8 * stale]
-        self.base[vb] += stale
         self.evicted_messages += stale
 
     def trim_all(self) -> None:
-        """Cut every vbucket's stale index entries (the worker's tick)."""
+        """Cut every vbucket's stale index entries (the worker's tick; nothing to do
+        unless a segment went since the last time)."""
+        if self.live == self.trimmed_at:
+            return
+        self.trimmed_at = self.live
         for vb in range(VBUCKETS):
             self._trim(vb)
 
@@ -154,12 +205,24 @@ class ReplayBuffer:
         self.index[vb] = bytearray()
         return n
 
+    def snapshot(self) -> dict[str, int]:
+        """For /stats and the metrics (trims every vbucket first: exact counts)."""
+        self.trim_all()
+        return {
+            "replay_bytes": self.bytes,
+            "replay_limit": self.limit,
+            "replay_segments": len(self.segments),
+            "replay_messages": sum(len(index) for index in self.index) // 8,
+            "replay_evicted_messages": self.evicted_messages,
+            "replay_segments_refused": self.segments_refused,
+        }
+
     # ---------------------------------------------------------------- lookups
 
     def first(self, vb: int) -> int | None:
         """The oldest retained offset of vb, or None when none is retained."""
         self._trim(vb)
-        return self.base[vb] if self.index[vb] else None
+        return self.base(vb) if self.index[vb] else None
 
     def count(self, vb: int) -> int:
         self._trim(vb)
@@ -176,7 +239,7 @@ class ReplayBuffer:
         index = self.index[vb]
         if not index:
             return []
-        base = self.base[vb]
+        base = self.base(vb)
         lo = max(start, base) - base
         hi = min(stop - base, len(index) // 8)
         if lo >= hi:
@@ -192,7 +255,7 @@ class ReplayBuffer:
     def ts_at(self, vb: int, offset: int) -> int:
         """ts_broker of the retained message `offset` of vb."""
         with memoryview(self.index[vb]) as raw, raw.cast("Q") as entries:
-            entry = entries[offset - self.base[vb]]
+            entry = entries[offset - self.base(vb)]
         segment, pos = self._locate(entry)
         return int(_i64(segment, pos + TS_BROKER_AT)[0])
 
@@ -203,7 +266,7 @@ class ReplayBuffer:
         n = len(self.index[vb]) // 8
         if n == 0:
             return None
-        base = self.base[vb]
+        base = self.base(vb)
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi) // 2

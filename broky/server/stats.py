@@ -7,7 +7,8 @@ happens (the read path adds up its counts and bumps them once per read) and
 never locked: a worker is one thread. For /stats and /metrics the master
 asks each worker over the control channel (a STATS request, answered by
 broky.server.monitor `answer`); `snapshot` copies the counters and adds what
-is read only then (the matcher's sizes, RSS, the memory budget's use).
+is read only then (the matcher's sizes, RSS, the memory budget's use, the
+replay buffer's).
 """
 
 from __future__ import annotations
@@ -24,8 +25,18 @@ if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.connection import Plan, Subscription
+    from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
+# The replay buffer's fields of a snapshot when there is none (--replay-bytes 0).
+REPLAY_OFF = {
+    "replay_bytes": 0,
+    "replay_limit": 0,
+    "replay_segments": 0,
+    "replay_messages": 0,
+    "replay_evicted_messages": 0,
+    "replay_segments_refused": 0,
+}
 
 
 class WorkerStats:
@@ -65,6 +76,8 @@ class WorkerStats:
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
         self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
+        self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
+        self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
@@ -87,6 +100,7 @@ class Monitoring:
         matcher: Matcher[Subscription, Plan]
         stats: WorkerStats
         budget: Budget
+        replay: ReplayBuffer | None
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter, for the master's /stats and the metrics exporter."""
@@ -112,5 +126,6 @@ class Monitoring:
             pending_bytes=self.budget.pending,
             memory_budget=self.budget.share,
             budget=self.budget.snapshot(),
+            **(self.replay.snapshot() if self.replay is not None else REPLAY_OFF),
         )
         return data
