@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     SUBSCRIPTION_LIMIT = _WireErrorCode.SUBSCRIPTION_LIMIT
     BAD_SID = _WireErrorCode.BAD_SID
     TOO_MANY_CONNECTIONS = _WireErrorCode.TOO_MANY_CONNECTIONS
+    BAD_POSITION = _WireErrorCode.BAD_POSITION
 
 
 class BrokyError(Exception):

@@ -48,6 +48,7 @@ from broky.protocol import (
     PreviousConnection,
     Read,
     ReadDone,
+    Replay,
     Resume,
     Resumed,
     Subscribe,
@@ -161,6 +162,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.none() | texts,
         st.none() | texts,
         st.none() | st.builds(PreviousConnection, u64, u64, u64),
+        st.booleans(),
     ),
     st.builds(
         Subscribe,
@@ -177,7 +179,8 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(Ping, u64),
     st.builds(Pong, u64, i64),
     st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
-    st.builds(LossNotice, u64, u8),
+    st.builds(LossNotice, u64, u8, u32, st.none() | positions),
+    st.builds(Replay, u32, u32, i64, u32),
     st.builds(Goodbye, st.none() | texts, u64),
     st.builds(MapApplied, u64),
     st.builds(
@@ -302,7 +305,14 @@ def generated_read(frame: bytes) -> Frame:
             if p is None
             else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10))
         )
-        return Hello(h.ProtocolVersion(), h.Worker(), _text(h.ClientName()), _text(h.AuthToken()), previous)
+        return Hello(
+            h.ProtocolVersion(),
+            h.Worker(),
+            _text(h.ClientName()),
+            _text(h.AuthToken()),
+            previous,
+            h.Positions(),
+        )
     if kind == Body.Welcome:
         w = body(fbs.Welcome)
         return Welcome(
@@ -344,7 +354,16 @@ def generated_read(frame: bytes) -> Frame:
         return Error(e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid(), _vec(e._tab, 14))
     if kind == Body.LossNotice:
         n = body(fbs.LossNotice)
-        return LossNotice(n.Dropped(), n.Reason())
+        at = n.At()
+        return LossNotice(
+            n.Dropped(),
+            n.Reason(),
+            n.Sid(),
+            None if at is None else Position(at.Vbucket(), at.Epoch(), at.Offset()),
+        )
+    if kind == Body.Replay:
+        r = body(fbs.Replay)
+        return Replay(r.Sid(), r.Messages(), r.Ts(), r.Rid())
     if kind == Body.Goodbye:
         g = body(fbs.Goodbye)
         return Goodbye(_text(g.Reason()), g.Processed())
@@ -390,6 +409,7 @@ _BODY_TYPES: dict[type, int] = {
     MapApplied: Body.MapApplied,
     Read: Body.Read,
     ReadDone: Body.ReadDone,
+    Replay: Body.Replay,
 }
 
 
@@ -522,6 +542,8 @@ class Writer:
                 adders.append(lambda: fbs.HelloAddClientName(b, r["name"]))
             if "token" in r:
                 adders.append(lambda: fbs.HelloAddAuthToken(b, r["token"]))
+            if frame.positions or self.draw(st.booleans()):
+                adders.append(lambda: fbs.HelloAddPositions(b, frame.positions))
             return self.table(fbs.HelloStart, fbs.HelloEnd, adders)
         if isinstance(frame, Welcome):
             vmap = self.vmap(frame.map)
@@ -636,6 +658,28 @@ class Writer:
                 [
                     lambda: fbs.LossNoticeAddDropped(b, frame.dropped),
                     lambda: fbs.LossNoticeAddReason(b, frame.reason),
+                    lambda: fbs.LossNoticeAddSid(b, frame.sid),
+                ]
+                + (
+                    []
+                    if frame.at is None
+                    else [
+                        lambda: fbs.LossNoticeAddAt(
+                            b,
+                            fbs.CreatePosition(b, frame.at.epoch, frame.at.offset, frame.at.vbucket),  # type: ignore[union-attr]
+                        )
+                    ]
+                ),
+            )
+        if isinstance(frame, Replay):
+            return self.table(
+                fbs.ReplayStart,
+                fbs.ReplayEnd,
+                [
+                    lambda: fbs.ReplayAddSid(b, frame.sid),
+                    lambda: fbs.ReplayAddRid(b, frame.rid),
+                    lambda: fbs.ReplayAddMessages(b, frame.messages),
+                    lambda: fbs.ReplayAddTs(b, frame.ts),
                 ],
             )
         if isinstance(frame, MapUpdate):

@@ -64,11 +64,14 @@ class Wire:
         token: str | None = None,
         name: str | None = "test",
         previous: PreviousConnection | None = None,
+        positions: bool = False,
         **kwargs: Any,
     ) -> Wire:
         """Connect, send Hello (naming `previous`, for a reconnect) and expect the Welcome."""
         w = cls(address, **kwargs)
-        w.send(Hello(worker=worker, client_name=name, auth_token=token, previous=previous))
+        w.send(
+            Hello(worker=worker, client_name=name, auth_token=token, previous=previous, positions=positions)
+        )
         w.welcome = w.expect(Welcome)
         return w
 

@@ -46,6 +46,11 @@ class ErrorCode(object):
     # The handshake is refused: the client's address holds as many
     # connections as the server allows (--max-connections-per-address).
     TOO_MANY_CONNECTIONS = 20
+    # A Subscribe or Read named a position this worker cannot start from: an
+    # offset past the last one it accepted in that epoch, a vbucket named twice,
+    # or one it does not own. Not fatal: that vbucket starts live (Subscribe),
+    # or is skipped (Read); sid or rid set.
+    BAD_POSITION = 21
 
 
 class LossReason(object):
@@ -100,6 +105,7 @@ class Body(object):
     MapApplied = 14
     Read = 15
     ReadDone = 16
+    Replay = 17
 
 
 # Timestamps of a message, in nanoseconds since the Unix epoch (0 = not set),
@@ -463,7 +469,8 @@ class Hello(object):
     def Init(self, buf, pos):
         self._tab = flatbuffers.table.Table(buf, pos)
 
-    # Protocol version the client speaks; this document describes version 1.
+    # Protocol version the client speaks; this document describes version 2
+    # (absent: 1, which a version-2 server refuses: schema/README.md section 11).
     # Hello
     def ProtocolVersion(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
@@ -506,12 +513,24 @@ class Hello(object):
             return obj
         return None
 
-def HelloStart(builder): builder.StartObject(5)
+    # The client resubscribes `since` the positions it received (section
+    # 5.1): deliveries queued to `previous` that it did not receive are
+    # replayed, not told lost (CONNECTION_LOST), when the worker retains
+    # messages (--replay-bytes > 0).
+    # Hello
+    def Positions(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+def HelloStart(builder): builder.StartObject(6)
 def HelloAddProtocolVersion(builder, protocolVersion): builder.PrependUint16Slot(0, protocolVersion, 1)
 def HelloAddWorker(builder, worker): builder.PrependInt16Slot(1, worker, -1)
 def HelloAddClientName(builder, clientName): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(clientName), 0)
 def HelloAddAuthToken(builder, authToken): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(authToken), 0)
 def HelloAddPrevious(builder, previous): builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(previous), 0)
+def HelloAddPositions(builder, positions): builder.PrependBoolSlot(5, positions, 0)
 def HelloEnd(builder): return builder.EndObject()
 
 
@@ -1370,10 +1389,96 @@ class LossNotice(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-def LossNoticeStart(builder): builder.StartObject(2)
+    # The subscription concerned (a start from positions, section 5.1), 0:
+    # the connection's deliveries.
+    # LossNotice
+    def Sid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # With sid: the first position missing (EPOCH_CHANGED: the one after
+    # the position the client named, in its old epoch).
+    # LossNotice
+    def At(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def LossNoticeStart(builder): builder.StartObject(4)
 def LossNoticeAddDropped(builder, dropped): builder.PrependUint64Slot(0, dropped, 0)
 def LossNoticeAddReason(builder, reason): builder.PrependUint8Slot(1, reason, 0)
+def LossNoticeAddSid(builder, sid): builder.PrependUint32Slot(2, sid, 0)
+def LossNoticeAddAt(builder, at): builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(at), 0)
 def LossNoticeEnd(builder): return builder.EndObject()
+
+
+# Server -> client: the next `messages` Message frames on this connection are
+# retained messages for subscription `sid` only (or read `rid`), in offset
+# order per vbucket (section 5.1). Exactly one of sid and rid is set.
+class Replay(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Replay()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsReplay(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ReplayBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # Replay
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Replay
+    def Sid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # Replay
+    def Rid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # Replay
+    def Messages(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # The server's clock (ns) when the Subscribe or Read was processed: the
+    # live messages that follow have a ts_broker at least this.
+    # Replay
+    def Ts(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+def ReplayStart(builder): builder.StartObject(4)
+def ReplayAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
+def ReplayAddRid(builder, rid): builder.PrependUint32Slot(1, rid, 0)
+def ReplayAddMessages(builder, messages): builder.PrependUint32Slot(2, messages, 0)
+def ReplayAddTs(builder, ts): builder.PrependInt64Slot(3, ts, 0)
+def ReplayEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the vbucket map changed. Sent on every connection as soon

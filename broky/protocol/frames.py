@@ -33,7 +33,7 @@ from broky.protocol.message import (
 from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # schema/README.md, section 11: what changed since version 1
 ANY_WORKER = -1
 RESUME_TOKEN_BYTES = 16  # Welcome.resume_token, as the server issues it
 
@@ -86,6 +86,7 @@ class Hello(NamedTuple):
     client_name: str | None = None
     auth_token: str | None = None
     previous: PreviousConnection | None = None
+    positions: bool = False  # resubscribes `since` its positions: queued deliveries are replayed, not told
 
 
 class Resumed(NamedTuple):
@@ -159,6 +160,18 @@ class Error(NamedTuple):
 class LossNotice(NamedTuple):
     dropped: int
     reason: int = LossReason.SLOW_CONSUMER
+    sid: int = 0  # the subscription concerned (a start from positions), 0: the connection's deliveries
+    at: Position | None = None  # with sid: the first position missing
+
+
+class Replay(NamedTuple):
+    """Server -> client: the next `messages` Message frames are retained messages for one
+    subscription (sid) or read (rid) only (schema/README.md 5.1)."""
+
+    sid: int
+    messages: int
+    ts: int = 0  # the server's clock (ns) when the Subscribe or Read was processed
+    rid: int = 0
 
 
 class Goodbye(NamedTuple):
@@ -203,7 +216,7 @@ class ReadDone(NamedTuple):
 
 Frame = (
     Message | Hello | Welcome | Subscribe | Unsubscribe | Pause | Resume | Ping | Pong | Error
-    | LossNotice | Goodbye | MapUpdate | MapApplied | Read | ReadDone
+    | LossNotice | Goodbye | MapUpdate | MapApplied | Read | ReadDone | Replay
 )  # fmt: skip
 
 
@@ -272,6 +285,8 @@ def encode_hello(hello: Hello) -> bytes:
         fbs.HelloAddAuthToken(b, token)
     if previous:
         fbs.HelloAddPrevious(b, previous)
+    if hello.positions:
+        fbs.HelloAddPositions(b, True)
     return _finish(b, Body.Hello, fbs.HelloEnd(b))
 
 
@@ -614,7 +629,25 @@ def encode_loss_notice(notice: LossNotice) -> bytes:
     fbs.LossNoticeStart(b)
     fbs.LossNoticeAddDropped(b, notice.dropped)
     fbs.LossNoticeAddReason(b, notice.reason)
+    if notice.sid:
+        fbs.LossNoticeAddSid(b, notice.sid)
+    if notice.at is not None:
+        at = notice.at
+        fbs.LossNoticeAddAt(b, fbs.CreatePosition(b, at.epoch, at.offset, at.vbucket))
     return _finish(b, Body.LossNotice, fbs.LossNoticeEnd(b))
+
+
+@_encoder
+def encode_replay(replay: Replay) -> bytes:
+    b = flatbuffers.Builder(48)
+    fbs.ReplayStart(b)
+    if replay.sid:
+        fbs.ReplayAddSid(b, replay.sid)
+    if replay.rid:
+        fbs.ReplayAddRid(b, replay.rid)
+    fbs.ReplayAddMessages(b, replay.messages)
+    fbs.ReplayAddTs(b, replay.ts)
+    return _finish(b, Body.Replay, fbs.ReplayEnd(b))
 
 
 @_encoder
@@ -663,6 +696,7 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     MapApplied: encode_map_applied,
     Read: encode_read,
     ReadDone: encode_read_done,
+    Replay: encode_replay,
 }
 
 
@@ -721,7 +755,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
             if prev is None
             else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2), prev.byte_vector(3))
         )
-        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous)
+        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous, t.boolean(5))
     if kind == Body.Welcome:
         vmap = t.table(4)
         res = t.table(8)
@@ -760,7 +794,12 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Error:
         return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4), t.byte_vector(5))
     if kind == Body.LossNotice:
-        return LossNotice(t.u64(0), t.u8(1))
+        at = t.field(3, _position.size)
+        position = None
+        if at:
+            epoch, offset, vbucket = _position.unpack_from(t.buf, at)
+            position = Position(vbucket, epoch, offset)
+        return LossNotice(t.u64(0), t.u8(1), t.u32(2), position)
     if kind == Body.Goodbye:
         return Goodbye(t.string(0), t.u64(1))
     if kind == Body.MapUpdate:
@@ -780,6 +819,8 @@ def _decode_body(kind: int, t: Table) -> Frame:
         )
     if kind == Body.ReadDone:
         return ReadDone(t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6))
+    if kind == Body.Replay:
+        return Replay(t.u32(0), t.u32(2), t.i64(3), t.u32(1))
     raise UnknownFrameError(kind)
 
 
@@ -857,6 +898,7 @@ __all__ = [
     "Ping",
     "Pong",
     "PreviousConnection",
+    "Replay",
     "Resume",
     "Resumed",
     "Subscribe",

@@ -65,7 +65,7 @@ from broky.protocol.layout import (
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
-BODY_LAST: int = Body.ReadDone
+BODY_LAST: int = Body.Replay
 
 _u32 = struct.Struct("<I").unpack_from
 _qq = struct.Struct("<qq").unpack_from
