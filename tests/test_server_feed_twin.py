@@ -109,7 +109,7 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
         "stats": snap,
         "sequences": bytes(shard.seqs.state),  # every vbucket's epoch and next offset
         "replay": [bytes(ix) for ix in shard.replay.index],  # where each retained message lies
-        "segments": [(seg_id, bytes(seg)) for seg_id, seg, _ in shard.replay.segments],
+        "segments": [(seg_id, bytes(seg)) for seg_id, seg, _, _ in shard.replay.segments],
         "conns": [
             (
                 bytes(c.transport.data),  # type: ignore[attr-defined]

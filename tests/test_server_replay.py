@@ -55,7 +55,7 @@ def test_the_buffer_keeps_the_newest_whole_segments_and_finds_every_retained_mes
             pos += len(f)
             ts += 1
         segment = bytearray(b"".join(parts))
-        seg_id = rb.retain(segment)
+        seg_id = rb.retain(segment, ts - 1)
         for vb, _, at in spots:
             rb.record(vb, seg_id, at)
         model.append((len(segment), [(vb, o) for vb, o, _ in spots]))
@@ -88,7 +88,7 @@ def test_lookups_by_time_and_the_age_bound() -> None:
     for i in range(1, 11):  # ten reads, one second apart, one message each, ts 100 * i
         now[0] = float(i)
         assert seqs.take(7) == i
-        seg = rb.retain(bytearray(frame(7, i, 100 * i, 10)))
+        seg = rb.retain(bytearray(frame(7, i, 100 * i, 10)), 100 * i)
         rb.record(7, seg, 0)
     assert rb.offset_at_time(7, 0) == 1
     assert rb.offset_at_time(7, 450) == 5
@@ -107,10 +107,10 @@ def test_a_zero_limit_keeps_only_the_newest_segment_until_the_next() -> None:
     rb = ReplayBuffer(0, seqs)
     assert not rb.enabled
     seqs.take(1)
-    a = rb.retain(bytearray(frame(1, 1, 1, 0)))
+    a = rb.retain(bytearray(frame(1, 1, 1, 0)), 1)
     rb.record(1, a, 0)
     seqs.take(1)
-    b = rb.retain(bytearray(frame(1, 2, 2, 0)))
+    b = rb.retain(bytearray(frame(1, 2, 2, 0)), 2)
     rb.record(1, b, 0)
     assert [payload_of(*m) for m in rb.read(1, 0, 10)] == [(1, 2)]
 
@@ -151,9 +151,9 @@ def test_the_buffer_draws_on_the_memory_budget_and_gives_it_back(
         offset = seqs.take(0)
         segment = frame(0, offset, 1000 + i, size)
         free_before = share - budget.pending - rb.bytes
-        seg_id = rb.retain(segment)
+        seg_id = rb.retain(segment, 1000 + i)
         rb.record(0, seg_id, 0)
-        assert rb.bytes == budget.taken.get("replay", 0) == sum(len(s) for _, s, _ in rb.segments)
+        assert rb.bytes == budget.taken.get("replay", 0) == sum(len(s) for _, s, _, _ in rb.segments)
         assert rb.bytes <= 1000 and (rb.bytes == 0 or rb.bytes + budget.pending <= share)
         if len(segment) > share - budget.pending:  # no room even with everything evicted
             assert rb.segments_refused and not rb.segments

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from broky.server.config import ServerConfig
     from broky.server.grace import Grace
     from broky.server.logs import Throttle
+    from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -66,6 +67,7 @@ class Arrivals:
         epoch: int
         welcome: WelcomeTemplate
         stats: WorkerStats
+        replay: ReplayBuffer | None
         conns: dict[int, Connection]
         _next_id: int
         closing: bool
@@ -111,7 +113,9 @@ class Arrivals:
             return
         c.client_name = hello.client_name
         self.book.open(c)
-        resumed, notices = (None, b"") if hello.previous is None else self.take_over(c, hello.previous)
+        resumed, notices = (
+            (None, b"") if hello.previous is None else self.take_over(c, hello.previous, hello.positions)
+        )
         welcome = self.welcome.for_connection(c.conn_id, c.token, resumed)
         if notices:
             welcome += notices
@@ -119,7 +123,9 @@ class Arrivals:
         c.sent = len(welcome)
         log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
 
-    def take_over(self, c: Connection, prev: PreviousConnection) -> tuple[Resumed | None, bytes]:
+    def take_over(
+        self, c: Connection, prev: PreviousConnection, positions: bool = False
+    ) -> tuple[Resumed | None, bytes]:
         """c replaces the connection `prev` names: its account, if anyone has it.
 
         The account comes from the master when prev's worker died (attached to the
@@ -127,7 +133,10 @@ class Arrivals:
         connections (still open, if the server has not noticed the loss yet: it is
         retired now). Returns Welcome.resumed and the LossNotices that follow the
         Welcome: deliveries queued to prev that the client did not receive, and
-        drops it was never told of.
+        drops it was never told of. A client that resumes by positions (Hello.positions)
+        is not told the deliveries it did not receive from this worker incarnation while
+        the worker retains messages: its Subscribes `since` its positions replay them
+        (broky.server.history), or tell exactly what is gone.
         """
         old_id = prev.connection_id
         proof = prev.resume_token
@@ -159,6 +168,9 @@ class Arrivals:
         lost = account.delivered - prev.received
         if account.cut:  # this worker cut it for its memory budget: a slow consumer
             reason = LossReason.SLOW_CONSUMER
+        if lost > 0 and positions and self.replay is not None and reason != LossReason.WORKER_RESTART:
+            stats.resumes_by_positions += 1
+            lost = 0  # replayed by the Subscribes that follow, or told by them (EVICTED)
         if lost > 0:
             stats.dropped[LossReason.name(reason)] += lost
             notices.append(encode_frame(LossNotice(lost, reason)))

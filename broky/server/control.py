@@ -77,6 +77,7 @@ class ControlFrames:
             self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
         ) -> None: ...
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
+        def start_subscription(self, c: Connection, s: Subscription, sub: Subscribe, t0: int) -> None: ...
 
     def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None:
         """A control frame of c; t0: the clock reading stamped on the messages of this
@@ -84,7 +85,7 @@ class ControlFrames:
         frame = decode_frame(data, pos, end)
         kind = type(frame)
         if kind is Subscribe:
-            self.subscribe(c, frame)  # type: ignore[arg-type]
+            self.subscribe(c, frame, t0)  # type: ignore[arg-type]
         elif kind is Unsubscribe:
             self.unsubscribe(c, frame.sid)  # type: ignore[union-attr]
         elif kind is Ping:
@@ -102,7 +103,7 @@ class ControlFrames:
             name = kind.__name__
             self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
 
-    def subscribe(self, c: Connection, sub: Subscribe) -> None:
+    def subscribe(self, c: Connection, sub: Subscribe, t0: int = 0) -> None:
         if not sub.sid:
             self.error(c, ErrorCode.BAD_SID, "sid 0 is reserved (an Error's sid 0 means no subscription)")
             return
@@ -149,6 +150,8 @@ class ControlFrames:
         self.book.set_subscriptions(c, len(c.subs))
         self.stats.subscription_bytes += size
         self.forget_routes()
+        if sub.since or sub.since_time or sub.last:  # a start from positions (broky.server.history)
+            self.start_subscription(c, s, sub, t0)
 
     def refuse_subscription(self, c: Connection, sid: int, limit: str, why: str) -> None:
         """A Subscribe over a per-connection limit: non-fatal SUBSCRIPTION_LIMIT, counted."""

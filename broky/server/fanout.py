@@ -12,6 +12,7 @@ and `squeeze`. The other parts:
   broky.server.arrivals       Hello and Welcome; a reconnecting client's claim
   broky.server.control        control frames: subscriptions and their limits,
                               Ping, Pause and Resume, MapApplied
+  broky.server.history        starts from positions: a subscription's replay
   broky.server.backpressure   replies and their bound, slow consumers, `tick`
   broky.server.grace          the restart grace
   broky.server.memory_budget  the memory budget kept, the heap trimmed
@@ -126,6 +127,7 @@ from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, OPEN, Connection, Plan, Subscription, compile_plan
 from broky.server.control import ControlFrames
 from broky.server.grace import Grace, RestartGrace
+from broky.server.history import History
 from broky.server.logs import Throttle
 from broky.server.memory_budget import BudgetEnforcement
 from broky.server.ownership import Ownership
@@ -176,7 +178,15 @@ WARNING_INTERVAL = 10.0
 
 
 class Shard(
-    Ownership, Arrivals, ControlFrames, Backpressure, RestartGrace, BudgetEnforcement, Closing, Monitoring
+    Ownership,
+    Arrivals,
+    ControlFrames,
+    History,
+    Backpressure,
+    RestartGrace,
+    BudgetEnforcement,
+    Closing,
+    Monitoring,
 ):
     """The state of one worker: owned vbuckets, connections, subscription table."""
 
@@ -257,7 +267,12 @@ class Shard(
         if c.rest:
             data = c.rest + data
             c.rest = b""
+        seqs = self.seqs
         t0 = _time_ns()
+        if t0 > seqs.last_ts:
+            seqs.last_ts = t0
+        else:  # the clock stepped back (or stood still): ts_broker never decreases
+            t0 = seqs.last_ts
         n = len(data)
         stats = self.stats
         stats.bytes_received += n
@@ -266,7 +281,7 @@ class Shard(
         uid_shapes = self.uid_shapes
         plain_shapes = self.plain_shapes
         startswith = data.startswith
-        seq = self.seqs.view  # [2 vb] epoch, [2 vb + 1] next offset
+        seq = seqs.view  # [2 vb] epoch, [2 vb + 1] next offset
         replay = self.replay
         buf: bytearray | None = None
         seg = 0  # buf's segment id in the replay buffer
@@ -292,11 +307,11 @@ class Shard(
                     had = buf
                     index = None if replay is None else replay.index
                     pos, buf, handled, unrouted = scan(
-                        data, pos, buf, t0, routes, max_frame, runs, self.seqs.state, index,
+                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, index,
                         replay.next_id if replay is not None and buf is None else seg,
                     )  # fmt: skip
                     if buf is not had and replay is not None:
-                        seg = replay.retain(buf)  # the id the twin recorded its messages under
+                        seg = replay.retain(buf, t0)  # the id the twin recorded its messages under
                     if handled:
                         published += handled
                         unmatched += unrouted
@@ -429,7 +444,7 @@ class Shard(
                         run = same_head = None
                     copy = bytearray(canonical_copy(data, pos, end, t0, max_frame, vb, seq[at - 1], offset))
                     if replay is not None:
-                        replay.record(vb, replay.retain(copy), 0)
+                        replay.record(vb, replay.retain(copy, t0), 0)
                     if targets:
                         delivered += self.emit(copy, targets, 0, len(copy), 1)
                     pos = end
@@ -437,7 +452,7 @@ class Shard(
                 if buf is None:
                     buf = bytearray(data)
                     if replay is not None:
-                        seg = replay.retain(buf)
+                        seg = replay.retain(buf, t0)
                 pack_stamp_into(buf, ts_at, t0, seq[at - 1], offset, vb)
                 if replay is not None:
                     replay.record(vb, seg, pos)

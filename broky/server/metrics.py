@@ -88,6 +88,17 @@ COUNTERS = (
         "replay_shrinks",
         "Times the replay buffer gave memory back so that no connection had to be cut for the budget.",
     ),
+    (
+        "broky_replayed_messages_total",
+        "messages_replayed",
+        "Retained messages queued to subscriptions that started from positions (since, since_time, last).",
+    ),
+    (
+        "broky_resumes_by_positions_total",
+        "resumes_by_positions",
+        "Resumed connections whose undelivered messages were left to the replay (Hello.positions), "
+        "not told lost.",
+    ),
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
     (

@@ -94,7 +94,8 @@ class ReplayBuffer:
         self.max_age = max_age
         self.clock = clock
         self.budget = budget  # the worker's share of --memory-budget, or None: `limit` alone bounds it
-        self.segments: deque[tuple[int, bytearray | bytes, float]] = deque()  # (id, bytes, added at)
+        # (id, bytes, added at (monotonic), ts_broker of its messages)
+        self.segments: deque[tuple[int, bytearray | bytes, float, int]] = deque()
         self.by_id: dict[int, bytearray | bytes] = {}
         self.bytes = 0  # bytes of the retained segments
         self.next_id = 1
@@ -103,6 +104,10 @@ class ReplayBuffer:
         self.evicted_messages = 0  # messages whose segment was evicted (counted when trimmed)
         self.trimmed_at = 1  # `live` when every index was last trimmed
         self.segments_refused = 0  # new segments not kept: the memory budget had no room at all
+        # Per vbucket: the ts_broker of its newest evicted message (0: none since its epoch
+        # began): a start from a time at or before it has lost something.
+        self.gone_ts = [0] * VBUCKETS
+        self.dropped_ts: dict[int, int] = {}  # ids of segments dropped since `trim_all` -> their ts
 
     @property
     def enabled(self) -> bool:
@@ -110,8 +115,9 @@ class ReplayBuffer:
 
     # ---------------------------------------------------------------- the read path
 
-    def retain(self, segment: bytearray | bytes) -> int:
-        """Keep `segment` (a stamped copy of a read); its id, for `record`. Evicts the
+    def retain(self, segment: bytearray | bytes, ts: int) -> int:
+        """Keep `segment` (a stamped copy of a read, its messages stamped with ts_broker
+        `ts`); its id, for `record`. Evicts the
         oldest segments while the total is over the limit (never the new one), or while
         the memory budget has no room for it (then the new one too, if it must)."""
         seg_id = self.next_id
@@ -122,12 +128,13 @@ class ReplayBuffer:
             while True:
                 if not self.segments:  # nothing left to give back: not kept
                     self.live = seg_id + 1
+                    self.dropped_ts[seg_id] = ts
                     self.segments_refused += 1
                     return seg_id
                 self._drop_oldest()
                 if budget.take("replay", n):
                     break
-        self.segments.append((seg_id, segment, self.clock()))
+        self.segments.append((seg_id, segment, self.clock(), ts))
         self.by_id[seg_id] = segment
         self.bytes += n
         if self.bytes > self.limit:
@@ -146,8 +153,9 @@ class ReplayBuffer:
     # ---------------------------------------------------------------- bounds
 
     def _drop_oldest(self) -> None:
-        seg_id, segment, _ = self.segments.popleft()
+        seg_id, segment, _, ts = self.segments.popleft()
         del self.by_id[seg_id]
+        self.dropped_ts[seg_id] = ts
         n = len(segment)
         self.bytes -= n
         self.live = seg_id + 1
@@ -186,6 +194,9 @@ class ReplayBuffer:
             if entries[0] >> SEGMENT_SHIFT >= self.live:
                 return
             stale = bisect.bisect_left(entries, self.live << SEGMENT_SHIFT)
+            gone = self.dropped_ts.get(entries[stale - 1] >> SEGMENT_SHIFT, 0)
+        if gone > self.gone_ts[vb]:
+            self.gone_ts[vb] = gone
         del index[: 8 * stale]
         self.evicted_messages += stale
 
@@ -197,12 +208,14 @@ class ReplayBuffer:
         self.trimmed_at = self.live
         for vb in range(VBUCKETS):
             self._trim(vb)
+        self.dropped_ts.clear()  # every stale entry is gone: no segment id below `live` is met again
 
     def drop_vbucket(self, vb: int) -> int:
         """Forget vb's retained messages (its sequence ends here); how many there were."""
         self._trim(vb)
         n = len(self.index[vb]) // 8
         self.index[vb] = bytearray()
+        self.gone_ts[vb] = 0
         return n
 
     def snapshot(self) -> dict[str, int]:

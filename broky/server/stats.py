@@ -76,6 +76,8 @@ class WorkerStats:
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
         self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
+        self.resumes_by_positions = 0  # resumes whose undelivered queue is replayed, not told lost
+        self.messages_replayed = 0  # queued to a start from positions (broky.server.history)
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
         self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
         self.slow_consumer_disconnects = 0

@@ -1,0 +1,267 @@
+"""Starts from positions: a subscription that asks for retained messages first.
+
+A Subscribe may name where it starts (schema/README.md, section 5.1): `since`
+positions (per vbucket, the last one the client has), `since_time` (a
+ts_broker, ns) for the vbuckets `since` does not name, `last` N for the
+vbuckets neither names. Without any of them it starts live, as it always did.
+
+Theory of operation
+-------------------
+`start_subscription` runs right after the subscription joined the table
+(broky.server.control), inside the read that carried the Subscribe. The
+worker is one thread: no message of its vbuckets is accepted between the
+moment it reads the replay buffer (broky.server.replay) and the moment the
+subscription is in the table. So the retained messages up to each vbucket's
+last accepted offset, queued now, and the live ones routed to it from the
+next message on, meet with no gap and no duplicate, and both go through the
+connection's one `out` list in that order.
+
+Per vbucket this worker owns (or the one of the subscription's key_partition):
+
+  since (E, o)   E is the vbucket's epoch: from o + 1. Offsets before the
+                 oldest retained are gone: EVICTED, with their count (exact
+                 for a subscription that matches every message; at most that
+                 for others: evicted messages cannot be matched any more).
+                 E is another epoch: EPOCH_CHANGED (count unknown), and the
+                 current epoch from its first offset, EVICTED for any of it
+                 that is gone. An offset past the last accepted one, or a
+                 vbucket named twice, gets a non-fatal BAD_POSITION and that
+                 vbucket starts live. Positions of vbuckets this worker does
+                 not own are ignored (they are another worker's start).
+  since_time T   the retained messages with ts_broker >= T (ts_broker never
+                 decreases on a worker: broky.server.fanout takes the larger
+                 of the clock and the last stamp). The epoch started after T:
+                 EPOCH_CHANGED. A message with ts_broker >= T was evicted
+                 (`gone_ts`): EVICTED, count unknown.
+  last N         the last N retained messages that match.
+
+The answer is a Replay frame {sid, count, ts}, then `count` Message frames
+(stamped as they were when first delivered), then at most one LossNotice per
+reason carrying the sid, the summed count and the first missing position of
+the lowest vbucket concerned (dropped 0 when any count is unknown). The
+replay counts against the connection's pending bound like any delivery:
+what does not fit is not queued, and is told exactly (SLOW_CONSUMER, with
+the sid), so a resume never drowns the connection it resumes on.
+
+With the replay buffer off (--replay-bytes 0) nothing is retained: a start
+is answered with an empty Replay and no notice (the client's account,
+CONNECTION_LOST, tells what a reconnect lost).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from broky.errors import ErrorCode
+from broky.matching import parse_pattern, pattern_matches
+from broky.protocol import VBUCKETS, LossNotice, LossReason, Replay, Subscribe, encode_frame, route_message
+from broky.protocol.frames import Position
+from broky.protocol.routing import vbucket_of
+from broky.server.connection import Connection, Subscription
+
+if TYPE_CHECKING:
+    from broky.server.accounts import AccountBook
+    from broky.server.replay import ReplayBuffer
+    from broky.server.sequences import Sequences
+    from broky.server.stats import WorkerStats
+
+# A retained message chosen for a replay: (segment, first byte, end, vbucket, offset).
+Chosen = tuple["bytearray | bytes", int, int, int, int]
+
+
+class Losses:
+    """What one start found missing, per reason: the summed count, whether a count
+    is unknown, and the first missing position of the lowest vbucket."""
+
+    def __init__(self) -> None:
+        self.by_reason: dict[int, list[object]] = {}
+
+    def add(self, reason: int, count: int | None, at: Position) -> None:
+        entry = self.by_reason.get(reason)
+        if entry is None:
+            self.by_reason[reason] = [count or 0, count is None, at]
+            return
+        entry[0] = int(entry[0]) + (count or 0)  # type: ignore[call-overload]
+        if count is None:
+            entry[1] = True
+
+    def notices(self, sid: int) -> list[bytes]:
+        out = []
+        for reason, (count, unknown, at) in sorted(self.by_reason.items()):
+            dropped = 0 if unknown else int(count)  # type: ignore[call-overload]
+            out.append(encode_frame(LossNotice(dropped, reason, sid, at)))  # type: ignore[arg-type]
+        return out
+
+
+class History:
+    """The Shard's part that starts subscriptions from positions (a mixin of
+    broky.server.fanout.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        owned: bytes
+        seqs: Sequences
+        replay: ReplayBuffer | None
+        stats: WorkerStats
+        book: AccountBook
+        _touched: list[Connection]
+
+        def error(
+            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+        ) -> None: ...
+
+    def start_subscription(self, c: Connection, s: Subscription, sub: Subscribe, t0: int) -> None:
+        """Queue to c the retained messages subscription s asks for (see the header),
+        then the notices of what is missing."""
+        if not t0:  # not from a read's stamp (a held frame): the clock, as the read path takes it
+            t0 = max(time.time_ns(), self.seqs.last_ts)
+        replay = self.replay
+        if replay is None:
+            self.queue_replay(c, s.sid, t0, [], Losses())
+            return
+        if sub.key_partition is not None:
+            vbs = [vbucket_of(sub.key_partition)]
+        else:
+            owned = self.owned
+            vbs = [vb for vb in range(VBUCKETS) if owned[vb]]
+        since: dict[int, Position] = {}
+        for named in sub.since:
+            if named.vbucket in since:
+                self.error(c, ErrorCode.BAD_POSITION, f"vbucket {named.vbucket} is named twice", s.sid)
+                since[named.vbucket] = Position(named.vbucket, 0, 0)  # marked: starts live
+            else:
+                since[named.vbucket] = named
+        tokens = parse_pattern(s.pattern)
+        kp = s.key_partition
+        losses = Losses()
+        chosen: list[Chosen] = []
+        seqs = self.seqs
+        for vb in vbs:
+            epoch = seqs.epoch_of(vb)
+            nxt = seqs.next_of(vb)
+            p: Position | None = since.get(vb)
+            if p is not None:
+                if p.epoch == 0 and p.offset == 0:
+                    continue  # named twice: live
+                if p.epoch == epoch:
+                    if p.offset >= nxt:
+                        self.error(
+                            c,
+                            ErrorCode.BAD_POSITION,
+                            f"vbucket {vb}: offset {p.offset} of epoch {epoch} is past the last "
+                            f"accepted ({nxt - 1}); live from now",
+                            s.sid,
+                        )
+                        continue
+                    start = p.offset + 1
+                else:
+                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, p.offset + 1))
+                    start = 1
+                self.from_offset(replay, vb, epoch, start, nxt, losses)
+                self.pick(replay, vb, start, nxt, tokens, kp, chosen)
+            elif sub.since_time:
+                t = sub.since_time
+                first = replay.first(vb)
+                if seqs.started[vb] > t:
+                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, 0, 0))
+                    self.from_offset(replay, vb, epoch, 1, nxt, losses)
+                    start = 1
+                else:
+                    if replay.gone_ts[vb] >= t:
+                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, first or nxt))
+                    found = replay.offset_at_time(vb, t)
+                    start = nxt if found is None else found
+                self.pick(replay, vb, start, nxt, tokens, kp, chosen)
+            elif sub.last:
+                self.pick_last(replay, vb, nxt, sub.last, tokens, kp, chosen)
+        self.queue_replay(c, s.sid, t0, chosen, losses)
+
+    @staticmethod
+    def from_offset(replay: ReplayBuffer, vb: int, epoch: int, start: int, nxt: int, losses: Losses) -> None:
+        """Note the offsets start .. nxt - 1 of vb's current epoch that are no longer retained."""
+        first = replay.first(vb)
+        oldest = nxt if first is None else first
+        if start < oldest:
+            losses.add(LossReason.EVICTED, oldest - start, Position(vb, epoch, start))
+
+    @staticmethod
+    def pick(
+        replay: ReplayBuffer,
+        vb: int,
+        start: int,
+        stop: int,
+        tokens: list[bytes],
+        kp: bytes | None,
+        chosen: list[Chosen],
+    ) -> None:
+        """Append the retained messages of vb with start <= offset < stop that match."""
+        offset = max(start, replay.first(vb) or stop)
+        for segment, pos, end in replay.read(vb, start, stop):
+            m_kp, key, _ = route_message(bytes(segment[pos:end]), 0, end - pos)
+            if (kp is None or m_kp == kp) and pattern_matches(tokens, key):
+                chosen.append((segment, pos, end, vb, offset))
+            offset += 1
+
+    @staticmethod
+    def pick_last(
+        replay: ReplayBuffer,
+        vb: int,
+        stop: int,
+        n: int,
+        tokens: list[bytes],
+        kp: bytes | None,
+        chosen: list[Chosen],
+    ) -> None:
+        """Append the last n retained messages of vb that match, oldest first."""
+        first = replay.first(vb)
+        if first is None:
+            return
+        found: list[Chosen] = []
+        offset = stop - 1
+        for segment, pos, end in reversed(replay.read(vb, first, stop)):
+            m_kp, key, _ = route_message(bytes(segment[pos:end]), 0, end - pos)
+            if (kp is None or m_kp == kp) and pattern_matches(tokens, key):
+                found.append((segment, pos, end, vb, offset))
+                if len(found) == n:
+                    break
+            offset -= 1
+        chosen.extend(reversed(found))
+
+    def queue_replay(self, c: Connection, sid: int, t0: int, chosen: list[Chosen], losses: Losses) -> None:
+        """Queue the Replay frame, the chosen messages that fit in c's pending bound,
+        and the notices: what did not fit is told exactly (SLOW_CONSUMER)."""
+        room = c.limit - c.transport.get_write_buffer_size() - c.unflushed
+        kept = 0
+        for _, pos, end, _, _ in chosen:
+            room -= end - pos
+            if room < 0:
+                break
+            kept += 1
+        lost = len(chosen) - kept
+        if lost:
+            _, _, _, vb, offset = chosen[kept]
+            seqs = self.seqs
+            losses.add(LossReason.SLOW_CONSUMER, lost, Position(vb, seqs.epoch_of(vb), offset))
+            c.dropped_total += lost
+            self.stats.dropped["slow_consumer"] += lost
+        out = c.out
+        header = encode_frame(Replay(sid, kept, t0))
+        out.append(header)
+        size = len(header)
+        for segment, pos, end, _, _ in chosen[:kept]:
+            out.append(segment[pos:end])
+            size += end - pos
+        for notice in losses.notices(sid):
+            out.append(notice)
+            size += len(notice)
+        c.unflushed += size
+        c.msgs_out += kept
+        self.stats.messages_replayed += kept
+        self.stats.messages_delivered += kept
+        self.book.commit((c,))  # accounted before it leaves (broky.server.accounts)
+        if not c.touched:
+            c.touched = True
+            self._touched.append(c)
+
+
+__all__ = ["History"]
