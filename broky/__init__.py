@@ -1,8 +1,9 @@
 """Broky: an in-memory, low-latency publish/subscribe server and its client.
 
 The client SDK is re-exported here: ``broky.connect`` (asyncio),
-``broky.connect_sync`` (blocking), ``broky.Message``, ``broky.LossReason``
-(the reasons `on_loss` gives) and every error class.
+``broky.connect_sync`` (blocking), ``broky.Message``, ``broky.Position`` (a
+message's place in its vbucket's sequence), ``broky.LossReason`` (the reasons
+`on_loss` gives) and every error class.
 """
 
 __version__ = "0.1.0"
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
         TruncatedFrameError,
         UnknownFrameError,
     )
-    from broky.protocol import LossReason, Message
+    from broky.protocol import LossReason, Message, Position
 
 # Imported when first used, not with the package: the server's processes import
 # broky.server (and never the SDK), and each module they do not load is memory
@@ -70,7 +71,7 @@ _CLIENT = {
     "Client", "ClientStats", "ServerInfo", "Subscription", "SyncClient",
     "SyncSubscription", "WorkerRef", "connect", "connect_sync",
 }  # fmt: skip
-_PROTOCOL = {"LossReason", "Message"}
+_PROTOCOL = {"LossReason", "Message", "Position"}
 
 
 if not TYPE_CHECKING:  # (mypy reads the imports above)
@@ -108,6 +109,7 @@ __all__ = [
     "Message",
     "NotMyVBucketError",
     "PayloadTooLargeError",
+    "Position",
     "ProtocolError",
     "PublishBufferFullError",
     "RemoteProtocolError",

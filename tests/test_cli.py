@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from broky.client.cli import DEFAULT_METRICS_PORT
+from broky.protocol.routing import vbucket_of
 from tests.serverproc import ServerProcess
 
 BROKY = [sys.executable, "-m", "broky"]
@@ -86,6 +87,29 @@ def test_sub_json_and_partition(server: ServerProcess, subs: list[SubProcess]) -
     assert isinstance(record["ts_producer"], str) and ts_producer > 2**53
     assert ts_broker >= ts_producer
     assert len(record["uid"]) == 27
+    # the position: the vbucket of t1, an epoch (a string: 64 bits), its offset there
+    assert record["vbucket"] == vbucket_of(b"t1")
+    assert isinstance(record["epoch"], str) and int(record["epoch"]) > 0
+    assert record["offset"] >= 1
+
+
+def test_sub_since_time_and_last_start_with_retained_messages(
+    server: ServerProcess, subs: list[SubProcess]
+) -> None:
+    pub = broky_cli("pub", "hist.k", "--server", server.url, stdin=b"1\n2\n3\n4\n")
+    assert pub.returncode == 0, pub.stderr
+    last = SubProcess("hist.k", "--last", "2", "--count", "2", "--server", server.url)
+    ago = SubProcess("hist.k", "--since-time", "1h", "--count", "4", "--json", "--server", server.url)
+    subs.extend([last, ago])
+    code, out, err = last.finish()
+    assert code == 0, err
+    assert out == b"3\n4\n"
+    code, out, err = ago.finish()
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["payload"] for r in records] == ["1", "2", "3", "4"]
+    offsets = [r["offset"] for r in records]
+    assert offsets == list(range(offsets[0], offsets[0] + 4))
 
 
 def test_server_takes_a_list_of_seeds(
@@ -207,6 +231,8 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
         (["pub", "k", "x", "--connect-timeout", "-1"], b"argument --connect-timeout: must be a positive"),
         (["info", "--connect-timeout", "nan"], b"argument --connect-timeout: must be a positive"),
         (["sub", "k", "--no-such-option"], b"unrecognized arguments: --no-such-option"),
+        (["sub", "k", "--since-time", "yesterday"], b"argument --since-time: 'yesterday' is not a duration"),
+        (["sub", "k", "--last", "-1"], b"argument --last: must be at least 1"),
         (["pub"], b"the following arguments are required: KEY"),
         (["nosuchcommand"], b"argument COMMAND: invalid choice"),
     ],

@@ -166,12 +166,19 @@ def test_a_position_ahead_is_refused_but_the_subscription_stands(start_server: A
         assert payloads(sub.messages()) == [3]  # live (one copy for sids 1, 2 and 9)
 
 
-def test_without_a_replay_buffer_a_start_is_answered_empty(start_server: Any) -> None:
+def test_without_a_replay_buffer_a_start_replays_nothing_and_tells_what_is_gone(start_server: Any) -> None:
     server: ServerProcess = start_server("--replay-bytes", "0", workers=1)
     with Wire.hello(server.address) as pub, Wire.hello(server.address) as sub:
+        sub.subscribe(9, b"h.*")
+        sub.flush()
         publish(pub, 0, 5)
+        got = sub.messages()
         head, msgs, others = start(sub, Subscribe(1, b"h.*", last=10))
         assert (head.messages, msgs, others) == (0, [], [])
+        since = (Position(VB, got[1].epoch, got[1].offset),)
+        head, msgs, others = start(sub, Subscribe(2, b"h.*", since=since))
+        assert (head.messages, msgs) == (0, [])
+        assert others == [LossNotice(3, LossReason.EVICTED, 2, Position(VB, got[1].epoch, got[2].offset))]
         publish(pub, 5, 6)
         assert payloads(sub.messages()) == [5]
 

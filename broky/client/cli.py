@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import datetime
 import json
 import math
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -177,8 +179,26 @@ def register(subparsers: Any) -> None:
         type=os.fsencode,
         help="only messages of this key_partition (default: all)",
     )
+    s.add_argument(
+        "--since-time",
+        metavar="WHEN",
+        type=_since_time,
+        help="start with the retained messages published since WHEN: a duration ago (30s, 5m, 2h), "
+        "an ISO 8601 time (2026-11-25T12:00:00Z; local time without a zone) or ns since the epoch",
+    )
+    s.add_argument(
+        "--last",
+        metavar="N",
+        type=_count,
+        default=0,
+        help="start with the last N retained messages of each vbucket that match",
+    )
     s.add_argument("--count", metavar="N", type=_count, help="exit after N messages")
-    s.add_argument("--json", action="store_true", help="print every field as one JSON object per line")
+    s.add_argument(
+        "--json",
+        action="store_true",
+        help="print every field as one JSON object per line, the position (vbucket, epoch, offset) too",
+    )
     _common(s)
     s.set_defaults(func=cmd_sub)
 
@@ -210,6 +230,27 @@ def _options(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
         "connect_timeout": args.connect_timeout,
     }
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _since_time(text: str) -> int:
+    """--since-time: ns since the epoch, from a duration ago, an ISO 8601 time or ns."""
+    text = text.strip()
+    if text[-1:] in _UNITS and text[:-1].replace(".", "", 1).isdigit():
+        return time.time_ns() - int(float(text[:-1]) * _UNITS[text[-1]] * 1e9)
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration (30s, 5m, 2h, 1d), an ISO 8601 time or ns since the epoch"
+        ) from None
+    if when.tzinfo is None:
+        when = when.astimezone()  # local time
+    return int(when.timestamp() * 1e9)
 
 
 # ---------------------------------------------------------------- pub
@@ -245,8 +286,8 @@ def _field(value: bytes) -> str | dict[str, str]:
 def message_json(msg: Message) -> str:
     """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...}.
 
-    The nanosecond timestamps are strings: they exceed 2**53, which JavaScript's
-    JSON.parse (and any reader with float64 numbers) would round silently."""
+    The nanosecond timestamps and the epoch are strings: they exceed 2**53, which
+    JavaScript's JSON.parse (and any reader with float64 numbers) would round silently."""
     return json.dumps(
         {
             "key_partition": _field(msg.key_partition),
@@ -255,6 +296,9 @@ def message_json(msg: Message) -> str:
             "ts_producer": str(msg.ts_producer),
             "ts_broker": str(msg.ts_broker),
             "uid": msg.uid_text,
+            "vbucket": msg.vbucket,
+            "epoch": str(msg.epoch),
+            "offset": msg.offset,
         },
         ensure_ascii=False,
     )
@@ -280,6 +324,10 @@ async def _sub(args: argparse.Namespace) -> int:
             label += ": some may have been lost, how many is unknown"
             losses.add((ref, reason), label, 1, ("connection unaccounted", "connections unaccounted"))
             return
+        if not dropped:  # EVICTED from a time, EPOCH_CHANGED: a gap whose size nobody knows
+            label += ": some were lost, how many is unknown"
+            losses.add((ref, reason), label, 1, ("gap", "gaps"))
+            return
         losses.add((ref, reason), label, dropped)
 
     options = {**_options(args, "broky-sub"), "on_loss": told_loss, "on_disconnect": _disconnected}
@@ -291,7 +339,9 @@ async def _sub(args: argparse.Namespace) -> int:
 
 async def _print_messages(args: argparse.Namespace, options: dict[str, Any], out: Any) -> int:
     async with connect(args.server, **options) as client:
-        sub = await client.subscribe(args.pattern, partition=args.partition)
+        sub = await client.subscribe(
+            args.pattern, partition=args.partition, since_time=args.since_time, last=args.last
+        )
         scope = f" partition {_text(args.partition)}" if args.partition is not None else ""
         print(
             f"broky sub: subscribed to {_text(args.pattern)}{scope} on {client.address}",

@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import inspect
 import logging
 import random
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -77,7 +78,7 @@ from broky.errors import (
 )
 from broky.matching import parse_pattern
 from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, VBucketMap, Welcome
-from broky.protocol.frames import encode_map_applied
+from broky.protocol.frames import Position, encode_map_applied
 
 log = logging.getLogger("broky.client")
 
@@ -417,6 +418,9 @@ class Client(Publisher):
         callback: Callback | None = None,
         max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
     ) -> Subscription:
         """Subscribe to keys matching `pattern`.
 
@@ -430,6 +434,16 @@ class Client(Publisher):
                 it is full the connections that carry the subscription are
                 paused (the server keeps their deliveries queued, under its own bound)
                 until the queue is down to half (see broky.client.subscription).
+            since: positions to go on from (a previous subscription's `positions()`):
+                per vbucket, the retained messages after that position are delivered
+                first, then live ones (schema/README.md 5.1).
+            since_time: for the vbuckets `since` does not name, start with the
+                retained messages published at or after this time (ns since the epoch
+                as an int, seconds as a float, or an aware datetime).
+            last: for the vbuckets neither names, start with the last `last`
+                retained messages that match.
+            What the workers no longer retain is reported through `on_loss`
+            (LossReason EVICTED or EPOCH_CHANGED), never skipped in silence.
 
         Returns:
             The Subscription, already known to every worker that is connected
@@ -450,7 +464,20 @@ class Client(Publisher):
         parse_pattern(pat)
         part = partition.encode() if isinstance(partition, str) else partition
         sid = self._subscriptions.new_sid()
-        sub = Subscription(self, sid, pat, part, callback, max_pending_msgs, max_pending_bytes)
+        if last < 0:
+            raise ValueError(f"last must be >= 0, not {last!r}")
+        sub = Subscription(
+            self,
+            sid,
+            pat,
+            part,
+            callback,
+            max_pending_msgs,
+            max_pending_bytes,
+            since=tuple(since),
+            since_time=time_ns(since_time),
+            last=last,
+        )
         router = self._router
         if part is None:
             links = router.all_links()
@@ -637,6 +664,22 @@ class Client(Publisher):
             task = self._loop.create_task(_await(result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+
+def time_ns(when: int | float | datetime.datetime | None) -> int:
+    """A start time as ns since the epoch: an int is ns, a float seconds, a datetime
+    must be timezone-aware; None is 0 (not set)."""
+    if when is None:
+        return 0
+    if isinstance(when, datetime.datetime):
+        if when.tzinfo is None:
+            raise ValueError("since_time must be timezone-aware (e.g. datetime.now(timezone.utc))")
+        return int(when.timestamp() * 1e9)
+    if isinstance(when, float) and when >= 0:
+        return int(when * 1e9)
+    if isinstance(when, int) and not isinstance(when, bool) and when >= 0:
+        return when
+    raise ValueError(f"since_time must be ns (int >= 0), seconds (float) or a datetime, not {when!r}")
 
 
 def _incoming_refs(vmap: VBucketMap) -> set[WorkerRef]:

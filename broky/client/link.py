@@ -36,6 +36,19 @@ carries (same sids), a Ping, then the publishes the server did not process
 dropped and counted (`stats.unsent_gave_up`), and publishing to it or
 flushing raises from then on.
 
+Resuming by positions: every delivery carries its position (vbucket, epoch,
+offset), and the Link keeps the last one it received per vbucket, with its
+ts_broker (three list stores per delivery). A subscription's start on this
+worker is the `ts` of the first Pong after its Subscribe. On a reconnect the
+Hello says `positions` and each Subscribe is sent again `since` the Link's
+positions received after that start (and the subscription's own from a
+replay, where newer), with `since_time` = the start for the vbuckets it
+received nothing of since (schema/README.md 5.1): the worker replays what
+was in flight, as a Replay frame followed by the messages for that sid alone,
+which the Link hands to that subscription only; or it tells what is gone
+(EVICTED, EPOCH_CHANGED). A worker without a replay buffer answers nothing
+and tells the loss as before (CONNECTION_LOST).
+
 Keepalive: every `ping_interval` a connected Link sends a Ping; if
 `max_outstanding_pings` are unanswered when the next is due, it aborts the
 connection and reconnects as for any drop. A timer per Link, nothing per
@@ -86,6 +99,7 @@ from broky.errors import (
 )
 from broky.matching import Matcher
 from broky.protocol import (
+    VBUCKETS,
     Error,
     Frame,
     Goodbye,
@@ -97,6 +111,7 @@ from broky.protocol import (
     Ping,
     Pong,
     PreviousConnection,
+    Replay,
     Subscribe,
     Unsubscribe,
     VBucketMap,
@@ -104,7 +119,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import PAUSE as PAUSE_FRAME
 from broky.protocol.frames import RESUME as RESUME_FRAME
-from broky.protocol.frames import encode_ping, encode_subscribe, encode_unsubscribe
+from broky.protocol.frames import Position, encode_ping, encode_subscribe, encode_unsubscribe
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, UID_AT, UID_END
 from broky.protocol.message import BODY_MESSAGE, body_type
 
@@ -324,6 +339,14 @@ class Link(_LinkState):
         self.tried = asyncio.Event()  # set once the first connection attempt has ended
         self.task: asyncio.Task[None] | None = None
         self.failed: BrokyConnectionError | None = None
+        # Per vbucket, the position and ts_broker of the last delivery received (0: none).
+        self.pos_epoch = [0] * VBUCKETS
+        self.pos_offset = [0] * VBUCKETS
+        self.pos_ts = [0] * VBUCKETS
+        # Subscriptions whose start here is the ts of the first Pong to a Ping numbered
+        # above the one given (sent after their Subscribe).
+        self.unstarted: list[tuple[int, Subscription]] = []
+        self.accounted = False  # the current connection resumed an account (exact loss counts)
 
     def __repr__(self) -> str:
         state = "up" if self.proto is not None else "down"
@@ -346,6 +369,7 @@ class Link(_LinkState):
         ):
             resumed = None
         lost_one = self.previous is not None
+        self.accounted = resumed is not None
         self.previous = None
         self.settle(None if resumed is None else resumed.processed)
         if resumed is not None and resumed.refused > self.lost_refusals:
@@ -362,7 +386,7 @@ class Link(_LinkState):
         self.retained_bytes = 0
         self.goodbye_processed = None
         self.outstanding = 0
-        subscribes = [encode_subscribe(Subscribe(s.sid, s.pattern, s.partition)) for s in self.subs.values()]
+        subscribes = [encode_subscribe(self.resume_subscribe(s)) for s in self.subs.values()]
         if subscribes:
             proto.write(b"".join(subscribes))  # first: a restarted worker waits for them (section 7.2)
         if self.paused_by:  # a subscriber's queue is still full: the new connection is paused too
@@ -392,6 +416,7 @@ class Link(_LinkState):
                 client_name=client.name,
                 auth_token=client.auth_token,
                 previous=self.previous,
+                positions=self.previous is not None,  # it resubscribes `since` its positions
             )
             try:
                 proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
@@ -803,7 +828,27 @@ class Link(_LinkState):
     def add_sub(self, sub: Subscription) -> None:
         self.subs[sub.sid] = sub
         self.matcher.add(sub.pattern, sub)
-        self.send_control(encode_subscribe(Subscribe(sub.sid, sub.pattern, sub.partition)))
+        self.unstarted.append((self.next_ping, sub))
+        self.send_control(encode_subscribe(self.resume_subscribe(sub)))
+
+    def resume_subscribe(self, sub: Subscription) -> Subscribe:
+        """The Subscribe for `sub` on this worker: where it asked to start, the first time;
+        after that, from what this Link received since it started (see the header)."""
+        start = sub.starts.get(self.ref)
+        if start is None:  # not started here yet: as asked (and its start is the next Pong's ts)
+            if not any(s is sub for _, s in self.unstarted):
+                self.unstarted.append((self.next_ping, sub))
+            return Subscribe(sub.sid, sub.pattern, sub.partition, sub.since, sub.since_time, sub.last)
+        ts = self.pos_ts
+        epochs = self.pos_epoch
+        offsets = self.pos_offset
+        since = {vb: (epochs[vb], offsets[vb], t) for vb, t in enumerate(ts) if t and t >= start}
+        for vb, replayed in sub.replayed.get(self.ref, {}).items():
+            mine = since.get(vb)
+            if mine is None or (replayed[2], replayed[1]) > (mine[2], mine[1]):
+                since[vb] = replayed
+        positions = tuple(Position(vb, e, o) for vb, (e, o, _) in sorted(since.items()))
+        return Subscribe(sub.sid, sub.pattern, sub.partition, positions, start)
 
     def remove_sub(self, sub: Subscription, tell_server: bool = True) -> None:
         if self.subs.pop(sub.sid, None) is None:
@@ -835,6 +880,10 @@ class Link(_LinkState):
 
     def on_message(self, msg: Message) -> None:
         self.received += 1
+        vb = msg.vbucket
+        self.pos_epoch[vb] = msg.epoch
+        self.pos_offset[vb] = msg.offset
+        self.pos_ts[vb] = msg.ts_broker
         client = self.client
         stats = client.stats
         stats.received += 1
@@ -867,6 +916,10 @@ class Link(_LinkState):
                         self.retained_bytes -= retained.popleft().size
                 if fut is not None and not fut.done():
                     fut.set_result(None)
+            if self.unstarted:
+                self.started(frame.id, frame.ts)
+        elif isinstance(frame, Replay):
+            self.replay(frame)
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
@@ -880,8 +933,14 @@ class Link(_LinkState):
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
                 client._report(err)
         elif isinstance(frame, LossNotice):
-            self.told_lost += frame.dropped
+            if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops
+                self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
+            if frame.reason == LossReason.EPOCH_CHANGED and self.accounted:
+                # The worker restarted and its account told exactly what this connection
+                # lost (WORKER_RESTART): the old epoch's end is no further loss.
+                client.stats.epochs_changed += 1
+                return
             if frame.reason == LossReason.UNACCOUNTED:
                 if self.subs:  # a connection that carried no subscription had no delivery to lose
                     client._unaccounted(self.ref)
@@ -901,6 +960,45 @@ class Link(_LinkState):
                     f"unexpected {type(frame).__name__} frame from the server"
                 )
                 self.proto.abort()
+
+    def started(self, ping_id: int, ts: int) -> None:
+        """A Pong: the subscriptions whose Subscribe went before its Ping start at its ts."""
+        waiting = []
+        for after, sub in self.unstarted:
+            if ping_id > after:
+                sub.starts.setdefault(self.ref, ts)
+            else:
+                waiting.append((after, sub))
+        self.unstarted = waiting
+
+    def replay(self, head: Replay) -> None:
+        """A Replay frame: the next `head.messages` deliveries are for subscription
+        `head.sid` alone (schema/README.md 5.1)."""
+        if not head.messages:
+            return
+        sub = self.subs.get(head.sid)
+        replayed = None if sub is None else sub.replayed.setdefault(self.ref, {})
+        left = head.messages
+        client = self.client
+        stats = client.stats
+
+        def on_replayed(msg: Message) -> None:
+            nonlocal left
+            if not left:  # the replay is over (the reader may still hold this function)
+                self.on_message(msg)
+                return
+            left -= 1
+            if not left and self.proto is not None:
+                self.proto._on_message = self.on_message
+            self.received += 1
+            stats.received += 1
+            stats.replayed += 1
+            if sub is not None and replayed is not None and not sub.closed:
+                replayed[msg.vbucket] = (msg.epoch, msg.offset, msg.ts_broker)
+                sub._deliver(msg)
+
+        if self.proto is not None:
+            self.proto._on_message = on_replayed
 
 
 __all__ = ["Link", "LinkOwner", "WorkerRef"]

@@ -39,6 +39,10 @@ class ClientStats:
     # restart, a node that died): deliveries may have been lost, how many is unknown (on_loss
     # is called with dropped 0 and LossReason.UNACCOUNTED)
     unaccounted: int = 0
+    replayed: int = 0  # deliveries a start from positions replayed (a resume's in-flight messages)
+    # EPOCH_CHANGED notices of a resume whose loss the worker's account counted exactly
+    # (WORKER_RESTART): not reported to on_loss again
+    epochs_changed: int = 0
     errors: int = 0
     map_refreshes: int = 0
 

@@ -28,6 +28,16 @@ Three ways to consume:
 
 A Subscription knows its client only as a `SubscriptionOwner`: where to
 report errors, where to count local drops, and how to unsubscribe.
+
+Positions: every delivery carries its position (vbucket, epoch, offset). A
+subscription remembers the position of the last message it handed to the
+consumer per vbucket (`positions()`: what to persist and pass back as
+`since` after a process restart), and, for its Links (broky.client.link),
+where it started on each worker (`starts`, the server's clock when its
+Subscribe was confirmed) and the positions of the retained messages a start
+replayed to it alone (`replayed`): with the Link's own positions that is
+what a resume asks for, so that a reconnect loses nothing and repeats nothing
+while the worker still retains it.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from typing import Any, Protocol
 from broky.client.stats import ClientStats
 from broky.errors import BrokyTimeoutError, ClientClosedError, SlowConsumerError
 from broky.protocol import Message
+from broky.protocol.frames import Position
 
 DEFAULT_MAX_PENDING_MSGS = 65536
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
@@ -97,6 +108,9 @@ class Subscription:
         callback: Callback | None,
         max_pending_msgs: int,
         max_pending_bytes: int,
+        since: tuple[Position, ...] = (),
+        since_time: int = 0,
+        last: int = 0,
     ) -> None:
         if max_pending_msgs < 1 or max_pending_bytes < 1:
             raise ValueError("max_pending_msgs and max_pending_bytes must be positive")
@@ -117,6 +131,17 @@ class Subscription:
         self._paused = False  # its queue filled up: its connections are paused
         self._task: asyncio.Task[None] | None = None
         self._inline: Callback | None = None
+        # Where it asked to start (schema/README.md 5.1), for the first Subscribe on each worker.
+        self.since = since
+        self.since_time = since_time
+        self.last = last
+        # Per worker (a Link's WorkerRef): ts_broker from which it receives everything (the
+        # server's clock when its Subscribe was confirmed), and the positions of the retained
+        # messages replayed to it alone: vbucket -> (epoch, offset, ts_broker).
+        self.starts: dict[object, int] = {}
+        self.replayed: dict[object, dict[int, tuple[int, int, int]]] = {}
+        # vbucket -> (epoch, offset) of the last message handed to the consumer
+        self._consumed: dict[int, tuple[int, int]] = {}
         if callback is not None:
             if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
                 type(callback).__call__  # an object with `async def __call__`
@@ -134,6 +159,12 @@ class Subscription:
         """Messages received but not yet consumed."""
         return len(self._queue)
 
+    def positions(self) -> list[Position]:
+        """Per vbucket, the position of the last message handed to the consumer (by
+        `next_msg`, iteration or the callback), in vbucket order: persist them and pass
+        them as `since` to a later `subscribe` to go on from there."""
+        return [Position(vb, epoch, offset) for vb, (epoch, offset) in sorted(self._consumed.items())]
+
     # ---------------------------------------------------------------- reader side
 
     def _deliver(self, msg: Message) -> None:
@@ -141,6 +172,7 @@ class Subscription:
         inline = self._inline
         if inline is not None:
             self.delivered += 1
+            self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
             try:
                 result = inline(msg)
             except Exception as exc:
@@ -220,6 +252,7 @@ class Subscription:
         msg = self._queue.popleft()
         self._queue_bytes -= len(msg.payload)
         self.delivered += 1
+        self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
         if (
             self._paused
             and len(self._queue) <= self.max_pending_msgs // 2

@@ -38,9 +38,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -60,6 +61,7 @@ from broky.errors import (
     SlowConsumerError,
 )
 from broky.protocol import Message
+from broky.protocol.frames import Position
 
 T = TypeVar("T")
 
@@ -93,9 +95,17 @@ class SyncSubscription:
         self._cond = threading.Condition()
         self._unreported = 0
         self._paused = False  # the queue filled up: its connections are paused (I/O thread sets)
+        self._consumed: dict[int, tuple[int, int]] = {}  # vbucket -> (epoch, offset) of the last taken
 
     def __repr__(self) -> str:
         return f"<SyncSubscription {self._sub!r}>"
+
+    def positions(self) -> list[Position]:
+        """Per vbucket, the position of the last message `next` returned, in vbucket
+        order: pass them as `since` to a later `subscribe` to go on from there."""
+        with self._cond:
+            consumed = sorted(self._consumed.items())
+        return [Position(vb, epoch, offset) for vb, (epoch, offset) in consumed]
 
     @property
     def sid(self) -> int:
@@ -173,6 +183,7 @@ class SyncSubscription:
             msg = self._queue.popleft()
             self._bytes -= len(msg.payload)
             self.delivered += 1
+            self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
             if (
                 self._paused
                 and len(self._queue) <= self.max_pending_msgs // 2
@@ -439,8 +450,12 @@ class SyncClient:
         partition: bytes | str | None = None,
         max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
     ) -> SyncSubscription:
-        """Subscribe (see `Client.subscribe`); read with `next(timeout)` or iterate.
+        """Subscribe (see `Client.subscribe`, and its `since`, `since_time` and `last`);
+        read with `next(timeout)` or iterate.
 
         Raises:
             BadPatternError: the pattern is not valid.
@@ -448,7 +463,14 @@ class SyncClient:
         """
         sync_sub = SyncSubscription(self, max_pending_msgs, max_pending_bytes)
         sync_sub._sub = self._call(
-            self._client.subscribe(pattern, partition=partition, callback=sync_sub._push)
+            self._client.subscribe(
+                pattern,
+                partition=partition,
+                callback=sync_sub._push,
+                since=since,
+                since_time=since_time,
+                last=last,
+            )
         )
         self._subs.append(sync_sub)
         return sync_sub

@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     from broky.server.config import ServerConfig
     from broky.server.grace import Grace
     from broky.server.logs import Throttle
-    from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -67,7 +66,6 @@ class Arrivals:
         epoch: int
         welcome: WelcomeTemplate
         stats: WorkerStats
-        replay: ReplayBuffer | None
         conns: dict[int, Connection]
         _next_id: int
         closing: bool
@@ -134,9 +132,9 @@ class Arrivals:
         retired now). Returns Welcome.resumed and the LossNotices that follow the
         Welcome: deliveries queued to prev that the client did not receive, and
         drops it was never told of. A client that resumes by positions (Hello.positions)
-        is not told the deliveries it did not receive from this worker incarnation while
-        the worker retains messages: its Subscribes `since` its positions replay them
-        (broky.server.history), or tell exactly what is gone.
+        is not told the deliveries it did not receive from this worker incarnation: its
+        Subscribes `since` its positions replay them, or tell exactly what is gone
+        (broky.server.history; with no replay buffer, all of it).
         """
         old_id = prev.connection_id
         proof = prev.resume_token
@@ -168,7 +166,7 @@ class Arrivals:
         lost = account.delivered - prev.received
         if account.cut:  # this worker cut it for its memory budget: a slow consumer
             reason = LossReason.SLOW_CONSUMER
-        if lost > 0 and positions and self.replay is not None and reason != LossReason.WORKER_RESTART:
+        if lost > 0 and positions and reason != LossReason.WORKER_RESTART:
             stats.resumes_by_positions += 1
             lost = 0  # replayed by the Subscribes that follow, or told by them (EVICTED)
         if lost > 0:

@@ -30,9 +30,12 @@ Per vbucket this worker owns (or the one of the subscription's key_partition):
                  not own are ignored (they are another worker's start).
   since_time T   the retained messages with ts_broker >= T (ts_broker never
                  decreases on a worker: broky.server.fanout takes the larger
-                 of the clock and the last stamp). The epoch started after T:
-                 EPOCH_CHANGED. A message with ts_broker >= T was evicted
-                 (`gone_ts`): EVICTED, count unknown.
+                 of the clock and the last stamp). A message with ts_broker
+                 >= T was evicted (`gone_ts`): EVICTED, count unknown. (Not
+                 what an earlier epoch held: whether there was one, the
+                 worker does not know; a client that was connected to it is
+                 told by its connection's account, WORKER_RESTART or
+                 UNACCOUNTED.)
   last N         the last N retained messages that match.
 
 The answer is a Replay frame {sid, count, ts}, then `count` Message frames
@@ -43,9 +46,14 @@ replay counts against the connection's pending bound like any delivery:
 what does not fit is not queued, and is told exactly (SLOW_CONSUMER, with
 the sid), so a resume never drowns the connection it resumes on.
 
-With the replay buffer off (--replay-bytes 0) nothing is retained: a start
-is answered with an empty Replay and no notice (the client's account,
-CONNECTION_LOST, tells what a reconnect lost).
+With the replay buffer off (--replay-bytes 0) nothing is retained, and the
+same rules answer with an empty Replay and what is gone: every offset after a
+`since` position (EVICTED, exact count), and for a `since_time` a notice
+without a count for each vbucket that accepted messages since (whether they
+came after the time is not known). `last` gets nothing. So a client resuming
+by positions is told exactly what a reconnect cost it even then (its
+connection's CONNECTION_LOST, suppressed for such a client, is among those
+offsets: broky.server.arrivals).
 """
 
 from __future__ import annotations
@@ -116,9 +124,6 @@ class History:
         if not t0:  # not from a read's stamp (a held frame): the clock, as the read path takes it
             t0 = max(time.time_ns(), self.seqs.last_ts)
         replay = self.replay
-        if replay is None:
-            self.queue_replay(c, s.sid, t0, [], Losses())
-            return
         if sub.key_partition is not None:
             vbs = [vbucket_of(sub.key_partition)]
         else:
@@ -158,28 +163,32 @@ class History:
                     losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, p.offset + 1))
                     start = 1
                 self.from_offset(replay, vb, epoch, start, nxt, losses)
-                self.pick(replay, vb, start, nxt, tokens, kp, chosen)
+                if replay is not None:
+                    self.pick(replay, vb, start, nxt, tokens, kp, chosen)
             elif sub.since_time:
                 t = sub.since_time
-                first = replay.first(vb)
-                if seqs.started[vb] > t:
-                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, 0, 0))
-                    self.from_offset(replay, vb, epoch, 1, nxt, losses)
-                    start = 1
+                if replay is None:  # nothing retained: whether any of vb came after t is not known
+                    if nxt > 1 and seqs.last_ts >= t:
+                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, nxt))
+                    continue
                 else:
                     if replay.gone_ts[vb] >= t:
-                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, first or nxt))
+                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, replay.first(vb) or nxt))
                     found = replay.offset_at_time(vb, t)
                     start = nxt if found is None else found
-                self.pick(replay, vb, start, nxt, tokens, kp, chosen)
-            elif sub.last:
+                if replay is not None:
+                    self.pick(replay, vb, start, nxt, tokens, kp, chosen)
+            elif sub.last and replay is not None:
                 self.pick_last(replay, vb, nxt, sub.last, tokens, kp, chosen)
         self.queue_replay(c, s.sid, t0, chosen, losses)
 
     @staticmethod
-    def from_offset(replay: ReplayBuffer, vb: int, epoch: int, start: int, nxt: int, losses: Losses) -> None:
-        """Note the offsets start .. nxt - 1 of vb's current epoch that are no longer retained."""
-        first = replay.first(vb)
+    def from_offset(
+        replay: ReplayBuffer | None, vb: int, epoch: int, start: int, nxt: int, losses: Losses
+    ) -> None:
+        """Note the offsets start .. nxt - 1 of vb's current epoch that are no longer retained
+        (all of them without a replay buffer)."""
+        first = None if replay is None else replay.first(vb)
         oldest = nxt if first is None else first
         if start < oldest:
             losses.add(LossReason.EVICTED, oldest - start, Position(vb, epoch, start))

@@ -21,7 +21,6 @@ offsets from it without a Python call per message (broky.server._feedscan);
 from __future__ import annotations
 
 import os
-import time
 
 from broky.protocol import VBUCKETS
 
@@ -47,9 +46,6 @@ class Sequences:
         for vb in range(VBUCKETS):
             view[2 * vb] = self.epoch
             view[2 * vb + 1] = 1
-        # When each vbucket's epoch started (ns, wall clock; 0: before anything a client
-        # may ask about, as for a sequence a planned move continued).
-        self.started = [time.time_ns()] * VBUCKETS
         # The last ts_broker stamped: the read path never stamps an earlier one, so
         # ts_broker never decreases on a worker (a start from a time is a binary search).
         self.last_ts = 0
@@ -74,13 +70,11 @@ class Sequences:
         without its history, e.g. after a failover)."""
         self.view[2 * vb] = new_epoch()
         self.view[2 * vb + 1] = 1
-        self.started[vb] = time.time_ns()
 
     def resume(self, vb: int, epoch: int, next_offset: int) -> None:
         """vb's sequence continues here (a planned move handed it over)."""
         self.view[2 * vb] = epoch
         self.view[2 * vb + 1] = next_offset
-        self.started[vb] = 0
 
 
 __all__ = ["ENTRY_BYTES", "Sequences", "new_epoch"]
