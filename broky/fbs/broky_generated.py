@@ -515,8 +515,8 @@ class Hello(object):
 
     # The client resubscribes `since` the positions it received (section
     # 5.1): deliveries queued to `previous` that it did not receive are
-    # replayed, not told lost (CONNECTION_LOST), when the worker retains
-    # messages (--replay-bytes > 0).
+    # replayed, or told by those Subscribes, not told lost here
+    # (CONNECTION_LOST); a dead worker's (WORKER_RESTART) still are.
     # Hello
     def Positions(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
