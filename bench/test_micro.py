@@ -152,6 +152,46 @@ def test_client_publish(benchmark) -> None:  # type: ignore[no-untyped-def]
         loop.close()
 
 
+def test_client_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # The SDK's read of deliveries: 1000 canonical deliveries over 256 key_partitions in
+    # one read, WorkerProtocol.data_received -> Link.on_message -> an inline callback
+    # (each delivery's position written for the resume, and kept per vbucket for
+    # sub.positions()).
+    import asyncio
+
+    from broky.client.client import Client, Link
+    from broky.client.connection import WorkerProtocol
+    from broky.client.subscription import Subscription
+
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def setup() -> tuple[Any, bytes]:
+            client = Client("127.0.0.1:1")
+            link = Link(client, "n", 0)
+            got = []
+            sub = Subscription(client, 1, b"orders.>", None, got.append, 65536, 1 << 26)
+            got_clear = got.clear
+            link.subs[1] = sub
+            link.matcher.add(b"orders.>", sub)
+            proto = WorkerProtocol()
+            proto.attach(link, (link.pos_epoch, link.pos_offset, link.pos_ts), link.on_replayed)
+            frames = b"".join(
+                encode_message(b"tenant-%d" % (i % 256), KEY, PAYLOAD, TS, 0, UID) for i in range(1000)
+            )
+
+            def read() -> None:
+                proto.data_received(frames)
+                got_clear()
+
+            return read, frames
+
+        read, _ = loop.run_until_complete(setup())
+        benchmark(read)
+    finally:
+        loop.close()
+
+
 def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
     # The Spark sink's bulk path (Client._publish_rows): 1000 rows, 64 key_partitions.
     import asyncio

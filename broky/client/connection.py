@@ -3,7 +3,11 @@
 It cuts each read into frames (size prefix checked against the limit before
 anything is buffered, like the codec's `FrameReader`), decodes deliveries on
 a fast path (see `data_received`) and every other frame with `decode_frame`,
-and hands the results to its owner (a `Link` of the client).
+and hands the results to its owner (a `Link` of the client). It writes each
+live delivery's position (epoch, offset, ts_broker per vbucket) into the
+owner's lists as it reads it (three stores of values it holds anyway), and
+hands the deliveries a Replay frame announces to the owner's `on_replayed`
+with their sid, not to `on_message` (schema/README.md 5.1).
 It knows nothing about routing, subscriptions or reconnecting.
 
 Handshake: `open_connection` resolves the host (`resolve`: awaited on its
@@ -33,7 +37,7 @@ from broky.errors import (
     RemoteProtocolError,
     ServerError,
 )
-from broky.protocol import Error, Frame, Hello, Message, Welcome, decode_frame
+from broky.protocol import VBUCKETS, Error, Frame, Hello, Message, Replay, Welcome, decode_frame
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.layout import (
@@ -129,6 +133,13 @@ class WorkerProtocol(asyncio.Protocol):
         self._partial = b""
         self.max_frame_bytes = INBOUND_MAX_FRAME_BYTES
         self._on_message: Callable[[Message], None] | None = None
+        # Positions: per vbucket, the epoch, offset and ts_broker of the last live delivery,
+        # in the owner's lists (`attach`); and the Message frames a Replay announced for
+        # one subscription, handed to `_on_replayed` instead (schema/README.md 5.1).
+        self.pos_epoch = self.pos_offset = self.pos_ts = [0] * VBUCKETS
+        self._on_replayed: Callable[[Message, int], None] | None = None
+        self.replay_left = 0
+        self.replay_sid = 0
         self._early: list[Frame] = []  # frames after the Welcome, before `attach`
         # The last reads (data, end of its whole frames), about TAIL_BYTES: if the
         # connection is lost without an account (broky.client.link), the uids of its
@@ -167,6 +178,8 @@ class WorkerProtocol(asyncio.Protocol):
         on_message = self._on_message
         limit = self.max_frame_bytes
         shapes = self._shapes
+        pos_epoch, pos_offset, pos_ts = self.pos_epoch, self.pos_offset, self.pos_ts
+        replaying = self.replay_left  # kept in step with self.replay_left
         try:
             while n - pos >= 4:
                 if on_message is not None and n - pos >= _FIXED_UID:
@@ -185,11 +198,17 @@ class WorkerProtocol(asyncio.Protocol):
                                 data, pos + TS_PRODUCER_AT
                             )
                             if k_len == key_len and p_len == pay_len:
-                                on_message(
-                                    _tuple_new(
-                                        Message, (kp, key, payload, ts_p, ts_b, uid, vb, epoch, offset)
-                                    )
+                                msg = _tuple_new(
+                                    Message, (kp, key, payload, ts_p, ts_b, uid, vb, epoch, offset)
                                 )
+                                if replaying:
+                                    self._replayed(msg)
+                                    replaying = self.replay_left
+                                else:
+                                    pos_epoch[vb] = epoch
+                                    pos_offset[vb] = offset
+                                    pos_ts[vb] = ts_b
+                                    on_message(msg)
                                 pos = end
                                 continue
                 size = _u32(data, pos)[0]
@@ -215,7 +234,7 @@ class WorkerProtocol(asyncio.Protocol):
                     pay_stop = p + 4 + _u32(data, p)[0]
                     if key_stop > end or pay_stop > end:
                         raise MalformedFrameError("malformed frame: vector overruns the frame")
-                    on_message(
+                    self._deliver(
                         Message(
                             data[pos + _FIXED_UID : kp_stop],
                             data[k + 4 : key_stop],
@@ -226,15 +245,19 @@ class WorkerProtocol(asyncio.Protocol):
                             vb,
                             epoch,
                             offset,
-                        )
+                        ),
+                        on_message,
                     )
+                    replaying = self.replay_left
                 else:
                     frame = decode_frame(data, pos, end)
                     if on_message is not None and isinstance(frame, Message):
-                        on_message(frame)
+                        self._deliver(frame, on_message)
+                        replaying = self.replay_left
                     else:
                         self._control(frame)
                         on_message = self._on_message
+                        replaying = self.replay_left
                 pos = end
         except ProtocolError as exc:
             self._fail(exc)
@@ -282,8 +305,30 @@ class WorkerProtocol(asyncio.Protocol):
         self._shapes[size, key_off, pay_off, kp_len] = shape
         return shape
 
+    def _deliver(self, msg: Message, on_message: Callable[[Message], None]) -> None:
+        """A delivery read on a general path: to the replay it belongs to, or live."""
+        if self.replay_left:
+            self._replayed(msg)
+            return
+        vb = msg.vbucket
+        self.pos_epoch[vb] = msg.epoch
+        self.pos_offset[vb] = msg.offset
+        self.pos_ts[vb] = msg.ts_broker
+        on_message(msg)
+
+    def _replayed(self, msg: Message) -> None:
+        """One of the Message frames a Replay announced: for its subscription alone, and
+        not a position of the connection's live stream."""
+        self.replay_left -= 1
+        assert self._on_replayed is not None
+        self._on_replayed(msg, self.replay_sid)
+
     def _control(self, frame: Frame) -> None:
         handler = self.handler
+        if isinstance(frame, Replay) and frame.sid and self._on_replayed is not None:
+            self.replay_left = frame.messages
+            self.replay_sid = frame.sid
+            return
         if handler is not None:
             if isinstance(frame, Message):
                 handler.on_message(frame)
@@ -335,11 +380,22 @@ class WorkerProtocol(asyncio.Protocol):
 
     # ---------------------------------------------------------------- owner API
 
-    def attach(self, handler: Handler) -> None:
+    def attach(
+        self,
+        handler: Handler,
+        positions: tuple[list[int], list[int], list[int]] | None = None,
+        on_replayed: Callable[[Message, int], None] | None = None,
+    ) -> None:
         """Route frames to `handler` from now on (after the Welcome), starting with
-        those that arrived between the Welcome and now."""
+        those that arrived between the Welcome and now. `positions`: the lists (epoch,
+        offset, ts_broker per vbucket) where each live delivery's position is written;
+        `on_replayed(msg, sid)`: takes the deliveries a Replay announces for subscription
+        sid (without it, a Replay goes to `on_frame` and its messages to `on_message`)."""
         self.handler = handler
         self._on_message = handler.on_message
+        if positions is not None:
+            self.pos_epoch, self.pos_offset, self.pos_ts = positions
+        self._on_replayed = on_replayed
         early, self._early = self._early, []
         for frame in early:
             self._control(frame)

@@ -38,14 +38,16 @@ flushing raises from then on.
 
 Resuming by positions: every delivery carries its position (vbucket, epoch,
 offset), and the Link keeps the last one it received per vbucket, with its
-ts_broker (three list stores per delivery). A subscription's start on this
+ts_broker (three lists the WorkerProtocol writes as it reads each delivery,
+from the values it has in hand). A subscription's start on this
 worker is the `ts` of the first Pong after its Subscribe. On a reconnect the
 Hello says `positions` and each Subscribe is sent again `since` the Link's
 positions received after that start (and the subscription's own from a
 replay, where newer), with `since_time` = the start for the vbuckets it
 received nothing of since (schema/README.md 5.1): the worker replays what
 was in flight, as a Replay frame followed by the messages for that sid alone,
-which the Link hands to that subscription only; or it tells what is gone
+which the WorkerProtocol hands to the Link's `on_replayed` for that
+subscription only; or it tells what is gone
 (EVICTED, EPOCH_CHANGED). A worker without a replay buffer answers nothing
 and tells the loss as before (CONNECTION_LOST).
 
@@ -111,7 +113,6 @@ from broky.protocol import (
     Ping,
     Pong,
     PreviousConnection,
-    Replay,
     Subscribe,
     Unsubscribe,
     VBucketMap,
@@ -360,7 +361,7 @@ class Link(_LinkState):
 
     def attach(self, proto: WorkerProtocol, welcome: Welcome, reconnect: bool) -> None:
         client = self.client
-        proto.attach(self)
+        proto.attach(self, (self.pos_epoch, self.pos_offset, self.pos_ts), self.on_replayed)
         self.proto = proto
         client._welcome(welcome)
         resumed = welcome.resumed
@@ -879,11 +880,8 @@ class Link(_LinkState):
     # ---------------------------------------------------------------- inbound (WorkerProtocol handler)
 
     def on_message(self, msg: Message) -> None:
+        # (its position is in pos_epoch/pos_offset/pos_ts already: the WorkerProtocol wrote it)
         self.received += 1
-        vb = msg.vbucket
-        self.pos_epoch[vb] = msg.epoch
-        self.pos_offset[vb] = msg.offset
-        self.pos_ts[vb] = msg.ts_broker
         client = self.client
         stats = client.stats
         stats.received += 1
@@ -918,8 +916,6 @@ class Link(_LinkState):
                     fut.set_result(None)
             if self.unstarted:
                 self.started(frame.id, frame.ts)
-        elif isinstance(frame, Replay):
-            self.replay(frame)
         elif isinstance(frame, Error):
             err = server_error(frame)
             if err.code == ErrorCode.NOT_MY_VBUCKET:
@@ -971,34 +967,18 @@ class Link(_LinkState):
                 waiting.append((after, sub))
         self.unstarted = waiting
 
-    def replay(self, head: Replay) -> None:
-        """A Replay frame: the next `head.messages` deliveries are for subscription
-        `head.sid` alone (schema/README.md 5.1)."""
-        if not head.messages:
-            return
-        sub = self.subs.get(head.sid)
-        replayed = None if sub is None else sub.replayed.setdefault(self.ref, {})
-        left = head.messages
-        client = self.client
-        stats = client.stats
-
-        def on_replayed(msg: Message) -> None:
-            nonlocal left
-            if not left:  # the replay is over (the reader may still hold this function)
-                self.on_message(msg)
-                return
-            left -= 1
-            if not left and self.proto is not None:
-                self.proto._on_message = self.on_message
-            self.received += 1
-            stats.received += 1
-            stats.replayed += 1
-            if sub is not None and replayed is not None and not sub.closed:
-                replayed[msg.vbucket] = (msg.epoch, msg.offset, msg.ts_broker)
-                sub._deliver(msg)
-
-        if self.proto is not None:
-            self.proto._on_message = on_replayed
+    def on_replayed(self, msg: Message, sid: int) -> None:
+        """A delivery a Replay frame announced for subscription `sid` alone (the
+        WorkerProtocol counts them): not a position of the Link's live stream, but the
+        subscription's own, for its next resume."""
+        self.received += 1
+        stats = self.client.stats
+        stats.received += 1
+        stats.replayed += 1
+        sub = self.subs.get(sid)
+        if sub is not None and not sub.closed:
+            sub.replayed.setdefault(self.ref, {})[msg.vbucket] = (msg.epoch, msg.offset, msg.ts_broker)
+            sub._deliver(msg)
 
 
 __all__ = ["Link", "LinkOwner", "WorkerRef"]

@@ -60,6 +60,9 @@ DEFAULT_MAX_PENDING_BYTES = 64 << 20
 # hold); it drops only past these (a server that does not pause): 8 times its bounds,
 # and never less than the defaults.
 HARD_FACTOR = 8
+# `positions()` keeps the last consumed message per vbucket when its payload is at most
+# this many bytes (else only its position): at most 1024 x 4 KiB per subscription.
+KEEP_PAYLOAD_BYTES = 4096
 
 
 def hard_bounds(max_pending_msgs: int, max_pending_bytes: int) -> tuple[int, int]:
@@ -140,8 +143,10 @@ class Subscription:
         # messages replayed to it alone: vbucket -> (epoch, offset, ts_broker).
         self.starts: dict[object, int] = {}
         self.replayed: dict[object, dict[int, tuple[int, int, int]]] = {}
-        # vbucket -> (epoch, offset) of the last message handed to the consumer
-        self._consumed: dict[int, tuple[int, int]] = {}
+        # vbucket -> the last message handed to the consumer (its position: storing the
+        # message costs a quarter of building a tuple), or just its Position when its
+        # payload is over KEEP_PAYLOAD_BYTES (so at most that much is kept per vbucket)
+        self._consumed: dict[int, Message | Position] = {}
         if callback is not None:
             if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
                 type(callback).__call__  # an object with `async def __call__`
@@ -163,7 +168,10 @@ class Subscription:
         """Per vbucket, the position of the last message handed to the consumer (by
         `next_msg`, iteration or the callback), in vbucket order: persist them and pass
         them as `since` to a later `subscribe` to go on from there."""
-        return [Position(vb, epoch, offset) for vb, (epoch, offset) in sorted(self._consumed.items())]
+        return [
+            Position(m.vbucket, m.epoch, m.offset) if isinstance(m, Message) else m
+            for _, m in sorted(self._consumed.items())
+        ]
 
     # ---------------------------------------------------------------- reader side
 
@@ -172,7 +180,11 @@ class Subscription:
         inline = self._inline
         if inline is not None:
             self.delivered += 1
-            self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
+            self._consumed[msg.vbucket] = (
+                msg
+                if len(msg.payload) <= KEEP_PAYLOAD_BYTES
+                else Position(msg.vbucket, msg.epoch, msg.offset)
+            )
             try:
                 result = inline(msg)
             except Exception as exc:
@@ -250,9 +262,12 @@ class Subscription:
                 if self._waiter is waiter:
                     self._waiter = None
         msg = self._queue.popleft()
-        self._queue_bytes -= len(msg.payload)
+        size = len(msg.payload)
+        self._queue_bytes -= size
         self.delivered += 1
-        self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
+        self._consumed[msg.vbucket] = (
+            msg if size <= KEEP_PAYLOAD_BYTES else Position(msg.vbucket, msg.epoch, msg.offset)
+        )
         if (
             self._paused
             and len(self._queue) <= self.max_pending_msgs // 2
