@@ -34,6 +34,7 @@ from broky.protocol import (
     encode_message,
     new_ksuid,
 )
+from broky.protocol.frames import Position
 from broky.server import fastpath
 from broky.server.config import ServerConfig
 from broky.server.connection import CLOSING, OPEN, Connection
@@ -208,3 +209,50 @@ def test_the_shape_cache_is_bounded_and_every_shape_routes(
     want = [decode_frame(f) for f in sent] * 2
     for received in got:
         assert [(m.payload, m.uid) for m in received] == [(m.payload, m.uid) for m in want]  # type: ignore[union-attr]
+
+
+POSITIONS = st.lists(
+    st.builds(Position, st.integers(0, 65535), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    max_size=6,
+).map(tuple)
+STARTS = st.builds(
+    Subscribe,
+    st.integers(1, 5),
+    st.sampled_from([b"k.>", b">", b"k.*", b"other"]),
+    st.none() | PARTS,
+    POSITIONS,
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(0, 2**32 - 1),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=MESSAGES,
+    starts=st.lists(STARTS, min_size=1, max_size=3),
+    edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=3),
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
+)
+def test_starts_from_any_position_never_escape_the_protocol(
+    loop: asyncio.AbstractEventLoop,
+    frames: list[bytes],
+    starts: list[Subscribe],
+    edits: list[tuple[int, int]],
+    cuts: list[int],
+) -> None:
+    # Publishes, then Subscribes naming any positions, times and counts (valid or not,
+    # of vbuckets that exist or not), some bytes changed: the worker answers with frames
+    # a client can read, or one fatal Error, and serves the other connections on.
+    shard, publisher, subs = shard_with(loop)
+    data = bytearray(b"".join(frames) + b"".join(encode_frame(s) for s in starts))
+    for at, value in edits:
+        data[at % len(data)] = value
+    for chunk in chunked(bytes(data), cuts):
+        shard.feed(publisher, chunk)  # must not raise
+    try:
+        check_outputs(subs, publisher)
+    except ProtocolError as exc:  # pragma: no cover - the failure this test looks for
+        raise AssertionError(f"a connection got an undecodable frame: {exc}") from exc
+    other = subs[0]
+    shard.feed(subs[1], encode_message(b"p2", b"k.after", b"still", ts_producer=7))
+    assert [m.payload for m in other.transport.frames() if isinstance(m, Message)][-1:] == [b"still"]  # type: ignore[attr-defined]

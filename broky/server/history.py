@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from broky.server.sequences import Sequences
     from broky.server.stats import WorkerStats
 
+U64_MAX = (1 << 64) - 1
 # A retained message chosen for a replay: (segment, first byte, end, vbucket, offset).
 Chosen = tuple["bytearray | bytes", int, int, int, int]
 
@@ -160,7 +161,8 @@ class History:
                         continue
                     start = p.offset + 1
                 else:
-                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, p.offset + 1))
+                    after = min(p.offset + 1, U64_MAX)  # (any offset of an epoch gone may be named)
+                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, after))
                     start = 1
                 self.from_offset(replay, vb, epoch, start, nxt, losses)
                 if replay is not None:
