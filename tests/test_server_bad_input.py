@@ -99,7 +99,9 @@ CASES: list[tuple[str, Callable[[socket.socket], None], ErrorCode | None]] = [
     ("ping instead of hello", _before_hello(encode_frame(Ping(1))), ErrorCode.EXPECTED_HELLO),
     ("wrong token", _before_hello(encode_frame(Hello(auth_token="nope"))), ErrorCode.AUTH_FAILED),
     ("no token", _before_hello(encode_frame(Hello())), ErrorCode.AUTH_FAILED),
-    ("version 2", _before_hello(encode_frame(Hello(2, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
+    # version 1 (or a Hello without the field): its 16-byte Stamps cannot be read as version 2's
+    ("version 1", _before_hello(encode_frame(Hello(1, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
+    ("version 3", _before_hello(encode_frame(Hello(3, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
     (
         "worker 7 of 2",
         _before_hello(encode_frame(Hello(worker=7, auth_token=TOKEN))),
