@@ -1432,8 +1432,9 @@ def LossNoticeEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the next `messages` Message frames on this connection are
-# retained messages for subscription `sid` only (or read `rid`), in offset
-# order per vbucket (section 5.1). Exactly one of sid and rid is set.
+# retained messages for subscription `sid` only (section 5.1), or for read
+# `rid` (section 5.2: all of one vbucket), in offset order per vbucket.
+# Exactly one of sid and rid is set.
 class Replay(object):
     __slots__ = ['_tab']
 
@@ -1478,7 +1479,7 @@ class Replay(object):
         return 0
 
     # The server's clock (ns) when the Subscribe or Read was processed: the
-    # live messages that follow have a ts_broker at least this.
+    # live messages that follow a subscription's have a ts_broker at least this.
     # Replay
     def Ts(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
