@@ -39,6 +39,7 @@ class ErrorCode(enum.IntEnum):
     BAD_SID = _WireErrorCode.BAD_SID
     TOO_MANY_CONNECTIONS = _WireErrorCode.TOO_MANY_CONNECTIONS
     BAD_POSITION = _WireErrorCode.BAD_POSITION
+    READ_REFUSED = _WireErrorCode.READ_REFUSED
 
 
 class BrokyError(Exception):
@@ -126,7 +127,7 @@ class BadPatternError(LocalProtocolError):
 class ServerError(BrokyError):
     """The server answered with an Error frame."""
 
-    def __init__(self, code: int, message: str, *, map_version: int = 0, sid: int = 0) -> None:
+    def __init__(self, code: int, message: str, *, map_version: int = 0, sid: int = 0, rid: int = 0) -> None:
         try:
             self.code: ErrorCode | int = ErrorCode(code)
             name = self.code.name
@@ -136,6 +137,7 @@ class ServerError(BrokyError):
         super().__init__(f"{name}: {message}" if message else name)
         self.map_version = map_version
         self.sid = sid
+        self.rid = rid  # the read concerned (a bounded read's Error), 0: none
 
 
 class NotMyVBucketError(ServerError):

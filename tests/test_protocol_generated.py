@@ -178,7 +178,9 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.just(Resume()),
     st.builds(Ping, u64),
     st.builds(Pong, u64, i64),
-    st.builds(Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300)),
+    st.builds(
+        Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300), u32
+    ),
     st.builds(LossNotice, u64, u8, u32, st.none() | positions),
     st.builds(Replay, u32, u32, i64, u32),
     st.builds(Goodbye, st.none() | texts, u64),
@@ -351,7 +353,9 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.Error:
         e = body(fbs.Error)
         assert e.RefusedLength() == len(_vec(e._tab, 14) or b"")
-        return Error(e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid(), _vec(e._tab, 14))
+        return Error(
+            e.Code(), _text(e.Message()), e.MapVersion(), e.Fatal(), e.Sid(), _vec(e._tab, 14), e.Rid()
+        )
     if kind == Body.LossNotice:
         n = body(fbs.LossNotice)
         at = n.At()
@@ -645,6 +649,7 @@ class Writer:
                 lambda: fbs.ErrorAddMapVersion(b, frame.map_version),
                 lambda: fbs.ErrorAddFatal(b, frame.fatal),
                 lambda: fbs.ErrorAddSid(b, frame.sid),
+                lambda: fbs.ErrorAddRid(b, frame.rid),
             ]
             if "message" in r:
                 adders.append(lambda: fbs.ErrorAddMessage(b, r["message"]))

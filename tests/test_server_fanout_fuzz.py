@@ -4,7 +4,9 @@ The Shard is the real one (broky.server.fanout); only its transports are
 in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
 feed raises nothing, every frame a subscriber receives decodes as a valid
 Message (or a LossNotice), and a publisher either stays open or receives one
-fatal Error and is closed. Unmutated streams are delivered exactly. Every
+fatal Error and is closed. Unmutated streams are delivered exactly, and read
+back exactly by a bounded read (broky.server.reads), which mutated streams
+may carry too. Every
 test runs on both implementations of the fast path: the pure-Python reference
 and its compiled twin (broky.server.fastpath; tests/test_server_feed_twin.py
 holds the two to each other).
@@ -21,18 +23,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broky.errors import ProtocolError
+from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import (
     NEED_DATA,
+    VBUCKETS,
     Error,
     FrameReader,
     LossNotice,
     Message,
     Ping,
+    Read,
+    ReadDone,
+    Replay,
     Subscribe,
     decode_frame,
     encode_frame,
     encode_message,
     new_ksuid,
+    vbucket_of,
 )
 from broky.protocol.frames import Position
 from broky.server import fastpath
@@ -163,6 +171,7 @@ def test_valid_streams_are_delivered_exactly(
     edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4),
     cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
     ping=st.booleans(),
+    read=st.booleans(),
     shrink=st.one_of(st.none(), st.tuples(st.integers(0, 1 << 16), st.integers(1, 64))),
 )
 def test_mutated_streams_never_escape_the_protocol(
@@ -171,6 +180,7 @@ def test_mutated_streams_never_escape_the_protocol(
     edits: list[tuple[int, int]],
     cuts: list[int],
     ping: bool,
+    read: bool,
     shrink: tuple[int, int] | None,
 ) -> None:
     shard, publisher, subs = shard_with(loop)
@@ -178,7 +188,8 @@ def test_mutated_streams_never_escape_the_protocol(
         i, by = shrink[0] % len(frames), shrink[1]
         size = int.from_bytes(frames[i][:4], "little")
         frames[i] = max(size - by, 0).to_bytes(4, "little") + frames[i][4:]
-    data = bytearray(b"".join(frames) + (encode_frame(Ping(1)) if ping else b""))
+    tail = (encode_frame(Read(1, b"k.>")) if read else b"") + (encode_frame(Ping(1)) if ping else b"")
+    data = bytearray(b"".join(frames) + tail)
     for at, value in edits:
         data[at % len(data)] = value
     for chunk in chunked(bytes(data), cuts):
@@ -187,6 +198,52 @@ def test_mutated_streams_never_escape_the_protocol(
         check_outputs(subs, publisher)
     except ProtocolError as exc:  # pragma: no cover - the failure this test looks for
         raise AssertionError(f"a subscriber or the publisher got an undecodable frame: {exc}") from exc
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    frames=MESSAGES,
+    pattern=st.sampled_from([b">", b"k.>", b"k.a", b"*.b"]),
+    kp=st.none() | PARTS,
+    cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
+)
+def test_a_bounded_read_returns_what_was_accepted(
+    loop: asyncio.AbstractEventLoop, frames: list[bytes], pattern: bytes, kp: bytes | None, cuts: list[int]
+) -> None:
+    # Whichever path stamped and retained them, the messages a publisher sent are read
+    # back as they were delivered: those that match, in offset order per vbucket.
+    shard, publisher, subs = shard_with(loop)
+    for chunk in chunked(b"".join(frames), cuts):
+        shard.feed(publisher, chunk)
+    delivered = check_outputs(subs, publisher)[0]  # `k.>` on every key_partition
+    reader = Connection(shard, b"", 9)
+    reader.transport = Recorder()  # type: ignore[assignment]
+    shard.conns[9] = reader
+    shard.feed(reader, encode_frame(Read(5, pattern, kp)))
+    for _ in range(10):  # the batches after the first one run on call_soon
+        loop.run_until_complete(asyncio.sleep(0))
+    got = reader.transport.frames()  # type: ignore[attr-defined]
+    dones = [f for f in got if isinstance(f, ReadDone)]
+    assert [d.remaining for d in dones] == list(range(len(dones) - 1, -1, -1))
+    assert len(dones) == (VBUCKETS if kp is None else 1) and all(d.rid == 5 for d in dones)
+    read = [f for f in got if isinstance(f, Message)]
+    assert sum(f.messages for f in got if isinstance(f, Replay)) == len(read)
+    sent = [decode_frame(f) for f in frames]
+    tokens = parse_pattern(pattern)
+    want = [
+        m
+        for m in sent
+        if isinstance(m, Message) and pattern_matches(tokens, m.key) and kp in (None, m.key_partition)
+    ]
+    want.sort(key=lambda m: vbucket_of(m.key_partition))  # stable: publish order within a vbucket
+    assert [(m.key_partition, m.key, m.payload, m.uid) for m in read] == [
+        (m.key_partition, m.key, m.payload, m.uid) for m in want
+    ]
+    stamped = {(m.vbucket, m.offset): m for m in delivered}
+    for m in read:  # byte for byte what was delivered (those `k.>` got), stamps included
+        assert m.vbucket == vbucket_of(m.key_partition)
+        if (m.vbucket, m.offset) in stamped:
+            assert m == stamped[m.vbucket, m.offset]
 
 
 def test_the_shape_cache_is_bounded_and_every_shape_routes(

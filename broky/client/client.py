@@ -13,7 +13,9 @@ The Client is the facade; each concern has its module:
   (batching, reconnecting, keepalive, inbound dispatch, delivery accounting);
 - broky.client.subscription_table and broky.client.subscription: which
   Links carry each subscription, and a subscription's local queue;
-- broky.client.stats: the counters.
+- broky.client.stats: the counters;
+- broky.client.reader: bounded reads (`read`, `positions`), on connections
+  of their own.
 
 This module keeps the options, the lifecycle (`connect`, `close`), `flush`,
 `subscribe` and the callbacks.
@@ -57,6 +59,7 @@ from broky.client.connection import WorkerProtocol, open_connection, resolve
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
+from broky.client.reader import END_OF_TIME, Reading, as_positions
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
@@ -527,6 +530,69 @@ class Client(Publisher):
     async def _unsubscribe(self, sub: Subscription) -> None:
         self._check_open()
         self._subscriptions.remove(sub)
+
+    # ---------------------------------------------------------------- bounded reads (broky.client.reader)
+
+    def read(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        start: Iterable[Position | tuple[int, int, int]] | None = None,
+        start_time: int = 0,
+        stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        timeout: float | None = None,
+    ) -> Reading:
+        """Read the retained messages of a closed range, then stop (schema/README.md 5.2).
+
+        ``result = await client.read(...)`` gives every message and where each
+        vbucket's range ended; ``async for msg in client.read(...)`` gives the
+        messages as they come (the Reading's `ends` once done). Per vbucket the
+        range starts after its position in `start` (another epoch: from the
+        current one's first offset, `epoch_changed`), else at the first retained
+        message with ts_broker >= `start_time` (ns), else at the oldest retained;
+        it ends with its position in `stop`, else with the last message accepted
+        when the read reached its worker. Two reads of one range return the same
+        messages while they are retained; `RangeEnd.evicted` counts those gone.
+
+        Args:
+            pattern: the keys to read (`>`: all).
+            partition: only this key_partition (read from its owner only).
+            start, stop: positions (vbucket, epoch, offset), e.g. an earlier
+                read's `positions` or `client.positions()`.
+            start_time: ns since the epoch, for the vbuckets `start` does not name.
+            timeout: seconds for the whole read (None: no limit).
+
+        Returns:
+            A Reading, to await or iterate.
+
+        Raises:
+            BadPatternError, ValueError: a bad pattern or position (at once).
+            ServerError: a worker refused the read (BAD_POSITION: a position past
+                what it accepted, or named twice); BrokyConnectionError: a read
+                connection was lost; BrokyTimeoutError (when awaited or iterated).
+        """
+        self._check_usable()
+        pat = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
+        part = partition.encode() if isinstance(partition, str) else partition
+        return Reading(
+            self,
+            pat,
+            part,
+            start=as_positions(start, "start"),
+            start_time=start_time,
+            stop=as_positions(stop, "stop"),
+            timeout=timeout,
+        )
+
+    async def positions(
+        self, *, partition: bytes | str | None = None, timeout: float | None = None
+    ) -> tuple[Position, ...]:
+        """Where every vbucket stands now: (vbucket, epoch, last offset accepted), in vbucket
+        order (only the partition's with `partition`); the `stop` of a read up to now, or
+        the `start` of one from now. A read of an empty range (broky.client.reader)."""
+        reading = self.read(b">", partition=partition, start_time=END_OF_TIME, timeout=timeout)
+        return (await reading).positions
 
     # ---------------------------------------------------------------- asked by the Links (LinkOwner)
 

@@ -115,8 +115,8 @@ def server_error(err: Error) -> ServerError:
     if err.code == ErrorCode.AUTH_FAILED:
         return AuthenticationError(err.code, text)
     if err.code == ErrorCode.NOT_MY_VBUCKET:
-        return NotMyVBucketError(err.code, text, map_version=err.map_version, sid=err.sid)
-    return ServerError(err.code, text, map_version=err.map_version, sid=err.sid)
+        return NotMyVBucketError(err.code, text, map_version=err.map_version, sid=err.sid, rid=err.rid)
+    return ServerError(err.code, text, map_version=err.map_version, sid=err.sid, rid=err.rid)
 
 
 class WorkerProtocol(asyncio.Protocol):

@@ -25,8 +25,8 @@ cross over in two ways:
   frame; that error is raised by the next `publish` or `flush`. Every refusal
   is counted in `stats.refused` (under the lock: both threads count there).
   While the Link is up this costs two attribute reads per publish.
-- every other call (`flush`, `subscribe`, `close`, ...) runs a coroutine on
-  the loop and waits for its result.
+- every other call (`flush`, `subscribe`, `read`, `close`, ...) runs a
+  coroutine on the loop and waits for its result.
 
 Subscriptions deliver into a thread-safe bounded queue (messages and bytes);
 overflow is dropped, counted and reported to `on_error` as SlowConsumerError.
@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
+from broky.client.reader import ReadResult
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -474,6 +475,35 @@ class SyncClient:
         )
         self._subs.append(sync_sub)
         return sync_sub
+
+    # ---------------------------------------------------------------- bounded reads
+
+    def read(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        start: Iterable[Position | tuple[int, int, int]] | None = None,
+        start_time: int = 0,
+        stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        timeout: float | None = None,
+    ) -> ReadResult:
+        """Read the retained messages of a closed range (see `Client.read`): every message,
+        then where each vbucket's range ended. Raises as `Client.read`."""
+
+        async def whole() -> ReadResult:
+            reading = self._client.read(
+                pattern, partition=partition, start=start, start_time=start_time, stop=stop, timeout=timeout
+            )
+            return await reading
+
+        return self._call(whole())
+
+    def positions(
+        self, *, partition: bytes | str | None = None, timeout: float | None = None
+    ) -> tuple[Position, ...]:
+        """Where every vbucket stands now (see `Client.positions`)."""
+        return self._call(self._client.positions(partition=partition, timeout=timeout))
 
     # ---------------------------------------------------------------- state
 

@@ -46,11 +46,15 @@ class ErrorCode(object):
     # The handshake is refused: the client's address holds as many
     # connections as the server allows (--max-connections-per-address).
     TOO_MANY_CONNECTIONS = 20
-    # A Subscribe or Read named a position this worker cannot start from: an
-    # offset past the last one it accepted in that epoch, a vbucket named twice,
-    # or one it does not own. Not fatal: that vbucket starts live (Subscribe),
-    # or is skipped (Read); sid or rid set.
+    # A Subscribe or Read named a position this worker cannot use: an offset
+    # past the last one it accepted in that epoch, or a vbucket named twice
+    # (in `since`, `start` or `stop`). Not fatal: that vbucket starts live
+    # (Subscribe), or is skipped, with no ReadDone (Read); sid or rid set.
     BAD_POSITION = 21
+    # A Read that is not started: another read is in progress on the
+    # connection (one at a time), or its rid is 0. Not fatal, rid set; the
+    # read in progress goes on.
+    READ_REFUSED = 22
 
 
 class LossReason(object):
@@ -1340,7 +1344,15 @@ class Error(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
-def ErrorStart(builder): builder.StartObject(6)
+    # The read concerned (section 5.2), 0 for none (rids start at 1).
+    # Error
+    def Rid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def ErrorStart(builder): builder.StartObject(7)
 def ErrorAddCode(builder, code): builder.PrependUint16Slot(0, code, 0)
 def ErrorAddMessage(builder, message): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(message), 0)
 def ErrorAddMapVersion(builder, mapVersion): builder.PrependUint64Slot(2, mapVersion, 0)
@@ -1348,6 +1360,7 @@ def ErrorAddFatal(builder, fatal): builder.PrependBoolSlot(3, fatal, 0)
 def ErrorAddSid(builder, sid): builder.PrependUint32Slot(4, sid, 0)
 def ErrorAddRefused(builder, refused): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(refused), 0)
 def ErrorStartRefusedVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def ErrorAddRid(builder, rid): builder.PrependUint32Slot(6, rid, 0)
 def ErrorEnd(builder): return builder.EndObject()
 
 
@@ -1419,8 +1432,9 @@ def LossNoticeEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the next `messages` Message frames on this connection are
-# retained messages for subscription `sid` only (or read `rid`), in offset
-# order per vbucket (section 5.1). Exactly one of sid and rid is set.
+# retained messages for subscription `sid` only (section 5.1), or for read
+# `rid` (section 5.2: all of one vbucket), in offset order per vbucket.
+# Exactly one of sid and rid is set.
 class Replay(object):
     __slots__ = ['_tab']
 
@@ -1465,7 +1479,7 @@ class Replay(object):
         return 0
 
     # The server's clock (ns) when the Subscribe or Read was processed: the
-    # live messages that follow have a ts_broker at least this.
+    # live messages that follow a subscription's have a ts_broker at least this.
     # Replay
     def Ts(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
@@ -1558,10 +1572,13 @@ def MapAppliedEnd(builder): return builder.EndObject()
 
 
 # Client -> server: read a closed range of retained messages, then stop
-# (section 5.2): nothing live. Per vbucket of this worker: from after
-# `start`'s position for it (offset 0: from the oldest retained), or from
-# `start_time`, else from the oldest retained; up to `stop`'s position for
-# it, else up to the last message accepted when the Read was processed.
+# (section 5.2): nothing live. Per vbucket of this worker (or of the
+# key_partition): from after `start`'s position for it (its epoch's offset
+# 0: from offset 1; another epoch: from the current epoch's offset 1, with
+# epoch_changed), or from `start_time`, else from the oldest retained; up
+# to and including `stop`'s position for it (another epoch: nothing), else
+# up to the last message accepted when the Read was processed. The range is
+# fixed then: two reads of it return the same messages while retained.
 class Read(object):
     __slots__ = ['_tab']
 
@@ -1584,7 +1601,8 @@ class Read(object):
     def Init(self, buf, pos):
         self._tab = flatbuffers.table.Table(buf, pos)
 
-    # Client-chosen id, echoed by every ReadDone of this read.
+    # Client-chosen id, from 1, echoed by every Replay and ReadDone of this
+    # read. One read at a time per connection (READ_REFUSED).
     # Read
     def Rid(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
@@ -1619,7 +1637,7 @@ class Read(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
         return o == 0
 
-    # Absent: every key_partition. Present: only this one.
+    # Absent: every key_partition. Present: only this one (and its vbucket).
     # Read
     def KeyPartition(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -1670,6 +1688,8 @@ class Read(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         return o == 0
 
+    # ns: for the vbuckets `start` does not name, the first retained message
+    # with a ts_broker at least this. 0: not set.
     # Read
     def StartTime(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
@@ -1715,7 +1735,8 @@ def ReadEnd(builder): return builder.EndObject()
 
 
 # Server -> client: one vbucket of read `rid` is done: every retained message
-# of the range that matches was delivered before this frame.
+# of its range that matches was delivered before this frame. One per vbucket
+# the read covers, in vbucket order, even for an empty range.
 class ReadDone(object):
     __slots__ = ['_tab']
 
@@ -1745,8 +1766,8 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
-    # The vbucket, its epoch, and the first offset after the range (the
-    # position to start the next read from is `next` - 1).
+    # The vbucket, the epoch of its range, and the first offset after the
+    # range (the position to start the next read after is `next` - 1).
     # ReadDone
     def Vbucket(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
@@ -1768,7 +1789,8 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # Offsets of the range that were evicted before they could be read.
+    # Offsets of the range that were evicted before they could be read
+    # (exact, except after a start_time: section 5.2).
     # ReadDone
     def Evicted(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
@@ -1776,7 +1798,8 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # `start` named another epoch: what followed it in that epoch is lost.
+    # `start` named another epoch, or the epoch began after `start_time`:
+    # what came before the current epoch is lost, how much is not known.
     # ReadDone
     def EpochChanged(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))

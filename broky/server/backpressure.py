@@ -80,6 +80,7 @@ class Backpressure:
         def refresh_pending(self) -> int: ...
         def new_peak(self) -> None: ...
         def trim_heap(self, now: float) -> None: ...
+        def continue_read(self, c: Connection) -> None: ...
 
     def reply(self, c: Connection, frame: bytes) -> None:
         """Queue a control frame to c behind what this read already queued for it.
@@ -103,7 +104,13 @@ class Backpressure:
             self._touched.append(c)
 
     def error(
-        self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+        self,
+        c: Connection,
+        code: ErrorCode,
+        message: str,
+        sid: int = 0,
+        refused: bytes | None = None,
+        rid: int = 0,
     ) -> None:
         """A non-fatal Error frame, and a warning (at most one per connection and code per 10 s)."""
         self.stats.count_error(code)
@@ -111,8 +118,9 @@ class Backpressure:
         if suppressed is not None:
             more = f" ({suppressed} more since the last warning)" if suppressed else ""
             log.warning("connection %d from %s: %s: %s%s", c.conn_id, c.peer, code.name, message, more)
+        version = self.map.version
         self.reply(
-            c, error_frame(code, message, fatal=False, map_version=self.map.version, sid=sid, refused=refused)
+            c, error_frame(code, message, fatal=False, map_version=version, sid=sid, refused=refused, rid=rid)
         )
 
     def notify_loss(self, c: Connection) -> None:
@@ -133,6 +141,8 @@ class Backpressure:
         if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
+        if c.bounded_read is not None:  # a bounded read waits for room (broky.server.reads)
+            self.continue_read(c)
 
     def check_replies(self, c: Connection, buffered: int) -> None:
         """Rare path: mark the replies just written (c.reply_out) and stop or restart

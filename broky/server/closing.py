@@ -91,6 +91,7 @@ class Closing:
             c.held = False
             self.grace.held.remove(c)
         c.out.clear()
+        c.bounded_read = None  # a bounded read in progress ends with it (broky.server.reads)
         self.detach(c)
         if c.linger is not None:
             c.linger.cancel()

@@ -24,7 +24,8 @@ the last exact refresh (every tick, and before the worker cuts anyone).
 
 A connection's subscriptions are `Subscription`s; the subscription table
 (broky.server.control) compiles those matching a key into a `Plan`, the
-distinct connections a message with that key goes to.
+distinct connections a message with that key goes to. Its bounded read in
+progress is a `ReadCursor` (broky.server.reads serves it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from broky.matching import GT
 
 if TYPE_CHECKING:
     from broky.server.accounts import Account
@@ -66,7 +69,7 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_stopped", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks", "token", "refused", "charged", "handoff_id",
+        "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -125,6 +128,7 @@ class Connection(asyncio.Protocol):
         self.resuming = 0  # id of the dead worker's connection it replaces, until it is back
         self.held = False  # restart grace: its input waits (reads paused) in `rest`
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
+        self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.reads)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.on_adopted is not None:
@@ -193,3 +197,34 @@ def compile_plan(subs: list[Subscription]) -> Plan:
         if s.key_partition is not None and s.conn not in everyone:
             scoped.setdefault(s.key_partition, {})[s.conn] = None
     return Plan(tuple(everyone), {kp: tuple(c) for kp, c in scoped.items()} if scoped else None)
+
+
+class ReadRange:
+    """One vbucket's range of a read: offsets `at` .. `stop` - 1 of `epoch` still to go."""
+
+    __slots__ = ("vb", "epoch", "at", "stop", "evicted", "epoch_changed")
+
+    def __init__(self, vb: int, epoch: int, at: int, stop: int, evicted: int, epoch_changed: bool) -> None:
+        self.vb = vb
+        self.epoch = epoch
+        self.at = at  # the next offset to look at
+        self.stop = stop  # the first offset after the range (ReadDone.next)
+        self.evicted = evicted  # offsets of the range found gone so far
+        self.epoch_changed = epoch_changed
+
+
+class ReadCursor:
+    """A bounded read in progress on one connection (broky.server.reads)."""
+
+    __slots__ = ("rid", "tokens", "kp", "ts", "ranges", "done", "scheduled", "matches")
+
+    def __init__(self, rid: int, tokens: list[bytes], kp: bytes | None, ts: int, ranges: list[ReadRange]):
+        self.rid = rid
+        # The pattern's tokens, None when it matches every key (`>`): nothing to match.
+        self.tokens: list[bytes] | None = None if tokens == [GT] else tokens
+        self.kp = kp
+        self.ts = ts  # the server's clock when the Read was handled (Replay.ts)
+        self.ranges = ranges
+        self.done = 0  # ranges[:done] got their ReadDone
+        self.scheduled = False  # a batch waits on call_soon
+        self.matches: dict[bytes, bool] = {}  # key -> matches the pattern

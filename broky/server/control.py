@@ -1,4 +1,4 @@
-"""Control frames: subscriptions and their limits, Ping, Pause and Resume, MapApplied.
+"""Control frames: subscriptions and their limits, Ping, Pause and Resume, MapApplied, Read.
 
 Every frame of a client other than a Message (and the SDK's Pings, which
 the read path answers itself) comes here, decoded, in its place in the
@@ -7,7 +7,8 @@ subscription table, a broky.matching.Matcher whose match for a key is
 compiled into a `Plan` (broky.server.connection: the distinct connections
 to deliver to; the read path in broky.server.fanout caches it per route),
 and every change to the table (Subscribe, Unsubscribe, a connection's end:
-`detach`) empties the route cache.
+`detach`) empties the route cache. A Read goes to broky.server.reads, and
+Resume restarts a read the Pause held up.
 
 Theory of operation
 -------------------
@@ -35,6 +36,7 @@ from broky.protocol import (
     Pause,
     Ping,
     Pong,
+    Read,
     Resume,
     Subscribe,
     Unsubscribe,
@@ -74,10 +76,18 @@ class ControlFrames:
         def write_out(self, t: Connection) -> int: ...
         def reply(self, c: Connection, frame: bytes) -> None: ...
         def error(
-            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+            self,
+            c: Connection,
+            code: ErrorCode,
+            message: str,
+            sid: int = 0,
+            refused: bytes | None = None,
+            rid: int = 0,
         ) -> None: ...
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
         def start_subscription(self, c: Connection, s: Subscription, sub: Subscribe, t0: int) -> None: ...
+        def bounded_read(self, c: Connection, rd: Read, t0: int) -> None: ...
+        def pump_read(self, c: Connection) -> None: ...
 
     def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None:
         """A control frame of c; t0: the clock reading stamped on the messages of this
@@ -99,6 +109,8 @@ class ControlFrames:
         elif kind is MapApplied:
             if frame.version > c.map_applied:  # type: ignore[union-attr]
                 c.map_applied = frame.version  # type: ignore[union-attr]
+        elif kind is Read:
+            self.bounded_read(c, frame, t0)  # type: ignore[arg-type]  # broky.server.reads
         else:
             name = kind.__name__
             self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
@@ -200,3 +212,5 @@ class ControlFrames:
             if not c.touched:
                 c.touched = True
                 self._touched.append(c)
+        if c.bounded_read is not None:  # its read waited for Resume
+            self.pump_read(c)

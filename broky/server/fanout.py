@@ -13,6 +13,7 @@ and `squeeze`. The other parts:
   broky.server.control        control frames: subscriptions and their limits,
                               Ping, Pause and Resume, MapApplied
   broky.server.history        starts from positions: a subscription's replay
+  broky.server.reads          bounded reads: a closed range, paced by the connection's drain
   broky.server.backpressure   replies and their bound, slow consumers, `tick`
   broky.server.grace          the restart grace
   broky.server.memory_budget  the memory budget kept, the heap trimmed
@@ -131,6 +132,7 @@ from broky.server.history import History
 from broky.server.logs import Throttle
 from broky.server.memory_budget import BudgetEnforcement
 from broky.server.ownership import Ownership
+from broky.server.reads import Reads
 from broky.server.replay import ReplayBuffer
 from broky.server.sequences import Sequences
 from broky.server.stats import Monitoring, WorkerStats
@@ -182,6 +184,7 @@ class Shard(
     Arrivals,
     ControlFrames,
     History,
+    Reads,
     Backpressure,
     RestartGrace,
     BudgetEnforcement,

@@ -116,7 +116,13 @@ class History:
         _touched: list[Connection]
 
         def error(
-            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+            self,
+            c: Connection,
+            code: ErrorCode,
+            message: str,
+            sid: int = 0,
+            refused: bytes | None = None,
+            rid: int = 0,
         ) -> None: ...
 
     def start_subscription(self, c: Connection, s: Subscription, sub: Subscribe, t0: int) -> None:

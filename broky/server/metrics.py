@@ -94,6 +94,17 @@ COUNTERS = (
         "Retained messages queued to subscriptions that started from positions (since, since_time, last).",
     ),
     (
+        "broky_bounded_reads_total",
+        "bounded_reads",
+        "Bounded reads (Read frames) served: a closed range of retained messages, then a ReadDone "
+        "per vbucket.",
+    ),
+    (
+        "broky_bounded_read_messages_total",
+        "bounded_read_messages",
+        "Retained messages queued to bounded reads.",
+    ),
+    (
         "broky_resumes_by_positions_total",
         "resumes_by_positions",
         "Resumed connections whose undelivered messages were left to the replay (Hello.positions), "

@@ -157,6 +157,7 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
                 "pending_bytes": pending,
                 "paused": c.paused,
                 "reads_stopped": c.reads_stopped,
+                "bounded_read": c.bounded_read.rid if c.bounded_read is not None else 0,  # its rid, 0: none
                 "messages_in": c.msgs_in,
                 "messages_out": c.msgs_out,
                 "dropped": c.dropped_total,

@@ -72,7 +72,13 @@ class Ownership:
         def flush(self) -> None: ...
         def reply(self, c: Connection, frame: bytes) -> None: ...
         def error(
-            self, c: Connection, code: ErrorCode, message: str, sid: int = 0, refused: bytes | None = None
+            self,
+            c: Connection,
+            code: ErrorCode,
+            message: str,
+            sid: int = 0,
+            refused: bytes | None = None,
+            rid: int = 0,
         ) -> None: ...
 
     def take_map(self, vmap: VBucketMap) -> None:

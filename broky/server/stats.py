@@ -78,6 +78,8 @@ class WorkerStats:
         self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
         self.resumes_by_positions = 0  # resumes whose undelivered queue is replayed, not told lost
         self.messages_replayed = 0  # queued to a start from positions (broky.server.history)
+        self.bounded_reads = 0  # Read frames served (broky.server.reads)
+        self.bounded_read_messages = 0  # messages queued to them
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
         self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
         self.slow_consumer_disconnects = 0

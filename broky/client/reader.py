@@ -1,0 +1,424 @@
+"""Bounded reads in the SDK: `Client.read` and `Client.positions` (schema/README.md 5.2).
+
+A bounded read returns the retained messages of a closed range, per vbucket,
+and where each vbucket's range ended (`RangeEnd`: its epoch, the next offset,
+how many of its offsets were evicted before they could be read, whether its
+start named an epoch that is gone), then stops: nothing live. Two reads of
+the same range return the same messages while they are retained, so a
+consumer can read from positions it committed to positions it fixed
+beforehand (the Spark source's micro-batches) and read again after a
+failure.
+
+Theory of operation
+-------------------
+Connections. A read asks every worker that owns vbuckets of it, per the
+client's map, on a connection of its own, opened for the read
+(`open_connection` with Hello.worker, as a Link opens its connections) and
+closed after it. The Links that carry publishes and subscriptions are not
+involved: a read neither waits behind their traffic nor holds it up, and a
+cut read connection needs no resume. On each: Read{rid 1, pattern,
+key_partition, start, start_time, stop}, with every position the caller
+gave (each worker takes its own, so a map older than the worker's loses no
+position), then Replay{rid, n} and n Message frames, and a ReadDone per
+vbucket, the last with `remaining` 0.
+
+Coverage. The read covers every vbucket (or the partition's), and expects
+one ReadDone for each. Each worker is asked for the vbuckets the map gives
+it, and only those are taken from its answer: a worker that owns more than
+the map says (a move in between) does not make a message come twice. A
+vbucket that no worker answered for (it moved during the read; a worker
+that said NOT_MY_VBUCKET) is asked of its owner per the newest map seen
+(every Welcome carries the map) in the next round, at most MAX_ROUNDS; a
+vbucket ends once, so a message is never returned twice.
+
+The caller's side. `client.read(...)` returns a `Reading`: awaited, it gives
+a `ReadResult` (every message, by vbucket then offset, and the ends);
+iterated (`async for`), it gives the messages as they come (in offset order
+per vbucket; the workers' answers interleave), and `reading.ends` once done. Messages wait
+in one queue: when it holds more than max_pending_msgs, the read connections
+stop reading (`pause_reading`) until it is down to half, and the server,
+which sends a read only as fast as the connection drains, waits with them.
+Leaving the loop early (or `await reading.close()`) closes the connections.
+
+Errors end the read, raised to the caller: a connection lost or a fatal
+Error before the last ReadDone, a refusal other than NOT_MY_VBUCKET (a
+BAD_POSITION: positions that are not this server's), vbuckets still
+unanswered after the last round, the timeout. The messages already given
+stay given: read the range again from its start (it is fixed: the same
+messages come back).
+
+`positions` is a read whose range is empty everywhere: `start_time` after
+any message (the largest ns value), so every vbucket's ReadDone tells where
+it stands (its epoch and next offset) and no message is sent. It costs one
+ReadDone per vbucket, nothing per retained message, and gives exactly the
+positions a later read's `stop` (or `start`) takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Generator, Iterable
+from operator import attrgetter
+from typing import Any, NamedTuple, Protocol
+
+from broky.client.connection import WorkerProtocol, open_connection, server_error
+from broky.client.link import WorkerRef
+from broky.errors import (
+    BrokyConnectionError,
+    BrokyError,
+    BrokyTimeoutError,
+    ErrorCode,
+    ServerError,
+)
+from broky.matching import parse_pattern
+from broky.protocol import (
+    NO_OWNER,
+    VBUCKETS,
+    Error,
+    Frame,
+    Hello,
+    Message,
+    Read,
+    ReadDone,
+    VBucketMap,
+    encode_frame,
+    vbucket_of,
+)
+from broky.protocol.frames import Position
+
+RID = 1  # a read connection carries one read
+MAX_ROUNDS = 3  # asking again for the vbuckets nobody answered for (moves during the read)
+DEFAULT_MAX_PENDING_MSGS = 65536  # messages waiting for the caller before the reads pause
+END_OF_TIME = (1 << 63) - 1  # a start_time after every message: an empty range everywhere
+_U64 = (1 << 64) - 1
+_vbucket_of = attrgetter("vbucket")
+
+
+class RangeEnd(NamedTuple):
+    """Where one vbucket's range of a read ended (its ReadDone)."""
+
+    vbucket: int
+    epoch: int  # the epoch of the range
+    next: int  # the first offset after the range
+    evicted: int = 0  # offsets of the range that were evicted before they could be read
+    epoch_changed: bool = False  # the start named an epoch that is gone: what followed it is lost
+
+    @property
+    def position(self) -> Position:
+        """The range's last position: the `start` of a read that goes on from here (and the
+        `stop` of one that ends here)."""
+        return Position(self.vbucket, self.epoch, self.next - 1)
+
+
+def positions_of(ends: dict[int, RangeEnd]) -> tuple[Position, ...]:
+    """Each vbucket's last position, in vbucket order."""
+    return tuple(ends[vb].position for vb in sorted(ends))
+
+
+class ReadResult(NamedTuple):
+    """A whole bounded read: its messages, by vbucket then offset (the same list for the same
+    range), and where each vbucket's range ended."""
+
+    messages: list[Message]
+    ends: dict[int, RangeEnd]  # by vbucket, in vbucket order
+
+    @property
+    def positions(self) -> tuple[Position, ...]:
+        """Every vbucket's last position: pass them as the next read's `start`."""
+        return positions_of(self.ends)
+
+    @property
+    def evicted(self) -> int:
+        """Offsets of the range, all vbuckets together, evicted before they could be read."""
+        return sum(end.evicted for end in self.ends.values())
+
+
+class MapInfo(Protocol):
+    """The part of the client's ServerInfo a read uses."""
+
+    @property
+    def map(self) -> VBucketMap: ...
+
+
+class ReadOwner(Protocol):
+    """What a read needs of its client (`broky.client.client.Client` is one)."""
+
+    name: str | None
+    auth_token: str | None
+    connect_timeout: float
+
+    @property
+    def server_info(self) -> MapInfo | None: ...
+
+    def _address_of(self, node_id: str) -> tuple[str, int]:
+        """Where node `node_id` listens (as a Link connects to it)."""
+
+
+def as_positions(
+    positions: Iterable[Position | tuple[int, int, int]] | None, what: str
+) -> tuple[Position, ...]:
+    """`positions` as Position values, checked.
+
+    Raises:
+        ValueError: one is not (vbucket < 1024, epoch and offset in 0 .. 2**64 - 1).
+    """
+    out = []
+    for p in positions or ():
+        vb, epoch, offset = p
+        if not (0 <= vb < VBUCKETS and 0 <= epoch <= _U64 and 0 <= offset <= _U64):
+            raise ValueError(f"{what}: {p!r} is not a position (vbucket, epoch, offset)")
+        out.append(Position(vb, epoch, offset))
+    return tuple(out)
+
+
+class Reading:
+    """A bounded read under way: await it (a ReadResult) or iterate it (messages)."""
+
+    def __init__(
+        self,
+        owner: ReadOwner,
+        pattern: bytes,
+        partition: bytes | None = None,
+        *,
+        start: tuple[Position, ...] = (),
+        start_time: int = 0,
+        stop: tuple[Position, ...] = (),
+        timeout: float | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+    ) -> None:
+        parse_pattern(pattern)  # BadPatternError now, not from the server
+        self.owner = owner
+        self.frame = encode_frame(Read(RID, pattern, partition, start, start_time, stop))
+        self.covers = {vbucket_of(partition)} if partition is not None else set(range(VBUCKETS))
+        self.timeout = timeout
+        self.max_pending = max_pending_msgs
+        self.ends: dict[int, RangeEnd] = {}  # filled as the ReadDones come
+        self.queue: deque[Message] = deque()
+        self.wake = asyncio.Event()
+        self.runner: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.paused = False
+        self.protos: set[WorkerProtocol] = set()
+        self.maps: list[VBucketMap] = []  # the maps of the read connections' Welcomes
+
+    def __repr__(self) -> str:
+        return f"<broky.Reading {len(self.ends)}/{len(self.covers)} vbuckets done>"
+
+    # ---------------------------------------------------------------- the caller's side
+
+    def __await__(self) -> Generator[Any, None, ReadResult]:
+        return self.collect().__await__()
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self.stream()
+
+    @property
+    def positions(self) -> tuple[Position, ...]:
+        """Every vbucket's last position so far (all of them once the read is done)."""
+        return positions_of(self.ends)
+
+    async def collect(self) -> ReadResult:
+        """Every message of the read, then its ends (what awaiting the Reading gives)."""
+        self.begin()
+        messages: list[Message] = []
+        try:
+            while True:
+                if self.queue:
+                    messages.extend(self.queue)
+                    self.queue.clear()
+                    self.taken()
+                elif self.finished:
+                    break
+                else:
+                    await self.wait()
+        finally:
+            await self.close()
+        if self.error is not None:
+            raise self.error
+        # The workers' answers interleave as they come; each vbucket's is in offset order (one
+        # worker's), so a stable sort by vbucket (a merge of those runs) orders the whole.
+        messages.sort(key=_vbucket_of)
+        return ReadResult(messages, dict(sorted(self.ends.items())))
+
+    async def stream(self) -> AsyncIterator[Message]:
+        """The messages as they come (what iterating the Reading gives)."""
+        self.begin()
+        try:
+            while True:
+                if self.queue:
+                    msg = self.queue.popleft()
+                    self.taken()
+                    yield msg
+                elif self.finished:
+                    break
+                else:
+                    await self.wait()
+        finally:
+            await self.close()
+        if self.error is not None:
+            raise self.error
+
+    async def close(self) -> None:
+        """Stop the read (if it is still going) and close its connections."""
+        runner = self.runner
+        if runner is not None and not runner.done():
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        for proto in list(self.protos):
+            proto.abort()
+
+    def begin(self) -> None:
+        if self.runner is None:
+            self.runner = asyncio.get_running_loop().create_task(self.run())
+
+    async def wait(self) -> None:
+        self.wake.clear()
+        await self.wake.wait()
+
+    def taken(self) -> None:
+        if self.paused and len(self.queue) <= self.max_pending >> 1:
+            self.paused = False
+            for proto in self.protos:
+                if proto.transport is not None and not proto.closed:
+                    proto.transport.resume_reading()
+
+    # ---------------------------------------------------------------- the workers' side
+
+    def push(self, msg: Message) -> None:
+        self.queue.append(msg)
+        self.wake.set()
+        if not self.paused and len(self.queue) > self.max_pending:
+            self.paused = True
+            for proto in self.protos:
+                if proto.transport is not None and not proto.closed:
+                    proto.transport.pause_reading()
+
+    def end(self, done: ReadDone) -> None:
+        self.ends[done.vbucket] = RangeEnd(
+            done.vbucket, done.epoch, done.next, done.evicted, done.epoch_changed
+        )
+        self.wake.set()
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                for _ in range(MAX_ROUNDS):
+                    todo = self.covers - self.ends.keys()
+                    if not todo:
+                        break
+                    await self.round(todo)
+                missing = self.covers - self.ends.keys()
+                if missing:
+                    raise BrokyError(
+                        f"{len(missing)} vbuckets (from {min(missing)}) were not read: no worker "
+                        f"answered for them in {MAX_ROUNDS} rounds (their owners changed meanwhile)"
+                    )
+        except TimeoutError:
+            self.error = BrokyTimeoutError(f"the read did not complete within {self.timeout:g} s")
+        except asyncio.CancelledError:
+            self.error = BrokyConnectionError("the read was closed before it completed")
+            raise
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.finished = True
+            self.wake.set()
+
+    def newest_map(self) -> VBucketMap:
+        info = self.owner.server_info
+        if info is None:
+            raise BrokyConnectionError("the client is not connected; await connect() first")
+        return max([info.map, *self.maps], key=lambda vmap: vmap.version)
+
+    async def round(self, todo: set[int]) -> None:
+        """Ask each owner (per the newest map) for its vbuckets of `todo`."""
+        vmap = self.newest_map()
+        asked: dict[WorkerRef, set[int]] = {}
+        for vb in todo:
+            owner = vmap.owners[vb]
+            if owner != NO_OWNER:
+                ref = WorkerRef(vmap.nodes[owner[0]].node_id, owner[1])
+                asked.setdefault(ref, set()).add(vb)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for ref, vbs in asked.items():
+                    group.create_task(self.read_worker(ref, vbs))
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+
+    async def read_worker(self, ref: WorkerRef, vbs: set[int]) -> None:
+        """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own."""
+        owner = self.owner
+        host, port = owner._address_of(ref.node_id)
+        hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
+        proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+        self.maps.append(welcome.map)
+        answer = WorkerAnswer(self, ref, vbs)
+        self.protos.add(proto)
+        try:
+            proto.attach(answer)
+            if self.paused and proto.transport is not None:
+                proto.transport.pause_reading()
+            proto.write(self.frame)
+            await answer.done
+        finally:
+            self.protos.discard(proto)
+            proto.close()
+
+
+class WorkerAnswer:
+    """One worker's answer to a read (a connection.Handler)."""
+
+    def __init__(self, reading: Reading, ref: WorkerRef, vbs: set[int]) -> None:
+        self.reading = reading
+        self.ref = ref
+        self.vbs = vbs  # the vbuckets asked of this worker whose ReadDone has not come
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+
+    def on_message(self, msg: Message) -> None:
+        if msg.vbucket in self.vbs:
+            self.reading.push(msg)
+
+    def on_frame(self, frame: Frame) -> None:
+        if isinstance(frame, ReadDone):
+            if frame.rid == RID and frame.vbucket in self.vbs:
+                self.vbs.discard(frame.vbucket)
+                self.reading.end(frame)
+            if frame.remaining == 0:
+                self.finish()
+        elif isinstance(frame, Error) and (frame.fatal or frame.rid == RID):
+            if frame.code == ErrorCode.NOT_MY_VBUCKET and not frame.fatal:
+                self.finish()  # its vbuckets go to the next round, asked of their owner
+            else:
+                self.finish(server_error(frame))
+
+    def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
+        if isinstance(exc, ServerError):
+            self.finish(exc)
+            return
+        why = f": {exc}" if exc is not None else ""
+        where = f"worker {self.ref.worker} of {self.ref.node_id}"
+        self.finish(BrokyConnectionError(f"the connection to {where} closed during the read{why}"))
+
+
+__all__ = [
+    "DEFAULT_MAX_PENDING_MSGS",
+    "END_OF_TIME",
+    "RangeEnd",
+    "ReadOwner",
+    "ReadResult",
+    "Reading",
+    "as_positions",
+    "positions_of",
+]

@@ -1,0 +1,160 @@
+"""Bounded reads from the SDK (broky.client.reader) against a real `broky serve`:
+`client.read` across workers, awaited or iterated, `client.positions`, the
+blocking client's, and what a read says of what is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+import broky
+from broky.client.reader import Reading
+from broky.errors import ErrorCode, ServerError
+from broky.protocol import VBUCKETS, Message, vbucket_of
+from broky.protocol.frames import Position
+from tests.serverproc import ServerProcess
+from tests.test_client import partitions_by_worker
+from tests.test_server_pubsub import http_get
+
+
+def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 60) -> None:
+    async def main() -> None:
+        async with asyncio.timeout(timeout):
+            await coro_fn()
+
+    asyncio.run(main())
+
+
+def numbers(messages: list[Message], kp: bytes) -> list[int]:
+    return [int(m.payload.split(b".")[0]) for m in messages if m.key_partition == kp]
+
+
+def open_connections(server: ServerProcess, name: str) -> int:
+    body = json.loads(http_get(server, "/connections?limit=1000")[1])
+    return sum(1 for c in body["connections"] if c["name"] == name)
+
+
+async def connections_back_to(server: ServerProcess, name: str, n: int) -> None:
+    """Wait (2 s at most) until the server holds `n` connections of client `name`: the
+    read connections are closed (the server sees it a moment later)."""
+    for _ in range(100):
+        if open_connections(server, name) == n:
+            return
+        await asyncio.sleep(0.02)
+    assert open_connections(server, name) == n
+
+
+def test_a_read_across_two_workers_returns_a_known_range_twice(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server(workers=2)
+
+    async def main() -> None:
+        async with broky.connect(server.url, name="reader") as client:
+            assert client.server_info is not None
+            kps = [kp for kps in partitions_by_worker(client.server_info.map, 2).values() for kp in kps]
+            for i in range(200):
+                await client.publish(kps[i % 4], "r.k", b"%d" % i)
+            await client.flush()
+            stop = await client.positions()  # where every vbucket stands: the end of the range
+            assert len(stop) == VBUCKETS and [p.vbucket for p in stop] == list(range(VBUCKETS))
+            for i in range(200, 250):  # after the range
+                await client.publish(kps[i % 4], "r.k", b"%d" % i)
+            await client.flush()
+            links = open_connections(server, "reader")
+
+            first = await client.read(">", stop=stop)
+            for n, kp in enumerate(kps):
+                assert numbers(first.messages, kp) == list(range(n, 200, 4))
+            assert len(first.ends) == VBUCKETS and first.evicted == 0
+            assert first.positions == stop
+            again = await client.read("r.*", stop=stop)
+            assert [m.uid for m in again.messages] == [m.uid for m in first.messages]
+            assert {m.vbucket for m in first.messages} == {vbucket_of(kp) for kp in kps}
+            # From where it ended, up to now: the 50 after the range.
+            rest = await client.read(">", start=first.positions)
+            for n, kp in enumerate(kps):
+                assert numbers(rest.messages, kp) == list(range(200 + n, 250, 4))
+            assert rest.positions == await client.positions()
+            await connections_back_to(server, "reader", links)  # each read's connections are closed
+
+    run(main)
+
+
+def test_a_read_streams_and_follows_pattern_and_partition(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(workers=2)
+
+    async def main() -> None:
+        async with broky.connect(server.url, name="streamer") as client:
+            kp = b"stream-kp"
+            for i in range(300):
+                await client.publish(kp, "s.a" if i % 3 else "s.b", b"%d." % i + bytes(1000))
+            await client.publish(b"elsewhere", "s.a", b"-1.")
+            await client.flush()
+            reading = client.read("s.a", partition=kp)
+            got = [msg async for msg in reading]
+            assert numbers(got, kp) == [i for i in range(300) if i % 3]
+            assert list(reading.ends) == [vbucket_of(kp)] and reading.ends[vbucket_of(kp)].next == 301
+            # Slowly, with a small queue: the read connections pause and resume (flow control).
+            slow = Reading(client, b">", kp, max_pending_msgs=16)
+            got = []
+            async for msg in slow:
+                got.append(msg)
+                if len(got) % 50 == 0:
+                    await asyncio.sleep(0.01)
+            assert numbers(got, kp) == list(range(300)) and slow.positions == reading.positions
+            # Leaving early closes the read's connections.
+            links = open_connections(server, "streamer")
+            async for _ in client.read(">"):
+                break
+            await connections_back_to(server, "streamer", links)
+
+    run(main)
+
+
+def test_what_is_gone_is_told_per_vbucket(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server("--replay-bytes", "64K", workers=1)
+
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            kp = b"gone-kp"
+            vb = vbucket_of(kp)
+            [before] = await client.positions(partition=kp)
+            assert before.offset == 0
+            for i in range(200):
+                await client.publish(kp, "g.k", b"%d." % i + bytes(1000))
+                await client.flush()  # one read each: the buffer evicts segment by segment
+            result = await client.read(">", partition=kp, start=[before])
+            end = result.ends[vb]
+            assert end.evicted > 0 and len(result.messages) + end.evicted == 200
+            assert numbers(result.messages, kp) == list(range(end.evicted, 200))
+            assert (end.epoch, end.next, end.epoch_changed) == (before.epoch, 201, False)
+            # A start in an epoch that is gone: told, and the current epoch from its start.
+            result = await client.read(">", partition=kp, start=[Position(vb, before.epoch ^ 1, 7)])
+            assert result.ends[vb].epoch_changed and result.ends[vb].evicted == end.evicted
+            # A position the server never gave: refused.
+            with pytest.raises(ServerError) as info:
+                await client.read(">", partition=kp, stop=[Position(vb, before.epoch, 500)])
+            assert info.value.code == ErrorCode.BAD_POSITION and info.value.rid == 1
+            with pytest.raises(ValueError):
+                client.read(">", start=[(VBUCKETS, 1, 1)])
+
+    run(main)
+
+
+def test_the_blocking_client_reads(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(workers=2)
+    with broky.connect_sync(server.url) as client:
+        for i in range(20):
+            client.publish(b"sync-kp", "b.k", b"%d" % i)
+        client.flush()
+        stop = client.positions()
+        client.publish(b"sync-kp", "b.k", b"20")
+        client.flush()
+        result = client.read("b.>", stop=stop, timeout=10)
+        assert numbers(result.messages, b"sync-kp") == list(range(20))
+        assert result.ends[vbucket_of(b"sync-kp")].next == 21
+        assert numbers(client.read(">", start=stop).messages, b"sync-kp") == [20]

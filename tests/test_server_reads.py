@@ -1,0 +1,353 @@
+"""Bounded reads against a real server (broky.server.reads): a known sequence is
+published, then read back with raw Read frames: ranges from positions, times and
+the oldest retained, up to positions or to the Read; what was evicted counted
+exactly; the read paced by the connection's drain."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from broky.errors import ErrorCode
+from broky.protocol import (
+    VBUCKETS,
+    Error,
+    Frame,
+    Message,
+    Pause,
+    Read,
+    ReadDone,
+    Replay,
+    Resume,
+    encode_message,
+)
+from broky.protocol.frames import Position
+from broky.protocol.routing import vbucket_of
+from tests.serverproc import ServerProcess
+from tests.test_server_pubsub import http_get
+from tests.wire import Wire, kp_for_worker
+
+KP = kp_for_worker(0, 1, "read")
+VB = vbucket_of(KP)
+
+
+class Answer:
+    """What a Read got: its messages in order, its ReadDones by vbucket, and the
+    number of Replay frames that announced the messages."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.dones: dict[int, ReadDone] = {}
+        self.batches = 0
+
+    def payloads(self, vb: int | None = VB) -> list[int]:
+        """The numbers the messages of vbucket `vb` (None: of all) carry, in order."""
+        return [int(m.payload.split(b".")[0]) for m in self.messages if vb is None or m.vbucket == vb]
+
+    def done(self, vb: int = VB) -> ReadDone:
+        return self.dones[vb]
+
+
+def read(w: Wire, rd: Read, timeout: float = 10.0) -> Answer:
+    """Send `rd` and take its answer, checking its shape: Replay{rid, n} + n Messages of
+    one vbucket, that vbucket's ReadDone after them, ReadDones in vbucket order with
+    `remaining` counting down to 0."""
+    w.send(rd)
+    return take(w, rd.rid, timeout)
+
+
+def take(w: Wire, rid: int, timeout: float = 10.0, received: list[Frame] | None = None) -> Answer:
+    """The answer to read `rid` (starting with the frames already `received`)."""
+    early = iter(received or ())
+    answer = Answer()
+    last_vb = -1
+
+    def next_frame() -> Frame:
+        return next(early, None) or w.next(timeout)
+
+    while True:
+        frame = next_frame()
+        if isinstance(frame, Replay):
+            assert frame.rid == rid and frame.sid == 0 and frame.messages > 0, frame
+            answer.batches += 1
+            batch = [next_frame() for _ in range(frame.messages)]
+            assert all(isinstance(m, Message) for m in batch), batch
+            assert {m.vbucket for m in batch} == {batch[0].vbucket}, "a batch is one vbucket's"  # type: ignore[union-attr]
+            assert batch[0].vbucket > last_vb, "messages of a vbucket come before its ReadDone"  # type: ignore[union-attr]
+            answer.messages.extend(batch)  # type: ignore[arg-type]
+            continue
+        assert isinstance(frame, ReadDone), frame
+        assert frame.rid == rid and frame.vbucket > last_vb, frame
+        last_vb = frame.vbucket
+        answer.dones[frame.vbucket] = frame
+        if frame.remaining == 0:
+            return answer
+
+
+def publish(w: Wire, start: int, stop: int, key: bytes = b"r.k", kp: bytes = KP, pad: int = 0) -> None:
+    for i in range(start, stop):
+        w.publish(kp, key, b"%d" % i + b"." * pad)
+    assert w.flush() == []
+
+
+def offsets(messages: list[Message]) -> list[int]:
+    return [m.offset for m in messages]
+
+
+def test_a_known_sequence_is_read_back_exactly_and_twice_the_same(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 50)
+        first = read(reader, Read(1, b">"))
+        assert first.payloads() == list(range(50))
+        assert offsets(first.messages) == list(range(1, 51))  # a fresh worker: offsets from 1
+        assert len(first.dones) == VBUCKETS  # every vbucket, even the empty ones
+        done = first.done()
+        assert (done.next, done.evicted, done.epoch_changed) == (51, 0, False)
+        assert done.epoch == first.messages[0].epoch
+        assert all(d.next == 1 and d.evicted == 0 for vb, d in first.dones.items() if vb != VB)
+        stop = tuple(Position(vb, d.epoch, d.next - 1) for vb, d in first.dones.items())
+        publish(pub, 50, 60)  # after the range
+        again = read(reader, Read(2, b">", stop=stop))
+        assert again.payloads() == list(range(50))
+        assert [bytes(m.uid or b"") for m in again.messages] == [bytes(m.uid or b"") for m in first.messages]
+        assert {vb: (d.epoch, d.next) for vb, d in again.dones.items()} == {
+            vb: (d.epoch, d.next) for vb, d in first.dones.items()
+        }
+        # Without a stop, up to the last message accepted before the Read: nothing live after it.
+        now = read(reader, Read(3, b"r.*"))
+        assert now.payloads() == list(range(60)) and now.done().next == 61
+        publish(pub, 60, 61)
+        reader.expect_silence()
+        stats = json.loads(http_get(server, "/stats")[1])["workers"][0]
+        assert stats["bounded_reads"] == 3 and stats["bounded_read_messages"] == 160
+
+
+def test_start_and_stop_positions_start_time_pattern_and_key_partition(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    other = kp_for_worker(0, 1, "other")
+    assert vbucket_of(other) != VB
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 10, b"r.a")
+        publish(pub, 10, 20, b"r.b")
+        publish(pub, 100, 105, b"r.a", kp=other)
+        time.sleep(0.01)
+        middle = time.time_ns()
+        time.sleep(0.01)
+        publish(pub, 20, 30, b"r.a")
+        epoch = read(reader, Read(1, b">", KP)).messages[0].epoch
+        # After offset 9 (payload 8), up to and including offset 25 (payload 24).
+        got = read(reader, Read(2, b">", start=(Position(VB, epoch, 9),), stop=(Position(VB, epoch, 25),)))
+        assert got.payloads() == list(range(9, 25)) and got.done().next == 26
+        assert got.payloads(vbucket_of(other)) == [100, 101, 102, 103, 104]  # from its oldest, to now
+        # From a time: the first retained message at or after it.
+        got = read(reader, Read(3, b">", start_time=middle))
+        assert got.payloads() == list(range(20, 30)) and all(m.ts_broker >= middle for m in got.messages)
+        assert got.done(vbucket_of(other)).next == 6  # empty: its last came before the time
+        # The pattern and the key_partition choose; the range is the same.
+        got = read(reader, Read(4, b"r.b"))
+        assert got.payloads() == list(range(10, 20)) and got.done().next == 31
+        got = read(reader, Read(5, b"r.a", KP))
+        assert list(got.dones) == [VB] and got.payloads() == list(range(10)) + list(range(20, 30))
+        # A stop before the start: an empty range, where the start was.
+        got = read(
+            reader, Read(6, b">", KP, start=(Position(VB, epoch, 20),), stop=(Position(VB, epoch, 5),))
+        )
+        assert got.messages == [] and got.done().next == 21
+
+
+def test_evicted_offsets_are_counted_exactly(start_server: Any) -> None:
+    # A 64 KiB buffer: each publish below is its own read, so its own segment.
+    server: ServerProcess = start_server("--replay-bytes", "64K", workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 200, pad=1000)
+        # From the first position: the retained tail, and exactly how many before it are gone.
+        epoch = read(reader, Read(1, b">", KP)).done().epoch
+        got = read(reader, Read(2, b">", KP, start=(Position(VB, epoch, 1),)))
+        oldest = got.messages[0].offset
+        assert oldest > 2 and offsets(got.messages) == list(range(oldest, 201))
+        done = got.done()
+        assert (done.evicted, done.next, done.epoch_changed) == (oldest - 2, 201, False)
+        assert len(got.messages) + done.evicted == 199  # every offset after the start: read or counted
+        # From the oldest retained: nothing was asked for that is gone.
+        assert read(reader, Read(3, b">", KP)).done().evicted == 0
+        # A range wholly gone: all of it counted, none read.
+        gone = read(
+            reader, Read(4, b">", KP, start=(Position(VB, epoch, 1),), stop=(Position(VB, epoch, 3),))
+        )
+        assert gone.messages == [] and (gone.done().evicted, gone.done().next) == (2, 4)
+
+
+def test_messages_evicted_while_the_read_waits_are_counted(start_server: Any) -> None:
+    # 1,500 messages of 1 KiB (1.7 MB) retained. The reader pauses its connection right
+    # after its Read, so its read waits after the first batch (the kernel's socket buffers
+    # would take the whole range otherwise), while 1.1 MB more evict the oldest segments.
+    server: ServerProcess = start_server("--replay-bytes", "2M", "--max-pending-bytes", "64K", workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        pub.send(*(encode_message(KP, b"r.k", b"%d." % i + bytes(1000)) for i in range(1500)))
+        assert pub.flush() == []
+        reader.send(Read(1, b">", KP), Pause())
+        before = reader.flush()  # the first batch, sent before the Pause
+        pub.send(*(encode_message(KP, b"r.k", b"x." + bytes(1000)) for i in range(1000)))
+        assert pub.flush() == []
+        reader.send(Resume())
+        got = take(reader, 1, received=before)
+    done = got.done()
+    assert done.next == 1501 and done.evicted > 0
+    assert all(o <= 1500 for o in offsets(got.messages))  # nothing accepted after the Read
+    assert len(got.messages) + done.evicted == 1500  # read, or counted as gone: nothing else
+    assert offsets(got.messages) == [int(p) + 1 for p in got.payloads()]
+    # read before the pause, then after what was evicted: one gap, exactly `evicted` long
+    gaps = [
+        b - a for a, b in zip(offsets(got.messages), offsets(got.messages)[1:], strict=False) if b - a > 1
+    ]
+    assert gaps == [done.evicted + 1]
+
+
+def test_another_epoch_starts_the_current_one_from_its_first_offset(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 5)
+        got = read(reader, Read(1, b">", KP, start=(Position(VB, 12345, 77),)))
+        assert got.payloads() == list(range(5))
+        done = got.done()
+        assert (done.epoch_changed, done.evicted, done.next) == (True, 0, 6) and done.epoch != 12345
+        # A stop of another epoch: what it named is gone; nothing of the current epoch.
+        got = read(reader, Read(2, b">", KP, start=(Position(VB, 12345, 1),), stop=(Position(VB, 12345, 9),)))
+        assert got.messages == [] and (got.done().next, got.done().epoch_changed) == (1, True)
+
+
+def test_bad_reads_are_refused_and_the_connection_stays(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 3)
+        epoch = read(reader, Read(1, b">", KP)).done().epoch
+
+        def refused(rd: Read) -> Error:
+            reader.send(rd)
+            [err] = reader.flush()
+            assert isinstance(err, Error) and not err.fatal and err.rid == rd.rid, err
+            return err
+
+        assert refused(Read(2, b">", KP, start=(Position(VB, epoch, 4),))).code == ErrorCode.BAD_POSITION
+        assert refused(Read(3, b">", KP, stop=(Position(VB, epoch, 4),))).code == ErrorCode.BAD_POSITION
+        twice = (Position(VB, epoch, 1), Position(VB, epoch, 2))
+        assert refused(Read(4, b">", start=twice)).code == ErrorCode.BAD_POSITION
+        assert refused(Read(5, b"a..b")).code == ErrorCode.BAD_PATTERN
+        assert refused(Read(0, b">")).code == ErrorCode.READ_REFUSED
+        # The last accepted offset is a good stop and a good start (an empty range).
+        got = read(reader, Read(6, b">", KP, start=(Position(VB, epoch, 3),), stop=(Position(VB, epoch, 3),)))
+        assert got.messages == [] and got.done().next == 4
+
+
+def test_one_read_at_a_time_per_connection(start_server: Any) -> None:
+    server: ServerProcess = start_server("--max-pending-bytes", "64K", workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 300, pad=1000)
+        # Paused (by the client) after its first batch, read 1 is in progress.
+        reader.send(Read(1, b">", KP), Pause(), Read(2, b">", KP), Read(1, b">", KP))
+        before = reader.flush()
+        errors = [f for f in before if isinstance(f, Error)]
+        assert [(e.code, e.rid, e.fatal) for e in errors] == [
+            (ErrorCode.READ_REFUSED, 2, False),
+            (ErrorCode.READ_REFUSED, 1, False),
+        ]
+        reader.send(Resume())
+        got = take(reader, 1, received=[f for f in before if not isinstance(f, Error)])
+        assert got.payloads() == list(range(300))
+        assert read(reader, Read(2, b">", KP)).payloads() == list(range(300))  # now it may
+
+
+def connection_view(server: ServerProcess, name: str) -> dict[str, Any]:
+    body = json.loads(http_get(server, "/connections?limit=100")[1])
+    [conn] = [c for c in body["connections"] if c["name"] == name]
+    return conn  # type: ignore[no-any-return]
+
+
+def test_a_read_far_larger_than_the_pending_bound_keeps_within_it(start_server: Any) -> None:
+    # 7 MB retained: more than the kernel's socket buffers take (up to 4 MiB of send
+    # buffer on loopback), so the rest waits in the worker, paced by the reader.
+    limit = 64 << 10
+    total = 6400
+    server: ServerProcess = start_server("--max-pending-bytes", "64K", workers=1)
+    kps = [kp_for_worker(0, 1, f"big{i}") for i in range(4)]
+    with Wire.hello(server.address) as pub:
+        pub.send(*(encode_message(kps[i % 4], b"r.big", b"%d." % i + bytes(1000)) for i in range(total)))
+        assert pub.flush() == []
+    with Wire.hello(server.address, name="big-reader", rcvbuf=8192) as reader:
+        reader.send(Read(7, b"r.big"))
+        peak = 0
+        got = Answer()
+        frames = 0
+        while True:  # read slowly, looking at what the worker has pending for us
+            if frames % 400 == 0:
+                conn = connection_view(server, "big-reader")
+                if conn["bounded_read"]:
+                    peak = max(peak, conn["pending_bytes"])
+                    assert conn["bounded_read"] == 7
+            frame = reader.next()
+            frames += 1
+            if isinstance(frame, Message):
+                got.messages.append(frame)
+            elif isinstance(frame, ReadDone):
+                got.dones[frame.vbucket] = frame
+                if frame.remaining == 0:
+                    break
+        assert 0 < peak <= limit + 1100, peak  # at most one message over the bound
+        by_kp: dict[bytes, list[int]] = {}
+        for m in got.messages:
+            by_kp.setdefault(m.key_partition, []).append(int(m.payload.split(b".")[0]))
+        assert {kp: by_kp[kp] for kp in kps} == {kp: list(range(i, total, 4)) for i, kp in enumerate(kps)}
+        assert len(got.messages) == total and len(got.dones) == VBUCKETS
+        assert connection_view(server, "big-reader")["bounded_read"] == 0
+    stats = json.loads(http_get(server, "/stats")[1])["workers"][0]
+    assert stats["dropped"]["slow_consumer"] == 0 and stats["bounded_read_messages"] == total
+
+
+def test_a_reader_that_goes_away_mid_read_frees_its_cursor(start_server: Any) -> None:
+    server: ServerProcess = start_server("--max-pending-bytes", "64K", workers=1)
+    with Wire.hello(server.address) as pub:
+        publish(pub, 0, 500, pad=1000)
+        for _ in range(3):
+            with Wire.hello(server.address, name="quitter", rcvbuf=8192) as quitter:
+                quitter.send(Read(1, b">"))
+                quitter.next()
+                assert connection_view(server, "quitter")["bounded_read"] == 1
+        # The worker serves the others: a read, a subscription.
+        with Wire.hello(server.address) as reader:
+            assert read(reader, Read(1, b">", KP)).payloads() == list(range(500))
+            reader.subscribe(1, b"r.>")
+            reader.flush()
+            publish(pub, 500, 501)
+            assert [int(m.payload) for m in reader.messages()] == [500]
+        body = json.loads(http_get(server, "/connections?limit=100")[1])
+        assert [c["name"] for c in body["connections"] if c["bounded_read"]] == []
+
+
+def test_without_a_replay_buffer_every_vbucket_ends_at_once(start_server: Any) -> None:
+    server: ServerProcess = start_server("--replay-bytes", "0", workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 5)
+        got = read(reader, Read(1, b">"))
+        assert got.messages == [] and len(got.dones) == VBUCKETS and got.batches == 0
+        done = got.done()
+        assert (done.next, done.evicted) == (6, 0)  # where the vbucket stands; nothing was asked for
+        got = read(reader, Read(2, b">", KP, start=(Position(VB, done.epoch, 2),)))
+        assert got.messages == [] and got.done().evicted == 3  # offsets 3, 4, 5: gone
+
+
+def test_a_read_across_two_workers_gets_each_its_own_vbuckets(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=2)
+    kp0, kp1 = kp_for_worker(0, 2, "two"), kp_for_worker(1, 2, "two")
+    with Wire.hello(server.address, worker=0) as pub0, Wire.hello(server.address, worker=1) as pub1:
+        publish(pub0, 0, 5, kp=kp0)
+        publish(pub1, 5, 10, kp=kp1)
+        with Wire.hello(server.address, worker=0) as r0, Wire.hello(server.address, worker=1) as r1:
+            a, b = read(r0, Read(1, b">")), read(r1, Read(1, b">"))
+        assert a.payloads(None) == list(range(5)) and b.payloads(None) == list(range(5, 10))
+        assert len(a.dones) + len(b.dones) == VBUCKETS and not set(a.dones) & set(b.dones)
+        with Wire.hello(server.address, worker=0) as r0:
+            r0.send(Read(2, b">", kp1))
+            [err] = r0.flush()
+            assert isinstance(err, Error) and err.code == ErrorCode.NOT_MY_VBUCKET and err.rid == 2
