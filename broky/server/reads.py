@@ -17,9 +17,10 @@ first <= offset < stop:
 
   first  after `start`'s position for the vbucket (its epoch: offset + 1;
          another epoch: 1, and epoch_changed); else the first retained
-         message with ts_broker >= `start_time` (an epoch that began after
-         it: 1, and epoch_changed; a message at or after it evicted: 1);
-         else the oldest retained.
+         message with ts_broker >= `start_time` (a message at or after it
+         evicted: 1; what an earlier epoch held is not known here, as for
+         a subscription's since_time, broky.server.history); else the
+         oldest retained.
   stop   after `stop`'s position for the vbucket (its epoch: offset + 1,
          at least `first`; another epoch: `first`, an empty range: what it
          named is gone); else the vbucket's next offset now, so nothing
@@ -223,10 +224,7 @@ class Reads:
                 changed = True
                 begin = 1
         elif start_time:
-            if seqs.started[vb] > start_time:
-                changed = True
-                begin = 1
-            elif replay is not None and replay.gone_ts[vb] >= start_time:
+            if replay is not None and replay.gone_ts[vb] >= start_time:
                 begin = 1  # some of it is gone, which is not known: counted as all (an upper bound)
             else:
                 found = replay.offset_at_time(vb, start_time) if replay is not None else None
