@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from broky.client import (
         Client,
         ClientStats,
+        RangeEnd,
+        Reading,
+        ReadResult,
         ServerInfo,
         Subscription,
         SyncClient,
@@ -68,7 +71,7 @@ if TYPE_CHECKING:
 # broky.server (and never the SDK), and each module they do not load is memory
 # they do not keep (see broky.server).
 _CLIENT = {
-    "Client", "ClientStats", "ServerInfo", "Subscription", "SyncClient",
+    "Client", "ClientStats", "RangeEnd", "Reading", "ReadResult", "ServerInfo", "Subscription", "SyncClient",
     "SyncSubscription", "WorkerRef", "connect", "connect_sync",
 }  # fmt: skip
 _PROTOCOL = {"LossReason", "Message", "Position"}
@@ -112,6 +115,9 @@ __all__ = [
     "Position",
     "ProtocolError",
     "PublishBufferFullError",
+    "RangeEnd",
+    "ReadResult",
+    "Reading",
     "RemoteProtocolError",
     "ServerError",
     "ServerShutdownError",

@@ -1,6 +1,7 @@
 """The Broky client SDK: asyncio (`connect`, `Client`) and blocking (`connect_sync`)."""
 
 from broky.client.client import Client, ClientStats, ServerInfo, WorkerRef, connect
+from broky.client.reader import RangeEnd, Reading, ReadResult
 from broky.client.subscription import Subscription
 from broky.client.sync import SyncClient, SyncSubscription, connect_sync
 from broky.client.url import ServerAddress, parse_server, parse_servers
@@ -8,6 +9,9 @@ from broky.client.url import ServerAddress, parse_server, parse_servers
 __all__ = [
     "Client",
     "ClientStats",
+    "RangeEnd",
+    "ReadResult",
+    "Reading",
     "ServerAddress",
     "ServerInfo",
     "Subscription",
