@@ -12,11 +12,12 @@ Ownership. A worker owns, and never shares:
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
 (CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, CLOSED, STATS
-request/answer, READY, LOAD). There is no lock, and one piece of shared
-memory, written by the worker only: the accounts of its connections
-(broky.server.accounts), which the master reads once this process is gone, so
-that clients reconnecting after a crash learn exactly what was processed and
-what was lost.
+request/answer, READY, LOAD, GRACE; in a cluster also MAP, and SEQUENCES and
+HANDED: the sequences of vbuckets that move, broky.server.handover). There is
+no lock, and one piece of shared memory, written by the worker only: the
+accounts of its connections (broky.server.accounts), which the master reads
+once this process is gone, so that clients reconnecting after a crash learn
+exactly what was processed and what was lost.
 
 Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
 supervisor with the worker end of the channel as FD and its accounts table as
@@ -106,6 +107,7 @@ class Worker:
         self._stopping = False
         self._unsent_closed: list[int] = []  # hand-off ids of closed connections not told yet
         self.shard.on_closed = self._closed
+        self.shard.handover.report = self._handed
 
     async def run(self) -> None:
         loop = self.loop
@@ -141,6 +143,8 @@ class Worker:
                     log.error("the master sent a map that does not read: %s", exc)
                 else:
                     self.shard.apply_map(vmap)
+            elif kind == handoff.SEQUENCES:
+                self.shard.take_handed(payload)
             elif kind == handoff.GRACE:
                 self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
@@ -210,6 +214,13 @@ class Worker:
         self._unsent_closed.append(conn.handoff_id)
         if len(self._unsent_closed) == 1:
             self._send_closed()
+
+    def _handed(self, record: bytes) -> None:
+        """The shard handed sequences over (broky.server.handover): to the master (HANDED)."""
+        try:
+            handoff.send(self.chan, handoff.HANDED, record)
+        except OSError as exc:  # the new owners start those vbuckets under a new epoch
+            log.error("worker %d could not report the sequences it handed over: %s", self.index, exc)
 
     def _send_closed(self) -> None:
         unsent = self._unsent_closed
