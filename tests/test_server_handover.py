@@ -217,3 +217,15 @@ def test_a_cancelled_move_releases_what_it_held(compiled: bool) -> None:
     assert not pub.held and not w.shard.handover.awaiting
     assert errors(pub) == [ErrorCode.NOT_MY_VBUCKET]
     assert w.reported == []  # it never had the sequence: nothing to hand over
+
+
+def test_a_worker_that_starts_with_a_prepared_map_awaits_what_moves_to_it(compiled: bool) -> None:
+    # A node that joins once its move is prepared (or a worker restarted meanwhile)
+    # starts with that map: its own vbuckets start new epochs, the incoming ones wait.
+    config = ServerConfig(workers=1, node_id="w")
+    shard = Shard(config, 0, asyncio.get_event_loop(), vmap=PREPARE, compiled=compiled)
+    assert list(shard.handover.awaiting) == [VB]
+    waited = shard.handover.awaiting[VB]
+    assert (waited.node, waited.worker, waited.since) == ("x", 0, PREPARE.version)
+    shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 45, 400, 0)]).encode())
+    assert (shard.seqs.epoch_of(VB), shard.seqs.next_of(VB)) == (45, 400)

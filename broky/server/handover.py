@@ -40,6 +40,11 @@ vbucket's next offset, travels through etcd with the map:
    resumes from a position of the old epoch is then told EPOCH_CHANGED
    (count unknown): what the old owner accepted after the last offset its
    subscribers received may be lost.
+4. A worker's first map (its process starts: a node that joins, a worker
+   restarted) gives the vbuckets it owns new epochs (broky.server.sequences),
+   and the ones a prepared map moves to it await their sequences like any
+   that came. A node that starts only after its move was committed without
+   it (past the move timeout) owns them from its first map: new epochs.
 
 "Hold" keeps the one meaning it has in broky.server.grace: a connection's
 input waits, reads paused, in `rest` (`Connection.held`), and is fed again,
@@ -165,7 +170,9 @@ class Handover:
     def follow_sequences(self, old: VBucketMap, before: bytes, after: bytes) -> None:
         """The map changed from `old` to `self.map`; `before` and `after` say which
         vbuckets this worker accepted (see the header). A vbucket that went is handed
-        over (its retained messages are dropped); one that came awaits its sequence."""
+        over (its retained messages are dropped); one that came awaits its sequence
+        (at the start, `before` is what the first map gives this worker: a prepared
+        move to it, a node that joins in the middle of its own move, comes)."""
         vmap = self.map
         seqs, replay, h = self.seqs, self.replay, self.handover
         mine = (vmap.node_index(self.config.node_id), self.index)

@@ -96,8 +96,10 @@ class Ownership:
             )
         )
         self.forget_routes()
-        if accepted:  # not the first map: sequences of vbuckets that came or went (with the
-            self.follow_sequences(old, accepted, self.accepts)  # new routes: it may route held input)
+        # Sequences of the vbuckets that came or went (with the new routes: it may route held
+        # input). The first map (this process's start) gives the vbuckets it owns new epochs
+        # (Sequences); those a prepared map moves here await theirs like any that came.
+        self.follow_sequences(old, accepted or self.owned, self.accepts)
 
     def apply_map(self, vmap: VBucketMap) -> None:
         """A newer map from the master: take it and push it to every client (MapUpdate).
