@@ -44,10 +44,14 @@ full is sent again at the next tick.
 Stopping. SIGTERM, or EOF on the channel (the master is gone), starts the
 shutdown: Goodbye to every connection (behind the deliveries already queued
 to it), wait until every final byte has left the process for at most
-shutdown_timeout seconds, reset the rest, log what the shutdown dropped,
-exit 0. A socket handed over after that is answered ADOPTED, gets a Goodbye
-and is closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and
-the master decides.
+shutdown_timeout seconds, reset the rest, then up to GOODBYE_LINGER seconds
+more for the clients to close (the SDK closes once it read its Goodbye: a
+process that exits with unread input resets that connection, and a reset can
+destroy the Goodbye still on its way to the client, which must then settle
+the connection without an account), log what the shutdown dropped, exit 0.
+A socket handed over after that is answered ADOPTED, gets a Goodbye and is
+closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and the
+master decides.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from broky.server.logs import Throttle, setup_logging
 log = logging.getLogger("broky.worker")
 
 TICK_SECONDS = 0.25
+GOODBYE_LINGER = 0.5  # seconds the shutdown waits for clients to close after their Goodbye
 HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /readyz wants signs of life
 ADOPT_LOG_INTERVAL = 10.0  # seconds between two log lines about hand-offs refused for one cause
 
@@ -284,6 +289,9 @@ class Worker:
                 log.warning("worker %d: connections not flushed in time; reset", self.index)
                 shard.abort_all()
                 break
+            await asyncio.sleep(0.02)
+        linger = min(deadline, self.loop.time() + GOODBYE_LINGER)
+        while shard.conns and self.loop.time() < linger:  # see "Stopping" in the header
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)  # let aborted transports run their callbacks
         log.info(
