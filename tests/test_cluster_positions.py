@@ -112,10 +112,12 @@ class Publisher:
         return sum(self.sent)
 
 
-async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+async def until(
+    check: Callable[[], bool], timeout: float, what: str, detail: Callable[[], object] = str
+) -> None:
     deadline = time.monotonic() + timeout
     while not check():
-        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what} ({detail()})"
         await asyncio.sleep(0.05)
 
 
@@ -189,6 +191,7 @@ def test_a_join_and_a_drain_under_load_keep_every_sequence_and_a_resume_is_told_
                     lambda: len(again.msgs) + again.counted(LossReason.EVICTED) >= pub.total() - PARTITIONS,
                     20,
                     "the resume",
+                    lambda: (len(again.msgs), pub.total(), again.losses, resumed.stats),
                 )
             return rec, pub, before, stats, again
 
