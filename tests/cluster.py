@@ -149,6 +149,15 @@ class Cluster:
         server.wait(10)
         server.stop()
 
+    def leave(self, node_id: str, timeout: float = 60.0) -> int:
+        """SIGTERM: the node drains (hands its vbuckets over), says Goodbye and exits; its status."""
+        server = self.nodes.pop(node_id)
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout)
+        server.stop()
+        return code
+
     def stop(self) -> None:
         for node_id in list(self.nodes):
             server = self.nodes[node_id]

@@ -108,10 +108,12 @@ def test_a_node_joins_and_one_leaves_under_load_nothing_lost_nothing_twice(clust
     )
     # Every hand-over is accounted for (MapApplied, round trips, the Goodbye's count of what
     # was processed), but for one race: the leaving node's workers exit once every final
-    # byte was handed to the kernel, and a publish that reached one of them after its last
-    # read makes the exit reset that connection, which can destroy the Goodbye on its way.
+    # byte was handed to the kernel and their clients closed (at most GOODBYE_LINGER later,
+    # broky.server.worker), and a publish that reached one of them after its last read
+    # makes the exit reset that connection, which can destroy the Goodbye on its way.
     # Then the client settles it without an account: publishes not confirmed are sent again
-    # with their uids, and the subscriber drops the copies (seen once in ~20 runs under load).
+    # with their uids, and the subscriber drops the copies (seen once in ~20 runs under load
+    # before the workers waited for their clients to close).
     assert_nothing_lost(result, resends=True)
     assert result.publisher_resent_after_loss <= result.published // 100, result
     assert sorted(n for v in views.values() for n in v["vbuckets"]) == [170, 170, 171, 171, 171, 171]

@@ -51,6 +51,16 @@ subscription only; or it tells what is gone
 (EVICTED, EPOCH_CHANGED). A worker without a replay buffer answers nothing
 and tells the loss as before (CONNECTION_LOST).
 
+A vbucket that moves (broky.client.routing) keeps its sequence: same epoch,
+the next offset, at its new owner. A subscription that another worker
+carried when vbuckets moved here from it, and that has not started here
+yet (it reaches this worker only now: the move was committed without this
+client's MapApplied, or this Link was down), is sent `since` the positions
+the old owner's Link received of those vbuckets, with `since_time` = its
+start there (`carry_from`): what the new owner accepted before the
+subscription reached it is replayed, and what it never had is told
+(EVICTED, schema/README.md 6.3).
+
 Keepalive: every `ping_interval` a connected Link sends a Ping; if
 `max_outstanding_pings` are unanswered when the next is due, it aborts the
 connection and reconnects as for any drop. A timer per Link, nothing per
@@ -117,6 +127,7 @@ from broky.protocol import (
     Unsubscribe,
     VBucketMap,
     Welcome,
+    vbucket_of,
 )
 from broky.protocol.frames import PAUSE as PAUSE_FRAME
 from broky.protocol.frames import RESUME as RESUME_FRAME
@@ -347,6 +358,9 @@ class Link(_LinkState):
         # Subscriptions whose start here is the ts of the first Pong to a Ping numbered
         # above the one given (sent after their Subscribe).
         self.unstarted: list[tuple[int, Subscription]] = []
+        # sid -> {vbucket: the Link of the worker it moved here from}: subscriptions that
+        # worker carried, until they start here (`carry_from`).
+        self.carried: dict[int, dict[int, Link]] = {}
         self.accounted = False  # the current connection resumed an account (exact loss counts)
 
     def __repr__(self) -> str:
@@ -839,6 +853,9 @@ class Link(_LinkState):
         if start is None:  # not started here yet: as asked (and its start is the next Pong's ts)
             if not any(s is sub for _, s in self.unstarted):
                 self.unstarted.append((self.next_ping, sub))
+            carried = self.carried.get(sub.sid)
+            if carried:
+                return self._carried_subscribe(sub, carried)
             return Subscribe(sub.sid, sub.pattern, sub.partition, sub.since, sub.since_time, sub.last)
         ts = self.pos_ts
         epochs = self.pos_epoch
@@ -851,7 +868,41 @@ class Link(_LinkState):
         positions = tuple(Position(vb, e, o) for vb, (e, o, _) in sorted(since.items()))
         return Subscribe(sub.sid, sub.pattern, sub.partition, positions, start)
 
+    def carry_from(self, old: Link, vbs: set[int]) -> None:
+        """Vbuckets `vbs` moved here from `old`'s worker: the subscriptions it carried
+        that have not started here go on from what `old` received (see the header)."""
+        for sub in old.subs.values():
+            if old.ref not in sub.starts or self.ref in sub.starts:
+                continue
+            mine = vbs if sub.partition is None else vbs & {vbucket_of(sub.partition)}
+            if mine:
+                carried = self.carried.setdefault(sub.sid, {})
+                for vb in mine:
+                    carried[vb] = old
+
+    def _carried_subscribe(self, sub: Subscription, carried: dict[int, Link]) -> Subscribe:
+        """The first Subscribe here of a subscription whose vbuckets moved here from
+        other workers: `since` what their Links received after it started there."""
+        since = {p.vbucket: (p.epoch, p.offset, 0) for p in sub.since}
+        begun: list[int] = []
+        for vb, old in carried.items():
+            start = sub.starts.get(old.ref)
+            if start is None:
+                continue
+            begun.append(start)
+            t = old.pos_ts[vb]
+            if t and t >= start:
+                since[vb] = (old.pos_epoch[vb], old.pos_offset[vb], t)
+            replayed = sub.replayed.get(old.ref, {}).get(vb)  # a start there replayed it, newer?
+            mine = since.get(vb)
+            if replayed is not None and (mine is None or (replayed[2], replayed[1]) > (mine[2], mine[1])):
+                since[vb] = replayed
+        positions = tuple(Position(vb, e, o) for vb, (e, o, _) in sorted(since.items()))
+        since_time = min(begun) if begun else sub.since_time
+        return Subscribe(sub.sid, sub.pattern, sub.partition, positions, since_time, sub.last)
+
     def remove_sub(self, sub: Subscription, tell_server: bool = True) -> None:
+        self.carried.pop(sub.sid, None)
         if self.subs.pop(sub.sid, None) is None:
             return
         self.resume_for(sub.sid)
@@ -963,6 +1014,7 @@ class Link(_LinkState):
         for after, sub in self.unstarted:
             if ping_id > after:
                 sub.starts.setdefault(self.ref, ts)
+                self.carried.pop(sub.sid, None)
             else:
                 waiting.append((after, sub))
         self.unstarted = waiting

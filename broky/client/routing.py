@@ -38,7 +38,11 @@ version is adopted at once (`apply`):
   new owner, ahead of anything published since;
 - the SubscriptionTable puts every subscription on the Links the new map
   names, partition-scoped ones also on the owner their vbucket is moving to
-  (`incoming`), so that no delivery is missed while it moves;
+  (`incoming`), so that no delivery is missed while it moves; one that
+  reaches a new owner only after the move (a commit without this client's
+  MapApplied) starts there `since` what the old owner's Link received of the
+  moved vbuckets (`Link.carry_from`): the new owner continues their
+  sequences, so it replays what it accepted meanwhile;
 - once every Link carrying subscriptions has confirmed them (a round trip),
   the client says MapApplied on every connection (broky.client.client): the
   cluster moves vbuckets only when every subscriber is in place
@@ -214,6 +218,7 @@ class Router:
         answered; retire the Links of nodes no longer in the map. Returns the new owners."""
         moved: dict[Link, set[Link]] = {}  # new owner -> the old owners it waits for
         moved_vbs: dict[Link, set[int]] = {}  # old owner -> the vbuckets it lost
+        moves: dict[tuple[Link, Link], set[int]] = {}  # (new owner, old owner) -> vbuckets
         for vb in range(VBUCKETS):
             before = _owner_ref(old, old.owners[vb])
             after = _owner_ref(new, new.owners[vb])
@@ -225,8 +230,13 @@ class Router:
             new_link = self.link(*after)
             moved.setdefault(new_link, set()).add(old_link)
             moved_vbs.setdefault(old_link, set()).add(vb)
+            moves.setdefault((new_link, old_link), set()).add(vb)
         for new_link in moved:
             new_link.fence()
+        # Subscriptions that reach a new owner only now go on from what the old one
+        # delivered (its sequences go on there: same epoch, next offset).
+        for (new_link, old_link), vbs in moves.items():
+            new_link.carry_from(old_link, vbs)
         nodes = {n.node_id for n in new.nodes}
         # Publishes a connected old owner has not written yet (they wait for the next
         # write): to their new owner now, ahead of anything published from now on. Not

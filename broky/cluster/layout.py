@@ -21,6 +21,13 @@ etcd). Under the prefix:
     <prefix>/ready/<node_id>    leased by the node: {"version": v}, the last map
                                 with vbuckets moving (`incoming`) that this node
                                 and every subscriber of it has applied.
+    <prefix>/handover/<node_id>/<worker>
+                                leased by the node: the last handover record of
+                                that worker (broky.server.handover `Handed`, JSON):
+                                the epoch and next offset of every vbucket it
+                                stopped accepting when it applied map `version`,
+                                for their new owners to continue the sequences.
+                                One write per move and worker, none per message.
 
 Everything here is pure: no etcd client is imported, so the single-node
 server and `broky serve --help` never load grpc.
@@ -102,12 +109,16 @@ class Keys:
         self.members = prefix + "/members/"
         self.ready = prefix + "/ready/"
         self.map = prefix + "/map"
+        self.handover = prefix + "/handover/"
 
     def member(self, node_id: str) -> str:
         return self.members + node_id
 
     def ready_of(self, node_id: str) -> str:
         return self.ready + node_id
+
+    def handover_of(self, node_id: str, worker: int) -> str:
+        return f"{self.handover}{node_id}/{worker}"
 
 
 class MemberRecord(NamedTuple):

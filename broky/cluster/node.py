@@ -28,6 +28,10 @@ Session. `run` loops over sessions, one gRPC channel each
    or when woken:
    - writes this node's record to its member key when it changed (draining,
      or the version of the map it runs);
+   - writes the handover records its workers reported (HANDED): the epoch and
+     next offset of each vbucket a worker stopped accepting, for its new owner
+     to continue the sequence (broky.server.handover). Every handover record
+     the watch shows (this node's too) goes to the workers (`sequences`);
    - for an applied map with vbuckets moving (`incoming`), asks the master
      whether every worker runs it and every subscriber follows it
      (`map_ready`); once so, writes <prefix>/ready/<node_id> = that version;
@@ -79,7 +83,8 @@ newest map leads and restores that.
 Drain (SIGTERM, see broky.server.master). `drain` marks the member key
 "draining"; the leader plans without the node (it stays in `nodes` while it
 owns something), prepares and commits the move; once the node has applied a
-map in which it owns no vbucket and receives none, `drain` returns and the
+map in which it owns no vbucket and receives none, every worker runs it and
+the handover records they reported are written, `drain` returns and the
 master stops as usual (Goodbye to every connection), then `leave` revokes the
 lease, which deletes its keys. With no other serving member there is nowhere
 to hand over to, and the drain ends at once. It is bounded by --drain-timeout.
@@ -131,6 +136,10 @@ class MapHost(Protocol):
 
     async def map_ready(self, version: int) -> bool: ...
 
+    def sequences(self, record: bytes) -> None: ...
+
+    async def runs_map(self, version: int) -> bool: ...
+
 
 class NodeIdInUse(Exception):
     """Another live member holds this node id."""
@@ -168,6 +177,7 @@ class ClusterNode:
         self.create_revision = 0
         self.registered: MemberRecord | None = None  # what our member key holds
         self.reported_ready = 0  # the last version written to our ready key
+        self.handovers: list[tuple[int, bytes]] = []  # (worker, Handed record) not written yet
         # what /readyz and /stats show
         self.etcd_up = False
         self.etcd_error = ""
@@ -356,7 +366,7 @@ class ClusterNode:
     def _pending(self) -> bool:
         """Something the loop must look at again soon though etcd may say nothing: a move
         (readiness, the move timeout), a drain, a leader that has not settled or has no map."""
-        if self.draining or self.host.vmap.incoming is not None:
+        if self.draining or self.handovers or self.host.vmap.incoming is not None:
             return True
         if self.map is not None and self.map.incoming is not None:
             return True
@@ -409,6 +419,9 @@ class ClusterNode:
                 self.ready.pop(node_id, None)
             else:
                 self.ready[node_id] = decode_ready(kv.value)
+        elif key.startswith(self.keys.handover):
+            if event.kind == PUT:
+                self.host.sequences(kv.value)
         elif key == self.keys.map:
             if event.kind == DELETE:
                 log.warning(
@@ -451,6 +464,10 @@ class ClusterNode:
             if self.registered is None or self.registered.state != record.state:
                 log.info("member %r is now %s", self.node_id, record.state)
             self.registered = record
+        while self.handovers:
+            worker, handed = self.handovers[0]
+            await etcd.put(self.keys.handover_of(self.node_id, worker), handed, self.lease)
+            self.handovers.pop(0)
         if await self._ready_for_move():
             version = self.host.vmap.version
             await etcd.put(self.keys.ready_of(self.node_id), encode_ready(version), self.lease)
@@ -467,7 +484,7 @@ class ClusterNode:
         if self.is_leader:
             await self._lead(etcd)
         if self.draining and not self.drained.is_set():
-            self._check_drained()
+            await self._check_drained()
 
     async def _ready_for_move(self) -> bool:
         """The applied map prepares a move, not reported yet, and every worker and subscriber
@@ -588,13 +605,22 @@ class ClusterNode:
                 "drain timed out after %g s: stopping with %d vbuckets still owned here", timeout, owned
             )
 
-    def _check_drained(self) -> None:
+    def handed(self, worker: int, record: bytes) -> None:
+        """Worker `worker` handed sequences over (a `Handed` record): written to etcd by
+        the loop, for the new owners (leased: the keys go with this node)."""
+        self.handovers.append((worker, record))
+        self._wake.set()
+
+    async def _check_drained(self) -> None:
         vmap = self.host.vmap
         me = vmap.node_index(self.node_id)
         holds = me is not None and (
             any(node == me for node, _ in vmap.owners) or any(node == me for node, _ in vmap.incoming or ())
         )
         if not holds:
+            # every worker runs it, so each reported what it handed over; all of it written
+            if not await self.host.runs_map(vmap.version) or self.handovers:
+                return
             log.info("drained: map version %d gives this node no vbucket", vmap.version)
             self.drained.set()
         elif not any(m.serving for m in self.members.values() if m.node_id != self.node_id):

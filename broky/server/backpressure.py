@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from broky.protocol import VBucketMap
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
+    from broky.server.handover import Handovers
     from broky.server.logs import Throttle
     from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
@@ -74,9 +75,11 @@ class Backpressure:
         max_reply_bytes: int
         budget: Budget
         replay: ReplayBuffer | None
+        handover: Handovers
         _touched: list[Connection]
 
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
+        def handover_deadlines(self) -> None: ...
         def refresh_pending(self) -> int: ...
         def new_peak(self) -> None: ...
         def trim_heap(self, now: float) -> None: ...
@@ -192,7 +195,7 @@ class Backpressure:
 
     def read_again(self, c: Connection) -> None:
         c.reads_stopped = False
-        if not c.held:  # held by the restart grace: `end_grace` resumes it
+        if not c.held:  # held (the restart grace, a sequence on its way): resumed when that ends
             c.transport.resume_reading()
         if not c.dropped:
             c.over_since = 0.0
@@ -212,7 +215,7 @@ class Backpressure:
     def tick(self) -> None:
         """Periodic: slow consumer and truncated frame deadlines, stopped reads, the memory
         budget made exact (and enforced), the replay buffer's age bound and stale index
-        entries, heap trim."""
+        entries, sequences awaited too long (broky.server.handover), heap trim."""
         now = _monotonic()
         budget = self.budget
         if self.refresh_pending() > budget.peak:
@@ -240,6 +243,8 @@ class Backpressure:
         if replay is not None:
             replay.expire()
             replay.trim_all()
+        if self.handover.awaiting:
+            self.handover_deadlines()
         if (
             budget.freed_sub_bytes >= TRIM_AFTER_BYTES
             or (budget.peak >= min(TRIM_AFTER_PEAK, budget.share >> 2) and budget.pending < budget.peak >> 2)

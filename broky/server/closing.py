@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
     from broky.server.grace import Grace
+    from broky.server.handover import Handovers
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -67,11 +68,13 @@ class Closing:
         conns: dict[int, Connection]
         closing: bool
         grace: Grace
+        handover: Handovers
         budget: Budget
         on_closed: Callable[[Connection], object] | None
 
         def detach(self, c: Connection) -> None: ...
         def end_grace(self, why: str) -> None: ...
+        def end_handovers(self, why: str) -> None: ...
 
     def eof(self, c: Connection) -> bool:
         """The peer half-closed. Returning False lets the transport close."""
@@ -87,9 +90,11 @@ class Closing:
             c.dropped_total += kept
         c.state = CLOSED
         self.book.close(c)
-        if c.held:
+        if c.held:  # by the restart grace or for a sequence (broky.server.handover)
             c.held = False
-            self.grace.held.remove(c)
+            for held in (self.grace.held, self.handover.held):
+                if c in held:
+                    held.remove(c)
         c.out.clear()
         c.bounded_read = None  # a bounded read in progress ends with it (broky.server.reads)
         self.detach(c)
@@ -194,6 +199,7 @@ class Closing:
         """Goodbye to every connection (then half-close it)."""
         self.closing = True
         self.end_grace("shutdown")  # what was held is routed first, then everyone gets the Goodbye
+        self.end_handovers("shutdown")
         for c in list(self.conns.values()):
             self.goodbye(c, "server shutting down")
 

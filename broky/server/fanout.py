@@ -9,6 +9,8 @@ top to bottom: `feed`, then `emit`, `shape`, `route`, `flush`, `write_out`
 and `squeeze`. The other parts:
 
   broky.server.ownership      the vbucket map: what the worker owns and refuses
+  broky.server.handover       planned moves: a vbucket's sequence goes on at its
+                              new owner
   broky.server.arrivals       Hello and Welcome; a reconnecting client's claim
   broky.server.control        control frames: subscriptions and their limits,
                               Ping, Pause and Resume, MapApplied
@@ -45,8 +47,11 @@ Theory of operation
    the key_partition's vbucket (a non-fatal NOT_MY_VBUCKET error; the message
    is dropped and counted). A vbucket a prepared map moves to this worker
    counts as owned: a client that adopted the commit before this worker did
-   is not refused (schema/README.md 6.3). On a miss, `route` checks ownership
-   (one index into a 1024-byte table, `accepts`) and asks `Matcher.match` for the delivery plan: the
+   is not refused (schema/README.md 6.3); but until its sequence is here
+   (broky.server.handover) `route` answers AWAITING, never cached, and the
+   publish is held with the rest of its connection's input. On a miss,
+   `route` checks ownership (one index into a 1024-byte table, `accepts`)
+   and asks `Matcher.match` for the delivery plan: the
    distinct connections with an all-partition subscription, plus (only when
    scoped subscriptions match) those subscribed to this key_partition. A
    connection appears at most once, so a message travels once per connection
@@ -128,6 +133,7 @@ from broky.server.config import ServerConfig
 from broky.server.connection import CLOSED, OPEN, Connection, Plan, Subscription, compile_plan
 from broky.server.control import ControlFrames
 from broky.server.grace import Grace, RestartGrace
+from broky.server.handover import Handover, Handovers
 from broky.server.history import History
 from broky.server.logs import Throttle
 from broky.server.memory_budget import BudgetEnforcement
@@ -162,6 +168,9 @@ SHAPE_CACHE_SIZE = 4096
 Shape = tuple[Callable[[Buffer, int], tuple[Any, ...]], int, int, int, int]
 # A route: the target connections of a key (interned) and its key_partition's vbucket.
 Route = tuple[tuple[Connection, ...], int]
+# `Shard.route`'s answer for a vbucket that awaits its sequence (broky.server.handover):
+# never cached; the publish is held.
+AWAITING: Route = ((), -1)
 _time_ns = time.time_ns
 _monotonic = time.monotonic
 # A Shard keeps at most this many instance attributes. CPython 3.11 keeps an
@@ -181,6 +190,7 @@ WARNING_INTERVAL = 10.0
 
 class Shard(
     Ownership,
+    Handover,
     Arrivals,
     ControlFrames,
     History,
@@ -253,6 +263,8 @@ class Shard(
             if config.replay_bytes
             else None
         )
+        # Sequences of vbuckets moving here or away (broky.server.handover).
+        self.handover = Handovers(config.move_timeout)
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
@@ -409,6 +421,9 @@ class Shard(
                         if run is not None:  # earlier deliveries go out before any reply
                             delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                             run = same_head = None
+                        if self.handover.awaiting and self.subscribe_waits(data, pos, end):
+                            self.hold_for_sequence(c)  # a start from positions waits for them
+                            break
                         self.control(c, data, pos, end, t0)
                         pos = end
                         if c.state != OPEN:
@@ -421,6 +436,13 @@ class Shard(
                 except KeyError:
                     kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
                     route = self.route(rkey, kp, key)
+                    if route is AWAITING:  # its vbucket's sequence is on its way: held until it is here
+                        published -= 1
+                        if run is not None:
+                            delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                            run = None
+                        self.hold_for_sequence(c)
+                        break
                 if route is None:
                     if run is not None:
                         delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
@@ -562,6 +584,8 @@ class Shard(
         vb = vbucket_of(kp)
         if not self.accepts[vb]:
             route = None
+        elif self.handover.awaiting and self.awaited(vb):
+            return AWAITING  # not cached: the read path holds the publish
         else:
             everyone, scoped = self.matcher.match(key)
             if scoped is not None:

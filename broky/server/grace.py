@@ -18,11 +18,16 @@ The read handler (broky.server.fanout `Shard.feed`) tests one flag per read,
 `Shard.holding`; the rest of the grace's state lives in a `Grace` of its own
 (`Shard.grace`), so that the Shard stays within SHARD_ATTRIBUTES.
 
-"Hold" means this and nothing else in Broky: the reply bound stops reading a
-connection (broky.server.backpressure), a paused connection's deliveries are
-kept, other kinds of memory take bytes of the budget (broky.server.budget),
-and in the SDK a full queue pauses its connections while a vbucket that
-moves fences its new owner's Link (broky.client.routing).
+"Hold" means this and nothing else in Broky: a connection's input waits,
+reads paused, in `rest` (`Connection.held`), to be fed again in order once
+what it waits for is there. The restart grace holds at a connection's first
+Message frame; a vbucket moving here holds the frames that need its sequence
+until it arrives (broky.server.handover), the same way. Other mechanisms have
+words of their own: the reply bound stops reading a connection
+(broky.server.backpressure), a paused connection's deliveries are kept, other
+kinds of memory take bytes of the budget (broky.server.budget), and in the
+SDK a full queue pauses its connections while a vbucket that moves fences its
+new owner's Link (broky.client.routing).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from broky.server.connection import OPEN, Connection
 if TYPE_CHECKING:
     from broky.errors import ErrorCode
     from broky.server.config import ServerConfig
+    from broky.server.handover import Handovers
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -76,12 +82,15 @@ class RestartGrace:
         closing: bool
         holding: bool
         grace: Grace
+        handover: Handovers
         _touched: list[Connection]
 
         def feed(self, c: Connection, data: bytes) -> None: ...
         def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None: ...
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
         def flush(self) -> None: ...
+        def subscribe_waits(self, data: bytes, pos: int, end: int) -> bool: ...
+        def hold_for_sequence(self, c: Connection) -> None: ...
 
     def start_grace(self, expected: set[int], seconds: float) -> None:
         """This worker replaces one that died; `expected` are the ids of the dead
@@ -163,6 +172,9 @@ class RestartGrace:
                     c.held = True
                     self.grace.held.append(c)
                     c.transport.pause_reading()
+                    break
+                if self.handover.awaiting and self.subscribe_waits(data, pos, end):
+                    self.hold_for_sequence(c)  # a start from positions waits for them
                     break
                 self.control(c, data, pos, end, time.time_ns())
                 pos = end

@@ -27,6 +27,9 @@ master -> worker
              reconnecting client just showed: hold publishes that long so
              that the previous process's subscribers can subscribe again
              (broky.server.grace `Shard.start_node_grace`)
+    SEQUENCES  a handover record read from etcd (JSON, broky.server.handover
+             `Handed`): the sequences a worker of the cluster handed over;
+             the new owners continue them (`Shard.take_handed`)
 worker -> master
     READY    the worker serves (sent once after boot)
     ADOPTED  uint32 hand-off id + uint32 open connections (this one included):
@@ -43,6 +46,9 @@ worker -> master
     CLOSED   uint32 hand-off id + uint32 open connections: a connection the
              worker adopted (that hand-off's) is gone; the master counts open
              connections per client address with it (--max-connections-per-address)
+    HANDED   a handover record (JSON, `Handed`): the sequences of the vbuckets
+             this worker stopped accepting when it applied a map; the cluster
+             agent writes it to etcd for their new owners (broky.cluster.node)
 
 Every CONN is answered by exactly one ADOPTED or REFUSED with its id, and
 every adopted one is followed by one CLOSED when its connection is gone (a
@@ -74,6 +80,8 @@ MAP = b"M"
 CONN = b"C"
 STATS = b"S"
 GRACE = b"G"
+SEQUENCES = b"Q"
+HANDED = b"H"
 READY = b"R"
 LOAD = b"L"
 ADOPTED = b"A"

@@ -16,7 +16,11 @@ last accepted offset, queued now, and the live ones routed to it from the
 next message on, meet with no gap and no duplicate, and both go through the
 connection's one `out` list in that order.
 
-Per vbucket this worker owns (or the one of the subscription's key_partition):
+Per vbucket this worker owns (of them, the one of the subscription's
+key_partition, if it has one; a worker that a prepared map moves that
+vbucket to starts it live: its owner answers for it until the commit, and
+a start that concerns a vbucket whose sequence is still on its way here
+waits for it, broky.server.handover):
 
   since (E, o)   E is the vbucket's epoch: from o + 1. Offsets before the
                  oldest retained are gone: EVICTED, with their count (exact
@@ -131,10 +135,11 @@ class History:
         if not t0:  # not from a read's stamp (a held frame): the clock, as the read path takes it
             t0 = max(time.time_ns(), self.seqs.last_ts)
         replay = self.replay
-        if sub.key_partition is not None:
-            vbs = [vbucket_of(sub.key_partition)]
+        owned = self.owned
+        if sub.key_partition is not None:  # at the owner; a worker it moves to answers after the commit
+            vb = vbucket_of(sub.key_partition)
+            vbs = [vb] if owned[vb] else []
         else:
-            owned = self.owned
             vbs = [vb for vb in range(VBUCKETS) if owned[vb]]
         since: dict[int, Position] = {}
         for named in sub.since:

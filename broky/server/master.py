@@ -666,6 +666,9 @@ class Master:
             waiter = self._stats_waiters.pop(request_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(json.loads(body))
+        elif kind == handoff.HANDED:  # sequences for the vbuckets' new owners, through etcd
+            if self.cluster is not None:
+                self.cluster.handed(wp.index, payload)
         else:
             log.error("unexpected message %r from worker %d", kind, wp.index)
 
@@ -719,6 +722,23 @@ class Master:
             except OSError as exc:  # dead: its successor boots with the map
                 log.info("worker %d did not take map version %d: %s", wp.index, vmap.version, exc)
         return True
+
+    def sequences(self, record: bytes) -> None:
+        """A handover record from etcd (broky.server.handover `Handed`): to every worker,
+        for the new owners of its vbuckets to continue their sequences."""
+        assert self.supervisor is not None
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.SEQUENCES, record)
+            except OSError as exc:  # dead: its successor starts every vbucket under a new epoch
+                log.info("worker %d did not take a handover record: %s", wp.index, exc)
+
+    async def runs_map(self, version: int) -> bool:
+        """True when every worker that answers runs map `version` (or newer): the
+        sequences it handed over with that map have reached the cluster agent (HANDED
+        comes before the answer on the same channel)."""
+        answers = await self.worker_stats(b"ready:%d" % version)
+        return all(a is None or a["version"] >= version for a in answers)
 
     async def map_ready(self, version: int) -> bool:
         """True when every worker runs map `version` (or newer) and every one of its

@@ -113,6 +113,22 @@ COUNTERS = (
     ("broky_match_cache_hits_total", "match_cache_hits", "Subscription matcher cache hits."),
     ("broky_match_cache_misses_total", "match_cache_misses", "Subscription matcher cache misses."),
     (
+        "broky_vbuckets_handed_over_total",
+        "vbuckets_handed_over",
+        "Vbuckets whose sequence (epoch, next offset) this worker handed to their new owner.",
+    ),
+    (
+        "broky_vbuckets_continued_total",
+        "vbuckets_continued",
+        "Vbuckets moved here whose sequence goes on here (same epoch, next offset).",
+    ),
+    (
+        "broky_vbuckets_restarted_total",
+        "vbuckets_restarted",
+        "Vbuckets moved here whose sequence starts a new epoch here (a failover, or the old "
+        "owner's record did not come within --move-timeout).",
+    ),
+    (
         "broky_server_restart_graces_total",
         "node_restart_graces",
         "Times publishes were held because a client showed that this server restarted under it.",

@@ -20,10 +20,11 @@ MapApplied once they follow it; the cluster moves vbuckets only when every
 connection with subscriptions has (`map_ready`).
 
 Sequences: a vbucket's offsets (broky.server.sequences) count on the worker
-that accepts its publishes. One that comes here starts a new sequence, under
-a new epoch; one that goes leaves its retained messages behind (dropped,
-counted in `replay_dropped_messages`), and its sequence ends
-(`follow_sequences`).
+that accepts its publishes. One that goes is handed over: its retained
+messages are dropped (counted in `replay_dropped_messages`) and its epoch and
+next offset go to its new owner through etcd; one that comes continues that
+sequence once it has it, or starts a new epoch when it cannot come
+(broky.server.handover `follow_sequences`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from broky import __version__
 from broky.errors import ErrorCode
 from broky.protocol import (
-    VBUCKETS,
     MapUpdate,
     VBucketMap,
     Welcome,
@@ -46,8 +46,6 @@ from broky.server.connection import OPEN, Connection
 
 if TYPE_CHECKING:
     from broky.server.config import ServerConfig
-    from broky.server.replay import ReplayBuffer
-    from broky.server.sequences import Sequences
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
@@ -65,10 +63,9 @@ class Ownership:
         welcome: WelcomeTemplate
         stats: WorkerStats
         conns: dict[int, Connection]
-        seqs: Sequences
-        replay: ReplayBuffer | None
 
         def forget_routes(self) -> None: ...
+        def follow_sequences(self, old: VBucketMap, before: bytes, after: bytes) -> None: ...
         def flush(self) -> None: ...
         def reply(self, c: Connection, frame: bytes) -> None: ...
         def error(
@@ -85,6 +82,7 @@ class Ownership:
         """Own what `vmap` gives this worker (node `config.node_id`, worker `index`)."""
         me = vmap.node_index(self.config.node_id)
         mine = (me, self.index)
+        old = self.map
         self.map = vmap
         self.owned = bytes(1 if owner == mine else 0 for owner in vmap.owners)
         incoming = vmap.incoming or ()
@@ -92,8 +90,6 @@ class Ownership:
         self.accepts = bytes(
             1 if owned or (incoming and incoming[vb] == mine) else 0 for vb, owned in enumerate(self.owned)
         )
-        if accepted:  # not the first map: sequences of vbuckets that came or went
-            self.follow_sequences(accepted, self.accepts)
         config = self.config
         self.welcome = WelcomeTemplate(
             Welcome(
@@ -106,18 +102,10 @@ class Ownership:
             )
         )
         self.forget_routes()
-
-    def follow_sequences(self, before: bytes, after: bytes) -> None:
-        """A vbucket that came here starts a new sequence (a new epoch, offsets from 1);
-        one that went forgets its retained messages, and starts a new sequence too,
-        should it ever come back. Subscribers that resume at its new owner from a
-        position of the old epoch are told (LossReason EPOCH_CHANGED)."""
-        seqs, replay = self.seqs, self.replay
-        for vb in range(VBUCKETS):
-            if before[vb] != after[vb]:
-                if replay is not None and not after[vb]:
-                    self.stats.replay_dropped_messages += replay.drop_vbucket(vb)
-                seqs.restart(vb)
+        # Sequences of the vbuckets that came or went (with the new routes: it may route held
+        # input). The first map (this process's start) gives the vbuckets it owns new epochs
+        # (Sequences); those a prepared map moves here await theirs like any that came.
+        self.follow_sequences(old, accepted or self.owned, self.accepts)
 
     def apply_map(self, vmap: VBucketMap) -> None:
         """A newer map from the master: take it and push it to every client (MapUpdate).

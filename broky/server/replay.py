@@ -237,6 +237,14 @@ class ReplayBuffer:
         self._trim(vb)
         return self.base(vb) if self.index[vb] else None
 
+    def last_ts(self, vb: int) -> int:
+        """ts_broker of the newest message of vb's epoch this buffer held (retained, or
+        evicted since), 0 for none: what a planned move hands over with the sequence."""
+        self._trim(vb)
+        if self.index[vb]:
+            return self.ts_at(vb, self.seqs.next_of(vb) - 1)
+        return self.gone_ts[vb]
+
     def count(self, vb: int) -> int:
         self._trim(vb)
         return len(self.index[vb]) // 8

@@ -82,6 +82,11 @@ class WorkerStats:
         self.bounded_read_messages = 0  # messages queued to them
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
         self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
+        # Planned moves (broky.server.handover): vbuckets whose sequence this worker handed
+        # over, continued (same epoch, next offset), or started again under a new epoch.
+        self.vbuckets_handed_over = 0
+        self.vbuckets_continued = 0
+        self.vbuckets_restarted = 0
         self.slow_consumer_disconnects = 0
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline

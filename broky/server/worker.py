@@ -12,11 +12,12 @@ Ownership. A worker owns, and never shares:
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
 (CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, CLOSED, STATS
-request/answer, READY, LOAD). There is no lock, and one piece of shared
-memory, written by the worker only: the accounts of its connections
-(broky.server.accounts), which the master reads once this process is gone, so
-that clients reconnecting after a crash learn exactly what was processed and
-what was lost.
+request/answer, READY, LOAD, GRACE; in a cluster also MAP, and SEQUENCES and
+HANDED: the sequences of vbuckets that move, broky.server.handover). There is
+no lock, and one piece of shared memory, written by the worker only: the
+accounts of its connections (broky.server.accounts), which the master reads
+once this process is gone, so that clients reconnecting after a crash learn
+exactly what was processed and what was lost.
 
 Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
 supervisor with the worker end of the channel as FD and its accounts table as
@@ -43,10 +44,14 @@ full is sent again at the next tick.
 Stopping. SIGTERM, or EOF on the channel (the master is gone), starts the
 shutdown: Goodbye to every connection (behind the deliveries already queued
 to it), wait until every final byte has left the process for at most
-shutdown_timeout seconds, reset the rest, log what the shutdown dropped,
-exit 0. A socket handed over after that is answered ADOPTED, gets a Goodbye
-and is closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and
-the master decides.
+shutdown_timeout seconds, reset the rest, then up to GOODBYE_LINGER seconds
+more for the clients to close (the SDK closes once it read its Goodbye: a
+process that exits with unread input resets that connection, and a reset can
+destroy the Goodbye still on its way to the client, which must then settle
+the connection without an account), log what the shutdown dropped, exit 0.
+A socket handed over after that is answered ADOPTED, gets a Goodbye and is
+closed. SIGINT is ignored: a Ctrl-C reaches the whole process group, and the
+master decides.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from broky.server.logs import Throttle, setup_logging
 log = logging.getLogger("broky.worker")
 
 TICK_SECONDS = 0.25
+GOODBYE_LINGER = 0.5  # seconds the shutdown waits for clients to close after their Goodbye
 HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /readyz wants signs of life
 ADOPT_LOG_INTERVAL = 10.0  # seconds between two log lines about hand-offs refused for one cause
 
@@ -106,6 +112,7 @@ class Worker:
         self._stopping = False
         self._unsent_closed: list[int] = []  # hand-off ids of closed connections not told yet
         self.shard.on_closed = self._closed
+        self.shard.handover.report = self._handed
 
     async def run(self) -> None:
         loop = self.loop
@@ -141,6 +148,8 @@ class Worker:
                     log.error("the master sent a map that does not read: %s", exc)
                 else:
                     self.shard.apply_map(vmap)
+            elif kind == handoff.SEQUENCES:
+                self.shard.take_handed(payload)
             elif kind == handoff.GRACE:
                 self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
@@ -211,6 +220,13 @@ class Worker:
         if len(self._unsent_closed) == 1:
             self._send_closed()
 
+    def _handed(self, record: bytes) -> None:
+        """The shard handed sequences over (broky.server.handover): to the master (HANDED)."""
+        try:
+            handoff.send(self.chan, handoff.HANDED, record)
+        except OSError as exc:  # the new owners start those vbuckets under a new epoch
+            log.error("worker %d could not report the sequences it handed over: %s", self.index, exc)
+
     def _send_closed(self) -> None:
         unsent = self._unsent_closed
         load = len(self.shard.conns)
@@ -273,6 +289,9 @@ class Worker:
                 log.warning("worker %d: connections not flushed in time; reset", self.index)
                 shard.abort_all()
                 break
+            await asyncio.sleep(0.02)
+        linger = min(deadline, self.loop.time() + GOODBYE_LINGER)
+        while shard.conns and self.loop.time() < linger:  # see "Stopping" in the header
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)  # let aborted transports run their callbacks
         log.info(

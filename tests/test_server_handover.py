@@ -1,0 +1,231 @@
+"""A vbucket's sequence across a planned move, worker to worker (broky.server.handover).
+
+Two real Shards stand for the old owner (node x) and the new one (node w),
+each with in-memory transports; the maps and the handover record travel
+between them as the cluster agent would carry them through etcd. Every test
+runs on both read paths (the pure-Python reference and its compiled twin):
+the twin must never stamp a vbucket whose sequence is on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from broky.errors import ErrorCode
+from broky.protocol import (
+    VBUCKETS,
+    Error,
+    LossNotice,
+    LossReason,
+    Message,
+    NodeInfo,
+    Replay,
+    Subscribe,
+    VBucketMap,
+    encode_frame,
+    encode_message,
+    vbucket_of,
+)
+from broky.protocol.frames import Position
+from broky.protocol.routing import NO_OWNER
+from broky.server import fastpath
+from broky.server.config import ServerConfig
+from broky.server.connection import Connection
+from broky.server.fanout import Shard
+from broky.server.handover import Handed
+from tests.test_server_fanout_fuzz import Recorder
+
+X, W = NodeInfo("x", "127.0.0.1", 1, 1), NodeInfo("w", "127.0.0.1", 2, 1)
+HALF = VBUCKETS // 2
+KP = next(kp for kp in (b"m-%d" % i for i in range(10_000)) if vbucket_of(kp) < HALF)  # x's, moves to w
+STAY = next(kp for kp in (b"s-%d" % i for i in range(10_000)) if vbucket_of(kp) >= HALF)  # w's own
+VB = vbucket_of(KP)
+OWNERS = tuple((0 if vb < HALF else 1, 0) for vb in range(VBUCKETS))
+MOVED = tuple((1, 0) if vb == VB else o for vb, o in enumerate(OWNERS))
+BEFORE = VBucketMap(1, (X, W), OWNERS)
+PREPARE = VBucketMap(2, (X, W), OWNERS, tuple((1, 0) if vb == VB else NO_OWNER for vb in range(VBUCKETS)))
+COMMIT = VBucketMap(3, (X, W), MOVED)
+
+
+class Held(Recorder):
+    """A transport that also records whether its reads are paused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+@pytest.fixture(params=[False, True], ids=["pure-python", "compiled"])
+def compiled(request: pytest.FixtureRequest) -> Iterator[bool]:
+    if request.param and fastpath.compiled_scan is None:
+        pytest.skip(f"no compiled fast path: {fastpath.description}")
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield request.param
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+class Node:
+    """One worker of one node: a Shard, its connections and what it reported."""
+
+    def __init__(self, info: NodeInfo, compiled: bool, move_timeout: float = 10.0) -> None:
+        config = ServerConfig(workers=1, node_id=info.node_id, move_timeout=move_timeout)
+        self.shard = Shard(config, 0, asyncio.get_event_loop(), vmap=BEFORE, compiled=compiled)
+        self.reported: list[bytes] = []
+        self.shard.handover.report = self.reported.append
+        self.next_id = 0
+
+    def connection(self) -> Connection:
+        self.next_id += 1
+        c = Connection(self.shard, b"", self.next_id)
+        c.transport = Held()  # type: ignore[assignment]
+        self.shard.conns[self.next_id] = c
+        return c
+
+    def subscriber(self) -> Connection:
+        c = self.connection()
+        self.shard.subscribe(c, Subscribe(1, b"h.>", None))
+        return c
+
+
+def publish(node: Node, c: Connection, kp: bytes, first: int, count: int) -> None:
+    node.shard.feed(c, b"".join(encode_message(kp, b"h.k", b"%d" % i) for i in range(first, first + count)))
+
+
+def frames(c: Connection) -> list[object]:
+    """Every frame written to c."""
+    transport: Held = c.transport  # type: ignore[assignment]
+    return transport.frames()
+
+
+def errors(c: Connection) -> list[int]:
+    return [f.code for f in frames(c) if isinstance(f, Error)]
+
+
+def messages(c: Connection) -> list[Message]:
+    return [f for f in frames(c) if isinstance(f, Message)]
+
+
+def positions(c: Connection, vb: int = VB) -> list[tuple[int, int, int]]:
+    """(epoch, offset, payload) of what c received of vb."""
+    return [(m.epoch, m.offset, int(m.payload)) for m in messages(c) if m.vbucket == vb]
+
+
+def test_a_planned_move_continues_the_sequence_and_holds_what_needs_it(compiled: bool) -> None:
+    x, w = Node(X, compiled), Node(W, compiled)
+    x_sub, w_sub = x.subscriber(), w.subscriber()
+    x_pub, w_pub = x.connection(), w.connection()
+    publish(x, x_pub, KP, 0, 5)  # offsets 1..5 at x
+    epoch = x.shard.seqs.epoch_of(VB)
+    for node in (x, w):
+        node.shard.apply_map(PREPARE)
+    assert w.shard.accepts[VB] and not w.shard.owned[VB]
+    # A client that adopted the commit early publishes to w: w holds it (its own vbucket's
+    # message, before it in the same read, is routed), while x still stamps the vbucket.
+    w.shard.feed(w_pub, encode_message(STAY, b"h.k", b"0") + encode_message(KP, b"h.k", b"7"))
+    assert w_pub.held and w_pub.transport.paused  # type: ignore[attr-defined]
+    assert positions(w_sub) == [] and [m.key_partition for m in messages(w_sub)] == [STAY]
+    publish(w, w_pub, KP, 8, 1)  # a read that raced with the pause waits behind it
+    publish(x, x_pub, KP, 5, 2)  # offsets 6, 7 at x
+    # x applies the commit: it refuses the vbucket from now on, and hands its sequence over
+    x.shard.apply_map(COMMIT)
+    publish(x, x_pub, KP, 99, 1)
+    assert errors(x_pub) == [ErrorCode.NOT_MY_VBUCKET]
+    (record,) = x.reported
+    handed = Handed.decode(record)
+    assert (handed.node, handed.worker, handed.version) == ("x", 0, COMMIT.version)
+    assert [(vb, e, n) for vb, e, n, _ in handed.sequences] == [(VB, epoch, 8)]
+    assert positions(x_sub) == [(epoch, o, o - 1) for o in range(1, 8)]
+    # w applies the commit: still nothing stamped; a start from positions waits too
+    w.shard.apply_map(COMMIT)
+    w_new = w.connection()
+    w.shard.feed(w_new, encode_frame(Subscribe(2, b"h.>", None, (Position(VB, epoch, 5),))))
+    assert w_new.held and frames(w_new) == []
+    w.shard.take_handed(record)  # through etcd, from x's agent to w's
+    assert not w_pub.held and not w_new.held and not w.shard.handover.awaiting
+    assert positions(w_sub) == [(epoch, 8, 7), (epoch, 9, 8)]  # the sequence goes on, in order
+    answer = frames(w_new)
+    (head,) = [f for f in answer if isinstance(f, Replay)]
+    assert head.messages == 2  # 8, 9 replayed: w retains what it stamped
+    (evicted,) = [f for f in answer if isinstance(f, LossNotice)]
+    # 6 and 7 were x's, w never had them: told, with their count and where they start
+    assert (evicted.reason, evicted.dropped, evicted.at) == (LossReason.EVICTED, 2, Position(VB, epoch, 6))
+    stats = w.shard.stats
+    assert (stats.vbuckets_continued, stats.vbuckets_restarted, x.shard.stats.vbuckets_handed_over) == (
+        1,
+        0,
+        1,
+    )
+    # ts_broker of the vbucket never went back across the move
+    ts = [m.ts_broker for m in messages(x_sub) + messages(w_sub) if m.vbucket == VB]
+    assert ts == sorted(ts)
+
+
+def test_a_record_of_another_worker_or_an_earlier_move_is_not_taken(compiled: bool) -> None:
+    w = Node(W, compiled)
+    w.shard.apply_map(PREPARE)
+    stale = Handed("x", 0, PREPARE.version, [(VB, 42, 100, 0)])  # not after the prepare
+    other = Handed("y", 0, COMMIT.version, [(VB, 43, 200, 0)])  # not the owner it waits for
+    for record in (stale, other):
+        w.shard.take_handed(record.encode())
+    w.shard.apply_map(COMMIT)
+    assert VB in w.shard.handover.awaiting
+    # Known early (an etcd resync reads the handover keys before the map): used once awaited.
+    w2 = Node(W, compiled)
+    w2.shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 44, 300, 0)]).encode())
+    w2.shard.apply_map(PREPARE)
+    assert not w2.shard.handover.awaiting
+    assert (w2.shard.seqs.epoch_of(VB), w2.shard.seqs.next_of(VB)) == (44, 300)
+
+
+def test_past_the_deadline_or_without_the_old_owner_the_sequence_starts_a_new_epoch(compiled: bool) -> None:
+    w = Node(W, compiled, move_timeout=0.0)
+    sub, pub = w.subscriber(), w.connection()
+    w.shard.apply_map(PREPARE)
+    w.shard.apply_map(COMMIT)
+    publish(w, pub, KP, 0, 1)
+    assert pub.held
+    before = w.shard.seqs.epoch_of(VB)
+    w.shard.tick()  # past --move-timeout (0 here): a failover
+    assert not pub.held and w.shard.stats.vbuckets_restarted == 1
+    ((epoch, offset, _),) = positions(sub)
+    assert offset == 1 and epoch != before
+    # A failover's commit no longer lists the dead owner's node: no waiting at all.
+    alone = Node(W, compiled)
+    alone.shard.apply_map(PREPARE)
+    alone.shard.apply_map(VBucketMap(3, (W,), tuple((0, 0) for _ in range(VBUCKETS))))
+    assert not alone.shard.handover.awaiting and alone.shard.stats.vbuckets_restarted == HALF
+
+
+def test_a_cancelled_move_releases_what_it_held(compiled: bool) -> None:
+    w = Node(W, compiled)
+    pub = w.connection()
+    w.shard.apply_map(PREPARE)
+    publish(w, pub, KP, 0, 1)
+    assert pub.held
+    w.shard.apply_map(VBucketMap(3, (X, W), OWNERS))  # cancelled: x keeps it
+    assert not pub.held and not w.shard.handover.awaiting
+    assert errors(pub) == [ErrorCode.NOT_MY_VBUCKET]
+    assert w.reported == []  # it never had the sequence: nothing to hand over
+
+
+def test_a_worker_that_starts_with_a_prepared_map_awaits_what_moves_to_it(compiled: bool) -> None:
+    # A node that joins once its move is prepared (or a worker restarted meanwhile)
+    # starts with that map: its own vbuckets start new epochs, the incoming ones wait.
+    config = ServerConfig(workers=1, node_id="w")
+    shard = Shard(config, 0, asyncio.get_event_loop(), vmap=PREPARE, compiled=compiled)
+    assert list(shard.handover.awaiting) == [VB]
+    waited = shard.handover.awaiting[VB]
+    assert (waited.node, waited.worker, waited.since) == ("x", 0, PREPARE.version)
+    shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 45, 400, 0)]).encode())
+    assert (shard.seqs.epoch_of(VB), shard.seqs.next_of(VB)) == (45, 400)
