@@ -311,9 +311,14 @@ def test_a_reader_that_goes_away_mid_read_frees_its_cursor(start_server: Any) ->
         publish(pub, 0, 500, pad=1000)
         for _ in range(3):
             with Wire.hello(server.address, name="quitter", rcvbuf=8192) as quitter:
-                quitter.send(Read(1, b">"))
-                quitter.next()
-                assert connection_view(server, "quitter")["bounded_read"] == 1
+                # Paused right behind the Read: the read waits for a Resume that never comes
+                # (without it, the kernel's send buffer on loopback can take the whole read
+                # before anyone looks).
+                quitter.send(Read(1, b">"), Pause())
+                deadline = time.monotonic() + 5
+                while connection_view(server, "quitter")["bounded_read"] != 1:
+                    assert time.monotonic() < deadline, connection_view(server, "quitter")
+                    time.sleep(0.01)
         # The worker serves the others: a read, a subscription.
         with Wire.hello(server.address) as reader:
             assert read(reader, Read(1, b">", KP)).payloads() == list(range(500))

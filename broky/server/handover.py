@@ -26,9 +26,9 @@ vbucket's next offset, travels through etcd with the map:
    overlap, and only the old owner knows where it stopped. So the new owner
    stamps nothing of a vbucket that moves here until it has that vbucket's
    record: the vbucket *awaits its sequence* (`awaiting`). A publish for it
-   is held (below), and so is a Subscribe that starts from positions or a
-   time and concerns it, once it is owned here (before, the old owner
-   answers for it). Offsets thus stay consecutive, with no offset given
+   is held (below), and so is a bounded Read or a Subscribe that starts
+   from positions or a time and concerns it, once it is owned here
+   (before, the old owner answers for it). Offsets thus stay consecutive, with no offset given
    twice in an epoch, and ts_broker does not go back either: the new owner
    stamps nothing earlier than the old owner's last stamp of the vbucket.
 3. Bounded: once the vbucket is owned here (the commit), or a publish for it
@@ -73,7 +73,7 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from broky import fbs
-from broky.protocol import VBUCKETS, Subscribe, VBucketMap, decode_frame
+from broky.protocol import VBUCKETS, Read, Subscribe, VBucketMap, decode_frame
 from broky.protocol.message import body_type
 from broky.protocol.routing import to_ranges, vbucket_of
 from broky.server.connection import OPEN, Connection
@@ -291,17 +291,24 @@ class Handover:
         c.transport.pause_reading()
 
     def subscribe_waits(self, data: bytes, pos: int, end: int) -> bool:
-        """The frame data[pos:end] is a Subscribe whose start (since, since_time, last)
-        concerns a vbucket owned here that awaits its sequence: it must wait for it."""
-        if body_type(data, pos, end) != fbs.Body.Subscribe:
-            return False
-        sub = decode_frame(data, pos, end)
-        assert isinstance(sub, Subscribe)
-        if not (sub.since or sub.since_time or sub.last):
+        """The frame data[pos:end] is a Subscribe whose start (since, since_time, last), or
+        a Read, concerns a vbucket owned here that awaits its sequence: it must wait for it."""
+        kind = body_type(data, pos, end)
+        if kind == fbs.Body.Subscribe:
+            sub = decode_frame(data, pos, end)
+            assert isinstance(sub, Subscribe)
+            if not (sub.since or sub.since_time or sub.last):
+                return False
+            kp = sub.key_partition
+        elif kind == fbs.Body.Read:
+            read = decode_frame(data, pos, end)
+            assert isinstance(read, Read)
+            kp = read.key_partition
+        else:
             return False
         owned = self.owned
-        if sub.key_partition is not None:
-            vb = vbucket_of(sub.key_partition)
+        if kp is not None:
+            vb = vbucket_of(kp)
             return bool(owned[vb]) and vb in self.handover.awaiting
         return any(owned[vb] for vb in self.handover.awaiting)
 
