@@ -11,7 +11,8 @@ which segment each retained message of a vbucket starts. Storing a message
 therefore costs no copy and no object: 8 bytes appended to its vbucket's
 index.
 
-    segments   oldest first: (segment id, bytes, when added); ids only grow
+    segments   oldest first: (segment id, bytes, when added, ts_broker of its
+               messages); ids only grow
     index[vb]  a bytearray of little-endian u64, one per retained message of
                vb in offset order: segment id << 32 | position of the frame's
                first byte in that segment
