@@ -41,20 +41,17 @@ from broky.protocol import VBUCKETS, Error, Frame, Hello, Message, Replay, Welco
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.layout import (
-    EPOCH_AT,
     FIXED_SIZE,
     HEADER_AT,
     HEADER_SIZE,
     HEADER_UID,
     KEY_UOFFSET_AT,
-    OFFSET_AT,
     PAYLOAD_UOFFSET_AT,
     SIZE_AT,
-    TS_BROKER_AT,
+    STAMP_FIELDS,
     TS_PRODUCER_AT,
     UID_AT,
     UID_SIZE,
-    VBUCKET_AT,
     VECTORS_AT,
     read_shape,
     struct_at,
@@ -74,11 +71,7 @@ _u32 = struct.Struct("<I").unpack_from
 # ts_producer, ts_broker, the position (epoch, offset, vbucket), the key and
 # payload uoffsets, the uid, the key_partition's length
 _uid_fields = struct_at(
-    (TS_PRODUCER_AT, "q"),
-    (TS_BROKER_AT, "q"),
-    (EPOCH_AT, "Q"),
-    (OFFSET_AT, "Q"),
-    (VBUCKET_AT, "H"),
+    *STAMP_FIELDS,
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (UID_AT, f"{UID_SIZE}s"),
@@ -286,11 +279,7 @@ class WorkerProtocol(asyncio.Protocol):
             pay_len = _u32(data, pos + v.payload_at)[0]
             if v.key_at + 4 + key_len <= v.payload_at and v.payload_at + 4 + pay_len <= end:
                 fields = struct_at(
-                    (TS_PRODUCER_AT, "q"),
-                    (TS_BROKER_AT, "q"),
-                    (EPOCH_AT, "Q"),
-                    (OFFSET_AT, "Q"),
-                    (VBUCKET_AT, "H"),
+                    *STAMP_FIELDS,
                     (UID_AT, f"{UID_SIZE}s"),
                     (v.kp_at + 4, f"{kp_len}s"),
                     (v.key_at, f"I{key_len}s"),

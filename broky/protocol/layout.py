@@ -104,6 +104,15 @@ UID_END = 124
 VECTORS_AT = (104, 124)  # [has_uid]: the key_partition vector's length word, then key, payload
 
 HEADER_SIZE = HEADER_END - HEADER_AT
+# The Stamps struct's fields, as struct_at takes them: ts_producer, ts_broker, and the
+# position (epoch, offset, vbucket). Readers that read the stamps spell them so.
+STAMP_FIELDS = (
+    (TS_PRODUCER_AT, "q"),
+    (TS_BROKER_AT, "q"),
+    (EPOCH_AT, "Q"),
+    (OFFSET_AT, "Q"),
+    (VBUCKET_AT, "H"),
+)
 # Bytes from f through the key_partition's length word, the last field at a fixed
 # position: what a reader needs before it knows where the key and the payload are.
 FIXED_SIZE = (VECTORS_AT[False] + 4, VECTORS_AT[True] + 4)

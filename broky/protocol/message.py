@@ -51,6 +51,7 @@ from broky.protocol.layout import (
     OFFSET_AT,
     PAYLOAD_UOFFSET_AT,
     SIZE_AT,
+    STAMP_FIELDS,
     STAMPS_AT,
     STAMPS_END,
     TS_BROKER_AT,
@@ -79,7 +80,7 @@ _stamp = struct_at(
 pack_stamp_into = _stamp.pack_into
 # The Stamps struct as a generic reader finds it: ts_producer, ts_broker, epoch, offset, vbucket.
 _stamps = struct_at(
-    (TS_PRODUCER_AT, "q"), (TS_BROKER_AT, "q"), (EPOCH_AT, "Q"), (OFFSET_AT, "Q"), (VBUCKET_AT, "H"),
+    *STAMP_FIELDS,
     start=STAMPS_AT, end=STAMPS_END,
 )  # fmt: skip
 
@@ -104,22 +105,14 @@ _route_no_uid = struct_at(
 ).unpack_from
 # From TS_PRODUCER_AT: the stamps, the uoffsets, [the uid,] the key_partition's length.
 _decode_no_uid = struct_at(
-    (TS_PRODUCER_AT, "q"),
-    (TS_BROKER_AT, "q"),
-    (EPOCH_AT, "Q"),
-    (OFFSET_AT, "Q"),
-    (VBUCKET_AT, "H"),
+    *STAMP_FIELDS,
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (VECTORS_AT[False], "I"),
     start=TS_PRODUCER_AT,
 ).unpack_from
 _decode_uid = struct_at(
-    (TS_PRODUCER_AT, "q"),
-    (TS_BROKER_AT, "q"),
-    (EPOCH_AT, "Q"),
-    (OFFSET_AT, "Q"),
-    (VBUCKET_AT, "H"),
+    *STAMP_FIELDS,
     (KEY_UOFFSET_AT, "I"),
     (PAYLOAD_UOFFSET_AT, "I"),
     (UID_AT, f"{UID_SIZE}s"),
@@ -164,11 +157,7 @@ def _packer(kp_len: int, key_len: int, pay_len: int, has_uid: bool) -> _Packer:
     fields = [
         (SIZE_AT, "I"),
         (HEADER_AT, f"{HEADER_SIZE}s"),
-        (TS_PRODUCER_AT, "q"),
-        (TS_BROKER_AT, "q"),
-        (EPOCH_AT, "Q"),
-        (OFFSET_AT, "Q"),
-        (VBUCKET_AT, "H"),
+        *STAMP_FIELDS,
         (KEY_UOFFSET_AT, "I"),
         (PAYLOAD_UOFFSET_AT, "I"),
     ]
