@@ -172,6 +172,7 @@ class WorkerProtocol(asyncio.Protocol):
         limit = self.max_frame_bytes
         shapes = self._shapes
         pos_epoch, pos_offset, pos_ts = self.pos_epoch, self.pos_offset, self.pos_ts
+        vbuckets = VBUCKETS
         replaying = self.replay_left  # kept in step with self.replay_left
         try:
             while n - pos >= 4:
@@ -198,9 +199,10 @@ class WorkerProtocol(asyncio.Protocol):
                                     self._replayed(msg)
                                     replaying = self.replay_left
                                 else:
-                                    pos_epoch[vb] = epoch
-                                    pos_offset[vb] = offset
-                                    pos_ts[vb] = ts_b
+                                    if vb < vbuckets:  # (a u16 may name none: no position then)
+                                        pos_epoch[vb] = epoch
+                                        pos_offset[vb] = offset
+                                        pos_ts[vb] = ts_b
                                     on_message(msg)
                                 pos = end
                                 continue
@@ -300,6 +302,9 @@ class WorkerProtocol(asyncio.Protocol):
             self._replayed(msg)
             return
         vb = msg.vbucket
+        if vb >= VBUCKETS:  # a position of no vbucket: delivered, as the codec reads it, not kept
+            on_message(msg)
+            return
         self.pos_epoch[vb] = msg.epoch
         self.pos_offset[vb] = msg.offset
         self.pos_ts[vb] = msg.ts_broker
