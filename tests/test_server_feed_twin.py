@@ -105,6 +105,7 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
     for volatile in ("rss_bytes", "pid"):
         snap.pop(volatile)
     assert shard.replay is not None
+    shard.replay.settle()  # each shard's own settle: the Python loop or its compiled twin
     return {
         "stats": snap,
         "sequences": bytes(shard.seqs.state),  # every vbucket's epoch and next offset

@@ -13,7 +13,8 @@ def scan(
     max_frame: int,
     runs: list[Any],
     seqs: bytearray,
-    index: list[bytearray] | None,
+    log: bytearray | None,
     seg: int,
     /,
 ) -> tuple[int, bytearray | None, int, int]: ...
+def settle(log: bytearray, index: list[bytearray], /) -> None: ...

@@ -246,10 +246,13 @@ class Shard(
         # recent stamped reads (broky.server.replay; None: --replay-bytes 0).
         self.seqs = Sequences()
         self.replay = (
-            ReplayBuffer(config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget)
+            ReplayBuffer(
+                config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget,
+                settle=fastpath.compiled_settle if self.scan is not None else None,
+            )
             if config.replay_bytes
             else None
-        )
+        )  # fmt: skip
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
@@ -305,9 +308,9 @@ class Shard(
                     # The compiled twin takes the canonical Messages with a cached route
                     # (broky.server.fastpath); what it stops at is handled below.
                     had = buf
-                    index = None if replay is None else replay.index
+                    log = None if replay is None else replay.log
                     pos, buf, handled, unrouted = scan(
-                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, index,
+                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, log,
                         replay.next_id if replay is not None and buf is None else seg,
                     )  # fmt: skip
                     if buf is not had and replay is not None:
