@@ -360,7 +360,7 @@ BURST_READ = 128 << 10  # what a worker reads at once from an SDK publisher in a
 TICK_EVERY = 64  # reads between two ticks' worth of replay work (trim_all): a tick is 0.25 s
 
 
-@pytest.mark.parametrize("partitions", [256, 4096])
+@pytest.mark.parametrize("partitions", [1, 256, 4096])
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
 def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: ignore[no-untyped-def]
     # A read of SDK publishes in a burst (128 KiB, over `partitions` key_partitions, one

@@ -8,9 +8,11 @@
  * targets and the vbucket), give the message its vbucket's next offset (the
  * sequences: 1024 x (epoch, next offset), broky.server.sequences), count a
  * message that matches nobody, stamp ts_broker and the position into the copy
- * of the read, record it in the replay buffer's log when there is one
- * (broky.server.replay: its index entry and vbucket, 16 bytes appended to one
- * bytearray), and group consecutive messages with the same targets into runs.
+ * of the read, record it in the replay buffer when there is one
+ * (broky.server.replay: its index entry and vbucket, 16 bytes appended to the
+ * log; or the entry straight to its vbucket's index while the log is empty and
+ * the call's messages so far are all of that vbucket), and group consecutive
+ * messages with the same targets into runs.
  * It stops, leaving the
  * frame at the returned position to the Python code, at anything else: a
  * frame of another kind or layout, a shape or bound the checks refuse, a route
@@ -119,22 +121,24 @@ append_u64s(PyObject *array, uint64_t a, uint64_t b, int two)
 }
 
 PyDoc_STRVAR(scan_doc,
-"scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, seg) -> (pos, buf, published, unmatched)\n\n"
+"scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg) -> (pos, buf, published, unmatched)\n\n"
 "Handle the canonical Messages with a cached route ((targets, vbucket)) from data[pos:], as\n"
 "Shard.feed's Python loop would; stop at the first frame that loop must handle itself. buf\n"
 "is the bytearray copy of data that is stamped (None until a message has targets, or any\n"
 "accepted message when there is a log: then it is made). seqs is the bytearray of the\n"
 "sequences (epoch, next offset per vbucket): each message takes its vbucket's next offset.\n"
 "log (the replay buffer's bytearray, or None) gets (seg << 32 | position, vbucket) appended\n"
-"for each message, two u64. Each run of consecutive messages with the same targets is\n"
+"for each message, two u64; while the log is empty and the call's messages so far are all of\n"
+"one vbucket, the entry goes to index[vbucket] instead (index: the replay buffer's list of\n"
+"1024 bytearrays; None with log). Each run of consecutive messages with the same targets is\n"
 "appended to `runs` as (targets, start, end, count). Returns where it stopped, buf, the\n"
 "messages handled and how many of them matched nobody.");
 
 static PyObject *
 scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "scan() takes 10 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes 11 arguments");
         return NULL;
     }
     if (!configured) {
@@ -142,20 +146,22 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *data = args[0], *buf = args[2], *routes = args[4], *runs = args[6];
-    PyObject *seqs = args[7], *log = args[8];
+    PyObject *seqs = args[7], *log = args[8], *index = args[9];
     if (!PyBytes_CheckExact(data) || !PyDict_CheckExact(routes) || !PyList_CheckExact(runs)
         || (buf != Py_None && !PyByteArray_CheckExact(buf)) || !PyByteArray_CheckExact(seqs)
         || PyByteArray_GET_SIZE(seqs) != VBUCKETS * 16
-        || (log != Py_None && (!PyByteArray_CheckExact(log) || log == buf))) {
+        || (log != Py_None && (!PyByteArray_CheckExact(log) || log == buf))
+        || (index != Py_None && (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != VBUCKETS))
+        || (log == Py_None) != (index == Py_None)) {
         PyErr_SetString(PyExc_TypeError,
                         "scan(bytes, int, bytearray | None, int, dict, int, list, bytearray(16384), "
-                        "bytearray | None, int)");
+                        "bytearray | None, list of 1024 bytearrays | None, int)");
         return NULL;
     }
     Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
     long long t0 = PyLong_AsLongLong(args[3]);
     unsigned long long max_frame = PyLong_AsUnsignedLongLong(args[5]);
-    unsigned long long seg = PyLong_AsUnsignedLongLong(args[9]);
+    unsigned long long seg = PyLong_AsUnsignedLongLong(args[10]);
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -182,6 +188,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t published = 0, unmatched = 0;
     PyObject *run = NULL; /* the current run's targets (a strong reference) */
     Py_ssize_t run_start = 0, run_end = -1, run_n = 0;
+    long direct_vb = -1; /* the vbucket of this call's messages recorded straight to its index */
 
     while (n - pos >= fixed_size) {
         const unsigned char *p = d + pos;
@@ -261,9 +268,23 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         put_u64(frame + offset_at, offset);
         frame[vbucket_at] = (unsigned char)(vb & 0xFF);
         frame[vbucket_at + 1] = (unsigned char)(vb >> 8);
-        if (log != Py_None /* the replay buffer's log: its index entry, its vbucket */
-            && append_u64s(log, (uint64_t)(seg << 32 | (uint64_t)pos), (uint64_t)vb, 1) < 0) {
-            goto error;
+        if (log != Py_None) { /* the replay buffer: its index entry, seg << 32 | pos */
+            uint64_t entry = (uint64_t)(seg << 32 | (uint64_t)pos);
+            if (PyByteArray_GET_SIZE(log) == 0 && (direct_vb < 0 || direct_vb == vb)) {
+                /* Nothing waits in the log, so the index is complete: the entry goes straight
+                 * to it, in order (a read of one key_partition never uses the log). */
+                PyObject *ix = PyList_GET_ITEM(index, vb);
+                if (!PyByteArray_CheckExact(ix) || ix == log || ix == buf) {
+                    PyErr_SetString(PyExc_TypeError, "scan(): the index holds a bytearray per vbucket");
+                    goto error;
+                }
+                if (append_u64s(ix, entry, 0, 0) < 0) {
+                    goto error;
+                }
+                direct_vb = vb;
+            } else if (append_u64s(log, entry, (uint64_t)vb, 1) < 0) {
+                goto error;
+            }
         }
         if (nobody) { /* retained; delivered to nobody */
             pos = end;

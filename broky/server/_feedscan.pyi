@@ -14,6 +14,7 @@ def scan(
     runs: list[Any],
     seqs: bytearray,
     log: bytearray | None,
+    index: list[bytearray] | None,
     seg: int,
     /,
 ) -> tuple[int, bytearray | None, int, int]: ...

@@ -308,9 +308,12 @@ class Shard(
                     # The compiled twin takes the canonical Messages with a cached route
                     # (broky.server.fastpath); what it stops at is handled below.
                     had = buf
-                    log = None if replay is None else replay.log
+                    if replay is None:
+                        log = index = None
+                    else:
+                        log, index = replay.log, replay.index
                     pos, buf, handled, unrouted = scan(
-                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, log,
+                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, log, index,
                         replay.next_id if replay is not None and buf is None else seg,
                     )  # fmt: skip
                     if buf is not had and replay is not None:

@@ -27,9 +27,11 @@ from broky.protocol.framing import MIN_FRAME_SIZE
 ENV_PURE = "BROKY_PURE_PYTHON"
 VERSION = 4  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
-# scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, seg) -> (pos, buf, published, unmatched)
+# scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg)
+#   -> (pos, buf, published, unmatched)
 Scan = Callable[
-    [bytes, int, Any, int, dict[Any, Any], int, list[Any], bytearray, Any, int], tuple[int, Any, int, int]
+    [bytes, int, Any, int, dict[Any, Any], int, list[Any], bytearray, Any, Any, int],
+    tuple[int, Any, int, int],
 ]
 # settle(log, index): the replay buffer's log into its index (broky.server.replay)
 Settle = Callable[[bytearray, list[bytearray]], None]
