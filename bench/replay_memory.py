@@ -151,6 +151,7 @@ def segment_costs() -> list[dict[str, Any]]:
             seg = buffer.retain(bytearray(data), i)
             for j in range(per_segment):
                 buffer.record((i * per_segment + j) % PARTITIONS, seg, j * len(frame))
+        buffer.settle()  # the log's entries into the index (the log waits for at most LOG_BYTES)
         traced = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         messages = segments * per_segment
@@ -251,10 +252,12 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
                         ("after_fill", "with the buffers full")):  # fmt: skip
         grown = on[f"{step}.rss"] - off[f"{step}.rss"]
         held = on[f"{step}.replay_bytes"]
+        own = on[f"{step}.rss"] - on["idle.rss"]
         lines.append(
             f"- {title.capitalize()}: RSS on - off = {_mb(grown)} MB for {_mb(held)} MB held in "
             f"{on[f'{step}.replay_segments']:,.0f} segments ({on[f'{step}.replay_messages']:,.0f} messages): "
-            f"{grown / held:.2f}x the fill."
+            f"{grown / held:.2f}x the fill; on over its own idle RSS {_mb(own)} MB ({own / held:.2f}x; off "
+            f"over its own: {_mb(off[f'{step}.rss'] - off['idle.rss'])} MB, the heap the same traffic left)."
             if held
             else f"- {title}: nothing held."
         )
@@ -262,7 +265,8 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
         "",
         "What a retained segment costs the Python heap (tracemalloc, in this process; a segment is one "
         "stamped read, kept whole): its bytes are what `--replay-bytes` counts; beyond them, the segment's "
-        "object and the buffer's bookkeeping per segment, and the index's 8 bytes per message.",
+        "object and the buffer's bookkeeping per segment, and the index's 8 bytes per message (and, "
+        "for a moment, 16 bytes per message in the log: at most LOG_BYTES, 256 KiB, per worker).",
         "",
         "| messages per segment | frame (B) | heap / counted bytes | bookkeeping per segment (B) "
         "| index per message (B) |",
