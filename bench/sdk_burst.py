@@ -2,6 +2,7 @@
 
     python -m bench.sdk_burst [--messages 300000] [--runs 3] [--workers 2]
                               [--systems broky,nats,redis] [--partitions 256] [--size 100]
+                              [--burst 0] [--pause 0.01] [--name sdk_burst]
 
 The scenario a new user tries: one asyncio publisher process publishes
 `--messages` messages of `--size` bytes over `--partitions` key_partitions
@@ -18,13 +19,29 @@ on every side: the servers' pending bounds, the clients' queues.
   client): PUBLISH to the channel named as for NATS, pipelined 1,000 per round
   trip (one round trip per message would measure the network, not Redis); the
   subscriber on PSUBSCRIBE `cpu.*`.
+- Broky with other server settings, as systems of their own that alternate
+  with the others (VARIANTS): `broky_noreplay` is `broky serve --replay-bytes 0`
+  (no replay buffer; `broky` runs the defaults, the buffer on).
+
+`--burst N` makes the publisher pause `--pause` seconds after every N
+messages (bursts with quiet moments between them, rather than one burst).
+`--warm N` first publishes N of the same messages with nobody subscribed:
+Broky's replay buffer keeps them, so the measured burst meets a full buffer
+(a server that has run a while) rather than an empty one (a fresh server,
+whose buffer's first fill touches new memory: a page fault per 4 KiB).
+Broky's runs report the replay buffers' bytes, segments, messages and
+evictions before and after the burst (/stats).
 
 Reported per system (runs alternate): messages received of those published,
 what the subscriber was told it lost, the publisher's time, the time until
 the subscriber had the last message, deliveries per second over that time,
-the server's CPU per delivered message over the burst, and the server's peak
-RSS (every process of it). MATRIX lists the SDK-to-SDK headline rows of
-`python -m bench`. Results: bench/results/sdk_burst.md and .json, with the machine.
+the server's CPU per delivered message over the burst (every process of it, to
+the nanosecond from the scheduler: bench.harness.procstat), and the server's
+peak RSS; the spread of every run, and each run's ratio to the other systems
+in the same round; how busy the rest of the machine was during each run (the
+CPU of the processes that are not the run's: other users of a shared machine).
+MATRIX lists the SDK-to-SDK headline rows of `python -m bench`. Results:
+bench/results/sdk_burst.md and .json (`--name`), with the machine.
 
 `one_run(..., check=True)` (tests/test_sdk_burst.py; Broky only) also puts
 the key_partition's index and a sequence number per key_partition in the
@@ -39,11 +56,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,9 +77,19 @@ from bench.harness.report import SDK_TITLES, write_results  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SYSTEMS = ("broky", "nats", "redis")
+# Broky with other server options: system name -> (the clients' system, `broky serve` options).
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "broky_noreplay": ("broky", ["--replay-bytes", "0"]),
+}
+TITLES = {**SDK_TITLES, "broky_noreplay": "Broky SDK, replay off"}
 QUIET = 3.0  # seconds without a message after which the subscriber stops counting
 REDIS_PIPELINE = 1000
 _head = struct.Struct("<II")  # check mode: key_partition index, sequence number in it
+
+
+def clients_of(system: str) -> str:
+    """Which clients a system's runs use (a variant of Broky: Broky's SDK)."""
+    return VARIANTS[system][0] if system in VARIANTS else system
 
 
 def partitions(system: str, count: int) -> list[Any]:
@@ -169,7 +198,15 @@ async def _count(it: Any, expected: int) -> tuple[int, float, str | None]:
 # ------------------------------------------------------------ publishers
 
 
-async def _broky_pub(address: str, n: int, parts: int, size: int, check: bool = False) -> dict[str, Any]:
+def _bursts(n: int, burst: int) -> list[range]:
+    """The message numbers of each burst: all of them at once unless `burst`."""
+    step = burst or n or 1
+    return [range(first, min(first + step, n)) for first in range(0, n, step)]
+
+
+async def _broky_pub(
+    address: str, n: int, parts: int, size: int, burst: int = 0, pause: float = 0.0, check: bool = False
+) -> dict[str, Any]:
     import broky
 
     names = partitions("broky", parts)
@@ -177,32 +214,42 @@ async def _broky_pub(address: str, n: int, parts: int, size: int, check: bool = 
     pad = payload[_head.size :]
     async with broky.connect(address) as client:
         started = time.time()
-        if check:  # round robin: message i is number i // parts of key_partition i % parts
-            for i in range(n):
-                await client.publish(names[i % parts], b"cpu.k", _head.pack(i % parts, i // parts) + pad)
-        else:
-            for i in range(n):
-                await client.publish(names[i % parts], b"cpu.k", payload)
+        for k, numbers in enumerate(_bursts(n, burst)):
+            if k:
+                await asyncio.sleep(pause)
+            if check:  # round robin: message i is number i // parts of key_partition i % parts
+                for i in numbers:
+                    await client.publish(names[i % parts], b"cpu.k", _head.pack(i % parts, i // parts) + pad)
+            else:
+                for i in numbers:
+                    await client.publish(names[i % parts], b"cpu.k", payload)
         await client.flush()
         return {"published": n, "started_at": started, "seconds": time.time() - started}
 
 
-async def _nats_pub(address: str, n: int, parts: int, size: int) -> dict[str, Any]:
+async def _nats_pub(
+    address: str, n: int, parts: int, size: int, burst: int = 0, pause: float = 0.0
+) -> dict[str, Any]:
     import nats
 
     names = partitions("nats", parts)
     payload = b"x" * size
     nc = await nats.connect(f"nats://{address}")
     started = time.time()
-    for i in range(n):
-        await nc.publish(names[i % parts], payload)
+    for k, numbers in enumerate(_bursts(n, burst)):
+        if k:
+            await asyncio.sleep(pause)
+        for i in numbers:
+            await nc.publish(names[i % parts], payload)
     await nc.flush()
     seconds = time.time() - started
     await nc.close()
     return {"published": n, "started_at": started, "seconds": seconds}
 
 
-async def _redis_pub(address: str, n: int, parts: int, size: int) -> dict[str, Any]:
+async def _redis_pub(
+    address: str, n: int, parts: int, size: int, burst: int = 0, pause: float = 0.0
+) -> dict[str, Any]:
     import redis.asyncio as redis
 
     names = partitions("redis", parts)
@@ -211,11 +258,14 @@ async def _redis_pub(address: str, n: int, parts: int, size: int) -> dict[str, A
     client = redis.Redis(host=host, port=int(port))
     await client.ping()
     started = time.time()
-    for first in range(0, n, REDIS_PIPELINE):
-        pipe = client.pipeline(transaction=False)
-        for i in range(first, min(first + REDIS_PIPELINE, n)):
-            pipe.publish(names[i % parts], payload)
-        await pipe.execute()
+    for k, numbers in enumerate(_bursts(n, burst)):
+        if k:
+            await asyncio.sleep(pause)
+        for first in range(numbers.start, numbers.stop, REDIS_PIPELINE):
+            pipe = client.pipeline(transaction=False)
+            for i in range(first, min(first + REDIS_PIPELINE, numbers.stop)):
+                pipe.publish(names[i % parts], payload)
+            await pipe.execute()
     seconds = time.time() - started
     await client.aclose()
     return {"published": n, "started_at": started, "seconds": seconds}
@@ -224,7 +274,7 @@ async def _redis_pub(address: str, n: int, parts: int, size: int) -> dict[str, A
 SUBSCRIBERS: dict[str, Callable[[str, int], Any]] = {
     "broky": _broky_sub, "nats": _nats_sub, "redis": _redis_sub,
 }  # fmt: skip
-PUBLISHERS: dict[str, Callable[[str, int, int, int], Any]] = {
+PUBLISHERS: dict[str, Callable[[str, int, int, int, int, float], Any]] = {
     "broky": _broky_pub, "nats": _nats_pub, "redis": _redis_pub,
 }  # fmt: skip
 
@@ -233,10 +283,12 @@ PUBLISHERS: dict[str, Callable[[str, int, int, int], Any]] = {
 
 
 def _client(
-    role: str, system: str, address: str, n: int, parts: int, size: int, check: bool = False
-) -> subprocess.Popen[str]:
-    argv = ["--role", f"{system}:{role}", "--address", address, "--messages", str(n),
-            "--partitions", str(parts), "--size", str(size), *(["--check"] if check else [])]  # fmt: skip
+    role: str, system: str, address: str, n: int, parts: int, size: int, check: bool = False,
+    burst: int = 0, pause: float = 0.0,
+) -> subprocess.Popen[str]:  # fmt: skip
+    argv = ["--role", f"{clients_of(system)}:{role}", "--address", address, "--messages", str(n),
+            "--partitions", str(parts), "--size", str(size), "--burst", str(burst), "--pause", str(pause),
+            *(["--check"] if check else [])]  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
@@ -245,21 +297,36 @@ def _client(
 def _start(system: str, workers: int) -> servers.Server:
     if system == "broky":
         return servers.start_broky(workers)
+    if system in VARIANTS:
+        return servers.start_broky(workers, VARIANTS[system][1])
     return servers.STARTERS[system]()
 
 
 def one_run(
-    system: str, n: int, workers: int, parts: int = 256, size: int = 100, check: bool = False
-) -> dict[str, Any]:
+    system: str, n: int, workers: int, parts: int = 256, size: int = 100, check: bool = False,
+    burst: int = 0, pause: float = 0.0, warm: int = 0,
+) -> dict[str, Any]:  # fmt: skip
     """One burst of `n` messages through `system`'s server and clients, on a fresh server
-    (check: every message checked, see the header; Broky only)."""
-    if check and (system != "broky" or size < _head.size):
+    (check: every message checked, see the header; Broky only; burst, warm: see the header)."""
+    if check and (clients_of(system) != "broky" or size < _head.size):
         raise ValueError(f"check mode is for Broky and payloads of {_head.size} B or more")
     server = _start(system, workers)
     procs: list[subprocess.Popen[str]] = []
+    replay: dict[str, Any] = {}
+    warm_cpu = 0.0
     try:
         address = f"{server.host}:{server.port}"
-        sub = _client("sub", system, address, n, parts, size, check)
+        if warm:  # published to nobody: Broky's replay buffer keeps them (and evicts the oldest)
+            warm_cpu0 = procstat.total_exact_cpu_seconds(server.pids())
+            warmer = _client("pub", system, address, warm, parts, size)
+            procs.append(warmer)
+            warmer.communicate(timeout=600)
+            if warmer.returncode:
+                raise RuntimeError(f"{system}: the warm-up publisher failed")
+            # The server's CPU per message published to nobody (Broky: retained all the same).
+            warm_cpu = procstat.total_exact_cpu_seconds(server.pids()) - warm_cpu0
+        replay["before"] = _replay_stats(system, server)
+        sub = _client("sub", system, address, n, parts, size, check, burst, pause)
         procs.append(sub)
         assert sub.stdout is not None
         if sub.stdout.readline().strip() != "ready":
@@ -267,43 +334,82 @@ def one_run(
         pids = server.pids()
         for pid in pids:
             procstat.reset_peak_rss(pid)
-        cpu0 = procstat.total_cpu_seconds(pids)
-        pub = _client("pub", system, address, n, parts, size, check)
+        # The machine's CPU, and ours: the server's, the clients' (the publisher's whole life,
+        # the subscriber's from now on), to tell what the rest of the machine used meanwhile.
+        clients0 = _children_cpu() + procstat.cpu_seconds(sub.pid)
+        busy0, all0, steal0 = procstat.machine_cpu()
+        cpu0 = procstat.total_exact_cpu_seconds(pids)
+        faults0 = sum(procstat.minor_faults(pid) for pid in pids)
+        kernel0 = sum(procstat.system_cpu_seconds(pid) for pid in pids)
+        pub = _client("pub", system, address, n, parts, size, check, burst, pause)
         procs.append(pub)
         pub_out, _ = pub.communicate(timeout=600)
         sub_out, _ = sub.communicate(timeout=600)
         pids = server.pids()
-        cpu = procstat.total_cpu_seconds(pids) - cpu0
+        cpu = procstat.total_exact_cpu_seconds(pids) - cpu0
+        faults = sum(procstat.minor_faults(pid) for pid in pids) - faults0
+        kernel = sum(procstat.system_cpu_seconds(pid) for pid in pids) - kernel0
+        busy1, all1, steal1 = procstat.machine_cpu()
+        clients = _children_cpu() - clients0
         peak = sum(procstat.peak_rss_bytes(pid) for pid in pids)
         published = children.last_json(pub_out)
         subscribed = children.last_json(sub_out)
+        replay["after"] = _replay_stats(system, server)
     finally:
         children.kill_all(procs)
         server.stop()
     received = subscribed["received"]
     after = subscribed["last_at"] - published["started_at"]
+    cores = (all1 - all0) or 1.0  # CPU-seconds the machine had over the run
     return {
         **published,
         **subscribed,
         "lost": published["published"] - received,
         "delivered_after_s": round(after, 3),
         "deliveries_per_s": round(received / after) if after > 0 else None,
-        "server_cpu_s": round(cpu, 3),  # includes QUIET idle seconds (a few ms for any of them)
+        "server_cpu_s": round(cpu, 4),  # includes QUIET idle seconds (a few ms for any of them)
         "server_cpu_us_per_delivery": round(cpu / max(received, 1) * 1e6, 3),
         "server_peak_rss_mb": round(peak / 1e6, 1),
+        "server_minor_faults": faults,  # pages the server touched afresh (bench.harness.procstat)
+        "server_kernel_cpu_s": round(kernel, 2),  # of server_cpu_s, in the kernel (in clock ticks)
+        # The share of the machine's CPU (all cores) that other processes used during the run,
+        # and what the hypervisor gave to other VMs (steal).
+        "others_cpu_share": round(max(0.0, (busy1 - busy0) - cpu - clients) / cores, 3),
+        "steal_share": round((steal1 - steal0) / cores, 3),
+        **({"replay": replay} if replay["after"] is not None else {}),
+        # The server's CPU per message of the warm-up, published to nobody (Broky: retained all the same).
+        **({"warm_server_cpu_us_per_message": round(warm_cpu / warm * 1e6, 3)} if warm else {}),
     }
+
+
+def _replay_stats(system: str, server: servers.Server) -> dict[str, int] | None:
+    """Broky's replay buffers, summed over the workers (/stats), or None for the others."""
+    if clients_of(system) != "broky":
+        return None
+    url = f"http://{server.host}:{server.metrics_port}/stats"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        workers = json.loads(resp.read())["workers"]
+    keys = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
+    return {k: sum(w.get(k, 0) for w in workers) for k in keys}
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's child processes that ended and were waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run(
     runs: int, n: int, workers: int, systems: Sequence[str] = SYSTEMS, parts: int = 256, size: int = 100,
-    on_run: Callable[[str, int, dict[str, Any]], None] | None = None,
+    on_run: Callable[[str, int, dict[str, Any]], None] | None = None, burst: int = 0, pause: float = 0.0,
+    warm: int = 0,
 ) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """`runs` bursts per system, the systems in turn (their order reversed every other run)."""
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(runs):
         for system in systems if r % 2 == 0 else tuple(reversed(systems)):
             try:
-                got = one_run(system, n, workers, parts, size)
+                got = one_run(system, n, workers, parts, size, burst=burst, pause=pause, warm=warm)
             except (servers.ServerError, RuntimeError, OSError, ValueError) as exc:
                 got = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             results[system].append(got)
@@ -344,10 +450,66 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             "delivered_after_s": med("delivered_after_s"),
             "deliveries_per_s": med("deliveries_per_s"),
             "server_cpu_us_per_delivery": med("server_cpu_us_per_delivery"),
+            "server_cpu_us_per_delivery_min": min(x["server_cpu_us_per_delivery"] for x in ok),
+            "server_cpu_us_per_delivery_max": max(x["server_cpu_us_per_delivery"] for x in ok),
             "server_peak_rss_mb": med("server_peak_rss_mb"),
+            "others_cpu_share_max": max((x.get("others_cpu_share") or 0.0) for x in ok),
+            **{k: med(k) for k in ("warm_server_cpu_us_per_message",) if k in ok[0]},
             "errors": errors,
         }
     return out
+
+
+def paired_ratios(results: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> list[float]:
+    """Per round, a's figure over b's (the two ran back to back: drift hits both alike);
+    rounds where either failed are left out."""
+    out = []
+    for x, y in zip(results.get(a, []), results.get(b, []), strict=False):
+        if x.get(key) and y.get(key):
+            out.append(x[key] / y[key])
+    return out
+
+
+def spread(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every run's server CPU per delivered message, round by round, with Broky's ratio to
+    each other system in the same round, and how busy the rest of the machine was."""
+    key = "server_cpu_us_per_delivery"
+    systems = list(results)
+    first = systems[0]
+    others = systems[1:]
+    rounds = max(len(v) for v in results.values())
+    lines = [
+        f"Server CPU per delivered message (µs), every run, round by round; {TITLES[first]}'s ratio to "
+        "each other system in the same round; the largest share of the machine's CPU that other "
+        "processes used during a run of the round (a shared machine: other users' work).",
+        "",
+        "| round | "
+        + " | ".join(TITLES[s] for s in systems)
+        + "".join(f" | {TITLES[first]} / {TITLES[o]}" for o in others)
+        + " | others' CPU |",
+        "|---|" + "---:|" * (2 * len(systems)),
+    ]
+    for r in range(rounds):
+        runs = [results[s][r] if r < len(results[s]) else {} for s in systems]
+        cells = [f"{x[key]:.3f}" if x.get(key) else "-" for x in runs]
+        for o in others:
+            x, y = runs[0].get(key), results[o][r].get(key) if r < len(results[o]) else None
+            cells.append(f"{x / y:.3f}" if x and y else "-")
+        busy = max((x.get("others_cpu_share") or 0.0) for x in runs)
+        lines.append(f"| {r + 1} | " + " | ".join(cells) + f" | {busy:.0%} |")
+    cells = []
+    for s in systems:
+        values = [x[key] for x in results[s] if x.get(key)]
+        cells.append(
+            f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})" if values else "-"
+        )
+    for o in others:
+        ratios = paired_ratios(results, first, o, key)
+        cells.append(
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+        )
+    lines.append("| median (min-max) | " + " | ".join(cells) + " | |")
+    return lines
 
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, info: dict[str, Any]) -> str:
@@ -355,23 +517,36 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
     systems = list(results)
     peers = [s for s in systems if s != "broky"]
     lines = [
-        "# A burst, SDK to SDK, default settings: " + " vs ".join(SDK_TITLES[s] for s in systems),
+        "# A burst, SDK to SDK, default settings: " + " vs ".join(TITLES[s] for s in systems),
         "",
         f"Machine: {describe(info)}.",
         "",
         f"Command: `python -m bench.sdk_burst --messages {args.messages} --runs {args.runs} "
         f"--workers {args.workers} --systems {','.join(systems)} --partitions {args.partitions} "
-        f"--size {args.size}`",
+        f"--size {args.size}"
+        + (f" --burst {args.burst} --pause {args.pause}" if args.burst else "")
+        + (f" --warm {args.warm}" if args.warm else "")
+        + (f" --name {args.name}" if args.name != "sdk_burst" else "")
+        + "`",
         "",
         f"One asyncio publisher process publishes {args.messages:,} messages of {args.size:,} B over "
-        f"{args.partitions} key_partition(s) and flushes (redis-py: pipelined {REDIS_PIPELINE:,} per "
+        f"{args.partitions} key_partition(s)"
+        + (f", in bursts of {args.burst:,} with {args.pause} s between them," if args.burst else "")
+        + (
+            f" after {args.warm:,} of the same published to nobody on the fresh server (they fill Broky's "
+            "replay buffer: the burst meets it full, evicting)"
+            if args.warm
+            else ""
+        )
+        + f" and flushes (redis-py: pipelined {REDIS_PIPELINE:,} per "
         "round trip); one asyncio subscriber process reads with a wildcard subscription and `async for`. "
-        f"Defaults everywhere. Broky with {args.workers} workers. Medians of {args.runs} runs, the "
-        "systems alternating.",
+        f"Defaults everywhere"
+        + "".join(f" (but {TITLES[s]}: `{' '.join(VARIANTS[s][1])}`)" for s in systems if s in VARIANTS)
+        + f". Broky with {args.workers} workers. Medians of {args.runs} runs, the systems alternating.",
         "",
         "| | "
-        + " | ".join(SDK_TITLES[s] for s in systems)
-        + "".join(f" | Broky / {SDK_TITLES[p]}" for p in peers)
+        + " | ".join(TITLES[s] for s in systems)
+        + "".join(f" | Broky / {TITLES[p]}" for p in peers)
         + " |",
         "|---|" + "---:|" * (len(systems) + len(peers)),
     ]
@@ -384,6 +559,9 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
         ("server CPU per delivered message (µs)", "server_cpu_us_per_delivery", "{:.2f}"),
         ("server peak RSS (MB)", "server_peak_rss_mb", "{:.1f}"),
     ]
+    if args.warm:
+        warm_row = "warm-up: server CPU per message published to nobody (µs)"
+        rows.append((warm_row, "warm_server_cpu_us_per_message", "{:.2f}"))
     for name, key, fmt in rows:
         values = {s: summary[s].get(key) for s in systems}
         cells = [fmt.format(values[s]) if values[s] is not None else "-" for s in systems]
@@ -392,7 +570,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
             b, n = values.get("broky"), values.get(p)
             ratios.append(f"{b / n:.2f}x" if b is not None and n and key not in ("lost_worst",) else "-")
         lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
-    lines += ["", "Every run:", "", "```"]
+    lines += ["", *spread(results), "", "Every run:", "", "```"]
     for system, runs in results.items():
         for x in runs:
             lines.append(f"{system}: {json.dumps(x)}")
@@ -406,10 +584,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma-separated subset of broky,nats,redis"
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated, of broky,nats,redis and the variants: " + ",".join(VARIANTS),
     )
     parser.add_argument("--partitions", type=int, default=256, help="key_partitions (NATS, Redis: subjects)")
     parser.add_argument("--size", type=int, default=100, help="payload bytes")
+    parser.add_argument("--burst", type=int, default=0, help="messages per burst (0: one burst)")
+    parser.add_argument("--pause", type=float, default=0.01, help="seconds between bursts")
+    parser.add_argument(
+        "--warm", type=int, default=0, help="messages published to nobody before the burst (see the header)"
+    )
+    parser.add_argument("--name", default="sdk_burst", help="the results' file name, without .md/.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -419,27 +605,31 @@ def main(argv: list[str] | None = None) -> int:
         system, role = args.role.split(":")
         import uvloop
 
+        shape = (args.messages, args.partitions, args.size)
         if args.check:  # Broky only (one_run says so)
             if role == "sub":
-                result = uvloop.run(_broky_sub(args.address, args.messages, args.partitions, args.size, True))
+                result = uvloop.run(_broky_sub(args.address, *shape, True))
             else:
-                result = uvloop.run(_broky_pub(args.address, args.messages, args.partitions, args.size, True))
+                result = uvloop.run(_broky_pub(args.address, *shape, args.burst, args.pause, True))
         elif role == "sub":
             result = uvloop.run(SUBSCRIBERS[system](args.address, args.messages))
         else:
-            result = uvloop.run(PUBLISHERS[system](args.address, args.messages, args.partitions, args.size))
+            result = uvloop.run(PUBLISHERS[system](args.address, *shape, args.burst, args.pause))
         print(json.dumps(result), flush=True)
         return 0
     systems = [s for s in args.systems.split(",") if s]
-    if set(systems) - set(SYSTEMS):
+    if set(systems) - set(SYSTEMS) - set(VARIANTS):
         parser.error(f"unknown systems in {args.systems!r}")
     info = machine_info()
 
     def show(system: str, r: int, got: dict[str, Any]) -> None:
         print(f"run {r + 1}, {system}: {got}", flush=True)
 
-    results = run(args.runs, args.messages, args.workers, systems, args.partitions, args.size, show)
-    write_results(args.out, "sdk_burst", report(results, args, info), info, args, results=results)
+    results = run(
+        args.runs, args.messages, args.workers, systems, args.partitions, args.size, show,
+        args.burst, args.pause, args.warm,
+    )  # fmt: skip
+    write_results(args.out, args.name, report(results, args, info), info, args, results=results)
     return 0
 
 

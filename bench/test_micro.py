@@ -396,6 +396,61 @@ def test_shard_feed_one_message(benchmark) -> None:  # type: ignore[no-untyped-d
         loop.close()
 
 
+BURST_READ = 128 << 10  # what a worker reads at once from an SDK publisher in a burst
+TICK_EVERY = 64  # reads between two ticks' worth of replay work (trim_all): a tick is 0.25 s
+
+
+@pytest.mark.parametrize("partitions", [1, 256, 4096])
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: ignore[no-untyped-def]
+    # A read of SDK publishes in a burst (128 KiB, over `partitions` key_partitions, one
+    # subscriber on all), as the worker gets it: the copy that is stamped and, with the replay
+    # buffer on (the default, 64 MiB), that copy retained, the oldest evicted once it is full,
+    # each message's index entry, and every TICK_EVERY reads the tick's trim. Per read.
+    import asyncio
+
+    from broky.client.encoder import PublishEncoder
+    from broky.protocol import Subscribe
+    from broky.server.config import ServerConfig
+    from broky.server.connection import Connection
+    from broky.server.fanout import Shard
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = ServerConfig(workers=1) if replay else ServerConfig(workers=1, replay_bytes=0)
+        shard = Shard(config, 0, loop)
+        conn = Connection(shard, b"", 1)
+        conn.transport = _NullTransport()  # type: ignore[assignment]
+        shard.subscribe(conn, Subscribe(1, b"orders.>", None))
+        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        names = [b"tenant-%d" % i for i in range(partitions)]
+        for i in range(0, partitions, 256):  # every route cached, as in a burst that goes on
+            shard.feed(conn, b"".join(encoder.encode(kp, KEY, PAYLOAD, None)[0] for kp in names[i : i + 256]))
+        frames, size, i = [], 0, 0
+        while size < BURST_READ - 256:
+            frame = encoder.encode(names[i % partitions], KEY, PAYLOAD, None)[0]
+            frames.append(frame)
+            size += len(frame)
+            i += 1
+        data = b"".join(frames)
+        benchmark.extra_info["messages"] = len(frames)
+        reads = [0]
+
+        def feed() -> None:
+            shard.feed(conn, data)
+            conn.out.clear()
+            conn.unflushed = 0
+            reads[0] += 1
+            if shard.replay is not None and reads[0] % TICK_EVERY == 0:
+                shard.replay.trim_all()
+
+        benchmark(feed)
+        assert shard.stats.messages_delivered == shard.stats.messages_published
+        assert (shard.replay is not None) == replay
+    finally:
+        loop.close()
+
+
 # ---------------------------------------------------------------- baseline: generated code
 
 

@@ -222,7 +222,7 @@ def _feedscan_run(twin: Any) -> object:
     seqs = Sequences(epoch=77).state
     try:
         pos, buf, published, unmatched = twin.scan(
-            b"".join(frames), 0, None, 1234, routes, 1 << 20, runs, seqs, None, 0
+            b"".join(frames), 0, None, 1234, routes, 1 << 20, runs, seqs, None, None, 0
         )
     except ValueError as exc:
         return repr(exc)

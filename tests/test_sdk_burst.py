@@ -3,19 +3,21 @@ from an SDK publisher process to an SDK subscriber process reading with `async f
 settings everywhere (a real `broky serve`): every message arrives, once, whole and in order
 within its key_partition. bench.sdk_burst runs the same against nats.py and reports the
 figures; here it runs in its check mode (a key_partition index and a sequence number in each
-payload, every message checked by the subscriber) and only the delivery is asserted."""
+payload, every message checked by the subscriber) and only the delivery is asserted. A
+shorter burst does the same with the replay buffer off (`--replay-bytes 0`, the benchmark's
+`broky_noreplay`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from bench import sdk_burst
 
 
-@pytest.mark.timeout(180)
-def test_a_300k_burst_arrives_whole_with_the_defaults() -> None:
-    n, parts = 300_000, 256
-    got = sdk_burst.one_run("broky", n, workers=2, parts=parts, check=True)
+def _burst(system: str, n: int, parts: int) -> dict[str, Any]:
+    got = sdk_burst.one_run(system, n, workers=2, parts=parts, check=True)
     per_partition = got.pop("per_partition")
     print(f"\nburst: {got}")
     assert got["published"] == n and got["error"] is None, got
@@ -27,3 +29,22 @@ def test_a_300k_burst_arrives_whole_with_the_defaults() -> None:
     assert got["duplicates"] == 0 and got["out_of_order"] == 0, got
     assert got["duplicates_dropped"] == 0, got  # not even a copy the SDK's filter caught
     assert per_partition == [n // parts + (p < n % parts) for p in range(parts)]
+    return got
+
+
+@pytest.mark.timeout(180)
+def test_a_300k_burst_arrives_whole_with_the_defaults() -> None:
+    n = 300_000
+    got = _burst("broky", n, 256)
+    # The default replay buffer (64 MiB per worker) kept every one of them: 300,000 frames of
+    # 256 B are about 38 MB per worker.
+    assert got["replay"]["after"]["replay_messages"] == n, got["replay"]
+    assert got["replay"]["after"]["replay_evicted_messages"] == 0, got["replay"]
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_arrives_whole_with_the_replay_buffer_off() -> None:
+    got = _burst("broky_noreplay", 50_000, 256)
+    assert got["replay"]["after"] == {
+        "replay_bytes": 0, "replay_segments": 0, "replay_messages": 0, "replay_evicted_messages": 0,
+    }  # fmt: skip

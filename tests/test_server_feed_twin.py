@@ -28,6 +28,7 @@ from broky.protocol import (
     Subscribe,
     Unsubscribe,
     decode_frame,
+    decode_message,
     encode_frame,
     encode_message,
     new_ksuid,
@@ -105,6 +106,7 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
     for volatile in ("rss_bytes", "pid"):
         snap.pop(volatile)
     assert shard.replay is not None
+    shard.replay.settle()  # each shard's own settle: the Python loop or its compiled twin
     return {
         "stats": snap,
         "sequences": bytes(shard.seqs.state),  # every vbucket's epoch and next offset
@@ -250,3 +252,29 @@ def test_every_accepted_message_gets_the_next_offset_of_its_vbucket_and_is_retai
 
 def vbucket_of_all(msgs: list[Message], vb: int) -> bool:
     return all(vbucket_of(m.key_partition) == vb for m in msgs)
+
+
+def test_a_read_of_one_key_partition_goes_straight_to_the_index_and_a_mixed_one_to_the_log(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # The compiled path's shortcut (broky.server.replay, "log"): while nothing waits in the log,
+    # the messages of one vbucket go straight to its index; any other vbucket sends the rest of
+    # the read to the log. Either way the index holds every message, in offset order.
+    shard, conns = build(loop, True, 64 << 20)
+    assert shard.replay is not None
+    a, b = [kp for kp in (b"tenant-%d" % i for i in range(100)) if shard.accepts[vbucket_of(kp)]][:2]
+    va, vb = vbucket_of(a), vbucket_of(b)
+    one = [encode_message(a, b"k.a", b"%d" % i, ts_producer=7) for i in range(40)]
+    shard.feed(conns[-1], one[0])  # the route is met first here: the Python path (logged)
+    shard.replay.settle()
+    shard.feed(conns[-1], b"".join(one[1:]))
+    assert va != vb and not shard.replay.log
+    assert len(shard.replay.index[va]) == 8 * 40
+    mixed = [encode_message((a, b)[i % 2], b"k.a", b"m%d" % i, ts_producer=7) for i in range(20)]
+    shard.feed(conns[-1], mixed[1])  # b's route is met first: the Python path (logged)
+    shard.replay.settle()
+    shard.feed(conns[-1], b"".join(mixed[2:]))
+    assert len(shard.replay.log) == 16 * 17  # the first went to a's index, then b: the log
+    got = [decode_message(bytes(seg[x:y])).payload for seg, x, y in shard.replay.read(va, 1, 1 << 62)]
+    assert got == [b"%d" % i for i in range(40)] + [b"m%d" % i for i in range(2, 20, 2)]
+    assert shard.replay.count(vb) == 10 and not shard.replay.log

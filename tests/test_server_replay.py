@@ -5,13 +5,25 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broky.protocol import encode_message
 from broky.protocol.layout import TS_BROKER_AT
-from broky.server.replay import ReplayBuffer
+from broky.server import fastpath
+from broky.server.replay import LOG_BYTES, ReplayBuffer, Settle
 from broky.server.sequences import Sequences
+
+# Both settles: the Python loop and its compiled twin (when built).
+SETTLES = [
+    pytest.param(None, id="python"),
+    pytest.param(
+        fastpath.compiled_settle,
+        id="compiled",
+        marks=pytest.mark.skipif(fastpath.compiled_settle is None, reason=fastpath.description),
+    ),
+]
 
 _ts = struct.Struct("<q")
 
@@ -36,13 +48,14 @@ reads = st.lists(
 )
 
 
+@pytest.mark.parametrize("settle", SETTLES)
 @settings(max_examples=150, deadline=None)
 @given(reads=reads, limit=st.integers(0, 6000))
 def test_the_buffer_keeps_the_newest_whole_segments_and_finds_every_retained_message(
-    reads: list[list[tuple[int, int]]], limit: int
+    settle: Settle | None, reads: list[list[tuple[int, int]]], limit: int
 ) -> None:
     seqs = Sequences()
-    rb = ReplayBuffer(limit, seqs)
+    rb = ReplayBuffer(limit, seqs, settle=settle)
     model: list[tuple[int, list[tuple[int, int]]]] = []  # (segment size, [(vb, offset)])
     ts = 1000
     for read in reads:
@@ -169,3 +182,52 @@ def test_the_buffer_draws_on_the_memory_budget_and_gives_it_back(
     given = rb.shrink(0)
     assert rb.bytes == 0 == budget.taken.get("replay", 0) and given >= 0
     assert budget.room == share
+
+
+@pytest.mark.skipif(fastpath.compiled_settle is None, reason=fastpath.description)
+@settings(max_examples=100, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.integers(0, 1023), st.integers(1, (1 << 31) - 1), st.integers(0, (1 << 32) - 1)),
+        max_size=300,
+    ),
+    settle_every=st.integers(1, 50),
+)
+def test_the_compiled_settle_fills_the_indexes_as_the_python_loop_does(
+    records: list[tuple[int, int, int]], settle_every: int
+) -> None:
+    # The same records (vbucket, segment id, position), settled now and then, by each loop:
+    # the same bytes in every vbucket's index, and an empty log.
+    both = [
+        ReplayBuffer(1 << 30, Sequences()),
+        ReplayBuffer(1 << 30, Sequences(), settle=fastpath.compiled_settle),
+    ]
+    for rb in both:
+        for i, (vb, seg, pos) in enumerate(records):
+            rb.record(vb, seg, pos)
+            if i % settle_every == 0:
+                rb.settle()
+        rb.settle()
+        assert not rb.log
+    assert [bytes(ix) for ix in both[0].index] == [bytes(ix) for ix in both[1].index]
+    for vb in {vb for vb, _, _ in records}:
+        expected = b"".join(struct.pack("<Q", seg << 32 | pos) for v, seg, pos in records if v == vb)
+        assert bytes(both[1].index[vb]) == expected
+
+
+@pytest.mark.parametrize("settle", SETTLES)
+def test_the_log_is_settled_before_it_grows_past_its_bound(settle: Settle | None) -> None:
+    # 64 messages per read: the log (16 bytes a message) never holds much more than LOG_BYTES,
+    # and whatever it holds, a lookup sees.
+    seqs = Sequences()
+    rb = ReplayBuffer(1 << 30, seqs, settle=settle)
+    f = frame(5, 0, 1, 0)
+    for _ in range(LOG_BYTES // (16 * 64) * 3):
+        seg = rb.retain(bytearray(f * 64), 1)
+        for j in range(64):
+            seqs.take(5)
+            rb.record(5, seg, j * len(f))
+        assert len(rb.log) <= LOG_BYTES + 16 * 64
+    assert rb.log  # some wait: a lookup settles them
+    assert rb.count(5) == seqs.next_of(5) - 1
+    assert not rb.log

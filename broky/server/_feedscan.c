@@ -8,14 +8,21 @@
  * targets and the vbucket), give the message its vbucket's next offset (the
  * sequences: 1024 x (epoch, next offset), broky.server.sequences), count a
  * message that matches nobody, stamp ts_broker and the position into the copy
- * of the read, record it in the replay buffer's index when there is one
- * (broky.server.replay: 8 bytes appended to its vbucket's bytearray), and
- * group consecutive messages with the same targets into runs. It stops, leaving the
+ * of the read, record it in the replay buffer when there is one
+ * (broky.server.replay: its index entry and vbucket, 16 bytes appended to the
+ * log; or the entry straight to its vbucket's index while the log is empty and
+ * the call's messages so far are all of that vbucket), and group consecutive
+ * messages with the same targets into runs.
+ * It stops, leaving the
  * frame at the returned position to the Python code, at anything else: a
  * frame of another kind or layout, a shape or bound the checks refuse, a route
  * not in the cache or not owned here, an incomplete frame. So the Python code
  * stays the reference and handles every rare case; tests/test_server_feed_twin.py
  * holds this twin to it (same bytes in, same deliveries, drops and errors out).
+ *
+ * settle() is the compiled twin of ReplayBuffer.settle's loop: it moves the
+ * log's entries into their vbuckets' indexes (tests/test_server_replay.py holds
+ * it to the Python loop).
  *
  * It does no I/O and keeps no state between calls: the layout (the headers it
  * compares against, the positions it reads and stamps) is handed over once by
@@ -29,7 +36,7 @@
 
 #include "../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 3
+#define FEEDSCAN_VERSION 4
 #define VBUCKETS 1024
 
 static Layout layout;
@@ -97,23 +104,41 @@ add_run(PyObject *runs, PyObject *targets, Py_ssize_t start, Py_ssize_t end, Py_
     return rc;
 }
 
+/* Append the u64 `a`, then the u64 `b` (when `two`), to a bytearray. */
+static int
+append_u64s(PyObject *array, uint64_t a, uint64_t b, int two)
+{
+    Py_ssize_t len = PyByteArray_GET_SIZE(array);
+    if (PyByteArray_Resize(array, len + (two ? 16 : 8)) < 0) {
+        return -1;
+    }
+    unsigned char *p = (unsigned char *)PyByteArray_AS_STRING(array) + len;
+    put_u64(p, a);
+    if (two) {
+        put_u64(p + 8, b);
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(scan_doc,
-"scan(data, pos, buf, t0, routes, max_frame, runs, seqs, index, seg) -> (pos, buf, published, unmatched)\n\n"
+"scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg) -> (pos, buf, published, unmatched)\n\n"
 "Handle the canonical Messages with a cached route ((targets, vbucket)) from data[pos:], as\n"
 "Shard.feed's Python loop would; stop at the first frame that loop must handle itself. buf\n"
 "is the bytearray copy of data that is stamped (None until a message has targets, or any\n"
-"accepted message when there is an index: then it is made). seqs is the bytearray of the\n"
+"accepted message when there is a log: then it is made). seqs is the bytearray of the\n"
 "sequences (epoch, next offset per vbucket): each message takes its vbucket's next offset.\n"
-"index (the replay buffer's list of 1024 bytearrays, or None) gets seg << 32 | position\n"
-"appended for each message. Each run of consecutive messages with the same targets is\n"
+"log (the replay buffer's bytearray, or None) gets (seg << 32 | position, vbucket) appended\n"
+"for each message, two u64; while the log is empty and the call's messages so far are all of\n"
+"one vbucket, the entry goes to index[vbucket] instead (index: the replay buffer's list of\n"
+"1024 bytearrays; None with log). Each run of consecutive messages with the same targets is\n"
 "appended to `runs` as (targets, start, end, count). Returns where it stopped, buf, the\n"
 "messages handled and how many of them matched nobody.");
 
 static PyObject *
 scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "scan() takes 10 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "scan() takes 11 arguments");
         return NULL;
     }
     if (!configured) {
@@ -121,20 +146,22 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *data = args[0], *buf = args[2], *routes = args[4], *runs = args[6];
-    PyObject *seqs = args[7], *index = args[8];
+    PyObject *seqs = args[7], *log = args[8], *index = args[9];
     if (!PyBytes_CheckExact(data) || !PyDict_CheckExact(routes) || !PyList_CheckExact(runs)
         || (buf != Py_None && !PyByteArray_CheckExact(buf)) || !PyByteArray_CheckExact(seqs)
         || PyByteArray_GET_SIZE(seqs) != VBUCKETS * 16
-        || (index != Py_None && (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != VBUCKETS))) {
+        || (log != Py_None && (!PyByteArray_CheckExact(log) || log == buf))
+        || (index != Py_None && (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != VBUCKETS))
+        || (log == Py_None) != (index == Py_None)) {
         PyErr_SetString(PyExc_TypeError,
                         "scan(bytes, int, bytearray | None, int, dict, int, list, bytearray(16384), "
-                        "list of 1024 bytearrays | None, int)");
+                        "bytearray | None, list of 1024 bytearrays | None, int)");
         return NULL;
     }
     Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
     long long t0 = PyLong_AsLongLong(args[3]);
     unsigned long long max_frame = PyLong_AsUnsignedLongLong(args[5]);
-    unsigned long long seg = PyLong_AsUnsignedLongLong(args[9]);
+    unsigned long long seg = PyLong_AsUnsignedLongLong(args[10]);
     if (PyErr_Occurred()) {
         return NULL;
     }
@@ -161,6 +188,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t published = 0, unmatched = 0;
     PyObject *run = NULL; /* the current run's targets (a strong reference) */
     Py_ssize_t run_start = 0, run_end = -1, run_n = 0;
+    long direct_vb = -1; /* the vbucket of this call's messages recorded straight to its index */
 
     while (n - pos >= fixed_size) {
         const unsigned char *p = d + pos;
@@ -221,7 +249,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         int nobody = PyTuple_GET_SIZE(targets) == 0;
         if (nobody) {
             unmatched++;
-            if (index == Py_None) { /* nobody gets it, nobody can ask for it later */
+            if (log == Py_None) { /* nobody gets it, nobody can ask for it later */
                 pos = end;
                 continue;
             }
@@ -240,17 +268,23 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         put_u64(frame + offset_at, offset);
         frame[vbucket_at] = (unsigned char)(vb & 0xFF);
         frame[vbucket_at + 1] = (unsigned char)(vb >> 8);
-        if (index != Py_None) { /* the replay buffer's index: seg << 32 | pos */
-            PyObject *ix = PyList_GET_ITEM(index, vb);
-            if (!PyByteArray_CheckExact(ix)) {
-                PyErr_SetString(PyExc_TypeError, "scan(): the index holds a bytearray per vbucket");
+        if (log != Py_None) { /* the replay buffer: its index entry, seg << 32 | pos */
+            uint64_t entry = (uint64_t)(seg << 32 | (uint64_t)pos);
+            if (PyByteArray_GET_SIZE(log) == 0 && (direct_vb < 0 || direct_vb == vb)) {
+                /* Nothing waits in the log, so the index is complete: the entry goes straight
+                 * to it, in order (a read of one key_partition never uses the log). */
+                PyObject *ix = PyList_GET_ITEM(index, vb);
+                if (!PyByteArray_CheckExact(ix) || ix == log || ix == buf) {
+                    PyErr_SetString(PyExc_TypeError, "scan(): the index holds a bytearray per vbucket");
+                    goto error;
+                }
+                if (append_u64s(ix, entry, 0, 0) < 0) {
+                    goto error;
+                }
+                direct_vb = vb;
+            } else if (append_u64s(log, entry, (uint64_t)vb, 1) < 0) {
                 goto error;
             }
-            Py_ssize_t len = PyByteArray_GET_SIZE(ix);
-            if (PyByteArray_Resize(ix, len + 8) < 0) {
-                goto error;
-            }
-            put_u64((unsigned char *)PyByteArray_AS_STRING(ix) + len, (uint64_t)(seg << 32 | (uint64_t)pos));
         }
         if (nobody) { /* retained; delivered to nobody */
             pos = end;
@@ -282,6 +316,46 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(settle_doc,
+"settle(log, index) -> None\n\n"
+"ReplayBuffer.settle's loop: for each (entry, vbucket) pair of u64 in the bytearray `log`,\n"
+"append the entry to index[vbucket] (index: the list of 1024 bytearrays), in the log's\n"
+"order. The caller empties the log.");
+
+static PyObject *
+settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "settle() takes 2 arguments");
+        return NULL;
+    }
+    PyObject *log = args[0], *index = args[1];
+    if (!PyByteArray_CheckExact(log) || PyByteArray_GET_SIZE(log) % 16 != 0 || !PyList_CheckExact(index)
+        || PyList_GET_SIZE(index) != VBUCKETS) {
+        PyErr_SetString(PyExc_TypeError, "settle(bytearray of (u64, u64) pairs, list of 1024 bytearrays)");
+        return NULL;
+    }
+    Py_ssize_t n = PyByteArray_GET_SIZE(log);
+    for (Py_ssize_t at = 0; at < n; at += 16) {
+        /* The index's bytearrays grow here, never the log (it is none of them). */
+        const unsigned char *item = (const unsigned char *)PyByteArray_AS_STRING(log) + at;
+        uint64_t entry = u64_at(item), vb = u64_at(item + 8);
+        if (vb >= VBUCKETS) {
+            PyErr_SetString(PyExc_ValueError, "settle(): a vbucket out of range in the log");
+            return NULL;
+        }
+        PyObject *ix = PyList_GET_ITEM(index, (Py_ssize_t)vb);
+        if (!PyByteArray_CheckExact(ix) || ix == log) {
+            PyErr_SetString(PyExc_TypeError, "settle(): the index holds a bytearray per vbucket");
+            return NULL;
+        }
+        if (append_u64s(ix, entry, 0, 0) < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(layout, min_frame_size): the canonical layout's positions, read by name from `layout`\n"
@@ -289,6 +363,7 @@ static PyMethodDef methods[] = {
     {"layout", (PyCFunction)layout_of, METH_NOARGS,
      "layout() -> dict | None: the positions configure() read, by the owner's names"},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
+    {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL, settle_doc},
     {NULL, NULL, 0, NULL},
 };
 

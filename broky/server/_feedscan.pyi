@@ -13,7 +13,9 @@ def scan(
     max_frame: int,
     runs: list[Any],
     seqs: bytearray,
+    log: bytearray | None,
     index: list[bytearray] | None,
     seg: int,
     /,
 ) -> tuple[int, bytearray | None, int, int]: ...
+def settle(log: bytearray, index: list[bytearray], /) -> None: ...

@@ -45,10 +45,11 @@ DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 10_000  # per worker
 # The replay buffer (broky.server.replay), per worker: the most recent messages of its
 # vbuckets, for subscribers that resume or start from a position, a time or the last N.
-# 64 MiB of stamped reads is about 260,000 messages of 100 B as the SDK sends them
-# (256-byte frames with a uid): 13 s at 20,000 msgs/s per worker, 130 s at 2,000;
-# 56,000 of 1 KiB. An idle server holds none of it. It is drawn from the worker's
-# share of the memory budget (512 MiB each, two workers).
+# 64 MiB of stamped reads is about 262,000 messages of 100 B (256-byte frames, as the
+# SDK sends them) or 57,000 of 1 KiB: 26 s and 5.7 s at 10,000 msgs/s per worker, a
+# tenth of that at 100,000 (bench/results/replay_memory.md); an idle server holds none
+# of it. It is drawn from the worker's share of the memory budget (512 MiB each, two
+# workers).
 DEFAULT_REPLAY_BYTES = 64 << 20
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1_000  # per client IP address, over the whole server
 # Largest Hello the master reads (the frame carries a name and a token only).

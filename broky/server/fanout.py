@@ -259,10 +259,13 @@ class Shard(
         # recent stamped reads (broky.server.replay; None: --replay-bytes 0).
         self.seqs = Sequences()
         self.replay = (
-            ReplayBuffer(config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget)
+            ReplayBuffer(
+                config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget,
+                settle=fastpath.compiled_settle if self.scan is not None else None,
+            )
             if config.replay_bytes
             else None
-        )
+        )  # fmt: skip
         # Sequences of vbuckets moving here or away (broky.server.handover).
         self.handover = Handovers(config.move_timeout)
         # No more attributes here: see SHARD_ATTRIBUTES.
@@ -320,9 +323,12 @@ class Shard(
                     # The compiled twin takes the canonical Messages with a cached route
                     # (broky.server.fastpath); what it stops at is handled below.
                     had = buf
-                    index = None if replay is None else replay.index
+                    if replay is None:
+                        log = index = None
+                    else:
+                        log, index = replay.log, replay.index
                     pos, buf, handled, unrouted = scan(
-                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, index,
+                        data, pos, buf, t0, routes, max_frame, runs, seqs.state, log, index,
                         replay.next_id if replay is not None and buf is None else seg,
                     )  # fmt: skip
                     if buf is not had and replay is not None:

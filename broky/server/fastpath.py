@@ -25,35 +25,43 @@ from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 3  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 4  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
-# scan(data, pos, buf, t0, routes, max_frame, runs, seqs, index, seg) -> (pos, buf, published, unmatched)
+# scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg)
+#   -> (pos, buf, published, unmatched)
 Scan = Callable[
-    [bytes, int, Any, int, dict[Any, Any], int, list[Any], bytearray, Any, int], tuple[int, Any, int, int]
+    [bytes, int, Any, int, dict[Any, Any], int, list[Any], bytearray, Any, Any, int],
+    tuple[int, Any, int, int],
 ]
+# settle(log, index): the replay buffer's log into its index (broky.server.replay)
+Settle = Callable[[bytearray, list[bytearray]], None]
 
 
 def pure_requested() -> bool:
     return os.environ.get(ENV_PURE, "") not in ("", "0")
 
 
-def _load() -> tuple[Scan | None, str]:
+def _load() -> tuple[Scan | None, Settle | None, str]:
     if pure_requested():
-        return None, f"pure Python ({ENV_PURE} is set)"
+        return None, None, f"pure Python ({ENV_PURE} is set)"
     try:
         from broky.server import _feedscan
     except ImportError as exc:
-        return None, f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler"
+        return (
+            None,
+            None,
+            f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler",
+        )
     if getattr(_feedscan, "VERSION", None) != VERSION:
-        return None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
+        return None, None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
     try:
         _feedscan.configure(layout, MIN_FRAME_SIZE)
     except ValueError as exc:
-        return None, f"pure Python: {exc}"
-    return _feedscan.scan, "compiled"
+        return None, None, f"pure Python: {exc}"
+    return _feedscan.scan, _feedscan.settle, "compiled"
 
 
-compiled_scan, description = _load()
+compiled_scan, compiled_settle, description = _load()
 
 
 def warning() -> str | None:

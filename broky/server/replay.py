@@ -8,14 +8,30 @@ anyway to stamp ts_broker (broky.server.fanout). The replay buffer keeps
 those copies, not the messages one by one: a *segment* is one stamped copy
 (a bytearray, usually one read), retained whole, and the index says where in
 which segment each retained message of a vbucket starts. Storing a message
-therefore costs no copy and no object: 8 bytes appended to its vbucket's
-index.
+therefore costs no copy and no object: 16 bytes appended to the log.
 
     segments   oldest first: (segment id, bytes, when added, ts_broker of its
                messages); ids only grow
     index[vb]  a bytearray of little-endian u64, one per retained message of
                vb in offset order: segment id << 32 | position of the frame's
                first byte in that segment
+    log        one bytearray of (index entry, vbucket) pairs of u64, in the
+               order the messages were accepted: those not yet in their
+               vbucket's index
+
+The read path appends to the log (`record`, and the compiled read path,
+broky.server._feedscan), one place in memory after the other; the compiled
+path appends an entry straight to its vbucket's index instead while the log
+is empty and its messages so far are all of that vbucket (a read of one
+key_partition never uses the log: the extra step cost it a tenth). `settle` moves
+the log's entries into their vbuckets' indexes, many at a time: before any
+lookup, at the worker's tick (`trim_all`) and whenever the log reaches
+LOG_BYTES. Appending to each message's vbucket's bytearray as it came missed
+the cache on most of them once a worker's reads spread over all its
+vbuckets, between copies of the reads (bench/README.md, "The replay
+buffer's cost": a tenth of the server's CPU per message over 4096
+key_partitions); batched, the same appends hit it. Every method that reads
+an index settles first, so the indexes are always complete when read.
 
 Offsets are consecutive per vbucket (every accepted message gets one, and
 every one is recorded here), so the retained messages of vb are the offsets
@@ -23,8 +39,8 @@ next - count .. next - 1, where next is the vbucket's next offset
 (broky.server.sequences) and count its index's entries: the message with
 offset o is entry o - (next - count). A lookup by position is an index, a
 lookup by time a binary search over ts_broker, read from the frames
-themselves (`ts_at`). The compiled read path appends to the same bytearrays
-(broky.server._feedscan).
+themselves (`ts_at`). `settle` has a compiled twin (broky.server._feedscan),
+which the worker uses when the read path's twin runs.
 
 Bounds. `limit` bytes of segments (`--replay-bytes`, per worker). When a new
 segment takes the total over it, the oldest segments go first, whole; their
@@ -51,8 +67,9 @@ a new epoch starts), and its entries; the caller restarts its sequence.
 
 The buffer is sans-I/O: the worker appends (`retain`, `record`) on its read
 path and reads (`read`, `first`, `offset_at_time`) when a subscription asks
-for positions. It never blocks and never allocates per message but the 8
-index bytes (amortised: bytearrays grow by doubling).
+for positions. It never blocks and never allocates per message but the 16
+log bytes and the 8 index bytes (amortised: bytearrays grow by a fraction of
+their size).
 """
 
 from __future__ import annotations
@@ -74,7 +91,13 @@ if TYPE_CHECKING:
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 _entry = struct.Struct("<Q")
+_logged = struct.Struct("<QQ")  # a log item: the index entry, the vbucket
 SEGMENT_SHIFT = 32  # an index entry: segment id << 32 | position
+# The log is settled when it reaches this many bytes (16 per message), besides before every
+# lookup and at the tick: at most 16,384 messages wait, whatever the rate.
+LOG_BYTES = 256 << 10
+# settle(log, index): the compiled twin of ReplayBuffer.settle's loop (broky.server._feedscan).
+Settle = Callable[[bytearray, list[bytearray]], None]
 
 
 class ReplayBuffer:
@@ -87,7 +110,10 @@ class ReplayBuffer:
         max_age: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         budget: Budget | None = None,
+        settle: Settle | None = None,
     ) -> None:
+        """settle: the compiled twin of `settle`'s loop (broky.server.fastpath), or None for
+        the Python one."""
         if limit < 0:
             raise ValueError(f"replay limit must be >= 0 bytes, not {limit}")
         self.limit = limit
@@ -102,6 +128,8 @@ class ReplayBuffer:
         self.next_id = 1
         self.live = 1  # the oldest segment id still retained (ids below it are evicted)
         self.index = [bytearray() for _ in range(VBUCKETS)]
+        self.log = bytearray()  # (index entry, vbucket) of messages not yet in the index
+        self.settle_with = settle
         self.evicted_messages = 0  # messages whose segment was evicted (counted when trimmed)
         self.trimmed_at = 1  # `live` when every index was last trimmed
         self.segments_refused = 0  # new segments not kept: the memory budget had no room at all
@@ -140,15 +168,33 @@ class ReplayBuffer:
         self.bytes += n
         if self.bytes > self.limit:
             self._evict_to(self.limit)
+        if len(self.log) >= LOG_BYTES:
+            self.settle()
         return seg_id
 
     def record(self, vb: int, seg_id: int, pos: int) -> None:
         """The message of vbucket `vb` that just got its offset (the one before the
         vbucket's next) starts at `pos` in segment `seg_id`."""
-        self.index[vb] += _entry.pack(seg_id << SEGMENT_SHIFT | pos)
+        self.log += _logged.pack(seg_id << SEGMENT_SHIFT | pos, vb)
+
+    def settle(self) -> None:
+        """Move every entry of the log into its vbucket's index, in the log's order."""
+        log = self.log
+        if not log:
+            return
+        if self.settle_with is not None:
+            self.settle_with(log, self.index)
+        else:
+            index = self.index
+            with memoryview(log) as raw, raw.cast("Q") as items:
+                pairs = items.tolist()
+            for i in range(0, len(pairs), 2):
+                index[pairs[i + 1]] += _entry.pack(pairs[i])
+        log.clear()
 
     def base(self, vb: int) -> int:
         """The offset of vb's first index entry."""
+        self.settle()
         return self.seqs.next_of(vb) - len(self.index[vb]) // 8
 
     # ---------------------------------------------------------------- bounds
@@ -187,7 +233,9 @@ class ReplayBuffer:
         return before - self.bytes
 
     def _trim(self, vb: int) -> None:
-        """Cut vb's index entries whose segments were evicted."""
+        """Cut vb's index entries whose segments were evicted (the log settled first)."""
+        if self.log:
+            self.settle()
         index = self.index[vb]
         if not index:
             return
@@ -204,6 +252,7 @@ class ReplayBuffer:
     def trim_all(self) -> None:
         """Cut every vbucket's stale index entries (the worker's tick; nothing to do
         unless a segment went since the last time)."""
+        self.settle()
         if self.live == self.trimmed_at:
             return
         self.trimmed_at = self.live
@@ -276,6 +325,7 @@ class ReplayBuffer:
 
     def ts_at(self, vb: int, offset: int) -> int:
         """ts_broker of the retained message `offset` of vb."""
+        self.settle()
         with memoryview(self.index[vb]) as raw, raw.cast("Q") as entries:
             entry = entries[offset - self.base(vb)]
         segment, pos = self._locate(entry)
