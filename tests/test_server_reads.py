@@ -276,12 +276,19 @@ def test_a_read_far_larger_than_the_pending_bound_keeps_within_it(start_server: 
         pub.send(*(encode_message(kps[i % 4], b"r.big", b"%d." % i + bytes(1000)) for i in range(total)))
         assert pub.flush() == []
     with Wire.hello(server.address, name="big-reader", rcvbuf=8192) as reader:
-        reader.send(Read(7, b"r.big"))
+        # Paused right behind the Read until the worker shows the read under way (without
+        # it, a read the kernel's buffers take whole can be over before the first look).
+        reader.send(Read(7, b"r.big"), Pause())
+        deadline = time.monotonic() + 5
+        while connection_view(server, "big-reader")["bounded_read"] != 7:
+            assert time.monotonic() < deadline, connection_view(server, "big-reader")
+            time.sleep(0.01)
+        reader.send(Resume())
         peak = 0
         got = Answer()
         frames = 0
         while True:  # read slowly, looking at what the worker has pending for us
-            if frames % 400 == 0:
+            if frames % 100 == 0:
                 conn = connection_view(server, "big-reader")
                 if conn["bounded_read"]:
                     peak = max(peak, conn["pending_bytes"])
