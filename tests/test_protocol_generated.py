@@ -193,6 +193,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.lists(positions, max_size=5).map(tuple),
         i64,
         st.lists(positions, max_size=5).map(tuple),
+        st.lists(u16, max_size=8).map(tuple),  # any u16, unchecked by the codec (the server refuses)
     ),
     st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16),
 )
@@ -385,7 +386,8 @@ def generated_read(frame: bytes) -> Frame:
             Position(r.Stop(i).Vbucket(), r.Stop(i).Epoch(), r.Stop(i).Offset())
             for i in range(r.StopLength())
         )
-        return Read(r.Rid(), _vec(r._tab, 6) or b"", _vec(r._tab, 8), start, r.StartTime(), stop)
+        vbuckets = tuple(r.Vbuckets(i) for i in range(r.VbucketsLength()))
+        return Read(r.Rid(), _vec(r._tab, 6) or b"", _vec(r._tab, 8), start, r.StartTime(), stop, vbuckets)
     if kind == Body.ReadDone:
         d = body(fbs.ReadDone)
         return ReadDone(
@@ -451,6 +453,16 @@ class Writer:
         start_vector(self.b, len(at))
         for p in reversed(at):
             fbs.CreatePosition(self.b, p.epoch, p.offset, p.vbucket)
+        return int(self.b.EndVector())
+
+    def u16s(self, start_vector: Callable[[Any, int], Any], values: tuple[int, ...]) -> int | None:
+        """A vector of ushort, or None (drawn: an empty vector or none at all)."""
+        if not values and self.draw(st.booleans()):
+            return None
+        self.junk()
+        start_vector(self.b, len(values))
+        for v in reversed(values):
+            self.b.PrependUint16(v)
         return int(self.b.EndVector())
 
     def table(
@@ -599,6 +611,7 @@ class Writer:
         if isinstance(frame, Read):
             start = self.positions(fbs.ReadStartStartVector, frame.start)
             stop = self.positions(fbs.ReadStartStopVector, frame.stop)
+            vbuckets = self.u16s(fbs.ReadStartVbucketsVector, frame.vbuckets)
             r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
             adders = [
                 lambda: fbs.ReadAddRid(b, frame.rid),
@@ -611,6 +624,8 @@ class Writer:
                 adders.append(lambda: fbs.ReadAddStart(b, start))
             if stop is not None:
                 adders.append(lambda: fbs.ReadAddStop(b, stop))
+            if vbuckets is not None:
+                adders.append(lambda: fbs.ReadAddVbuckets(b, vbuckets))
             return self.table(fbs.ReadStart, fbs.ReadEnd, adders)
         if isinstance(frame, ReadDone):
             return self.table(

@@ -17,15 +17,20 @@ client's map, on a connection of its own, opened for the read
 closed after it. The Links that carry publishes and subscriptions are not
 involved: a read neither waits behind their traffic nor holds it up, and a
 cut read connection needs no resume. On each: Read{rid 1, pattern,
-key_partition, start, start_time, stop}, with every position the caller
-gave (each worker takes its own, so a map older than the worker's loses no
-position), then Replay{rid, n} and n Message frames, and a ReadDone per
-vbucket, the last with `remaining` 0.
+key_partition, start, start_time, stop, vbuckets}, with every position the
+caller gave (each worker takes its own, so a map older than the worker's
+loses no position) and, as `vbuckets`, exactly the vbuckets asked of that
+worker in that round (one Read encoded per worker), then Replay{rid, n} and
+n Message frames, and a ReadDone per vbucket, the last with `remaining` 0.
 
-Coverage. The read covers every vbucket (or the partition's), and expects
-one ReadDone for each. Each worker is asked for the vbuckets the map gives
-it, and only those are taken from its answer: a worker that owns more than
-the map says (a move in between) does not make a message come twice. A
+Coverage. The read covers every vbucket, or the caller's `vbuckets`, or the
+partition's vbucket (if among `vbuckets`), and expects one ReadDone for
+each. Each worker is asked for the vbuckets the map gives it of those, and
+its Read names them: it answers for no other, even one it owns that the
+map gives elsewhere (a move in between), and it leaves out the ones it no
+longer owns. Only the asked ones are taken from its answer too (a server
+that predates Read.vbuckets reads all it owns), so a message never comes
+twice. A
 vbucket that no worker answered for (it moved during the read; a worker
 that said NOT_MY_VBUCKET) is asked of its owner per the newest map seen
 (every Welcome carries the map) in the next round, at most MAX_ROUNDS; a
@@ -48,10 +53,11 @@ stay given: read the range again from its start (it is fixed: the same
 messages come back).
 
 `positions` is a read whose range is empty everywhere: `start_time` after
-any message (the largest ns value), so every vbucket's ReadDone tells where
-it stands (its epoch and next offset) and no message is sent. It costs one
-ReadDone per vbucket, nothing per retained message, and gives exactly the
-positions a later read's `stop` (or `start`) takes.
+any message (the largest ns value), so every vbucket's ReadDone (of the
+ones it covers, as a read's) tells where it stands (its epoch and next
+offset) and no message is sent. It costs one ReadDone per vbucket, nothing
+per retained message, and gives exactly the positions a later read's `stop`
+(or `start`) takes.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Generator, Iterable
-from operator import attrgetter
+from operator import attrgetter, index
 from typing import Any, NamedTuple, Protocol
 
 from broky.client.connection import WorkerProtocol, open_connection, server_error
@@ -173,6 +179,28 @@ def as_positions(
     return tuple(out)
 
 
+def as_vbuckets(vbuckets: Iterable[int] | None) -> frozenset[int] | None:
+    """`vbuckets` as a set, checked (None: every vbucket).
+
+    Raises:
+        ValueError: one is not a vbucket (0 .. 1023) or is named twice, or there is none.
+        TypeError: one is not an int.
+    """
+    if vbuckets is None:
+        return None
+    out: set[int] = set()
+    for vb in vbuckets:
+        vb = index(vb)
+        if not 0 <= vb < VBUCKETS:
+            raise ValueError(f"vbuckets: {vb} is not a vbucket (0 .. {VBUCKETS - 1})")
+        if vb in out:
+            raise ValueError(f"vbuckets: {vb} is named twice")
+        out.add(vb)
+    if not out:
+        raise ValueError("vbuckets is empty: the read would cover no vbucket")
+    return frozenset(out)
+
+
 class Reading:
     """A bounded read under way: await it (a ReadResult) or iterate it (messages)."""
 
@@ -185,13 +213,22 @@ class Reading:
         start: tuple[Position, ...] = (),
         start_time: int = 0,
         stop: tuple[Position, ...] = (),
+        vbuckets: frozenset[int] | None = None,
         timeout: float | None = None,
         max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
     ) -> None:
         parse_pattern(pattern)  # BadPatternError now, not from the server
+        covers = set(range(VBUCKETS)) if vbuckets is None else set(vbuckets)
+        if partition is not None:
+            vb = vbucket_of(partition)
+            if vb not in covers:
+                raise ValueError(f"the partition's vbucket ({vb}) is not among `vbuckets`: nothing to read")
+            covers = {vb}
         self.owner = owner
-        self.frame = encode_frame(Read(RID, pattern, partition, start, start_time, stop))
-        self.covers = {vbucket_of(partition)} if partition is not None else set(range(VBUCKETS))
+        # Each worker's Read is this with the vbuckets asked of it (`read_worker`).
+        self.request = Read(RID, pattern, partition, start, start_time, stop)
+        encode_frame(self.request)  # LocalProtocolError now for what the wire cannot carry
+        self.covers = covers
         self.timeout = timeout
         self.max_pending = max_pending_msgs
         self.ends: dict[int, RangeEnd] = {}  # filled as the ReadDones come
@@ -357,13 +394,14 @@ class Reading:
         hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
         proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
         self.maps.append(welcome.map)
+        frame = encode_frame(self.request._replace(vbuckets=tuple(sorted(vbs))))
         answer = WorkerAnswer(self, ref, vbs)
         self.protos.add(proto)
         try:
             proto.attach(answer)
             if self.paused and proto.transport is not None:
                 proto.transport.pause_reading()
-            proto.write(self.frame)
+            proto.write(frame)
             await answer.done
         finally:
             self.protos.discard(proto)
@@ -420,5 +458,6 @@ __all__ = [
     "ReadResult",
     "Reading",
     "as_positions",
+    "as_vbuckets",
     "positions_of",
 ]

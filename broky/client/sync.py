@@ -486,24 +486,35 @@ class SyncClient:
         start: Iterable[Position | tuple[int, int, int]] | None = None,
         start_time: int = 0,
         stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        vbuckets: Iterable[int] | None = None,
         timeout: float | None = None,
     ) -> ReadResult:
-        """Read the retained messages of a closed range (see `Client.read`): every message,
-        then where each vbucket's range ended. Raises as `Client.read`."""
+        """Read the retained messages of a closed range (see `Client.read`; `vbuckets`: only
+        those): every message, then where each vbucket's range ended. Raises as `Client.read`."""
 
         async def whole() -> ReadResult:
             reading = self._client.read(
-                pattern, partition=partition, start=start, start_time=start_time, stop=stop, timeout=timeout
+                pattern,
+                partition=partition,
+                start=start,
+                start_time=start_time,
+                stop=stop,
+                vbuckets=vbuckets,
+                timeout=timeout,
             )
             return await reading
 
         return self._call(whole())
 
     def positions(
-        self, *, partition: bytes | str | None = None, timeout: float | None = None
+        self,
+        *,
+        partition: bytes | str | None = None,
+        vbuckets: Iterable[int] | None = None,
+        timeout: float | None = None,
     ) -> tuple[Position, ...]:
         """Where every vbucket stands now (see `Client.positions`)."""
-        return self._call(self._client.positions(partition=partition, timeout=timeout))
+        return self._call(self._client.positions(partition=partition, vbuckets=vbuckets, timeout=timeout))
 
     # ---------------------------------------------------------------- state
 

@@ -1720,7 +1720,37 @@ class Read(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
-def ReadStart(builder): builder.StartObject(6)
+    # Absent or empty: every vbucket this worker owns (or key_partition's).
+    # Present: only these (each < 1024, none twice); the ones this worker
+    # does not own are not answered (added within protocol version 2).
+    # Read
+    def Vbuckets(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 2))
+        return 0
+
+    # Read
+    def VbucketsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint16Flags, o)
+        return 0
+
+    # Read
+    def VbucketsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def VbucketsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        return o == 0
+
+def ReadStart(builder): builder.StartObject(7)
 def ReadAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
 def ReadAddPattern(builder, pattern): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(pattern), 0)
 def ReadStartPatternVector(builder, numElems): return builder.StartVector(1, numElems, 1)
@@ -1731,6 +1761,8 @@ def ReadStartStartVector(builder, numElems): return builder.StartVector(24, numE
 def ReadAddStartTime(builder, startTime): builder.PrependInt64Slot(4, startTime, 0)
 def ReadAddStop(builder, stop): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(stop), 0)
 def ReadStartStopVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def ReadAddVbuckets(builder, vbuckets): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(vbuckets), 0)
+def ReadStartVbucketsVector(builder, numElems): return builder.StartVector(2, numElems, 2)
 def ReadEnd(builder): return builder.EndObject()
 
 

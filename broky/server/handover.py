@@ -294,6 +294,8 @@ class Handover:
         """The frame data[pos:end] is a Subscribe whose start (since, since_time, last), or
         a Read, concerns a vbucket owned here that awaits its sequence: it must wait for it."""
         kind = body_type(data, pos, end)
+        owned = self.owned
+        awaiting = self.handover.awaiting
         if kind == fbs.Body.Subscribe:
             sub = decode_frame(data, pos, end)
             assert isinstance(sub, Subscribe)
@@ -304,13 +306,14 @@ class Handover:
             read = decode_frame(data, pos, end)
             assert isinstance(read, Read)
             kp = read.key_partition
+            if kp is None and read.vbuckets:  # only those (one past 1023 is refused: no wait)
+                return any(vb < VBUCKETS and owned[vb] and vb in awaiting for vb in read.vbuckets)
         else:
             return False
-        owned = self.owned
         if kp is not None:
             vb = vbucket_of(kp)
-            return bool(owned[vb]) and vb in self.handover.awaiting
-        return any(owned[vb] for vb in self.handover.awaiting)
+            return bool(owned[vb]) and vb in awaiting
+        return any(owned[vb] for vb in awaiting)
 
     def handover_deadlines(self) -> None:
         """The tick: vbuckets whose sequence did not come in time start again here."""

@@ -10,6 +10,16 @@ the other parts of the Shard.
 
 Theory of operation
 -------------------
+Which vbuckets (`bounded_read`). A Read covers the vbuckets this worker
+owns, narrowed to its `vbuckets` when that is present (not empty), and to
+key_partition's vbucket when that is present. The ones of `vbuckets` owned
+elsewhere get nothing here, no ReadDone either: the client asks their owner,
+as for a vbucket that moved. A `vbuckets` that names a vbucket past 1023, or
+one twice, or leaves out key_partition's, refuses the Read (BAD_POSITION); a
+Read that covers nothing here (no vbucket owned, none of `vbuckets`, not
+key_partition's) is refused with NOT_MY_VBUCKET. A refusal is one non-fatal
+Error with the rid, and nothing else of the read.
+
 Fixing the ranges (`bounded_read`). The Read frame is handled in its place in
 the connection's stream (broky.server.control), and every vbucket's range is
 fixed at once, as offsets of its current epoch (broky.server.sequences),
@@ -177,18 +187,30 @@ class Reads:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), rid=rid)
             return
         kp = rd.key_partition
-        if kp is not None:
-            vbs = [vbucket_of(kp)]
-            if not self.owned[vbs[0]]:
-                why = f"key_partition {kp!r} is owned by another worker"
-                self.error(c, ErrorCode.NOT_MY_VBUCKET, why, rid=rid)
-                return
-        else:
-            owned = self.owned
+        owned = self.owned
+        try:  # which vbuckets: see "Which vbuckets" in the header
+            named = narrowed_to(rd.vbuckets)
+            if kp is not None:
+                vb = vbucket_of(kp)
+                if named is not None and vb not in named:
+                    raise ValueError(f"key_partition {kp!r} is in vbucket {vb}, not among `vbuckets`")
+                named = {vb}
+        except ValueError as exc:
+            self.error(c, ErrorCode.BAD_POSITION, f"read {rid} refused: {exc}", rid=rid)
+            return
+        if named is None:
             vbs = [vb for vb in range(VBUCKETS) if owned[vb]]
-            if not vbs:
-                self.error(c, ErrorCode.NOT_MY_VBUCKET, "this worker owns no vbucket", rid=rid)
-                return
+        else:  # the ones named that another worker owns are answered by it, not here
+            vbs = sorted(vb for vb in named if owned[vb])
+        if not vbs:
+            if kp is not None:
+                why = f"key_partition {kp!r} is owned by another worker"
+            elif rd.vbuckets:
+                why = "this worker owns none of the vbuckets the read names"
+            else:
+                why = "this worker owns no vbucket"
+            self.error(c, ErrorCode.NOT_MY_VBUCKET, why, rid=rid)
+            return
         try:
             start = by_vbucket(rd.start, "start")
             stop = by_vbucket(rd.stop, "stop")
@@ -344,6 +366,24 @@ class Reads:
         self.pump_read(c)
         if self._touched:
             self.flush()
+
+
+def narrowed_to(vbuckets: tuple[int, ...]) -> set[int] | None:
+    """The vbuckets a Read's `vbuckets` names (None: absent or empty, no narrowing).
+
+    Raises:
+        ValueError: one is not a vbucket (1024 or more), or is named twice.
+    """
+    if not vbuckets:
+        return None
+    named: set[int] = set()
+    for vb in vbuckets:
+        if vb >= VBUCKETS:
+            raise ValueError(f"vbucket {vb} in `vbuckets` is not a vbucket (0 .. {VBUCKETS - 1})")
+        if vb in named:
+            raise ValueError(f"vbucket {vb} is named twice in `vbuckets`")
+        named.add(vb)
+    return named
 
 
 def by_vbucket(positions: tuple[Position, ...], what: str) -> dict[int, Position]:
