@@ -22,6 +22,8 @@ from broky.protocol import (
     LossReason,
     Message,
     NodeInfo,
+    Read,
+    ReadDone,
     Replay,
     Subscribe,
     VBucketMap,
@@ -116,6 +118,10 @@ def messages(c: Connection) -> list[Message]:
     return [f for f in frames(c) if isinstance(f, Message)]
 
 
+def dones(c: Connection) -> list[ReadDone]:
+    return [f for f in frames(c) if isinstance(f, ReadDone)]
+
+
 def positions(c: Connection, vb: int = VB) -> list[tuple[int, int, int]]:
     """(epoch, offset, payload) of what c received of vb."""
     return [(m.epoch, m.offset, int(m.payload)) for m in messages(c) if m.vbucket == vb]
@@ -151,8 +157,15 @@ def test_a_planned_move_continues_the_sequence_and_holds_what_needs_it(compiled:
     w_new = w.connection()
     w.shard.feed(w_new, encode_frame(Subscribe(2, b"h.>", None, (Position(VB, epoch, 5),))))
     assert w_new.held and frames(w_new) == []
+    # A Read waits only when it covers the vbucket: one narrowed to others is answered now.
+    w_other, w_read = w.connection(), w.connection()
+    w.shard.feed(w_other, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY),))))
+    assert not w_other.held and [(d.vbucket, d.next) for d in dones(w_other)] == [(vbucket_of(STAY), 2)]
+    w.shard.feed(w_read, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY), VB))))
+    assert w_read.held and frames(w_read) == []
     w.shard.take_handed(record)  # through etcd, from x's agent to w's
-    assert not w_pub.held and not w_new.held and not w.shard.handover.awaiting
+    assert not w_pub.held and not w_new.held and not w_read.held and not w.shard.handover.awaiting
+    assert sorted((d.vbucket, d.next) for d in dones(w_read)) == sorted([(vbucket_of(STAY), 2), (VB, 10)])
     assert positions(w_sub) == [(epoch, 8, 7), (epoch, 9, 8)]  # the sequence goes on, in order
     answer = frames(w_new)
     (head,) = [f for f in answer if isinstance(f, Replay)]
