@@ -72,7 +72,7 @@ from broky.errors import BrokyConnectionError, BrokyError
 from broky.protocol import NO_OWNER, VBUCKETS, vbucket_of
 from broky.protocol.frames import Position
 from broky.spark import offsets as off
-from broky.spark.sink import ClientConfig, _number, task_identity
+from broky.spark.sink import ClientConfig, task_identity
 
 try:
     from pyspark.sql.streaming.datasource import (
@@ -217,22 +217,33 @@ class SourceOptions:
                 pattern=pattern,
                 key_partition=kp.encode() if kp is not None else None,
                 starting=starting,
-                starting_time=_ms_to_ns(opts, "startingtimestamp"),
+                starting_time=_ms_to_ns(opts, "startingTimestamp"),
                 ending=ending,
-                ending_time=_ms_to_ns(opts, "endingtimestamp"),
-                max_offsets=int(_number(opts, "maxoffsetspertrigger", int, 0)),
+                ending_time=_ms_to_ns(opts, "endingTimestamp"),
+                max_offsets=_whole(opts, "maxOffsetsPerTrigger", 0),
                 fail_on_data_loss=fail == "true",
-                read_timeout=_number(opts, "broky.read.timeout.ms", float, DEFAULT_READ_TIMEOUT_MS) / 1000,
+                read_timeout=_whole(opts, "broky.read.timeout.ms", DEFAULT_READ_TIMEOUT_MS) / 1000,
             )
-        except ValueError as exc:
+        except off.OffsetError as exc:
             raise SourceConfigError(f"broky source: {exc}") from None
 
 
+def _whole(opts: Mapping[str, str], name: str, default: int) -> int:
+    """Option `name` (looked up in lower case) as a whole number >= 0."""
+    text = opts.get(name.lower())
+    if text is None:
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise SourceConfigError(f'option "{name}" must be a whole number, not {text!r}') from None
+    if value < 0:
+        raise SourceConfigError(f'option "{name}" must not be negative, not {value}')
+    return value
+
+
 def _ms_to_ns(opts: Mapping[str, str], name: str) -> int:
-    ms = int(_number(opts, name, int, 0))
-    if ms < 0:
-        raise SourceConfigError(f'option "{name}" must be milliseconds since the epoch, not {ms}')
-    return ms * 1_000_000
+    return _whole(opts, name, 0) * 1_000_000  # ms since the epoch, as Kafka's
 
 
 # ------------------------------------------------------------------ the driver's questions
@@ -369,7 +380,7 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
             reading = client.read(
                 opts.pattern,
                 partition=opts.key_partition,
-                # SMOKE vbuckets=task.vbuckets,
+                vbuckets=task.vbuckets,
                 start=task.start,
                 stop=task.stop,
                 timeout=opts.read_timeout,
