@@ -64,7 +64,9 @@ def test_a_batch_moves_on_only_where_something_is_newer_or_the_epoch_changed() -
     st.dictionaries(st.integers(0, 1023), st.tuples(st.integers(0, 50), st.integers(0, 500)), max_size=40),
     st.integers(1, 2000),
 )
-def test_max_offsets_bounds_a_batch_and_it_always_progresses(behind: dict[int, tuple[int, int]], limit: int) -> None:
+def test_max_offsets_bounds_a_batch_and_it_always_progresses(
+    behind: dict[int, tuple[int, int]], limit: int
+) -> None:
     start = {vb: Position(vb, E1, base) for vb, (base, _) in behind.items()}
     latest = {vb: Position(vb, E1, base + more) for vb, (base, more) in behind.items()}
     end = off.limited(start, latest, limit)

@@ -65,7 +65,7 @@ class Publisher:
                         if ahead > 0:
                             time.sleep(ahead)
                 client.flush()
-        except BaseException as exc:  # noqa: BLE001  (reported by join)
+        except BaseException as exc:
             self.error = exc
 
     def join(self, timeout: float = 120) -> None:
@@ -81,8 +81,12 @@ def retained(server: ServerProcess, pattern: str = ">") -> list[broky.Message]:
         return list(client.read(pattern).messages)
 
 
-def source(spark: Any, server: ServerProcess, streaming: bool = False, **options: str) -> Any:  # noqa: F811
-    reader = (spark.readStream if streaming else spark.read).format("broky").option("broky.servers", address(server))
+def source(spark: Any, server: ServerProcess, *, streaming: Any = False, **options: str) -> Any:  # noqa: F811
+    reader = (
+        (spark.readStream if streaming else spark.read)
+        .format("broky")
+        .option("broky.servers", address(server))
+    )
     for name, value in options.items():
         reader = reader.option(name, value)
     return reader.load()
@@ -211,7 +215,7 @@ def test_bad_options_fail_on_the_driver_naming_the_option(
 
 
 def test_servers_are_required(spark: Any) -> None:  # noqa: F811
-    with pytest.raises(PySparkException, match="broky.servers"):
+    with pytest.raises(PySparkException, match=r"broky\.servers"):
         spark.read.format("broky").load().count()
 
 
@@ -239,7 +243,11 @@ def test_a_query_stopped_and_restarted_writes_every_message_exactly_once(
         halfway = written(spark, d).count()
         assert halfway < total
         time.sleep(1.0)  # published meanwhile, read by the restarted query
-        query = to_parquet(source(spark, server, streaming=True, startingOffsets="earliest"), d, {"processingTime": "500 milliseconds"})
+        query = to_parquet(
+            source(spark, server, streaming=True, startingOffsets="earliest"),
+            d,
+            {"processingTime": "500 milliseconds"},
+        )
         pub.join()
         query.processAllAvailable()
         query.stop()
@@ -311,7 +319,9 @@ def test_eviction_fails_the_query_or_is_logged_and_skipped_with_fail_on_data_los
         mark = spark_log.mark()
         run_available_now(spark, server, d, failOnDataLoss="false")
         assert payloads(written(spark, d)) == list(range(300)) + kept
-    [line] = spark_log.wait_for(mark, rf"broky source: data loss reading '>': (\d+) offsets of {VBS_OF_64} vbuckets[^\n]*going on")
+    [line] = spark_log.wait_for(
+        mark, rf"broky source: data loss reading '>': (\d+) offsets of {VBS_OF_64} vbuckets[^\n]*going on"
+    )
     assert int(line.group(1)) == kept[0] - 300  # exactly what was evicted before the read
 
 

@@ -440,7 +440,17 @@ _ARROW: list[Any] = []  # the Arrow schema of SCHEMA, made at the first batch
 def _batch(pa: Any, cols: tuple[list[Any], ...]) -> Any:
     if not _ARROW:
         ts = pa.timestamp("us", tz="UTC")
-        types = [pa.binary(), pa.binary(), pa.binary(), ts, ts, pa.string(), pa.int32(), pa.string(), pa.int64()]
+        types = [
+            pa.binary(),
+            pa.binary(),
+            pa.binary(),
+            ts,
+            ts,
+            pa.string(),
+            pa.int32(),
+            pa.string(),
+            pa.int64(),
+        ]
         fields = [pa.field(f.name, t, f.nullable) for f, t in zip(SCHEMA.fields, types, strict=True)]
         _ARROW.append(pa.schema(fields))
     schema = _ARROW[0]
@@ -475,6 +485,7 @@ class BrokyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self.target: off.Offsets | None = None  # Trigger.AvailableNow: read up to here
+        self.vmap: Any = None  # the map that came with the latest offset, for `partitions`
 
     def initialOffset(self) -> dict[str, Any]:
         return off.to_json(initial_offsets(self.opts, self.opts.starting, self.opts.starting_time))
@@ -489,7 +500,10 @@ class BrokyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any] | None = None, limit: Any = None) -> dict[str, Any]:
         begin = off.from_json(start, "the checkpoint's offset") if start is not None else {}
-        latest = self.target if self.target is not None else _run(_positions(self.opts))[0]
+        if self.target is not None:
+            latest = self.target
+        else:
+            latest, self.vmap = _run(_positions(self.opts))
         if ReadMaxRows is not None and isinstance(limit, ReadMaxRows):
             end = off.limited(begin, latest, limit.max_rows)
         else:
@@ -501,7 +515,9 @@ class BrokyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         stop = off.from_json(end, "the checkpoint's end offset")
         if not off.changed(begin, stop):
             return []
-        _, vmap = _run(_positions(self.opts))  # the map of the moment (a read follows it anyway)
+        vmap, self.vmap = self.vmap, None  # the map of the moment (a task follows it anyway)
+        if vmap is None:  # a batch logged before a restart, or Trigger.AvailableNow
+            vmap = _run(_positions(self.opts))[1]
         return plan(self.opts, begin, stop, vmap)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
