@@ -22,9 +22,14 @@ import pytest
 from pyspark.errors import PySparkException, StreamingQueryException
 
 import broky
-from broky.protocol import vbucket_of
+from bench.cluster_failover import ClusterRun
+from bench.harness.cluster import http_get
+from broky.protocol import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap, vbucket_of
+from broky.protocol.frames import Position
 from broky.spark import offsets as off
-from broky.spark.source import SCHEMA
+from broky.spark.sink import ClientConfig
+from broky.spark.source import SCHEMA, SourceOptions, plan
+from tests import requires
 from tests.serverproc import ServerProcess
 from tests.spark_fixtures import SparkLog, spark, spark_log  # noqa: F401  (the fixtures)
 
@@ -128,6 +133,32 @@ def run_available_now(spark: Any, server: ServerProcess, d: str, **options: str)
 
 def payloads(df: Any) -> list[int]:
     return sorted(int(r.payload) for r in df.select("payload").collect())
+
+
+# ------------------------------------------------------------------ planning (no Spark session)
+
+
+def test_a_batch_is_planned_as_one_partition_per_worker_with_its_changed_vbuckets() -> None:
+    nodes = (NodeInfo("a", "10.0.0.1", 4777, 2), NodeInfo("b", "10.0.0.2", 4778, 2))
+    owners = tuple((vb * 4 // VBUCKETS // 2, vb * 4 // VBUCKETS % 2) for vb in range(VBUCKETS))
+    owners = (NO_OWNER, *owners[1:])  # vbucket 0: nobody owns it right now (a node died)
+    vmap = VBucketMap(7, nodes, owners)
+    e = 99
+    start = {vb: Position(vb, e, 10) for vb in range(VBUCKETS)}
+    end = dict(start)
+    for vb in (0, 5, 300, 600, 1000):  # one in each worker's quarter, and vbucket 0
+        end[vb] = Position(vb, e, 20)
+    end[700] = Position(700, e + 1, 0)  # a new epoch, nothing in it yet: read to report the loss
+    opts = SourceOptions(ClientConfig(("seed:1",)))
+    tasks = plan(opts, start, end, vmap)
+    assert [(t.node_id, t.address, t.worker, t.vbuckets) for t in tasks] == [
+        ("a", "10.0.0.1:4777", 0, (0, 5)),  # vbucket 0 asked of any worker: the SDK follows the map
+        ("a", "10.0.0.1:4777", 1, (300,)),
+        ("b", "10.0.0.2:4778", 0, (600, 700)),
+        ("b", "10.0.0.2:4778", 1, (1000,)),
+    ]
+    assert tasks[2].start == (start[600], start[700]) and tasks[2].stop == (end[600], end[700])
+    assert plan(opts, start, start, vmap) == []
 
 
 # ------------------------------------------------------------------ batch reads
@@ -348,3 +379,51 @@ def test_a_worker_killed_between_batches_fails_the_query_or_goes_on_in_its_new_e
         run_available_now(spark, server, d, failOnDataLoss="false")
         assert payloads(written(spark, d)) == list(range(2000))  # nothing was lost in fact: all read
     assert spark_log.wait_for(mark, r"broky source: data loss reading '>': the epoch of \d+ vbuckets")
+
+
+# ------------------------------------------------------------------ a cluster
+
+
+@pytest.mark.timeout(240)
+def test_a_streaming_query_reads_a_three_node_cluster_from_every_owner_exactly_once(
+    spark: Any,  # noqa: F811
+) -> None:
+    """etcd and three nodes of one worker each: the micro-batches are planned per worker of
+    every node, each task reads from its owner, and every message arrives once."""
+    requires.program("etcd")
+    cluster = ClusterRun(1, 2)  # one worker per node, 2 s leases
+    total = 30_000
+    try:
+        for node_id in ("a", "b", "c"):
+            cluster.start(node_id)
+        cluster.wait_settled()
+        seeds = cluster.seeds("c")
+        with broky.connect_sync(cluster.seeds("a"), name="test-pub") as client, workdir() as d:
+            for i in range(total // 2):
+                client.publish(f"kp{i % 256}", "src.c", b"%d" % i)
+            client.flush()
+            stream = spark.readStream.format("broky").option("broky.servers", seeds)
+            query = to_parquet(
+                stream.option("startingOffsets", "earliest").load(), d, {"processingTime": "500 milliseconds"}
+            )
+            for i in range(total // 2, total):
+                client.publish(f"kp{i % 256}", "src.c", b"%d" % i)
+            client.flush()
+            query.processAllAvailable()
+            query.stop()
+            rows = written(spark, d).select("payload", "uid", "vbucket").collect()
+            reads = [
+                (node_id, float(line.split()[-1]))
+                for node_id, node in cluster.nodes.items()
+                for line in http_get(node.metrics_port, "/metrics")[1].decode().splitlines()
+                if line.startswith("broky_bounded_read_messages_total")
+            ]
+        assert sorted(int(r.payload) for r in rows) == list(range(total))
+        assert len({r.uid for r in rows}) == total
+        by_node: dict[str, float] = {}
+        for node_id, n in reads:
+            by_node[node_id] = by_node.get(node_id, 0) + n
+        assert sorted(by_node) == ["a", "b", "c"] and sum(by_node.values()) == total, by_node
+        assert min(by_node.values()) > total / 10, by_node  # each node served its own share
+    finally:
+        cluster.stop()
