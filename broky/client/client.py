@@ -51,7 +51,7 @@ import datetime
 import inspect
 import logging
 import random
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -59,7 +59,7 @@ from broky.client.connection import WorkerProtocol, open_connection, resolve
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
-from broky.client.reader import END_OF_TIME, Reading, as_positions, as_vbuckets
+from broky.client.reader import END_OF_TIME, Reading, ReadVia, as_positions, as_vbuckets
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
@@ -542,6 +542,7 @@ class Client(Publisher):
         start_time: int = 0,
         stop: Iterable[Position | tuple[int, int, int]] | None = None,
         vbuckets: Iterable[int] | None = None,
+        via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
     ) -> Reading:
         """Read the retained messages of a closed range, then stop (schema/README.md 5.2).
@@ -565,6 +566,11 @@ class Client(Publisher):
             vbuckets: only these vbuckets (ints 0 .. 1023, none twice), each
                 read from its owner; with `partition`, its vbucket must be
                 one of them. None: every vbucket.
+            via: per vbucket, a worker to ask first (`ReadVia`): the one that
+                owned it when `start` was taken. A worker that handed the
+                vbucket over in a planned move since answers what it retained
+                up to the handover, and the rest is read from the owner; a
+                `via` worker that is gone is skipped.
             timeout: seconds for the whole read (None: no limit).
 
         Returns:
@@ -588,6 +594,7 @@ class Client(Publisher):
             start_time=start_time,
             stop=as_positions(stop, "stop"),
             vbuckets=as_vbuckets(vbuckets),
+            via=dict(via) if via else None,
             timeout=timeout,
         )
 

@@ -118,6 +118,17 @@ class RangeEnd(NamedTuple):
         return Position(self.vbucket, self.epoch, self.next - 1)
 
 
+class ReadVia(NamedTuple):
+    """A worker to ask first for a vbucket: the one that owned it when the read's start was
+    taken. After a planned move it still retains what it accepted of the vbucket before
+    the handover and answers that part (ReadDone.moved); the rest comes from the owner."""
+
+    node_id: str
+    host: str
+    port: int
+    worker: int
+
+
 def positions_of(ends: dict[int, RangeEnd]) -> tuple[Position, ...]:
     """Each vbucket's last position, in vbucket order."""
     return tuple(ends[vb].position for vb in sorted(ends))
@@ -214,6 +225,7 @@ class Reading:
         start_time: int = 0,
         stop: tuple[Position, ...] = (),
         vbuckets: frozenset[int] | None = None,
+        via: dict[int, ReadVia] | None = None,
         timeout: float | None = None,
         max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
     ) -> None:
@@ -229,6 +241,10 @@ class Reading:
         self.request = Read(RID, pattern, partition, start, start_time, stop)
         encode_frame(self.request)  # LocalProtocolError now for what the wire cannot carry
         self.covers = covers
+        self.starts = {p.vbucket: p for p in start}  # moved on past a handover (`end`)
+        self.stops = {p.vbucket: p for p in stop}
+        self.via = {vb: w for vb, w in (via or {}).items() if vb in covers}  # the first round only
+        self.carried: dict[int, tuple[int, bool]] = {}  # vb -> (evicted, epoch_changed) before a move
         self.timeout = timeout
         self.max_pending = max_pending_msgs
         self.ends: dict[int, RangeEnd] = {}  # filled as the ReadDones come
@@ -335,9 +351,17 @@ class Reading:
                     proto.transport.pause_reading()
 
     def end(self, done: ReadDone) -> None:
-        self.ends[done.vbucket] = RangeEnd(
-            done.vbucket, done.epoch, done.next, done.evicted, done.epoch_changed
-        )
+        vb = done.vbucket
+        evicted, changed = self.carried.pop(vb, (0, False))
+        evicted += done.evicted
+        changed = changed or done.epoch_changed
+        stop = self.stops.get(vb)
+        if done.moved and (stop is None or (stop.epoch == done.epoch and done.next <= stop.offset)):
+            # the worker handed the vbucket over at `next`: the rest of the range is at its owner
+            self.carried[vb] = (evicted, changed)
+            self.starts[vb] = Position(vb, done.epoch, done.next - 1)
+            return
+        self.ends[vb] = RangeEnd(vb, done.epoch, done.next, evicted, changed)
         self.wake.set()
 
     async def run(self) -> None:
@@ -372,10 +396,19 @@ class Reading:
         return max([info.map, *self.maps], key=lambda vmap: vmap.version)
 
     async def round(self, todo: set[int]) -> None:
-        """Ask each owner (per the newest map) for its vbuckets of `todo`."""
+        """Ask each owner (per the newest map) for its vbuckets of `todo`; in the first round,
+        the `via` workers for theirs."""
         vmap = self.newest_map()
         asked: dict[WorkerRef, set[int]] = {}
+        addresses: dict[WorkerRef, tuple[str, int]] = {}
+        via, self.via = self.via, {}
         for vb in todo:
+            w = via.get(vb)
+            if w is not None:
+                ref = WorkerRef(w.node_id, w.worker)
+                addresses[ref] = (w.host, w.port)
+                asked.setdefault(ref, set()).add(vb)
+                continue
             owner = vmap.owners[vb]
             if owner != NO_OWNER:
                 ref = WorkerRef(vmap.nodes[owner[0]].node_id, owner[1])
@@ -383,18 +416,27 @@ class Reading:
         try:
             async with asyncio.TaskGroup() as group:
                 for ref, vbs in asked.items():
-                    group.create_task(self.read_worker(ref, vbs))
+                    group.create_task(self.read_worker(ref, vbs, addresses.get(ref)))
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
 
-    async def read_worker(self, ref: WorkerRef, vbs: set[int]) -> None:
-        """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own."""
+    async def read_worker(
+        self, ref: WorkerRef, vbs: set[int], address: tuple[str, int] | None = None
+    ) -> None:
+        """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own (at
+        `address`: a `via` worker, which may be gone; then its vbuckets go to the next round)."""
         owner = self.owner
-        host, port = owner._address_of(ref.node_id)
+        host, port = address or owner._address_of(ref.node_id)
         hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
-        proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+        try:
+            proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+        except (BrokyConnectionError, ServerError, OSError):
+            if address is None:
+                raise
+            return  # the worker that owned them is gone: their owner is asked next round
         self.maps.append(welcome.map)
-        frame = encode_frame(self.request._replace(vbuckets=tuple(sorted(vbs))))
+        starts = tuple(self.starts[vb] for vb in sorted(vbs) if vb in self.starts)
+        frame = encode_frame(self.request._replace(start=starts, vbuckets=tuple(sorted(vbs))))
         answer = WorkerAnswer(self, ref, vbs)
         self.protos.add(proto)
         try:
@@ -456,6 +498,7 @@ __all__ = [
     "RangeEnd",
     "ReadOwner",
     "ReadResult",
+    "ReadVia",
     "Reading",
     "as_positions",
     "as_vbuckets",

@@ -41,13 +41,13 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
-from broky.client.reader import ReadResult
+from broky.client.reader import ReadResult, ReadVia
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -487,10 +487,12 @@ class SyncClient:
         start_time: int = 0,
         stop: Iterable[Position | tuple[int, int, int]] | None = None,
         vbuckets: Iterable[int] | None = None,
+        via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
     ) -> ReadResult:
         """Read the retained messages of a closed range (see `Client.read`; `vbuckets`: only
-        those): every message, then where each vbucket's range ended. Raises as `Client.read`."""
+        those; `via`: workers to ask first): every message, then where each vbucket's range
+        ended. Raises as `Client.read`."""
 
         async def whole() -> ReadResult:
             reading = self._client.read(
@@ -500,6 +502,7 @@ class SyncClient:
                 start_time=start_time,
                 stop=stop,
                 vbuckets=vbuckets,
+                via=via,
                 timeout=timeout,
             )
             return await reading

@@ -51,6 +51,7 @@ positions, so it reads the same messages, and goes on from there.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -68,6 +69,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from broky.client.reader import ReadVia
 from broky.errors import BrokyConnectionError, BrokyError
 from broky.protocol import NO_OWNER, VBUCKETS, vbucket_of
 from broky.protocol.frames import Position
@@ -328,13 +330,20 @@ class ReadTask(InputPartition):
     vbuckets: tuple[int, ...]
     start: tuple[Position, ...]
     stop: tuple[Position, ...]
+    via: tuple[tuple[int, str, str, int, int], ...] = ()  # per vbucket, the worker to ask first
 
 
 def plan(
-    opts: SourceOptions, start: Mapping[int, Position], end: Mapping[int, Position], vmap: Any
+    opts: SourceOptions,
+    start: Mapping[int, Position],
+    end: Mapping[int, Position],
+    vmap: Any,
+    before: Any = None,
 ) -> list[ReadTask]:
     """The input partitions of the range from `start` to `end`: one per worker that owns
-    vbuckets whose range is not empty, per `vmap` (the map of the moment)."""
+    vbuckets whose range is not empty, per `vmap` (the map of the moment). A vbucket whose
+    owner in `before` (the map when `start` was taken) is another worker is asked of that
+    one first: after a planned move it still holds the range up to the handover."""
     todo = off.changed(start, end)
     by_owner: dict[tuple[int, int], list[int]] = {}
     for vb in todo:
@@ -353,9 +362,38 @@ def plan(
                 tuple(vbs),
                 tuple(start[vb] for vb in vbs if vb in start),
                 tuple(end[vb] for vb in vbs),
+                _ask_first(before, vmap, vbs),
             )
         )
     return tasks
+
+
+def _ask_first(before: Any, vmap: Any, vbs: list[int]) -> tuple[tuple[int, str, str, int, int], ...]:
+    """(vbucket, node_id, host, port, worker) of the worker to ask first for each of `vbs`:
+    its owner in `before` when that was another worker (the range's start is there),
+    else its owner in `vmap` (the batch's end was taken there; it may move before the
+    task runs, and then still holds the range up to the handover)."""
+    out = []
+    for vb in vbs:
+        now = _worker_of(vmap, vb)
+        was = _worker_of(before, vb) if before is not None else None
+        pick = was if was is not None and (now is None or (was[0], was[3]) != (now[0], now[3])) else now
+        if pick is not None:
+            out.append((vb, *pick))
+    return tuple(out)
+
+
+def _worker_of(vmap: Any, vb: int) -> tuple[str, str, int, int] | None:
+    """(node_id, host, port, worker) of vb's owner in `vmap`, None if nobody owns it."""
+    node, worker = vmap.owners[vb]
+    if (node, worker) == tuple(NO_OWNER):
+        return None
+    n = vmap.nodes[node]
+    return n.node_id, n.host, n.port, worker
+
+
+def _key(offset: Mapping[str, Any]) -> str:
+    return json.dumps(offset, sort_keys=True)
 
 
 # ------------------------------------------------------------------ the executors' reads
@@ -381,6 +419,7 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
                 opts.pattern,
                 partition=opts.key_partition,
                 vbuckets=task.vbuckets,
+                via={vb: ReadVia(node_id, host, port, w) for vb, node_id, host, port, w in task.via},
                 start=task.start,
                 stop=task.stop,
                 timeout=opts.read_timeout,
@@ -485,10 +524,18 @@ class BrokyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self.target: off.Offsets | None = None  # Trigger.AvailableNow: read up to here
-        self.vmap: Any = None  # the map that came with the latest offset, for `partitions`
+        # The map of the moment each recent offset was taken, by its JSON: a batch's tasks ask
+        # a vbucket's owner at its start first, should it have moved since (`plan`, `via`).
+        self.maps: dict[str, Any] = {}
+
+    def _taken(self, offsets: off.Offsets, vmap: Any) -> dict[str, Any]:
+        doc = off.to_json(offsets)
+        self.maps[_key(doc)] = vmap
+        return doc
 
     def initialOffset(self) -> dict[str, Any]:
-        return off.to_json(initial_offsets(self.opts, self.opts.starting, self.opts.starting_time))
+        offsets = initial_offsets(self.opts, self.opts.starting, self.opts.starting_time)
+        return self._taken(offsets, _run(_positions(self.opts))[1])
 
     def getDefaultReadLimit(self) -> Any:
         if self.opts.max_offsets and ReadMaxRows is not None:
@@ -500,25 +547,25 @@ class BrokyStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any] | None = None, limit: Any = None) -> dict[str, Any]:
         begin = off.from_json(start, "the checkpoint's offset") if start is not None else {}
-        if self.target is not None:
-            latest = self.target
-        else:
-            latest, self.vmap = _run(_positions(self.opts))
+        now, vmap = _run(_positions(self.opts))
+        latest = self.target if self.target is not None else now
         if ReadMaxRows is not None and isinstance(limit, ReadMaxRows):
             end = off.limited(begin, latest, limit.max_rows)
         else:
             end = off.moved_on(begin, latest)
-        return off.to_json(end)
+        return self._taken(end, vmap)
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[ReadTask]:
         begin = off.from_json(start, "the checkpoint's start offset")
         stop = off.from_json(end, "the checkpoint's end offset")
+        before = self.maps.get(_key(start))
+        vmap = self.maps.get(_key(end))
+        self.maps = {_key(end): vmap} if vmap is not None else {}
         if not off.changed(begin, stop):
             return []
-        vmap, self.vmap = self.vmap, None  # the map of the moment (a task follows it anyway)
-        if vmap is None:  # a batch logged before a restart, or Trigger.AvailableNow
+        if vmap is None:  # a batch logged before a restart
             vmap = _run(_positions(self.opts))[1]
-        return plan(self.opts, begin, stop, vmap)
+        return plan(self.opts, begin, stop, vmap, before)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, ReadTask)
