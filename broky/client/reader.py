@@ -36,6 +36,18 @@ that said NOT_MY_VBUCKET) is asked of its owner per the newest map seen
 (every Welcome carries the map) in the next round, at most MAX_ROUNDS; a
 vbucket ends once, so a message is never returned twice.
 
+Moves. A planned move hands a vbucket's sequence to its new owner at offset
+H; the old owner keeps what it retained of the vbucket and answers a Read
+that names it (schema/README.md 5.2) up to H - 1, with `ReadDone.moved`.
+`via` names, per vbucket, the worker to ask first (the owner when `start`
+was taken, with its address: a drained node is no longer in the map, and
+lingers a few seconds after its drain). A moved ReadDone whose range ends
+before the read's `stop` (or without one) does not end the vbucket: its
+start moves on to (epoch, H - 1), what it counted as evicted is carried, and
+the next round asks the owner per the newest map for the rest, so the
+vbucket's messages still come in offset order. A `via` worker that cannot
+be reached is skipped: its vbuckets go to the next round like any unanswered.
+
 The caller's side. `client.read(...)` returns a `Reading`: awaited, it gives
 a `ReadResult` (every message, by vbucket then offset, and the ends);
 iterated (`async for`), it gives the messages as they come (in offset order

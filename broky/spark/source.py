@@ -31,9 +31,19 @@ Executors. A task (`read_partition`) connects through its worker's node
 first (then the seeds) and makes one bounded read of its vbuckets
 (`Client.read` with ``vbuckets``), from the start positions to the stop
 positions, and turns the messages into Arrow record batches of the source's
-schema as they come. The read follows the map: a vbucket that moved since
-planning is read from its new owner (the SDK asks again whoever answered
-nothing for it). A retried task reads the same range, so the same rows.
+schema as they come. A retried task reads the same range, so the same rows.
+
+Moves. The driver remembers the map of the moment each offset was taken.
+Each vbucket of a task is asked first (`Client.read`'s ``via``, by address)
+of the worker that owned it when the batch's start was taken if that is
+another worker than now (it moved between two batches), else of its owner
+at planning (it may move before the task runs). After a planned move the
+old owner still serves what it retained of the vbucket up to the handover
+(a draining node lingers for it, ``--drain-linger``), and the SDK reads the
+rest from the new owner: a planned move in the middle of a query loses
+nothing. A batch replayed after the query restarted has no remembered map:
+it asks the owners of the moment, and a move it slept through is told as
+loss (below), never skipped.
 
 Loss. A vbucket's ReadDone says how many offsets of its range were evicted
 before they could be read, and whether its start named an epoch that is gone
