@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broky import fbs
-from broky.errors import FrameTooLargeError
+from broky.errors import FrameTooLargeError, LocalProtocolError
 from broky.fbs import Body
 from broky.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -64,6 +64,7 @@ from broky.protocol import (
 )
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
 from broky.protocol.message import canonical_copy, message_size, pack_stamp_into
+from broky.protocol.table import root as table_root
 
 # ---------------------------------------------------------------- strategies
 
@@ -195,7 +196,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.lists(positions, max_size=5).map(tuple),
         st.lists(u16, max_size=8).map(tuple),  # any u16, unchecked by the codec (the server refuses)
     ),
-    st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16),
+    st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16, st.booleans()),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -391,7 +392,7 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.ReadDone:
         d = body(fbs.ReadDone)
         return ReadDone(
-            d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining()
+            d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining(), d.Moved()
         )
     raise AssertionError(f"unknown body type {kind}")
 
@@ -639,6 +640,7 @@ class Writer:
                     lambda: fbs.ReadDoneAddEvicted(b, frame.evicted),
                     lambda: fbs.ReadDoneAddEpochChanged(b, frame.epoch_changed),
                     lambda: fbs.ReadDoneAddRemaining(b, frame.remaining),
+                    lambda: fbs.ReadDoneAddMoved(b, frame.moved),
                 ],
             )
         if isinstance(frame, Unsubscribe):
@@ -961,3 +963,19 @@ def test_large_builder_message_read_by_fast_decoder() -> None:
     msg = Message(kp, key, payload, 7, 8, None)
     _check_message_readers(msg, frame)
     assert encode_message(*msg) != frame and decode_frame(encode_message(*msg)) == msg
+
+
+def test_read_done_writes_moved_only_when_true() -> None:
+    # A ReadDone of a vbucket owned here is the frame it was before `moved` existed (field 7
+    # absent); a moved one carries it and decodes back.
+    plain = ReadDone(3, 517, 2**63, 10_001, 4, True, 2)
+    moved = plain._replace(moved=True)
+    before = encode_frame(plain)
+    body = table_root(before, 0, len(before)).table(1)
+    assert body is not None and body.field(7, 1) == 0
+    assert decode_frame(before, 0, len(before)) == plain
+    frame = encode_frame(moved)
+    assert len(frame) > len(before)
+    assert decode_frame(frame, 0, len(frame)) == moved
+    with pytest.raises(LocalProtocolError):
+        encode_frame(plain._replace(moved=1))  # type: ignore[arg-type]

@@ -1847,7 +1847,17 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
         return 0
 
-def ReadDoneStart(builder): builder.StartObject(7)
+    # This worker no longer owns the vbucket: its sequence went on at another
+    # worker from `next` (a planned move); the range up to `next` - 1 is what
+    # this worker retains (added within protocol version 2).
+    # ReadDone
+    def Moved(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+def ReadDoneStart(builder): builder.StartObject(8)
 def ReadDoneAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
 def ReadDoneAddVbucket(builder, vbucket): builder.PrependUint16Slot(1, vbucket, 0)
 def ReadDoneAddEpoch(builder, epoch): builder.PrependUint64Slot(2, epoch, 0)
@@ -1855,6 +1865,7 @@ def ReadDoneAddNext(builder, next): builder.PrependUint64Slot(3, next, 0)
 def ReadDoneAddEvicted(builder, evicted): builder.PrependUint64Slot(4, evicted, 0)
 def ReadDoneAddEpochChanged(builder, epochChanged): builder.PrependBoolSlot(5, epochChanged, 0)
 def ReadDoneAddRemaining(builder, remaining): builder.PrependUint16Slot(6, remaining, 0)
+def ReadDoneAddMoved(builder, moved): builder.PrependBoolSlot(7, moved, 0)
 def ReadDoneEnd(builder): return builder.EndObject()
 
 

@@ -214,6 +214,7 @@ class ReadDone(NamedTuple):
     evicted: int = 0  # offsets of the range gone before they could be read
     epoch_changed: bool = False  # the start named an epoch that is gone
     remaining: int = 0  # ReadDones of this read still to come
+    moved: bool = False  # the vbucket went on at another worker from `next` (a planned move)
 
 
 Frame = (
@@ -674,19 +675,19 @@ _REPLAY = _Scalars(
     fbs.ReplayEnd,
     [(fbs.ReplayAddSid, "I"), (fbs.ReplayAddRid, "I"), (fbs.ReplayAddMessages, "I"), (fbs.ReplayAddTs, "q")],
 )
-_READ_DONE = _Scalars(
-    Body.ReadDone,
-    fbs.ReadDoneStart,
-    fbs.ReadDoneEnd,
-    [
-        (fbs.ReadDoneAddRid, "I"),
-        (fbs.ReadDoneAddVbucket, "H"),
-        (fbs.ReadDoneAddEpoch, "Q"),
-        (fbs.ReadDoneAddNext, "Q"),
-        (fbs.ReadDoneAddEvicted, "Q"),
-        (fbs.ReadDoneAddEpochChanged, "?"),
-        (fbs.ReadDoneAddRemaining, "H"),
-    ],
+_READ_DONE_FIELDS: list[tuple[Callable[[Any, Any], None], str]] = [
+    (fbs.ReadDoneAddRid, "I"),
+    (fbs.ReadDoneAddVbucket, "H"),
+    (fbs.ReadDoneAddEpoch, "Q"),
+    (fbs.ReadDoneAddNext, "Q"),
+    (fbs.ReadDoneAddEvicted, "Q"),
+    (fbs.ReadDoneAddEpochChanged, "?"),
+    (fbs.ReadDoneAddRemaining, "H"),
+]
+_READ_DONE = _Scalars(Body.ReadDone, fbs.ReadDoneStart, fbs.ReadDoneEnd, _READ_DONE_FIELDS)
+# `moved` is written only when true: a ReadDone of a vbucket owned here is as before it existed.
+_READ_DONE_MOVED = _Scalars(
+    Body.ReadDone, fbs.ReadDoneStart, fbs.ReadDoneEnd, [*_READ_DONE_FIELDS, (fbs.ReadDoneAddMoved, "?")]
 )
 
 
@@ -699,7 +700,9 @@ def encode_replay(replay: Replay) -> bytes:
 def encode_read_done(done: ReadDone) -> bytes:
     if type(done.epoch_changed) is not bool:  # struct's "?" would take any value
         raise TypeError(f"epoch_changed takes a bool, not {type(done.epoch_changed).__name__}")
-    return _READ_DONE.encode(done)
+    if type(done.moved) is not bool:
+        raise TypeError(f"moved takes a bool, not {type(done.moved).__name__}")
+    return (_READ_DONE_MOVED if done.moved else _READ_DONE).encode(done)
 
 
 @_encoder
@@ -871,7 +874,9 @@ def _decode_body(kind: int, t: Table) -> Frame:
             _decode_u16s(t, 6),
         )
     if kind == Body.ReadDone:
-        return ReadDone(t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6))
+        return ReadDone(
+            t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6), t.boolean(7)
+        )
     if kind == Body.Replay:
         return Replay(t.u32(0), t.u32(2), t.i64(3), t.u32(1))
     raise UnknownFrameError(kind)
