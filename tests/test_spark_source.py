@@ -31,7 +31,7 @@ from broky.spark.sink import ClientConfig
 from broky.spark.source import SCHEMA, SourceOptions, plan
 from tests import requires
 from tests.serverproc import ServerProcess
-from tests.spark_fixtures import SparkLog, spark, spark_log  # noqa: F401  (the fixtures)
+from tests.spark_fixtures import SparkLog
 
 pytestmark = pytest.mark.spark
 
@@ -86,7 +86,7 @@ def retained(server: ServerProcess, pattern: str = ">") -> list[broky.Message]:
         return list(client.read(pattern).messages)
 
 
-def source(spark: Any, server: ServerProcess, *, streaming: Any = False, **options: str) -> Any:  # noqa: F811
+def source(spark: Any, server: ServerProcess, *, streaming: Any = False, **options: str) -> Any:
     reader = (
         (spark.readStream if streaming else spark.read)
         .format("broky")
@@ -114,14 +114,14 @@ def to_parquet(df: Any, d: str, trigger: dict[str, Any], name: str = "q") -> Any
     )
 
 
-def written(spark: Any, d: str) -> Any:  # noqa: F811
+def written(spark: Any, d: str) -> Any:
     path = os.path.join(d, "out")
     if not os.path.exists(os.path.join(path, "_spark_metadata")):
         return None
     return spark.read.schema(SCHEMA).parquet(path)  # (no schema to infer before the first file)
 
 
-def run_available_now(spark: Any, server: ServerProcess, d: str, **options: str) -> Any:  # noqa: F811
+def run_available_now(spark: Any, server: ServerProcess, d: str, **options: str) -> Any:
     """One Trigger.AvailableNow run of the query from the checkpoint in `d`; the query (ended)."""
     query = to_parquet(source(spark, server, streaming=True, **options), d, {"availableNow": True})
     try:
@@ -172,7 +172,7 @@ def test_a_batch_is_planned_as_one_partition_per_worker_with_its_changed_vbucket
 
 
 def test_a_batch_read_returns_every_retained_message_with_its_position(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
 ) -> None:
     publish(server, 0, 5000)
@@ -211,7 +211,7 @@ def test_a_batch_read_returns_every_retained_message_with_its_position(
     assert source(spark, server, pattern="other.>").count() == 0
 
 
-def test_a_batch_read_between_positions_and_from_a_time(spark: Any, server: ServerProcess) -> None:  # noqa: F811
+def test_a_batch_read_between_positions_and_from_a_time(spark: Any, server: ServerProcess) -> None:
     with broky.connect_sync(address(server), name="test-pos") as client:
         publish(server, 0, 2000)
         middle = client.positions()
@@ -243,7 +243,7 @@ def test_a_batch_read_between_positions_and_from_a_time(spark: Any, server: Serv
     ],
 )
 def test_bad_options_fail_on_the_driver_naming_the_option(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
     options: dict[str, str],
     says: str,
@@ -252,7 +252,7 @@ def test_bad_options_fail_on_the_driver_naming_the_option(
         source(spark, server, **options).count()
 
 
-def test_servers_are_required(spark: Any) -> None:  # noqa: F811
+def test_servers_are_required(spark: Any) -> None:
     with pytest.raises(PySparkException, match=r"broky\.servers"):
         spark.read.format("broky").load().count()
 
@@ -262,7 +262,7 @@ def test_servers_are_required(spark: Any) -> None:  # noqa: F811
 
 @pytest.mark.timeout(300)
 def test_a_query_stopped_and_restarted_writes_every_message_exactly_once(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
 ) -> None:
     total = 200_000
@@ -301,7 +301,7 @@ def test_a_query_stopped_and_restarted_writes_every_message_exactly_once(
 
 
 def test_max_offsets_per_trigger_splits_the_backlog_into_bounded_batches(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
 ) -> None:
     publish(server, 0, 3000)
@@ -313,7 +313,7 @@ def test_max_offsets_per_trigger_splits_the_backlog_into_bounded_batches(
 
 
 def test_a_query_starting_latest_reads_only_what_comes_after_it_started(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
 ) -> None:
     publish(server, 0, 1000)
@@ -339,8 +339,8 @@ def fails_with(query: Any, *texts: str) -> str:
 
 @pytest.mark.timeout(240)
 def test_eviction_fails_the_query_or_is_logged_and_skipped_with_fail_on_data_loss_false(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     start_server: Callable[..., ServerProcess],
 ) -> None:
     server = start_server("--replay-bytes", "256K", workers=1)
@@ -365,8 +365,8 @@ def test_eviction_fails_the_query_or_is_logged_and_skipped_with_fail_on_data_los
 
 @pytest.mark.timeout(240)
 def test_a_worker_killed_between_batches_fails_the_query_or_goes_on_in_its_new_epoch(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     server: ServerProcess,
 ) -> None:
     publish(server, 0, 1000)
@@ -393,7 +393,7 @@ def test_a_worker_killed_between_batches_fails_the_query_or_goes_on_in_its_new_e
 
 @pytest.mark.timeout(240)
 def test_a_streaming_query_reads_a_three_node_cluster_from_every_owner_exactly_once(
-    spark: Any,  # noqa: F811
+    spark: Any,
 ) -> None:
     """etcd and three nodes of one worker each: the micro-batches are planned per worker of
     every node, each task reads from its owner, and every message arrives once."""
@@ -437,7 +437,7 @@ def test_a_streaming_query_reads_a_three_node_cluster_from_every_owner_exactly_o
 
 
 @pytest.mark.timeout(300)
-def test_a_node_drained_mid_query_loses_nothing(spark: Any) -> None:  # noqa: F811
+def test_a_node_drained_mid_query_loses_nothing(spark: Any) -> None:
     """Three nodes; node b drains while a publisher sends and the query reads. What b had
     accepted of its vbuckets before handing them over and the query had not read yet, the
     query reads from b (which lingers after its drain), the rest from the new owners."""
