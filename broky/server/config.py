@@ -88,8 +88,8 @@ class ServerConfig:
     cluster: str | None = None
     lease_ttl: int = 5  # seconds of the member key's etcd lease (kept alive every third of it)
     move_timeout: float = 10.0  # the leader commits a prepared move after this long without every ready
-    # SIGTERM: seconds to hand the vbuckets over before stopping anyway. With the shutdown's own
-    # 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
+    # SIGTERM: seconds to hand the vbuckets over before stopping anyway. With drain_linger and the
+    # shutdown's own 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
     drain_timeout: float = 20.0
     # After a drain, seconds the node serves on while it retains messages of vbuckets it handed
     # over, so that readers behind the handover can fetch them (broky.server.master); 0: none.
