@@ -1848,8 +1848,10 @@ class ReadDone(object):
         return 0
 
     # This worker no longer owns the vbucket: its sequence went on at another
-    # worker from `next` (a planned move); the range up to `next` - 1 is what
-    # this worker retains (added within protocol version 2).
+    # worker (a planned move) from the handover offset, where a range without
+    # an earlier `stop` ends (`next`); the range is what this worker retains,
+    # and what follows `next` - 1 is read at the vbucket's owner (added within
+    # protocol version 2).
     # ReadDone
     def Moved(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
