@@ -461,15 +461,18 @@ def test_a_node_drained_mid_query_loses_nothing(spark: Any) -> None:
                         t0 = time.monotonic()
                         for i in range(total):
                             client.publish(f"kp{i % 256}", "src.d", b"%d" % i)
-                            if i % 500 == 499:
-                                time.sleep(max(0.0, (i + 1) / 3000 - (time.monotonic() - t0)))
+                            if i % 500 == 499:  # 2,000 a second: 15 s
+                                time.sleep(max(0.0, (i + 1) / 2000 - (time.monotonic() - t0)))
                         client.flush()
                 except BaseException as exc:
                     errors.append(exc)
 
             pub = threading.Thread(target=publish_all, daemon=True)
             pub.start()
-            time.sleep(3.0)  # a few batches in, mid-publish
+            deadline = time.monotonic() + 60
+            while (out := written(spark, d)) is None or out.count() < total // 10:  # a few batches in
+                assert time.monotonic() < deadline and query.isActive, query.exception()
+                time.sleep(0.2)
             assert cluster.leave("b") == 0  # drains (its vbuckets move to a and c), lingers, exits
             pub.join(120)
             assert not pub.is_alive() and not errors, errors
