@@ -82,7 +82,7 @@ class WorkerStats:
         self.bounded_reads = 0  # Read frames served (broky.server.reads)
         self.bounded_read_messages = 0  # messages queued to them
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
-        self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
+        self.replay_dropped_messages = 0  # retained messages of former vbuckets, dropped when they came back
         # Planned moves (broky.server.handover): vbuckets whose sequence this worker handed
         # over, continued (same epoch, next offset), or started again under a new epoch.
         self.vbuckets_handed_over = 0
