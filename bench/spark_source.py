@@ -28,10 +28,11 @@ or of the batch write); the streaming runs also give Spark's own
 each broky run, and the share of the machine's CPU that other processes (not
 this one's Spark JVM, Python workers, broker) used, per run.
 
-    python -m bench.spark_source [--rows 1000000] [--repeat 3] [--max-offsets N]
+    python -m bench.spark_source [--rows 1000000] [--repeat 3] [--max-offsets 100000]
 
-With ``--max-offsets N`` a fifth run kind, ``broky stream limited``, reads in
-micro-batches of at most N offsets (``maxOffsetsPerTrigger``).
+A fifth run kind, ``broky stream limited``, reads in micro-batches of at most
+``--max-offsets`` offsets (``maxOffsetsPerTrigger``; 0: no such run): what a
+micro-batch's planning costs.
 
 Results: bench/results/spark_source.md and spark_source.json (``--name``
 changes the names), with the machine and versions.
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--max-offsets", type=int, default=0, help="also run with maxOffsetsPerTrigger N")
+    parser.add_argument(
+        "--max-offsets", type=int, default=100_000, help="also run with maxOffsetsPerTrigger N (0: not)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="spark_source", help="results file names (default spark_source)")
     args = parser.parse_args(argv)
