@@ -173,6 +173,7 @@ def run_stream(spark: Any, kind: str, address: str, rows: int, max_offsets: int,
         "batches": len(batches),
         "spark_processed_rows_per_s": [round(p["processedRowsPerSecond"]) for p in batches],
         "spark_rows_per_trigger_s": read / (busy_ms / 1000) if busy_ms else 0.0,
+        "duration_ms": [p["durationMs"] for p in batches],  # per batch: latestOffset, addBatch, ...
     }
 
 
