@@ -436,29 +436,14 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
             )
             it = reading.__aiter__()
             cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
-            kps, keys, pays, tsp, tsb, uids, vbs, epochs, offsets = cols
-            while True:
-                try:
-                    msg = loop.run_until_complete(it.__anext__())
-                except StopAsyncIteration:
-                    break
-                kps.append(msg.key_partition)
-                keys.append(msg.key)
-                pays.append(msg.payload)
-                tsp.append(msg.ts_producer // 1000 if msg.ts_producer else None)
-                tsb.append(msg.ts_broker // 1000 if msg.ts_broker else None)
-                uids.append(msg.uid_text)
-                vbs.append(msg.vbucket)
-                epochs.append(str(msg.epoch))
-                offsets.append(msg.offset)
-                if len(kps) >= ARROW_BATCH_ROWS:
-                    rows += len(kps)
+            done = False
+            while not done:  # one turn of the event loop per Arrow batch, not per message
+                done = loop.run_until_complete(_take(it, cols))
+                if cols[0]:
+                    rows += len(cols[0])
                     yield _batch(pa, cols)
                     for c in cols:
                         c.clear()
-            if kps:
-                rows += len(kps)
-                yield _batch(pa, cols)
             check_losses(task, reading.ends, opts)
         finally:
             loop.run_until_complete(client.close())
@@ -474,6 +459,26 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
         task.node_id,
         time.perf_counter() - started,
     )
+
+
+async def _take(it: Any, cols: tuple[list[Any], ...]) -> bool:
+    """Up to ARROW_BATCH_ROWS messages of a read (`it`) into `cols`; True once the read is done."""
+    kps, keys, pays, tsp, tsb, uids, vbs, epochs, offsets = cols
+    while len(kps) < ARROW_BATCH_ROWS:
+        try:
+            msg = await it.__anext__()
+        except StopAsyncIteration:
+            return True
+        kps.append(msg.key_partition)
+        keys.append(msg.key)
+        pays.append(msg.payload)
+        tsp.append(msg.ts_producer // 1000 if msg.ts_producer else None)
+        tsb.append(msg.ts_broker // 1000 if msg.ts_broker else None)
+        uids.append(msg.uid_text)
+        vbs.append(msg.vbucket)
+        epochs.append(str(msg.epoch))
+        offsets.append(msg.offset)
+    return False
 
 
 async def _client_of(config: ClientConfig, name: str) -> Any:
