@@ -437,22 +437,34 @@ def test_a_streaming_query_reads_a_three_node_cluster_from_every_owner_exactly_o
 
 
 @pytest.mark.timeout(300)
-def test_a_node_drained_mid_query_loses_nothing(spark: Any) -> None:
-    """Three nodes; node b drains while a publisher sends and the query reads. What b had
-    accepted of its vbuckets before handing them over and the query had not read yet, the
-    query reads from b (which lingers after its drain), the rest from the new owners."""
+def test_a_query_stopped_restarted_and_a_node_drained_mid_run_writes_every_message_once(
+    spark: Any,
+) -> None:
+    """Three nodes of one worker; an SDK publisher sends 60,000 messages over 256
+    key_partitions (4,000 a second) while the query writes Parquet. The query is stopped
+    and restarted from its checkpoint, then node b drains: what b had accepted of its
+    vbuckets before handing them over and the query had not read yet, the query reads from
+    b (which lingers after its drain), the rest from the new owners."""
     requires.program("etcd")
     cluster = ClusterRun(1, 2)
-    total = 30_000
+    total = 60_000
+    trigger = {"processingTime": "500 milliseconds"}
     try:
         for node_id in ("a", "b", "c"):
             cluster.start(node_id)
         cluster.wait_settled()
         with workdir() as d:
-            stream = spark.readStream.format("broky").option("broky.servers", cluster.seeds("a", "c"))
-            query = to_parquet(
-                stream.option("startingOffsets", "earliest").load(), d, {"processingTime": "500 milliseconds"}
-            )
+
+            def start_query() -> Any:
+                stream = spark.readStream.format("broky").option("broky.servers", cluster.seeds("a", "c"))
+                return to_parquet(stream.option("startingOffsets", "earliest").load(), d, trigger)
+
+            def wait_for(rows: int, query: Any) -> None:
+                deadline = time.monotonic() + 60
+                while (out := written(spark, d)) is None or out.count() < rows:
+                    assert time.monotonic() < deadline and query.isActive, query.exception()
+                    time.sleep(0.2)
+
             errors: list[BaseException] = []
 
             def publish_all() -> None:
@@ -461,18 +473,20 @@ def test_a_node_drained_mid_query_loses_nothing(spark: Any) -> None:
                         t0 = time.monotonic()
                         for i in range(total):
                             client.publish(f"kp{i % 256}", "src.d", b"%d" % i)
-                            if i % 500 == 499:  # 2,000 a second: 15 s
-                                time.sleep(max(0.0, (i + 1) / 2000 - (time.monotonic() - t0)))
+                            if i % 500 == 499:  # 4,000 a second: 15 s
+                                time.sleep(max(0.0, (i + 1) / 4000 - (time.monotonic() - t0)))
                         client.flush()
                 except BaseException as exc:
                     errors.append(exc)
 
             pub = threading.Thread(target=publish_all, daemon=True)
             pub.start()
-            deadline = time.monotonic() + 60
-            while (out := written(spark, d)) is None or out.count() < total // 10:  # a few batches in
-                assert time.monotonic() < deadline and query.isActive, query.exception()
-                time.sleep(0.2)
+            query = start_query()
+            wait_for(total // 10, query)
+            query.stop()  # halfway, while the publisher goes on
+            time.sleep(0.5)
+            query = start_query()  # from the checkpoint
+            wait_for(total // 4, query)  # a few batches of the restarted query
             assert cluster.leave("b") == 0  # drains (its vbuckets move to a and c), lingers, exits
             pub.join(120)
             assert not pub.is_alive() and not errors, errors
