@@ -352,7 +352,12 @@ def test_eviction_fails_the_query_or_is_logged_and_skipped_with_fail_on_data_los
         kept = sorted(int(m.payload) for m in retained(server))
         assert kept == list(range(kept[0], 20_300)) and kept[0] > 300  # the newest, evicted oldest first
         failed = run_available_now(spark, server, d)
-        text = fails_with(failed, "data loss", "were evicted from the replay buffer", "failOnDataLoss")
+        text = fails_with(
+            failed,
+            "data loss",
+            "were gone before they could be read (evicted from the replay buffer",
+            "failOnDataLoss",
+        )
         assert f"offsets of {VBS_OF_64} vbuckets" in text
         mark = spark_log.mark()
         run_available_now(spark, server, d, failOnDataLoss="false")

@@ -130,9 +130,9 @@ class BrokyDataLossError(BrokyError):
         if evicted:
             n = sum(x.evicted for x in evicted)
             parts.append(
-                f"{n} offsets of {off.describe(x.vbucket for x in evicted)} were evicted from the "
-                "replay buffer before they could be read (the query fell behind by more than "
-                "--replay-bytes or --replay-max-age holds)"
+                f"{n} offsets of {off.describe(x.vbucket for x in evicted)} were gone before they "
+                "could be read (evicted from the replay buffer: the query fell further behind than "
+                "--replay-bytes or --replay-max-age holds; or retained by a node that left the cluster)"
             )
         if changed:
             where = ", ".join(f"{x.vbucket} after offset {x.after} of epoch {x.epoch}" for x in changed[:8])
