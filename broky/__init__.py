@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         RangeEnd,
         Reading,
         ReadResult,
+        ReadVia,
         ServerInfo,
         Subscription,
         SyncClient,
@@ -71,8 +72,8 @@ if TYPE_CHECKING:
 # broky.server (and never the SDK), and each module they do not load is memory
 # they do not keep (see broky.server).
 _CLIENT = {
-    "Client", "ClientStats", "RangeEnd", "Reading", "ReadResult", "ServerInfo", "Subscription", "SyncClient",
-    "SyncSubscription", "WorkerRef", "connect", "connect_sync",
+    "Client", "ClientStats", "RangeEnd", "Reading", "ReadResult", "ReadVia", "ServerInfo", "Subscription",
+    "SyncClient", "SyncSubscription", "WorkerRef", "connect", "connect_sync",
 }  # fmt: skip
 _PROTOCOL = {"LossReason", "Message", "Position"}
 
@@ -118,6 +119,7 @@ __all__ = [
     "RangeEnd",
     "ReadResult",
     "Reading",
+    "ReadVia",
     "RemoteProtocolError",
     "ServerError",
     "ServerShutdownError",

@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.serverproc import ServerProcess
+from tests.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
 
 
 @pytest.fixture

@@ -1,4 +1,8 @@
-"""One local Spark session for the whole test run (import `spark` into a test module).
+"""One local Spark session for the whole test run (the `spark` fixture, in conftest.py).
+
+The fixtures are registered once, in tests/conftest.py: a session-scoped
+fixture imported into two test modules would be two fixtures, the second
+getting the first's session (getOrCreate) with a log file its JVM never writes.
 
 ``local[2,3]``: two cores, and a failed task is tried up to 3 times, as on a
 cluster (plain ``local[2]`` never retries), so the sink's at-least-once path

@@ -158,3 +158,78 @@ def test_the_blocking_client_reads(start_server: Callable[..., ServerProcess]) -
         assert numbers(result.messages, b"sync-kp") == list(range(20))
         assert result.ends[vbucket_of(b"sync-kp")].next == 21
         assert numbers(client.read(">", start=stop).messages, b"sync-kp") == [20]
+
+
+def bounded_read_messages(server: ServerProcess) -> int:
+    """Messages the server's workers sent in bounded reads, all of them together."""
+    return sum(w["bounded_read_messages"] for w in json.loads(http_get(server, "/stats")[1])["workers"])
+
+
+def test_a_read_of_some_vbuckets_across_two_workers(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(workers=2)
+
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            assert client.server_info is not None
+            by_worker = partitions_by_worker(client.server_info.map, 3)
+            kps = by_worker[0] + by_worker[1]
+            assert len({vbucket_of(kp) for kp in kps}) == 6
+            for i in range(60):
+                await client.publish(kps[i % 6], "v.k", b"%d" % i)
+            await client.flush()
+            # Two of each worker's three, and an empty vbucket: exactly those, from both.
+            wanted = [by_worker[0][0], by_worker[0][2], by_worker[1][1]]
+            empty = next(vb for vb in range(VBUCKETS) if vb not in {vbucket_of(kp) for kp in kps})
+            asked = [vbucket_of(kp) for kp in wanted] + [empty]
+            before = bounded_read_messages(server)
+            result = await client.read(">", vbuckets=iter(asked))  # any iterable
+            assert list(result.ends) == sorted(asked) and result.ends[empty].next == 1
+            assert {m.vbucket for m in result.messages} == {vbucket_of(kp) for kp in wanted}
+            for kp in wanted:
+                n = kps.index(kp)
+                assert numbers(result.messages, kp) == list(range(n, 60, 6))
+                assert result.ends[vbucket_of(kp)].next == 11
+            # Each worker was asked for its own of them only: it sent nothing else.
+            assert bounded_read_messages(server) - before == 30
+            # Iterated, the same; `positions` of the same vbuckets are where those ended.
+            reading = client.read(">", vbuckets=asked)
+            streamed = [(m.vbucket, m.offset) async for m in reading]
+            assert sorted(streamed) == [(m.vbucket, m.offset) for m in result.messages]
+            assert await client.positions(vbuckets=asked) == result.positions
+            # With a partition among them: that partition only.
+            kp = wanted[2]
+            result = await client.read(">", partition=kp, vbuckets=[vbucket_of(kp), empty])
+            assert list(result.ends) == [vbucket_of(kp)] and numbers(result.messages, kp) == list(
+                range(kps.index(kp), 60, 6)
+            )
+            for bad, why in [
+                ([1, VBUCKETS], "not a vbucket"),
+                ([-1], "not a vbucket"),
+                ([5, 6, 5], "named twice"),
+                ([], "empty"),
+            ]:
+                with pytest.raises(ValueError, match=why):
+                    client.read(">", vbuckets=bad)
+            with pytest.raises(ValueError, match="not among `vbuckets`"):
+                client.read(">", partition=kp, vbuckets=[empty])
+            with pytest.raises(ValueError, match="named twice"):
+                await client.positions(vbuckets=[empty, empty])
+
+    run(main)
+
+
+def test_the_blocking_client_reads_some_vbuckets(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(workers=2)
+    with broky.connect_sync(server.url) as client:
+        for kp in (b"sync-a", b"sync-b"):
+            for i in range(5):
+                client.publish(kp, "b.k", b"%d" % i)
+        client.flush()
+        vb = vbucket_of(b"sync-a")
+        assert vb != vbucket_of(b"sync-b")
+        result = client.read(">", vbuckets=[vb], timeout=10)
+        assert list(result.ends) == [vb] and numbers(result.messages, b"sync-a") == list(range(5))
+        assert len(result.messages) == 5
+        assert client.positions(vbuckets=[vb]) == result.positions
+        with pytest.raises(ValueError, match="not a vbucket"):
+            client.read(">", vbuckets=[VBUCKETS])

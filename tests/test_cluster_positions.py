@@ -12,7 +12,7 @@ number per key_partition in every payload) and an SDK subscriber on `w.>`:
   then a new client resuming from positions taken before the moves gets what
   the current owners retain after them, and EVICTED with the exact count for
   what only the old owners had (retained messages are not copied between
-  nodes);
+  nodes, and a subscription reads each vbucket at its owner);
 - a node SIGKILLed: the vbuckets it owned have new epochs at their new
   owners (at once: the commit no longer lists it), the others keep theirs,
   and a client resuming from positions taken before is told EPOCH_CHANGED.
@@ -223,7 +223,9 @@ def test_a_join_and_a_drain_under_load_keep_every_sequence_and_a_resume_is_told_
 
     # The resume: per vbucket, what its current owner retains after the position, in order
     # (a tail of what followed it), and EVICTED with the count of the rest: what only an
-    # old owner had (it dropped them when the vbucket left: nothing is copied between nodes).
+    # old owner had (nothing is copied between nodes; a subscription starts at the owner, and
+    # the old owner's retained messages are for a bounded Read that names the vbucket:
+    # tests/test_cluster_former_reads.py).
     assert {r for _, _, r in again.losses} == {LossReason.EVICTED}, again.losses
     start = {p.vbucket: p.offset for p in before}
     full = offsets_by_vbucket(rec)

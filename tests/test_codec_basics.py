@@ -24,6 +24,7 @@ from broky.protocol import (
     Pause,
     Ping,
     Pong,
+    Read,
     Resume,
     Subscribe,
     Unsubscribe,
@@ -108,6 +109,8 @@ def test_reader_splits_and_checks_prefix_before_buffering() -> None:
         Ping(-1),
         Ping(1.5),  # type: ignore[arg-type]
         Pong(2**64),
+        Read(1, b">", vbuckets=(65536,)),
+        Read(1, b">", vbuckets=(3, -1)),
         Hello(worker=40000),
         Hello(protocol_version=-1),
         Hello(client_name=7),  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broky import fbs
-from broky.errors import FrameTooLargeError
+from broky.errors import FrameTooLargeError, LocalProtocolError
 from broky.fbs import Body
 from broky.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -64,6 +64,7 @@ from broky.protocol import (
 )
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
 from broky.protocol.message import canonical_copy, message_size, pack_stamp_into
+from broky.protocol.table import root as table_root
 
 # ---------------------------------------------------------------- strategies
 
@@ -193,8 +194,9 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.lists(positions, max_size=5).map(tuple),
         i64,
         st.lists(positions, max_size=5).map(tuple),
+        st.lists(u16, max_size=8).map(tuple),  # any u16, unchecked by the codec (the server refuses)
     ),
-    st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16),
+    st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16, st.booleans()),
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -385,11 +387,12 @@ def generated_read(frame: bytes) -> Frame:
             Position(r.Stop(i).Vbucket(), r.Stop(i).Epoch(), r.Stop(i).Offset())
             for i in range(r.StopLength())
         )
-        return Read(r.Rid(), _vec(r._tab, 6) or b"", _vec(r._tab, 8), start, r.StartTime(), stop)
+        vbuckets = tuple(r.Vbuckets(i) for i in range(r.VbucketsLength()))
+        return Read(r.Rid(), _vec(r._tab, 6) or b"", _vec(r._tab, 8), start, r.StartTime(), stop, vbuckets)
     if kind == Body.ReadDone:
         d = body(fbs.ReadDone)
         return ReadDone(
-            d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining()
+            d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining(), d.Moved()
         )
     raise AssertionError(f"unknown body type {kind}")
 
@@ -451,6 +454,16 @@ class Writer:
         start_vector(self.b, len(at))
         for p in reversed(at):
             fbs.CreatePosition(self.b, p.epoch, p.offset, p.vbucket)
+        return int(self.b.EndVector())
+
+    def u16s(self, start_vector: Callable[[Any, int], Any], values: tuple[int, ...]) -> int | None:
+        """A vector of ushort, or None (drawn: an empty vector or none at all)."""
+        if not values and self.draw(st.booleans()):
+            return None
+        self.junk()
+        start_vector(self.b, len(values))
+        for v in reversed(values):
+            self.b.PrependUint16(v)
         return int(self.b.EndVector())
 
     def table(
@@ -599,6 +612,7 @@ class Writer:
         if isinstance(frame, Read):
             start = self.positions(fbs.ReadStartStartVector, frame.start)
             stop = self.positions(fbs.ReadStartStopVector, frame.stop)
+            vbuckets = self.u16s(fbs.ReadStartVbucketsVector, frame.vbuckets)
             r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
             adders = [
                 lambda: fbs.ReadAddRid(b, frame.rid),
@@ -611,6 +625,8 @@ class Writer:
                 adders.append(lambda: fbs.ReadAddStart(b, start))
             if stop is not None:
                 adders.append(lambda: fbs.ReadAddStop(b, stop))
+            if vbuckets is not None:
+                adders.append(lambda: fbs.ReadAddVbuckets(b, vbuckets))
             return self.table(fbs.ReadStart, fbs.ReadEnd, adders)
         if isinstance(frame, ReadDone):
             return self.table(
@@ -624,6 +640,7 @@ class Writer:
                     lambda: fbs.ReadDoneAddEvicted(b, frame.evicted),
                     lambda: fbs.ReadDoneAddEpochChanged(b, frame.epoch_changed),
                     lambda: fbs.ReadDoneAddRemaining(b, frame.remaining),
+                    lambda: fbs.ReadDoneAddMoved(b, frame.moved),
                 ],
             )
         if isinstance(frame, Unsubscribe):
@@ -946,3 +963,19 @@ def test_large_builder_message_read_by_fast_decoder() -> None:
     msg = Message(kp, key, payload, 7, 8, None)
     _check_message_readers(msg, frame)
     assert encode_message(*msg) != frame and decode_frame(encode_message(*msg)) == msg
+
+
+def test_read_done_writes_moved_only_when_true() -> None:
+    # A ReadDone of a vbucket owned here is the frame it was before `moved` existed (field 7
+    # absent); a moved one carries it and decodes back.
+    plain = ReadDone(3, 517, 2**63, 10_001, 4, True, 2)
+    moved = plain._replace(moved=True)
+    before = encode_frame(plain)
+    body = table_root(before, 0, len(before)).table(1)
+    assert body is not None and body.field(7, 1) == 0
+    assert decode_frame(before, 0, len(before)) == plain
+    frame = encode_frame(moved)
+    assert len(frame) > len(before)
+    assert decode_frame(frame, 0, len(frame)) == moved
+    with pytest.raises(LocalProtocolError):
+        encode_frame(plain._replace(moved=1))  # type: ignore[arg-type]

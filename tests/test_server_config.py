@@ -81,16 +81,24 @@ def test_memory_budget_and_connection_limits() -> None:
 def test_cluster_settings() -> None:
     cfg = parse([])
     assert cfg.cluster is None  # a single node
-    assert (cfg.lease_ttl, cfg.move_timeout, cfg.drain_timeout) == (5, 10.0, 20.0)
-    env = {"BROKY_CLUSTER": "etcd://e1:2379,e2/prod", "BROKY_NODE_ID": "n1", "BROKY_LEASE_TTL": "3"}
+    assert (cfg.lease_ttl, cfg.move_timeout, cfg.drain_timeout, cfg.drain_linger) == (5, 10.0, 20.0, 5.0)
+    env = {
+        "BROKY_CLUSTER": "etcd://e1:2379,e2/prod",
+        "BROKY_NODE_ID": "n1",
+        "BROKY_LEASE_TTL": "3",
+        "BROKY_DRAIN_LINGER": "0",
+    }
     cfg = parse(["--move-timeout", "2.5", "--drain-timeout", "9"], env)
     assert (cfg.cluster, cfg.node_id, cfg.lease_ttl) == ("etcd://e1:2379,e2/prod", "n1", 3)
-    assert (cfg.move_timeout, cfg.drain_timeout) == (2.5, 9.0)
+    assert (cfg.move_timeout, cfg.drain_timeout, cfg.drain_linger) == (2.5, 9.0, 0.0)
+    assert parse(["--drain-linger", "1.5"], env).drain_linger == 1.5
     assert parse(["--cluster", "etcd://x:1"], env).cluster == "etcd://x:1"  # the flag wins
     with pytest.raises(ValueError, match="BROKY_CLUSTER"):
         parse([], {"BROKY_CLUSTER": "http://e1:2379"})
     with pytest.raises(SystemExit):
         parse(["--lease-ttl", "0"])
+    with pytest.raises(SystemExit):
+        parse(["--drain-linger", "-1"])
 
 
 def test_environment_then_flags() -> None:
@@ -171,7 +179,7 @@ def test_serve_help_lists_every_flag() -> None:
     flags = (
         "host port workers metrics-port auth-token max-frame-bytes max-pending-bytes max-reply-bytes "
         "max-subscriptions max-subscription-bytes memory-budget max-connections max-connections-per-address "
-        "log-level log-format cluster lease-ttl move-timeout drain-timeout"
+        "log-level log-format cluster lease-ttl move-timeout drain-timeout drain-linger"
     )
     for flag in flags.split():
         assert f"--{flag} ".encode() in proc.stdout

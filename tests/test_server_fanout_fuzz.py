@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broky.errors import ProtocolError
+from broky.errors import ErrorCode, ProtocolError
 from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import (
     NEED_DATA,
@@ -115,6 +115,7 @@ def shard_with(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, list
 
 KEYS = st.sampled_from([b"k.a", b"k.b", b"k.a.c", b"other"])
 PARTS = st.sampled_from([b"p1", b"p2", b"p" * 40])
+PART_VBUCKETS = sorted({vbucket_of(kp) for kp in (b"p1", b"p2", b"p" * 40)})
 MESSAGES = st.lists(
     st.tuples(PARTS, KEYS, st.binary(max_size=40), st.booleans()), min_size=1, max_size=30
 ).map(
@@ -171,7 +172,7 @@ def test_valid_streams_are_delivered_exactly(
     edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4),
     cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
     ping=st.booleans(),
-    read=st.booleans(),
+    read=st.none() | st.sampled_from([(), (vbucket_of(b"p1"), VBUCKETS - 1)]),  # a Read, its vbuckets
     shrink=st.one_of(st.none(), st.tuples(st.integers(0, 1 << 16), st.integers(1, 64))),
 )
 def test_mutated_streams_never_escape_the_protocol(
@@ -180,7 +181,7 @@ def test_mutated_streams_never_escape_the_protocol(
     edits: list[tuple[int, int]],
     cuts: list[int],
     ping: bool,
-    read: bool,
+    read: tuple[int, ...] | None,
     shrink: tuple[int, int] | None,
 ) -> None:
     shard, publisher, subs = shard_with(loop)
@@ -188,7 +189,9 @@ def test_mutated_streams_never_escape_the_protocol(
         i, by = shrink[0] % len(frames), shrink[1]
         size = int.from_bytes(frames[i][:4], "little")
         frames[i] = max(size - by, 0).to_bytes(4, "little") + frames[i][4:]
-    tail = (encode_frame(Read(1, b"k.>")) if read else b"") + (encode_frame(Ping(1)) if ping else b"")
+    tail = (encode_frame(Read(1, b"k.>", vbuckets=read)) if read is not None else b"") + (
+        encode_frame(Ping(1)) if ping else b""
+    )
     data = bytearray(b"".join(frames) + tail)
     for at, value in edits:
         data[at % len(data)] = value
@@ -205,10 +208,16 @@ def test_mutated_streams_never_escape_the_protocol(
     frames=MESSAGES,
     pattern=st.sampled_from([b">", b"k.>", b"k.a", b"*.b"]),
     kp=st.none() | PARTS,
+    vbuckets=st.lists(st.sampled_from([*PART_VBUCKETS, 0, VBUCKETS - 1]), unique=True, max_size=3),
     cuts=st.lists(st.integers(0, 1 << 16), max_size=4),
 )
 def test_a_bounded_read_returns_what_was_accepted(
-    loop: asyncio.AbstractEventLoop, frames: list[bytes], pattern: bytes, kp: bytes | None, cuts: list[int]
+    loop: asyncio.AbstractEventLoop,
+    frames: list[bytes],
+    pattern: bytes,
+    kp: bytes | None,
+    vbuckets: list[int],
+    cuts: list[int],
 ) -> None:
     # Whichever path stamped and retained them, the messages a publisher sent are read
     # back as they were delivered: those that match, in offset order per vbucket.
@@ -219,13 +228,20 @@ def test_a_bounded_read_returns_what_was_accepted(
     reader = Connection(shard, b"", 9)
     reader.transport = Recorder()  # type: ignore[assignment]
     shard.conns[9] = reader
-    shard.feed(reader, encode_frame(Read(5, pattern, kp)))
+    shard.feed(reader, encode_frame(Read(5, pattern, kp, vbuckets=tuple(vbuckets))))
     for _ in range(10):  # the batches after the first one run on call_soon
         loop.run_until_complete(asyncio.sleep(0))
     got = reader.transport.frames()  # type: ignore[attr-defined]
+    if kp is not None and vbuckets and vbucket_of(kp) not in vbuckets:  # refused, nothing else
+        assert [(f.code, f.rid, f.fatal) for f in got if isinstance(f, Error)] == [
+            (ErrorCode.BAD_POSITION, 5, False)
+        ]
+        assert len(got) == 1
+        return
+    covers = {vbucket_of(kp)} if kp is not None else set(vbuckets or range(VBUCKETS))
     dones = [f for f in got if isinstance(f, ReadDone)]
     assert [d.remaining for d in dones] == list(range(len(dones) - 1, -1, -1))
-    assert len(dones) == (VBUCKETS if kp is None else 1) and all(d.rid == 5 for d in dones)
+    assert [d.vbucket for d in dones] == sorted(covers) and all(d.rid == 5 for d in dones)
     read = [f for f in got if isinstance(f, Message)]
     assert sum(f.messages for f in got if isinstance(f, Replay)) == len(read)
     sent = [decode_frame(f) for f in frames]
@@ -233,7 +249,10 @@ def test_a_bounded_read_returns_what_was_accepted(
     want = [
         m
         for m in sent
-        if isinstance(m, Message) and pattern_matches(tokens, m.key) and kp in (None, m.key_partition)
+        if isinstance(m, Message)
+        and pattern_matches(tokens, m.key)
+        and kp in (None, m.key_partition)
+        and vbucket_of(m.key_partition) in covers
     ]
     want.sort(key=lambda m: vbucket_of(m.key_partition))  # stable: publish order within a vbucket
     assert [(m.key_partition, m.key, m.payload, m.uid) for m in read] == [

@@ -22,6 +22,8 @@ from broky.protocol import (
     LossReason,
     Message,
     NodeInfo,
+    Read,
+    ReadDone,
     Replay,
     Subscribe,
     VBucketMap,
@@ -116,6 +118,10 @@ def messages(c: Connection) -> list[Message]:
     return [f for f in frames(c) if isinstance(f, Message)]
 
 
+def dones(c: Connection) -> list[ReadDone]:
+    return [f for f in frames(c) if isinstance(f, ReadDone)]
+
+
 def positions(c: Connection, vb: int = VB) -> list[tuple[int, int, int]]:
     """(epoch, offset, payload) of what c received of vb."""
     return [(m.epoch, m.offset, int(m.payload)) for m in messages(c) if m.vbucket == vb]
@@ -151,8 +157,15 @@ def test_a_planned_move_continues_the_sequence_and_holds_what_needs_it(compiled:
     w_new = w.connection()
     w.shard.feed(w_new, encode_frame(Subscribe(2, b"h.>", None, (Position(VB, epoch, 5),))))
     assert w_new.held and frames(w_new) == []
+    # A Read waits only when it covers the vbucket: one narrowed to others is answered now.
+    w_other, w_read = w.connection(), w.connection()
+    w.shard.feed(w_other, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY),))))
+    assert not w_other.held and [(d.vbucket, d.next) for d in dones(w_other)] == [(vbucket_of(STAY), 2)]
+    w.shard.feed(w_read, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY), VB))))
+    assert w_read.held and frames(w_read) == []
     w.shard.take_handed(record)  # through etcd, from x's agent to w's
-    assert not w_pub.held and not w_new.held and not w.shard.handover.awaiting
+    assert not w_pub.held and not w_new.held and not w_read.held and not w.shard.handover.awaiting
+    assert sorted((d.vbucket, d.next) for d in dones(w_read)) == sorted([(vbucket_of(STAY), 2), (VB, 10)])
     assert positions(w_sub) == [(epoch, 8, 7), (epoch, 9, 8)]  # the sequence goes on, in order
     answer = frames(w_new)
     (head,) = [f for f in answer if isinstance(f, Replay)]
@@ -229,3 +242,98 @@ def test_a_worker_that_starts_with_a_prepared_map_awaits_what_moves_to_it(compil
     assert (waited.node, waited.worker, waited.since) == ("x", 0, PREPARE.version)
     shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 45, 400, 0)]).encode())
     assert (shard.seqs.epoch_of(VB), shard.seqs.next_of(VB)) == (45, 400)
+
+
+# Another vbucket of x's that stays at x.
+HOME = next(
+    kp for kp in (b"h-%d" % i for i in range(10_000)) if vbucket_of(kp) < HALF and vbucket_of(kp) != VB
+)
+BACK = VBucketMap(4, (X, W), OWNERS)  # VB comes back to x (a failover-like commit: no prepare)
+
+
+def read(node: Node, rd: Read) -> Connection:
+    """A new connection of node's that sent `rd`."""
+    c = node.connection()
+    node.shard.feed(c, encode_frame(rd))
+    return c
+
+
+def test_the_old_owner_serves_what_it_retained_of_a_vbucket_it_handed_over(compiled: bool) -> None:
+    x = Node(X, compiled)
+    pub = x.connection()
+    publish(x, pub, KP, 0, 7)  # offsets 1..7 at x
+    publish(x, pub, HOME, 0, 2)
+    epoch = x.shard.seqs.epoch_of(VB)
+    x.shard.apply_map(PREPARE)
+    x.shard.apply_map(COMMIT)  # handed over: VB is former here, its 7 messages stay
+    assert x.shard.handover.former == {VB: (epoch, 8)}
+    snap = x.shard.snapshot()
+    assert (snap["former_vbuckets"], snap["former_messages"], snap["replay_dropped_messages"]) == (1, 7, 0)
+    # Named in `vbuckets`: its range up to the handover, and ReadDone.moved.
+    c = read(x, Read(1, b">", vbuckets=(VB,)))
+    assert positions(c) == [(epoch, o, o - 1) for o in range(1, 8)]
+    assert dones(c) == [ReadDone(1, VB, epoch, 8, 0, False, 0, True)]
+    # With key_partition too, and a stop past the handover: the range ends at it.
+    c = read(x, Read(2, b">", KP, (Position(VB, epoch, 3),), 0, (Position(VB, epoch, 99),), (VB,)))
+    assert positions(c) == [(epoch, o, o - 1) for o in range(4, 8)]
+    assert dones(c) == [ReadDone(2, VB, epoch, 8, 0, False, 0, True)]
+    # A start of another epoch: from offset 1, epoch_changed (the rules of section 5.2).
+    c = read(x, Read(3, b">", start=(Position(VB, epoch + 1, 3),), vbuckets=(VB,)))
+    assert len(positions(c)) == 7 and dones(c) == [ReadDone(3, VB, epoch, 8, 0, True, 0, True)]
+    # A whole read, or key_partition's alone, covers owned vbuckets only.
+    c = read(x, Read(4, b">"))
+    assert positions(c) == [] and VB not in {d.vbucket for d in dones(c)}
+    assert not any(d.moved for d in dones(c)) and len(dones(c)) == HALF - 1
+    c = read(x, Read(5, b">", KP))
+    assert errors(c) == [ErrorCode.NOT_MY_VBUCKET] and positions(c) == []
+    # Neither owned nor former: NOT_MY_VBUCKET; a start past the handover: BAD_POSITION.
+    c = read(x, Read(6, b">", vbuckets=(vbucket_of(STAY),)))
+    assert errors(c) == [ErrorCode.NOT_MY_VBUCKET]
+    c = read(x, Read(7, b">", start=(Position(VB, epoch, 8),), vbuckets=(VB, vbucket_of(HOME))))
+    assert errors(c) == [ErrorCode.BAD_POSITION] and dones(c) == []
+    # Named with an owned one: both answered, in vbucket order, moved only for VB.
+    c = read(x, Read(8, b">", vbuckets=(vbucket_of(HOME), VB, vbucket_of(STAY))))
+    assert [(d.vbucket, d.next, d.moved) for d in dones(c)] == sorted(
+        [(VB, 8, True), (vbucket_of(HOME), 3, False)]
+    )
+    # It comes back: what x retained of it goes (counted), before it awaits its sequence.
+    x.shard.apply_map(BACK)
+    assert x.shard.handover.former == {} and x.shard.stats.replay_dropped_messages == 7
+    assert x.shard.replay is not None and x.shard.replay.count(VB) == 0
+    assert x.shard.seqs.epoch_of(VB) != epoch
+
+
+def pump(steps: int = 200) -> None:
+    """Run the loop's pending callbacks (a bounded read's next batches)."""
+    loop = asyncio.get_event_loop()
+    for _ in range(steps):
+        loop.run_until_complete(asyncio.sleep(0))
+
+
+def test_a_read_in_progress_reads_on_when_its_vbucket_moves_away_and_not_when_it_comes_back(
+    compiled: bool,
+) -> None:
+    x = Node(X, compiled)
+    pub = x.connection()
+    publish(x, pub, KP, 0, 20)
+    epoch = x.shard.seqs.epoch_of(VB)
+    slow = x.connection()
+    slow.limit = 300  # a message or two per batch
+    x.shard.feed(slow, encode_frame(Read(1, b">", KP)))
+    assert 0 < len(positions(slow)) < 20 and slow.bounded_read is not None
+    x.shard.apply_map(PREPARE)
+    x.shard.apply_map(COMMIT)  # moved away mid-read: its messages stay, the read goes on
+    pump()
+    assert slow.bounded_read is None
+    assert positions(slow) == [(epoch, o, o - 1) for o in range(1, 21)]
+    assert dones(slow) == [ReadDone(1, VB, epoch, 21, 0, False, 0, True)]
+    # A read of the former vbucket when it comes back: the rest of its range is gone.
+    again = x.connection()
+    again.limit = 300
+    x.shard.feed(again, encode_frame(Read(2, b">", vbuckets=(VB,))))
+    got = len(positions(again))
+    assert 0 < got < 20
+    x.shard.apply_map(BACK)
+    pump()
+    assert len(positions(again)) == got
+    assert dones(again) == [ReadDone(2, VB, epoch, 21, 20 - got, False, 0, False)]

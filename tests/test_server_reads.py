@@ -363,3 +363,96 @@ def test_a_read_across_two_workers_gets_each_its_own_vbuckets(start_server: Any)
             r0.send(Read(2, b">", kp1))
             [err] = r0.flush()
             assert isinstance(err, Error) and err.code == ErrorCode.NOT_MY_VBUCKET and err.rid == 2
+
+
+def distinct_kps(worker: int, workers: int, n: int, prefix: str) -> list[bytes]:
+    """n key_partitions of `worker`, each in a vbucket of its own."""
+    kps: dict[int, bytes] = {}
+    i = 0
+    while len(kps) < n:
+        kp = kp_for_worker(worker, workers, f"{prefix}{i}")
+        kps.setdefault(vbucket_of(kp), kp)
+        i += 1
+    return list(kps.values())
+
+
+def remaining(answer: Answer) -> list[int]:
+    return [answer.dones[vb].remaining for vb in sorted(answer.dones)]
+
+
+def test_a_read_narrowed_to_vbuckets_answers_for_those_only(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    kps = distinct_kps(0, 1, 4, "narrow")
+    vbs = [vbucket_of(kp) for kp in kps]
+    empty = next(vb for vb in range(VBUCKETS) if vb not in vbs)  # nothing published there
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        for n, kp in enumerate(kps):
+            publish(pub, 10 * n, 10 * n + 5, kp=kp)
+        # Two of the four, and an empty one, named in no particular order.
+        asked = [vbs[2], empty, vbs[0]]
+        got = read(reader, Read(1, b">", vbuckets=tuple(asked)))
+        assert sorted(got.dones) == sorted(asked) and remaining(got) == [2, 1, 0]
+        assert {m.vbucket for m in got.messages} == {vbs[0], vbs[2]}
+        assert got.payloads(vbs[0]) == list(range(5)) and got.payloads(vbs[2]) == list(range(20, 25))
+        assert (got.dones[empty].next, got.dones[vbs[2]].next) == (1, 6)
+        # With key_partition among them: that vbucket only; with its positions, as any read.
+        epoch = got.dones[vbs[0]].epoch
+        got = read(
+            reader, Read(2, b">", kps[0], start=(Position(vbs[0], epoch, 2),), vbuckets=(vbs[1], vbs[0]))
+        )
+        assert list(got.dones) == [vbs[0]] and got.payloads(None) == [2, 3, 4]
+        # Positions of vbuckets the read does not cover are ignored, as for another worker's.
+        got = read(reader, Read(3, b">", stop=(Position(vbs[1], epoch, 10**6),), vbuckets=(vbs[3],)))
+        assert list(got.dones) == [vbs[3]] and got.payloads(None) == list(range(30, 35))
+
+
+def test_a_read_narrowed_across_two_workers_gets_each_its_own_of_them(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=2)
+    mine = [distinct_kps(w, 2, 3, f"narrow{w}-") for w in (0, 1)]
+    with Wire.hello(server.address, worker=0) as pub0, Wire.hello(server.address, worker=1) as pub1:
+        for w, pub in enumerate((pub0, pub1)):
+            for n, kp in enumerate(mine[w]):
+                publish(pub, 100 * w + 10 * n, 100 * w + 10 * n + 3, kp=kp)
+        asked = [vbucket_of(mine[0][0]), vbucket_of(mine[0][2]), vbucket_of(mine[1][1])]
+        rd = Read(1, b">", vbuckets=tuple(asked))
+        with Wire.hello(server.address, worker=0) as r0, Wire.hello(server.address, worker=1) as r1:
+            a, b = read(r0, rd), read(r1, rd)  # the same Read to both: each answers for its own
+            assert sorted(a.dones) == sorted(asked[:2]) and remaining(a) == [1, 0]
+            assert list(b.dones) == [asked[2]] and remaining(b) == [0]
+            assert a.payloads(asked[0]) == [0, 1, 2] and a.payloads(asked[1]) == [20, 21, 22]
+            assert len(a.messages) == 6 and b.payloads(None) == [110, 111, 112]
+            # None of them here: refused as a read of another worker's key_partition is.
+            r1.send(Read(2, b">", vbuckets=tuple(asked[:2])))
+            [err] = r1.flush()
+            assert isinstance(err, Error) and (err.code, err.rid, err.fatal) == (
+                ErrorCode.NOT_MY_VBUCKET,
+                2,
+                False,
+            )
+            assert "none of the vbuckets" in (err.message or "")
+            assert read(r1, Read(3, b">", vbuckets=(asked[2],))).payloads(None) == [110, 111, 112]
+
+
+def test_bad_vbuckets_refuse_the_read_and_the_connection_stays(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    other = next(vb for vb in range(VBUCKETS) if vb != VB)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 3)
+        for rid, rd, named in [
+            (1, Read(1, b">", vbuckets=(VB, VBUCKETS)), f"vbucket {VBUCKETS}"),
+            (2, Read(2, b">", vbuckets=(65535,)), "vbucket 65535"),
+            (3, Read(3, b">", vbuckets=(other, VB, other)), f"vbucket {other} is named twice"),
+            (4, Read(4, b">", KP, vbuckets=(other,)), f"in vbucket {VB}, not among"),
+        ]:
+            reader.send(rd)
+            [err] = reader.flush()
+            assert isinstance(err, Error) and (err.code, err.rid, err.fatal) == (
+                ErrorCode.BAD_POSITION,
+                rid,
+                False,
+            ), err
+            assert named in (err.message or ""), err
+            got = read(reader, Read(10 + rid, b">", vbuckets=(VB,)))  # the next read is served
+            assert list(got.dones) == [VB] and got.payloads() == [0, 1, 2]
+        stats = json.loads(http_get(server, "/stats")[1])["workers"][0]
+        assert stats["bounded_reads"] == 4  # the refused ones did nothing

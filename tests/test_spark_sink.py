@@ -31,7 +31,7 @@ from broky.spark.sink import ClientConfig, UidPlan, write_task
 from tests import requires
 from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
-from tests.spark_fixtures import SparkLog, spark, spark_log  # noqa: F401  (the fixtures)
+from tests.spark_fixtures import SparkLog
 
 pytestmark = pytest.mark.spark
 
@@ -126,7 +126,7 @@ def servers(server: ServerProcess) -> str:
     return f"127.0.0.1:{server.port}"
 
 
-def clickstream(spark: Any, rows: int) -> Any:  # noqa: F811
+def clickstream(spark: Any, rows: int) -> Any:
     return spark.range(rows).selectExpr(
         "CAST(id % 97 AS STRING) AS key_partition",
         "concat('clicks.', element_at(array('view', 'click', 'buy'), CAST(id % 3 AS INT) + 1)) AS key",
@@ -134,7 +134,7 @@ def clickstream(spark: Any, rows: int) -> Any:  # noqa: F811
     )
 
 
-def test_batch_write_of_100k_rows_is_received_in_full(spark: Any, server: ServerProcess) -> None:  # noqa: F811
+def test_batch_write_of_100k_rows_is_received_in_full(spark: Any, server: ServerProcess) -> None:
     rows = 100_000
     with subscriber(server, "clicks.>") as sub:
         started = time.monotonic()
@@ -162,7 +162,7 @@ def test_batch_write_of_100k_rows_is_received_in_full(spark: Any, server: Server
 
 
 @pytest.mark.timeout(240)
-def test_batch_write_into_a_three_node_cluster_given_several_seeds(spark: Any) -> None:  # noqa: F811
+def test_batch_write_into_a_three_node_cluster_given_several_seeds(spark: Any) -> None:
     """etcd and three nodes; the seeds list a dead address first. Every row arrives once,
     and every node took its share (the sink follows the cluster's map, not the seed)."""
     rows = 30_000
@@ -197,7 +197,7 @@ def test_batch_write_into_a_three_node_cluster_given_several_seeds(spark: Any) -
         cluster.stop()
 
 
-def test_options_override_columns_and_ts_producer_column(spark: Any, server: ServerProcess) -> None:  # noqa: F811
+def test_options_override_columns_and_ts_producer_column(spark: Any, server: ServerProcess) -> None:
     df = spark.createDataFrame(
         [(b"\x00\xffbin", "p1", 1_700_000_000_123_456_789), (b"u2", "p2", None)],
         "key_partition binary, payload string, ts_producer bigint",
@@ -240,7 +240,7 @@ def stream_to_broky(stream: Any, server: ServerProcess, batches: int) -> list[di
         return list(query.recentProgress)
 
 
-def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: ServerProcess) -> None:  # noqa: F811
+def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: ServerProcess) -> None:
     stream = (
         spark.readStream.format("rate")
         .option("rowsPerSecond", 2000)
@@ -269,7 +269,7 @@ def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: Se
 
 @pytest.mark.parametrize("column", ["key_partition", "key"])
 def test_a_null_in_a_required_column_fails_the_write_naming_it(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
     column: str,
 ) -> None:
@@ -300,7 +300,7 @@ def test_a_null_in_a_required_column_fails_the_write_naming_it(
     ],
 )
 def test_wrong_column_types_fail_before_any_task_naming_the_column(
-    spark: Any,  # noqa: F811
+    spark: Any,
     select: list[str],
     column: str,
     words: str,
@@ -310,7 +310,7 @@ def test_wrong_column_types_fail_before_any_task_naming_the_column(
         df.write.format("broky").option("broky.servers", "127.0.0.1:9").mode("append").save()
 
 
-def test_overwrite_mode_and_missing_servers_are_refused(spark: Any) -> None:  # noqa: F811
+def test_overwrite_mode_and_missing_servers_are_refused(spark: Any) -> None:
     df = spark.range(1).selectExpr("'u' AS key_partition", "'k' AS key", "'p' AS payload")
     with pytest.raises(PySparkException, match="use mode\\('append'\\)"):
         df.write.format("broky").option("broky.servers", "127.0.0.1:9").mode("overwrite").save()
@@ -318,7 +318,7 @@ def test_overwrite_mode_and_missing_servers_are_refused(spark: Any) -> None:  # 
         df.write.format("broky").mode("append").save()
 
 
-def test_an_unreachable_broker_fails_the_task_quickly_and_clearly(spark: Any) -> None:  # noqa: F811
+def test_an_unreachable_broker_fails_the_task_quickly_and_clearly(spark: Any) -> None:
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -330,7 +330,7 @@ def test_an_unreachable_broker_fails_the_task_quickly_and_clearly(spark: Any) ->
     assert time.monotonic() - started < 30
 
 
-def test_partition_writer_publishes_every_row(spark: Any, server: ServerProcess) -> None:  # noqa: F811
+def test_partition_writer_publishes_every_row(spark: Any, server: ServerProcess) -> None:
     df = spark.range(5000).selectExpr(
         "concat('user-', CAST(id % 7 AS STRING)) AS user", "CAST(id AS STRING) AS body"
     )
@@ -366,8 +366,8 @@ def test_a_retried_task_republishes_the_same_uids(server: ServerProcess) -> None
 
 
 def test_the_driver_logs_the_total_of_a_batch_write(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     server: ServerProcess,
 ) -> None:
     rows = 12_345
@@ -385,8 +385,8 @@ def test_the_driver_logs_the_total_of_a_batch_write(
 
 
 def test_the_driver_logs_the_total_of_each_micro_batch(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     server: ServerProcess,
 ) -> None:
     stream = (
@@ -545,8 +545,8 @@ def test_write_task_fails_in_bounded_time_naming_the_broker_when_it_dies(
 
 
 def test_a_worker_killed_mid_write_costs_no_row_and_no_retry(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     server: ServerProcess,
 ) -> None:
     """The SDK settles what the killed worker had not processed (its account says
@@ -579,8 +579,8 @@ def test_a_worker_killed_mid_write_costs_no_row_and_no_retry(
 
 
 def test_a_broker_stopped_mid_write_fails_the_write_in_bounded_time(
-    spark: Any,  # noqa: F811
-    spark_log: SparkLog,  # noqa: F811
+    spark: Any,
+    spark_log: SparkLog,
     server: ServerProcess,
 ) -> None:
     df = throttled(clickstream(spark, 100_000), pause=0.3)
@@ -624,7 +624,7 @@ def test_a_broker_stopped_mid_write_fails_the_write_in_bounded_time(
     ],
 )
 def test_timestamps_give_the_same_ts_producer_through_arrow_batches_and_rows(
-    spark: Any,  # noqa: F811
+    spark: Any,
     server: ServerProcess,
     column: str,
     spark_type: str,

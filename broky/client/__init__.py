@@ -1,7 +1,7 @@
 """The Broky client SDK: asyncio (`connect`, `Client`) and blocking (`connect_sync`)."""
 
 from broky.client.client import Client, ClientStats, ServerInfo, WorkerRef, connect
-from broky.client.reader import RangeEnd, Reading, ReadResult
+from broky.client.reader import RangeEnd, Reading, ReadResult, ReadVia
 from broky.client.subscription import Subscription
 from broky.client.sync import SyncClient, SyncSubscription, connect_sync
 from broky.client.url import ServerAddress, parse_server, parse_servers
@@ -12,6 +12,7 @@ __all__ = [
     "RangeEnd",
     "ReadResult",
     "Reading",
+    "ReadVia",
     "ServerAddress",
     "ServerInfo",
     "Subscription",

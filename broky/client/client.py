@@ -51,7 +51,7 @@ import datetime
 import inspect
 import logging
 import random
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -59,7 +59,7 @@ from broky.client.connection import WorkerProtocol, open_connection, resolve
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
-from broky.client.reader import END_OF_TIME, Reading, as_positions
+from broky.client.reader import END_OF_TIME, Reading, ReadVia, as_positions, as_vbuckets
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
@@ -541,6 +541,8 @@ class Client(Publisher):
         start: Iterable[Position | tuple[int, int, int]] | None = None,
         start_time: int = 0,
         stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        vbuckets: Iterable[int] | None = None,
+        via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
     ) -> Reading:
         """Read the retained messages of a closed range, then stop (schema/README.md 5.2).
@@ -561,13 +563,22 @@ class Client(Publisher):
             start, stop: positions (vbucket, epoch, offset), e.g. an earlier
                 read's `positions` or `client.positions()`.
             start_time: ns since the epoch, for the vbuckets `start` does not name.
+            vbuckets: only these vbuckets (ints 0 .. 1023, none twice), each
+                read from its owner; with `partition`, its vbucket must be
+                one of them. None: every vbucket.
+            via: per vbucket, a worker to ask first (`ReadVia`): the one that
+                owned it when `start` was taken. A worker that handed the
+                vbucket over in a planned move since answers what it retained
+                up to the handover, and the rest is read from the owner; a
+                `via` worker that is gone is skipped.
             timeout: seconds for the whole read (None: no limit).
 
         Returns:
             A Reading, to await or iterate.
 
         Raises:
-            BadPatternError, ValueError: a bad pattern or position (at once).
+            BadPatternError, ValueError: a bad pattern, position or vbucket, an
+                empty `vbuckets`, or a partition outside `vbuckets` (at once).
             ServerError: a worker refused the read (BAD_POSITION: a position past
                 what it accepted, or named twice); BrokyConnectionError: a read
                 connection was lost; BrokyTimeoutError (when awaited or iterated).
@@ -582,16 +593,25 @@ class Client(Publisher):
             start=as_positions(start, "start"),
             start_time=start_time,
             stop=as_positions(stop, "stop"),
+            vbuckets=as_vbuckets(vbuckets),
+            via=dict(via) if via else None,
             timeout=timeout,
         )
 
     async def positions(
-        self, *, partition: bytes | str | None = None, timeout: float | None = None
+        self,
+        *,
+        partition: bytes | str | None = None,
+        vbuckets: Iterable[int] | None = None,
+        timeout: float | None = None,
     ) -> tuple[Position, ...]:
         """Where every vbucket stands now: (vbucket, epoch, last offset accepted), in vbucket
-        order (only the partition's with `partition`); the `stop` of a read up to now, or
-        the `start` of one from now. A read of an empty range (broky.client.reader)."""
-        reading = self.read(b">", partition=partition, start_time=END_OF_TIME, timeout=timeout)
+        order (only the partition's with `partition`, only `vbuckets`' with `vbuckets`, as
+        `read` takes them); the `stop` of a read up to now, or the `start` of one from now.
+        A read of an empty range (broky.client.reader)."""
+        reading = self.read(
+            b">", partition=partition, start_time=END_OF_TIME, vbuckets=vbuckets, timeout=timeout
+        )
         return (await reading).positions
 
     # ---------------------------------------------------------------- asked by the Links (LinkOwner)

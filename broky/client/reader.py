@@ -17,19 +17,36 @@ client's map, on a connection of its own, opened for the read
 closed after it. The Links that carry publishes and subscriptions are not
 involved: a read neither waits behind their traffic nor holds it up, and a
 cut read connection needs no resume. On each: Read{rid 1, pattern,
-key_partition, start, start_time, stop}, with every position the caller
-gave (each worker takes its own, so a map older than the worker's loses no
-position), then Replay{rid, n} and n Message frames, and a ReadDone per
-vbucket, the last with `remaining` 0.
+key_partition, start, start_time, stop, vbuckets}, with every position the
+caller gave (each worker takes its own, so a map older than the worker's
+loses no position) and, as `vbuckets`, exactly the vbuckets asked of that
+worker in that round (one Read encoded per worker), then Replay{rid, n} and
+n Message frames, and a ReadDone per vbucket, the last with `remaining` 0.
 
-Coverage. The read covers every vbucket (or the partition's), and expects
-one ReadDone for each. Each worker is asked for the vbuckets the map gives
-it, and only those are taken from its answer: a worker that owns more than
-the map says (a move in between) does not make a message come twice. A
+Coverage. The read covers every vbucket, or the caller's `vbuckets`, or the
+partition's vbucket (if among `vbuckets`), and expects one ReadDone for
+each. Each worker is asked for the vbuckets the map gives it of those, and
+its Read names them: it answers for no other, even one it owns that the
+map gives elsewhere (a move in between), and it leaves out the ones it no
+longer owns. Only the asked ones are taken from its answer too (a server
+that predates Read.vbuckets reads all it owns), so a message never comes
+twice. A
 vbucket that no worker answered for (it moved during the read; a worker
 that said NOT_MY_VBUCKET) is asked of its owner per the newest map seen
 (every Welcome carries the map) in the next round, at most MAX_ROUNDS; a
 vbucket ends once, so a message is never returned twice.
+
+Moves. A planned move hands a vbucket's sequence to its new owner at offset
+H; the old owner keeps what it retained of the vbucket and answers a Read
+that names it (schema/README.md 5.2) up to H - 1, with `ReadDone.moved`.
+`via` names, per vbucket, the worker to ask first (the owner when `start`
+was taken, with its address: a drained node is no longer in the map, and
+lingers a few seconds after its drain). A moved ReadDone whose range ends
+before the read's `stop` (or without one) does not end the vbucket: its
+start moves on to (epoch, H - 1), what it counted as evicted is carried, and
+the next round asks the owner per the newest map for the rest, so the
+vbucket's messages still come in offset order. A `via` worker that cannot
+be reached is skipped: its vbuckets go to the next round like any unanswered.
 
 The caller's side. `client.read(...)` returns a `Reading`: awaited, it gives
 a `ReadResult` (every message, by vbucket then offset, and the ends);
@@ -48,10 +65,11 @@ stay given: read the range again from its start (it is fixed: the same
 messages come back).
 
 `positions` is a read whose range is empty everywhere: `start_time` after
-any message (the largest ns value), so every vbucket's ReadDone tells where
-it stands (its epoch and next offset) and no message is sent. It costs one
-ReadDone per vbucket, nothing per retained message, and gives exactly the
-positions a later read's `stop` (or `start`) takes.
+any message (the largest ns value), so every vbucket's ReadDone (of the
+ones it covers, as a read's) tells where it stands (its epoch and next
+offset) and no message is sent. It costs one ReadDone per vbucket, nothing
+per retained message, and gives exactly the positions a later read's `stop`
+(or `start`) takes.
 """
 
 from __future__ import annotations
@@ -60,7 +78,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Generator, Iterable
-from operator import attrgetter
+from operator import attrgetter, index
 from typing import Any, NamedTuple, Protocol
 
 from broky.client.connection import WorkerProtocol, open_connection, server_error
@@ -110,6 +128,17 @@ class RangeEnd(NamedTuple):
         """The range's last position: the `start` of a read that goes on from here (and the
         `stop` of one that ends here)."""
         return Position(self.vbucket, self.epoch, self.next - 1)
+
+
+class ReadVia(NamedTuple):
+    """A worker to ask first for a vbucket: the one that owned it when the read's start was
+    taken. After a planned move it still retains what it accepted of the vbucket before
+    the handover and answers that part (ReadDone.moved); the rest comes from the owner."""
+
+    node_id: str
+    host: str
+    port: int
+    worker: int
 
 
 def positions_of(ends: dict[int, RangeEnd]) -> tuple[Position, ...]:
@@ -173,6 +202,28 @@ def as_positions(
     return tuple(out)
 
 
+def as_vbuckets(vbuckets: Iterable[int] | None) -> frozenset[int] | None:
+    """`vbuckets` as a set, checked (None: every vbucket).
+
+    Raises:
+        ValueError: one is not a vbucket (0 .. 1023) or is named twice, or there is none.
+        TypeError: one is not an int.
+    """
+    if vbuckets is None:
+        return None
+    out: set[int] = set()
+    for vb in vbuckets:
+        vb = index(vb)
+        if not 0 <= vb < VBUCKETS:
+            raise ValueError(f"vbuckets: {vb} is not a vbucket (0 .. {VBUCKETS - 1})")
+        if vb in out:
+            raise ValueError(f"vbuckets: {vb} is named twice")
+        out.add(vb)
+    if not out:
+        raise ValueError("vbuckets is empty: the read would cover no vbucket")
+    return frozenset(out)
+
+
 class Reading:
     """A bounded read under way: await it (a ReadResult) or iterate it (messages)."""
 
@@ -185,13 +236,27 @@ class Reading:
         start: tuple[Position, ...] = (),
         start_time: int = 0,
         stop: tuple[Position, ...] = (),
+        vbuckets: frozenset[int] | None = None,
+        via: dict[int, ReadVia] | None = None,
         timeout: float | None = None,
         max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
     ) -> None:
         parse_pattern(pattern)  # BadPatternError now, not from the server
+        covers = set(range(VBUCKETS)) if vbuckets is None else set(vbuckets)
+        if partition is not None:
+            vb = vbucket_of(partition)
+            if vb not in covers:
+                raise ValueError(f"the partition's vbucket ({vb}) is not among `vbuckets`: nothing to read")
+            covers = {vb}
         self.owner = owner
-        self.frame = encode_frame(Read(RID, pattern, partition, start, start_time, stop))
-        self.covers = {vbucket_of(partition)} if partition is not None else set(range(VBUCKETS))
+        # Each worker's Read is this with the vbuckets asked of it (`read_worker`).
+        self.request = Read(RID, pattern, partition, start, start_time, stop)
+        encode_frame(self.request)  # LocalProtocolError now for what the wire cannot carry
+        self.covers = covers
+        self.starts = {p.vbucket: p for p in start}  # moved on past a handover (`end`)
+        self.stops = {p.vbucket: p for p in stop}
+        self.via = {vb: w for vb, w in (via or {}).items() if vb in covers}  # the first round only
+        self.carried: dict[int, tuple[int, bool]] = {}  # vb -> (evicted, epoch_changed) before a move
         self.timeout = timeout
         self.max_pending = max_pending_msgs
         self.ends: dict[int, RangeEnd] = {}  # filled as the ReadDones come
@@ -298,9 +363,17 @@ class Reading:
                     proto.transport.pause_reading()
 
     def end(self, done: ReadDone) -> None:
-        self.ends[done.vbucket] = RangeEnd(
-            done.vbucket, done.epoch, done.next, done.evicted, done.epoch_changed
-        )
+        vb = done.vbucket
+        evicted, changed = self.carried.pop(vb, (0, False))
+        evicted += done.evicted
+        changed = changed or done.epoch_changed
+        stop = self.stops.get(vb)
+        if done.moved and (stop is None or (stop.epoch == done.epoch and done.next <= stop.offset)):
+            # the worker handed the vbucket over at `next`: the rest of the range is at its owner
+            self.carried[vb] = (evicted, changed)
+            self.starts[vb] = Position(vb, done.epoch, done.next - 1)
+            return
+        self.ends[vb] = RangeEnd(vb, done.epoch, done.next, evicted, changed)
         self.wake.set()
 
     async def run(self) -> None:
@@ -335,10 +408,19 @@ class Reading:
         return max([info.map, *self.maps], key=lambda vmap: vmap.version)
 
     async def round(self, todo: set[int]) -> None:
-        """Ask each owner (per the newest map) for its vbuckets of `todo`."""
+        """Ask each owner (per the newest map) for its vbuckets of `todo`; in the first round,
+        the `via` workers for theirs."""
         vmap = self.newest_map()
         asked: dict[WorkerRef, set[int]] = {}
+        addresses: dict[WorkerRef, tuple[str, int]] = {}
+        via, self.via = self.via, {}
         for vb in todo:
+            w = via.get(vb)
+            if w is not None:
+                ref = WorkerRef(w.node_id, w.worker)
+                addresses[ref] = (w.host, w.port)
+                asked.setdefault(ref, set()).add(vb)
+                continue
             owner = vmap.owners[vb]
             if owner != NO_OWNER:
                 ref = WorkerRef(vmap.nodes[owner[0]].node_id, owner[1])
@@ -346,24 +428,34 @@ class Reading:
         try:
             async with asyncio.TaskGroup() as group:
                 for ref, vbs in asked.items():
-                    group.create_task(self.read_worker(ref, vbs))
+                    group.create_task(self.read_worker(ref, vbs, addresses.get(ref)))
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
 
-    async def read_worker(self, ref: WorkerRef, vbs: set[int]) -> None:
-        """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own."""
+    async def read_worker(
+        self, ref: WorkerRef, vbs: set[int], address: tuple[str, int] | None = None
+    ) -> None:
+        """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own (at
+        `address`: a `via` worker, which may be gone; then its vbuckets go to the next round)."""
         owner = self.owner
-        host, port = owner._address_of(ref.node_id)
+        host, port = address or owner._address_of(ref.node_id)
         hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
-        proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+        try:
+            proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+        except (BrokyConnectionError, ServerError, OSError):
+            if address is None:
+                raise
+            return  # the worker that owned them is gone: their owner is asked next round
         self.maps.append(welcome.map)
+        starts = tuple(self.starts[vb] for vb in sorted(vbs) if vb in self.starts)
+        frame = encode_frame(self.request._replace(start=starts, vbuckets=tuple(sorted(vbs))))
         answer = WorkerAnswer(self, ref, vbs)
         self.protos.add(proto)
         try:
             proto.attach(answer)
             if self.paused and proto.transport is not None:
                 proto.transport.pause_reading()
-            proto.write(self.frame)
+            proto.write(frame)
             await answer.done
         finally:
             self.protos.discard(proto)
@@ -418,7 +510,9 @@ __all__ = [
     "RangeEnd",
     "ReadOwner",
     "ReadResult",
+    "ReadVia",
     "Reading",
     "as_positions",
+    "as_vbuckets",
     "positions_of",
 ]

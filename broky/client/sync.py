@@ -41,13 +41,13 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
-from broky.client.reader import ReadResult
+from broky.client.reader import ReadResult, ReadVia
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
@@ -486,24 +486,38 @@ class SyncClient:
         start: Iterable[Position | tuple[int, int, int]] | None = None,
         start_time: int = 0,
         stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        vbuckets: Iterable[int] | None = None,
+        via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
     ) -> ReadResult:
-        """Read the retained messages of a closed range (see `Client.read`): every message,
-        then where each vbucket's range ended. Raises as `Client.read`."""
+        """Read the retained messages of a closed range (see `Client.read`; `vbuckets`: only
+        those; `via`: workers to ask first): every message, then where each vbucket's range
+        ended. Raises as `Client.read`."""
 
         async def whole() -> ReadResult:
             reading = self._client.read(
-                pattern, partition=partition, start=start, start_time=start_time, stop=stop, timeout=timeout
+                pattern,
+                partition=partition,
+                start=start,
+                start_time=start_time,
+                stop=stop,
+                vbuckets=vbuckets,
+                via=via,
+                timeout=timeout,
             )
             return await reading
 
         return self._call(whole())
 
     def positions(
-        self, *, partition: bytes | str | None = None, timeout: float | None = None
+        self,
+        *,
+        partition: bytes | str | None = None,
+        vbuckets: Iterable[int] | None = None,
+        timeout: float | None = None,
     ) -> tuple[Position, ...]:
         """Where every vbucket stands now (see `Client.positions`)."""
-        return self._call(self._client.positions(partition=partition, timeout=timeout))
+        return self._call(self._client.positions(partition=partition, vbuckets=vbuckets, timeout=timeout))
 
     # ---------------------------------------------------------------- state
 

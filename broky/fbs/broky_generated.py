@@ -1720,7 +1720,37 @@ class Read(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
-def ReadStart(builder): builder.StartObject(6)
+    # Absent or empty: every vbucket this worker owns (or key_partition's).
+    # Present: only these (each < 1024, none twice); the ones this worker
+    # does not own are not answered (added within protocol version 2).
+    # Read
+    def Vbuckets(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 2))
+        return 0
+
+    # Read
+    def VbucketsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint16Flags, o)
+        return 0
+
+    # Read
+    def VbucketsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Read
+    def VbucketsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        return o == 0
+
+def ReadStart(builder): builder.StartObject(7)
 def ReadAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
 def ReadAddPattern(builder, pattern): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(pattern), 0)
 def ReadStartPatternVector(builder, numElems): return builder.StartVector(1, numElems, 1)
@@ -1731,6 +1761,8 @@ def ReadStartStartVector(builder, numElems): return builder.StartVector(24, numE
 def ReadAddStartTime(builder, startTime): builder.PrependInt64Slot(4, startTime, 0)
 def ReadAddStop(builder, stop): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(stop), 0)
 def ReadStartStopVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def ReadAddVbuckets(builder, vbuckets): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(vbuckets), 0)
+def ReadStartVbucketsVector(builder, numElems): return builder.StartVector(2, numElems, 2)
 def ReadEnd(builder): return builder.EndObject()
 
 
@@ -1815,7 +1847,19 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
         return 0
 
-def ReadDoneStart(builder): builder.StartObject(7)
+    # This worker no longer owns the vbucket: its sequence went on at another
+    # worker (a planned move) from the handover offset, where a range without
+    # an earlier `stop` ends (`next`); the range is what this worker retains,
+    # and what follows `next` - 1 is read at the vbucket's owner (added within
+    # protocol version 2).
+    # ReadDone
+    def Moved(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+def ReadDoneStart(builder): builder.StartObject(8)
 def ReadDoneAddRid(builder, rid): builder.PrependUint32Slot(0, rid, 0)
 def ReadDoneAddVbucket(builder, vbucket): builder.PrependUint16Slot(1, vbucket, 0)
 def ReadDoneAddEpoch(builder, epoch): builder.PrependUint64Slot(2, epoch, 0)
@@ -1823,6 +1867,7 @@ def ReadDoneAddNext(builder, next): builder.PrependUint64Slot(3, next, 0)
 def ReadDoneAddEvicted(builder, evicted): builder.PrependUint64Slot(4, evicted, 0)
 def ReadDoneAddEpochChanged(builder, epochChanged): builder.PrependBoolSlot(5, epochChanged, 0)
 def ReadDoneAddRemaining(builder, remaining): builder.PrependUint16Slot(6, remaining, 0)
+def ReadDoneAddMoved(builder, moved): builder.PrependBoolSlot(7, moved, 0)
 def ReadDoneEnd(builder): return builder.EndObject()
 
 

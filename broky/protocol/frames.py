@@ -201,6 +201,7 @@ class Read(NamedTuple):
     start: tuple[Position, ...] = ()  # per vbucket: read after this position
     start_time: int = 0  # ns: for the vbuckets `start` does not name (0: from the oldest retained)
     stop: tuple[Position, ...] = ()  # per vbucket: up to this position (else: up to now)
+    vbuckets: tuple[int, ...] = ()  # only these vbuckets (else: every one the worker owns)
 
 
 class ReadDone(NamedTuple):
@@ -213,6 +214,7 @@ class ReadDone(NamedTuple):
     evicted: int = 0  # offsets of the range gone before they could be read
     epoch_changed: bool = False  # the start named an epoch that is gone
     remaining: int = 0  # ReadDones of this read still to come
+    moved: bool = False  # the vbucket went on at another worker from `next` (a planned move)
 
 
 Frame = (
@@ -474,11 +476,17 @@ def encode_subscribe(sub: Subscribe) -> bytes:
 
 @_encoder
 def encode_read(read: Read) -> bytes:
-    b = flatbuffers.Builder(64 + 24 * (len(read.start) + len(read.stop)))
+    b = flatbuffers.Builder(64 + 24 * (len(read.start) + len(read.stop)) + 2 * len(read.vbuckets))
     pattern = b.CreateByteVector(read.pattern)
     kp = b.CreateByteVector(read.key_partition) if read.key_partition is not None else 0
     start = _positions(b, fbs.ReadStartStartVector, read.start) if read.start else 0
     stop = _positions(b, fbs.ReadStartStopVector, read.stop) if read.stop else 0
+    vbuckets = 0
+    if read.vbuckets:
+        fbs.ReadStartVbucketsVector(b, len(read.vbuckets))
+        for vb in reversed(read.vbuckets):
+            b.PrependUint16(vb)
+        vbuckets = b.EndVector()
     fbs.ReadStart(b)
     fbs.ReadAddRid(b, read.rid)
     fbs.ReadAddPattern(b, pattern)
@@ -490,6 +498,8 @@ def encode_read(read: Read) -> bytes:
         fbs.ReadAddStartTime(b, read.start_time)
     if stop:
         fbs.ReadAddStop(b, stop)
+    if vbuckets:
+        fbs.ReadAddVbuckets(b, vbuckets)
     return _finish(b, Body.Read, fbs.ReadEnd(b))
 
 
@@ -665,19 +675,19 @@ _REPLAY = _Scalars(
     fbs.ReplayEnd,
     [(fbs.ReplayAddSid, "I"), (fbs.ReplayAddRid, "I"), (fbs.ReplayAddMessages, "I"), (fbs.ReplayAddTs, "q")],
 )
-_READ_DONE = _Scalars(
-    Body.ReadDone,
-    fbs.ReadDoneStart,
-    fbs.ReadDoneEnd,
-    [
-        (fbs.ReadDoneAddRid, "I"),
-        (fbs.ReadDoneAddVbucket, "H"),
-        (fbs.ReadDoneAddEpoch, "Q"),
-        (fbs.ReadDoneAddNext, "Q"),
-        (fbs.ReadDoneAddEvicted, "Q"),
-        (fbs.ReadDoneAddEpochChanged, "?"),
-        (fbs.ReadDoneAddRemaining, "H"),
-    ],
+_READ_DONE_FIELDS: list[tuple[Callable[[Any, Any], None], str]] = [
+    (fbs.ReadDoneAddRid, "I"),
+    (fbs.ReadDoneAddVbucket, "H"),
+    (fbs.ReadDoneAddEpoch, "Q"),
+    (fbs.ReadDoneAddNext, "Q"),
+    (fbs.ReadDoneAddEvicted, "Q"),
+    (fbs.ReadDoneAddEpochChanged, "?"),
+    (fbs.ReadDoneAddRemaining, "H"),
+]
+_READ_DONE = _Scalars(Body.ReadDone, fbs.ReadDoneStart, fbs.ReadDoneEnd, _READ_DONE_FIELDS)
+# `moved` is written only when true: a ReadDone of a vbucket owned here is as before it existed.
+_READ_DONE_MOVED = _Scalars(
+    Body.ReadDone, fbs.ReadDoneStart, fbs.ReadDoneEnd, [*_READ_DONE_FIELDS, (fbs.ReadDoneAddMoved, "?")]
 )
 
 
@@ -690,7 +700,9 @@ def encode_replay(replay: Replay) -> bytes:
 def encode_read_done(done: ReadDone) -> bytes:
     if type(done.epoch_changed) is not bool:  # struct's "?" would take any value
         raise TypeError(f"epoch_changed takes a bool, not {type(done.epoch_changed).__name__}")
-    return _READ_DONE.encode(done)
+    if type(done.moved) is not bool:
+        raise TypeError(f"moved takes a bool, not {type(done.moved).__name__}")
+    return (_READ_DONE_MOVED if done.moved else _READ_DONE).encode(done)
 
 
 @_encoder
@@ -859,9 +871,12 @@ def _decode_body(kind: int, t: Table) -> Frame:
             _decode_positions(t, 3),
             t.i64(4),
             _decode_positions(t, 5),
+            _decode_u16s(t, 6),
         )
     if kind == Body.ReadDone:
-        return ReadDone(t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6))
+        return ReadDone(
+            t.u32(0), t.u16(1), t.u64(2), t.u64(3), t.u64(4), t.boolean(5), t.u16(6), t.boolean(7)
+        )
     if kind == Body.Replay:
         return Replay(t.u32(0), t.u32(2), t.i64(3), t.u32(1))
     raise UnknownFrameError(kind)
@@ -877,6 +892,11 @@ def _decode_positions(t: Table, index: int) -> tuple[Position, ...]:
         epoch, offset, vbucket = _position.unpack_from(t.buf, pos + i * _position.size)
         out.append(Position(vbucket, epoch, offset))
     return tuple(out)
+
+
+def _decode_u16s(t: Table, index: int) -> tuple[int, ...]:
+    pos, n = t.vector(index, 2)
+    return struct.unpack_from(f"<{n}H", t.buf, pos) if n else ()
 
 
 def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:

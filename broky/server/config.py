@@ -88,9 +88,12 @@ class ServerConfig:
     cluster: str | None = None
     lease_ttl: int = 5  # seconds of the member key's etcd lease (kept alive every third of it)
     move_timeout: float = 10.0  # the leader commits a prepared move after this long without every ready
-    # SIGTERM: seconds to hand the vbuckets over before stopping anyway. With the shutdown's own
-    # 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
+    # SIGTERM: seconds to hand the vbuckets over before stopping anyway. With drain_linger and the
+    # shutdown's own 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
     drain_timeout: float = 20.0
+    # After a drain, seconds the node serves on while it retains messages of vbuckets it handed
+    # over, so that readers behind the handover can fetch them (broky.server.master); 0: none.
+    drain_linger: float = 5.0
 
     def advertised_host(self) -> str:
         """The host clients should dial, as written in the vbucket map."""
@@ -327,6 +330,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         _seconds,
         "cluster: at SIGTERM, seconds to hand this node's vbuckets over before stopping anyway "
         "(default %(default)s)",
+    ),
+    (
+        "--drain-linger",
+        "drain_linger",
+        _seconds_or_zero,
+        "cluster: after the drain, seconds the node serves on when it retains messages of the "
+        "vbuckets it handed over, so that bounded reads behind the handover can fetch them; "
+        "0 = stop at once (default %(default)s)",
     ),
 ]
 

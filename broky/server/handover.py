@@ -56,6 +56,21 @@ that awaits its sequence has no route in the route cache (`Shard.route`
 answers AWAITING, uncached), and the compiled twin leaves uncached routes to
 Python.
 
+The old owner keeps what it retained of a vbucket it handed over: the
+vbucket becomes *former* here (`Handovers.former`: the epoch and next offset
+H it was handed over with, the numbers of its Handed record) and its
+Sequences entry keeps them, since the replay buffer counts a vbucket's
+retained offsets back from its next offset (broky.server.replay). Message
+data never crosses nodes, so a reader whose position is before H reads
+offsets up to H - 1 here, with a bounded Read that names the vbucket
+(broky.server.reads; ReadDone.moved), and the rest at the new owner. A
+former vbucket is never accepted or awaited here: its retained messages go
+like any others when evicted, and all at once (`forget_former`, counted in
+`replay_dropped_messages`) when it comes back, before it awaits its
+sequence again; then its sequence starts again here (until another comes).
+A draining node lingers a little while it retains messages of former
+vbuckets (--drain-linger, broky.server.master).
+
 Records are kept per vbucket as they come (`known`, the latest of each), so
 one that arrives before this worker applied the map it belongs to (an etcd
 resync reads the keys in key order) is used when the vbucket starts
@@ -141,10 +156,13 @@ class Awaited:
 class Handovers:
     """The state of the sequences moving to and from this worker (`Shard.handover`)."""
 
-    __slots__ = ("awaiting", "known", "held", "report", "timeout")
+    __slots__ = ("awaiting", "known", "former", "held", "report", "timeout")
 
     def __init__(self, timeout: float) -> None:
         self.awaiting: dict[int, Awaited] = {}
+        # vbucket -> (epoch, next offset) it was handed over with: a *former* vbucket, whose
+        # retained messages this worker keeps serving to bounded reads that name it
+        self.former: dict[int, tuple[int, int]] = {}
         # vbucket -> (node, worker, version, epoch, next offset, ts) of the latest record naming it
         self.known: dict[int, tuple[str, int, int, int, int, int]] = {}
         self.held: list[Connection] = []  # connections held until a sequence arrives
@@ -170,9 +188,10 @@ class Handover:
     def follow_sequences(self, old: VBucketMap, before: bytes, after: bytes) -> None:
         """The map changed from `old` to `self.map`; `before` and `after` say which
         vbuckets this worker accepted (see the header). A vbucket that went is handed
-        over (its retained messages are dropped); one that came awaits its sequence
-        (at the start, `before` is what the first map gives this worker: a prepared
-        move to it, a node that joins in the middle of its own move, comes)."""
+        over (it becomes a former vbucket: its retained messages stay); one that came
+        awaits its sequence (at the start, `before` is what the first map gives this
+        worker: a prepared move to it, a node that joins in the middle of its own move,
+        comes)."""
         vmap = self.map
         seqs, replay, h = self.seqs, self.replay, self.handover
         mine = (vmap.node_index(self.config.node_id), self.index)
@@ -182,6 +201,8 @@ class Handover:
             if before[vb] == after[vb]:
                 continue
             if after[vb]:  # came: from the worker that owns it now (or did, if this map is a commit)
+                if vb in h.former:  # back: what it retained of its earlier stay goes
+                    self.forget_former(vb)
                 source, node, worker = vmap, *vmap.owners[vb]
                 if (node, worker) == mine:
                     source, node, worker = old, *old.owners[vb]
@@ -191,13 +212,15 @@ class Handover:
             if h.awaiting.pop(vb, None) is not None:  # went before its sequence came: nothing to hand
                 released = True
             else:
-                last_ts = 0
-                if replay is not None:
-                    last_ts = replay.last_ts(vb)
-                    self.stats.replay_dropped_messages += replay.drop_vbucket(vb)
-                if seqs.next_of(vb) > 1 and not last_ts:
+                last_ts = replay.last_ts(vb) if replay is not None else 0
+                epoch, nxt = seqs.epoch_of(vb), seqs.next_of(vb)
+                if nxt > 1 and not last_ts:
                     last_ts = seqs.last_ts  # this worker stamped nothing of vb later than that
-                handed.append((vb, seqs.epoch_of(vb), seqs.next_of(vb), last_ts))
+                handed.append((vb, epoch, nxt, last_ts))
+                # Former: its sequence stays (epoch, next) here, where the replay buffer counts
+                # its retained offsets from (broky.server.replay); it stamps nothing more.
+                h.former[vb] = (epoch, nxt)
+                continue
             seqs.restart(vb)  # should it come back, it awaits its sequence again
         self.stats.vbuckets_handed_over += len(handed)
         if handed and h.report is not None:
@@ -273,6 +296,23 @@ class Handover:
             "come from %s (%s)", self.index, len(vbs), _ranges(vbs), ", ".join(sources), why,
         )  # fmt: skip
 
+    def forget_former(self, vb: int) -> None:
+        """vb is no longer a former vbucket: its retained messages are dropped (counted in
+        `replay_dropped_messages`) and its sequence starts again (a new epoch, until another
+        comes)."""
+        del self.handover.former[vb]
+        if self.replay is not None:
+            self.stats.replay_dropped_messages += self.replay.drop_vbucket(vb)
+        self.seqs.restart(vb)
+
+    def former_messages(self) -> int:
+        """The retained messages of the former vbuckets (for /stats: a draining node lingers
+        while there are some, broky.server.master)."""
+        replay = self.replay
+        if replay is None:
+            return 0
+        return sum(replay.count(vb) for vb in self.handover.former)
+
     def awaited(self, vb: int) -> bool:
         """Route cache miss (broky.server.fanout `Shard.route`): vb awaits its sequence
         (its publishes are held); starts counting the deadline."""
@@ -294,6 +334,8 @@ class Handover:
         """The frame data[pos:end] is a Subscribe whose start (since, since_time, last), or
         a Read, concerns a vbucket owned here that awaits its sequence: it must wait for it."""
         kind = body_type(data, pos, end)
+        owned = self.owned
+        awaiting = self.handover.awaiting
         if kind == fbs.Body.Subscribe:
             sub = decode_frame(data, pos, end)
             assert isinstance(sub, Subscribe)
@@ -304,13 +346,14 @@ class Handover:
             read = decode_frame(data, pos, end)
             assert isinstance(read, Read)
             kp = read.key_partition
+            if kp is None and read.vbuckets:  # only those (one past 1023 is refused: no wait)
+                return any(vb < VBUCKETS and owned[vb] and vb in awaiting for vb in read.vbuckets)
         else:
             return False
-        owned = self.owned
         if kp is not None:
             vb = vbucket_of(kp)
-            return bool(owned[vb]) and vb in self.handover.awaiting
-        return any(owned[vb] for vb in self.handover.awaiting)
+            return bool(owned[vb]) and vb in awaiting
+        return any(owned[vb] for vb in awaiting)
 
     def handover_deadlines(self) -> None:
         """The tick: vbuckets whose sequence did not come in time start again here."""

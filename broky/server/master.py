@@ -72,7 +72,11 @@ worker counters the master asks for over the control channels
 (`worker_stats`); the last three need the auth token of a server that has one
 (broky.server.httpd checks it, the master hands it the token). SIGTERM or
 SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
-within 5 s.
+within 5 s. In cluster mode the first one drains the node first (`_drain`:
+its vbuckets go to the other members, at most --drain-timeout), and a node
+that retains messages of the vbuckets it handed over then serves on for
+--drain-linger seconds (accepting, its workers answering bounded reads of
+them) before it stops; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -295,9 +299,22 @@ class Master:
             self.supervisor.events.put_nowait("failure")
 
     async def _drain(self) -> None:
-        """SIGTERM in cluster mode: hand the vbuckets over first (bounded by --drain-timeout)."""
+        """SIGTERM in cluster mode: hand the vbuckets over first (bounded by --drain-timeout),
+        then linger (--drain-linger) while the workers retain messages of vbuckets they
+        handed over: their new owners hold them only from the handover on, and a reader
+        behind it reads the rest here (broky.server.handover, former vbuckets)."""
         assert self.cluster is not None
         await self.cluster.drain(self.config.drain_timeout)
+        linger = self.config.drain_linger
+        if linger <= 0:
+            return
+        kept = sum(a.get("former_messages", 0) for a in await self.worker_stats() if a is not None)
+        if kept:
+            log.info(
+                "lingering %g s so readers can fetch what this node retained of the vbuckets it "
+                "handed over (%d messages)", linger, kept,
+            )  # fmt: skip
+            await asyncio.sleep(linger)
 
     async def shutdown(self) -> None:
         started = time.monotonic()

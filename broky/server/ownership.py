@@ -20,11 +20,11 @@ MapApplied once they follow it; the cluster moves vbuckets only when every
 connection with subscriptions has (`map_ready`).
 
 Sequences: a vbucket's offsets (broky.server.sequences) count on the worker
-that accepts its publishes. One that goes is handed over: its retained
-messages are dropped (counted in `replay_dropped_messages`) and its epoch and
-next offset go to its new owner through etcd; one that comes continues that
-sequence once it has it, or starts a new epoch when it cannot come
-(broky.server.handover `follow_sequences`).
+that accepts its publishes. One that goes is handed over: its epoch and next
+offset go to its new owner through etcd, and its retained messages stay here
+for bounded reads that name it until it comes back (a former vbucket); one
+that comes continues that sequence once it has it, or starts a new epoch
+when it cannot come (broky.server.handover `follow_sequences`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,21 @@ the other parts of the Shard.
 
 Theory of operation
 -------------------
+Which vbuckets (`bounded_read`). A Read covers the vbuckets this worker
+owns, narrowed to its `vbuckets` when that is present (not empty), and to
+key_partition's vbucket when that is present. Besides, a `vbuckets` covers
+the *former* vbuckets it names: those this worker handed over in a planned
+move, whose retained messages it keeps (broky.server.handover) until they
+are evicted, the vbucket comes back, or the process ends. A Read that does
+not name a former vbucket in `vbuckets` never covers it, so a whole read
+gets each vbucket from its owner alone. The ones of `vbuckets` neither
+owned nor former here get nothing, no ReadDone either: the client asks
+their owner, as for a vbucket that moved. A `vbuckets` that names a vbucket
+past 1023, or one twice, or leaves out key_partition's, refuses the Read
+(BAD_POSITION); a Read that covers nothing here (no vbucket owned or former
+among those named, not key_partition's) is refused with NOT_MY_VBUCKET. A
+refusal is one non-fatal Error with the rid, and nothing else of the read.
+
 Fixing the ranges (`bounded_read`). The Read frame is handled in its place in
 the connection's stream (broky.server.control), and every vbucket's range is
 fixed at once, as offsets of its current epoch (broky.server.sequences),
@@ -25,6 +40,13 @@ first <= offset < stop:
          at least `first`; another epoch: `first`, an empty range: what it
          named is gone); else the vbucket's next offset now, so nothing
          accepted after the Read is read.
+
+A former vbucket's "current epoch" and "next offset" are the ones it was
+handed over with, E and H (its Sequences entry keeps them: the replay
+buffer counts its retained offsets from there, and nothing is stamped
+there any more), and a `stop` at or past H ends its range at H instead of
+refusing the Read: what came after the handover is read at the vbucket's
+owner. Its ReadDone says `moved`.
 
 A range never depends on what is accepted later: two reads of it return the
 same messages as long as they are retained. What of it is no longer retained
@@ -59,11 +81,15 @@ a read of the whole buffer never has more than c.limit bytes (plus one
 message) pending on its connection in the worker; the kernel's socket
 buffers take what they take, as for any delivery.
 
-Between batches the worker accepts and evicts messages. Before it takes
-messages of a vbucket, the cursor checks the vbucket's epoch (it moved away,
-or its sequence restarted: the rest of the range is gone) and the buffer's
-oldest retained offset (messages evicted meanwhile are skipped), and counts
-what it skips in that vbucket's `evicted`.
+Between batches the worker accepts and evicts messages, and may apply a
+map. Before it takes messages of a vbucket, the cursor checks the vbucket's
+epoch (its sequence restarted, or it came back after it moved away: its
+retained messages were dropped, the rest of the range is gone) and the
+buffer's oldest retained offset (messages evicted meanwhile are skipped),
+and counts what it skips in that vbucket's `evicted`. A vbucket that moved
+away during the read became former with the same epoch: its messages stay,
+the range (which ends at or before the handover) is read on, and its
+ReadDone says `moved`.
 
 The messages of a read are Message frames queued to the connection like any
 delivery: they count in `messages_delivered` and the connection's `msgs_out`
@@ -90,6 +116,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from broky.server.accounts import AccountBook
+    from broky.server.handover import Handovers
     from broky.server.replay import ReplayBuffer
     from broky.server.sequences import Sequences
     from broky.server.stats import WorkerStats
@@ -146,6 +173,7 @@ class Reads:
         owned: bytes
         seqs: Sequences
         replay: ReplayBuffer | None
+        handover: Handovers
         stats: WorkerStats
         book: AccountBook
         _touched: list[Connection]
@@ -177,18 +205,33 @@ class Reads:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), rid=rid)
             return
         kp = rd.key_partition
-        if kp is not None:
-            vbs = [vbucket_of(kp)]
-            if not self.owned[vbs[0]]:
-                why = f"key_partition {kp!r} is owned by another worker"
-                self.error(c, ErrorCode.NOT_MY_VBUCKET, why, rid=rid)
-                return
-        else:
-            owned = self.owned
+        owned = self.owned
+        former = self.handover.former
+        try:  # which vbuckets: see "Which vbuckets" in the header
+            named = narrowed_to(rd.vbuckets)
+            if kp is not None:
+                vb = vbucket_of(kp)
+                if named is not None and vb not in named:
+                    raise ValueError(f"key_partition {kp!r} is in vbucket {vb}, not among `vbuckets`")
+                named = {vb}
+        except ValueError as exc:
+            self.error(c, ErrorCode.BAD_POSITION, f"read {rid} refused: {exc}", rid=rid)
+            return
+        if named is None:
             vbs = [vb for vb in range(VBUCKETS) if owned[vb]]
-            if not vbs:
-                self.error(c, ErrorCode.NOT_MY_VBUCKET, "this worker owns no vbucket", rid=rid)
-                return
+        elif rd.vbuckets:  # the ones named that another worker owns are answered by it, not here
+            vbs = sorted(vb for vb in named if owned[vb] or vb in former)
+        else:  # key_partition's (a former vbucket only when `vbuckets` names it)
+            vbs = sorted(vb for vb in named if owned[vb])
+        if not vbs:
+            if kp is not None:
+                why = f"key_partition {kp!r} is owned by another worker"
+            elif rd.vbuckets:
+                why = "this worker owns none of the vbuckets the read names, nor retains any it handed over"
+            else:
+                why = "this worker owns no vbucket"
+            self.error(c, ErrorCode.NOT_MY_VBUCKET, why, rid=rid)
+            return
         try:
             start = by_vbucket(rd.start, "start")
             stop = by_vbucket(rd.stop, "stop")
@@ -211,7 +254,7 @@ class Reads:
         seqs = self.seqs
         replay = self.replay
         epoch = seqs.epoch_of(vb)
-        nxt = seqs.next_of(vb)
+        nxt = seqs.next_of(vb)  # a former vbucket's: the one it was handed over with
         first = replay.first(vb) if replay is not None else None
         oldest = nxt if first is None else first
         changed = False
@@ -236,7 +279,9 @@ class Reads:
         elif q.epoch != epoch:
             end = begin  # what it named is gone with its epoch
         elif q.offset >= nxt:
-            raise ValueError(past(vb, "stop", q.offset, epoch, nxt))
+            if vb not in self.handover.former:
+                raise ValueError(past(vb, "stop", q.offset, epoch, nxt))
+            end = nxt  # what came after the handover is read at the vbucket's owner
         else:
             end = max(q.offset + 1, begin)
         at = max(begin, min(oldest, end))
@@ -249,6 +294,7 @@ class Reads:
             return  # Resume, resume_writing (Shard.drained) or the connection's end follow
         replay = self.replay
         seqs = self.seqs
+        former = self.handover.former
         room = c.limit - c.transport.get_write_buffer_size() - c.unflushed
         out = c.out
         queued = sent = 0
@@ -307,9 +353,13 @@ class Reads:
                 if full:
                     break
                 continue
+            went = former.get(v.vb)  # moved away: before the read, or during it (same epoch)
             done = encode_frame(
-                ReadDone(rid, v.vb, v.epoch, v.stop, v.evicted, v.epoch_changed, len(ranges) - r.done - 1)
-            )
+                ReadDone(
+                    rid, v.vb, v.epoch, v.stop, v.evicted, v.epoch_changed, len(ranges) - r.done - 1,
+                    went is not None and went[0] == v.epoch,
+                )
+            )  # fmt: skip
             if len(done) > room and queued:
                 break
             out.append(done)
@@ -344,6 +394,24 @@ class Reads:
         self.pump_read(c)
         if self._touched:
             self.flush()
+
+
+def narrowed_to(vbuckets: tuple[int, ...]) -> set[int] | None:
+    """The vbuckets a Read's `vbuckets` names (None: absent or empty, no narrowing).
+
+    Raises:
+        ValueError: one is not a vbucket (1024 or more), or is named twice.
+    """
+    if not vbuckets:
+        return None
+    named: set[int] = set()
+    for vb in vbuckets:
+        if vb >= VBUCKETS:
+            raise ValueError(f"vbucket {vb} in `vbuckets` is not a vbucket (0 .. {VBUCKETS - 1})")
+        if vb in named:
+            raise ValueError(f"vbucket {vb} is named twice in `vbuckets`")
+        named.add(vb)
+    return named
 
 
 def by_vbucket(positions: tuple[Position, ...], what: str) -> dict[int, Position]:

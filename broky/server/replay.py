@@ -62,8 +62,10 @@ counted (`evicted_messages`), and a subscriber that asks for it is told
 (LossReason EVICTED).
 
 Epochs. The buffer holds messages of the current epoch of each vbucket only:
-`drop_vbucket` forgets a vbucket whose sequence ends here (it moved away, or
-a new epoch starts), and its entries; the caller restarts its sequence.
+`drop_vbucket` forgets a vbucket whose sequence ends here (it came back after
+a planned move took it away, broky.server.handover; or a new epoch starts),
+and its entries; the caller restarts its sequence. A vbucket that moved away
+keeps its entries (and its Sequences entry, from which they count) until then.
 
 The buffer is sans-I/O: the worker appends (`retain`, `record`) on its read
 path and reads (`read`, `first`, `offset_at_time`) when a subscription asks

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.connection import Plan, Subscription
+    from broky.server.handover import Handovers
     from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -81,7 +82,7 @@ class WorkerStats:
         self.bounded_reads = 0  # Read frames served (broky.server.reads)
         self.bounded_read_messages = 0  # messages queued to them
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
-        self.replay_dropped_messages = 0  # retained messages of vbuckets that moved away
+        self.replay_dropped_messages = 0  # retained messages of former vbuckets, dropped when they came back
         # Planned moves (broky.server.handover): vbuckets whose sequence this worker handed
         # over, continued (same epoch, next offset), or started again under a new epoch.
         self.vbuckets_handed_over = 0
@@ -110,6 +111,9 @@ class Monitoring:
         stats: WorkerStats
         budget: Budget
         replay: ReplayBuffer | None
+        handover: Handovers
+
+        def former_messages(self) -> int: ...
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter, for the master's /stats and the metrics exporter."""
@@ -136,5 +140,7 @@ class Monitoring:
             memory_budget=self.budget.share,
             budget=self.budget.snapshot(),
             **(self.replay.snapshot() if self.replay is not None else REPLAY_OFF),
+            former_vbuckets=len(self.handover.former),
+            former_messages=self.former_messages(),
         )
         return data

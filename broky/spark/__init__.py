@@ -1,4 +1,11 @@
-"""Push Spark DataFrames into Broky, with the conventions of Spark's Kafka sink.
+"""Spark and Broky, both ways, with the conventions of Spark's Kafka sink and source.
+
+Reading (`broky.spark.source`)::
+
+    spark.readStream.format("broky").option("broky.servers", "h1:4777")
+         .option("pattern", "orders.>").load()
+
+and ``spark.read.format("broky")`` for what is retained now. Writing:
 
 Batch::
 
@@ -39,8 +46,17 @@ from broky.spark.columns import (
     check_ts_type,
 )
 from broky.spark.sink import ClientConfig, SinkWriteError, UidPlan, log, write_task
+from broky.spark.source import BrokyDataLossError, SourceConfigError
 
-__all__ = ["BadColumnError", "SinkConfigError", "SinkWriteError", "partition_writer", "register"]
+__all__ = [
+    "BadColumnError",
+    "BrokyDataLossError",
+    "SinkConfigError",
+    "SinkWriteError",
+    "SourceConfigError",
+    "partition_writer",
+    "register",
+]
 
 
 def register(spark: Any, *, discard: bool = False) -> None:

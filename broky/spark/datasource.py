@@ -1,4 +1,5 @@
-"""The ``broky`` Python data source: batch and streaming writers (PySpark >= 4.0).
+"""The ``broky`` Python data source: batch and streaming writers (PySpark >= 4.0), and
+the readers of `broky.spark.source`.
 
 ``df.write.format("broky")`` and ``df.writeStream.format("broky")`` both land
 here. On the driver, `BrokyDataSource.writer` / `streamWriter` check the schema
@@ -20,6 +21,7 @@ from pyspark.sql.types import StructType
 
 from broky.spark.columns import SinkConfigError, SinkSpec
 from broky.spark.sink import BrokyCommitMessage, ClientConfig, UidPlan, log_abort, log_commit, write_task
+from broky.spark.source import SCHEMA, BrokyBatchReader, BrokyStreamReader, SourceOptions
 
 try:
     from pyspark.sql.datasource import DataSourceStreamArrowWriter as _StreamWriterBase
@@ -32,7 +34,7 @@ def _fields(schema: StructType) -> list[tuple[str, str]]:
 
 
 class BrokyDataSource(DataSource):
-    """Writes each row of a DataFrame as one Broky message.
+    """Writes each row of a DataFrame as one Broky message; reads messages as rows.
 
     Options: ``broky.servers`` (required), ``key_partition`` / ``key`` (constants that
     override the columns), ``broky.batch.size``, ``broky.linger.ms``,
@@ -43,6 +45,16 @@ class BrokyDataSource(DataSource):
     @classmethod
     def name(cls) -> str:
         return "broky"
+
+    def schema(self) -> StructType:
+        """What the source reads (see `broky.spark.source`); a write takes its DataFrame's."""
+        return SCHEMA
+
+    def reader(self, schema: StructType) -> BrokyBatchReader:
+        return BrokyBatchReader(SourceOptions.from_options(self.options, streaming=False))
+
+    def streamReader(self, schema: StructType) -> BrokyStreamReader:
+        return BrokyStreamReader(SourceOptions.from_options(self.options, streaming=True))
 
     def _resolve(self, schema: StructType, overwrite: bool) -> tuple[SinkSpec, ClientConfig]:
         if overwrite:
