@@ -305,6 +305,10 @@ class Handover:
             self.stats.replay_dropped_messages += self.replay.drop_vbucket(vb)
         self.seqs.restart(vb)
 
+    def former_vbuckets(self) -> int:
+        """How many vbuckets this worker handed over and keeps as former ones (for /stats)."""
+        return len(self.handover.former)
+
     def former_messages(self) -> int:
         """The retained messages of the former vbuckets (for /stats: a draining node lingers
         while there are some, broky.server.master)."""

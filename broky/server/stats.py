@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.connection import Plan, Subscription
-    from broky.server.handover import Handovers
     from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -111,7 +110,8 @@ class Monitoring:
         stats: WorkerStats
         budget: Budget
         replay: ReplayBuffer | None
-        handover: Handovers
+
+        def former_vbuckets(self) -> int: ...
 
         def former_messages(self) -> int: ...
 
@@ -140,7 +140,7 @@ class Monitoring:
             memory_budget=self.budget.share,
             budget=self.budget.snapshot(),
             **(self.replay.snapshot() if self.replay is not None else REPLAY_OFF),
-            former_vbuckets=len(self.handover.former),
+            former_vbuckets=self.former_vbuckets(),
             former_messages=self.former_messages(),
         )
         return data
