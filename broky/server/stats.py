@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broky.errors import ErrorCode
 from broky.protocol import LossReason
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.connection import Plan, Subscription
-    from broky.server.handover import Handovers
     from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -131,6 +130,13 @@ class WorkerStats:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
 
 
+class FormerVBuckets(Protocol):
+    """What a snapshot reads of broky.server.handover.Handovers, named here rather
+    than imported: broky.server.handover imports this module (WorkerStats)."""
+
+    former: dict[int, tuple[int, int]]
+
+
 class Monitoring:
     """The Shard's part that reports its counters (a mixin of broky.server.fanout.Shard)."""
 
@@ -142,7 +148,9 @@ class Monitoring:
         stats: WorkerStats
         budget: Budget
         replay: ReplayBuffer | None
-        handover: Handovers
+
+        @property
+        def handover(self) -> FormerVBuckets: ...
 
         def former_messages(self) -> int: ...
 
