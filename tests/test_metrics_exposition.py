@@ -8,20 +8,24 @@ the families, types, labels and values it was rendered from.
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from broky.protocol import LossReason
 from broky.server import histogram
-from broky.server.metrics import COUNTERS, DROP_REASONS, GAUGES, Exporter, Family
+from broky.server.metrics import COUNTERS, GAUGES, Exporter, Family
+from broky.server.stats import DROPPED_AS, DropReason
 
 counts = st.integers(min_value=0, max_value=2**53)
 snapshots = st.fixed_dictionaries(
     {field: counts for _, field, _ in COUNTERS + GAUGES},
     optional={
-        "dropped": st.dictionaries(st.sampled_from(DROP_REASONS), counts),
+        "dropped": st.dictionaries(st.sampled_from(list(DropReason)), counts),
         "errors": st.dictionaries(st.sampled_from(["BAD_FRAME", "NOT_MY_VBUCKET"]), counts),
         "latency_us": st.lists(st.integers(0, 10**9), max_size=histogram.BUCKETS),
         "latency_ns_sum": counts,
@@ -67,7 +71,7 @@ def test_every_snapshot_parses_back_to_its_values(
         assert families[name] == ("gauge", expected)
     kind, dropped = families["broky_messages_dropped"]
     for i, s in enumerate(workers):
-        for reason in DROP_REASONS:
+        for reason in DropReason:
             if s is not None:
                 key = ("broky_messages_dropped_total", (("reason", reason), ("worker", str(i))))
                 assert dropped[key] == float(s.get("dropped", {}).get(reason, 0))
@@ -104,3 +108,25 @@ def test_a_family_without_labels_has_no_braces() -> None:
     family = Family("broky_workers_ready", "gauge", "Workers ready to serve.")
     family.add_metric([], 2.0)
     assert family.render().splitlines()[-1] == "broky_workers_ready 2.0"
+
+
+def test_the_drop_reasons_are_the_labels_of_the_dropped_counter_and_the_readme_names_each() -> None:
+    _, samples = parse(Exporter().render([{}, {"dropped": {}}], {}))["broky_messages_dropped"]
+    for worker in ("0", "1"):
+        labels = {dict(pairs)["reason"] for _, pairs in samples if dict(pairs)["worker"] == worker}
+        assert labels == {str(r) for r in DropReason}
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `broky_messages_dropped_total{")]
+    named = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    assert named == {str(r) for r in DropReason}
+
+
+def test_a_loss_that_is_a_drop_counts_under_the_drop_reason_of_its_name() -> None:
+    drops = {str(r) for r in DropReason}
+    for reason in LossReason.NAMES:
+        name = LossReason.name(reason)
+        if name in drops:
+            assert DROPPED_AS[reason] == name
+        else:
+            assert reason not in DROPPED_AS, name
+    assert set(DROPPED_AS.values()) == {DropReason(n) for n in drops & set(LossReason.NAMES.values())}

@@ -35,6 +35,7 @@ from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
 from broky.server.connection import OPEN, Connection
 from broky.server.fanout import Shard
+from broky.server.stats import DropReason
 from tests.test_protocol_fuzz import mutate, mutation
 from tests.test_protocol_generated import builder_frames, messages
 from tests.test_protocol_route import OVERLAP_MESSAGE, overlap_frame
@@ -181,5 +182,5 @@ def test_copied_messages_respect_the_pending_bound(loop: asyncio.AbstractEventLo
     assert [type(f) for f in got] == [Message, Message, Message, LossNotice]
     assert got[-1] == LossNotice(2, LossReason.SLOW_CONSUMER)  # the write drained: the loss is told
     assert shard.stats.messages_delivered == 3
-    assert shard.stats.dropped["slow_consumer"] == 2
+    assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 2
     assert subscriber.dropped_total == 2

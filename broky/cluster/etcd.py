@@ -33,12 +33,14 @@ from typing import Any, NamedTuple
 
 import aetcd
 
+from broky.errors import BrokyError
+
 PUT = "put"
 DELETE = "delete"
 CLOSE_TIMEOUT = 2.0  # closing a channel to a stopped etcd must not hang a shutdown
 
 
-class EtcdError(Exception):
+class EtcdError(BrokyError):
     """etcd could not be reached or did not answer in time (or refused the request)."""
 
 

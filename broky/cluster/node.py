@@ -111,6 +111,7 @@ from broky.cluster.layout import (
     leader_of,
     parse_cluster_url,
 )
+from broky.errors import BrokyError
 from broky.protocol.routing import NO_OWNER, VBucketMap
 from broky.server.config import ServerConfig
 
@@ -141,15 +142,15 @@ class MapHost(Protocol):
     async def runs_map(self, version: int) -> bool: ...
 
 
-class NodeIdInUse(Exception):
+class NodeIdInUse(BrokyError):
     """Another live member holds this node id."""
 
 
-class _LeaseLost(Exception):
+class _LeaseLost(BrokyError):
     """etcd no longer knows this node's lease (or its member key)."""
 
 
-class _Yielded(Exception):
+class _Yielded(BrokyError):
     """This leader revoked its lease to give the leadership to a node with a newer map."""
 
 

@@ -46,6 +46,7 @@ from broky.protocol import (
 )
 from broky.server.accounts import Account, same_secret
 from broky.server.connection import Connection
+from broky.server.stats import DROPPED_AS
 
 if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
@@ -170,7 +171,7 @@ class Arrivals:
             stats.resumes_by_positions += 1
             lost = 0  # replayed by the Subscribes that follow, or told by them (EVICTED)
         if lost > 0:
-            stats.dropped[LossReason.name(reason)] += lost
+            stats.dropped[DROPPED_AS[reason]] += lost
             notices.append(encode_frame(LossNotice(lost, reason)))
         untold = account.dropped - prev.told_lost
         if untold > 0:  # dropped (and counted) as slow_consumer back then; the notice never arrived

@@ -33,6 +33,7 @@ from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.protocol.message import BODY_MESSAGE, body_type
 from broky.protocol.table import Buffer
 from broky.server.connection import CLOSED, CLOSING, OPEN, Connection
+from broky.server.stats import DropReason
 
 if TYPE_CHECKING:
     from broky.protocol import VBucketMap
@@ -85,7 +86,7 @@ class Closing:
     def lost(self, c: Connection, exc: Exception | None) -> None:
         if c.state == OPEN and c.paused and c.out:
             kept = self.count_messages(c.out)
-            self.stats.dropped["slow_consumer"] += kept
+            self.stats.dropped[DropReason.SLOW_CONSUMER] += kept
             c.msgs_out -= kept  # queued, never sent: a drop, told on resume (broky.server.accounts)
             c.dropped_total += kept
         c.state = CLOSED
@@ -127,7 +128,7 @@ class Closing:
         notice = b""
         if c.paused and c.out:
             kept = self.count_messages(c.out)
-            self.stats.dropped["shutdown"] += kept
+            self.stats.dropped[DropReason.SHUTDOWN] += kept
             c.out.clear()
             c.msgs_out -= kept  # never sent: a drop, and the client is told so
             c.dropped_total += kept
@@ -166,7 +167,7 @@ class Closing:
             pos = end
         c.rest = data[pos:] if pos < n else b""
         if count:
-            self.stats.dropped["shutdown"] += count
+            self.stats.dropped[DropReason.SHUTDOWN] += count
 
     def final_frame(self, c: Connection, frame: bytes, keep_rest: bool = False) -> None:
         self.detach(c)

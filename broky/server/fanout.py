@@ -141,7 +141,7 @@ from broky.server.ownership import Ownership
 from broky.server.reads import Reads
 from broky.server.replay import ReplayBuffer
 from broky.server.sequences import Sequences
-from broky.server.stats import Monitoring, WorkerStats
+from broky.server.stats import DropReason, Monitoring, WorkerStats
 
 log = logging.getLogger("broky.worker")
 
@@ -173,6 +173,10 @@ Route = tuple[tuple[Connection, ...], int]
 AWAITING: Route = ((), -1)
 _time_ns = time.time_ns
 _monotonic = time.monotonic
+# The drop reasons of the per-read path, read once: an Enum member read off its class
+# goes through EnumType's __getattr__ slot and costs more than the count itself.
+_NO_SUBSCRIBERS = DropReason.NO_SUBSCRIBERS
+_SLOW_CONSUMER = DropReason.SLOW_CONSUMER
 # A Shard keeps at most this many instance attributes. CPython 3.11 keeps an
 # instance's attributes in a table shared with its class, and looks them up by a
 # cached position, only while they are few: a 30th attribute made every read of
@@ -528,7 +532,7 @@ class Shard(
         stats.messages_delivered += delivered
         c.msgs_in += published
         if unmatched:
-            stats.dropped["no_subscribers"] += unmatched
+            stats.dropped[_NO_SUBSCRIBERS] += unmatched
         if published:  # before anything is written: see broky.server.accounts
             self.book.commit_read(c, self._touched)
         if self._touched:
@@ -676,7 +680,7 @@ class Shard(
         lost = count - fit
         c.dropped += lost
         c.dropped_total += lost
-        self.stats.dropped["slow_consumer"] += lost
+        self.stats.dropped[_SLOW_CONSUMER] += lost
         if not c.over_since:
             c.over_since = _monotonic()
         return fit

@@ -71,6 +71,7 @@ from broky.protocol import VBUCKETS, LossNotice, LossReason, Replay, Subscribe, 
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
 from broky.server.connection import Connection, Subscription
+from broky.server.stats import DropReason
 
 if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
@@ -265,7 +266,7 @@ class History:
             seqs = self.seqs
             losses.add(LossReason.SLOW_CONSUMER, lost, Position(vb, seqs.epoch_of(vb), offset))
             c.dropped_total += lost
-            self.stats.dropped["slow_consumer"] += lost
+            self.stats.dropped[DropReason.SLOW_CONSUMER] += lost
         out = c.out
         header = encode_frame(Replay(sid, kept, t0))
         out.append(header)

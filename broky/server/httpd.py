@@ -55,6 +55,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from broky.errors import BrokyError
 from broky.server.logs import Throttle
 
 log = logging.getLogger("broky.master")
@@ -99,7 +100,7 @@ _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (HTAB i
 _ABSOLUTE = re.compile(r"https?://[^/?]*", re.IGNORECASE)
 
 
-class HttpError(Exception):
+class HttpError(BrokyError):
     """A request answered `status` with `message` before (or instead of) its handler."""
 
     def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:

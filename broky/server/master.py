@@ -95,7 +95,7 @@ from typing import TYPE_CHECKING, Any
 import uvloop
 
 from broky import __version__
-from broky.errors import ErrorCode, RemoteProtocolError
+from broky.errors import BrokyError, ErrorCode, RemoteProtocolError
 from broky.protocol import (
     ANY_WORKER,
     PROTOCOL_VERSION,
@@ -146,7 +146,7 @@ _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _CHANNEL_BROKEN = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
-class _WorkerGone(Exception):
+class _WorkerGone(BrokyError):
     """The hand-off channel of a worker that looked ready is broken."""
 
     def __init__(self, reason: str) -> None:
@@ -154,7 +154,7 @@ class _WorkerGone(Exception):
         self.reason = reason
 
 
-class _HandOffRefused(Exception):
+class _HandOffRefused(BrokyError):
     """A worker did not take a connection; `retry`: the socket is in no worker's hands."""
 
     def __init__(self, message: str, retry: bool) -> None:
@@ -162,7 +162,7 @@ class _HandOffRefused(Exception):
         self.retry = retry
 
 
-class Refused(Exception):
+class Refused(BrokyError):
     """The handshake is refused with `code`; `logged`: the cause was logged already (throttled)."""
 
     def __init__(self, code: ErrorCode, message: str, logged: bool = False) -> None:
@@ -287,10 +287,12 @@ class Master:
 
     def _cluster_ended(self, task: asyncio.Task[None]) -> None:
         """The ClusterNode stopped by itself: it cannot go on, nor can the node."""
+        from broky.cluster.node import NodeIdInUse  # loaded already: the task is a ClusterNode's
+
         if task.cancelled():
             return
         exc = task.exception()
-        if isinstance(exc, Exception) and type(exc).__name__ == "NodeIdInUse":
+        if isinstance(exc, NodeIdInUse):
             log.critical("%s", exc)
         else:
             log.critical("the cluster agent failed: %r", exc, exc_info=exc)

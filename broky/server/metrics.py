@@ -34,6 +34,7 @@ from typing import Any
 
 from broky import __version__
 from broky.server import histogram
+from broky.server.stats import DropReason
 
 # (metric name, snapshot field, help) of the per-worker counters and gauges.
 COUNTERS = (
@@ -173,16 +174,6 @@ GAUGES = (
         "Subscribing connections of the dead worker not back when the restart grace ended.",
     ),
 )
-# Every drop reason is exported, at 0 until it happens, so that alerts and
-# dashboards need no `or vector(0)`.
-DROP_REASONS = (
-    "no_subscribers",
-    "slow_consumer",
-    "not_my_vbucket",
-    "shutdown",
-    "connection_lost",
-    "worker_restart",
-)
 # Whose account answered a reconnecting client (Hello.previous): see broky.server.accounts.
 RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown", "refused")
 REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
@@ -301,7 +292,9 @@ class SnapshotCollector:
             labels=["worker"],
         )
         for w, s in snaps:
-            reasons = dict.fromkeys(DROP_REASONS, 0) | s.get("dropped", {})
+            # Every DropReason is exported, at 0 until it happens, so that alerts and
+            # dashboards need no `or vector(0)`.
+            reasons = dict.fromkeys(DropReason, 0) | s.get("dropped", {})
             for reason, n in sorted(reasons.items()):
                 dropped.add_metric([w, reason], float(n))
             limits = dict.fromkeys(REFUSAL_REASONS, 0) | s.get("subscriptions_refused", {})

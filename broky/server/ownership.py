@@ -43,6 +43,7 @@ from broky.protocol import (
     route_message,
 )
 from broky.server.connection import OPEN, Connection
+from broky.server.stats import DropReason
 
 if TYPE_CHECKING:
     from broky.server.config import ServerConfig
@@ -136,7 +137,7 @@ class Ownership:
     def not_mine(self, c: Connection, data: bytes, pos: int, end: int) -> None:
         """A publish for a vbucket this worker does not own: refused, with the frame
         itself in the Error so that the client can send it to the owner."""
-        self.stats.dropped["not_my_vbucket"] += 1
+        self.stats.dropped[DropReason.NOT_MY_VBUCKET] += 1
         c.refused += 1  # processed (Welcome.resumed.processed counts it), and refused
         kp = route_message(data, pos, end)[0]
         self.error(

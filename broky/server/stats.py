@@ -9,14 +9,23 @@ asks each worker over the control channel (a STATS request, answered by
 broky.server.monitor `answer`); `snapshot` copies the counters and adds what
 is read only then (the matcher's sizes, RSS, the memory budget's use, the
 replay buffer's).
+
+Drops are counted by `DropReason`, the one list of why a worker dropped a
+message or a delivery: the keys of `WorkerStats.dropped`, of /stats
+"dropped" and the `reason` label of broky_messages_dropped_total. A drop that
+a subscriber is told of (a LossNotice) carries the LossReason of the same
+name (`DROPPED_AS`); the two stay two lists because each has members the
+other lacks (see `DropReason`).
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import TYPE_CHECKING, Any
 
 from broky.errors import ErrorCode
+from broky.protocol import LossReason
 from broky.server import memory
 
 if TYPE_CHECKING:
@@ -39,22 +48,44 @@ REPLAY_OFF = {
 }
 
 
+class DropReason(enum.StrEnum):
+    """Why a worker dropped a message or a delivery; the value is the metric label.
+
+    The wire's LossReason tells a subscriber what it lost. The drops a
+    subscriber lost have a LossReason of the same name (`DROPPED_AS`); the
+    others (no_subscribers, not_my_vbucket) are not a loss of any subscriber.
+    LossReason's own others (unknown, unaccounted, evicted, epoch_changed) tell
+    of messages nothing dropped here and now: how many is unknown, or they left
+    the replay buffer, or a sequence restarted.
+    """
+
+    NO_SUBSCRIBERS = "no_subscribers"  # a publish that matched no subscription
+    SLOW_CONSUMER = "slow_consumer"  # deliveries past a connection's pending bytes, or its cut
+    NOT_MY_VBUCKET = "not_my_vbucket"  # a publish for a vbucket of another worker: refused
+    SHUTDOWN = "shutdown"  # deliveries still queued when the worker stopped
+    # Deliveries queued to a connection that dropped, never received (counted when
+    # its client reconnects and says what it received: broky.server.accounts), by
+    # whose account answered: this worker's, or a dead worker's.
+    CONNECTION_LOST = "connection_lost"
+    WORKER_RESTART = "worker_restart"
+
+
+# The drop a LossNotice's reason tells of, for those that are drops (see DropReason).
+DROPPED_AS: dict[int, DropReason] = {
+    LossReason.SLOW_CONSUMER: DropReason.SLOW_CONSUMER,
+    LossReason.SHUTDOWN: DropReason.SHUTDOWN,
+    LossReason.CONNECTION_LOST: DropReason.CONNECTION_LOST,
+    LossReason.WORKER_RESTART: DropReason.WORKER_RESTART,
+}
+
+
 class WorkerStats:
     """Plain counters of one worker, read at scrape time (never locked)."""
 
     def __init__(self) -> None:
         self.messages_published = 0
         self.messages_delivered = 0
-        self.dropped: dict[str, int] = {
-            "no_subscribers": 0,
-            "slow_consumer": 0,
-            "not_my_vbucket": 0,
-            "shutdown": 0,
-            # deliveries queued to a connection that dropped, never received (counted
-            # when its client reconnects and says what it received: broky.server.accounts)
-            "connection_lost": 0,
-            "worker_restart": 0,
-        }
+        self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
         # Reconnecting clients (Hello.previous) by whose account answered them:
         # this worker's own (connection_lost), a dead worker's (worker_restart), none.
         # "refused": claims that did not carry the connection's secret (they count as unknown too).

@@ -76,6 +76,7 @@ from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
 from broky.server.logs import Throttle, setup_logging
+from broky.server.stats import DropReason
 
 log = logging.getLogger("broky.worker")
 
@@ -296,7 +297,7 @@ class Worker:
         await asyncio.sleep(0)  # let aborted transports run their callbacks
         log.info(
             "worker %d stopped: %d messages dropped at shutdown, %d unsent bytes discarded",
-            self.index, shard.stats.dropped["shutdown"], shard.stats.bytes_discarded,
+            self.index, shard.stats.dropped[DropReason.SHUTDOWN], shard.stats.bytes_discarded,
         )  # fmt: skip
         self.done.set_result(None)
 

@@ -26,13 +26,14 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from broky.errors import BrokyError
 from broky.protocol import VBUCKETS
 from broky.protocol.frames import Position
 
 _U64 = (1 << 64) - 1
 
 
-class OffsetError(ValueError):
+class OffsetError(BrokyError, ValueError):
     """An offset JSON (an option, or a checkpoint) that is not one of ours."""
 
 
