@@ -7,11 +7,13 @@ does not pause): queued up to `hard_bounds`, dropped, counted and reported past 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import broky
 from broky.client.losses import LossLog
 from broky.client.stats import ClientStats
 from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, hard_bounds
+from broky.client.sync import SyncSubscription
 from broky.protocol import Message
 
 
@@ -21,6 +23,7 @@ class Owner:
         self.errors: list[BaseException] = []
         self.pauses = 0
         self.resumes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # the blocking client's resumes go through it
 
     def _report(self, exc: BaseException) -> None:
         self.errors.append(exc)
@@ -62,6 +65,36 @@ def test_a_full_queue_pauses_once_queues_to_the_hard_bound_then_drops_and_report
         got = [int((await sub.next_msg(0)).payload) for _ in range(hard - 2)]
         assert got == list(range(hard - 2)) and owner.resumes == 1
         assert sub.pending == 2
+
+    asyncio.run(main())
+
+
+def test_the_blocking_clients_queue_follows_the_same_rule() -> None:
+    # SyncSubscription is the same Inbox behind a lock: pushed by the I/O thread (here, the
+    # loop's), taken by `next`; it resumes from the consumer's thread through the loop.
+    async def main() -> None:
+        owner = Owner()
+        owner._loop = asyncio.get_running_loop()
+        feed = broky.Subscription(owner, 1, b"k", None, lambda m: None, 5, 1 << 30)
+        sync_client = SimpleNamespace(_client=owner, stats=owner.stats, _call=lambda coro: coro.close())
+        sub = SyncSubscription(sync_client, 5, 1 << 30)  # type: ignore[arg-type]
+        sub._sub = feed
+        hard = hard_bounds(5, 1 << 30)[0]
+        for i in range(5):
+            sub._push(msg(i))
+        assert owner.pauses == 0
+        for i in range(5, hard + 100):
+            sub._push(msg(i))
+        assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
+        assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
+        await asyncio.sleep(0)
+        assert [(e.sid, e.dropped) for e in owner.errors] == [(1, 100)]  # type: ignore[attr-defined]
+        got = [int(sub.next(0).payload) for _ in range(hard - 2)]
+        await asyncio.sleep(0)  # the resume, handed to the I/O thread's loop
+        assert got == list(range(hard - 2)) and owner.resumes == 1
+        assert sub.pending == 2 and sub.delivered == hard - 2
+        sub._close()
+        assert [int(m.payload) for m in sub.iter(0)] == [hard - 2, hard - 1]
 
     asyncio.run(main())
 
