@@ -125,12 +125,12 @@ def _publishing_client(loop: Any) -> Any:
     from broky.protocol import VBUCKETS
 
     client = Client("127.0.0.1:1")
-    client._loop = loop
+    client.loop = loop
     client._open = client._connected = True
     client._encoder.set_limit(DEFAULT_MAX_FRAME_BYTES)
     link = Link(client, "n", 0)
     link.proto = _NullProto()  # type: ignore[assignment]
-    client._router.route = [link] * VBUCKETS
+    client.router.route = [link] * VBUCKETS
     return client
 
 
@@ -245,7 +245,6 @@ def test_sync_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
     # reader to SyncSubscription's queue (under its lock), then taken by `next` (no
     # other thread: the I/O thread's side and the caller's side, one after the other).
     import asyncio
-    from types import SimpleNamespace
 
     from broky.client.client import Client
     from broky.client.sync import SyncSubscription
@@ -255,11 +254,9 @@ def test_sync_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
 
         async def setup() -> Any:
             client = Client("127.0.0.1:1")
-            # of its SyncClient, the subscription uses only the asyncio Client
-            sync_client = SimpleNamespace(_client=client, stats=client.stats)
-            sync_sub = SyncSubscription(sync_client, 65536, 1 << 26)  # type: ignore[arg-type]
-            sub, proto, frames = _delivering_link(client, sync_sub._push)
-            sync_sub._sub = sub
+            sync_sub = SyncSubscription(client, lambda coro: coro.close(), 65536, 1 << 26)
+            sub, proto, frames = _delivering_link(client, sync_sub.push)
+            sync_sub.attach(sub)
             return client, sync_sub, proto, frames
 
         client, sync_sub, proto, frames = loop.run_until_complete(setup())
@@ -278,7 +275,7 @@ def test_sync_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
-    # The Spark sink's bulk path (Client._publish_rows): 1000 rows, 64 key_partitions.
+    # The Spark sink's bulk path (Client.publish_rows): 1000 rows, 64 key_partitions.
     import asyncio
 
     loop = asyncio.new_event_loop()
@@ -287,7 +284,7 @@ def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped
         kps = [b"tenant-%d" % (i & 63) for i in range(1000)]
         keys = [KEY] * 1000
         payloads = [PAYLOAD] * 1000
-        rows = client._publish_rows
+        rows = client.publish_rows
         for _ in range(2):  # every shape gets its template
             loop.run_until_complete(rows(kps, keys, payloads, None, None))
         benchmark.extra_info["messages"] = 1000

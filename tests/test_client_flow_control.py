@@ -7,7 +7,6 @@ does not pause): queued up to `hard_bounds`, dropped, counted and reported past 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import broky
 from broky.client.losses import LossLog
@@ -23,19 +22,19 @@ class Owner:
         self.errors: list[BaseException] = []
         self.pauses = 0
         self.resumes = 0
-        self._loop: asyncio.AbstractEventLoop | None = None  # the blocking client's resumes go through it
+        self.loop: asyncio.AbstractEventLoop | None = None  # the blocking client's resumes go through it
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
         self.errors.append(exc)
 
-    def _pause(self, sub: broky.Subscription) -> None:
+    def pause_subscription(self, sub: broky.Subscription) -> None:
         self.pauses += 1
 
-    def _resume(self, sub: broky.Subscription) -> None:
+    def resume_subscription(self, sub: broky.Subscription) -> None:
         self.resumes += 1
 
-    async def _unsubscribe(self, sub: broky.Subscription) -> None:
-        sub._close()
+    async def remove_subscription(self, sub: broky.Subscription) -> None:
+        sub.mark_closed()
 
 
 def msg(i: int) -> Message:
@@ -53,10 +52,10 @@ def test_a_full_queue_pauses_once_queues_to_the_hard_bound_then_drops_and_report
         sub = broky.Subscription(owner, 1, b"k", None, None, 5, 1 << 30)
         hard = hard_bounds(5, 1 << 30)[0]
         for i in range(5):
-            sub._deliver(msg(i))
+            sub.deliver(msg(i))
         assert owner.pauses == 0  # room for every one
         for i in range(5, hard + 100):
-            sub._deliver(msg(i))
+            sub.deliver(msg(i))
         assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
         assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
         await asyncio.sleep(0)  # one report for the burst, with its count
@@ -74,17 +73,16 @@ def test_the_blocking_clients_queue_follows_the_same_rule() -> None:
     # loop's), taken by `next`; it resumes from the consumer's thread through the loop.
     async def main() -> None:
         owner = Owner()
-        owner._loop = asyncio.get_running_loop()
+        owner.loop = asyncio.get_running_loop()
         feed = broky.Subscription(owner, 1, b"k", None, lambda m: None, 5, 1 << 30)
-        sync_client = SimpleNamespace(_client=owner, stats=owner.stats, _call=lambda coro: coro.close())
-        sub = SyncSubscription(sync_client, 5, 1 << 30)  # type: ignore[arg-type]
-        sub._sub = feed
+        sub = SyncSubscription(owner, lambda coro: coro.close(), 5, 1 << 30)  # type: ignore[arg-type]
+        sub.attach(feed)
         hard = hard_bounds(5, 1 << 30)[0]
         for i in range(5):
-            sub._push(msg(i))
+            sub.push(msg(i))
         assert owner.pauses == 0
         for i in range(5, hard + 100):
-            sub._push(msg(i))
+            sub.push(msg(i))
         assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
         assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
         await asyncio.sleep(0)
@@ -93,7 +91,7 @@ def test_the_blocking_clients_queue_follows_the_same_rule() -> None:
         await asyncio.sleep(0)  # the resume, handed to the I/O thread's loop
         assert got == list(range(hard - 2)) and owner.resumes == 1
         assert sub.pending == 2 and sub.delivered == hard - 2
-        sub._close()
+        sub.mark_closed()
         assert [int(m.payload) for m in sub.iter(0)] == [hard - 2, hard - 1]
 
     asyncio.run(main())

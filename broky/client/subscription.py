@@ -19,7 +19,9 @@ Three ways to consume:
   from then on the subscription treats it as a coroutine function.
 
 A Subscription knows its client only as a `SubscriptionOwner`: where to
-report errors, where to count local drops, and how to unsubscribe.
+report errors, where to count local drops, how to pause and resume its
+connections, and how to unsubscribe. Its Links call `deliver`, the
+SubscriptionTable `mark_closed` (for the SDK's own modules, not for users).
 
 Positions: every delivery carries its position (vbucket, epoch, offset). A
 subscription remembers the position of the last message it handed to the
@@ -59,16 +61,16 @@ class SubscriptionOwner(Protocol):
 
     stats: ClientStats  # counts `dropped_local`
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
         """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
 
-    def _pause(self, sub: Subscription) -> None:
+    def pause_subscription(self, sub: Subscription) -> None:
         """`sub`'s queue is full: pause the connections that carry it."""
 
-    def _resume(self, sub: Subscription) -> None:
+    def resume_subscription(self, sub: Subscription) -> None:
         """`sub`'s queue has room again: resume them."""
 
-    async def _unsubscribe(self, sub: Subscription) -> None:
+    async def remove_subscription(self, sub: Subscription) -> None:
         """Stop `sub` on every worker that has it, then close it."""
 
 
@@ -143,10 +145,10 @@ class Subscription(Inbox):
 
     # ---------------------------------------------------------------- reader side
 
-    # Called by the reader (a Link) for every matching delivery; never blocks: the Inbox's
-    # `_put` itself, so that queueing costs no call of its own (an InlineSubscription's
-    # calls its callback instead).
-    _deliver = Inbox._put
+    # For the Links (broky.client.link), not for users: called by the reader for every
+    # matching delivery; never blocks. The Inbox's `_put` itself, so that queueing costs
+    # no call of its own (an InlineSubscription's calls its callback instead).
+    deliver = Inbox._put
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -155,16 +157,17 @@ class Subscription(Inbox):
             waiter.set_result(None)
 
     def _pause_connections(self) -> None:
-        self._owner._pause(self)
+        self._owner.pause_subscription(self)
 
     def _resume_connections(self) -> None:
-        self._owner._resume(self)
+        self._owner.resume_subscription(self)
 
     def _report(self, exc: BaseException) -> None:
-        self._owner._report(exc)
+        self._owner.report_error(exc)
 
-    def _close(self) -> None:
-        """No more messages: wake the consumer, stop the callback task."""
+    def mark_closed(self) -> None:
+        """For the SubscriptionTable, not for users: no more messages; wake the consumer,
+        stop the callback task."""
         self.closed = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -219,7 +222,7 @@ class Subscription(Inbox):
             try:
                 await first
             except Exception as exc:
-                self._owner._report(exc)
+                self._owner.report_error(exc)
         while True:
             try:
                 msg = await self.next_msg()
@@ -230,7 +233,7 @@ class Subscription(Inbox):
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:
-                self._owner._report(exc)
+                self._owner.report_error(exc)
 
     async def unsubscribe(self) -> None:
         """Stop the subscription; iteration ends once the queued messages are consumed.
@@ -240,7 +243,7 @@ class Subscription(Inbox):
         """
         if self.closed:
             return
-        await self._owner._unsubscribe(self)
+        await self._owner.remove_subscription(self)
 
 
 class InlineSubscription(Subscription):
@@ -249,7 +252,7 @@ class InlineSubscription(Subscription):
     awaitable is found out at its first call: that result is awaited by a task, and every
     later message queued for that task, as for a coroutine function."""
 
-    def _deliver(self, msg: Message) -> None:
+    def deliver(self, msg: Message) -> None:
         inline = self._inline
         if inline is None:  # it turned out asynchronous: queued for the task
             self._put(msg)
@@ -261,7 +264,7 @@ class InlineSubscription(Subscription):
         try:
             result = inline(msg)
         except Exception as exc:
-            self._owner._report(exc)
+            self._owner.report_error(exc)
             return
         if result is not None and inspect.isawaitable(result):
             # it is asynchronous after all: await this result, then queue

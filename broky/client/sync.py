@@ -42,7 +42,7 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -83,10 +83,19 @@ class SyncSubscription(Inbox):
     both under one lock.
     """
 
-    def __init__(self, client: SyncClient, max_pending_msgs: int, max_pending_bytes: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        call: Callable[[Coroutine[Any, Any, None]], object],
+        max_pending_msgs: int,
+        max_pending_bytes: int,
+    ) -> None:
+        """For `SyncClient.subscribe`: `client` is its asyncio Client, `call` runs a
+        coroutine on the client's loop and waits for it (`SyncClient._call`)."""
         super().__init__(max_pending_msgs, max_pending_bytes, client.stats)
         self._client = client
-        self._sub: Subscription | None = None
+        self._call = call
+        self._sub: Subscription | None = None  # the asyncio Subscription that feeds it (`attach`)
         self._cond = threading.Condition()
         self._waiter = self._cond  # `_put` wakes through it for every message
 
@@ -104,9 +113,13 @@ class SyncSubscription(Inbox):
         assert self._sub is not None
         return self._sub.sid
 
-    def _push(self, msg: Message) -> None:
-        """I/O thread: queue one delivery (see `Inbox._put`: pause once full, drop past
-        the hard bounds)."""
+    def attach(self, sub: Subscription) -> None:
+        """For `SyncClient.subscribe`: the asyncio Subscription whose callback is `push`."""
+        self._sub = sub
+
+    def push(self, msg: Message) -> None:
+        """I/O thread, the callback of the asyncio Subscription (for `SyncClient.subscribe`):
+        queue one delivery (see `Inbox._put`: pause once full, drop past the hard bounds)."""
         with self._cond:
             self._put(msg)
 
@@ -116,25 +129,26 @@ class SyncSubscription(Inbox):
         self._cond.notify()
 
     def _pause_connections(self) -> None:
-        """I/O thread."""
+        """I/O thread, under the lock."""
         if self._sub is not None:
-            self._client._client._pause(self._sub)
+            self._client.pause_subscription(self._sub)
 
     def _resume_connections(self) -> None:
         """Consumer's thread, under the lock: resume in the I/O thread."""
         with contextlib.suppress(RuntimeError):  # the client's loop is closed
-            self._client._client._loop.call_soon_threadsafe(self._resume)
+            self._client.loop.call_soon_threadsafe(self._resume)
 
     def _resume(self) -> None:
         """I/O thread: the reader took the queue down to half."""
         if self._sub is not None:
-            self._client._client._resume(self._sub)
+            self._client.resume_subscription(self._sub)
 
     def _report(self, exc: BaseException) -> None:
         """I/O thread."""
-        self._client._client._report(exc)
+        self._client.report_error(exc)
 
-    def _close(self) -> None:
+    def mark_closed(self) -> None:
+        """No more messages (unsubscribed, or its SyncClient closed): wake every reader."""
         with self._cond:
             self.closed = True
             self._cond.notify_all()
@@ -177,8 +191,8 @@ class SyncSubscription(Inbox):
     def unsubscribe(self) -> None:
         """Stop the subscription; messages already queued can still be read."""
         if self._sub is not None and not self.closed:
-            self._client._call(self._sub.unsubscribe())
-        self._close()
+            self._call(self._sub.unsubscribe())
+        self.mark_closed()
 
 
 class SyncClient:
@@ -287,12 +301,12 @@ class SyncClient:
             if self._error is not None:
                 err, self._error = self._error, None
                 raise err
-            encoder.set_limit(self._client._max_frame)
+            encoder.set_limit(self._client.max_frame)
             if uid is True:
                 frame, vb = encoder.encode(key_partition, key, payload, ts_producer)
             else:
                 frame, vb = encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
-            link = self._client._router.route[vb]
+            link = self._client.router.route[vb]
             down = None if link is not None and link.proto is not None else self._reserve(vb, len(frame))
             self._handoff.append((vb, frame, down))
             self._handoff_bytes += len(frame)
@@ -315,14 +329,14 @@ class SyncClient:
             PublishBufferFullError, BrokyConnectionError: refused (and counted).
         """
         client = self._client
-        vmap = client._router.map
+        vmap = client.router.map
         assert vmap is not None
         node, worker = vmap.owners[vb]
         ref = WorkerRef(vmap.nodes[node].node_id, worker)
         limit = client.max_reconnect_buffer_bytes
         deadline = 0.0
         while True:
-            link = client._router.links.get(ref)  # None: not opened yet, it starts down
+            link = client.router.links.get(ref)  # None: not opened yet, it starts down
             if link is not None and link.proto is not None:
                 return None
             if link is not None and link.failed is not None:
@@ -356,7 +370,7 @@ class SyncClient:
         for vb, frame, down in items:
             try:
                 if down is None:
-                    link = client._send_encoded(vb, frame)
+                    link = client.send_encoded(vb, frame)
                 else:
                     with self._cond:  # the Link's out_bytes and _down_bytes change together
                         left = self._down_bytes[down] - len(frame)
@@ -364,7 +378,7 @@ class SyncClient:
                             self._down_bytes[down] = left
                         else:
                             del self._down_bytes[down]
-                        link = client._send_encoded(vb, frame)
+                        link = client.send_encoded(vb, frame)
             except BrokyError as exc:
                 with self._cond:
                     client.stats.refused += 1
@@ -427,17 +441,18 @@ class SyncClient:
             BadPatternError: the pattern is not valid.
             ClientClosedError: the client is closed.
         """
-        sync_sub = SyncSubscription(self, max_pending_msgs, max_pending_bytes)
-        sync_sub._sub = self._call(
+        sync_sub = SyncSubscription(self._client, self._call, max_pending_msgs, max_pending_bytes)
+        sub = self._call(
             self._client.subscribe(
                 pattern,
                 partition=partition,
-                callback=sync_sub._push,
+                callback=sync_sub.push,
                 since=since,
                 since_time=since_time,
                 last=last,
             )
         )
+        sync_sub.attach(sub)
         self._subs.append(sync_sub)
         return sync_sub
 
@@ -511,7 +526,7 @@ class SyncClient:
             self._call(self._close())
         finally:
             for sub in self._subs:
-                sub._close()
+                sub.mark_closed()
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
