@@ -31,6 +31,14 @@ TARGETS: dict[str, tuple[str, float | None]] = {
     ),
     "test_client_publish": ("Client.publish's fast path: cached template and Link, queued", None),
     "test_client_publish_rows_1000": ("publish_many and the Spark sink's bulk path, per row", None),
+    "test_client_deliver_queued_1000": (
+        "a Subscription's bounded queue: delivered by the reader, taken by next_msg, per message",
+        None,
+    ),
+    "test_sync_deliver_1000": (
+        "the blocking client's subscription queue: pushed under its lock, taken by next, per message",
+        None,
+    ),
     "test_route_message": ("read the routing fields", 1.0),
     "test_scan_1mib[route]": ("scan 1 MiB of messages: framing + routing read, per message", 1.0),
     "test_shard_feed_1mib[no-subscriber]": (

@@ -125,12 +125,12 @@ def _publishing_client(loop: Any) -> Any:
     from broky.protocol import VBUCKETS
 
     client = Client("127.0.0.1:1")
-    client._loop = loop
+    client.loop = loop
     client._open = client._connected = True
     client._encoder.set_limit(DEFAULT_MAX_FRAME_BYTES)
     link = Link(client, "n", 0)
     link.proto = _NullProto()  # type: ignore[assignment]
-    client._router.route = [link] * VBUCKETS
+    client.router.route = [link] * VBUCKETS
     return client
 
 
@@ -192,8 +192,90 @@ def test_client_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
         loop.close()
 
 
+def _delivering_link(client: Any, callback: Any) -> tuple[Any, Any, bytes]:
+    """A Link of `client` (no server) carrying one subscription to `orders.>` with
+    `callback` (None: its bounded queue), its WorkerProtocol, and 1000 canonical
+    deliveries over 256 key_partitions in one read."""
+    from broky.client.client import Link
+    from broky.client.connection import WorkerProtocol
+    from broky.client.subscription import Subscription
+
+    link = Link(client, "n", 0)
+    sub = Subscription(client, 1, b"orders.>", None, callback, 65536, 1 << 26)
+    link.subs[1] = sub
+    link.matcher.add(b"orders.>", sub)
+    proto = WorkerProtocol()
+    proto.attach(link, (link.pos_epoch, link.pos_offset, link.pos_ts), link.on_replayed)
+    frames = b"".join(encode_message(b"tenant-%d" % (i % 256), KEY, PAYLOAD, TS, 0, UID) for i in range(1000))
+    return sub, proto, frames
+
+
+def test_client_deliver_queued_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # The bounded queue of an asyncio Subscription (no callback): one read of 1000
+    # deliveries as in test_client_deliver_1000, each queued, then taken by next_msg.
+    import asyncio
+
+    from broky.client.client import Client
+
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def setup() -> Any:
+            client = Client("127.0.0.1:1")
+            sub, proto, frames = _delivering_link(client, None)
+            take = sub.next_msg
+
+            async def read_and_take() -> None:
+                proto.data_received(frames)
+                for _ in range(1000):
+                    await take()
+
+            return client, sub, read_and_take
+
+        client, sub, read_and_take = loop.run_until_complete(setup())
+        benchmark.extra_info["messages"] = 1000
+        benchmark(lambda: loop.run_until_complete(read_and_take()))
+        assert sub.delivered >= 1000 and sub.pending == 0 and client.stats.errors == 0
+    finally:
+        loop.close()
+
+
+def test_sync_deliver_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # The blocking client's subscription queue: one read of 1000 deliveries handed by the
+    # reader to SyncSubscription's queue (under its lock), then taken by `next` (no
+    # other thread: the I/O thread's side and the caller's side, one after the other).
+    import asyncio
+
+    from broky.client.client import Client
+    from broky.client.sync import SyncSubscription
+
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def setup() -> Any:
+            client = Client("127.0.0.1:1")
+            sync_sub = SyncSubscription(client, lambda coro: coro.close(), 65536, 1 << 26)
+            sub, proto, frames = _delivering_link(client, sync_sub.push)
+            sync_sub.attach(sub)
+            return client, sync_sub, proto, frames
+
+        client, sync_sub, proto, frames = loop.run_until_complete(setup())
+        take = sync_sub.next
+
+        def read_and_take() -> None:
+            proto.data_received(frames)
+            for _ in range(1000):
+                take()
+
+        benchmark.extra_info["messages"] = 1000
+        benchmark(read_and_take)
+        assert sync_sub.delivered >= 1000 and sync_sub.pending == 0 and client.stats.errors == 0
+    finally:
+        loop.close()
+
+
 def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped-def]
-    # The Spark sink's bulk path (Client._publish_rows): 1000 rows, 64 key_partitions.
+    # The Spark sink's bulk path (Client.publish_rows): 1000 rows, 64 key_partitions.
     import asyncio
 
     loop = asyncio.new_event_loop()
@@ -202,7 +284,7 @@ def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped
         kps = [b"tenant-%d" % (i & 63) for i in range(1000)]
         keys = [KEY] * 1000
         payloads = [PAYLOAD] * 1000
-        rows = client._publish_rows
+        rows = client.publish_rows
         for _ in range(2):  # every shape gets its template
             loop.run_until_complete(rows(kps, keys, payloads, None, None))
         benchmark.extra_info["messages"] = 1000

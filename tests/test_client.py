@@ -49,10 +49,10 @@ def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server:
             vmap = client.server_info.map
             assert client.server_info.workers == 2
             # only the first connection exists until something needs another worker
-            assert len(client._router.links) == 1
+            assert len(client.router.links) == 1
             by_worker = partitions_by_worker(vmap)
             sub = await client.subscribe("orders.*")
-            assert sorted(ref.worker for ref, link in client._router.links.items() if link.proto) == [0, 1]
+            assert sorted(ref.worker for ref, link in client.router.links.items() if link.proto) == [0, 1]
             sent = []
             for w in (0, 1):
                 for kp in by_worker[w]:
@@ -170,8 +170,8 @@ def test_a_burst_to_a_worker_not_connected_yet_waits_for_its_connection(server: 
         async with broky.connect(server.url) as sub_client:
             sub = await sub_client.subscribe("burst.>")
             async with broky.connect(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
-                assert client._router.map is not None
-                kps = [p[0] for p in partitions_by_worker(client._router.map, 1).values()]
+                assert client.router.map is not None
+                kps = [p[0] for p in partitions_by_worker(client.router.map, 1).values()]
                 n = 2000
                 for i in range(n):
                     await client.publish(kps[i % len(kps)], b"burst.k", b"%d" % i + b"x" * 100)
@@ -180,8 +180,8 @@ def test_a_burst_to_a_worker_not_connected_yet_waits_for_its_connection(server: 
                 got = await take(sub, n)
                 assert sorted(int(m.payload.rstrip(b"x")) for m in got) == list(range(n))
             async with broky.connect(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
-                assert client._router.map is not None
-                kps = [p[0] for p in partitions_by_worker(client._router.map, 1).values()]
+                assert client.router.map is not None
+                kps = [p[0] for p in partitions_by_worker(client.router.map, 1).values()]
                 with pytest.raises(broky.PublishBufferFullError):
                     for i in range(n):
                         client.publish_nowait(kps[i % len(kps)], b"burst.k", b"x" * 100)
@@ -196,7 +196,7 @@ def test_a_blocking_burst_to_a_worker_not_connected_yet_waits_for_its_connection
     with broky.connect_sync(server.url) as sub_client:
         sub = sub_client.subscribe("burst.>")
         with broky.connect_sync(server.url, max_reconnect_buffer_bytes=16 << 10) as client:
-            vmap = client._client._router.map
+            vmap = client._client.router.map
             assert vmap is not None
             kps = [p[0] for p in partitions_by_worker(vmap, 1).values()]
             n = 2000
@@ -391,10 +391,10 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
     async def main() -> None:
         errors: list[BaseException] = []
         async with broky.connect(server.url, on_error=errors.append) as client:
-            assert client._router.map is not None
-            good = client._router.map
-            client._router.map = good._replace(owners=tuple((n, 1 - w) for n, w in good.owners))
-            client._router.route = [None] * len(client._router.route)
+            assert client.router.map is not None
+            good = client.router.map
+            client.router.map = good._replace(owners=tuple((n, 1 - w) for n, w in good.owners))
+            client.router.route = [None] * len(client.router.route)
             by_worker = partitions_by_worker(good)
             kp = by_worker[0][0]
             sub = await client.subscribe("m", partition=kp)
@@ -402,7 +402,7 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
                 await client.publish(kp, b"m", b"refused %d" % i)
             # flush waits for the map refresh and the resend of the refused publishes
             await client.flush()
-            assert client._router.map == good and client._subscriptions.links[sub.sid][0].ref.worker == 0
+            assert client.router.map == good and client._subscriptions.links[sub.sid][0].ref.worker == 0
             assert client.stats.resent == 3 and client.stats.misrouted == 0
             assert errors == []  # handled: nothing for on_error
             await client.publish(kp, b"m", b"found")

@@ -34,7 +34,7 @@ def test_a_goodbye_is_a_server_shutdown_with_what_was_processed(server: ServerPr
             for i in range(7):
                 await client.publish(b"kp", b"g.x", b"%d" % i)
             await client.flush()
-            links = len(client._router.links)
+            links = len(client.router.links)
             server.signal(signal.SIGTERM)
             await until(lambda: len(reasons) == links)
 
@@ -53,7 +53,7 @@ def test_the_blocking_client_gets_the_same_reasons(server: ServerProcess) -> Non
     ) as client:
         client.publish(b"kp", b"g.x", b"x")
         client.flush()
-        links = len(client._client._router.links)
+        links = len(client._client.router.links)
         server.signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while len(reasons) < links and time.monotonic() < deadline:

@@ -35,12 +35,12 @@ class FakeProto:
 
 def _client(max_frame: int = 1 << 20) -> tuple[Client, Link]:
     client = Client("127.0.0.1:1", batch_size=1 << 40)
-    client._loop = asyncio.get_running_loop()
+    client.loop = asyncio.get_running_loop()
     client._open = client._connected = True
     client._encoder.set_limit(max_frame)
     link = Link(client, "n", 0)
     link.proto = FakeProto()  # type: ignore[assignment]
-    client._router.route = [link] * VBUCKETS
+    client.router.route = [link] * VBUCKETS
     return client, link
 
 
@@ -209,15 +209,15 @@ def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
         frame = encode_message(b"p", b"k", b"v")
-        client._router.to_resend = [(link, frame), (other, frame), (link, b"garbage")]
-        client._router.resend_refused()
+        client.router.to_resend = [(link, frame), (other, frame), (link, b"garbage")]
+        client.router.resend_refused()
         assert other.out == [] and link.out == [frame]  # refused by other, owned by link: resent
         assert client.stats.resent == 1 and client.stats.misrouted == 2  # again link; unreadable
-        client._router.to_resend = [(other, frame)]
-        client._router.resend_refused(refresh_failed=True)
+        client.router.to_resend = [(other, frame)]
+        client.router.resend_refused(refresh_failed=True)
         assert client.stats.resent == 1 and client.stats.misrouted == 3
         await asyncio.sleep(0)
-        assert len(errors) == 3 and client._router.to_resend == []
+        assert len(errors) == 3 and client.router.to_resend == []
 
     run(main)
 
@@ -246,7 +246,7 @@ def test_publish_rows_equals_publishing_each_row(
         ts = [r[3] for r in rows]
         prefix = bytes(range(12)) if given_uids else None
         before = time.time_ns()
-        await client._publish_rows(kps, keys, payloads, ts, prefix, 7 << 32)
+        await client.publish_rows(kps, keys, payloads, ts, prefix, 7 << 32)
         frames = frames_in(link.out)  # the compiled bulk path packs chunks of frames
         assert client.stats.published == len(rows) == len(frames) == len(link.out) + link.out_extra
         seen = set()
@@ -273,17 +273,17 @@ def test_publish_rows_raises_like_publish() -> None:
     async def main() -> None:
         client, _ = _client(max_frame=300)
         ok = [b"p"] * 3
-        await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
+        await client.publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
         with pytest.raises(broky.PayloadTooLargeError):
-            await client._publish_rows(ok, [b"k"] * 3, [b"v", b"x" * 300, b"v"], None, None)
+            await client.publish_rows(ok, [b"k"] * 3, [b"v", b"x" * 300, b"v"], None, None)
         with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
-            await client._publish_rows(ok, [b"k"] * 3, [b"v", "s", b"v"], None, None)
+            await client.publish_rows(ok, [b"k"] * 3, [b"v", "s", b"v"], None, None)
         with pytest.raises(broky.LocalProtocolError):
-            await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, [0, 2**63, 0], None)
+            await client.publish_rows(ok, [b"k"] * 3, [b"v"] * 3, [0, 2**63, 0], None)
         assert client.stats.published == 6  # every row before the one that raised
         client._closed, client._open = True, False
         with pytest.raises(broky.ClientClosedError):
-            await client._publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
+            await client.publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
         assert client.stats.published == 6
 
     run(main)
@@ -298,9 +298,9 @@ def test_fast_path_cache_follows_map_and_limit() -> None:
         assert client._fast["p"]["k"][1][-1] is link and client._fast[b"p"][b"k"][1][-1] is link
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
-        assert client._router.map is None
-        client._router.links[other.ref] = other
-        client._router.apply(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
+        assert client.router.map is None
+        client.router.links[other.ref] = other
+        client.router.apply(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
         assert client._fast == {}
         await client.publish("p", "k", b"v")
         assert other.out and decode_message(other.out[0]).key_partition == b"p"

@@ -12,6 +12,7 @@ import broky
 from broky.client.losses import LossLog
 from broky.client.stats import ClientStats
 from broky.client.subscription import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, hard_bounds
+from broky.client.sync import SyncSubscription
 from broky.protocol import Message
 
 
@@ -21,18 +22,19 @@ class Owner:
         self.errors: list[BaseException] = []
         self.pauses = 0
         self.resumes = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the blocking client's resumes go through it
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
         self.errors.append(exc)
 
-    def _pause(self, sub: broky.Subscription) -> None:
+    def pause_subscription(self, sub: broky.Subscription) -> None:
         self.pauses += 1
 
-    def _resume(self, sub: broky.Subscription) -> None:
+    def resume_subscription(self, sub: broky.Subscription) -> None:
         self.resumes += 1
 
-    async def _unsubscribe(self, sub: broky.Subscription) -> None:
-        sub._close()
+    async def remove_subscription(self, sub: broky.Subscription) -> None:
+        sub.mark_closed()
 
 
 def msg(i: int) -> Message:
@@ -50,10 +52,10 @@ def test_a_full_queue_pauses_once_queues_to_the_hard_bound_then_drops_and_report
         sub = broky.Subscription(owner, 1, b"k", None, None, 5, 1 << 30)
         hard = hard_bounds(5, 1 << 30)[0]
         for i in range(5):
-            sub._deliver(msg(i))
+            sub.deliver(msg(i))
         assert owner.pauses == 0  # room for every one
         for i in range(5, hard + 100):
-            sub._deliver(msg(i))
+            sub.deliver(msg(i))
         assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
         assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
         await asyncio.sleep(0)  # one report for the burst, with its count
@@ -62,6 +64,35 @@ def test_a_full_queue_pauses_once_queues_to_the_hard_bound_then_drops_and_report
         got = [int((await sub.next_msg(0)).payload) for _ in range(hard - 2)]
         assert got == list(range(hard - 2)) and owner.resumes == 1
         assert sub.pending == 2
+
+    asyncio.run(main())
+
+
+def test_the_blocking_clients_queue_follows_the_same_rule() -> None:
+    # SyncSubscription is the same Inbox behind a lock: pushed by the I/O thread (here, the
+    # loop's), taken by `next`; it resumes from the consumer's thread through the loop.
+    async def main() -> None:
+        owner = Owner()
+        owner.loop = asyncio.get_running_loop()
+        feed = broky.Subscription(owner, 1, b"k", None, lambda m: None, 5, 1 << 30)
+        sub = SyncSubscription(owner, lambda coro: coro.close(), 5, 1 << 30)  # type: ignore[arg-type]
+        sub.attach(feed)
+        hard = hard_bounds(5, 1 << 30)[0]
+        for i in range(5):
+            sub.push(msg(i))
+        assert owner.pauses == 0
+        for i in range(5, hard + 100):
+            sub.push(msg(i))
+        assert sub.pending == hard and sub.dropped == 100 == owner.stats.dropped_local
+        assert owner.pauses > 1  # once when full, then on every drop (a Link put on since)
+        await asyncio.sleep(0)
+        assert [(e.sid, e.dropped) for e in owner.errors] == [(1, 100)]  # type: ignore[attr-defined]
+        got = [int(sub.next(0).payload) for _ in range(hard - 2)]
+        await asyncio.sleep(0)  # the resume, handed to the I/O thread's loop
+        assert got == list(range(hard - 2)) and owner.resumes == 1
+        assert sub.pending == 2 and sub.delivered == hard - 2
+        sub.mark_closed()
+        assert [int(m.payload) for m in sub.iter(0)] == [hard - 2, hard - 1]
 
     asyncio.run(main())
 

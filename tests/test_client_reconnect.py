@@ -221,9 +221,9 @@ def test_blocking_client_survives_a_cut(server: ServerProcess, proxy: FaultProxy
         assert [m.payload for m in sub.iter(timeout=2, count=2)] == [b"1", b"2"]
         # Every connection came back; links reconnect independently, each on its own backoff.
         deadline = time.monotonic() + 10
-        while c.stats.reconnects < len(c._client._router.links) and time.monotonic() < deadline:
+        while c.stats.reconnects < len(c._client.router.links) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert c.stats.reconnects == len(c._client._router.links)
+        assert c.stats.reconnects == len(c._client.router.links)
 
 
 @pytest.mark.parametrize("bulk", [False, True], ids=["publish", "publish_many"])
@@ -262,7 +262,7 @@ def test_a_killed_worker_loses_no_publish(server: ServerProcess, bulk: bool) -> 
                         await client.publish(kp, b"lost.x", b"%d" % i)
             await asyncio.sleep(0.1)  # written (linger 0); the stopped worker processed none
             if bulk and pubpack.compiled is not None:  # writes of several chunks are kept
-                kept = [w for link in client._router.links.values() for w in link.retained]
+                kept = [w for link in client.router.links.values() for w in link.retained]
                 assert any(len(w.chunks) > 1 for w in kept)
             os.kill(victim, signal.SIGKILL)
             if bulk:
@@ -440,7 +440,7 @@ def test_giving_up_drops_counts_and_makes_publish_and_flush_raise(
             for i in range(7):
                 await client.publish(b"kp", b"k", b"%d" % i)
             await until(lambda: any("gave up" in str(e) for e in ev.errors))
-            await until(lambda: all(link.failed is not None for link in client._router.links.values()))
+            await until(lambda: all(link.failed is not None for link in client.router.links.values()))
             assert client.stats.unsent_gave_up == 7
             with pytest.raises(broky.BrokyConnectionError, match="gave up on worker"):
                 await client.flush(timeout=5)

@@ -20,6 +20,15 @@ The Client is the facade; each concern has its module:
 This module keeps the options, the lifecycle (`connect`, `close`), `flush`,
 `subscribe` and the callbacks.
 
+The SDK's modules ask the Client for what they need by name, never by
+reaching for its private members: each module declares what it needs as a
+Protocol (LinkOwner in broky.client.link, RouterOwner in
+broky.client.routing, SubscriptionOwner in broky.client.subscription,
+ReadOwner in broky.client.reader), and the Client's members that serve them
+(`router`, `loop`, `max_frame`, `duplicate_uids`, `report_error`,
+`take_welcome`, `pause_subscription`, `publish_rows`, ...) are documented as
+for the SDK's own modules: they are not part of the API for users.
+
 The first connection says Hello with worker=-1; its Welcome carries the
 vbucket map, the worker it landed on and the server's max_frame_bytes. From
 then on the Router keeps one `Link` per (node, worker) the client needs,
@@ -196,22 +205,25 @@ class Client(Publisher):
         self.on_loss = on_loss
         self.stats = ClientStats()
         self.server_info: ServerInfo | None = None
-        self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self._max_frame = 0
-        self._subscriptions = SubscriptionTable(self._report)
+        # For the SDK's own modules (not for users): the event loop it connected on, the
+        # server's max_frame_bytes (the blocking client's encoder), and its Router (the
+        # vbucket map, the route table and the Links by worker).
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.max_frame = 0
+        self._subscriptions = SubscriptionTable(self.report_error)
         self._losses = LossLog(lambda line: log.warning("broky client: %s", line))
-        self._router = Router(self, self._subscriptions)
+        self.router = Router(self, self._subscriptions)
         self._connected = False
         self._closed = False
         self._open = False  # connected and not closed: the publish fast path's one check
-        # uids that may arrive twice (see `_drop_duplicates`), read by Link.on_message
-        self._dupes: set[bytes] | None = None
+        # uids that may arrive twice (see `drop_duplicates`), read by Link.on_message
+        self.duplicate_uids: set[bytes] | None = None
         self._dupes_timer: asyncio.TimerHandle | None = None
         super().__init__()  # the publish path's encoder and cache
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def __repr__(self) -> str:
-        return f"<broky.Client {self.address} links={list(self._router.links.values())}>"
+        return f"<broky.Client {self.address} links={list(self.router.links.values())}>"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -234,7 +246,7 @@ class Client(Publisher):
         self._check_open()
         if self._connected:
             return self
-        self._loop = loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
         delay = self.reconnect_min_delay
         hello = Hello(client_name=self.name, auth_token=self.auth_token)
@@ -280,10 +292,10 @@ class Client(Publisher):
             await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
             delay = min(delay * 2, self.reconnect_max_delay)
         self.address, proto, welcome = found
-        self._router.set_seed(welcome.node_id, welcome.map)
-        self._welcome(welcome)
+        self.router.set_seed(welcome.node_id, welcome.map)
+        self.take_welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
-        self._router.links[link.ref] = link
+        self.router.links[link.ref] = link
         link.attach(proto, welcome, reconnect=False)
         self._connected = True
         self._open = True
@@ -298,7 +310,7 @@ class Client(Publisher):
         """
         if self._closed:
             return
-        up = [link for link in self._router.links.values() if link.proto is not None]
+        up = [link for link in self.router.links.values() if link.proto is not None]
         if up:
             try:
                 async with asyncio.timeout(self.flush_timeout):
@@ -307,7 +319,7 @@ class Client(Publisher):
                 log.warning("close: flush incomplete: %s", exc)
         self._closed = True
         self._open = False
-        self._router.close()
+        self.router.close()
         self._subscriptions.close()
         self._losses.close()
         for task in list(self._tasks):
@@ -365,7 +377,7 @@ class Client(Publisher):
                 links, results = await self._round_trips()
                 # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
                 # the Pongs: once the map is fresh they are sent again; wait for those too.
-                router = self._router
+                router = self.router
                 while (
                     router.to_resend
                     or router.settling
@@ -377,11 +389,11 @@ class Client(Publisher):
                         await asyncio.wait(list(router.settling))
                     links, results = await self._round_trips()
         except TimeoutError:
-            down = [link.ref.worker for link in self._router.links.values() if link.proto is None]
+            down = [link.ref.worker for link in self.router.links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
             raise BrokyTimeoutError(f"flush did not complete within {timeout:g} s{why}") from None
         problems: list[str] = []
-        retired, self._router.retired = self._router.retired, []
+        retired, self.router.retired = self.router.retired, []
         for link in retired:  # Links whose node left the map with publishes possibly lost
             problems.append(
                 f"worker {link.ref.worker} of {link.ref.node_id} (left the cluster): {link.unconfirmed} "
@@ -405,7 +417,7 @@ class Client(Publisher):
         """A round trip on every Link that is up, has something queued, gave up or lost publishes."""
         links = [
             link
-            for link in self._router.links.values()
+            for link in self.router.links.values()
             if link.proto is not None or link.out or link.failed is not None or link.unconfirmed
         ]
         results = await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
@@ -481,7 +493,7 @@ class Client(Publisher):
             since_time=time_ns(since_time),
             last=last,
         )
-        router = self._router
+        router = self.router
         if part is None:
             links = router.all_links()
         else:  # its owner, and the worker its vbucket is moving to (schema/README.md 6.3)
@@ -492,7 +504,7 @@ class Client(Publisher):
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in links))
         except TimeoutError:
-            self._report(
+            self.report_error(
                 BrokyTimeoutError(
                     f"{sub!r} not confirmed by every worker within {self.flush_timeout:g} s; "
                     "it is restored on reconnect"
@@ -500,11 +512,11 @@ class Client(Publisher):
             )
         limited = self._subscriptions.limited.get(sub.sid)
         if limited is not None:
-            await self._unsubscribe(sub)
+            await self.remove_subscription(sub)
             raise limited[0]
         vmap = router.map
         if vmap is not None and vmap.incoming is not None:  # a move waits for every subscriber
-            self._map_applied(vmap.version)
+            self.map_applied(vmap.version)
         return sub
 
     async def _confirm(self, link: Link) -> None:
@@ -520,14 +532,23 @@ class Client(Publisher):
         with contextlib.suppress(BrokyConnectionError):  # dropped: restored on reconnect
             await link.round_trip(retry=False)
 
-    def _pause(self, sub: Subscription) -> None:
+    # ------------------------------------------------------------ asked by a Subscription (SubscriptionOwner)
+
+    def pause_subscription(self, sub: Subscription) -> None:
+        """For the SDK's subscriptions: `sub`'s queue is full, pause its connections."""
         self._subscriptions.pause(sub)
 
-    def _resume(self, sub: Subscription) -> None:
+    def resume_subscription(self, sub: Subscription) -> None:
+        """For the SDK's subscriptions: `sub`'s queue has room again."""
         if not self._closed:
             self._subscriptions.resume(sub)
 
-    async def _unsubscribe(self, sub: Subscription) -> None:
+    async def remove_subscription(self, sub: Subscription) -> None:
+        """For `Subscription.unsubscribe`: stop `sub` on every worker, then close it.
+
+        Raises:
+            ClientClosedError: the client is closed.
+        """
         self._check_open()
         self._subscriptions.remove(sub)
 
@@ -616,9 +637,10 @@ class Client(Publisher):
 
     # ---------------------------------------------------------------- asked by the Links (LinkOwner)
 
-    def _welcome(self, welcome: Welcome) -> None:
+    def take_welcome(self, welcome: Welcome) -> None:
+        """For the Links and the Router (LinkOwner): take in a Welcome's map and max_frame_bytes."""
         vmap = welcome.map
-        self._max_frame = welcome.max_frame_bytes
+        self.max_frame = welcome.max_frame_bytes
         self._limit_frames(welcome.max_frame_bytes)
         self.server_info = ServerInfo(
             welcome.node_id,
@@ -628,36 +650,43 @@ class Client(Publisher):
             welcome.max_frame_bytes,
             welcome.max_pending_bytes,
         )
-        self._router.take_map(vmap)
+        self.router.take_map(vmap)
 
-    def _address_of(self, node_id: str) -> tuple[str, int]:
-        return self._router.address_of(node_id)
+    def address_of(self, node_id: str) -> tuple[str, int]:
+        """For the Links and reads (LinkOwner, ReadOwner): where node `node_id` listens."""
+        return self.router.address_of(node_id)
 
-    def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
-        self._router.not_my_vbucket(link, err, refused)
+    def not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
+        """For the Links (LinkOwner): `link`'s worker refused a subscription or a publish."""
+        self.router.not_my_vbucket(link, err, refused)
 
-    def _subscription_limited(self, link: Link, err: ServerError) -> None:
+    def subscription_limited(self, link: Link, err: ServerError) -> None:
+        """For the Links (LinkOwner): `link`'s worker refused err.sid with SUBSCRIPTION_LIMIT."""
         self._subscriptions.limited_by(link, err)
 
-    def _map_update(self, link: Link, vmap: VBucketMap) -> None:
-        self._router.take_map(vmap)
+    def map_updated(self, link: Link, vmap: VBucketMap) -> None:
+        """For the Links (LinkOwner): `link`'s worker pushed a newer vbucket map."""
+        self.router.take_map(vmap)
         if self.server_info is not None and vmap.version > self.server_info.map.version:
             self.server_info = self.server_info._replace(map=vmap, workers=sum(n.workers for n in vmap.nodes))
 
-    def _send_again(self, link: Link, frames: list[bytes]) -> None:
-        self._router.send_again(frames)
+    def send_again(self, link: Link, frames: list[bytes]) -> None:
+        """For the Links (LinkOwner): publishes `link` cannot deliver, for their owners."""
+        self.router.send_again(frames)
 
-    def _reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
+    def link_reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
+        """For the Links (LinkOwner): `link` is connected again (see LinkOwner)."""
         if not resumed:  # publishers may send again what the lost connection delivered last
-            self._drop_duplicates(tail)
-        vmap = self._router.map
+            self.drop_duplicates(tail)
+        vmap = self.router.map
         if link.subs and vmap is not None:  # after its Subscribes, on the same connection
             link.send_control(encode_map_applied(MapApplied(vmap.version)))
 
-    def _map_applied(self, version: int) -> None:
-        if self._loop is None or self._closed:
+    def map_applied(self, version: int) -> None:
+        """For the Router (RouterOwner): map `version` is in place; say MapApplied once confirmed."""
+        if self.loop is None or self._closed:
             return
-        task = self._loop.create_task(self._acknowledge(version))
+        task = self.loop.create_task(self._acknowledge(version))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -668,50 +697,52 @@ class Client(Publisher):
         are in place there (schema/README.md section 6.3). Only those are waited
         for: a worker that keeps or loses vbuckets (a frozen node's among them)
         must not hold up a move that does not need it."""
-        vmap = self._router.map
+        vmap = self.router.map
         incoming = set() if vmap is None else _incoming_refs(vmap)
-        carrying = [link for link in self._router.links.values() if link.subs and link.ref in incoming]
+        carrying = [link for link in self.router.links.values() if link.subs and link.ref in incoming]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in carrying))
-        vmap = self._router.map
+        vmap = self.router.map
         if self._closed or vmap is None or vmap.version != version:
             return  # superseded: the newer map says it
         # An incoming owner that is down gets its subscriptions and a MapApplied when it
-        # reconnects (`_reconnected`): not before, since they must be in place first.
+        # reconnects (`link_reconnected`): not before, since they must be in place first.
         if any(link.proto is None and link.failed is None for link in carrying):
             return
         frame = encode_map_applied(MapApplied(version))
-        for link in self._router.links.values():
+        for link in self.router.links.values():
             link.send_control(frame)
-        self._router.applied = max(self._router.applied, version)
+        self.router.applied = max(self.router.applied, version)
 
-    def _drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
-        """The last deliveries of a connection lost without an account (the node is
-        gone, or the server restarted) may come again: publishers send again what
-        no server confirmed. Their uids are dropped on arrival for DUPLICATE_WINDOW
-        seconds (`stats.duplicates_dropped`)."""
+    def drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
+        """For the Router (RouterOwner), and `link_reconnected`. The last deliveries of a
+        connection lost without an account (the node is gone, or the server restarted)
+        may come again: publishers send again what no server confirmed. Their uids are
+        dropped on arrival for DUPLICATE_WINDOW seconds (`stats.duplicates_dropped`)."""
         uids = uids_in(tail)
         if not uids:
             return
-        if self._dupes is None:
-            self._dupes = uids
+        if self.duplicate_uids is None:
+            self.duplicate_uids = uids
         else:
-            self._dupes |= uids
+            self.duplicate_uids |= uids
         if self._dupes_timer is not None:
             self._dupes_timer.cancel()
-        self._dupes_timer = self._loop.call_later(DUPLICATE_WINDOW, self._forget_duplicates)
+        self._dupes_timer = self.loop.call_later(DUPLICATE_WINDOW, self._forget_duplicates)
 
     def _forget_duplicates(self) -> None:
-        self._dupes = None
+        self.duplicate_uids = None
         self._dupes_timer = None
 
     # ---------------------------------------------------------------- callbacks
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
+        """For every part of the SDK (LinkOwner, SubscriptionOwner, the SubscriptionTable): count
+        an error and hand it to `on_error` (or the log)."""
         self.stats.errors += 1
         if self.on_error is not None:
-            self._emit(self.on_error, exc)
+            self.invoke_callback(self.on_error, exc)
         elif isinstance(exc, SlowConsumerError):  # one line per subscription every few seconds
             sub = self._subscriptions.subs.get(exc.sid)
             pattern = "" if sub is None else f" ({sub.pattern.decode(errors='replace')})"
@@ -719,17 +750,19 @@ class Client(Publisher):
         else:
             log.warning("broky client: %s", exc)
 
-    def _told_lost(self, ref: WorkerRef, dropped: int, reason: int) -> None:
+    def loss_told(self, ref: WorkerRef, dropped: int, reason: int) -> None:
+        """For the Links (LinkOwner): a LossNotice, to `on_loss` or the loss log."""
         if self.on_loss is not None:
-            self._emit(self.on_loss, ref, dropped, reason)
+            self.invoke_callback(self.on_loss, ref, dropped, reason)
             return
         label = f"deliveries from worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
         self._losses.add(("server", ref, reason), label, dropped)
 
-    def _unaccounted(self, ref: WorkerRef) -> None:
+    def loss_unaccounted(self, ref: WorkerRef) -> None:
+        """For the Links and the Router (LinkOwner): a lost connection nobody accounts for."""
         self.stats.unaccounted += 1
         if self.on_loss is not None:
-            self._emit(self.on_loss, ref, 0, LossReason.UNACCOUNTED)
+            self.invoke_callback(self.on_loss, ref, 0, LossReason.UNACCOUNTED)
             return
         label = (
             f"deliveries from worker {ref.worker} of {ref.node_id}: no server could account for a lost "
@@ -738,7 +771,8 @@ class Client(Publisher):
         noun = ("connection unaccounted", "connections unaccounted")
         self._losses.add(("unaccounted", ref), label, 1, noun)
 
-    def _emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
+    def invoke_callback(self, callback: Callable[..., Any] | None, *args: Any) -> None:
+        """For the Links (LinkOwner): call a user callback (awaited in a task if it returns an awaitable)."""
         if callback is None:
             return
         try:
@@ -747,7 +781,7 @@ class Client(Publisher):
             log.exception("broky client: callback %r raised", callback)
             return
         if inspect.isawaitable(result):
-            task = self._loop.create_task(_await(result))
+            task = self.loop.create_task(_await(result))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

@@ -216,7 +216,8 @@ class WorkerRef(NamedTuple):
 
 
 class LinkOwner(Protocol):
-    """What a Link needs from its client (`broky.client.client.Client` is one)."""
+    """What a Link needs from its client (`broky.client.client.Client` is one): the
+    names the Client documents as for the SDK's own modules."""
 
     # options (see `broky.connect`)
     name: str | None
@@ -231,49 +232,52 @@ class LinkOwner(Protocol):
     ping_interval: float | None
     max_outstanding_pings: int
     confirm_interval: float
-    # callbacks, called through `_emit`
+    # callbacks, called through `invoke_callback`
     on_disconnect: Callable[[WorkerRef, BaseException | None], Any] | None
     on_reconnect: Callable[[WorkerRef], Any] | None
     on_loss: Callable[[WorkerRef, int, int], Any] | None
     # state
     stats: ClientStats
-    _loop: asyncio.AbstractEventLoop
-    _closed: bool
-    _dupes: set[bytes] | None  # uids dropped on arrival (see Client._drop_duplicates)
+    loop: asyncio.AbstractEventLoop
+    duplicate_uids: set[bytes] | None  # uids dropped on arrival (see Client.drop_duplicates)
 
-    def _address_of(self, node_id: str) -> tuple[str, int]:
+    @property
+    def is_closed(self) -> bool:
+        """`close` was called."""
+
+    def address_of(self, node_id: str) -> tuple[str, int]:
         """Where node `node_id` listens."""
 
-    def _welcome(self, welcome: Welcome) -> None:
+    def take_welcome(self, welcome: Welcome) -> None:
         """Take in what a Welcome says (the map, max_frame_bytes)."""
 
-    def _not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
+    def not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         """`link`'s worker refused a subscription (err.sid) or a publish (`refused`, its frame)."""
 
-    def _subscription_limited(self, link: Link, err: ServerError) -> None:
+    def subscription_limited(self, link: Link, err: ServerError) -> None:
         """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT."""
 
-    def _map_update(self, link: Link, vmap: VBucketMap) -> None:
+    def map_updated(self, link: Link, vmap: VBucketMap) -> None:
         """`link`'s worker pushed a newer vbucket map."""
 
-    def _send_again(self, link: Link, frames: list[bytes]) -> None:
+    def send_again(self, link: Link, frames: list[bytes]) -> None:
         """Publishes `link` cannot deliver, for the owners of their key_partitions."""
 
-    def _reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
+    def link_reconnected(self, link: Link, resumed: bool, tail: list[tuple[bytes, int]]) -> None:
         """`link` is connected again; `resumed`: the server had an account of the lost
         connection; `tail`: the last reads of the lost connection (for duplicates)."""
 
-    def _told_lost(self, ref: WorkerRef, dropped: int, reason: int) -> None:
+    def loss_told(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         """A LossNotice: `on_loss`, or a line in the loss log."""
 
-    def _unaccounted(self, ref: WorkerRef) -> None:
+    def loss_unaccounted(self, ref: WorkerRef) -> None:
         """A connection that carried subscriptions was lost and no server can say what
         it lost (LossReason.UNACCOUNTED): `on_loss` with a count of 0, or the loss log."""
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
 
-    def _emit(self, callback: Callable[..., Any] | None, *args: Any) -> None:
+    def invoke_callback(self, callback: Callable[..., Any] | None, *args: Any) -> None:
         """Call a user callback (awaited in a task if it returns an awaitable)."""
 
 
@@ -377,7 +381,7 @@ class Link(_LinkState):
         client = self.client
         proto.attach(self, (self.pos_epoch, self.pos_offset, self.pos_ts), self.on_replayed)
         self.proto = proto
-        client._welcome(welcome)
+        client.take_welcome(welcome)
         resumed = welcome.resumed
         if resumed is not None and (
             self.previous is None or resumed.connection_id != self.previous.connection_id
@@ -409,23 +413,23 @@ class Link(_LinkState):
         if reconnect or self.out:
             self._send_ping(None)  # after the publishes that wait in `out`, in the same write
         if client.ping_interval is not None:
-            self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
+            self.keepalive = client.loop.call_later(client.ping_interval, self._keepalive)
         self.up.set()
         self.tried.set()
         if lost_one:
             tail, self.tail = self.tail, []
-            client._reconnected(self, resumed is not None, tail)
+            client.link_reconnected(self, resumed is not None, tail)
         if reconnect:
             client.stats.reconnects += 1
-            client._emit(client.on_reconnect, self.ref)
+            client.invoke_callback(client.on_reconnect, self.ref)
 
     async def _connect_loop(self, reconnect: bool) -> None:
         client = self.client
         delay = client.reconnect_min_delay
         attempts = 0
         last: BaseException | None = None
-        while not client._closed and not self.retired:
-            host, port = client._address_of(self.ref.node_id)
+        while not client.is_closed and not self.retired:
+            host, port = client.address_of(self.ref.node_id)
             hello = Hello(
                 worker=self.ref.worker,
                 client_name=client.name,
@@ -439,9 +443,9 @@ class Link(_LinkState):
                 last = exc
                 self.tried.set()
                 if isinstance(exc, ServerError):
-                    client._report(exc)
+                    client.report_error(exc)
             else:
-                if client._closed or self.retired:
+                if client.is_closed or self.retired:
                     proto.abort()
                     return
                 self.attach(proto, welcome, reconnect)
@@ -490,7 +494,7 @@ class Link(_LinkState):
         lost = doubt.written - doubt.confirmed - len(with_uid)
         if with_uid:
             self.client.stats.resent_after_loss += len(with_uid)
-            self.client._send_again(self, with_uid)
+            self.client.send_again(self, with_uid)
         if lost > 0:
             why = "the server has no account of it"
             if len(again) > len(with_uid):
@@ -503,7 +507,7 @@ class Link(_LinkState):
         it: they are lost, counted in `stats.misrouted` and reported by the next flush."""
         self.unconfirmed += n
         self.client.stats.misrouted += n
-        self.client._report(
+        self.client.report_error(
             BrokyConnectionError(
                 f"connection to worker {self.ref.worker} lost with {n} publishes refused with "
                 "NOT_MY_VBUCKET whose refusals (carrying them back) never arrived: they are lost"
@@ -514,7 +518,7 @@ class Link(_LinkState):
         client = self.client
         self.unconfirmed += n
         client.stats.unconfirmed_lost += n
-        client._report(
+        client.report_error(
             BrokyConnectionError(
                 f"connection to worker {self.ref.worker} lost with {n} publishes written but not "
                 f"confirmed: they may not have reached the server ({why})"
@@ -538,7 +542,7 @@ class Link(_LinkState):
                 fut.set_exception(exc)
         self.pings.clear()
         self.up.set()  # wake round trips; they see `failed`
-        self.client._report(exc)
+        self.client.report_error(exc)
 
     def gave_up_error(self) -> BrokyConnectionError:
         """A fresh copy of `failed` to raise (re-raising one instance grows its traceback)."""
@@ -562,7 +566,7 @@ class Link(_LinkState):
             return
         self.outstanding += 1
         self._send_ping(None)
-        self.keepalive = client._loop.call_later(client.ping_interval, self._keepalive)
+        self.keepalive = client.loop.call_later(client.ping_interval, self._keepalive)
 
     def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
         if proto is not self.proto:
@@ -589,12 +593,12 @@ class Link(_LinkState):
                 fut.set_exception(lost)
         self.pings.clear()
         client = self.client
-        if client._closed:
+        if client.is_closed:
             self.settle(None)
             return
         if report:  # an error the server sent, or the protocol broken (a plain drop is no error)
-            client._report(exc)
-        client._emit(client.on_disconnect, self.ref, exc)
+            client.report_error(exc)
+        client.invoke_callback(client.on_disconnect, self.ref, exc)
         self.start(reconnect=True)
 
     def _stop_timers(self) -> None:
@@ -650,7 +654,7 @@ class Link(_LinkState):
     def schedule_flush(self) -> None:
         """Write `out` when the loop next runs, or after `linger` (once per batch, not per publish)."""
         linger = self.client.linger
-        loop = self.client._loop
+        loop = self.client.loop
         self.flush_handle = (
             loop.call_soon(self.flush_out) if linger <= 0 else loop.call_later(linger, self.flush_out)
         )
@@ -674,7 +678,7 @@ class Link(_LinkState):
         ping_id = 0
         if published:
             client = self.client
-            now = client._loop.time()
+            now = client.loop.time()
             if now - self.confirm_sent >= client.confirm_interval:
                 self.confirm_sent = now
                 self.next_ping = ping_id = self.next_ping + 1
@@ -788,14 +792,14 @@ class Link(_LinkState):
 
     def ping(self) -> asyncio.Future[None]:
         """Send a Ping now; the future is done when its Pong arrives."""
-        fut: asyncio.Future[None] = self.client._loop.create_future()
+        fut: asyncio.Future[None] = self.client.loop.create_future()
         self._send_ping(fut)
         return fut
 
     def ping_now(self) -> asyncio.Future[None]:
         """A Ping written at once, even while fenced: its Pong says the worker processed
         every frame written before it (not those still in `out`)."""
-        fut: asyncio.Future[None] = self.client._loop.create_future()
+        fut: asyncio.Future[None] = self.client.loop.create_future()
         if self.proto is None:
             fut.set_exception(BrokyConnectionError(f"worker {self.ref.worker} is down"))
             return fut
@@ -826,7 +830,7 @@ class Link(_LinkState):
         while True:
             if self.failed is not None:
                 raise self.gave_up_error()
-            if self.client._closed:
+            if self.client.is_closed:
                 raise ClientClosedError("the client is closed")
             await self.up.wait()
             if self.proto is None:
@@ -936,7 +940,7 @@ class Link(_LinkState):
         client = self.client
         stats = client.stats
         stats.received += 1
-        dupes = client._dupes
+        dupes = client.duplicate_uids
         if dupes is not None and msg.uid in dupes:
             stats.duplicates_dropped += 1
             return
@@ -949,7 +953,7 @@ class Link(_LinkState):
         kp = msg.key_partition
         for sub in subs:
             if sub.partition is None or sub.partition == kp:
-                sub._deliver(msg)
+                sub.deliver(msg)
 
     def on_frame(self, frame: Frame) -> None:
         client = self.client
@@ -972,13 +976,13 @@ class Link(_LinkState):
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 if not err.sid:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
-                client._not_my_vbucket(self, err, frame.refused)
+                client.not_my_vbucket(self, err, frame.refused)
             elif err.code == ErrorCode.SUBSCRIPTION_LIMIT and err.sid:
-                client._subscription_limited(self, err)
+                client.subscription_limited(self, err)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
-                client._report(err)
+                client.report_error(err)
         elif isinstance(frame, LossNotice):
             if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops
                 self.told_lost += frame.dropped
@@ -990,11 +994,11 @@ class Link(_LinkState):
                 return
             if frame.reason == LossReason.UNACCOUNTED:
                 if self.subs:  # a connection that carried no subscription had no delivery to lose
-                    client._unaccounted(self.ref)
+                    client.loss_unaccounted(self.ref)
                 return
-            client._told_lost(self.ref, frame.dropped, frame.reason)
+            client.loss_told(self.ref, frame.dropped, frame.reason)
         elif isinstance(frame, MapUpdate):
-            client._map_update(self, frame.map)
+            client.map_updated(self, frame.map)
         elif isinstance(frame, Goodbye):
             log.info("worker %s says goodbye: %s", self.ref, frame.reason)
             self.goodbye_processed = frame.processed
@@ -1030,7 +1034,7 @@ class Link(_LinkState):
         sub = self.subs.get(sid)
         if sub is not None and not sub.closed:
             sub.replayed.setdefault(self.ref, {})[msg.vbucket] = (msg.epoch, msg.offset, msg.ts_broker)
-            sub._deliver(msg)
+            sub.deliver(msg)
 
 
 __all__ = ["Link", "LinkOwner", "WorkerRef"]

@@ -15,7 +15,7 @@ max_frame_bytes, picks the Link and appends the frame to the Link's outbound
 list. The fast path does it with one cache lookup per publish:
 key_partition -> key -> payload length -> (encoder template, Link), then
 the steps of `PublishEncoder.encode` and `Link.send`, inlined. The cache is
-dropped when the map or max_frame_bytes changes (`_forget_routes`), and
+dropped when the map or max_frame_bytes changes (`forget_routes`), and
 cleared when it holds MAX_TEMPLATES entries. With the compiled twin
 (broky.client.pubpack) those steps run in C, in one call
 (`FastPath.publish`): the lookup, the frame stamped from the cached sample
@@ -41,11 +41,11 @@ publish for it comes (broky.client.routing): a tight loop fills 8 MiB in
 tens of milliseconds, before that connection is open, so the wait is part
 of every burst to a new worker, not only of a worker's restart.
 
-`_publish_rows` is the bulk path (`publish_many`, and the Spark sink with its
+`publish_rows` is the bulk path (`publish_many`, and the Spark sink with its
 deterministic uids): the fast path's steps in one
 loop over columns, without an await per row; where `publish` would raise
 PublishBufferFullError (the owner is down, its buffer full) it waits for the
-owner to come back first, up to flush_timeout (`_room_for`). `_send_encoded` queues a frame
+owner to come back first, up to flush_timeout (`_room_for`). `send_encoded` queues a frame
 the blocking client (broky.client.sync) encoded and size-checked in its
 caller's thread.
 """
@@ -96,7 +96,7 @@ class Publisher:
     batch_size: int
     flush_timeout: float
     _open: bool
-    _router: Router
+    router: Router
 
     def __init__(self) -> None:
         self._nowait = False  # publish_nowait is running `publish`: it must not wait for room
@@ -305,10 +305,10 @@ class Publisher:
                 f"got {n}, {len(keys)}, {len(payloads)}"
                 + ("" if ts_producers is None else f", {len(ts_producers)}")
             )
-        await self._publish_rows(key_partitions, keys, payloads, ts_producers, None)
+        await self.publish_rows(key_partitions, keys, payloads, ts_producers, None)
         return n
 
-    async def _publish_rows(
+    async def publish_rows(
         self,
         key_partitions: Sequence[Any],
         keys: Sequence[Any],
@@ -317,8 +317,9 @@ class Publisher:
         uid_prefix: bytes | None,
         uid_base: int = 0,
     ) -> None:
-        """Publish rows given as columns: row i is (key_partitions[i], keys[i],
-        payloads[i], ts_producers[i] or now); the bulk path of the Spark sink.
+        """For `publish_many` and the Spark sink (broky.spark.sink), not for users: publish
+        rows given as columns: row i is (key_partitions[i], keys[i], payloads[i],
+        ts_producers[i] or now).
 
         The steps of `publish`'s fast path, in one loop, without an await per
         row: it yields only after writing a batch whose socket is over its
@@ -388,7 +389,7 @@ class Publisher:
         uid_base: int,
         i: int,
     ) -> None:
-        """Row i of `_publish_rows` by the general path (which raises the errors); then
+        """Row i of `publish_rows` by the general path (which raises the errors); then
         its key_partition's Link goes to the compiled loop's routes."""
         kp = key_partitions[i]
         payload = payloads[i]
@@ -403,7 +404,7 @@ class Publisher:
             if len(slots) >= MAX_SLOTS:
                 slots.clear()
                 self._slot_links.clear()
-            link = self._router.owner_link(kp)
+            link = self.router.owner_link(kp)
             links = self._slot_links
             for j, known in enumerate(links):
                 if known is link:
@@ -422,7 +423,7 @@ class Publisher:
         uid_prefix: bytes | None,
         uid_base: int = 0,
     ) -> None:
-        # `_publish_rows` without the compiled twin: the reference loop.
+        # `publish_rows` without the compiled twin: the reference loop.
         fast = self._fast
         stats = self.stats
         seq = self._uids
@@ -471,7 +472,7 @@ class Publisher:
         if not self._open or key_partition.__class__ not in (bytes, str):
             return
         kp = key_partition if isinstance(key_partition, bytes) else str(key_partition).encode()
-        link = self._router.owner_link(kp)
+        link = self.router.owner_link(kp)
         if link.proto is None and link.out_bytes + size + 256 > link.client.max_reconnect_buffer_bytes:
             await self._wait_up(link)
 
@@ -522,7 +523,7 @@ class Publisher:
         k = key if key.__class__ is bytes else as_bytes(key, "key")
         if payload.__class__ is not bytes:
             payload = payload_bytes(payload)
-        router = self._router
+        router = self.router
         given = isinstance(uid, bytes) and len(uid) == 20
         if uid is True or given:
             encoder = self._encoder
@@ -578,20 +579,22 @@ class Publisher:
             self._fast.setdefault(kp_str, {}).setdefault(k_str, {})[pay_len] = entry
             self._fast_count += 1
 
-    def _forget_routes(self) -> None:
-        """Drop the fast path's cache (templates and Links) and the bulk path's routes."""
+    def forget_routes(self) -> None:
+        """For the Router (RouterOwner): drop the fast path's cache (templates and Links)
+        and the bulk path's routes (the map changed)."""
         self._fast.clear()
         self._fast_count = 0
         self._slots.clear()
         self._slot_links.clear()
 
-    def _send_encoded(self, vb: int, frame: bytes) -> Link | None:
-        """Queue an already encoded and size-checked publish (the blocking client's path).
+    def send_encoded(self, vb: int, frame: bytes) -> Link | None:
+        """For the blocking client (broky.client.sync): queue an already encoded and
+        size-checked publish.
 
         A refused publish raises and is not counted here: the caller counts it
         (under its own lock; see broky.client.sync).
         """
-        router = self._router
+        router = self.router
         link = router.route[vb] or router.fill(vb)
         wrote = link.send(frame)
         self.stats.published += 1
@@ -600,7 +603,7 @@ class Publisher:
     def _limit_frames(self, max_frame_bytes: int) -> None:
         """The server's max_frame_bytes (from a Welcome); templates and cache are dropped if it changed."""
         if self._encoder.set_limit(max_frame_bytes):
-            self._forget_routes()
+            self.forget_routes()
 
 
 __all__ = ["Publisher"]

@@ -181,7 +181,7 @@ class ReadOwner(Protocol):
     @property
     def server_info(self) -> MapInfo | None: ...
 
-    def _address_of(self, node_id: str) -> tuple[str, int]:
+    def address_of(self, node_id: str) -> tuple[str, int]:
         """Where node `node_id` listens (as a Link connects to it)."""
 
 
@@ -438,7 +438,7 @@ class Reading:
         """Read worker `ref`'s range of the vbuckets `vbs` on a connection of its own (at
         `address`: a `via` worker, which may be gone; then its vbuckets go to the next round)."""
         owner = self.owner
-        host, port = address or owner._address_of(ref.node_id)
+        host, port = address or owner.address_of(ref.node_id)
         hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
         try:
             proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)

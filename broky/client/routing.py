@@ -33,7 +33,7 @@ version is adopted at once (`apply`):
   what it processed is known): their unconfirmed publishes (no server can
   account for them any more) are sent again if they carry a uid (the
   client's subscribers drop the duplicates this may cause: see
-  broky.client.client `_drop_duplicates`),
+  broky.client.client `drop_duplicates`),
   else counted as possibly lost; then their buffered publishes, each to its
   new owner, ahead of anything published since;
 - the SubscriptionTable puts every subscription on the Links the new map
@@ -78,19 +78,20 @@ from broky.protocol import NO_OWNER, VBUCKETS, Hello, VBucketMap, route_message,
 
 
 class RouterOwner(LinkOwner, Protocol):
-    """What the Router needs from its client (`broky.client.client.Client` is one)."""
+    """What the Router needs from its client (`broky.client.client.Client` is one), beyond
+    what its Links need."""
 
     address: ServerAddress  # the seed that answered the first Hello
     seeds: list[ServerAddress]  # every seed given to `connect`
     flush_timeout: float
 
-    def _forget_routes(self) -> None:
+    def forget_routes(self) -> None:
         """Drop the publish path's cache of Links (the map changed)."""
 
-    def _map_applied(self, version: int) -> None:
+    def map_applied(self, version: int) -> None:
         """The map `version` is in place: say MapApplied once the subscriptions are confirmed."""
 
-    def _drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
+    def drop_duplicates(self, tail: list[tuple[bytes, int]]) -> None:
         """Publishers may send again what a lost connection delivered last: drop those uids."""
 
 
@@ -198,7 +199,7 @@ class Router:
         """Adopt a newer map (see the module's header)."""
         old, self.map = self.map, vmap
         self.route = [None] * VBUCKETS
-        self.owner._forget_routes()
+        self.owner.forget_routes()
         self.owner.stats.map_refreshes += 1
         gained: set[Link] = set() if old is None else self._hand_over(old, vmap)
         self.subscriptions.follow_map(self.all_links, self.owner_link, self.incoming_link)
@@ -208,10 +209,10 @@ class Router:
             # leader's move timeout, or a prepared map it never saw): its subscriptions
             # reach their new owners only now. What those routed before is lost to it, and
             # nobody can say how much: told once the subscriptions are in place there.
-            task = self.owner._loop.create_task(self._tell_when_placed(late))
+            task = self.owner.loop.create_task(self._tell_when_placed(late))
             self.settling.add(task)
             task.add_done_callback(self.settling.discard)
-        self.owner._map_applied(vmap.version)
+        self.owner.map_applied(vmap.version)
 
     def _hand_over(self, old: VBucketMap, new: VBucketMap) -> set[Link]:
         """The vbuckets that changed owner: fence their new owners until the old ones
@@ -260,7 +261,7 @@ class Router:
             if ref.node_id not in nodes:
                 self.retire(link)  # at once: `_settle_moves` does not wait for it
         for new_link, olds in moved.items():
-            task = self.owner._loop.create_task(self._settle_moves(new_link, olds))
+            task = self.owner.loop.create_task(self._settle_moves(new_link, olds))
             self.settling.add(task)
             task.add_done_callback(self.settling.discard)
         return set(moved)
@@ -272,7 +273,7 @@ class Router:
             async with asyncio.timeout(self.owner.flush_timeout):
                 await asyncio.gather(*(link.round_trip() for link in links), return_exceptions=True)
         for link in links:
-            self.owner._unaccounted(link.ref)
+            self.owner.loss_unaccounted(link.ref)
 
     async def _settle_moves(self, new_link: Link, olds: set[Link]) -> None:
         """Lift `new_link`'s fence once every old owner of its new vbuckets answered a round
@@ -292,7 +293,7 @@ class Router:
         is down, once it reconnected (and sent its unprocessed publishes again) or left.
         A connection that drops before the Pong (a draining node's Goodbye, a crash)
         left its unprocessed publishes in `old`, to be sent again: wait again."""
-        while not old.retired and old.failed is None and not old.client._closed:
+        while not old.retired and old.failed is None and not old.client.is_closed:
             if old.proto is None:
                 await old.up.wait()  # set once connected again, retired or given up
                 continue
@@ -322,13 +323,13 @@ class Router:
         carried = bool(link.subs)
         clean = link.ended_cleanly()
         out, doubt, tail = link.retire()
-        self.owner._drop_duplicates(tail)  # publishers may send its last deliveries again
+        self.owner.drop_duplicates(tail)  # publishers may send its last deliveries again
         if doubt is not None:
             link.in_doubt = doubt
             link.settle(None)  # resends through `send_again`, or counts
         self.send_again(out)
         if carried and not clean:
-            self.owner._unaccounted(link.ref)
+            self.owner.loss_unaccounted(link.ref)
         if link.unconfirmed:
             self.retired.append(link)  # its possible losses, for the next flush
 
@@ -356,7 +357,7 @@ class Router:
                 return
             # the map still names the worker that refused: ours is wrong after all
         if self.refreshing is None or self.refreshing.done():
-            self.refreshing = self.owner._loop.create_task(self._refresh())
+            self.refreshing = self.owner.loop.create_task(self._refresh())
 
     async def _refresh(self) -> None:
         """A fresh map from any node that answers: the seed node, the map's nodes, the seeds."""
@@ -374,12 +375,12 @@ class Router:
                 last = exc
                 continue
             proto.close()
-            owner._welcome(welcome)
+            owner.take_welcome(welcome)
             if self.map is None or welcome.map.version > self.map.version or welcome.map != self.map:
                 self.apply(welcome.map)  # newer, or ours was wrong (a worker refused what it named)
             self.resend_refused()
             return
-        owner._report(BrokyConnectionError(f"cannot refresh the vbucket map: {last}"))
+        owner.report_error(BrokyConnectionError(f"cannot refresh the vbucket map: {last}"))
         self.resend_refused(refresh_failed=True)
 
     def resend_refused(self, refresh_failed: bool = False, final: bool = True) -> bool:
@@ -392,7 +393,7 @@ class Router:
         every later one, waits for a fresh map, and False is returned.
         """
         stats = self.owner.stats
-        report = self.owner._report
+        report = self.owner.report_error
         pending, self.to_resend = self.to_resend, []
         if not final:
             for i, (refused_by, frame) in enumerate(pending):

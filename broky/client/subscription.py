@@ -1,20 +1,12 @@
 """A subscription's local end: a bounded queue, an async iterator, or a callback.
 
 Deliveries arrive on the connection's reader (inside `data_received`); they
-must never block it. So each subscription has a bounded pending queue
-(`max_pending_msgs` messages and `max_pending_bytes` payload bytes). Flow
-control: once the queue is full the subscription *pauses* the connections
-that carry it (the client sends Pause on each: the server keeps their
-deliveries under its own bound, `Welcome.max_pending_bytes`, and counts and
-tells what does not fit), and resumes them (Resume) once the consumer has
-taken the queue down to half. Deliveries already on their way when it paused
-still go into the queue (the server stops sending at the Pause, so that is
-bounded by what it had queued for the connection and the sockets' buffers);
-past `hard_bounds` (a server that does not pause) a message is dropped,
-counted in `dropped`, and reported to the client's error callback as a
-`SlowConsumerError` (one report per burst of drops, with the count of that
-burst). One subscription's full queue pauses its connections for every
-subscription they carry.
+must never block it. So each subscription is an Inbox (broky.client.inbox):
+a bounded pending queue (`max_pending_msgs` messages and `max_pending_bytes`
+payload bytes) that pauses the connections carrying the subscription once it
+is full, resumes them once the consumer has taken it down to half, and drops,
+counts and reports (`SlowConsumerError`) only past its `hard_bounds`: the
+rule is written there, once, for this class and the blocking client's.
 
 Three ways to consume:
 - iterate: ``async for msg in sub`` (ends when the subscription is closed);
@@ -27,7 +19,9 @@ Three ways to consume:
   from then on the subscription treats it as a coroutine function.
 
 A Subscription knows its client only as a `SubscriptionOwner`: where to
-report errors, where to count local drops, and how to unsubscribe.
+report errors, where to count local drops, how to pause and resume its
+connections, and how to unsubscribe. Its Links call `deliver`, the
+SubscriptionTable `mark_closed` (for the SDK's own modules, not for users).
 
 Positions: every delivery carries its position (vbucket, epoch, offset). A
 subscription remembers the position of the last message it handed to the
@@ -43,35 +37,21 @@ while the worker still retains it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from broky.client.inbox import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_PENDING_MSGS,
+    KEEP_PAYLOAD_BYTES,
+    Inbox,
+    hard_bounds,
+)
 from broky.client.stats import ClientStats
-from broky.errors import BrokyTimeoutError, ClientClosedError, SlowConsumerError
+from broky.errors import BrokyTimeoutError, ClientClosedError
 from broky.protocol import Message
 from broky.protocol.frames import Position
-
-DEFAULT_MAX_PENDING_MSGS = 65536
-DEFAULT_MAX_PENDING_BYTES = 64 << 20
-# A paused subscription still queues what was on its way when it paused (what the server
-# had queued for the connection, under the server's own bound, and what the sockets
-# hold); it drops only past these (a server that does not pause): 8 times its bounds,
-# and never less than the defaults.
-HARD_FACTOR = 8
-# `positions()` keeps the last consumed message per vbucket when its payload is at most
-# this many bytes (else only its position): at most 1024 x 4 KiB per subscription.
-KEEP_PAYLOAD_BYTES = 4096
-
-
-def hard_bounds(max_pending_msgs: int, max_pending_bytes: int) -> tuple[int, int]:
-    """The queue's limits while its connections are paused: (messages, payload bytes)."""
-    return (
-        max(HARD_FACTOR * max_pending_msgs, DEFAULT_MAX_PENDING_MSGS),
-        max(HARD_FACTOR * max_pending_bytes, DEFAULT_MAX_PENDING_BYTES),
-    )
-
 
 Callback = Callable[[Message], Any]
 
@@ -81,20 +61,20 @@ class SubscriptionOwner(Protocol):
 
     stats: ClientStats  # counts `dropped_local`
 
-    def _report(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException) -> None:
         """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
 
-    def _pause(self, sub: Subscription) -> None:
+    def pause_subscription(self, sub: Subscription) -> None:
         """`sub`'s queue is full: pause the connections that carry it."""
 
-    def _resume(self, sub: Subscription) -> None:
+    def resume_subscription(self, sub: Subscription) -> None:
         """`sub`'s queue has room again: resume them."""
 
-    async def _unsubscribe(self, sub: Subscription) -> None:
+    async def remove_subscription(self, sub: Subscription) -> None:
         """Stop `sub` on every worker that has it, then close it."""
 
 
-class Subscription:
+class Subscription(Inbox):
     """Interest in keys matching `pattern` (and only `partition`, if given).
 
     Created by `Client.subscribe`; not constructed directly. Attributes
@@ -115,23 +95,12 @@ class Subscription:
         since_time: int = 0,
         last: int = 0,
     ) -> None:
-        if max_pending_msgs < 1 or max_pending_bytes < 1:
-            raise ValueError("max_pending_msgs and max_pending_bytes must be positive")
+        super().__init__(max_pending_msgs, max_pending_bytes, owner.stats)
         self._owner = owner
         self.sid = sid
         self.pattern = pattern
         self.partition = partition
-        self.max_pending_msgs = max_pending_msgs
-        self.max_pending_bytes = max_pending_bytes
-        self._hard_msgs, self._hard_bytes = hard_bounds(max_pending_msgs, max_pending_bytes)
-        self.delivered = 0
-        self.dropped = 0
-        self.closed = False
-        self._queue: collections.deque[Message] = collections.deque()
-        self._queue_bytes = 0
         self._waiter: asyncio.Future[None] | None = None
-        self._unreported_drops = 0
-        self._paused = False  # its queue filled up: its connections are paused
         self._task: asyncio.Task[None] | None = None
         self._inline: Callback | None = None
         # Where it asked to start (schema/README.md 5.1), for the first Subscribe on each worker.
@@ -143,87 +112,62 @@ class Subscription:
         # messages replayed to it alone: vbucket -> (epoch, offset, ts_broker).
         self.starts: dict[object, int] = {}
         self.replayed: dict[object, dict[int, tuple[int, int, int]]] = {}
-        # vbucket -> the last message handed to the consumer (its position: storing the
-        # message costs a quarter of building a tuple), or just its Position when its
-        # payload is over KEEP_PAYLOAD_BYTES (so at most that much is kept per vbucket)
-        self._consumed: dict[int, Message | Position] = {}
         if callback is not None:
-            if inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(
-                type(callback).__call__  # an object with `async def __call__`
-            ):
+            if _is_coroutine_callback(callback):
                 self._task = asyncio.get_running_loop().create_task(self._run_callback(callback))
-            else:
+            else:  # an InlineSubscription (see __new__)
                 self._inline = callback
+
+    def __new__(
+        cls,
+        owner: SubscriptionOwner,
+        sid: int,
+        pattern: bytes,
+        partition: bytes | None,
+        callback: Callback | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Subscription:
+        """A plain callback makes an InlineSubscription: the reader calls it, no queue."""
+        if cls is Subscription and callback is not None and not _is_coroutine_callback(callback):
+            cls = InlineSubscription
+        return super().__new__(cls)
 
     def __repr__(self) -> str:
         scope = f" partition={self.partition!r}" if self.partition is not None else ""
         return f"<Subscription sid={self.sid} pattern={self.pattern!r}{scope}>"
 
-    @property
-    def pending(self) -> int:
-        """Messages received but not yet consumed."""
-        return len(self._queue)
-
     def positions(self) -> list[Position]:
         """Per vbucket, the position of the last message handed to the consumer (by
         `next_msg`, iteration or the callback), in vbucket order: persist them and pass
         them as `since` to a later `subscribe` to go on from there."""
-        return [
-            Position(m.vbucket, m.epoch, m.offset) if isinstance(m, Message) else m
-            for _, m in sorted(self._consumed.items())
-        ]
+        return super().positions()
 
     # ---------------------------------------------------------------- reader side
 
-    def _deliver(self, msg: Message) -> None:
-        """Called by the reader for every matching delivery; never blocks."""
-        inline = self._inline
-        if inline is not None:
-            self.delivered += 1
-            self._consumed[msg.vbucket] = (
-                msg
-                if len(msg.payload) <= KEEP_PAYLOAD_BYTES
-                else Position(msg.vbucket, msg.epoch, msg.offset)
-            )
-            try:
-                result = inline(msg)
-            except Exception as exc:
-                self._owner._report(exc)
-                return
-            if result is not None and inspect.isawaitable(result):
-                # it is asynchronous after all: await this result, then queue
-                # every later message for a task, as for a coroutine function
-                self._inline = None
-                self._task = asyncio.get_running_loop().create_task(self._run_callback(inline, result))
-            return
-        size = len(msg.payload)
-        if len(self._queue) >= self.max_pending_msgs or self._queue_bytes + size > self.max_pending_bytes:
-            if not self._paused:
-                self._paused = True
-                self._owner._pause(self)
-            if len(self._queue) >= self._hard_msgs or self._queue_bytes + size > self._hard_bytes:
-                self._owner._pause(self)  # a connection it was put on since it paused
-                self.dropped += 1
-                self._owner.stats.dropped_local += 1
-                if not self._unreported_drops:
-                    asyncio.get_running_loop().call_soon(self._report_drops)
-                self._unreported_drops += 1
-                return
-        self._queue.append(msg)
-        self._queue_bytes += size
+    # For the Links (broky.client.link), not for users: called by the reader for every
+    # matching delivery; never blocks. The Inbox's `_put` itself, so that queueing costs
+    # no call of its own (an InlineSubscription's calls its callback instead).
+    deliver = Inbox._put
+
+    def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._waiter = None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def _report_drops(self) -> None:
-        dropped, self._unreported_drops = self._unreported_drops, 0
-        if dropped:
-            self._owner._report(SlowConsumerError(self.sid, dropped))
+    def _pause_connections(self) -> None:
+        self._owner.pause_subscription(self)
 
-    def _close(self) -> None:
-        """No more messages: wake the consumer, stop the callback task."""
+    def _resume_connections(self) -> None:
+        self._owner.resume_subscription(self)
+
+    def _report(self, exc: BaseException) -> None:
+        self._owner.report_error(exc)
+
+    def mark_closed(self) -> None:
+        """For the SubscriptionTable, not for users: no more messages; wake the consumer,
+        stop the callback task."""
         self.closed = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -261,21 +205,7 @@ class Subscription:
             finally:
                 if self._waiter is waiter:
                     self._waiter = None
-        msg = self._queue.popleft()
-        size = len(msg.payload)
-        self._queue_bytes -= size
-        self.delivered += 1
-        self._consumed[msg.vbucket] = (
-            msg if size <= KEEP_PAYLOAD_BYTES else Position(msg.vbucket, msg.epoch, msg.offset)
-        )
-        if (
-            self._paused
-            and len(self._queue) <= self.max_pending_msgs // 2
-            and self._queue_bytes <= self.max_pending_bytes // 2
-        ):
-            self._paused = False
-            self._owner._resume(self)
-        return msg
+        return self._take()
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self
@@ -292,7 +222,7 @@ class Subscription:
             try:
                 await first
             except Exception as exc:
-                self._owner._report(exc)
+                self._owner.report_error(exc)
         while True:
             try:
                 msg = await self.next_msg()
@@ -303,7 +233,7 @@ class Subscription:
                 if inspect.isawaitable(result):
                     await result
             except Exception as exc:
-                self._owner._report(exc)
+                self._owner.report_error(exc)
 
     async def unsubscribe(self) -> None:
         """Stop the subscription; iteration ends once the queued messages are consumed.
@@ -313,7 +243,39 @@ class Subscription:
         """
         if self.closed:
             return
-        await self._owner._unsubscribe(self)
+        await self._owner.remove_subscription(self)
+
+
+class InlineSubscription(Subscription):
+    """A Subscription with a plain callback, which the reader calls inline, without a
+    queue (`Subscription(...)` with one makes this class). A callback that returns an
+    awaitable is found out at its first call: that result is awaited by a task, and every
+    later message queued for that task, as for a coroutine function."""
+
+    def deliver(self, msg: Message) -> None:
+        inline = self._inline
+        if inline is None:  # it turned out asynchronous: queued for the task
+            self._put(msg)
+            return
+        self.delivered += 1
+        self._consumed[msg.vbucket] = (
+            msg if len(msg.payload) <= KEEP_PAYLOAD_BYTES else Position(msg.vbucket, msg.epoch, msg.offset)
+        )
+        try:
+            result = inline(msg)
+        except Exception as exc:
+            self._owner.report_error(exc)
+            return
+        if result is not None and inspect.isawaitable(result):
+            # it is asynchronous after all: await this result, then queue
+            # every later message for a task, as for a coroutine function
+            self._inline = None
+            self._task = asyncio.get_running_loop().create_task(self._run_callback(inline, result))
+
+
+def _is_coroutine_callback(callback: Callback) -> bool:
+    """A coroutine function, or an object whose `async def __call__` is one."""
+    return inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(type(callback).__call__)
 
 
 __all__ = ["DEFAULT_MAX_PENDING_BYTES", "DEFAULT_MAX_PENDING_MSGS", "Subscription", "hard_bounds"]

@@ -69,7 +69,7 @@ class SubscriptionTable:
         self.resume(sub)
         for link in self.links.pop(sub.sid, []):
             link.remove_sub(sub)
-        sub._close()
+        sub.mark_closed()
 
     def pause(self, sub: Subscription) -> None:
         """`sub`'s queue is full: pause every Link that carries it (again: one it was
@@ -173,7 +173,7 @@ class SubscriptionTable:
     def close(self) -> None:
         """The client is closing: end every subscription (iterators end after what was received)."""
         for sub in self.subs.values():
-            sub._close()
+            sub.mark_closed()
 
 
 __all__ = ["SubscriptionTable"]

@@ -28,38 +28,34 @@ cross over in two ways:
 - every other call (`flush`, `subscribe`, `read`, `close`, ...) runs a
   coroutine on the loop and waits for its result.
 
-Subscriptions deliver into a thread-safe bounded queue (messages and bytes);
-overflow is dropped, counted and reported to `on_error` as SlowConsumerError.
+Subscriptions deliver into a thread-safe bounded queue (messages and bytes),
+the same Inbox (broky.client.inbox) as an asyncio Subscription's, with the
+same rule: once full it pauses its connections, and only past its hard
+bounds drops, counts and reports to `on_error` (SlowConsumerError).
 Callbacks (`on_error`, `on_disconnect`, ...) run in the I/O thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
+from broky.client.inbox import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Inbox
 from broky.client.reader import ReadResult, ReadVia
-from broky.client.subscription import (
-    DEFAULT_MAX_PENDING_BYTES,
-    DEFAULT_MAX_PENDING_MSGS,
-    Subscription,
-    hard_bounds,
-)
+from broky.client.subscription import Subscription
 from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ClientClosedError,
     PublishBufferFullError,
-    SlowConsumerError,
 )
 from broky.protocol import Message
 from broky.protocol.frames import Position
@@ -79,24 +75,29 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class SyncSubscription:
-    """A subscription of a SyncClient: a thread-safe bounded queue of Messages."""
+class SyncSubscription(Inbox):
+    """A subscription of a SyncClient: a thread-safe bounded queue of Messages.
 
-    def __init__(self, client: SyncClient, max_pending_msgs: int, max_pending_bytes: int) -> None:
+    Its Inbox (broky.client.inbox) is filled by the I/O thread (the callback of
+    an asyncio Subscription that queues nothing itself) and emptied by `next`,
+    both under one lock.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        call: Callable[[Coroutine[Any, Any, None]], object],
+        max_pending_msgs: int,
+        max_pending_bytes: int,
+    ) -> None:
+        """For `SyncClient.subscribe`: `client` is its asyncio Client, `call` runs a
+        coroutine on the client's loop and waits for it (`SyncClient._call`)."""
+        super().__init__(max_pending_msgs, max_pending_bytes, client.stats)
         self._client = client
-        self._sub: Subscription | None = None
-        self.max_pending_msgs = max_pending_msgs
-        self.max_pending_bytes = max_pending_bytes
-        self._hard_msgs, self._hard_bytes = hard_bounds(max_pending_msgs, max_pending_bytes)
-        self.delivered = 0
-        self.dropped = 0
-        self.closed = False
-        self._queue: collections.deque[Message] = collections.deque()
-        self._bytes = 0
+        self._call = call
+        self._sub: Subscription | None = None  # the asyncio Subscription that feeds it (`attach`)
         self._cond = threading.Condition()
-        self._unreported = 0
-        self._paused = False  # the queue filled up: its connections are paused (I/O thread sets)
-        self._consumed: dict[int, tuple[int, int]] = {}  # vbucket -> (epoch, offset) of the last taken
+        self._waiter = self._cond  # `_put` wakes through it for every message
 
     def __repr__(self) -> str:
         return f"<SyncSubscription {self._sub!r}>"
@@ -105,59 +106,49 @@ class SyncSubscription:
         """Per vbucket, the position of the last message `next` returned, in vbucket
         order: pass them as `since` to a later `subscribe` to go on from there."""
         with self._cond:
-            consumed = sorted(self._consumed.items())
-        return [Position(vb, epoch, offset) for vb, (epoch, offset) in consumed]
+            return super().positions()
 
     @property
-    def sid(self) -> int:
+    def sid(self) -> int:  # type: ignore[override]
         assert self._sub is not None
         return self._sub.sid
 
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
+    def attach(self, sub: Subscription) -> None:
+        """For `SyncClient.subscribe`: the asyncio Subscription whose callback is `push`."""
+        self._sub = sub
 
-    def _push(self, msg: Message) -> None:
-        """I/O thread: queue one delivery; once the queue is full, pause the connections
-        that carry the subscription (as an asyncio Subscription does); drop past its
-        `hard_bounds`."""
-        size = len(msg.payload)
-        pause = False
+    def push(self, msg: Message) -> None:
+        """I/O thread, the callback of the asyncio Subscription (for `SyncClient.subscribe`):
+        queue one delivery (see `Inbox._put`: pause once full, drop past the hard bounds)."""
         with self._cond:
-            full = len(self._queue) >= self.max_pending_msgs or self._bytes + size > self.max_pending_bytes
-            if full and not self._paused:
-                self._paused = pause = True
-            over = len(self._queue) >= self._hard_msgs or self._bytes + size > self._hard_bytes
-            first: bool | None = None
-            if full and over:
-                self.dropped += 1
-                first = not self._unreported
-                self._unreported += 1
-            else:
-                self._queue.append(msg)
-                self._bytes += size
-                self._cond.notify()
-        client = self._client._client
-        if pause and self._sub is not None:
-            client._pause(self._sub)
-        if first is None:
-            return
-        client.stats.dropped_local += 1
-        if first:
-            client._loop.call_soon(self._report_drops)
+            self._put(msg)
+
+    def _wake(self) -> None:
+        """Under the lock: a message was queued (`_waiter` is always set: the Condition
+        knows whether anyone waits)."""
+        self._cond.notify()
+
+    def _pause_connections(self) -> None:
+        """I/O thread, under the lock."""
+        if self._sub is not None:
+            self._client.pause_subscription(self._sub)
+
+    def _resume_connections(self) -> None:
+        """Consumer's thread, under the lock: resume in the I/O thread."""
+        with contextlib.suppress(RuntimeError):  # the client's loop is closed
+            self._client.loop.call_soon_threadsafe(self._resume)
 
     def _resume(self) -> None:
         """I/O thread: the reader took the queue down to half."""
         if self._sub is not None:
-            self._client._client._resume(self._sub)
+            self._client.resume_subscription(self._sub)
 
-    def _report_drops(self) -> None:
-        with self._cond:
-            dropped, self._unreported = self._unreported, 0
-        if dropped:
-            self._client._client._report(SlowConsumerError(self.sid, dropped))
+    def _report(self, exc: BaseException) -> None:
+        """I/O thread."""
+        self._client.report_error(exc)
 
-    def _close(self) -> None:
+    def mark_closed(self) -> None:
+        """No more messages (unsubscribed, or its SyncClient closed): wake every reader."""
         with self._cond:
             self.closed = True
             self._cond.notify_all()
@@ -181,19 +172,7 @@ class SyncSubscription:
                     if left <= 0:
                         raise BrokyTimeoutError(f"no message within {timeout:g} s")
                     self._cond.wait(left)
-            msg = self._queue.popleft()
-            self._bytes -= len(msg.payload)
-            self.delivered += 1
-            self._consumed[msg.vbucket] = (msg.epoch, msg.offset)
-            if (
-                self._paused
-                and len(self._queue) <= self.max_pending_msgs // 2
-                and self._bytes <= self.max_pending_bytes // 2
-            ):
-                self._paused = False
-                with contextlib.suppress(RuntimeError):  # the client's loop is closed
-                    self._client._client._loop.call_soon_threadsafe(self._resume)
-            return msg
+            return self._take()
 
     def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[Message]:
         """Yield messages until none arrives within `timeout`, `count` were yielded, or close."""
@@ -212,8 +191,8 @@ class SyncSubscription:
     def unsubscribe(self) -> None:
         """Stop the subscription; messages already queued can still be read."""
         if self._sub is not None and not self.closed:
-            self._client._call(self._sub.unsubscribe())
-        self._close()
+            self._call(self._sub.unsubscribe())
+        self.mark_closed()
 
 
 class SyncClient:
@@ -322,12 +301,12 @@ class SyncClient:
             if self._error is not None:
                 err, self._error = self._error, None
                 raise err
-            encoder.set_limit(self._client._max_frame)
+            encoder.set_limit(self._client.max_frame)
             if uid is True:
                 frame, vb = encoder.encode(key_partition, key, payload, ts_producer)
             else:
                 frame, vb = encoder.encode_any(key_partition, key, payload, ts_producer, uid or None)
-            link = self._client._router.route[vb]
+            link = self._client.router.route[vb]
             down = None if link is not None and link.proto is not None else self._reserve(vb, len(frame))
             self._handoff.append((vb, frame, down))
             self._handoff_bytes += len(frame)
@@ -350,14 +329,14 @@ class SyncClient:
             PublishBufferFullError, BrokyConnectionError: refused (and counted).
         """
         client = self._client
-        vmap = client._router.map
+        vmap = client.router.map
         assert vmap is not None
         node, worker = vmap.owners[vb]
         ref = WorkerRef(vmap.nodes[node].node_id, worker)
         limit = client.max_reconnect_buffer_bytes
         deadline = 0.0
         while True:
-            link = client._router.links.get(ref)  # None: not opened yet, it starts down
+            link = client.router.links.get(ref)  # None: not opened yet, it starts down
             if link is not None and link.proto is not None:
                 return None
             if link is not None and link.failed is not None:
@@ -391,7 +370,7 @@ class SyncClient:
         for vb, frame, down in items:
             try:
                 if down is None:
-                    link = client._send_encoded(vb, frame)
+                    link = client.send_encoded(vb, frame)
                 else:
                     with self._cond:  # the Link's out_bytes and _down_bytes change together
                         left = self._down_bytes[down] - len(frame)
@@ -399,7 +378,7 @@ class SyncClient:
                             self._down_bytes[down] = left
                         else:
                             del self._down_bytes[down]
-                        link = client._send_encoded(vb, frame)
+                        link = client.send_encoded(vb, frame)
             except BrokyError as exc:
                 with self._cond:
                     client.stats.refused += 1
@@ -462,17 +441,18 @@ class SyncClient:
             BadPatternError: the pattern is not valid.
             ClientClosedError: the client is closed.
         """
-        sync_sub = SyncSubscription(self, max_pending_msgs, max_pending_bytes)
-        sync_sub._sub = self._call(
+        sync_sub = SyncSubscription(self._client, self._call, max_pending_msgs, max_pending_bytes)
+        sub = self._call(
             self._client.subscribe(
                 pattern,
                 partition=partition,
-                callback=sync_sub._push,
+                callback=sync_sub.push,
                 since=since,
                 since_time=since_time,
                 last=last,
             )
         )
+        sync_sub.attach(sub)
         self._subs.append(sync_sub)
         return sync_sub
 
@@ -546,7 +526,7 @@ class SyncClient:
             self._call(self._close())
         finally:
             for sub in self._subs:
-                sub._close()
+                sub.mark_closed()
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()

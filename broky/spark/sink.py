@@ -307,7 +307,7 @@ def write_task(
                     )
                 )
             loop.run_until_complete(  # type: ignore[union-attr]
-                client._publish_rows(
+                client.publish_rows(
                     kps,
                     keys,
                     payloads,
