@@ -307,10 +307,13 @@ def test_a_subscription_that_reaches_a_new_owner_late_asks_since_what_the_old_on
     not started at the new owner, is sent there `since` the old Link's positions of the
     moved vbuckets received after it started there, and `since_time` that start
     (broky.client.link `carry_from`); one that started there, or a new one, is not."""
+    from types import SimpleNamespace
+
     from broky.client.link import Link
+    from broky.client.stats import ClientStats
     from broky.client.subscription import Subscription
 
-    owner: Any = object()  # neither Link nor Subscription calls it here
+    owner: Any = SimpleNamespace(stats=ClientStats())  # only a Subscription's queue counts on it here
     old, new = Link(owner, "a", 0), Link(owner, "c", 0)
     moved = Subscription(owner, 1, b"w.>", None, None, 10, 10)
     scoped_elsewhere = Subscription(owner, 2, b"w.>", b"kp", None, 10, 10)
