@@ -46,6 +46,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_CONNECTIONS = _WireErrorCode.TOO_MANY_CONNECTIONS
     BAD_POSITION = _WireErrorCode.BAD_POSITION
     READ_REFUSED = _WireErrorCode.READ_REFUSED
+    BAD_GROUP = _WireErrorCode.BAD_GROUP
 
 
 class BrokyError(Exception):

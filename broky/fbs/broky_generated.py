@@ -55,6 +55,11 @@ class ErrorCode(object):
     # connection (one at a time), or its rid is 0. Not fatal, rid set; the
     # read in progress goes on.
     READ_REFUSED = 22
+    # Version 3: a group Subscribe that cannot join its group: its settings
+    # (key_shared, ack and the ack settings) differ from those of the group's
+    # members on this worker, or it also asks for since, since_time or last.
+    # Not fatal, sid set, no subscription created.
+    BAD_GROUP = 23
 
 
 class LossReason(object):
@@ -86,6 +91,37 @@ class LossReason(object):
     # known; `dropped` is 0. The new epoch is delivered from its oldest
     # retained message.
     EPOCH_CHANGED = 7
+    # Version 3, sid set: a group's messages found every member at its bound
+    # (max_in_flight) and its backlog (--group-backlog-bytes) full.
+    GROUP_OVERFLOW = 8
+    # Version 3, sid set: a message of an ack subscription was delivered
+    # max_deliveries times without an Ack; dropped (and published to the
+    # dead_letter key when the subscription names one).
+    MAX_DELIVERIES = 9
+    # Version 3, reported by the client: unacknowledged deliveries of an ack
+    # subscription held by a worker that restarted: nobody redelivers them.
+    UNACKED_LOST = 10
+
+
+class AckKind(object):
+    # Done: the server forgets the message.
+    ACK = 0
+    # Not done: redeliver it after delay_ms (-1: the subscription's backoff).
+    NACK = 1
+    # Still working on it: its ack deadline starts again.
+    IN_PROGRESS = 2
+
+
+class GroupEvent(object):
+    # The member holds max_in_flight (or max_in_flight_bytes) unacknowledged
+    # messages: nothing more is delivered to it until it acknowledges.
+    PAUSED = 0
+    # The member has room again.
+    RESUMED = 1
+    # A vbucket moved to this member before its old member had acknowledged
+    # `messages` messages of it (drain_timeout): those may be redelivered after
+    # newer messages of the same key_partitions.
+    DRAIN_EXPIRED = 2
 
 
 # The set of frames is closed within a protocol version: a new member here
@@ -110,6 +146,9 @@ class Body(object):
     Read = 15
     ReadDone = 16
     Replay = 17
+    Delivery = 18
+    Ack = 19
+    GroupNotice = 20
 
 
 # Timestamps of a message, in nanoseconds since the Unix epoch (0 = not set),
@@ -473,8 +512,9 @@ class Hello(object):
     def Init(self, buf, pos):
         self._tab = flatbuffers.table.Table(buf, pos)
 
-    # Protocol version the client speaks; this document describes version 2
-    # (absent: 1, which a version-2 server refuses: schema/README.md section 11).
+    # Protocol version the client speaks; this document describes version 3
+    # (a version-3 server also serves 2; absent: 1, which it refuses:
+    # schema/README.md section 11).
     # Hello
     def ProtocolVersion(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
@@ -1068,7 +1108,137 @@ class Subscribe(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
-def SubscribeStart(builder): builder.StartObject(6)
+    # Version 3 (section 5.3). Set: this subscription is a member of the group
+    # of that name for this pattern (and key_partition): each matching message
+    # goes to one member only, announced by a Delivery frame. Not with
+    # since, since_time or last (a group starts live).
+    # Subscribe
+    def Group(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # With group: every message of one key_partition goes to the same member,
+    # in publish order (vbuckets are spread over the members).
+    # Subscribe
+    def KeyShared(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # With group: the member acknowledges each delivery (Ack frames); the
+    # server redelivers what is not acknowledged in time (section 5.4).
+    # Subscribe
+    def Ack(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+    # With ack: ms the server waits for an Ack before it redelivers. 0: 30000.
+    # Subscribe
+    def AckWaitMs(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # With ack: deliveries of one message before it is dropped (and sent to
+    # dead_letter). 0: 5.
+    # Subscribe
+    def MaxDeliveries(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # With ack: ms before the n-th redelivery of a NACKed message (the last
+    # value repeats). Empty: 1000, 5000, 30000.
+    # Subscribe
+    def BackoffMs(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # Subscribe
+    def BackoffMsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # Subscribe
+    def BackoffMsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Subscribe
+    def BackoffMsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        return o == 0
+
+    # With ack: unacknowledged messages this member holds at most; at the bound
+    # it gets a GroupNotice PAUSED and nothing more until it acknowledges. 0: 1000.
+    # Subscribe
+    def MaxInFlight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # With ack: the same bound in bytes of Message frames. 0: 16 MiB.
+    # Subscribe
+    def MaxInFlightBytes(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # With ack: the key a message is published to (same key_partition and
+    # payload) once it has had max_deliveries deliveries. Absent: dropped.
+    # Subscribe
+    def DeadLetter(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 1))
+        return 0
+
+    # Subscribe
+    def DeadLetterAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint8Flags, o)
+        return 0
+
+    # Subscribe
+    def DeadLetterLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Subscribe
+    def DeadLetterIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        return o == 0
+
+    # With key_shared and ack: ms a vbucket moving to another member waits for
+    # its old member's unacknowledged messages. 0: 10000.
+    # Subscribe
+    def DrainTimeoutMs(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(34))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def SubscribeStart(builder): builder.StartObject(16)
 def SubscribeAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
 def SubscribeAddPattern(builder, pattern): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(pattern), 0)
 def SubscribeStartPatternVector(builder, numElems): return builder.StartVector(1, numElems, 1)
@@ -1078,6 +1248,18 @@ def SubscribeAddSince(builder, since): builder.PrependUOffsetTRelativeSlot(3, fl
 def SubscribeStartSinceVector(builder, numElems): return builder.StartVector(24, numElems, 8)
 def SubscribeAddSinceTime(builder, sinceTime): builder.PrependInt64Slot(4, sinceTime, 0)
 def SubscribeAddLast(builder, last): builder.PrependUint32Slot(5, last, 0)
+def SubscribeAddGroup(builder, group): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(group), 0)
+def SubscribeAddKeyShared(builder, keyShared): builder.PrependBoolSlot(7, keyShared, 0)
+def SubscribeAddAck(builder, ack): builder.PrependBoolSlot(8, ack, 0)
+def SubscribeAddAckWaitMs(builder, ackWaitMs): builder.PrependUint32Slot(9, ackWaitMs, 0)
+def SubscribeAddMaxDeliveries(builder, maxDeliveries): builder.PrependUint32Slot(10, maxDeliveries, 0)
+def SubscribeAddBackoffMs(builder, backoffMs): builder.PrependUOffsetTRelativeSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(backoffMs), 0)
+def SubscribeStartBackoffMsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def SubscribeAddMaxInFlight(builder, maxInFlight): builder.PrependUint32Slot(12, maxInFlight, 0)
+def SubscribeAddMaxInFlightBytes(builder, maxInFlightBytes): builder.PrependUint64Slot(13, maxInFlightBytes, 0)
+def SubscribeAddDeadLetter(builder, deadLetter): builder.PrependUOffsetTRelativeSlot(14, flatbuffers.number_types.UOffsetTFlags.py_type(deadLetter), 0)
+def SubscribeStartDeadLetterVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def SubscribeAddDrainTimeoutMs(builder, drainTimeoutMs): builder.PrependUint32Slot(15, drainTimeoutMs, 0)
 def SubscribeEnd(builder): return builder.EndObject()
 
 
@@ -1493,6 +1675,201 @@ def ReplayAddRid(builder, rid): builder.PrependUint32Slot(1, rid, 0)
 def ReplayAddMessages(builder, messages): builder.PrependUint32Slot(2, messages, 0)
 def ReplayAddTs(builder, ts): builder.PrependInt64Slot(3, ts, 0)
 def ReplayEnd(builder): return builder.EndObject()
+
+
+# Server -> client: the next `messages` Message frames on this connection are
+# for subscription `sid` alone: a group member's share (section 5.3).
+class Delivery(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Delivery()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsDelivery(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def DeliveryBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # Delivery
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Delivery
+    def Sid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # Delivery
+    def Messages(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # How many times these messages have been delivered, this time included
+    # (1: the first delivery; more: redeliveries of an ack subscription).
+    # Delivery
+    def Attempt(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+def DeliveryStart(builder): builder.StartObject(3)
+def DeliveryAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
+def DeliveryAddMessages(builder, messages): builder.PrependUint32Slot(1, messages, 0)
+def DeliveryAddAttempt(builder, attempt): builder.PrependUint32Slot(2, attempt, 0)
+def DeliveryEnd(builder): return builder.EndObject()
+
+
+# Client -> server: acknowledge deliveries of ack subscription `sid`, named
+# by their positions (section 5.4). Positions the server does not hold in
+# flight (acknowledged already, redelivered and acknowledged elsewhere, or
+# unknown) are counted and ignored.
+class Ack(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Ack()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsAck(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def AckBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # Ack
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Ack
+    def Sid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # Ack
+    def Kind(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+    # Ack
+    def Positions(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = self._tab.Vector(o)
+            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 24
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Ack
+    def PositionsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Ack
+    def PositionsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        return o == 0
+
+    # NACK: ms before the redelivery; -1: the subscription's backoff.
+    # Ack
+    def DelayMs(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return -1
+
+def AckStart(builder): builder.StartObject(4)
+def AckAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
+def AckAddKind(builder, kind): builder.PrependUint8Slot(1, kind, 0)
+def AckAddPositions(builder, positions): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(positions), 0)
+def AckStartPositionsVector(builder, numElems): return builder.StartVector(24, numElems, 8)
+def AckAddDelayMs(builder, delayMs): builder.PrependInt32Slot(3, delayMs, -1)
+def AckEnd(builder): return builder.EndObject()
+
+
+# Server -> client: something a group member should know (section 5.4).
+class GroupNotice(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = GroupNotice()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsGroupNotice(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def GroupNoticeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x42\x52\x4B\x59", size_prefixed=size_prefixed)
+
+    # GroupNotice
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # GroupNotice
+    def Sid(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # GroupNotice
+    def Event(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+    # PAUSED: messages in flight; DRAIN_EXPIRED: messages not acknowledged.
+    # GroupNotice
+    def Messages(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+    # DRAIN_EXPIRED: the vbucket.
+    # GroupNotice
+    def Vbucket(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint16Flags, o + self._tab.Pos)
+        return 0
+
+def GroupNoticeStart(builder): builder.StartObject(4)
+def GroupNoticeAddSid(builder, sid): builder.PrependUint32Slot(0, sid, 0)
+def GroupNoticeAddEvent(builder, event): builder.PrependUint8Slot(1, event, 0)
+def GroupNoticeAddMessages(builder, messages): builder.PrependUint64Slot(2, messages, 0)
+def GroupNoticeAddVbucket(builder, vbucket): builder.PrependUint16Slot(3, vbucket, 0)
+def GroupNoticeEnd(builder): return builder.EndObject()
 
 
 # Server -> client: the vbucket map changed. Sent on every connection as soon

@@ -33,7 +33,9 @@ from broky.protocol.message import (
 from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
-PROTOCOL_VERSION = 2  # schema/README.md, section 11: what changed since version 1
+PROTOCOL_VERSION = 3  # schema/README.md, section 11: what changed in versions 2 and 3
+# Versions a server serves (a version-2 client never sends nor receives a version-3 frame).
+SERVED_VERSIONS = frozenset((2, 3))
 ANY_WORKER = -1
 RESUME_TOKEN_BYTES = 16  # Welcome.resume_token, as the server issues it
 
@@ -52,6 +54,9 @@ class LossReason:
     UNACCOUNTED = fbs.LossReason.UNACCOUNTED
     EVICTED = fbs.LossReason.EVICTED
     EPOCH_CHANGED = fbs.LossReason.EPOCH_CHANGED
+    GROUP_OVERFLOW = fbs.LossReason.GROUP_OVERFLOW
+    MAX_DELIVERIES = fbs.LossReason.MAX_DELIVERIES
+    UNACKED_LOST = fbs.LossReason.UNACKED_LOST
 
     NAMES: ClassVar[dict[int, str]] = {
         0: "unknown",
@@ -62,6 +67,9 @@ class LossReason:
         5: "unaccounted",
         6: "evicted",
         7: "epoch_changed",
+        8: "group_overflow",
+        9: "max_deliveries",
+        10: "unacked_lost",
     }
 
     @classmethod
@@ -125,6 +133,17 @@ class Subscribe(NamedTuple):
     since: tuple[Position, ...] = ()  # per vbucket: the last position the client has
     since_time: int = 0  # ns: for the vbuckets `since` does not name (0: not set)
     last: int = 0  # for the vbuckets neither names: the last N retained (0: live only)
+    # Version 3: groups and acknowledgements (schema/README.md 5.3, 5.4; 0 or empty: the default).
+    group: str | None = None
+    key_shared: bool = False
+    ack: bool = False
+    ack_wait_ms: int = 0
+    max_deliveries: int = 0
+    backoff_ms: tuple[int, ...] = ()
+    max_in_flight: int = 0
+    max_in_flight_bytes: int = 0
+    dead_letter: bytes | None = None
+    drain_timeout_ms: int = 0
 
 
 class Unsubscribe(NamedTuple):
@@ -175,6 +194,49 @@ class Replay(NamedTuple):
     rid: int = 0
 
 
+class Delivery(NamedTuple):
+    """Server -> client (version 3): the next `messages` Message frames are for group member
+    `sid` alone; attempt: how many times they have been delivered, this one included."""
+
+    sid: int
+    messages: int
+    attempt: int = 1
+
+
+class AckKind:
+    """Values of the AckKind enum of the Ack frame."""
+
+    ACK = fbs.AckKind.ACK
+    NACK = fbs.AckKind.NACK
+    IN_PROGRESS = fbs.AckKind.IN_PROGRESS
+
+
+class Ack(NamedTuple):
+    """Client -> server (version 3): acknowledge deliveries of ack subscription `sid`."""
+
+    sid: int
+    kind: int
+    positions: tuple[Position, ...]
+    delay_ms: int = -1  # NACK: ms before the redelivery; -1: the subscription's backoff
+
+
+class GroupEvent:
+    """Values of the GroupEvent enum of the GroupNotice frame."""
+
+    PAUSED = fbs.GroupEvent.PAUSED
+    RESUMED = fbs.GroupEvent.RESUMED
+    DRAIN_EXPIRED = fbs.GroupEvent.DRAIN_EXPIRED
+
+
+class GroupNotice(NamedTuple):
+    """Server -> client (version 3): a group member's pause, resume or drain deadline."""
+
+    sid: int
+    event: int
+    messages: int = 0  # PAUSED: in flight; DRAIN_EXPIRED: not acknowledged by the old member
+    vbucket: int = 0
+
+
 class Goodbye(NamedTuple):
     reason: str | None = None
     processed: int = 0  # publishes of the connection processed before the Goodbye
@@ -219,7 +281,8 @@ class ReadDone(NamedTuple):
 
 Frame = (
     Message | Hello | Welcome | Subscribe | Unsubscribe | Pause | Resume | Ping | Pong | Error
-    | LossNotice | Goodbye | MapUpdate | MapApplied | Read | ReadDone | Replay
+    | LossNotice | Goodbye | MapUpdate | MapApplied | Read | ReadDone | Replay | Delivery | Ack
+    | GroupNotice
 )  # fmt: skip
 
 
@@ -460,6 +523,14 @@ def encode_subscribe(sub: Subscribe) -> bytes:
     pattern = b.CreateByteVector(sub.pattern)
     kp = b.CreateByteVector(sub.key_partition) if sub.key_partition is not None else 0
     since = _positions(b, fbs.SubscribeStartSinceVector, sub.since) if sub.since else 0
+    group = _string(b, sub.group) if sub.group is not None else 0
+    backoff = 0
+    if sub.backoff_ms:
+        fbs.SubscribeStartBackoffMsVector(b, len(sub.backoff_ms))
+        for ms in reversed(sub.backoff_ms):
+            b.PrependUint32(ms)
+        backoff = b.EndVector()
+    dead_letter = b.CreateByteVector(sub.dead_letter) if sub.dead_letter is not None else 0
     fbs.SubscribeStart(b)
     fbs.SubscribeAddSid(b, sub.sid)
     fbs.SubscribeAddPattern(b, pattern)
@@ -471,7 +542,52 @@ def encode_subscribe(sub: Subscribe) -> bytes:
         fbs.SubscribeAddSinceTime(b, sub.since_time)
     if sub.last:
         fbs.SubscribeAddLast(b, sub.last)
+    if sub.group is not None:
+        fbs.SubscribeAddGroup(b, group)
+    if sub.key_shared:
+        fbs.SubscribeAddKeyShared(b, sub.key_shared)
+    if sub.ack:
+        fbs.SubscribeAddAck(b, sub.ack)
+    if sub.ack_wait_ms:
+        fbs.SubscribeAddAckWaitMs(b, sub.ack_wait_ms)
+    if sub.max_deliveries:
+        fbs.SubscribeAddMaxDeliveries(b, sub.max_deliveries)
+    if backoff:
+        fbs.SubscribeAddBackoffMs(b, backoff)
+    if sub.max_in_flight:
+        fbs.SubscribeAddMaxInFlight(b, sub.max_in_flight)
+    if sub.max_in_flight_bytes:
+        fbs.SubscribeAddMaxInFlightBytes(b, sub.max_in_flight_bytes)
+    if sub.dead_letter is not None:
+        fbs.SubscribeAddDeadLetter(b, dead_letter)
+    if sub.drain_timeout_ms:
+        fbs.SubscribeAddDrainTimeoutMs(b, sub.drain_timeout_ms)
     return _finish(b, Body.Subscribe, fbs.SubscribeEnd(b))
+
+
+@_encoder
+def encode_ack(ack: Ack) -> bytes:
+    b = flatbuffers.Builder(32 + 24 * len(ack.positions))
+    positions = _positions(b, fbs.AckStartPositionsVector, ack.positions) if ack.positions else 0
+    fbs.AckStart(b)
+    fbs.AckAddSid(b, ack.sid)
+    fbs.AckAddKind(b, ack.kind)
+    if positions:
+        fbs.AckAddPositions(b, positions)
+    if ack.delay_ms != -1:
+        fbs.AckAddDelayMs(b, ack.delay_ms)
+    return _finish(b, Body.Ack, fbs.AckEnd(b))
+
+
+@_encoder
+def encode_group_notice(notice: GroupNotice) -> bytes:
+    b = flatbuffers.Builder(48)
+    fbs.GroupNoticeStart(b)
+    fbs.GroupNoticeAddSid(b, notice.sid)
+    fbs.GroupNoticeAddEvent(b, notice.event)
+    fbs.GroupNoticeAddMessages(b, notice.messages)
+    fbs.GroupNoticeAddVbucket(b, notice.vbucket)
+    return _finish(b, Body.GroupNotice, fbs.GroupNoticeEnd(b))
 
 
 @_encoder
@@ -691,6 +807,19 @@ _READ_DONE_MOVED = _Scalars(
 )
 
 
+_DELIVERY = _Scalars(
+    Body.Delivery,
+    fbs.DeliveryStart,
+    fbs.DeliveryEnd,
+    [(fbs.DeliveryAddSid, "I"), (fbs.DeliveryAddMessages, "I"), (fbs.DeliveryAddAttempt, "I")],
+)
+
+
+@_encoder
+def encode_delivery(delivery: Delivery) -> bytes:
+    return _DELIVERY.encode(delivery)
+
+
 @_encoder
 def encode_replay(replay: Replay) -> bytes:
     return _REPLAY.encode((replay.sid, replay.rid, replay.messages, replay.ts))
@@ -752,6 +881,9 @@ _ENCODERS: dict[type, Callable[[Any], bytes]] = {
     Read: encode_read,
     ReadDone: encode_read_done,
     Replay: encode_replay,
+    Delivery: encode_delivery,
+    Ack: encode_ack,
+    GroupNotice: encode_group_notice,
 }
 
 
@@ -835,6 +967,16 @@ def _decode_body(kind: int, t: Table) -> Frame:
             _decode_positions(t, 3),
             t.i64(4),
             t.u32(5),
+            t.string(6),
+            t.boolean(7),
+            t.boolean(8),
+            t.u32(9),
+            t.u32(10),
+            _decode_u32s(t, 11),
+            t.u32(12),
+            t.u64(13),
+            t.byte_vector(14),
+            t.u32(15),
         )
     if kind == Body.Unsubscribe:
         return Unsubscribe(t.u32(0))
@@ -879,6 +1021,12 @@ def _decode_body(kind: int, t: Table) -> Frame:
         )
     if kind == Body.Replay:
         return Replay(t.u32(0), t.u32(2), t.i64(3), t.u32(1))
+    if kind == Body.Delivery:
+        return Delivery(t.u32(0), t.u32(1), t.u32(2))
+    if kind == Body.Ack:
+        return Ack(t.u32(0), t.u8(1), _decode_positions(t, 2), t.i32(3, -1))
+    if kind == Body.GroupNotice:
+        return GroupNotice(t.u32(0), t.u8(1), t.u64(2), t.u16(3))
     raise UnknownFrameError(kind)
 
 
@@ -897,6 +1045,11 @@ def _decode_positions(t: Table, index: int) -> tuple[Position, ...]:
 def _decode_u16s(t: Table, index: int) -> tuple[int, ...]:
     pos, n = t.vector(index, 2)
     return struct.unpack_from(f"<{n}H", t.buf, pos) if n else ()
+
+
+def _decode_u32s(t: Table, index: int) -> tuple[int, ...]:
+    pos, n = t.vector(index, 4)
+    return struct.unpack_from(f"<{n}I", t.buf, pos) if n else ()
 
 
 def decode_frame(buf: Buffer, f: int = 0, end: int | None = None) -> Frame:
@@ -948,9 +1101,15 @@ def error_frame(
 __all__ = [
     "ANY_WORKER",
     "PROTOCOL_VERSION",
+    "SERVED_VERSIONS",
+    "Ack",
+    "AckKind",
+    "Delivery",
     "Error",
     "Frame",
     "Goodbye",
+    "GroupEvent",
+    "GroupNotice",
     "Hello",
     "LossNotice",
     "LossReason",

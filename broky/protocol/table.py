@@ -24,6 +24,7 @@ _u16 = struct.Struct("<H").unpack_from
 _i16 = struct.Struct("<h").unpack_from
 _u32 = struct.Struct("<I").unpack_from
 _i32 = struct.Struct("<i").unpack_from
+_i32 = struct.Struct("<i").unpack_from
 _u64 = struct.Struct("<Q").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 _hh = struct.Struct("<HH").unpack_from
@@ -92,6 +93,10 @@ class Table:
     def u32(self, index: int, default: int = 0) -> int:
         p = self.field(index, 4)
         return _u32(self.buf, p)[0] if p else default
+
+    def i32(self, index: int, default: int = 0) -> int:
+        p = self.field(index, 4)
+        return _i32(self.buf, p)[0] if p else default
 
     def u64(self, index: int, default: int = 0) -> int:
         p = self.field(index, 8)

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 from broky.errors import ErrorCode, RemoteProtocolError
 from broky.protocol import (
-    PROTOCOL_VERSION,
     RESUME_TOKEN_BYTES,
+    SERVED_VERSIONS,
     Hello,
     LossNotice,
     LossReason,
@@ -107,7 +107,7 @@ class Arrivals:
         if not isinstance(hello, Hello):
             self.fatal(c, ErrorCode.EXPECTED_HELLO, "the first frame must be a Hello")
             return
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if hello.protocol_version not in SERVED_VERSIONS:
             self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
             return
         c.client_name = hello.client_name

@@ -98,7 +98,7 @@ from broky import __version__
 from broky.errors import BrokyError, ErrorCode, RemoteProtocolError
 from broky.protocol import (
     ANY_WORKER,
-    PROTOCOL_VERSION,
+    SERVED_VERSIONS,
     Goodbye,
     Hello,
     NodeInfo,
@@ -464,10 +464,11 @@ class Master:
             raise Refused(
                 ErrorCode.EXPECTED_HELLO, f"the first frame must be a Hello, not {type(hello).__name__}"
             )
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if hello.protocol_version not in SERVED_VERSIONS:
             raise Refused(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"protocol version {hello.protocol_version} unsupported (this server: {PROTOCOL_VERSION})",
+                f"protocol version {hello.protocol_version} unsupported (this server: "
+                f"{', '.join(map(str, sorted(SERVED_VERSIONS)))})",
             )
         token = self.config.auth_token
         if token:
