@@ -66,7 +66,7 @@ from broky.protocol.layout import (
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
-BODY_LAST: int = Body.Replay
+BODY_LAST: int = Body.GroupNotice  # the last member of the Body union
 
 _u32 = struct.Struct("<I").unpack_from
 _qq = struct.Struct("<qq").unpack_from

@@ -1,0 +1,327 @@
+"""Consumer groups and acknowledgements against a real server, on the wire
+(broky.server.groups, schema/README.md 5.3 and 5.4): each message of a group goes
+to one member, announced by a Delivery frame; key-shared groups keep a
+key_partition on one member in offset order; ack groups keep what is not
+acknowledged and deliver it again, on the server's clock."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from broky.errors import ErrorCode
+from broky.protocol import (
+    Ack,
+    AckKind,
+    Delivery,
+    Error,
+    Frame,
+    GroupEvent,
+    GroupNotice,
+    LossNotice,
+    LossReason,
+    Message,
+    Position,
+    Subscribe,
+)
+from broky.protocol.routing import vbucket_of
+from tests.serverproc import ServerProcess
+from tests.test_server_pubsub import debug_stats
+from tests.wire import Wire
+
+KPS = [b"kp%d" % i for i in range(64)]
+
+
+def split(frames: list[Frame]) -> tuple[list[Message], dict[int, list[tuple[Message, int]]], list[Frame]]:
+    """Bare deliveries; per sid, the (message, attempt) a Delivery frame announced; the rest."""
+    bare: list[Message] = []
+    by_sid: dict[int, list[tuple[Message, int]]] = {}
+    others: list[Frame] = []
+    i = 0
+    while i < len(frames):
+        f = frames[i]
+        if isinstance(f, Delivery):
+            msgs = frames[i + 1 : i + 1 + f.messages]
+            assert len(msgs) == f.messages and all(isinstance(m, Message) for m in msgs), frames[i : i + 5]
+            by_sid.setdefault(f.sid, []).extend((m, f.attempt) for m in msgs)  # type: ignore[misc]
+            i += 1 + f.messages
+            continue
+        if isinstance(f, Message):
+            bare.append(f)
+        else:
+            others.append(f)
+        i += 1
+    return bare, by_sid, others
+
+
+def publish(w: Wire, n: int, kps: list[bytes] = KPS, key: bytes = b"o.k", start: int = 0) -> None:
+    for i in range(start, start + n):
+        w.publish(kps[i % len(kps)], key, b"%d" % i)
+    assert w.flush() == []
+
+
+def group_sub(sid: int, group: str = "g", pattern: bytes = b"o.>", **kw: Any) -> Subscribe:
+    return Subscribe(sid, pattern, group=group, **kw)
+
+
+def test_a_load_balanced_group_shares_every_message_once_and_others_still_get_theirs(
+    start_server: Any,
+) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as plain:
+        members = [Wire.hello(server.address) for _ in range(3)]
+        try:
+            for m in members:
+                m.send(group_sub(1))
+                assert m.flush() == []
+            plain.subscribe(1, b"o.>")
+            assert plain.flush() == []
+            # A member's own connection also has a plain subscription: it gets both copies.
+            members[0].subscribe(2, b"o.>")
+            assert members[0].flush() == []
+            publish(pub, 3000)
+            counts = []
+            seen: Counter[bytes] = Counter()
+            for i, m in enumerate(members):
+                bare, by_sid, others = split(m.flush())
+                assert others == []
+                assert set(by_sid) <= {1}
+                got = [msg for msg, attempt in by_sid.get(1, [])]
+                assert all(attempt == 1 for _, attempt in by_sid.get(1, []))
+                counts.append(len(got))
+                seen.update(msg.payload for msg in got)
+                assert len(bare) == (3000 if i == 0 else 0)
+            assert sum(counts) == 3000 and len(seen) == 3000 and max(seen.values()) == 1
+            print("load-balanced, 3 equally fast members:", counts)
+            assert max(counts) <= 1.2 * min(counts), counts
+            assert len(plain.messages()) == 3000
+        finally:
+            for m in members:
+                m.close()
+
+
+def test_a_member_that_leaves_gets_nothing_more(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as a, Wire.hello(server.address) as b:
+        a.send(group_sub(1))
+        b.send(group_sub(7))
+        a.flush()
+        b.flush()
+        a.unsubscribe(1)
+        assert a.flush() == []
+        publish(pub, 200)
+        assert split(a.flush())[1] == {}
+        assert len(split(b.flush())[1][7]) == 200
+
+
+def test_a_key_shared_group_keeps_each_key_partition_on_one_member_in_order(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub:
+        members = [Wire.hello(server.address) for _ in range(3)]
+        try:
+            for m in members:
+                m.send(group_sub(1, key_shared=True))
+                assert m.flush() == []
+            publish(pub, 64 * 30)
+            owner: dict[bytes, int] = {}
+            counts = []
+            for i, m in enumerate(members):
+                _, by_sid, others = split(m.flush())
+                assert others == []
+                got = [msg for msg, _ in by_sid.get(1, [])]
+                counts.append(len(got))
+                per_kp: dict[bytes, list[int]] = {}
+                for msg in got:
+                    assert owner.setdefault(msg.key_partition, i) == i, "a key_partition on two members"
+                    per_kp.setdefault(msg.key_partition, []).append(msg.offset)
+                for offsets in per_kp.values():
+                    assert offsets == sorted(offsets) and len(offsets) == 30
+            assert sum(counts) == 64 * 30 and len(owner) == 64
+            print("key-shared, 3 members, 64 key_partitions:", counts)
+            assert min(counts) > 0
+        finally:
+            for m in members:
+                m.close()
+
+
+def test_group_settings_must_agree_and_groups_start_live(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as a, Wire.hello(server.address) as b:
+        a.send(group_sub(1, ack=True))
+        assert a.flush() == []
+        b.send(group_sub(1, key_shared=True))
+        (err,) = b.flush()
+        assert isinstance(err, Error) and err.code == ErrorCode.BAD_GROUP and err.sid == 1 and not err.fatal
+        b.send(group_sub(2, group="h", last=5))
+        (err,) = b.flush()
+        assert isinstance(err, Error) and err.code == ErrorCode.BAD_GROUP and err.sid == 2
+        b.send(group_sub(3, group="h", ack=True, dead_letter=b"o.dead"))
+        (err,) = b.flush()
+        assert (
+            isinstance(err, Error)
+            and err.code == ErrorCode.BAD_GROUP
+            and "own pattern" in (err.message or "")
+        )
+        b.send(group_sub(4, ack=True))  # the same settings: joins
+        assert b.flush() == []
+
+
+def positions(msgs: list[tuple[Message, int]]) -> tuple[Position, ...]:
+    return tuple(Position(m.vbucket, m.epoch, m.offset) for m, _ in msgs)
+
+
+def test_ack_nack_with_backoff_expiry_and_in_progress(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as m:
+        m.send(group_sub(1, ack=True, ack_wait_ms=1000, backoff_ms=(300,)))
+        assert m.flush() == []
+        publish(pub, 4)
+        t0 = time.monotonic()
+        _, by_sid, _ = split(m.flush())
+        first = by_sid[1]
+        assert [(msg.payload, a) for msg, a in first] == [(b"0", 1), (b"1", 1), (b"2", 1), (b"3", 1)]
+        m.send(Ack(1, AckKind.ACK, positions(first[:1])))  # 0: done
+        m.send(Ack(1, AckKind.NACK, positions(first[1:2])))  # 1: again after the backoff (300 ms)
+        m.send(Ack(1, AckKind.NACK, positions(first[2:3]), delay_ms=0))  # 2: again at once
+        _, by_sid, others = split(m.flush())
+        assert others == [] and [(msg.payload, a) for msg, a in by_sid[1]] == [(b"2", 2)]
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+        time.sleep(max(0.0, t0 + 0.6 - time.monotonic()))
+        m.send(Ack(1, AckKind.IN_PROGRESS, positions(first[3:4])))  # 3: its deadline is now ~1.6 s
+        _, by_sid, _ = split(m.flush())
+        assert [(msg.payload, a) for msg, a in by_sid[1]] == [(b"1", 2)]  # the backoff passed
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+        time.sleep(max(0.0, t0 + 1.25 - time.monotonic()))
+        _, by_sid, _ = split(m.flush())
+        assert by_sid == {}, "in_progress did not extend the deadline"
+        time.sleep(max(0.0, t0 + 2.0 - time.monotonic()))
+        _, by_sid, _ = split(m.flush())
+        assert [(msg.payload, a) for msg, a in by_sid[1]] == [(b"3", 2)]  # ack_wait expired
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+        m.send(Ack(1, AckKind.ACK, positions(first[:1])))  # twice: counted and ignored
+        assert m.flush() == []
+        worker = debug_stats(server)["workers"][0]
+        assert (worker["acks"], worker["nacks"], worker["acks_in_progress"]) == (4, 2, 1)
+        assert worker["acks_unknown"] == 1 and worker["ack_expired"] == 1 and worker["redelivered"] == 3
+        assert worker["in_flight"] == 0
+
+
+def test_max_deliveries_drops_tells_and_dead_letters(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with (
+        Wire.hello(server.address) as pub,
+        Wire.hello(server.address) as m,
+        Wire.hello(server.address) as dead,
+    ):
+        m.send(group_sub(1, ack=True, max_deliveries=3, dead_letter=b"x.dead"))
+        dead.subscribe(1, b"x.dead")
+        assert m.flush() == [] and dead.flush() == []
+        publish(pub, 3)
+        attempts: Counter[bytes] = Counter()
+        told: list[Frame] = []
+        for _ in range(4):
+            _, by_sid, others = split(m.flush())
+            told += others
+            for msg, attempt in by_sid.get(1, []):
+                attempts[msg.payload] += 1
+                assert attempt == attempts[msg.payload]
+            m.send(Ack(1, AckKind.NACK, positions(by_sid.get(1, [])), delay_ms=0))
+        assert attempts == {b"0": 3, b"1": 3, b"2": 3}
+        assert all(isinstance(n, LossNotice) for n in told)
+        assert sorted(n.at.offset for n in told) == [1, 1, 1]  # type: ignore[union-attr]
+        assert all(n.reason == LossReason.MAX_DELIVERIES and n.sid == 1 and n.dropped == 1 for n in told)  # type: ignore[union-attr]
+        dead_letters = dead.messages()
+        assert sorted(d.payload for d in dead_letters) == [b"0", b"1", b"2"]
+        assert all(d.key == b"x.dead" and d.offset == 2 for d in dead_letters)  # the vbucket's next offset
+        worker = debug_stats(server)["workers"][0]
+        assert worker["dead_lettered"] == 3 and worker["dropped"]["max_deliveries"] == 3
+
+
+def test_a_member_that_dies_hands_its_unacked_messages_to_the_others(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as survivor:
+        doomed = Wire.hello(server.address)
+        doomed.send(group_sub(1, ack=True, max_in_flight=2000))
+        assert doomed.flush() == []
+        publish(pub, 1000)
+        _, by_sid, _ = split(doomed.flush())
+        assert len(by_sid[1]) == 1000
+        survivor.send(group_sub(5, ack=True, max_in_flight=2000))
+        assert survivor.flush() == []
+        doomed.close()
+        deadline = time.monotonic() + 5
+        got: list[tuple[Message, int]] = []
+        while len(got) < 1000 and time.monotonic() < deadline:
+            got += split(survivor.flush())[1].get(5, [])
+        assert sorted(int(m.payload) for m, _ in got) == list(range(1000))
+        assert all(attempt == 2 for _, attempt in got)  # delivered once before, to the dead member
+
+
+def test_max_in_flight_pauses_a_member_with_a_notice_and_its_acks_resume_it(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as m:
+        m.send(group_sub(1, ack=True, max_in_flight=10))
+        assert m.flush() == []
+        publish(pub, 25)
+        _, by_sid, others = split(m.flush())
+        assert len(by_sid[1]) == 10
+        assert others == [GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+        _, by_sid, others = split(m.flush())
+        assert others[0] == GroupNotice(1, GroupEvent.RESUMED, 0, 0)
+        assert [int(msg.payload) for msg, _ in by_sid[1]] == list(range(10, 20))  # the backlog, in order
+        assert debug_stats(server)["workers"][0]["group_paused"] >= 2
+
+
+def test_a_moving_vbucket_waits_for_its_old_member_then_goes_on_in_order(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as old:
+        old.send(group_sub(1, key_shared=True, ack=True, drain_timeout_ms=60_000))
+        assert old.flush() == []
+        publish(pub, 64 * 4)
+        _, by_sid, _ = split(old.flush())
+        held = by_sid[1]
+        assert len(held) == 64 * 4
+        new = Wire.hello(server.address)
+        try:
+            new.send(group_sub(1, key_shared=True, ack=True, drain_timeout_ms=60_000))
+            assert new.flush() == []
+            publish(pub, 64 * 4, start=64 * 4)
+            _, by_sid, _ = split(old.flush())
+            mine_old = {m.key_partition for m, _ in by_sid.get(1, [])}
+            _, by_sid_new, _ = split(new.flush())
+            assert by_sid_new == {}, "a moved vbucket was delivered before its old member was done"
+            # The old member acks everything: the moved vbuckets go on at the new member, in order.
+            old.send(Ack(1, AckKind.ACK, positions(held + by_sid.get(1, []))))
+            old.flush()
+            _, by_sid_new, _ = split(new.flush())
+            got = by_sid_new[1]
+            assert got and not {m.key_partition for m, _ in got} & mine_old
+            per_kp: dict[bytes, list[int]] = {}
+            for msg, _ in got:
+                per_kp.setdefault(msg.key_partition, []).append(int(msg.payload))
+            assert all(p == sorted(p) and len(p) == 4 for p in per_kp.values())
+            assert len(got) + len(by_sid.get(1, [])) == 64 * 4
+            assert {vbucket_of(kp) for kp in per_kp}.isdisjoint({vbucket_of(kp) for kp in mine_old})
+        finally:
+            new.close()
+
+
+def test_a_drain_goes_ahead_at_its_deadline_and_says_so(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as old:
+        old.send(group_sub(1, key_shared=True, ack=True, drain_timeout_ms=300, ack_wait_ms=60_000))
+        assert old.flush() == []
+        publish(pub, 64)
+        assert len(split(old.flush())[1][1]) == 64
+        with Wire.hello(server.address) as new:
+            new.send(group_sub(1, key_shared=True, ack=True, drain_timeout_ms=300, ack_wait_ms=60_000))
+            assert new.flush() == []
+            publish(pub, 64, start=64)
+            time.sleep(0.6)
+            _, by_sid, others = split(new.flush())
+            expired = [f for f in others if isinstance(f, GroupNotice)]
+            assert expired and all(f.event == GroupEvent.DRAIN_EXPIRED and f.messages >= 1 for f in expired)
+            assert len(by_sid[1]) == len(expired) * 1 or len(by_sid[1]) >= len(expired)
+            assert debug_stats(server)["workers"][0]["group_drain_expired"] == len(expired)
