@@ -325,3 +325,58 @@ def test_a_drain_goes_ahead_at_its_deadline_and_says_so(start_server: Any) -> No
             assert expired and all(f.event == GroupEvent.DRAIN_EXPIRED and f.messages >= 1 for f in expired)
             assert len(by_sid[1]) == len(expired) * 1 or len(by_sid[1]) >= len(expired)
             assert debug_stats(server)["workers"][0]["group_drain_expired"] == len(expired)
+
+
+def test_an_ack_group_keeps_its_messages_for_a_member_that_comes_back(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub:
+        first = Wire.hello(server.address)
+        first.send(group_sub(1, ack=True, ack_wait_ms=1500))
+        assert first.flush() == []
+        publish(pub, 50)
+        assert len(split(first.flush())[1][1]) == 50
+        first.close()  # its client reconnects: the group keeps the 50 for ack_wait
+        time.sleep(0.3)
+        publish(pub, 10, start=50)  # no member now: nobody gets these (no_subscribers)
+        with Wire.hello(server.address) as again:
+            again.send(group_sub(1, ack=True, ack_wait_ms=1500))
+            _, by_sid, _ = split(again.flush())
+            got = by_sid[1]
+            assert sorted((int(m.payload), a) for m, a in got) == [(i, 2) for i in range(50)]
+            for kp in KPS:  # offset order within each key_partition
+                offsets = [m.offset for m, _ in got if m.key_partition == kp]
+                assert offsets == sorted(offsets)
+            again.send(Ack(1, AckKind.ACK, positions(got)))
+            assert again.flush() == []
+        # The last member left with nothing unacknowledged: the group is gone at once.
+        time.sleep(0.2)
+        worker = debug_stats(server)["workers"][0]
+        assert worker["groups"] == 0 and worker["group_lost_no_member"] == 0
+
+
+def test_what_no_member_comes_back_for_is_counted_lost(start_server: Any) -> None:
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub:
+        m = Wire.hello(server.address)
+        m.send(group_sub(1, ack=True, ack_wait_ms=300))
+        assert m.flush() == []
+        publish(pub, 20)
+        assert len(split(m.flush())[1][1]) == 20
+        m.close()
+        time.sleep(0.8)
+        worker = debug_stats(server)["workers"][0]
+        assert worker["group_lost_no_member"] == 20 and worker["dropped"]["group_overflow"] == 20
+        assert worker["groups"] == 0 and worker["in_flight"] == 0
+
+
+def test_a_version_2_client_is_still_served(start_server: Any) -> None:
+    from broky.protocol import Hello, Welcome
+
+    server: ServerProcess = start_server(workers=1)
+    with Wire(server.address) as old, Wire.hello(server.address) as pub:
+        old.send(Hello(2, client_name="v2"))
+        assert old.expect(Welcome).protocol_version == 3
+        old.subscribe(1, b"o.>")
+        assert old.flush() == []
+        publish(pub, 5)
+        assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]

@@ -167,7 +167,9 @@ class ControlFrames:
             )
             return
         s = Subscription(c, sub.sid, sub.pattern, kp, size)
-        if sub.group is not None and not self.join_group(c, s, sub):  # broky.server.groups
+        if sub.group and not self.join_group(
+            c, s, sub
+        ):  # (an empty group name: no group)  # broky.server.groups
             return
         c.subs[sub.sid] = s
         c.sub_bytes += size

@@ -122,6 +122,7 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 16 << 20
 DEFAULT_DRAIN_TIMEOUT = 10.0
 
 Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
+ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
 
 
 class GroupTargets(tuple):  # type: ignore[type-arg]
@@ -235,7 +236,7 @@ class Group:
         self.ack_wait = (sub.ack_wait_ms or DEFAULT_ACK_WAIT * 1000) / 1000
         self.max_deliveries = sub.max_deliveries or DEFAULT_MAX_DELIVERIES
         self.backoff = tuple(ms / 1000 for ms in sub.backoff_ms) or DEFAULT_BACKOFF
-        self.dead_letter = sub.dead_letter
+        self.dead_letter = sub.dead_letter or None  # empty: none
         self.drain_timeout = (sub.drain_timeout_ms or DEFAULT_DRAIN_TIMEOUT * 1000) / 1000
         self.members: list[Member] = []
         self.turn = 0  # where the next tie-break starts
@@ -244,6 +245,7 @@ class Group:
         self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
         self.backlog_bytes = 0
         self.draining: dict[int, Drain] = {}
+        self.orphan_gen = 0  # its last member left: the deadline's gen (see GroupDelivery.give_back)
 
     def settings(self) -> tuple[Any, ...]:
         """What every member of the group must agree on."""
@@ -251,7 +253,7 @@ class Group:
             return (self.key_shared, False)
         return (
             self.key_shared, True, self.ack_wait, self.max_deliveries, self.backoff, self.dead_letter,
-            self.drain_timeout,
+            self.drain_timeout if self.key_shared else None,  # only a key-shared group drains
         )  # fmt: skip
 
     def pick(self, mark: int, size: int = 0) -> Member | None:
@@ -358,7 +360,7 @@ class GroupDelivery:
                 "(since, since_time and last are not for groups)", sub.sid,
             )  # fmt: skip
             return False
-        if sub.ack and sub.dead_letter is not None:
+        if sub.ack and sub.dead_letter:
             try:
                 tokens = parse_pattern(sub.pattern)
                 parse_pattern(sub.dead_letter)
@@ -375,6 +377,9 @@ class GroupDelivery:
         gkey = (sub.group, sub.pattern, sub.key_partition)
         g = table.groups.get(gkey)
         new = Group(sub.group, sub.pattern, sub.key_partition, sub)
+        if g is not None and not g.members and g.settings() != new.settings():
+            self.orphan_expired(g)  # kept for a member with the old settings: lost, counted
+            g = None
         if g is None:
             g = table.groups[gkey] = new
             self.stats.groups += 1
@@ -396,6 +401,8 @@ class GroupDelivery:
         self.stats.group_members += 1
         if g.key_shared:
             self.reassign(g)
+        if len(g.members) == 1 and (g.pending or g.backlog):
+            self.revive(g)
         return True
 
     def leave_group(self, m: Member) -> None:
@@ -406,20 +413,30 @@ class GroupDelivery:
         g.members.remove(m)
         m.sub.member = None
         self.stats.group_members -= 1
-        table = self.matcher.groups
-        if not g.members:
-            del table.groups[(g.name, g.pattern, g.kp)]
-            self.stats.groups -= 1
         if g.ack:
             self.give_back(g, m)
         elif g.key_shared and g.members:
             g.assign()
+        if not g.members and not g.pending and not g.backlog:
+            self.forget_group(g)
         self.flush_soon()
 
+    def forget_group(self, g: Group) -> None:
+        table = self.matcher.groups.groups
+        gkey = (g.name, g.pattern, g.kp)
+        if table.get(gkey) is g:
+            del table[gkey]
+            self.stats.groups -= 1
+
     def give_back(self, g: Group, m: Member) -> None:
-        """A departed member's pending messages and backlog go to the others (or are dropped)."""
+        """A departed member's pending messages and backlog go to the others, in offset order
+        per vbucket before anything newer; with no member left the group keeps them for
+        ack_wait, for a member that comes back (a client reconnecting)."""
         now = self.loop.time()
-        entries = [g.pending[k] for k in m.in_flight if k in g.pending]
+        entries = sorted((g.pending[k] for k in m.in_flight if k in g.pending), key=lambda e: e.key)
+        for e in entries:
+            e.member = None
+            e.gen += 1  # its ack deadline no longer runs
         m.in_flight.clear()
         m.in_flight_bytes = 0
         m.vb_count.clear()
@@ -427,26 +444,57 @@ class GroupDelivery:
         m.backlog.clear()
         g.backlog_bytes -= m.backlog_bytes
         m.backlog_bytes = 0
-        for drain_vb in [vb for vb, d in g.draining.items() if d.old is m]:
-            self.end_drain(g, drain_vb, expired=False)  # the old member is gone: no more waiting
-        if g.key_shared and g.members:
-            self.reassign(g)  # m's vbuckets go to the others (nothing of m's to drain)
+        # Drains that waited for m: what they hold is newer than m's messages, so it goes after.
+        newer: list[Held] = []
+        for vb in [vb for vb, d in g.draining.items() if d.old is m]:
+            d = g.draining.pop(vb)
+            newer.extend(d.held)
+            g.backlog_bytes -= sum(len(h.frame) for h in d.held)
         if not g.members:
-            lost = len(entries) + len(backlog) + len(g.backlog)
             for d in g.draining.values():
-                lost += len(d.held)
-            g.pending.clear()
-            g.backlog.clear()
+                newer.extend(d.held)
+                g.backlog_bytes -= sum(len(h.frame) for h in d.held)
             g.draining.clear()
-            if lost:
-                self.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
-                self.stats.group_lost_no_member += lost
+            kept = backlog + list(g.backlog) + newer
+            g.backlog = deque(kept)
+            g.backlog_bytes = sum(len(h.frame) for h in kept)
+            if g.pending or kept:
+                g.orphan_gen += 1
+                self.matcher.groups.push(now + g.ack_wait, (g, ORPHAN, g.orphan_gen))
+                self.arm(now + g.ack_wait)
             return
-        for e in sorted(entries, key=lambda e: e.key):  # offset order per vbucket
-            e.member = None
+        if g.key_shared:
+            self.reassign(g)  # m's vbuckets go to the others (nothing of m's to drain)
+        for e in entries:
             self.redeliver(g, e, now)
-        for h in backlog:
+        for h in backlog + newer:
             self.place(g, h, now)
+
+    def revive(self, g: Group) -> None:
+        """A member joined a group whose last member had left: what it kept goes out again."""
+        now = self.loop.time()
+        g.orphan_gen += 1  # its deadline no longer runs
+        for e in sorted((e for e in g.pending.values() if e.member is None), key=lambda e: e.key):
+            e.gen += 1
+            self.redeliver(g, e, now)
+        kept = list(g.backlog)
+        g.backlog.clear()
+        g.backlog_bytes = 0
+        for h in kept:
+            self.place(g, h, now)
+
+    def orphan_expired(self, g: Group) -> None:
+        """No member came back within ack_wait: what the group kept is lost, and counted."""
+        if g.members:
+            return
+        lost = len(g.pending) + len(g.backlog)
+        g.pending.clear()
+        g.backlog.clear()
+        g.backlog_bytes = 0
+        if lost:
+            self.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
+            self.stats.group_lost_no_member += lost
+        self.forget_group(g)
 
     def reassign(self, g: Group) -> None:
         """Key-shared: recompute the vbuckets' members; with acks, a vbucket whose old member
@@ -568,6 +616,10 @@ class GroupDelivery:
 
     def place(self, g: Group, h: Held, now: float) -> int:
         """Deliver h to the member it goes to, or hold it (a drain, a backlog); 1 if delivered."""
+        if not g.members:  # kept for a member that comes back (give_back)
+            g.backlog.append(h)
+            g.backlog_bytes += len(h.frame)
+            return 0
         if g.key_shared:
             owners = g.owners or g.assign()
             d = g.draining.get(h.vb)
@@ -660,6 +712,9 @@ class GroupDelivery:
             self.error(c, ErrorCode.UNKNOWN_SID, f"no ack subscription with sid {sid}", sid)
             return
         g = m.group
+        if kind not in (AckKind.ACK, AckKind.NACK, AckKind.IN_PROGRESS):
+            self.stats.acks_unknown += len(keys)  # a kind of a later version: ignored
+            return
         now = self.loop.time()
         stats = self.stats
         touched: set[Member] = set()
@@ -759,6 +814,9 @@ class GroupDelivery:
             return
         vb = e.key[0]
         h = Held(e.frame, vb, e)
+        if not g.members:
+            self.place(g, h, now)
+            return
         if g.key_shared:
             owners = g.owners or g.assign()
             m = owners[vb]
@@ -848,6 +906,10 @@ class GroupDelivery:
                 d = g.draining.get(what)
                 if d is not None and d.gen == gen:
                     self.end_drain(g, what, expired=True)
+                continue
+            if what == ORPHAN:
+                if gen == g.orphan_gen:
+                    self.orphan_expired(g)
                 continue
             e = g.pending.get(what)
             if e is None or e.gen != gen:
