@@ -267,14 +267,14 @@ def large_control_frames(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES -
             _pattern(seed, n // 2),
         ),
         Goodbye(text),
-        # Version 3: a group member with a long name, dead-letter key and backoff schedule,
-        # and an Ack of many positions.
+        # Version 3: a group member with a long name, dead-letter key and backoff schedule
+        # (at most n/4 + n/8 + n/4 + n/8 bytes), and an Ack of many positions (n/2 bytes).
         Subscribe(
             draw(u32),
             _pattern(seed, n // 8 + 1),
-            group=text[: len(text) // 2],
+            group=text[: len(text) // 4],
             ack=True,
-            backoff_ms=tuple(range(n // 16)),
+            backoff_ms=tuple(range(n // 32)),
             dead_letter=_pattern(seed[::-1], n // 4),
         ),
         Ack(draw(u32), AckKind.ACK, tuple(Position(i % VBUCKETS, i, i + 1) for i in range(n // 48))),
