@@ -206,7 +206,7 @@ group_notices = st.builds(
     u16,
 )
 deliveries = st.builds(Delivery, u32, u32, st.just(1) | u32)
-previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40))
+previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40), u64)
 control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(
         Hello,
@@ -214,7 +214,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         i16,
         st.none() | texts,
         st.none() | texts,
-        st.none() | st.builds(PreviousConnection, u64, u64, u64),
+        st.none() | st.builds(PreviousConnection, u64, u64, u64, st.none(), u64),
         st.booleans(),
     ),
     subscribes(),
@@ -365,7 +365,9 @@ def generated_read(frame: bytes) -> Frame:
         previous = (
             None
             if p is None
-            else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10))
+            else PreviousConnection(
+                p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10), p.GroupReceived()
+            )
         )
         return Hello(
             h.ProtocolVersion(),
@@ -647,6 +649,7 @@ class Writer:
                     lambda: fbs.PreviousConnectionAddConnectionId(b, previous.connection_id),
                     lambda: fbs.PreviousConnectionAddReceived(b, previous.received),
                     lambda: fbs.PreviousConnectionAddToldLost(b, previous.told_lost),
+                    lambda: fbs.PreviousConnectionAddGroupReceived(b, previous.group_received),
                 ]
                 if "proof" in proof:
                     prev_adders.append(lambda: fbs.PreviousConnectionAddResumeToken(b, proof["proof"]))

@@ -380,3 +380,36 @@ def test_a_version_2_client_is_still_served(start_server: Any) -> None:
         assert old.flush() == []
         publish(pub, 5)
         assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]
+
+
+def test_a_resume_by_positions_is_told_the_group_deliveries_it_lost(start_server: Any) -> None:
+    # A replay gives a plain subscription's deliveries back, never a group member's: the
+    # server tells those (Hello.previous.group_received), and only those.
+    from broky.protocol import PreviousConnection
+
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub:
+        for plain_missed, group_missed in ((3, 5), (3, 0)):
+            m = Wire.hello(server.address)
+            m.send(group_sub(1, pattern=b"o.>"))
+            m.subscribe(2, b"o.>")
+            assert m.flush() == []
+            publish(pub, 40)
+            bare, by_sid, _ = split(m.flush())
+            assert len(bare) == 40 and len(by_sid[1]) == 40
+            assert m.welcome is not None
+            previous = PreviousConnection(
+                m.welcome.connection_id,
+                80 - plain_missed - group_missed,  # as if the last ones never arrived
+                0,
+                m.welcome.resume_token,
+                40 - group_missed,
+            )
+            m.close()
+            time.sleep(0.2)
+            with Wire.hello(server.address, previous=previous, positions=True) as again:
+                told = again.flush()
+                if group_missed:
+                    assert told == [LossNotice(group_missed, LossReason.CONNECTION_LOST)]
+                else:
+                    assert told == []

@@ -210,6 +210,8 @@ class ControlFrames:
         for sub in c.subs.values():
             if sub.member is not None:  # after the table no longer names it: its work goes elsewhere
                 self.leave_group(sub.member)
+        if c.group_out:  # for its client's resume (broky.server.arrivals)
+            self.matcher.groups.closed(c.conn_id, c.group_out)
         self.stats.subscriptions -= len(c.subs)
         self.stats.subscription_bytes -= c.sub_bytes
         self.budget.freed_sub_bytes += c.sub_bytes

@@ -122,6 +122,7 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 16 << 20
 DEFAULT_DRAIN_TIMEOUT = 10.0
 
 Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
+CLOSED_KEPT = 65536  # as many as a worker's account table holds (broky.server.accounts)
 ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
 
 
@@ -308,6 +309,15 @@ class GroupTable:
         self.seq = itertools.count()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
+        # Closed connections' group deliveries (Connection.group_out), for a resume by positions
+        # (broky.server.arrivals): the oldest forgotten past CLOSED_KEPT.
+        self.closed_group_out: dict[int, int] = {}
+
+    def closed(self, conn_id: int, group_out: int) -> None:
+        kept = self.closed_group_out
+        if len(kept) >= CLOSED_KEPT:
+            del kept[next(iter(kept))]
+        kept[conn_id] = group_out
 
     def push(self, deadline: float, what: tuple[Group, Any, int]) -> None:
         heapq.heappush(self.heap, (deadline, next(self.seq), what))
@@ -593,6 +603,7 @@ class GroupDelivery:
             t.touched = True
             self._touched.append(t)
         t.msgs_out += n
+        t.group_out += n
         m.delivered += n
         mark = self.seqs.last_ts  # the read's clock: the same for every message of one read
         if m.mark != mark:
