@@ -521,8 +521,8 @@ def test_key_shared_order_and_one_holder_while_members_join_and_leave_under_load
         by_vb.setdefault(vbucket_of(kp), set()).update(off for _, off, _, _ in seq)
     # Every offset of every vbucket arrived (a redelivery, attempt 2, stands for a first
     # delivery that the member that died never read).
-    for vb, offsets in by_vb.items():
-        assert sorted(offsets) == list(range(1, len(offsets) + 1)), f"vbucket {vb}: a message never arrived"
+    for vb, got in by_vb.items():
+        assert sorted(got) == list(range(1, len(got) + 1)), f"vbucket {vb}: a message never arrived"
     assert sum(len(o) for o in by_vb.values()) == n
     # Never in flight to two members at once: each holder's hold (from receipt to its Ack, or to
     # when it let go) ends before the next holder's begins.
@@ -543,3 +543,38 @@ def test_key_shared_order_and_one_holder_while_members_join_and_leave_under_load
         f"drains expired {moved['group_drain_expired']}"
     )
     assert moved["group_drain_expired"] == 0
+
+
+def test_what_ack_groups_keep_is_bounded_by_the_memory_budget(start_server: Any) -> None:
+    # Half of the worker's share of --memory-budget (8 MiB here): past it, new messages of ack
+    # groups are dropped, counted and told as group_overflow, however many groups there are.
+    server: ServerProcess = start_server("--memory-budget", "8MiB", workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as m:
+        for sid in (1, 2):  # two groups, each allowed more than the bound
+            m.send(
+                group_sub(sid, group=f"g{sid}", ack=True, max_in_flight=100_000, max_in_flight_bytes=1 << 30)
+            )
+        assert m.flush() == []
+        payload = b"x" * 10_000
+        for i in range(500):  # 2 x 500 x 10 KB = 10 MB kept if nothing were dropped
+            pub.publish(KPS[i % len(KPS)], b"o.k", payload)
+        assert pub.flush() == []
+        frames = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            frames += m.flush()
+            worker = debug_stats(server)["workers"][0]
+            if worker["group_delivered"] + worker["dropped"]["group_overflow"] >= 1000:
+                break
+        _, by_sid, others = split(frames)
+        told = sum(
+            f.dropped for f in others if isinstance(f, LossNotice) and f.reason == LossReason.GROUP_OVERFLOW
+        )
+        kept = len(by_sid.get(1, [])) + len(by_sid.get(2, []))
+        assert kept + told == 1000 and told > 0
+        assert worker["group_kept_bytes"] <= 4 << 20
+        # Acknowledged, they are kept no more.
+        for sid in (1, 2):
+            m.send(Ack(sid, AckKind.ACK, positions(by_sid.get(sid, []))))
+        assert m.flush() == []
+        assert debug_stats(server)["workers"][0]["group_kept_bytes"] == 0

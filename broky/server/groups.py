@@ -100,6 +100,7 @@ from broky.server.stats import DropReason
 if TYPE_CHECKING:
     import asyncio
 
+    from broky.server.budget import Budget
     from broky.server.config import ServerConfig
     from broky.server.replay import ReplayBuffer
     from broky.server.sequences import Sequences
@@ -122,6 +123,7 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 16 << 20
 DEFAULT_DRAIN_TIMEOUT = 10.0
 
 Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
+KEPT_SHARE = 0.5  # of the worker's share of --memory-budget, for what ack groups keep
 CLOSED_KEPT = 65536  # as many as a worker's account table holds (broky.server.accounts)
 ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
 
@@ -312,6 +314,10 @@ class GroupTable:
         # Closed connections' group deliveries (Connection.group_out), for a resume by positions
         # (broky.server.arrivals): the oldest forgotten past CLOSED_KEPT.
         self.closed_group_out: dict[int, int] = {}
+        # Bytes of the messages ack groups keep (in flight or waiting), bounded by KEPT_SHARE of
+        # the worker's share of --memory-budget: past it a group's new messages are dropped
+        # and told as group_overflow, however many groups and members hostile clients make.
+        self.kept = 0
 
     def closed(self, conn_id: int, group_out: int) -> None:
         kept = self.closed_group_out
@@ -342,6 +348,7 @@ class GroupDelivery:
         seqs: Sequences
         replay: ReplayBuffer | None
         _touched: list[Connection]
+        budget: Budget
 
         def reply(self, c: Connection, frame: bytes) -> None: ...
         def error(
@@ -498,6 +505,8 @@ class GroupDelivery:
         if g.members:
             return
         lost = len(g.pending) + len(g.backlog)
+        self.matcher.groups.kept -= sum(len(e.frame) for e in g.pending.values())
+        self.matcher.groups.kept -= sum(len(h.frame) for h in g.backlog if h.entry is None)
         g.pending.clear()
         g.backlog.clear()
         g.backlog_bytes = 0
@@ -617,11 +626,18 @@ class GroupDelivery:
     def emit_acked(self, g: Group, buf: bytearray, start: int, end: int) -> int:
         """An ack group: each message is kept until acknowledged."""
         now = self.loop.time()
+        table = self.matcher.groups
+        limit = int(self.budget.share * KEPT_SHARE)
         delivered = 0
         pos = start
         while pos < end:
             stop = pos + 4 + _u32(buf, pos)[0]
-            delivered += self.place(g, Held(bytes(buf[pos:stop]), _vbucket(buf, pos + VBUCKET_AT)[0]), now)
+            h = Held(bytes(buf[pos:stop]), _vbucket(buf, pos + VBUCKET_AT)[0])
+            table.kept += stop - pos
+            if table.kept > limit:
+                self.overflow(g, h)
+            else:
+                delivered += self.place(g, h, now)
             pos = stop
         return delivered
 
@@ -677,6 +693,7 @@ class GroupDelivery:
         """h finds the group's backlog full: dropped, counted, told to every member."""
         if h.entry is not None:
             g.pending.pop(h.entry.key, None)
+        self.matcher.groups.kept -= len(h.frame)
         self.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
         for m in g.members:
             self.reply(m.conn, encode_frame(LossNotice(1, LossReason.GROUP_OVERFLOW, m.sid)))
@@ -749,6 +766,7 @@ class GroupDelivery:
             if kind == AckKind.ACK:
                 stats.acks += 1
                 del g.pending[key]
+                self.matcher.groups.kept -= len(e.frame)
             else:
                 stats.nacks += 1
                 if e.attempt >= g.max_deliveries:
@@ -853,6 +871,7 @@ class GroupDelivery:
     def dead(self, g: Group, e: Pending, last: Member | None) -> None:
         """e was delivered max_deliveries times: dropped, counted, told, dead-lettered."""
         g.pending.pop(e.key, None)
+        self.matcher.groups.kept -= len(e.frame)
         self.stats.dropped[DropReason.MAX_DELIVERIES] += 1
         vb, epoch, offset = e.key
         told = last or (g.members[0] if g.members else None)
@@ -976,4 +995,5 @@ class GroupDelivery:
         return {
             "groups_detail": out,
             "in_flight": sum(len(g.pending) for g in self.matcher.groups.groups.values()),
+            "group_kept_bytes": self.matcher.groups.kept,
         }
