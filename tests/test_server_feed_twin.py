@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from broky.protocol import (
     RESUME_TOKEN_BYTES,
+    Ack,
     FrameReader,
     Message,
     Ping,
@@ -33,6 +34,7 @@ from broky.protocol import (
     encode_message,
     new_ksuid,
 )
+from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
 from broky.server import fastpath
 from broky.server.config import ServerConfig
@@ -83,6 +85,21 @@ control = st.one_of(
         st.booleans(),
     ),
     st.builds(lambda i: encode_frame(Unsubscribe(200 + i)), st.integers(0, len(PATTERNS) - 1)),
+    st.builds(
+        lambda i: encode_frame(Subscribe(300 + i, *PATTERNS[i], group="a", ack=True, max_in_flight=3)),
+        st.integers(0, len(PATTERNS) - 1),
+    ),
+    # Acks of positions that may or may not be in flight (offsets count from 1 in epoch 0x5EED).
+    st.builds(
+        lambda i, kind, vb, offset, delay: encode_frame(
+            Ack(300 + i, kind, (Position(vb, 0x5EED, offset),), delay)
+        ),
+        st.integers(0, len(PATTERNS) - 1),
+        st.integers(0, 3),
+        st.sampled_from([vbucket_of(p) for p in PARTS]),
+        st.integers(0, 4),
+        st.sampled_from([-1, 0, 5]),
+    ),
 )
 stream = st.lists(st.one_of(message, message, message, control), min_size=1, max_size=60)
 
