@@ -45,6 +45,19 @@ class ClientStats:
     epochs_changed: int = 0
     errors: int = 0
     map_refreshes: int = 0
+    # Groups and acknowledgements (broky.client.groups)
+    group_received: int = 0  # deliveries to group members (announced by a Delivery frame)
+    redeliveries: int = 0  # of those, redeliveries (delivery_count > 1)
+    group_paused: int = 0  # GroupNotice PAUSED: a member reached max_in_flight on a worker
+    group_drain_expired: int = 0  # GroupNotice DRAIN_EXPIRED (each also reported to on_error)
+    acks_sent: int = 0  # positions sent in Ack frames: ACK
+    nacks_sent: int = 0  # ... NACK
+    in_progress_sent: int = 0  # ... IN_PROGRESS
+    # settlements not sent: their deliveries were lost (UNACKED_LOST) or their member is gone
+    acks_dropped: int = 0
+    # deliveries of ack members unsettled when the worker holding them restarted or left
+    # (reported to on_loss with LossReason.UNACKED_LOST): nobody redelivers them
+    unacked_lost: int = 0
 
 
 __all__ = ["ClientStats"]
