@@ -653,3 +653,13 @@ def test_settings_in_seconds_become_ms_and_go_only_with_ack() -> None:
     assert spec is not None
     assert (spec.ack_wait_ms, spec.backoff_ms, spec.max_in_flight_bytes) == (250, (0, 1, 60000), 1 << 40)
     assert group_spec(None) is None
+
+
+def test_the_clis_json_says_a_members_delivery_count() -> None:
+    import json
+
+    from broky.client.cli import message_json
+
+    msg = message(1)
+    assert "delivery_count" not in json.loads(message_json(msg))
+    assert json.loads(message_json(GroupMessage(msg, 3)))["delivery_count"] == 3
