@@ -3,7 +3,9 @@
 One instance per client, shared by every part of it (the publish path, the
 Links, the subscriptions, the map refresh), each counting what it sees as a
 plain attribute increment: nothing per message but the increment, and read
-at any time.
+at any time. Its counters are slots: an instance dict of 30 or more
+attributes makes every access slower on CPython 3.11 (about 10 %: it leaves
+the shared-keys fast path), and the publish and delivery paths count here.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class ClientStats:
     """Plain counters of one client (read them at any time)."""
 
