@@ -384,6 +384,33 @@ def test_many_acks_go_in_frames_of_at_most_ack_positions() -> None:
     run(main)
 
 
+def test_a_position_delivered_again_while_held_is_open_once() -> None:
+    """A redelivery (ack_wait passed) of a message the application still holds: one
+    position in flight; settling either copy settles it, the other is a no-op."""
+
+    async def main() -> None:
+        s = Setup()
+        member = s.member(1, group_spec("g", ack=True))
+        s.feed(
+            encode_frame(Delivery(1, 1))
+            + wire(message(1))
+            + encode_frame(Delivery(1, 1, 2))
+            + wire(message(1))
+        )
+        first, again = await member.next_msg(0), await member.next_msg(0)
+        assert (first.delivery_count, again.delivery_count, member.in_flight) == (1, 2, 1)
+        again.in_progress()
+        first.ack()
+        again.ack()
+        first.nack()
+        assert member.in_flight == 0
+        await asyncio.sleep(0)
+        pos = (Position(5, 77, 1001),)
+        assert acks(s.transport.frames()) == [Ack(1, AckKind.IN_PROGRESS, pos), Ack(1, AckKind.ACK, pos)]
+
+    run(main)
+
+
 def test_the_blocking_clients_members_ack_from_any_thread() -> None:
     """Four threads ack 4,000 deliveries of a blocking client's member while its I/O thread
     (here: the loop, in its own thread) delivers more: every position is sent once, in

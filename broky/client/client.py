@@ -368,7 +368,7 @@ class Client(Publisher):
     # ---------------------------------------------------------------- flushing
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every worker has processed everything published so far.
+        """Wait until every worker has processed everything published (and acknowledged) so far.
 
         A worker that is disconnected is waited for (it reconnects first, and
         a connection that drops during the flush is waited for again). The
@@ -389,6 +389,7 @@ class Client(Publisher):
         """
         self._check_open()
         timeout = self.flush_timeout if timeout is None else timeout
+        self.acks.flush()  # group members' settlements so far: before the Pings
         try:
             async with asyncio.timeout(timeout):
                 links, results = await self._round_trips()

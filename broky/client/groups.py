@@ -16,15 +16,18 @@ must settle each one: `ack()`, `nack(delay)` or, to keep it, `in_progress()`.
 They name the message by its position (vbucket, epoch, offset) and go to the
 worker it came from, through the Link that brought it.
 
-Who holds what. An `AckLedger` per (Link, ack subscription) counts the
-deliveries received through that Link and not yet settled by the application
-(`open`; their sum over Links is the subscription's `in_flight`) and holds the
-settlements waiting to be sent, grouped by (kind, delay). The client's one
-`AckBatcher` owns the lock that guards every ledger, every GroupMessage's
-`settled` flag and every `in_flight` (the blocking client's threads settle
-messages while its I/O thread delivers more), and sends what waits once per
-event-loop iteration: one Ack frame per (Link, sid, kind, delay), at most
-ACK_POSITIONS positions each. Settling a message twice is a no-op.
+Who holds what. An `AckLedger` per (Link, ack subscription) holds the
+positions of the deliveries received through that Link and not yet settled
+by the application (`open`; the sum of their sizes over Links is the
+subscription's `in_flight`) and the settlements waiting to be sent, grouped
+by (kind, delay). A position is open once however many times it was
+delivered (a redelivery after ack_wait while the application still holds
+the first copy): settling either copy settles it, and settling a position
+that is not open (twice, or after a nack) is a no-op. The client's one
+`AckBatcher` owns the lock that guards every ledger and every `in_flight`
+(the blocking client's threads settle messages while its I/O thread delivers
+more), and sends what waits once per event-loop iteration: one Ack frame per
+(Link, sid, kind, delay), at most ACK_POSITIONS positions each.
 
 While a Link is down its ledgers keep their settlements; when it comes back
 to the same worker process (the high half of the Welcome's connection_id
@@ -182,7 +185,6 @@ class GroupMessage(Message):
 
     delivery_count: int = 1
     _ledger: AckLedger | None = None
-    _settled = False
 
     def __new__(cls, msg: Message, attempt: int = 1, ledger: AckLedger | None = None) -> GroupMessage:
         self: GroupMessage = _tuple_new(cls, msg)
@@ -226,13 +228,7 @@ class GroupMessage(Message):
         ledger = self._ledger
         if ledger is None:
             raise AckError("this message's subscription was not made with ack=True: nothing to acknowledge")
-        with ledger.lock:
-            if self._settled:
-                return
-            final = kind != AckKind.IN_PROGRESS
-            if final:
-                self._settled = True
-            ledger.add(kind, delay_ms, Position(self.vbucket, self.epoch, self.offset), final)
+        ledger.settle(kind, delay_ms, Position(self.vbucket, self.epoch, self.offset))
 
 
 class Counted(Protocol):
@@ -254,8 +250,8 @@ class AckLink(Protocol):
 
 class AckLedger:
     """The ack subscription `sid`'s deliveries through one Link from one worker process:
-    how many the application has not settled (`open`), and the settlements waiting
-    to be sent. Every change is made under the batcher's `lock`."""
+    the positions the application has not settled (`open`), and the settlements
+    waiting to be sent. Every change is made under the batcher's `lock`."""
 
     def __init__(self, batcher: AckBatcher, link: AckLink, sid: int, sub: Counted) -> None:
         self.batcher = batcher
@@ -263,41 +259,50 @@ class AckLedger:
         self.link = link
         self.sid = sid
         self.sub = sub
-        self.open = 0
+        self.open: set[Position] = set()
         self.closed = False  # its deliveries are lost, or its subscription gone: settlements dropped
         self.pending: dict[tuple[int, int], list[Position]] = {}  # (kind, delay_ms) -> positions
 
     def __repr__(self) -> str:
-        return f"<AckLedger sid={self.sid} open={self.open} {'closed' if self.closed else ''}>"
+        state = " closed" if self.closed else ""
+        return f"<AckLedger sid={self.sid} open={len(self.open)}{state}>"
 
-    def delivered(self) -> None:
-        """The Link received one more delivery for this ledger (I/O thread)."""
+    def delivered(self, position: Position) -> bool:
+        """I/O thread: the Link received a delivery of `position` for this ledger. Returns
+        whether it opened it (False: the application holds a copy, still open)."""
         with self.lock:
-            self.open += 1
+            if position in self.open:
+                return False
+            self.open.add(position)
             self.sub.in_flight += 1
+            return True
 
-    def forget(self) -> None:
-        """A delivery `delivered` counted never reached the application (its queue dropped it)."""
+    def forget(self, position: Position) -> None:
+        """A delivery that opened `position` never reached the application (its queue dropped it)."""
         with self.lock:
-            if self.open:
-                self.open -= 1
+            if position in self.open:
+                self.open.remove(position)
                 self.sub.in_flight -= 1
 
-    def add(self, kind: int, delay_ms: int, position: Position, final: bool) -> None:
-        """Under the lock (GroupMessage._settle): the application settled a delivery."""
-        if final and self.open:
-            self.open -= 1
-            self.sub.in_flight -= 1
-        if self.closed:
-            self.batcher.stats.acks_dropped += 1
-            return
-        key = (kind, delay_ms)
-        waiting = self.pending.get(key)
-        if waiting is None:
-            self.pending[key] = [position]
-        else:
-            waiting.append(position)
-        self.batcher.request(self)
+    def settle(self, kind: int, delay_ms: int, position: Position) -> None:
+        """Any thread: the application settles `position` (ACK, NACK) or keeps it
+        (IN_PROGRESS); nothing if it is not open; dropped once the ledger is closed."""
+        with self.lock:
+            if self.closed:
+                self.batcher.stats.acks_dropped += 1
+                return
+            if position not in self.open:
+                return  # settled already
+            if kind != AckKind.IN_PROGRESS:
+                self.open.remove(position)
+                self.sub.in_flight -= 1
+            key = (kind, delay_ms)
+            waiting = self.pending.get(key)
+            if waiting is None:
+                self.pending[key] = [position]
+            else:
+                waiting.append(position)
+            self.batcher.request(self)
 
     def send(self) -> None:
         """I/O thread: write what waits, one Ack frame per (kind, delay) (more past
@@ -331,7 +336,8 @@ class AckLedger:
             dropped = sum(map(len, self.pending.values()))
             self.pending = {}
             self.batcher.stats.acks_dropped += dropped
-            lost, self.open = self.open, 0
+            lost = len(self.open)
+            self.open = set()
             self.sub.in_flight -= lost
             return lost
 

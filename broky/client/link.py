@@ -1041,11 +1041,12 @@ class Link(_LinkState):
         ledger = self.ledgers.get(sid)
         if ledger is None:
             ledger = self.ledgers[sid] = self.client.acks.ledger(self, sid, sub)
-        ledger.delivered()
+        position = Position(msg.vbucket, msg.epoch, msg.offset)
+        opened = ledger.delivered(position)
         dropped = stats.dropped_local  # (the blocking client's queue counts there too)
         sub.deliver(GroupMessage(msg, attempt, ledger))
-        if stats.dropped_local != dropped:  # its queue was full past the hard bound: never settled here
-            ledger.forget()
+        if opened and stats.dropped_local != dropped:  # its queue was full past the hard bound
+            ledger.forget(position)
 
     def on_group_notice(self, notice: GroupNotice) -> None:
         """A member's pause or resume on this worker, or a drain deadline that passed."""
