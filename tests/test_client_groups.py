@@ -690,3 +690,22 @@ def test_the_clis_json_says_a_members_delivery_count() -> None:
     msg = message(1)
     assert "delivery_count" not in json.loads(message_json(msg))
     assert json.loads(message_json(GroupMessage(msg, 3)))["delivery_count"] == 3
+
+
+def test_a_copy_of_a_members_message_keeps_its_fields_but_cannot_be_acked() -> None:
+    import copy
+    import pickle
+
+    async def main() -> None:
+        s = Setup()
+        member = s.member(1, group_spec("g", ack=True))
+        s.feed(encode_frame(Delivery(1, 1, 4)) + wire(message(1)))
+        msg = await member.next_msg(0)
+        for clone in (pickle.loads(pickle.dumps(msg)), copy.copy(msg)):
+            assert clone == msg and clone.delivery_count == 4
+            with pytest.raises(AckError):
+                clone.ack()
+        msg.ack()
+        assert member.in_flight == 0
+
+    run(main)

@@ -1061,7 +1061,8 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             processed: a connection that drops leaves only that much in doubt.
         on_error(exc): errors from the server (ServerError), local drops
             (SlowConsumerError), exceptions raised by subscription callbacks,
-            publishes that may have been lost with a connection. Without it
+            publishes that may have been lost with a connection, a key-shared
+            group's drain deadline passed (DrainExpiredError). Without it
             they are logged, local drops at most once every 5 s per
             subscription (broky.client.losses).
         on_disconnect(worker_ref, reason): a connection dropped (reconnecting
@@ -1072,7 +1073,9 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             and unprocessed publishes sent again.
         on_loss(worker_ref, dropped, reason): the server lost `dropped`
             deliveries to us; `reason` is a LossReason (slow consumer, a
-            connection that dropped, a worker that restarted, a shutdown).
+            connection that dropped, a worker that restarted, a shutdown; for
+            group members GROUP_OVERFLOW, MAX_DELIVERIES, and UNACKED_LOST:
+            unacknowledged deliveries of a worker that restarted).
             Without it they are logged at most once every 5 s per worker and
             reason, with the running count.
 

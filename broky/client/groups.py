@@ -49,7 +49,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from broky.client.stats import ClientStats
 from broky.errors import AckError
@@ -194,6 +194,11 @@ class GroupMessage(Message):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, delivery_count={self.delivery_count})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (pickle, copy) keeps the message and its delivery_count, not the way
+        back to its worker: it cannot be acknowledged."""
+        return (GroupMessage, (Message(*self), self.delivery_count))
 
     def ack(self) -> None:
         """Done with it: the worker forgets it. Safe from any thread; once settled (ack or
