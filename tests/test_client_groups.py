@@ -505,6 +505,33 @@ def test_group_losses_reach_on_loss() -> None:
 # ---------------------------------------------------------------- reconnects: UNACKED_LOST
 
 
+def test_the_next_hello_names_the_group_deliveries_of_the_lost_connection() -> None:
+    """Hello.previous.group_received: of the deliveries received, those a Delivery announced
+    (a resume by positions replays the others, never these: the server tells their loss)."""
+
+    async def main() -> None:
+        s = Setup()
+        s.sub(1)
+        s.member(2, group_spec("g"))
+        s.feed(wire(message(1)) + encode_frame(Delivery(2, 2)) + wire(message(2)) + wire(message(3)))
+        s.feed(encode_frame(Replay(1, 1)) + wire(message(4)))
+        s.link.on_lost(s.proto, None)
+        assert s.link.task is not None
+        s.link.task.cancel()
+        previous = s.link.previous
+        assert previous is not None
+        assert (previous.connection_id, previous.received, previous.group_received) == (
+            (0xAB << 32) | 1,
+            4,
+            2,
+        )
+        s.proto, s.transport = new_proto()
+        s.link.attach(s.proto, s.welcome((0xAB << 32) | 2), reconnect=True)
+        assert (s.link.received, s.link.group_received) == (0, 0)  # counted per connection
+
+    run(main)
+
+
 def test_back_to_the_same_worker_process_the_settlements_made_while_down_are_sent() -> None:
     async def main() -> None:
         s = Setup(conn_id=(0xAB << 32) | 1)

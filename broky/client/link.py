@@ -36,7 +36,8 @@ name a member's sid, like any other).
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
 naming the lost connection in its Hello (`previous`: its id, the deliveries
-received on it, the losses it was told of), re-sends every subscription it
+received on it and how many of them were a group member's, the losses it was
+told of), re-sends every subscription it
 carries (same sids), a Ping, then the publishes the server did not process
 (below), then its buffered publishes. A Link that fails
 `max_reconnect_attempts` times in a row gives up: its buffered publishes are
@@ -330,8 +331,9 @@ class Link(_LinkState):
     stopped, or, with no account, added to `unconfirmed` (and
     `stats.unconfirmed_lost`), which the next `flush` reports as a
     BrokyConnectionError. Publishes still in `out` are not lost: they are sent
-    after the reconnect. `received` and `told_lost` count the deliveries and
-    the losses told on the current connection, for the next Hello's `previous`.
+    after the reconnect. `received` (of which `group_received` were a group
+    member's) and `told_lost` count the deliveries and the losses told on the
+    current connection, for the next Hello's `previous`.
     """
 
     def __init__(self, client: LinkOwner, node_id: str, worker: int) -> None:
@@ -362,6 +364,7 @@ class Link(_LinkState):
         self.conn_id = 0  # Welcome.connection_id of the current (or last) connection
         self.resume_token: bytes | None = None  # its Welcome.resume_token (the proof of a resume)
         self.received = 0  # deliveries received on it
+        self.group_received = 0  # of those, announced by a Delivery frame (a group member's)
         self.told_lost = 0  # LossNotice counts received on it
         self.refusals = 0  # publishes refused on it with NOT_MY_VBUCKET (Errors received)
         self.lost_refusals = 0  # the same, of the lost connection named in `previous`
@@ -436,7 +439,7 @@ class Link(_LinkState):
         self.conn_id = welcome.connection_id
         self.resume_token = welcome.resume_token
         self.refusals = 0
-        self.received = self.told_lost = 0
+        self.received = self.told_lost = self.group_received = 0
         self.written = self.confirmed = self.released = 0
         self.retained.clear()
         self.retained_bytes = 0
@@ -619,7 +622,9 @@ class Link(_LinkState):
         if exc is None:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
         if self.conn_id:
-            self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost, self.resume_token)
+            self.previous = PreviousConnection(
+                self.conn_id, self.received, self.told_lost, self.resume_token, self.group_received
+            )
             self.lost_refusals = self.refusals
             self.tail = proto.tail
         self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
@@ -1026,6 +1031,7 @@ class Link(_LinkState):
         WorkerProtocol counts them): handed to it as a GroupMessage, never to the
         Matcher's subscriptions, and not a position of the Link's live stream."""
         self.received += 1
+        self.group_received += 1
         stats = self.client.stats
         stats.received += 1
         stats.group_received += 1
