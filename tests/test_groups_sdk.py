@@ -20,6 +20,7 @@ import broky
 from broky.client.groups import GroupMessage
 from broky.errors import ErrorCode, ServerError
 from broky.protocol import LossReason, Message
+from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
 from tests.test_cli import SubProcess, broky_cli
 from tests.test_client import partitions_by_worker
@@ -250,6 +251,56 @@ def test_a_worker_restart_reports_the_unacked_as_lost(server: ServerProcess) -> 
             msg.ack()
 
     run(main, timeout=90)
+
+
+def test_a_cut_to_a_live_worker_loses_no_ack(server: ServerProcess) -> None:
+    """A member's connection is cut and comes back to the same worker process: nothing is
+    told lost, what it settled while down is sent after it subscribed again, and what it
+    had not settled comes back (the group kept it for the member: it was the last one)."""
+    proxy = FaultProxy(server.address).start()
+    try:
+
+        async def main() -> None:
+            losses: list[tuple[int, int]] = []
+            options: dict[str, Any] = {
+                "on_loss": lambda ref, n, why: losses.append((n, why)),
+                "reconnect_min_delay": 0.05,
+                "reconnect_max_delay": 0.2,
+            }
+            async with (
+                broky.connect(proxy.address, **options) as client,
+                broky.connect(server.url) as publisher,
+            ):
+                sub = await client.subscribe("cut.>", group="g", ack=True, ack_wait=5.0)
+                for i in range(5):
+                    await publisher.publish(b"kp-1", "cut.k", b"%d" % i)
+                await publisher.flush()
+                got = [await sub.next_msg(5) for _ in range(5)]
+                proxy.refuse(True)
+                proxy.cut()
+                await until(lambda: all(link.proto is None for link in client.router.links.values()))
+                got[0].ack()  # while down: kept for the reconnect
+                got[1].ack()
+                proxy.refuse(False)
+                again: dict[int, GroupMessage] = {}
+                while len(again) < 3:
+                    msg = await sub.next_msg(5)
+                    if int(msg.payload) >= 2:
+                        assert msg.delivery_count == 2
+                        again[int(msg.payload)] = msg
+                    msg.ack()  # (0 and 1 may come back before their acks reached the group)
+                assert sorted(again) == [2, 3, 4]
+                for msg in got[2:]:
+                    msg.ack()  # the first copies: settled already, nothing more
+                await client.flush()
+                with pytest.raises(broky.BrokyTimeoutError):
+                    await sub.next_msg(1.0)
+                assert losses == [] and client.stats.unacked_lost == 0 and sub.in_flight == 0
+                assert client.stats.acks_dropped == 0
+
+        run(main)
+    finally:
+        proxy.stop()
 
 
 def test_the_blocking_client_acks_from_its_thread(server: ServerProcess) -> None:
