@@ -4,8 +4,8 @@ One instance per client, shared by every part of it (the publish path, the
 Links, the subscriptions, the map refresh), each counting what it sees as a
 plain attribute increment: nothing per message but the increment, and read
 at any time. Its counters are slots: an instance dict of 30 or more
-attributes makes every access slower on CPython 3.11 (about 10 %: it leaves
-the shared-keys fast path), and the publish and delivery paths count here.
+attributes leaves CPython 3.11's shared-keys fast path, and the publish and
+delivery paths count here (bench/README.md, "Groups and acks in the SDK").
 """
 
 from __future__ import annotations
