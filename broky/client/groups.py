@@ -31,15 +31,16 @@ more), and sends what waits once per event-loop iteration: one Ack frame per
 
 While a Link is down its ledgers keep their settlements; when it comes back
 to the same worker process (the high half of the Welcome's connection_id
-names it: schema/README.md 4), they are sent after its Subscribes: that worker
-still knows the positions (it gave the old connection's unsettled deliveries
-to other members, and an ack from any member settles a position the group
-holds). When it comes back to another process (the worker or the server
-restarted), or its node leaves the map, nobody holds those deliveries any
-more: their count is reported as lost (LossReason.UNACKED_LOST, through
-`on_loss`, `stats.unacked_lost`), and their settlements, now or later, are
-dropped (`stats.acks_dropped`). An unsubscribed member's ledgers are closed
-the same way, without a loss: its worker gives what it held to the others.
+names it: schema/README.md 3, 5.4), they are sent after its Subscribes:
+that worker still knows the positions (it gave the old connection's
+unsettled deliveries to other members, or kept them for this one, and an ack
+from any member settles a position the group holds). When it comes back
+to another process (the worker or the server restarted), or its node leaves
+the map, nobody holds those deliveries any more: their count is reported
+as lost (LossReason.UNACKED_LOST, through `on_loss`, `stats.unacked_lost`),
+and their settlements, now or later, are dropped (`stats.acks_dropped`).
+An unsubscribed member's ledgers are closed the same way, without a loss:
+its worker gives what it held to the others.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ as it was first (a group starts live; what was in flight to the lost
 connection the worker gives to the other members, or to this one again).
 
 Group members with ack, across reconnects: the high half of a Welcome's
-connection_id names the worker process (schema/README.md 4). Back to the
+connection_id names the worker process (schema/README.md 3, 5.4). Back to the
 same process, the settlements made while down are sent after the
 Subscribes (the worker still knows those positions). Back to another one (the
 worker or the server restarted), or retired with its node, the Link closes
