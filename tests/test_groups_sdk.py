@@ -340,3 +340,67 @@ def test_cli_members_share_the_messages_and_ack(server: ServerProcess) -> None:
     finally:
         for member in members:
             member.kill()
+
+
+HOARDER = """
+import asyncio, sys
+import broky
+
+async def main() -> None:
+    async with broky.connect(sys.argv[1], name="hoarder") as client:
+        got = 0
+        sub = await client.subscribe("jobs.>", group="workers", ack=True, max_in_flight=5000)
+        print("ready", flush=True)
+        async for _ in sub:  # never acks
+            got += 1
+            if got == 1000:
+                print("holding 1000", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_member_sigkilled_with_1000_unacked_hands_them_all_to_the_others(server: ServerProcess) -> None:
+    """A member process takes 1,000 messages and never acks; SIGKILLed, its connections
+    close and the worker hands every one of them to the live members: none lost, none
+    delivered twice to a live member."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    hoarder = subprocess.Popen(
+        [sys.executable, "-c", HOARDER, server.url], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert hoarder.stdout is not None
+        assert hoarder.stdout.readline().strip() == "ready"
+
+        async def body() -> None:
+            await publish(server, 1000)
+            assert await asyncio.to_thread(hoarder.stdout.readline) == "holding 1000\n"  # type: ignore[union-attr]
+            got: list[list[GroupMessage]] = [[], []]
+            async with broky.connect(server.url) as a, broky.connect(server.url) as b:
+                for client, sink in ((a, got[0]), (b, got[1])):
+
+                    def take(msg: GroupMessage, sink: list[GroupMessage] = sink) -> None:
+                        sink.append(msg)
+                        msg.ack()
+
+                    await client.subscribe("jobs.>", group="workers", ack=True, callback=take)
+                os.killpg(hoarder.pid, signal.SIGKILL)
+                await until(lambda: sum(map(len, got)) >= 1000, what="the hoarder's 1,000 redelivered")
+                await asyncio.sleep(0.5)  # anything more would be a copy
+            seqs = [_seq.unpack(m.payload) for sink in got for m in sink]
+            assert len(seqs) == len(set(seqs)) == 1000, "lost or delivered twice"
+            assert all(m.delivery_count == 2 for sink in got for m in sink)
+            print(f"redelivered after SIGKILL: {[len(s) for s in got]}")
+            assert min(map(len, got)) > 0
+
+        run(body)
+    finally:
+        if hoarder.poll() is None:
+            os.killpg(hoarder.pid, signal.SIGKILL)
+        hoarder.wait(5)
+        if hoarder.stdout is not None:
+            hoarder.stdout.close()
