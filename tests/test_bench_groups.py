@@ -76,6 +76,7 @@ def test_bench_groups_quick_runs_every_section(tmp_path: Path) -> None:
     assert any("idle group" in t for t in targets), targets
 
     text = (tmp_path / "groups.md").read_text()
+    print(text.split("## Targets")[0])  # the balance figures of the tiny run (pytest -s)
     headings = ("## Load-balanced groups, equally fast members", "## Load-balanced groups, one member three",
                 "## Key-shared groups (Broky only)", "## Acks", "## Server CPU per delivered message",
                 "## Targets")  # fmt: skip
