@@ -31,10 +31,15 @@ from broky.protocol import (
     NO_OWNER,
     RESUME_TOKEN_BYTES,
     VBUCKETS,
+    Ack,
+    AckKind,
+    Delivery,
     Error,
     Frame,
     FrameReader,
     Goodbye,
+    GroupEvent,
+    GroupNotice,
     Hello,
     LossNotice,
     MapApplied,
@@ -154,7 +159,54 @@ def large_messages(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES - 256) 
 
 
 positions = st.builds(Position, u16, u64, u64)
-previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40))
+i32 = st.integers(-(2**31), 2**31 - 1)
+
+
+@st.composite
+def subscribes(draw: st.DrawFn) -> Subscribe:
+    """Subscribes of every version: version 3's fields are all left out (None, 0, empty) half
+    of the time, so that plain subscriptions, groups without acks and members with every
+    setting all come up; group and dead_letter are absent, empty or set."""
+    sub = Subscribe(
+        draw(u32),
+        draw(st.binary(max_size=100)),
+        draw(st.none() | st.binary(max_size=40)),
+        draw(st.lists(positions, max_size=5).map(tuple)),
+        draw(i64),
+        draw(u32),
+    )
+    if draw(st.booleans()):
+        return sub
+    return sub._replace(
+        group=draw(st.none() | texts),
+        key_shared=draw(st.booleans()),
+        ack=draw(st.booleans()),
+        ack_wait_ms=draw(u32),
+        max_deliveries=draw(u32),
+        backoff_ms=tuple(draw(st.lists(u32, max_size=6))),
+        max_in_flight=draw(u32),
+        max_in_flight_bytes=draw(u64),
+        dead_letter=draw(st.none() | st.binary(max_size=40)),
+        drain_timeout_ms=draw(u32),
+    )
+
+
+acks = st.builds(
+    Ack,
+    u32,
+    st.sampled_from([AckKind.ACK, AckKind.NACK, AckKind.IN_PROGRESS]) | u8,
+    st.lists(positions, max_size=6).map(tuple),
+    st.just(-1) | i32,  # -1, the default, is not written
+)
+group_notices = st.builds(
+    GroupNotice,
+    u32,
+    st.sampled_from([GroupEvent.PAUSED, GroupEvent.RESUMED, GroupEvent.DRAIN_EXPIRED]) | u8,
+    u64,
+    u16,
+)
+deliveries = st.builds(Delivery, u32, u32, st.just(1) | u32)
+previous_connections = st.builds(PreviousConnection, u64, u64, u64, st.none() | st.binary(max_size=40), u64)
 control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(
         Hello,
@@ -162,18 +214,10 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         i16,
         st.none() | texts,
         st.none() | texts,
-        st.none() | st.builds(PreviousConnection, u64, u64, u64),
+        st.none() | st.builds(PreviousConnection, u64, u64, u64, st.none(), u64),
         st.booleans(),
     ),
-    st.builds(
-        Subscribe,
-        u32,
-        st.binary(max_size=100),
-        st.none() | st.binary(max_size=40),
-        st.lists(positions, max_size=5).map(tuple),
-        i64,
-        u32,
-    ),
+    subscribes(),
     st.builds(Unsubscribe, u32),
     st.just(Pause()),
     st.just(Resume()),
@@ -197,6 +241,9 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.lists(u16, max_size=8).map(tuple),  # any u16, unchecked by the codec (the server refuses)
     ),
     st.builds(ReadDone, u32, u16, u64, u64, u64, st.booleans(), u16, st.booleans()),
+    deliveries,
+    acks,
+    group_notices,
 )
 small_frames: st.SearchStrategy[Frame] = messages | control_frames
 
@@ -220,6 +267,17 @@ def large_control_frames(draw: st.DrawFn, limit: int = DEFAULT_MAX_FRAME_BYTES -
             _pattern(seed, n // 2),
         ),
         Goodbye(text),
+        # Version 3: a group member with a long name, dead-letter key and backoff schedule
+        # (at most n/4 + n/8 + n/4 + n/8 bytes), and an Ack of many positions (n/2 bytes).
+        Subscribe(
+            draw(u32),
+            _pattern(seed, n // 8 + 1),
+            group=text[: len(text) // 4],
+            ack=True,
+            backoff_ms=tuple(range(n // 32)),
+            dead_letter=_pattern(seed[::-1], n // 4),
+        ),
+        Ack(draw(u32), AckKind.ACK, tuple(Position(i % VBUCKETS, i, i + 1) for i in range(n // 48))),
     ]
     return draw(st.sampled_from(choices))
 
@@ -307,7 +365,9 @@ def generated_read(frame: bytes) -> Frame:
         previous = (
             None
             if p is None
-            else PreviousConnection(p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10))
+            else PreviousConnection(
+                p.ConnectionId(), p.Received(), p.ToldLost(), _vec(p._tab, 10), p.GroupReceived()
+            )
         )
         return Hello(
             h.ProtocolVersion(),
@@ -340,7 +400,26 @@ def generated_read(frame: bytes) -> Frame:
             Position(s.Since(i).Vbucket(), s.Since(i).Epoch(), s.Since(i).Offset())
             for i in range(s.SinceLength())
         )
-        return Subscribe(s.Sid(), _vec(s._tab, 6) or b"", _vec(s._tab, 8), since, s.SinceTime(), s.Last())
+        assert s.BackoffMsIsNone() == (_vec(s._tab, 26) is None)
+        assert s.DeadLetterLength() == len(_vec(s._tab, 32) or b"")
+        return Subscribe(
+            s.Sid(),
+            _vec(s._tab, 6) or b"",
+            _vec(s._tab, 8),
+            since,
+            s.SinceTime(),
+            s.Last(),
+            _text(s.Group()),
+            s.KeyShared(),
+            s.Ack(),
+            s.AckWaitMs(),
+            s.MaxDeliveries(),
+            tuple(s.BackoffMs(i) for i in range(s.BackoffMsLength())),
+            s.MaxInFlight(),
+            s.MaxInFlightBytes(),
+            _vec(s._tab, 32),
+            s.DrainTimeoutMs(),
+        )
     if kind == Body.Unsubscribe:
         return Unsubscribe(body(fbs.Unsubscribe).Sid())
     if kind == Body.Pause:
@@ -394,12 +473,25 @@ def generated_read(frame: bytes) -> Frame:
         return ReadDone(
             d.Rid(), d.Vbucket(), d.Epoch(), d.Next(), d.Evicted(), d.EpochChanged(), d.Remaining(), d.Moved()
         )
+    if kind == Body.Delivery:
+        d = body(fbs.Delivery)
+        return Delivery(d.Sid(), d.Messages(), d.Attempt())
+    if kind == Body.Ack:
+        a = body(fbs.Ack)
+        acked = tuple(
+            Position(a.Positions(i).Vbucket(), a.Positions(i).Epoch(), a.Positions(i).Offset())
+            for i in range(a.PositionsLength())
+        )
+        return Ack(a.Sid(), a.Kind(), acked, a.DelayMs())
+    if kind == Body.GroupNotice:
+        n = body(fbs.GroupNotice)
+        return GroupNotice(n.Sid(), n.Event(), n.Messages(), n.Vbucket())
     raise AssertionError(f"unknown body type {kind}")
 
 
 # ---------------------------------------------------------------- reference writer (flatbuffers.Builder)
 
-_BODY_TYPES: dict[type, int] = {
+BODY_TYPES: dict[type, int] = {
     Message: Body.Message,
     Hello: Body.Hello,
     Welcome: Body.Welcome,
@@ -417,6 +509,9 @@ _BODY_TYPES: dict[type, int] = {
     Read: Body.Read,
     ReadDone: Body.ReadDone,
     Replay: Body.Replay,
+    Delivery: Body.Delivery,
+    Ack: Body.Ack,
+    GroupNotice: Body.GroupNotice,
 }
 
 
@@ -464,6 +559,16 @@ class Writer:
         start_vector(self.b, len(values))
         for v in reversed(values):
             self.b.PrependUint16(v)
+        return int(self.b.EndVector())
+
+    def u32s(self, start_vector: Callable[[Any, int], Any], values: tuple[int, ...]) -> int | None:
+        """A vector of uint, or None (drawn: an empty vector or none at all)."""
+        if not values and self.draw(st.booleans()):
+            return None
+        self.junk()
+        start_vector(self.b, len(values))
+        for v in reversed(values):
+            self.b.PrependUint32(v)
         return int(self.b.EndVector())
 
     def table(
@@ -544,6 +649,7 @@ class Writer:
                     lambda: fbs.PreviousConnectionAddConnectionId(b, previous.connection_id),
                     lambda: fbs.PreviousConnectionAddReceived(b, previous.received),
                     lambda: fbs.PreviousConnectionAddToldLost(b, previous.told_lost),
+                    lambda: fbs.PreviousConnectionAddGroupReceived(b, previous.group_received),
                 ]
                 if "proof" in proof:
                     prev_adders.append(lambda: fbs.PreviousConnectionAddResumeToken(b, proof["proof"]))
@@ -597,18 +703,71 @@ class Writer:
             return self.table(fbs.WelcomeStart, fbs.WelcomeEnd, adders)
         if isinstance(frame, Subscribe):
             since = self.positions(fbs.SubscribeStartSinceVector, frame.since)
-            r = self.refs({"pattern": frame.pattern, "kp": frame.key_partition})
+            backoff = self.u32s(fbs.SubscribeStartBackoffMsVector, frame.backoff_ms)
+            r = self.refs(
+                {
+                    "pattern": frame.pattern,
+                    "kp": frame.key_partition,
+                    "group": frame.group,
+                    "dead_letter": frame.dead_letter,
+                }
+            )
             adders = [
                 lambda: fbs.SubscribeAddSid(b, frame.sid),
                 lambda: fbs.SubscribeAddPattern(b, r["pattern"]),
                 lambda: fbs.SubscribeAddSinceTime(b, frame.since_time),
                 lambda: fbs.SubscribeAddLast(b, frame.last),
+                lambda: fbs.SubscribeAddKeyShared(b, frame.key_shared),
+                lambda: fbs.SubscribeAddAck(b, frame.ack),
+                lambda: fbs.SubscribeAddAckWaitMs(b, frame.ack_wait_ms),
+                lambda: fbs.SubscribeAddMaxDeliveries(b, frame.max_deliveries),
+                lambda: fbs.SubscribeAddMaxInFlight(b, frame.max_in_flight),
+                lambda: fbs.SubscribeAddMaxInFlightBytes(b, frame.max_in_flight_bytes),
+                lambda: fbs.SubscribeAddDrainTimeoutMs(b, frame.drain_timeout_ms),
             ]
             if "kp" in r:
                 adders.append(lambda: fbs.SubscribeAddKeyPartition(b, r["kp"]))
             if since is not None:
                 adders.append(lambda: fbs.SubscribeAddSince(b, since))
+            if "group" in r:
+                adders.append(lambda: fbs.SubscribeAddGroup(b, r["group"]))
+            if backoff is not None:
+                adders.append(lambda: fbs.SubscribeAddBackoffMs(b, backoff))
+            if "dead_letter" in r:
+                adders.append(lambda: fbs.SubscribeAddDeadLetter(b, r["dead_letter"]))
             return self.table(fbs.SubscribeStart, fbs.SubscribeEnd, adders)
+        if isinstance(frame, Delivery):
+            return self.table(
+                fbs.DeliveryStart,
+                fbs.DeliveryEnd,
+                [
+                    lambda: fbs.DeliveryAddSid(b, frame.sid),
+                    lambda: fbs.DeliveryAddMessages(b, frame.messages),
+                    lambda: fbs.DeliveryAddAttempt(b, frame.attempt),
+                ],
+            )
+        if isinstance(frame, Ack):
+            acked = self.positions(fbs.AckStartPositionsVector, frame.positions)
+            adders = [
+                lambda: fbs.AckAddSid(b, frame.sid),
+                lambda: fbs.AckAddKind(b, frame.kind),
+                # -1 is the default: left out unless ForceDefaults was drawn.
+                lambda: fbs.AckAddDelayMs(b, frame.delay_ms),
+            ]
+            if acked is not None:
+                adders.append(lambda: fbs.AckAddPositions(b, acked))
+            return self.table(fbs.AckStart, fbs.AckEnd, adders)
+        if isinstance(frame, GroupNotice):
+            return self.table(
+                fbs.GroupNoticeStart,
+                fbs.GroupNoticeEnd,
+                [
+                    lambda: fbs.GroupNoticeAddSid(b, frame.sid),
+                    lambda: fbs.GroupNoticeAddEvent(b, frame.event),
+                    lambda: fbs.GroupNoticeAddMessages(b, frame.messages),
+                    lambda: fbs.GroupNoticeAddVbucket(b, frame.vbucket),
+                ],
+            )
         if isinstance(frame, Read):
             start = self.positions(fbs.ReadStartStartVector, frame.start)
             stop = self.positions(fbs.ReadStartStopVector, frame.stop)
@@ -726,7 +885,7 @@ class Writer:
         root = self.table(
             fbs.FrameStart,
             fbs.FrameEnd,
-            [lambda: fbs.FrameAddBodyType(b, _BODY_TYPES[type(frame)]), lambda: fbs.FrameAddBody(b, body)],
+            [lambda: fbs.FrameAddBodyType(b, BODY_TYPES[type(frame)]), lambda: fbs.FrameAddBody(b, body)],
         )
         b.FinishSizePrefixed(root, b"BRKY")
         return bytes(b.Output())
@@ -979,3 +1138,109 @@ def test_read_done_writes_moved_only_when_true() -> None:
     assert decode_frame(frame, 0, len(frame)) == moved
     with pytest.raises(LocalProtocolError):
         encode_frame(plain._replace(moved=1))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- every frame, version 3's too
+
+E = 0x5EED5EED5EED5EED
+# One value of each frame type (the doc tests and the route tests use them too).
+ONE_OF_EACH: list[Frame] = [
+    Message(b"t1", b"orders.eu", b"hello", 1, 2, None, 828, E, 42),
+    Hello(),
+    Welcome("n", 0, VBucketMap.single_node(NodeInfo("n", "h", 4777, 2)), 1 << 20, 64 << 20),
+    Subscribe(1, b"orders.>", group="billing", key_shared=True, ack=True, backoff_ms=(10, 20)),
+    Unsubscribe(1),
+    Pause(),
+    Resume(),
+    Ping(1),
+    Pong(1, 2),
+    Error(23, "bad group", 1, False, 1),
+    LossNotice(1, 9, 1, Position(828, E, 7)),
+    Goodbye("bye", 3),
+    MapUpdate(VBucketMap.single_node(NodeInfo("n", "h", 4777, 2), 2)),
+    MapApplied(2),
+    Read(1, b">"),
+    ReadDone(1, 828, E, 43),
+    Replay(1, 2, 3),
+    Delivery(1, 2),
+    Ack(1, AckKind.NACK, (Position(828, E, 7),), 500),
+    GroupNotice(1, GroupEvent.DRAIN_EXPIRED, 3, 828),
+]
+
+
+def _union_members() -> dict[str, int]:
+    return {name: value for name, value in vars(Body).items() if type(value) is int and name != "NONE"}
+
+
+def test_the_tests_know_every_frame_of_the_union() -> None:
+    # A frame added to the schema must be added to the strategies, the reference reader
+    # (generated_read) and the reference writer (Writer.body) above: this fails until it is.
+    members = _union_members()
+    assert sorted(BODY_TYPES.values()) == sorted(members.values()) == list(range(1, len(members) + 1))
+    assert {cls.__name__: kind for cls, kind in BODY_TYPES.items()} == members
+    assert sorted(BODY_TYPES[type(f)] for f in ONE_OF_EACH) == sorted(members.values())
+    for frame in ONE_OF_EACH:
+        raw = encode_frame(frame)
+        assert generated_read(raw) == frame == decode_frame(raw)
+
+
+def test_ack_delay_defaults_to_minus_one_on_the_wire() -> None:
+    # -1 (the subscription's backoff) is the schema's default: the codec leaves the field
+    # out, an absent field reads as -1 through both readers, and a -1 written anyway
+    # (ForceDefaults, another client's builder) reads the same.
+    plain = Ack(3, AckKind.NACK, (Position(517, E, 9),))
+    assert plain.delay_ms == -1
+    raw = encode_frame(plain)
+    body = table_root(raw, 0, len(raw)).table(1)
+    assert body is not None and body.field(3, 4) == 0
+    assert decode_frame(raw) == generated_read(raw) == plain
+    b = flatbuffers.Builder(64)
+    b.ForceDefaults(True)
+    fbs.AckStart(b)
+    fbs.AckAddSid(b, 3)
+    fbs.AckAddKind(b, AckKind.NACK)
+    fbs.AckAddDelayMs(b, -1)
+    body_at = fbs.AckEnd(b)
+    fbs.FrameStart(b)
+    fbs.FrameAddBodyType(b, Body.Ack)
+    fbs.FrameAddBody(b, body_at)
+    b.FinishSizePrefixed(fbs.FrameEnd(b), b"BRKY")
+    forced = bytes(b.Output())
+    forced_body = table_root(forced, 0, len(forced)).table(1)
+    assert forced_body is not None and forced_body.field(3, 4) != 0
+    assert decode_frame(forced) == generated_read(forced) == Ack(3, AckKind.NACK, (), -1)
+    # Any other delay is written, 0 (redeliver at once) included.
+    for delay in (0, 1, 500, 2**31 - 1, -2, -(2**31)):
+        raw = encode_frame(plain._replace(delay_ms=delay))
+        assert decode_frame(raw) == generated_read(raw) == plain._replace(delay_ms=delay)
+
+
+@pytest.mark.parametrize(
+    "sub",
+    [
+        Subscribe(1, b"a.>"),
+        Subscribe(1, b"a.>", group=""),
+        Subscribe(1, b"a.>", group="billing"),
+        Subscribe(1, b"a.>", group="billing", ack=True, dead_letter=b""),
+        Subscribe(1, b"a.>", group="billing", ack=True, dead_letter=b"orders.dead"),
+    ],
+    ids=repr,
+)
+def test_absent_and_present_group_and_dead_letter_are_told_apart(sub: Subscribe) -> None:
+    raw = encode_frame(sub)
+    body = table_root(raw, 0, len(raw)).table(1)
+    assert body is not None
+    assert (body.field(6, 4) != 0) == (sub.group is not None)  # group
+    assert (body.field(14, 4) != 0) == (sub.dead_letter is not None)  # dead_letter
+    assert decode_frame(raw) == generated_read(raw) == sub
+
+
+def test_a_subscribe_without_version_3_fields_is_the_version_2_frame() -> None:
+    # The codec writes no version-3 field at its default: a plain Subscribe is byte for
+    # byte what a version-2 client writes, and a version-2 server reads it as before.
+    sub = Subscribe(7, b"orders.*", b"tenant-1", (Position(3, E, 4),), 5, 6)
+    raw = encode_frame(sub)
+    body = table_root(raw, 0, len(raw)).table(1)
+    assert body is not None
+    assert all(body.field(i, 1) == 0 for i in range(6, 16))
+    assert body.vt_size <= 4 + 2 * 6  # the vtable ends at `last`, the last version-2 field

@@ -21,6 +21,7 @@ from broky import fbs
 from broky.errors import ErrorCode, MalformedFrameError, ProtocolError, UnknownFrameError
 from broky.fbs import Body
 from broky.protocol import (
+    Frame,
     Message,
     Ping,
     decode_frame,
@@ -43,8 +44,8 @@ from broky.protocol.layout import (
     TS_BROKER_AT,
     VECTORS_AT,
 )
-from broky.protocol.message import _route_generic, body_type, canonical_copy, pack_stamp_into
-from tests.test_protocol_generated import builder_frames, generated_read, messages
+from broky.protocol.message import BODY_LAST, _route_generic, body_type, canonical_copy, pack_stamp_into
+from tests.test_protocol_generated import BODY_TYPES, ONE_OF_EACH, builder_frames, generated_read, messages
 
 lies = st.sampled_from([0, 1, 2, 3, 4, 8, 12, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_FFF8]) | st.integers(
     0, 2**32 - 1
@@ -138,6 +139,40 @@ def test_control_frames_do_not_route() -> None:
     assert info.value.body_type == 200
     with pytest.raises(UnknownFrameError):
         decode_frame(bytes(frame))
+
+
+@pytest.mark.parametrize("frame", [f for f in ONE_OF_EACH if not isinstance(f, Message)], ids=repr)
+def test_every_control_frame_is_told_from_a_message(frame: Frame) -> None:
+    # The server's fast path tries route_message on every frame and takes a
+    # MalformedFrameError for "a control frame" (body_type tells it which): the frames of
+    # the newest version (an Ack a member sends, say) must not look unknown there.
+    raw = encode_frame(frame)
+    with pytest.raises(MalformedFrameError, match="expected a Message"):
+        route_message(raw, 0, len(raw))
+    assert body_type(raw, 0, len(raw)) == BODY_TYPES[type(frame)] != Body.Message
+    assert decode_frame(raw) == frame
+
+
+def _bodiless(kind: int) -> bytes:
+    """A frame that names union type `kind` and has no body."""
+    b = flatbuffers.Builder(32)
+    fbs.FrameStart(b)
+    fbs.FrameAddBodyType(b, kind)
+    b.FinishSizePrefixed(fbs.FrameEnd(b), b"BRKY")
+    return bytes(b.Output())
+
+
+def test_the_last_body_type_is_the_unions_last() -> None:
+    # A known type without its body is malformed; past the union's last one it is a
+    # newer version's frame: unknown.
+    assert BODY_LAST == Body.GroupNotice == max(BODY_TYPES.values())
+    for kind in range(2, BODY_LAST + 1):
+        with pytest.raises(MalformedFrameError, match="no body"):
+            decode_frame(_bodiless(kind))
+    for kind in (BODY_LAST + 1, 255):
+        with pytest.raises(UnknownFrameError) as info:
+            decode_frame(_bodiless(kind))
+        assert info.value.body_type == kind
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

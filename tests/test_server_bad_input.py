@@ -101,7 +101,7 @@ CASES: list[tuple[str, Callable[[socket.socket], None], ErrorCode | None]] = [
     ("no token", _before_hello(encode_frame(Hello())), ErrorCode.AUTH_FAILED),
     # version 1 (or a Hello without the field): its 16-byte Stamps cannot be read as version 2's
     ("version 1", _before_hello(encode_frame(Hello(1, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
-    ("version 3", _before_hello(encode_frame(Hello(3, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
+    ("version 4", _before_hello(encode_frame(Hello(4, auth_token=TOKEN))), ErrorCode.UNSUPPORTED_VERSION),
     (
         "worker 7 of 2",
         _before_hello(encode_frame(Hello(worker=7, auth_token=TOKEN))),

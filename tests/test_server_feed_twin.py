@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from broky.protocol import (
     RESUME_TOKEN_BYTES,
+    Ack,
     FrameReader,
     Message,
     Ping,
@@ -33,6 +34,7 @@ from broky.protocol import (
     encode_message,
     new_ksuid,
 )
+from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
 from broky.server import fastpath
 from broky.server.config import ServerConfig
@@ -76,6 +78,28 @@ control = st.one_of(
     st.builds(lambda i: encode_frame(Ping(i)), st.integers(0, 1 << 32)),
     st.builds(lambda i: encode_frame(Subscribe(100 + i, *PATTERNS[i])), st.integers(0, len(PATTERNS) - 1)),
     st.builds(lambda i: encode_frame(Unsubscribe(100 + i)), st.integers(0, len(PATTERNS) - 1)),
+    # Consumer groups (broky.server.groups): their routes take the Python loop, which both run.
+    st.builds(
+        lambda i, shared: encode_frame(Subscribe(200 + i, *PATTERNS[i], group="g", key_shared=shared)),
+        st.integers(0, len(PATTERNS) - 1),
+        st.booleans(),
+    ),
+    st.builds(lambda i: encode_frame(Unsubscribe(200 + i)), st.integers(0, len(PATTERNS) - 1)),
+    st.builds(
+        lambda i: encode_frame(Subscribe(300 + i, *PATTERNS[i], group="a", ack=True, max_in_flight=3)),
+        st.integers(0, len(PATTERNS) - 1),
+    ),
+    # Acks of positions that may or may not be in flight (offsets count from 1 in epoch 0x5EED).
+    st.builds(
+        lambda i, kind, vb, offset, delay: encode_frame(
+            Ack(300 + i, kind, (Position(vb, 0x5EED, offset),), delay)
+        ),
+        st.integers(0, len(PATTERNS) - 1),
+        st.integers(0, 3),
+        st.sampled_from([vbucket_of(p) for p in PARTS]),
+        st.integers(0, 4),
+        st.sampled_from([-1, 0, 5]),
+    ),
 )
 stream = st.lists(st.one_of(message, message, message, control), min_size=1, max_size=60)
 
@@ -98,6 +122,10 @@ def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tupl
     shard.subscribe(subs[0], Subscribe(1, b"k.>", None))
     shard.subscribe(subs[1], Subscribe(1, b"k.a", b"p1"))
     shard.subscribe(subs[1], Subscribe(2, b">", b"tenant-7"))
+    # Two groups on k.>, each over connections 1 and 2 (3 watches everything in one test).
+    for c in subs[:2]:
+        shard.subscribe(c, Subscribe(5, b"k.>", group="lb"))
+        shard.subscribe(c, Subscribe(6, b"k.>", group="ks", key_shared=True))
     return shard, [*subs, connection(4)]  # the last one publishes (and subscribes in the stream)
 
 
@@ -260,17 +288,17 @@ def test_a_read_of_one_key_partition_goes_straight_to_the_index_and_a_mixed_one_
     # The compiled path's shortcut (broky.server.replay, "log"): while nothing waits in the log,
     # the messages of one vbucket go straight to its index; any other vbucket sends the rest of
     # the read to the log. Either way the index holds every message, in offset order.
-    shard, conns = build(loop, True, 64 << 20)
+    shard, conns = build(loop, True, 64 << 20)  # ("other": no group's key, the compiled path's)
     assert shard.replay is not None
     a, b = [kp for kp in (b"tenant-%d" % i for i in range(100)) if shard.accepts[vbucket_of(kp)]][:2]
     va, vb = vbucket_of(a), vbucket_of(b)
-    one = [encode_message(a, b"k.a", b"%d" % i, ts_producer=7) for i in range(40)]
+    one = [encode_message(a, b"other", b"%d" % i, ts_producer=7) for i in range(40)]
     shard.feed(conns[-1], one[0])  # the route is met first here: the Python path (logged)
     shard.replay.settle()
     shard.feed(conns[-1], b"".join(one[1:]))
     assert va != vb and not shard.replay.log
     assert len(shard.replay.index[va]) == 8 * 40
-    mixed = [encode_message((a, b)[i % 2], b"k.a", b"m%d" % i, ts_producer=7) for i in range(20)]
+    mixed = [encode_message((a, b)[i % 2], b"other", b"m%d" % i, ts_producer=7) for i in range(20)]
     shard.feed(conns[-1], mixed[1])  # b's route is met first: the Python path (logged)
     shard.replay.settle()
     shard.feed(conns[-1], b"".join(mixed[2:]))

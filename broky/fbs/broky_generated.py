@@ -480,12 +480,23 @@ class PreviousConnection(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         return o == 0
 
-def PreviousConnectionStart(builder): builder.StartObject(4)
+    # Version 3: of `received`, the Message frames a Delivery frame announced
+    # (a group member's share, section 5.3). A resume by positions is still told
+    # of the group deliveries it lost: no replay gives those back.
+    # PreviousConnection
+    def GroupReceived(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def PreviousConnectionStart(builder): builder.StartObject(5)
 def PreviousConnectionAddConnectionId(builder, connectionId): builder.PrependUint64Slot(0, connectionId, 0)
 def PreviousConnectionAddReceived(builder, received): builder.PrependUint64Slot(1, received, 0)
 def PreviousConnectionAddToldLost(builder, toldLost): builder.PrependUint64Slot(2, toldLost, 0)
 def PreviousConnectionAddResumeToken(builder, resumeToken): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(resumeToken), 0)
 def PreviousConnectionStartResumeTokenVector(builder, numElems): return builder.StartVector(1, numElems, 1)
+def PreviousConnectionAddGroupReceived(builder, groupReceived): builder.PrependUint64Slot(4, groupReceived, 0)
 def PreviousConnectionEnd(builder): return builder.EndObject()
 
 

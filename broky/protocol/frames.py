@@ -86,6 +86,7 @@ class PreviousConnection(NamedTuple):
     received: int = 0  # deliveries received on it
     told_lost: int = 0  # sum of the LossNotice.dropped received on it
     resume_token: bytes | None = None  # its Welcome.resume_token: the proof of the claim
+    group_received: int = 0  # version 3: of `received`, those a Delivery frame announced
 
 
 class Hello(NamedTuple):
@@ -339,6 +340,8 @@ def encode_hello(hello: Hello) -> bytes:
         fbs.PreviousConnectionAddConnectionId(b, hello.previous.connection_id)
         fbs.PreviousConnectionAddReceived(b, hello.previous.received)
         fbs.PreviousConnectionAddToldLost(b, hello.previous.told_lost)
+        if hello.previous.group_received:
+            fbs.PreviousConnectionAddGroupReceived(b, hello.previous.group_received)
         if proof:
             fbs.PreviousConnectionAddResumeToken(b, proof)
         previous = fbs.PreviousConnectionEnd(b)
@@ -940,7 +943,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
         previous = (
             None
             if prev is None
-            else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2), prev.byte_vector(3))
+            else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2), prev.byte_vector(3), prev.u64(4))
         )
         return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous, t.boolean(5))
     if kind == Body.Welcome:

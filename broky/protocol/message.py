@@ -66,7 +66,10 @@ from broky.protocol.layout import (
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 BODY_MESSAGE: int = Body.Message
-BODY_LAST: int = Body.Replay
+# The union's last member (GroupNotice in version 3): a higher body type is UNKNOWN_FRAME, a
+# lower one that is not a Message is some other frame. Taken from the generated union, so that
+# a frame added to the schema is never mistaken for an unknown one.
+BODY_LAST: int = max(v for v in vars(Body).values() if type(v) is int)
 
 _u32 = struct.Struct("<I").unpack_from
 _qq = struct.Struct("<qq").unpack_from

@@ -24,7 +24,6 @@ _u16 = struct.Struct("<H").unpack_from
 _i16 = struct.Struct("<h").unpack_from
 _u32 = struct.Struct("<I").unpack_from
 _i32 = struct.Struct("<i").unpack_from
-_i32 = struct.Struct("<i").unpack_from
 _u64 = struct.Struct("<Q").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 _hh = struct.Struct("<HH").unpack_from

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.config import ServerConfig
     from broky.server.grace import Grace
+    from broky.server.groups import SubscriptionTable
     from broky.server.logs import Throttle
     from broky.server.stats import WorkerStats
 
@@ -73,6 +74,7 @@ class Arrivals:
         warnings: Throttle
         holding: bool
         grace: Grace
+        matcher: SubscriptionTable
 
         def feed(self, c: Connection, data: bytes) -> None: ...
         def eof(self, c: Connection) -> bool: ...
@@ -169,7 +171,10 @@ class Arrivals:
             reason = LossReason.SLOW_CONSUMER
         if lost > 0 and positions and reason != LossReason.WORKER_RESTART:
             stats.resumes_by_positions += 1
-            lost = 0  # replayed by the Subscribes that follow, or told by them (EVICTED)
+            # Replayed by the Subscribes that follow, or told by them (EVICTED); but not a group
+            # member's deliveries (broky.server.groups): no replay gives those back.
+            group_out = self.matcher.groups.closed_group_out.pop(old_id, 0)
+            lost = min(lost, group_out - prev.group_received)
         if lost > 0:
             stats.dropped[DROPPED_AS[reason]] += lost
             notices.append(encode_frame(LossNotice(lost, reason)))

@@ -49,9 +49,12 @@ from broky.server.connection import OPEN, Connection
 from broky.server.memory_budget import TRIM_AFTER_BYTES, TRIM_AFTER_PEAK, TRIM_INTERVAL
 
 if TYPE_CHECKING:
+    import asyncio
+
     from broky.protocol import VBucketMap
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
+    from broky.server.groups import Group, Member
     from broky.server.handover import Handovers
     from broky.server.logs import Throttle
     from broky.server.replay import ReplayBuffer
@@ -67,6 +70,10 @@ class Backpressure:
     """The Shard's part for replies and slow consumers (a mixin of broky.server.fanout.Shard)."""
 
     if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        loop: asyncio.AbstractEventLoop
+
+        def room(self, g: Group, m: Member, now: float) -> None: ...
+
         config: ServerConfig
         map: VBucketMap
         stats: WorkerStats
@@ -146,6 +153,10 @@ class Backpressure:
             self.notify_loss(c)
         if c.bounded_read is not None:  # a bounded read waits for room (broky.server.reads)
             self.continue_read(c)
+        for s in c.subs.values():  # an ack group's messages may wait for room (broky.server.groups)
+            m = s.member
+            if m is not None and m.group.ack:
+                self.room(m.group, m, self.loop.time())
 
     def check_replies(self, c: Connection, buffered: int) -> None:
         """Rare path: mark the replies just written (c.reply_out) and stop or restart

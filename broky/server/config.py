@@ -51,6 +51,7 @@ DEFAULT_MAX_CONNECTIONS = 10_000  # per worker
 # of it. It is drawn from the worker's share of the memory budget (512 MiB each, two
 # workers).
 DEFAULT_REPLAY_BYTES = 64 << 20
+DEFAULT_GROUP_BACKLOG_BYTES = 16 << 20
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1_000  # per client IP address, over the whole server
 # Largest Hello the master reads (the frame carries a name and a token only).
 MAX_HELLO_BYTES = 64 << 10
@@ -75,6 +76,8 @@ class ServerConfig:
     max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS  # 0 = no limit
     replay_bytes: int = DEFAULT_REPLAY_BYTES  # per worker; 0 = no replay buffer
     replay_max_age: float = 0.0  # seconds a retained message is kept at most; 0 = no age bound
+    # Per consumer group and worker: bytes of its messages waiting for a member with room.
+    group_backlog_bytes: int = DEFAULT_GROUP_BACKLOG_BYTES
     log_level: str = "info"
     log_format: str = "text"
     node_id: str = dataclasses.field(default_factory=socket.gethostname)
@@ -272,6 +275,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         _seconds_or_zero,
         "seconds a message is kept for replay at most; 0 = only --replay-bytes bounds it "
         "(default %(default)s)",
+    ),
+    (
+        "--group-backlog-bytes",
+        "group_backlog_bytes",
+        _size_or_zero,
+        "per consumer group and worker: bytes of messages kept while every member of an ack group "
+        "holds max_in_flight messages (or a moving vbucket drains); past it they are dropped and "
+        "counted as group_overflow (default %(default)s)",
     ),
     ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
     ("--log-format", "log_format", str, "text or json (default %(default)s)"),

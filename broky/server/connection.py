@@ -42,6 +42,7 @@ from broky.matching import GT
 if TYPE_CHECKING:
     from broky.server.accounts import Account
     from broky.server.config import ServerConfig
+    from broky.server.groups import Group, Member
 
 
 class Shard(Protocol):
@@ -69,7 +70,7 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_stopped", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read",
+        "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -129,6 +130,7 @@ class Connection(asyncio.Protocol):
         self.held = False  # restart grace: its input waits (reads paused) in `rest`
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
         self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.reads)
+        self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.groups)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.on_adopted is not None:
@@ -170,7 +172,7 @@ class Connection(asyncio.Protocol):
 class Subscription:
     """One subscription of one connection (hashed by identity)."""
 
-    __slots__ = ("conn", "sid", "pattern", "key_partition", "size")
+    __slots__ = ("conn", "sid", "pattern", "key_partition", "size", "member")
 
     def __init__(
         self, conn: Connection, sid: int, pattern: bytes, key_partition: bytes | None, size: int = 0
@@ -180,6 +182,7 @@ class Subscription:
         self.pattern = pattern
         self.key_partition = key_partition
         self.size = size  # charged against --max-subscription-bytes (control.subscription_size)
+        self.member: Member | None = None  # a group member's place (broky.server.groups)
 
 
 class Plan(NamedTuple):
@@ -187,16 +190,33 @@ class Plan(NamedTuple):
 
     everyone: tuple[Connection, ...]  # connections with an all-partition subscription
     scoped: dict[bytes, tuple[Connection, ...]] | None  # further connections by key_partition
+    # Consumer groups (broky.server.groups): each gets the message once, for one member.
+    groups: tuple[Group, ...] = ()  # groups of all-partition subscriptions
+    scoped_groups: dict[bytes, tuple[Group, ...]] | None = None  # further groups by key_partition
 
 
 def compile_plan(subs: list[Subscription]) -> Plan:
-    """Turn the subscriptions matching a key into a delivery plan (distinct connections)."""
-    everyone = dict.fromkeys(s.conn for s in subs if s.key_partition is None)
+    """Turn the subscriptions matching a key into a delivery plan (distinct connections,
+    distinct groups): a group member's subscription counts for its group, not its connection."""
+    everyone = dict.fromkeys(s.conn for s in subs if s.key_partition is None and s.member is None)
     scoped: dict[bytes, dict[Connection, None]] = {}
+    groups: dict[Group, None] = {}
+    scoped_groups: dict[bytes, dict[Group, None]] = {}
     for s in subs:
-        if s.key_partition is not None and s.conn not in everyone:
+        m = s.member
+        if m is not None:
+            if s.key_partition is None:
+                groups[m.group] = None
+            else:
+                scoped_groups.setdefault(s.key_partition, {})[m.group] = None
+        elif s.key_partition is not None and s.conn not in everyone:
             scoped.setdefault(s.key_partition, {})[s.conn] = None
-    return Plan(tuple(everyone), {kp: tuple(c) for kp, c in scoped.items()} if scoped else None)
+    return Plan(
+        tuple(everyone),
+        {kp: tuple(c) for kp, c in scoped.items()} if scoped else None,
+        tuple(groups),
+        {kp: tuple(g) for kp, g in scoped_groups.items()} if scoped_groups else None,
+    )
 
 
 class ReadRange:

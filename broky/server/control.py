@@ -28,8 +28,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from broky.errors import BadPatternError, ErrorCode
-from broky.matching import Matcher, parse_pattern
+from broky.matching import parse_pattern
 from broky.protocol import (
+    Ack,
     LossNotice,
     LossReason,
     MapApplied,
@@ -44,12 +45,13 @@ from broky.protocol import (
     encode_frame,
 )
 from broky.protocol.routing import vbucket_of
-from broky.server.connection import Connection, Plan, Subscription
+from broky.server.connection import Connection, Subscription
 
 if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
+    from broky.server.groups import Member, SubscriptionTable
     from broky.server.stats import WorkerStats
 
 SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
@@ -67,7 +69,7 @@ class ControlFrames:
         config: ServerConfig
         book: AccountBook
         accepts: bytes
-        matcher: Matcher[Subscription, Plan]
+        matcher: SubscriptionTable
         stats: WorkerStats
         budget: Budget
         _touched: list[Connection]
@@ -88,6 +90,11 @@ class ControlFrames:
         def start_subscription(self, c: Connection, s: Subscription, sub: Subscribe, t0: int) -> None: ...
         def bounded_read(self, c: Connection, rd: Read, t0: int) -> None: ...
         def pump_read(self, c: Connection) -> None: ...
+        def join_group(self, c: Connection, s: Subscription, sub: Subscribe) -> bool: ...
+        def leave_group(self, m: Member) -> None: ...
+        def ack(
+            self, c: Connection, sid: int, kind: int, keys: list[tuple[int, int, int]], delay_ms: int
+        ) -> None: ...
 
     def control(self, c: Connection, data: bytes, pos: int, end: int, t0: int = 0) -> None:
         """A control frame of c; t0: the clock reading stamped on the messages of this
@@ -111,6 +118,11 @@ class ControlFrames:
                 c.map_applied = frame.version  # type: ignore[union-attr]
         elif kind is Read:
             self.bounded_read(c, frame, t0)  # type: ignore[arg-type]  # broky.server.reads
+        elif kind is Ack:  # broky.server.groups
+            ack: Ack = frame  # type: ignore[assignment]
+            self.ack(
+                c, ack.sid, ack.kind, [(p.vbucket, p.epoch, p.offset) for p in ack.positions], ack.delay_ms
+            )
         else:
             name = kind.__name__
             self.fatal(c, ErrorCode.UNEXPECTED_FRAME, f"a client may not send {name} here")
@@ -155,6 +167,10 @@ class ControlFrames:
             )
             return
         s = Subscription(c, sub.sid, sub.pattern, kp, size)
+        if sub.group and not self.join_group(
+            c, s, sub
+        ):  # (an empty group name: no group)  # broky.server.groups
+            return
         c.subs[sub.sid] = s
         c.sub_bytes += size
         self.matcher.add(sub.pattern, s)
@@ -176,6 +192,8 @@ class ControlFrames:
             self.error(c, ErrorCode.UNKNOWN_SID, f"no subscription with sid {sid}", sid)
             return
         self.matcher.remove(s.pattern, s)
+        if s.member is not None:
+            self.leave_group(s.member)
         self.stats.subscriptions -= 1
         self.book.set_subscriptions(c, len(c.subs))
         self.stats.subscription_bytes -= s.size
@@ -189,6 +207,11 @@ class ControlFrames:
             return
         for sub in c.subs.values():
             self.matcher.remove(sub.pattern, sub)
+        for sub in c.subs.values():
+            if sub.member is not None:  # after the table no longer names it: its work goes elsewhere
+                self.leave_group(sub.member)
+        if c.group_out:  # for its client's resume (broky.server.arrivals)
+            self.matcher.groups.closed(c.conn_id, c.group_out)
         self.stats.subscriptions -= len(c.subs)
         self.stats.subscription_bytes -= c.sub_bytes
         self.budget.freed_sub_bytes += c.sub_bytes

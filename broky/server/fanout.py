@@ -98,7 +98,6 @@ from collections.abc import Callable
 from typing import Any
 
 from broky.errors import MalformedFrameError, RemoteProtocolError
-from broky.matching import Matcher
 from broky.protocol import NodeInfo, Pong, VBucketMap, WelcomeTemplate, route_message
 from broky.protocol.frames import PING_SIZE_PREFIX, encode_pong, ping_id
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
@@ -130,9 +129,10 @@ from broky.server.backpressure import Backpressure
 from broky.server.budget import Budget
 from broky.server.closing import Closing
 from broky.server.config import ServerConfig
-from broky.server.connection import CLOSED, OPEN, Connection, Plan, Subscription, compile_plan
+from broky.server.connection import CLOSED, OPEN, Connection, compile_plan
 from broky.server.control import ControlFrames
 from broky.server.grace import Grace, RestartGrace
+from broky.server.groups import GroupDelivery, GroupTargets, SubscriptionTable
 from broky.server.handover import Handover, Handovers
 from broky.server.history import History
 from broky.server.logs import Throttle
@@ -203,6 +203,7 @@ class Shard(
     RestartGrace,
     BudgetEnforcement,
     Closing,
+    GroupDelivery,
     Monitoring,
 ):
     """The state of one worker: owned vbuckets, connections, subscription table."""
@@ -236,14 +237,15 @@ class Shard(
         self.owned = b""  # vbucket -> 1 if this worker owns it (`take_map`)
         self.accepts = b""  # ... or it is moving here (publishes and scoped Subscribes taken)
         self.welcome: WelcomeTemplate
-        self.matcher: Matcher[Subscription, Plan] = Matcher(compile_plan)
+        # The subscription table, with its consumer groups (broky.server.groups).
+        self.matcher = SubscriptionTable(compile_plan)
         # Route cache: the routing bytes of a canonical Message (or (key_partition, key)
         # for any other layout) -> (target connections, vbucket), or None when not our vbucket.
         self.routes: dict[object, Route | None] = {}
         # Shapes of canonical Messages met so far, with and without uid (see `shape`).
         self.uid_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
         self.plain_shapes: dict[tuple[int, int, int, int], Shape | None] = {}
-        self._interned: dict[tuple[Connection, ...], tuple[Connection, ...]] = {}
+        self._interned: dict[object, tuple[Connection, ...]] = {}
         self.stats = WorkerStats()
         self.conns: dict[int, Connection] = {}
         self._touched: list[Connection] = []
@@ -566,6 +568,8 @@ class Shard(
                 touched.append(t)
             t.msgs_out += count
             delivered += count
+        if type(targets) is not tuple:  # GroupTargets: and one member of each group
+            delivered += self.emit_groups(buf, targets.groups, start, end)  # type: ignore[attr-defined]
         return delivered
 
     def shape(self, uid: bool, size: int, key_off: int, pay_off: int, kp_len: int) -> Shape | None:
@@ -597,15 +601,24 @@ class Shard(
         elif self.handover.awaiting and self.awaited(vb):
             return AWAITING  # not cached: the read path holds the publish
         else:
-            everyone, scoped = self.matcher.match(key)
+            everyone, scoped, groups, scoped_groups = self.matcher.match(key)
             if scoped is not None:
                 more = scoped.get(kp)
                 if more:
                     everyone = everyone + more
+            if scoped_groups is not None:
+                more_groups = scoped_groups.get(kp)
+                if more_groups:
+                    groups = groups + more_groups
+            if groups:  # a route with groups takes the Python loop (broky.server.groups)
+                targets: tuple[Connection, ...] = GroupTargets(everyone, groups)
+                intern_key: object = (everyone, groups)
+            else:
+                targets = intern_key = everyone
             if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
-                return everyone, vb  # neither cached nor interned: that would keep the big key alive
+                return targets, vb  # neither cached nor interned: that would keep the big key alive
             # Equal target sets share one tuple, so runs of messages are found by identity.
-            route = self._interned.setdefault(everyone, everyone), vb
+            route = self._interned.setdefault(intern_key, targets), vb
         if len(kp) + len(key) > ROUTE_CACHE_MAX_KEY:
             return None
         if len(self.routes) >= ROUTE_CACHE_SIZE:

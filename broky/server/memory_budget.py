@@ -58,10 +58,9 @@ from broky.server.budget import LOW_MARK
 from broky.server.connection import Connection
 
 if TYPE_CHECKING:
-    from broky.matching import Matcher
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
-    from broky.server.connection import Plan, Subscription
+    from broky.server.groups import SubscriptionTable
     from broky.server.logs import Throttle
     from broky.server.replay import ReplayBuffer
     from broky.server.stats import WorkerStats
@@ -85,7 +84,7 @@ class BudgetEnforcement:
     if TYPE_CHECKING:  # what it uses of the rest of the Shard
         index: int
         book: AccountBook
-        matcher: Matcher[Subscription, Plan]
+        matcher: SubscriptionTable
         stats: WorkerStats
         conns: dict[int, Connection]
         warnings: Throttle

@@ -139,6 +139,36 @@ COUNTERS = (
         "accounts_unavailable",
         "Connections served without an account (the table was full): they cannot be resumed.",
     ),
+    (
+        "broky_group_delivered_total",
+        "group_delivered",
+        "Messages queued to consumer group members (one member per group; redeliveries included).",
+    ),
+    (
+        "broky_group_paused_total",
+        "group_paused",
+        "Times a group member reached its max_in_flight and was told so (GroupNotice PAUSED).",
+    ),
+    (
+        "broky_group_drain_expired_total",
+        "group_drain_expired",
+        "Key-shared vbucket moves that went ahead at drain_timeout, before the old member was done.",
+    ),
+    ("broky_acks_total", "acks", "Deliveries of ack subscriptions acknowledged (Ack ACK)."),
+    ("broky_nacks_total", "nacks", "Deliveries of ack subscriptions negatively acknowledged (Ack NACK)."),
+    ("broky_acks_in_progress_total", "acks_in_progress", "Ack IN_PROGRESS: ack deadlines started again."),
+    (
+        "broky_acks_unknown_total",
+        "acks_unknown",
+        "Ack positions the group did not hold (settled already, or never delivered): ignored.",
+    ),
+    ("broky_ack_expired_total", "ack_expired", "Deliveries not acknowledged within ack_wait."),
+    ("broky_redelivered_total", "redelivered", "Messages of ack subscriptions delivered again."),
+    (
+        "broky_dead_lettered_total",
+        "dead_lettered",
+        "Messages published to a group's dead_letter key after max_deliveries.",
+    ),
 )
 GAUGES = (
     ("broky_connections", "connections", "Open client connections."),
@@ -157,6 +187,9 @@ GAUGES = (
     ),
     ("broky_replay_bytes", "replay_bytes", "Bytes of messages retained for replay."),
     ("broky_replay_messages", "replay_messages", "Messages retained for replay."),
+    ("broky_groups", "groups", "Consumer groups with a member on the worker."),
+    ("broky_group_members", "group_members", "Consumer group members on the worker."),
+    ("broky_in_flight", "in_flight", "Delivered messages of ack subscriptions not yet acknowledged."),
     (
         "broky_memory_budget_bytes",
         "memory_budget",

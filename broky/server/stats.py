@@ -29,11 +29,10 @@ from broky.protocol import LossReason
 from broky.server import memory
 
 if TYPE_CHECKING:
-    from broky.matching import Matcher
     from broky.protocol import VBucketMap
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
-    from broky.server.connection import Plan, Subscription
+    from broky.server.groups import SubscriptionTable
     from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -68,6 +67,11 @@ class DropReason(enum.StrEnum):
     # whose account answered: this worker's, or a dead worker's.
     CONNECTION_LOST = "connection_lost"
     WORKER_RESTART = "worker_restart"
+    # Consumer groups (broky.server.groups): a group's messages that found every member at its
+    # bound and the group's backlog full, or whose last member left; messages of an ack group
+    # delivered max_deliveries times without an ack.
+    GROUP_OVERFLOW = "group_overflow"
+    MAX_DELIVERIES = "max_deliveries"
 
 
 # The drop a LossNotice's reason tells of, for those that are drops (see DropReason).
@@ -76,6 +80,8 @@ DROPPED_AS: dict[int, DropReason] = {
     LossReason.SHUTDOWN: DropReason.SHUTDOWN,
     LossReason.CONNECTION_LOST: DropReason.CONNECTION_LOST,
     LossReason.WORKER_RESTART: DropReason.WORKER_RESTART,
+    LossReason.GROUP_OVERFLOW: DropReason.GROUP_OVERFLOW,
+    LossReason.MAX_DELIVERIES: DropReason.MAX_DELIVERIES,
 }
 
 
@@ -119,6 +125,21 @@ class WorkerStats:
         self.vbuckets_continued = 0
         self.vbuckets_restarted = 0
         self.slow_consumer_disconnects = 0
+        # Consumer groups (broky.server.groups): now, and totals.
+        self.groups = 0  # groups with a member on this worker now
+        self.group_members = 0  # now
+        self.group_delivered = 0  # messages queued to group members (redeliveries included)
+        self.group_paused = 0  # PAUSED notices: a member reached max_in_flight
+        self.group_drain_expired = 0  # vbucket moves that went ahead at drain_timeout
+        self.group_lost_no_member = 0  # held or in flight when the group's last member left
+        self.acks = 0
+        self.nacks = 0
+        self.acks_in_progress = 0
+        self.acks_unknown = 0  # Ack positions the group did not hold (settled already, unknown)
+        self.ack_expired = 0  # deliveries not acknowledged within ack_wait
+        self.redelivered = 0
+        self.dead_lettered = 0  # published to a dead_letter key
+        self.dead_letters_refused = 0  # not published: the vbucket was leaving this worker
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
         # Delivered messages by log2 of their read's receive-to-write time: bucket i
@@ -137,7 +158,7 @@ class Monitoring:
         index: int
         book: AccountBook
         map: VBucketMap
-        matcher: Matcher[Subscription, Plan]
+        matcher: SubscriptionTable
         stats: WorkerStats
         budget: Budget
         replay: ReplayBuffer | None
@@ -145,6 +166,8 @@ class Monitoring:
         def former_vbuckets(self) -> int: ...
 
         def former_messages(self) -> int: ...
+
+        def group_snapshot(self) -> dict[str, Any]: ...
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter, for the master's /stats and the metrics exporter."""
@@ -173,5 +196,6 @@ class Monitoring:
             **(self.replay.snapshot() if self.replay is not None else REPLAY_OFF),
             former_vbuckets=self.former_vbuckets(),
             former_messages=self.former_messages(),
+            **self.group_snapshot(),
         )
         return data

@@ -1,0 +1,104 @@
+"""Consumer groups across a cluster: real etcd, two nodes of two workers, SDK members
+seeded at different nodes. Each worker balances among the members connected to it,
+and every member is connected to every worker (an all-partition subscription goes
+to all of them), so the group as a whole shares every message once (schema/README.md 5.3)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+
+import broky
+from tests import requires
+from tests.cluster import Cluster, EtcdServer
+
+KPS = [f"c{i}" for i in range(256)]
+N = 10_000
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    requires.program("etcd")
+    etcd = EtcdServer().start()
+    c = Cluster(etcd, lease_ttl=2, move_timeout=4.0)
+    try:
+        yield c
+    finally:
+        c.stop()
+        etcd.stop()
+
+
+def seed(cluster: Cluster, node_id: str) -> str:
+    node = cluster.nodes[node_id]
+    return f"{node.host}:{node.port}"
+
+
+async def share(
+    cluster: Cluster, members: int, **group: object
+) -> tuple[list[list[broky.Message]], list[dict[str, int]]]:
+    """`members` members of group "g" (alternately seeded at nodes a and b) take N messages
+    published over 256 key_partitions; what each received, and every worker's /stats then."""
+    got: list[list[broky.Message]] = [[] for _ in range(members)]
+    async with contextlib.AsyncExitStack() as stack:
+        for i in range(members):
+            client = await stack.enter_async_context(broky.connect(seed(cluster, "ab"[i % 2])))
+            sink = got[i]
+
+            def take(msg: broky.Message, sink: list[broky.Message] = sink) -> None:
+                sink.append(msg)
+                if group.get("ack"):
+                    msg.ack()  # type: ignore[attr-defined]
+
+            await client.subscribe("c.>", group="g", callback=take, **group)  # type: ignore[arg-type]
+        async with broky.connect(seed(cluster, "b")) as pub:
+            for i in range(N):
+                await pub.publish(KPS[i % len(KPS)], "c.x", b"%d" % i)
+                if i % 500 == 499:
+                    await pub.flush()
+            await pub.flush()
+        deadline = time.monotonic() + 30
+        while sum(map(len, got)) < N and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # anything more would be a copy (and the last acks go out)
+        workers = [w for node_id in ("a", "b") for w in cluster.stats(node_id)["workers"]]
+    return got, workers
+
+
+@pytest.mark.timeout(120)
+def test_a_group_spans_every_worker_of_every_node(cluster: Cluster) -> None:
+    cluster.start("a")
+    cluster.start("b")
+    cluster.wait_settled()
+    got, workers = asyncio.run(share(cluster, 3))
+    counts = [len(g) for g in got]
+    payloads = Counter(m.payload for g in got for m in g)
+    assert len(payloads) == N and max(payloads.values()) == 1, "a message lost or delivered twice"
+    print(f"load-balanced group over 2 nodes x 2 workers, 3 members: {counts}")
+    assert max(counts) <= 1.2 * min(counts), counts
+    assert [w["group_members"] for w in workers] == [3, 3, 3, 3]  # on every worker of every node
+
+
+@pytest.mark.timeout(120)
+def test_a_key_shared_ack_group_keeps_each_key_partition_on_one_member_across_nodes(
+    cluster: Cluster,
+) -> None:
+    cluster.start("a")
+    cluster.start("b")
+    cluster.wait_settled()
+    got, workers = asyncio.run(share(cluster, 3, key_shared=True, ack=True))
+    owner: dict[bytes, int] = {}
+    for i, msgs in enumerate(got):
+        offsets: dict[bytes, list[int]] = {}
+        for m in msgs:
+            assert owner.setdefault(m.key_partition, i) == i, f"{m.key_partition!r} on two members"
+            offsets.setdefault(m.key_partition, []).append(m.offset)
+        assert all(o == sorted(o) for o in offsets.values())
+    assert sum(map(len, got)) == N and len(owner) == len(KPS)
+    print(f"key-shared ack group over 2 nodes, 3 members: {[len(g) for g in got]}")
+    assert [w["in_flight"] for w in workers] == [0, 0, 0, 0]
+    assert sum(w["acks"] for w in workers) == N
