@@ -1,9 +1,10 @@
 """Broky: an in-memory, low-latency publish/subscribe server and its client.
 
 The client SDK is re-exported here: ``broky.connect`` (asyncio),
-``broky.connect_sync`` (blocking), ``broky.Message``, ``broky.Position`` (a
-message's place in its vbucket's sequence), ``broky.LossReason`` (the reasons
-`on_loss` gives) and every error class.
+``broky.connect_sync`` (blocking), ``broky.Message``, ``broky.GroupMessage``
+(a consumer group member's, with `delivery_count` and `ack`), ``broky.Position``
+(a message's place in its vbucket's sequence), ``broky.LossReason`` (the
+reasons `on_loss` gives) and every error class.
 """
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from broky.client import (
         Client,
         ClientStats,
+        GroupMessage,
         RangeEnd,
         Reading,
         ReadResult,
@@ -45,12 +47,14 @@ if TYPE_CHECKING:
         connect_sync,
     )
     from broky.errors import (
+        AckError,
         AuthenticationError,
         BadPatternError,
         BrokyConnectionError,
         BrokyError,
         BrokyTimeoutError,
         ClientClosedError,
+        DrainExpiredError,
         ErrorCode,
         FrameTooLargeError,
         LocalProtocolError,
@@ -72,8 +76,8 @@ if TYPE_CHECKING:
 # broky.server (and never the SDK), and each module they do not load is memory
 # they do not keep (see broky.server).
 _CLIENT = {
-    "Client", "ClientStats", "RangeEnd", "Reading", "ReadResult", "ReadVia", "ServerInfo", "Subscription",
-    "SyncClient", "SyncSubscription", "WorkerRef", "connect", "connect_sync",
+    "Client", "ClientStats", "GroupMessage", "RangeEnd", "Reading", "ReadResult", "ReadVia", "ServerInfo",
+    "Subscription", "SyncClient", "SyncSubscription", "WorkerRef", "connect", "connect_sync",
 }  # fmt: skip
 _PROTOCOL = {"LossReason", "Message", "Position"}
 
@@ -97,6 +101,7 @@ if not TYPE_CHECKING:  # (mypy reads the imports above)
 
 
 __all__ = [
+    "AckError",
     "AuthenticationError",
     "BadPatternError",
     "BrokyConnectionError",
@@ -105,8 +110,10 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "ClientStats",
+    "DrainExpiredError",
     "ErrorCode",
     "FrameTooLargeError",
+    "GroupMessage",
     "LocalProtocolError",
     "LossReason",
     "MalformedFrameError",

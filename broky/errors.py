@@ -198,3 +198,24 @@ class SlowConsumerError(BrokyError):
 
 class BrokyTimeoutError(BrokyError, TimeoutError):
     """An operation did not complete within its timeout."""
+
+
+class AckError(BrokyError):
+    """A message was acknowledged (ack, nack, in_progress) that its subscription does not
+    acknowledge: only a group member made with ack=True does."""
+
+
+class DrainExpiredError(BrokyError):
+    """A key-shared ack group moved vbucket `vbucket` to this member (`sid`) before its
+    previous member had settled `messages` of its messages (the group's drain_timeout
+    passed): those may now come after newer messages of the same key_partitions.
+    Reported to `on_error` (GroupNotice DRAIN_EXPIRED); nothing is lost."""
+
+    def __init__(self, sid: int, vbucket: int, messages: int) -> None:
+        super().__init__(
+            f"subscription {sid}: vbucket {vbucket} moved to it with {messages} messages of its previous "
+            "member unacknowledged (drain_timeout): they may be redelivered after newer ones"
+        )
+        self.sid = sid
+        self.vbucket = vbucket
+        self.messages = messages

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import broky
+from broky import GroupMessage
 from tests import requires
 from tests.cluster import Cluster, EtcdServer
 
@@ -39,22 +40,22 @@ def seed(cluster: Cluster, node_id: str) -> str:
 
 
 async def share(
-    cluster: Cluster, members: int, **group: object
-) -> tuple[list[list[broky.Message]], list[dict[str, int]]]:
+    cluster: Cluster, members: int, key_shared: bool = False, ack: bool = False
+) -> tuple[list[list[GroupMessage]], list[dict[str, int]]]:
     """`members` members of group "g" (alternately seeded at nodes a and b) take N messages
     published over 256 key_partitions; what each received, and every worker's /stats then."""
-    got: list[list[broky.Message]] = [[] for _ in range(members)]
+    got: list[list[GroupMessage]] = [[] for _ in range(members)]
     async with contextlib.AsyncExitStack() as stack:
         for i in range(members):
             client = await stack.enter_async_context(broky.connect(seed(cluster, "ab"[i % 2])))
             sink = got[i]
 
-            def take(msg: broky.Message, sink: list[broky.Message] = sink) -> None:
+            def take(msg: GroupMessage, sink: list[GroupMessage] = sink) -> None:
                 sink.append(msg)
-                if group.get("ack"):
-                    msg.ack()  # type: ignore[attr-defined]
+                if ack:
+                    msg.ack()
 
-            await client.subscribe("c.>", group="g", callback=take, **group)  # type: ignore[arg-type]
+            await client.subscribe("c.>", group="g", callback=take, key_shared=key_shared, ack=ack)
         async with broky.connect(seed(cluster, "b")) as pub:
             for i in range(N):
                 await pub.publish(KPS[i % len(KPS)], "c.x", b"%d" % i)

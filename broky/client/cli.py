@@ -9,6 +9,11 @@ connects; see broky.cli.Parser for the one-line form).
 Arguments are bytes where the protocol wants bytes: KEY, PAYLOAD, PATTERN and
 --partition go through `os.fsencode`, so any byte the shell can pass arrives
 unchanged (`$'a.\\xff'`).
+
+`broky sub --group NAME` joins a consumer group (broky.client.groups):
+several `broky sub` with one group share the messages; `--ack` acknowledges
+each message once its line is written (a burst's acks go once its lines are
+flushed: what a crash loses unprinted is redelivered, not lost).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import urllib.request
 from typing import Any
 
 from broky.client.client import Client, connect
+from broky.client.groups import GroupMessage
 from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
 from broky.client.url import parse_servers
@@ -102,6 +108,12 @@ def _pattern(text: str) -> bytes:
     except BrokyError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return pattern
+
+
+def _group(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _text(value: bytes) -> str:
@@ -195,9 +207,28 @@ def register(subparsers: Any) -> None:
     )
     s.add_argument("--count", metavar="N", type=_count, help="exit after N messages")
     s.add_argument(
+        "--group",
+        metavar="NAME",
+        type=_group,
+        help="join consumer group NAME: each message goes to one of its members only "
+        "(run several `broky sub --group NAME` to share the work)",
+    )
+    s.add_argument(
+        "--key-shared",
+        action="store_true",
+        help="with --group: every message of one key_partition goes to the same member, in order",
+    )
+    s.add_argument(
+        "--ack",
+        action="store_true",
+        help="with --group: acknowledge each message after printing it (unacknowledged ones are "
+        "redelivered, to this member or another)",
+    )
+    s.add_argument(
         "--json",
         action="store_true",
-        help="print every field as one JSON object per line, the position (vbucket, epoch, offset) too",
+        help="print every field as one JSON object per line, the position (vbucket, epoch, offset) too "
+        "(and delivery_count with --group)",
     )
     _common(s)
     s.set_defaults(func=cmd_sub)
@@ -284,24 +315,25 @@ def _field(value: bytes) -> str | dict[str, str]:
 
 
 def message_json(msg: Message) -> str:
-    """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...}.
+    """One JSON line with every field; bytes that are not UTF-8 become {"base64": ...};
+    a group member's message also says its delivery_count.
 
     The nanosecond timestamps and the epoch are strings: they exceed 2**53, which
     JavaScript's JSON.parse (and any reader with float64 numbers) would round silently."""
-    return json.dumps(
-        {
-            "key_partition": _field(msg.key_partition),
-            "key": _field(msg.key),
-            "payload": _field(msg.payload),
-            "ts_producer": str(msg.ts_producer),
-            "ts_broker": str(msg.ts_broker),
-            "uid": msg.uid_text,
-            "vbucket": msg.vbucket,
-            "epoch": str(msg.epoch),
-            "offset": msg.offset,
-        },
-        ensure_ascii=False,
-    )
+    record: dict[str, Any] = {
+        "key_partition": _field(msg.key_partition),
+        "key": _field(msg.key),
+        "payload": _field(msg.payload),
+        "ts_producer": str(msg.ts_producer),
+        "ts_broker": str(msg.ts_broker),
+        "uid": msg.uid_text,
+        "vbucket": msg.vbucket,
+        "epoch": str(msg.epoch),
+        "offset": msg.offset,
+    }
+    if isinstance(msg, GroupMessage):
+        record["delivery_count"] = msg.delivery_count
+    return json.dumps(record, ensure_ascii=False)
 
 
 def _stderr_line(line: str) -> None:
@@ -340,20 +372,31 @@ async def _sub(args: argparse.Namespace) -> int:
 async def _print_messages(args: argparse.Namespace, options: dict[str, Any], out: Any) -> int:
     async with connect(args.server, **options) as client:
         sub = await client.subscribe(
-            args.pattern, partition=args.partition, since_time=args.since_time, last=args.last
+            args.pattern,
+            partition=args.partition,
+            since_time=args.since_time,
+            last=args.last,
+            group=args.group,
+            key_shared=args.key_shared,
+            ack=args.ack,
         )
         scope = f" partition {_text(args.partition)}" if args.partition is not None else ""
+        if args.group is not None:
+            scope += f" in group {args.group}" + " (key-shared)" * args.key_shared + " (ack)" * args.ack
         print(
             f"broky sub: subscribed to {_text(args.pattern)}{scope} on {client.address}",
             file=sys.stderr,
             flush=True,
         )
         n = 0
+        ack = args.ack
         async for msg in sub:
             if args.json:
                 out.write(message_json(msg).encode() + b"\n")
             else:
                 out.write(msg.payload + b"\n")
+            if ack:  # sent at the next loop iteration: after the flush below, when the queue is empty
+                msg.ack()
             n += 1
             if n == args.count:
                 break
@@ -363,7 +406,20 @@ async def _print_messages(args: argparse.Namespace, options: dict[str, Any], out
     return 0
 
 
+def _sub_conflict(args: argparse.Namespace) -> str | None:
+    """What is wrong with this combination of arguments (argparse checks each alone)."""
+    if args.group is None and (args.key_shared or args.ack):
+        return "--key-shared and --ack need --group NAME"
+    if args.group is not None and (args.since_time is not None or args.last):
+        return "a group member starts live: --since-time and --last are not for --group"
+    return None
+
+
 def cmd_sub(args: argparse.Namespace) -> int:
+    conflict = _sub_conflict(args)
+    if conflict is not None:  # as argparse reports a bad argument: one line, status 2
+        print(f"broky sub: error: {conflict}", file=sys.stderr)
+        return 2
     try:
         parse_servers(args.server)  # $BROKY_SERVER
         return _run(_sub(args))

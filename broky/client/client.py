@@ -13,6 +13,8 @@ The Client is the facade; each concern has its module:
   (batching, reconnecting, keepalive, inbound dispatch, delivery accounting);
 - broky.client.subscription_table and broky.client.subscription: which
   Links carry each subscription, and a subscription's local queue;
+- broky.client.groups: group members' settings, their deliveries
+  (GroupMessage) and the batching of their acknowledgements (`acks`);
 - broky.client.stats: the counters;
 - broky.client.reader: bounded reads (`read`, `positions`), on connections
   of their own.
@@ -40,9 +42,9 @@ sends it to every worker (all partitions) or to the owner of its partition,
 then waits for a Ping/Pong round trip on every Link that is up (or making
 its first attempt), so those workers have the subscription when it returns;
 a Link that is down sends it when it reconnects. A worker that refused it
-with SUBSCRIPTION_LIMIT during that round trip makes `subscribe` remove it
-everywhere and raise the ServerError (later refusals are reported to
-`on_error`).
+with SUBSCRIPTION_LIMIT or BAD_GROUP during that round trip makes `subscribe`
+remove it everywhere and raise the ServerError (later refusals are reported
+to `on_error`).
 
 `flush` sends a Ping on every Link and waits for every Pong: the server
 answers only after processing every frame received before the Ping. It also
@@ -62,9 +64,20 @@ import logging
 import random
 from collections.abc import Callable, Generator, Iterable, Mapping
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from broky.client.connection import WorkerProtocol, open_connection, resolve
+from broky.client.groups import (
+    DEFAULT_ACK_WAIT,
+    DEFAULT_BACKOFF,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_DELIVERIES,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    AckBatcher,
+    GroupMessage,
+    group_spec,
+)
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
@@ -89,7 +102,7 @@ from broky.errors import (
     SlowConsumerError,
 )
 from broky.matching import parse_pattern
-from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, VBucketMap, Welcome
+from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, Message, VBucketMap, Welcome
 from broky.protocol.frames import Position, encode_map_applied
 
 log = logging.getLogger("broky.client")
@@ -219,6 +232,8 @@ class Client(Publisher):
         # uids that may arrive twice (see `drop_duplicates`), read by Link.on_message
         self.duplicate_uids: set[bytes] | None = None
         self._dupes_timer: asyncio.TimerHandle | None = None
+        # group members' settlements, batched per loop iteration (broky.client.groups)
+        self.acks = AckBatcher(self.stats)
         super().__init__()  # the publish path's encoder and cache
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -247,6 +262,7 @@ class Client(Publisher):
         if self._connected:
             return self
         self.loop = loop = asyncio.get_running_loop()
+        self.acks.bind(loop)
         deadline = loop.time() + self.connect_timeout
         delay = self.reconnect_min_delay
         hello = Hello(client_name=self.name, auth_token=self.auth_token)
@@ -310,6 +326,7 @@ class Client(Publisher):
         """
         if self._closed:
             return
+        self.acks.flush()  # settlements made so far go before the round trips
         up = [link for link in self.router.links.values() if link.proto is not None]
         if up:
             try:
@@ -351,7 +368,7 @@ class Client(Publisher):
     # ---------------------------------------------------------------- flushing
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every worker has processed everything published so far.
+        """Wait until every worker has processed everything published (and acknowledged) so far.
 
         A worker that is disconnected is waited for (it reconnects first, and
         a connection that drops during the flush is waited for again). The
@@ -372,6 +389,7 @@ class Client(Publisher):
         """
         self._check_open()
         timeout = self.flush_timeout if timeout is None else timeout
+        self.acks.flush()  # group members' settlements so far: before the Pings
         try:
             async with asyncio.timeout(timeout):
                 links, results = await self._round_trips()
@@ -425,6 +443,45 @@ class Client(Publisher):
 
     # ---------------------------------------------------------------- subscribing
 
+    # A plain subscription's messages are Messages, a group member's GroupMessages (the
+    # overloads say so to a type checker; a group member takes no since, since_time, last).
+    @overload
+    async def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        callback: Callable[[Message], Any] | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
+        group: None = None,
+    ) -> Subscription[Message]: ...
+
+    @overload
+    async def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        callback: Callable[[GroupMessage], Any] | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        group: str,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> Subscription[GroupMessage]: ...
+
+    @overload
     async def subscribe(
         self,
         pattern: bytes | str,
@@ -436,7 +493,40 @@ class Client(Publisher):
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
-    ) -> Subscription:
+        group: str | None = None,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> Subscription[Any]: ...
+
+    async def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        callback: Callable[[Any], Any] | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
+        group: str | None = None,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> Subscription[Any]:
         """Subscribe to keys matching `pattern`.
 
         Args:
@@ -459,28 +549,76 @@ class Client(Publisher):
                 retained messages that match.
             What the workers no longer retain is reported through `on_loss`
             (LossReason EVICTED or EPOCH_CHANGED), never skipped in silence.
+            group: join the consumer group of that name (for this pattern and
+                partition): each matching message goes to one member of the group
+                only, on whichever client, the least loaded (other subscriptions and
+                groups get their own copies). Its messages are GroupMessages, with
+                `delivery_count`. A member starts live (no since, since_time, last).
+            key_shared: (with group) every message of one key_partition goes to the
+                same member, in publish order; key_partitions are spread over members.
+            ack: (with group) acknowledge each message: `msg.ack()`, `msg.nack(delay)`
+                or `msg.in_progress()`; what is not acked within `ack_wait` seconds,
+                or nacked, is delivered again (to this member or another) with its
+                delivery_count up by one. Acks live in the worker's memory: a worker
+                that restarts loses its unacked messages, and they are reported
+                through `on_loss` (LossReason.UNACKED_LOST).
+            ack_wait: (with ack) seconds before an unacked message is redelivered (30).
+            max_deliveries: (with ack) deliveries of one message before it is
+                dropped, told through `on_loss` (MAX_DELIVERIES) and published to
+                `dead_letter` if given (5).
+            backoff: (with ack) seconds before the n-th redelivery of a nacked
+                message (`nack()` without a delay); the last one repeats (1, 5, 30).
+            max_in_flight, max_in_flight_bytes: (with ack) unacked messages (and
+                their bytes) this member may hold (1000, 16 MiB); at the bound a
+                worker pauses it (`sub.paused_by_server`, `stats.group_paused`)
+                until it acks.
+            dead_letter: (with ack) the key a message goes to (same key_partition
+                and payload) after max_deliveries.
+            drain_timeout: (with key_shared and ack) seconds a key_partition moving
+                to another member waits for its old member's unacked messages
+                before moving anyway (reported to `on_error` as DrainExpiredError) (10).
 
         Returns:
-            The Subscription, already known to every worker that is connected
-            (one round trip; a worker connected for the first time is waited for,
-            one attempt). A worker that is down gets it when it reconnects.
+            The Subscription (of GroupMessages for a group member), already known
+            to every worker that is connected (one round trip; a worker connected
+            for the first time is waited for, one attempt). A worker that is down
+            gets it when it reconnects.
 
         Raises:
             BadPatternError: the pattern is not valid.
+            ValueError: an argument is out of range (the message names it), key_shared
+                or ack without a group, or a group with since, since_time or last.
             ServerError: a worker refused it with SUBSCRIPTION_LIMIT (this connection
                 holds as many subscriptions, or subscription bytes, as the server
-                allows); it is then unsubscribed everywhere, and not retried.
+                allows) or BAD_GROUP (the group's members on that worker have other
+                key_shared or ack settings); it is then unsubscribed everywhere, and
+                not retried.
             ClientClosedError: the client is closed.
         """
         self._check_open()
-        if not self._connected:
-            raise BrokyConnectionError("the client is not connected; await connect() first")
         pat = pattern.encode() if isinstance(pattern, str) else bytes(pattern)
         parse_pattern(pat)
         part = partition.encode() if isinstance(partition, str) else partition
-        sid = self._subscriptions.new_sid()
         if last < 0:
             raise ValueError(f"last must be >= 0, not {last!r}")
+        since = tuple(since)
+        start_time = time_ns(since_time)
+        spec = group_spec(
+            group,
+            key_shared=key_shared,
+            ack=ack,
+            ack_wait=ack_wait,
+            max_deliveries=max_deliveries,
+            backoff=backoff,
+            max_in_flight=max_in_flight,
+            max_in_flight_bytes=max_in_flight_bytes,
+            dead_letter=dead_letter,
+            drain_timeout=drain_timeout,
+            starts_from=bool(since or start_time or last),
+        )
+        if not self._connected:
+            raise BrokyConnectionError("the client is not connected; await connect() first")
+        sid = self._subscriptions.new_sid()
         sub = Subscription(
             self,
             sid,
@@ -489,9 +627,10 @@ class Client(Publisher):
             callback,
             max_pending_msgs,
             max_pending_bytes,
-            since=tuple(since),
-            since_time=time_ns(since_time),
+            since=since,
+            since_time=start_time,
             last=last,
+            group=spec,
         )
         router = self.router
         if part is None:
@@ -534,16 +673,16 @@ class Client(Publisher):
 
     # ------------------------------------------------------------ asked by a Subscription (SubscriptionOwner)
 
-    def pause_subscription(self, sub: Subscription) -> None:
+    def pause_subscription(self, sub: Subscription[Any]) -> None:
         """For the SDK's subscriptions: `sub`'s queue is full, pause its connections."""
         self._subscriptions.pause(sub)
 
-    def resume_subscription(self, sub: Subscription) -> None:
+    def resume_subscription(self, sub: Subscription[Any]) -> None:
         """For the SDK's subscriptions: `sub`'s queue has room again."""
         if not self._closed:
             self._subscriptions.resume(sub)
 
-    async def remove_subscription(self, sub: Subscription) -> None:
+    async def remove_subscription(self, sub: Subscription[Any]) -> None:
         """For `Subscription.unsubscribe`: stop `sub` on every worker, then close it.
 
         Raises:
@@ -660,8 +799,9 @@ class Client(Publisher):
         """For the Links (LinkOwner): `link`'s worker refused a subscription or a publish."""
         self.router.not_my_vbucket(link, err, refused)
 
-    def subscription_limited(self, link: Link, err: ServerError) -> None:
-        """For the Links (LinkOwner): `link`'s worker refused err.sid with SUBSCRIPTION_LIMIT."""
+    def subscription_refused(self, link: Link, err: ServerError) -> None:
+        """For the Links (LinkOwner): `link`'s worker refused err.sid for good
+        (SUBSCRIPTION_LIMIT, BAD_GROUP)."""
         self._subscriptions.limited_by(link, err)
 
     def map_updated(self, link: Link, vmap: VBucketMap) -> None:
@@ -921,7 +1061,8 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             processed: a connection that drops leaves only that much in doubt.
         on_error(exc): errors from the server (ServerError), local drops
             (SlowConsumerError), exceptions raised by subscription callbacks,
-            publishes that may have been lost with a connection. Without it
+            publishes that may have been lost with a connection, a key-shared
+            group's drain deadline passed (DrainExpiredError). Without it
             they are logged, local drops at most once every 5 s per
             subscription (broky.client.losses).
         on_disconnect(worker_ref, reason): a connection dropped (reconnecting
@@ -932,7 +1073,9 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             and unprocessed publishes sent again.
         on_loss(worker_ref, dropped, reason): the server lost `dropped`
             deliveries to us; `reason` is a LossReason (slow consumer, a
-            connection that dropped, a worker that restarted, a shutdown).
+            connection that dropped, a worker that restarted, a shutdown; for
+            group members GROUP_OVERFLOW, MAX_DELIVERIES, and UNACKED_LOST:
+            unacknowledged deliveries of a worker that restarted).
             Without it they are logged at most once every 5 s per worker and
             reason, with the running count.
 

@@ -5,9 +5,15 @@ anything is buffered, like the codec's `FrameReader`), decodes deliveries on
 a fast path (see `data_received`) and every other frame with `decode_frame`,
 and hands the results to its owner (a `Link` of the client). It writes each
 live delivery's position (epoch, offset, ts_broker per vbucket) into the
-owner's lists as it reads it (three stores of values it holds anyway), and
-hands the deliveries a Replay frame announces to the owner's `on_replayed`
-with their sid, not to `on_message` (schema/README.md 5.1).
+owner's lists as it reads it (three stores of values it holds anyway).
+
+Announced deliveries: a Replay frame (schema/README.md 5.1) or a Delivery
+frame (5.3, a group member's share) says that the next `messages` Message
+frames are for one subscription alone. The WorkerProtocol counts them down
+(`announced`) and hands each to the owner's `on_replayed(msg, sid)` or
+`on_group(msg, sid, attempt)`: never to `on_message`, and never as a
+position of the connection's live stream. A bare delivery pays one test of a
+local for this (`if announced:`), as it did for replays alone.
 It knows nothing about routing, subscriptions or reconnecting.
 
 Handshake: `open_connection` resolves the host (`resolve`: awaited on its
@@ -37,7 +43,7 @@ from broky.errors import (
     RemoteProtocolError,
     ServerError,
 )
-from broky.protocol import VBUCKETS, Error, Frame, Hello, Message, Replay, Welcome, decode_frame
+from broky.protocol import VBUCKETS, Delivery, Error, Frame, Hello, Message, Replay, Welcome, decode_frame
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.layout import (
@@ -127,12 +133,16 @@ class WorkerProtocol(asyncio.Protocol):
         self.max_frame_bytes = INBOUND_MAX_FRAME_BYTES
         self._on_message: Callable[[Message], None] | None = None
         # Positions: per vbucket, the epoch, offset and ts_broker of the last live delivery,
-        # in the owner's lists (`attach`); and the Message frames a Replay announced for
-        # one subscription, handed to `_on_replayed` instead (schema/README.md 5.1).
+        # in the owner's lists (`attach`); and the Message frames a Replay or a Delivery
+        # announced for one subscription (`announced` more of them, for `announced_sid`),
+        # handed to `_on_replayed` (attempt 0: a Replay) or `_on_group` (a Delivery's
+        # attempt, 1 or more) instead (schema/README.md 5.1, 5.3).
         self.pos_epoch = self.pos_offset = self.pos_ts = [0] * VBUCKETS
         self._on_replayed: Callable[[Message, int], None] | None = None
-        self.replay_left = 0
-        self.replay_sid = 0
+        self._on_group: Callable[[Message, int, int], None] | None = None
+        self.announced = 0
+        self.announced_sid = 0
+        self.announced_attempt = 0
         self._early: list[Frame] = []  # frames after the Welcome, before `attach`
         # The last reads (data, end of its whole frames), about TAIL_BYTES: if the
         # connection is lost without an account (broky.client.link), the uids of its
@@ -173,7 +183,7 @@ class WorkerProtocol(asyncio.Protocol):
         shapes = self._shapes
         pos_epoch, pos_offset, pos_ts = self.pos_epoch, self.pos_offset, self.pos_ts
         vbuckets = VBUCKETS
-        replaying = self.replay_left  # kept in step with self.replay_left
+        announced = self.announced  # kept in step with self.announced
         try:
             while n - pos >= 4:
                 if on_message is not None and n - pos >= _FIXED_UID:
@@ -195,9 +205,9 @@ class WorkerProtocol(asyncio.Protocol):
                                 msg = _tuple_new(
                                     Message, (kp, key, payload, ts_p, ts_b, uid, vb, epoch, offset)
                                 )
-                                if replaying:
-                                    self._replayed(msg)
-                                    replaying = self.replay_left
+                                if announced:
+                                    self._announced(msg)
+                                    announced = self.announced
                                 else:
                                     if vb < vbuckets:  # (a u16 may name none: no position then)
                                         pos_epoch[vb] = epoch
@@ -243,16 +253,16 @@ class WorkerProtocol(asyncio.Protocol):
                         ),
                         on_message,
                     )
-                    replaying = self.replay_left
+                    announced = self.announced
                 else:
                     frame = decode_frame(data, pos, end)
                     if on_message is not None and isinstance(frame, Message):
                         self._deliver(frame, on_message)
-                        replaying = self.replay_left
+                        announced = self.announced
                     else:
                         self._control(frame)
                         on_message = self._on_message
-                        replaying = self.replay_left
+                        announced = self.announced
                 pos = end
         except ProtocolError as exc:
             self._fail(exc)
@@ -297,9 +307,9 @@ class WorkerProtocol(asyncio.Protocol):
         return shape
 
     def _deliver(self, msg: Message, on_message: Callable[[Message], None]) -> None:
-        """A delivery read on a general path: to the replay it belongs to, or live."""
-        if self.replay_left:
-            self._replayed(msg)
+        """A delivery read on a general path: to the announcement it belongs to, or live."""
+        if self.announced:
+            self._announced(msg)
             return
         vb = msg.vbucket
         if vb >= VBUCKETS:  # a position of no vbucket: delivered, as the codec reads it, not kept
@@ -310,18 +320,29 @@ class WorkerProtocol(asyncio.Protocol):
         self.pos_ts[vb] = msg.ts_broker
         on_message(msg)
 
-    def _replayed(self, msg: Message) -> None:
-        """One of the Message frames a Replay announced: for its subscription alone, and
-        not a position of the connection's live stream."""
-        self.replay_left -= 1
-        assert self._on_replayed is not None
-        self._on_replayed(msg, self.replay_sid)
+    def _announced(self, msg: Message) -> None:
+        """One of the Message frames a Replay or a Delivery announced: for its subscription
+        alone, and not a position of the connection's live stream."""
+        self.announced -= 1
+        attempt = self.announced_attempt
+        if attempt:
+            assert self._on_group is not None
+            self._on_group(msg, self.announced_sid, attempt)
+        else:
+            assert self._on_replayed is not None
+            self._on_replayed(msg, self.announced_sid)
 
     def _control(self, frame: Frame) -> None:
         handler = self.handler
         if isinstance(frame, Replay) and frame.sid and self._on_replayed is not None:
-            self.replay_left = frame.messages
-            self.replay_sid = frame.sid
+            self.announced = frame.messages
+            self.announced_sid = frame.sid
+            self.announced_attempt = 0
+            return
+        if isinstance(frame, Delivery) and self._on_group is not None:
+            self.announced = frame.messages
+            self.announced_sid = frame.sid
+            self.announced_attempt = max(frame.attempt, 1)  # (0 on the wire: the first)
             return
         if handler is not None:
             if isinstance(frame, Message):
@@ -379,17 +400,21 @@ class WorkerProtocol(asyncio.Protocol):
         handler: Handler,
         positions: tuple[list[int], list[int], list[int]] | None = None,
         on_replayed: Callable[[Message, int], None] | None = None,
+        on_group: Callable[[Message, int, int], None] | None = None,
     ) -> None:
         """Route frames to `handler` from now on (after the Welcome), starting with
         those that arrived between the Welcome and now. `positions`: the lists (epoch,
         offset, ts_broker per vbucket) where each live delivery's position is written;
         `on_replayed(msg, sid)`: takes the deliveries a Replay announces for subscription
-        sid (without it, a Replay goes to `on_frame` and its messages to `on_message`)."""
+        sid (without it, a Replay goes to `on_frame` and its messages to `on_message`);
+        `on_group(msg, sid, attempt)`: takes the deliveries a Delivery announces for group
+        member sid (likewise without it)."""
         self.handler = handler
         self._on_message = handler.on_message
         if positions is not None:
             self.pos_epoch, self.pos_offset, self.pos_ts = positions
         self._on_replayed = on_replayed
+        self._on_group = on_group
         early, self._early = self._early, []
         for frame in early:
             self._control(frame)

@@ -40,11 +40,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import TYPE_CHECKING, Generic
 
 from broky.client.stats import ClientStats
 from broky.errors import SlowConsumerError
 from broky.protocol import Message
 from broky.protocol.frames import Position
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    # What a subscription's messages are: Message, or the GroupMessage of a group member
+    # (broky.client.groups); a bare `Subscription` is a Subscription[Message].
+    M = TypeVar("M", bound=Message, default=Message)
+else:  # (a default is for the type checker alone: 3.11's TypeVar has none)
+    from typing import TypeVar
+
+    M = TypeVar("M", bound=Message)
 
 DEFAULT_MAX_PENDING_MSGS = 65536
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
@@ -66,8 +78,9 @@ def hard_bounds(max_pending_msgs: int, max_pending_bytes: int) -> tuple[int, int
     )
 
 
-class Inbox:
-    """The bounded queue of a subscription; subclassed by the SDK's subscriptions.
+class Inbox(Generic[M]):
+    """The bounded queue of a subscription (of messages of type M); subclassed by the
+    SDK's subscriptions.
 
     Attributes `delivered` (messages handed to the consumer) and `dropped`
     (messages lost because the queue was full) are plain counters.
@@ -91,7 +104,7 @@ class Inbox:
         self.delivered = 0
         self.dropped = 0
         self.closed = False
-        self._queue: collections.deque[Message] = collections.deque()
+        self._queue: collections.deque[M] = collections.deque()
         self._queue_bytes = 0
         self._unreported_drops = 0
         self._paused = False  # its queue filled up: its connections are paused
@@ -117,7 +130,7 @@ class Inbox:
 
     # ---------------------------------------------------------------- reader side
 
-    def _put(self, msg: Message) -> None:
+    def _put(self, msg: M) -> None:
         """Queue `msg`, wake the consumer; or pause, or drop (the blocking client: under
         its lock). The asyncio Subscription's Links call it directly (its `deliver`)."""
         size = len(msg.payload)
@@ -130,7 +143,7 @@ class Inbox:
             return
         self._put_over(msg, size)
 
-    def _put_over(self, msg: Message, size: int) -> None:
+    def _put_over(self, msg: M, size: int) -> None:
         """The queue is full: pause the connections that carry the subscription, queue up
         to the hard bounds, drop past them."""
         if not self._paused:
@@ -157,7 +170,7 @@ class Inbox:
 
     # ---------------------------------------------------------------- consumer side
 
-    def _take(self) -> Message:
+    def _take(self) -> M:
         """The oldest queued message (there is one; the blocking client: under its lock),
         counted and remembered for `positions()`; resumes the connections once the queue
         is down to half of both bounds."""
@@ -199,6 +212,7 @@ class Inbox:
 
 
 __all__ = [
+    "M",
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_MAX_PENDING_MSGS",
     "HARD_FACTOR",

@@ -19,17 +19,25 @@ them, and not at all while the Link is down (it re-sends its subscriptions
 when it reconnects). While a Link is down its outbound list is bounded by
 `max_reconnect_buffer_bytes`; past that, `send` raises PublishBufferFullError.
 
-Inbound: deliveries carry no sid. Each Link has a Matcher of the
-subscriptions it carries (cached by key) and hands each delivery to every
-subscription whose pattern, and partition if scoped, matches. Pongs settle
+Inbound: bare deliveries carry no sid. Each Link has a Matcher of the plain
+subscriptions it carries (cached by key) and hands each bare delivery to
+every subscription whose pattern, and partition if scoped, matches. Group
+members are not in the Matcher: a worker announces each member's share with
+a Delivery frame, and the WorkerProtocol hands those messages to `on_group`
+for that member alone, as GroupMessages (broky.client.groups); a member with
+ack gets an AckLedger per Link, through which its settlements go back to
+this worker. A GroupNotice sets the member's `paused_on` (PAUSED, RESUMED)
+or goes to `on_error` (DRAIN_EXPIRED, as a DrainExpiredError). Pongs settle
 round trips; an Error goes to the client (NOT_MY_VBUCKET to its map
-handling, SUBSCRIPTION_LIMIT to its subscription table); a LossNotice is
-counted and reported.
+handling, SUBSCRIPTION_LIMIT and BAD_GROUP to its subscription table); a
+LossNotice is counted and reported (GROUP_OVERFLOW and MAX_DELIVERIES, which
+name a member's sid, like any other).
 
 Reconnecting: when a Link's connection drops (or the server says Goodbye),
 the Link reconnects to the same worker with jittered exponential backoff,
 naming the lost connection in its Hello (`previous`: its id, the deliveries
-received on it, the losses it was told of), re-sends every subscription it
+received on it and how many of them were a group member's, the losses it was
+told of), re-sends every subscription it
 carries (same sids), a Ping, then the publishes the server did not process
 (below), then its buffered publishes. A Link that fails
 `max_reconnect_attempts` times in a row gives up: its buffered publishes are
@@ -49,7 +57,18 @@ was in flight, as a Replay frame followed by the messages for that sid alone,
 which the WorkerProtocol hands to the Link's `on_replayed` for that
 subscription only; or it tells what is gone
 (EVICTED, EPOCH_CHANGED). A worker without a replay buffer answers nothing
-and tells the loss as before (CONNECTION_LOST).
+and tells the loss as before (CONNECTION_LOST). A group member is sent again
+as it was first (a group starts live; what was in flight to the lost
+connection the worker gives to the other members, or to this one again).
+
+Group members with ack, across reconnects: the high half of a Welcome's
+connection_id names the worker process (schema/README.md 3, 5.4). Back to the
+same process, the settlements made while down are sent after the
+Subscribes (the worker still knows those positions). Back to another one (the
+worker or the server restarted), or retired with its node, the Link closes
+its AckLedgers: their unsettled deliveries are reported lost
+(LossReason.UNACKED_LOST, `stats.unacked_lost`) and their settlements
+dropped (broky.client.groups).
 
 A vbucket that moves (broky.client.routing) keeps its sequence: same epoch,
 the next offset, at its new owner. A subscription that another worker
@@ -97,12 +116,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broky.client import pubpack
 from broky.client.connection import WorkerProtocol, open_connection, server_error
+from broky.client.groups import AckBatcher, AckLedger, GroupMessage
 from broky.client.stats import ClientStats
 from broky.client.subscription import Subscription
 from broky.errors import (
     BrokyConnectionError,
     BrokyError,
     ClientClosedError,
+    DrainExpiredError,
     ErrorCode,
     PublishBufferFullError,
     RemoteProtocolError,
@@ -115,6 +136,8 @@ from broky.protocol import (
     Error,
     Frame,
     Goodbye,
+    GroupEvent,
+    GroupNotice,
     Hello,
     LossNotice,
     LossReason,
@@ -240,6 +263,7 @@ class LinkOwner(Protocol):
     stats: ClientStats
     loop: asyncio.AbstractEventLoop
     duplicate_uids: set[bytes] | None  # uids dropped on arrival (see Client.drop_duplicates)
+    acks: AckBatcher  # group members' settlements (broky.client.groups)
 
     @property
     def is_closed(self) -> bool:
@@ -254,8 +278,9 @@ class LinkOwner(Protocol):
     def not_my_vbucket(self, link: Link, err: ServerError, refused: bytes | None) -> None:
         """`link`'s worker refused a subscription (err.sid) or a publish (`refused`, its frame)."""
 
-    def subscription_limited(self, link: Link, err: ServerError) -> None:
-        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT."""
+    def subscription_refused(self, link: Link, err: ServerError) -> None:
+        """`link`'s worker refused subscription err.sid for good: SUBSCRIPTION_LIMIT, or
+        BAD_GROUP (a member whose settings differ from its group's)."""
 
     def map_updated(self, link: Link, vmap: VBucketMap) -> None:
         """`link`'s worker pushed a newer vbucket map."""
@@ -306,8 +331,9 @@ class Link(_LinkState):
     stopped, or, with no account, added to `unconfirmed` (and
     `stats.unconfirmed_lost`), which the next `flush` reports as a
     BrokyConnectionError. Publishes still in `out` are not lost: they are sent
-    after the reconnect. `received` and `told_lost` count the deliveries and
-    the losses told on the current connection, for the next Hello's `previous`.
+    after the reconnect. `received` (of which `group_received` were a group
+    member's) and `told_lost` count the deliveries and the losses told on the
+    current connection, for the next Hello's `previous`.
     """
 
     def __init__(self, client: LinkOwner, node_id: str, worker: int) -> None:
@@ -321,8 +347,8 @@ class Link(_LinkState):
         self.out_bytes = 0
         self.out_extra = 0
         self.flush_handle: asyncio.Handle | None = None
-        self.subs: dict[int, Subscription] = {}
-        self.matcher: Matcher[Subscription, tuple[Subscription, ...]] = Matcher(tuple)
+        self.subs: dict[int, Subscription[Any]] = {}
+        self.matcher: Matcher[Subscription[Any], tuple[Subscription[Any], ...]] = Matcher(tuple)
         self._matched = self.matcher.cached  # key -> subscriptions, read first by on_message
         # ping id -> (future of the round trip, or None for a keepalive; `written` when sent)
         self.pings: dict[int, tuple[asyncio.Future[None] | None, int]] = {}
@@ -338,6 +364,7 @@ class Link(_LinkState):
         self.conn_id = 0  # Welcome.connection_id of the current (or last) connection
         self.resume_token: bytes | None = None  # its Welcome.resume_token (the proof of a resume)
         self.received = 0  # deliveries received on it
+        self.group_received = 0  # of those, announced by a Delivery frame (a group member's)
         self.told_lost = 0  # LossNotice counts received on it
         self.refusals = 0  # publishes refused on it with NOT_MY_VBUCKET (Errors received)
         self.lost_refusals = 0  # the same, of the lost connection named in `previous`
@@ -361,15 +388,23 @@ class Link(_LinkState):
         self.pos_ts = [0] * VBUCKETS
         # Subscriptions whose start here is the ts of the first Pong to a Ping numbered
         # above the one given (sent after their Subscribe).
-        self.unstarted: list[tuple[int, Subscription]] = []
+        self.unstarted: list[tuple[int, Subscription[Any]]] = []
         # sid -> {vbucket: the Link of the worker it moved here from}: subscriptions that
         # worker carried, until they start here (`carry_from`).
         self.carried: dict[int, dict[int, Link]] = {}
         self.accounted = False  # the current connection resumed an account (exact loss counts)
+        # sid -> the AckLedger of a group member with ack: its deliveries through this Link
+        # from the current worker process (broky.client.groups)
+        self.ledgers: dict[int, AckLedger] = {}
 
     def __repr__(self) -> str:
         state = "up" if self.proto is not None else "down"
         return f"<Link {self.ref.node_id}/{self.ref.worker} {state}>"
+
+    @property
+    def is_up(self) -> bool:
+        """Connected (AckLink): a control frame written now reaches the worker."""
+        return self.proto is not None
 
     # ---------------------------------------------------------------- connection state
 
@@ -379,7 +414,7 @@ class Link(_LinkState):
 
     def attach(self, proto: WorkerProtocol, welcome: Welcome, reconnect: bool) -> None:
         client = self.client
-        proto.attach(self, (self.pos_epoch, self.pos_offset, self.pos_ts), self.on_replayed)
+        proto.attach(self, (self.pos_epoch, self.pos_offset, self.pos_ts), self.on_replayed, self.on_group)
         self.proto = proto
         client.take_welcome(welcome)
         resumed = welcome.resumed
@@ -395,11 +430,16 @@ class Link(_LinkState):
             # refused with NOT_MY_VBUCKET, and the Errors carrying them back went with the connection
             self._count_lost_refusals(resumed.refused - self.lost_refusals)
         self.lost_refusals = 0
+        # another worker process than the last connection's (it or its server restarted):
+        # the deliveries acknowledgements would name are gone with the old one
+        restarted = bool(self.conn_id) and welcome.connection_id >> 32 != self.conn_id >> 32
+        if restarted and self.ledgers:
+            self.lose_unacked()
         # a new connection: count from zero (`out` holds publishes only while down)
         self.conn_id = welcome.connection_id
         self.resume_token = welcome.resume_token
         self.refusals = 0
-        self.received = self.told_lost = 0
+        self.received = self.told_lost = self.group_received = 0
         self.written = self.confirmed = self.released = 0
         self.retained.clear()
         self.retained_bytes = 0
@@ -412,6 +452,8 @@ class Link(_LinkState):
             proto.write(PAUSE_FRAME)
         if reconnect or self.out:
             self._send_ping(None)  # after the publishes that wait in `out`, in the same write
+        for ledger in self.ledgers.values():  # settled while down, for the same worker process
+            ledger.send()
         if client.ping_interval is not None:
             self.keepalive = client.loop.call_later(client.ping_interval, self._keepalive)
         self.up.set()
@@ -574,11 +616,15 @@ class Link(_LinkState):
         self.proto = None
         self.up.clear()
         self._stop_timers()
+        for sub in self.subs.values():  # a member paused there: the member was the lost connection
+            sub.paused_on.discard(self.ref)
         report = isinstance(exc, BrokyError) and not isinstance(exc, ServerShutdownError)
         if exc is None:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
         if self.conn_id:
-            self.previous = PreviousConnection(self.conn_id, self.received, self.told_lost, self.resume_token)
+            self.previous = PreviousConnection(
+                self.conn_id, self.received, self.told_lost, self.resume_token, self.group_received
+            )
             self.lost_refusals = self.refusals
             self.tail = proto.tail
         self.in_doubt = InDoubt(self.confirmed, self.written, self.released, self.retained)
@@ -614,6 +660,8 @@ class Link(_LinkState):
         if self.task is not None:
             self.task.cancel()
         self._stop_timers()
+        for ledger in self.ledgers.values():  # settled after the client's close: dropped
+            ledger.close()
         if self.proto is not None:
             self.flush_out()
             self.proto.close()
@@ -748,6 +796,7 @@ class Link(_LinkState):
         if self.task is not None:
             self.task.cancel()
         self._stop_timers()
+        self.lose_unacked()  # no worker of this node will take their acknowledgements
         tail, self.tail = self.tail, []
         if self.proto is not None:
             proto, self.proto = self.proto, None
@@ -844,15 +893,19 @@ class Link(_LinkState):
 
     # ---------------------------------------------------------------- subscriptions
 
-    def add_sub(self, sub: Subscription) -> None:
+    def add_sub(self, sub: Subscription[Any]) -> None:
         self.subs[sub.sid] = sub
-        self.matcher.add(sub.pattern, sub)
-        self.unstarted.append((self.next_ping, sub))
+        if sub.group is None:  # a member's deliveries are announced for it alone (on_group)
+            self.matcher.add(sub.pattern, sub)
+            self.unstarted.append((self.next_ping, sub))
         self.send_control(encode_subscribe(self.resume_subscribe(sub)))
 
-    def resume_subscribe(self, sub: Subscription) -> Subscribe:
+    def resume_subscribe(self, sub: Subscription[Any]) -> Subscribe:
         """The Subscribe for `sub` on this worker: where it asked to start, the first time;
-        after that, from what this Link received since it started (see the header)."""
+        after that, from what this Link received since it started (see the header). A
+        group member's is always the same (a group starts live)."""
+        if sub.group is not None:
+            return sub.group.subscribe(sub.sid, sub.pattern, sub.partition)
         start = sub.starts.get(self.ref)
         if start is None:  # not started here yet: as asked (and its start is the next Pong's ts)
             if not any(s is sub for _, s in self.unstarted):
@@ -876,7 +929,7 @@ class Link(_LinkState):
         """Vbuckets `vbs` moved here from `old`'s worker: the subscriptions it carried
         that have not started here go on from what `old` received (see the header)."""
         for sub in old.subs.values():
-            if old.ref not in sub.starts or self.ref in sub.starts:
+            if old.ref not in sub.starts or self.ref in sub.starts:  # (never a group member's)
                 continue
             mine = vbs if sub.partition is None else vbs & {vbucket_of(sub.partition)}
             if mine:
@@ -884,7 +937,7 @@ class Link(_LinkState):
                 for vb in mine:
                     carried[vb] = old
 
-    def _carried_subscribe(self, sub: Subscription, carried: dict[int, Link]) -> Subscribe:
+    def _carried_subscribe(self, sub: Subscription[Any], carried: dict[int, Link]) -> Subscribe:
         """The first Subscribe here of a subscription whose vbuckets moved here from
         other workers: `since` what their Links received after it started there."""
         since = {p.vbucket: (p.epoch, p.offset, 0) for p in sub.since}
@@ -905,14 +958,32 @@ class Link(_LinkState):
         since_time = min(begun) if begun else sub.since_time
         return Subscribe(sub.sid, sub.pattern, sub.partition, positions, since_time, sub.last)
 
-    def remove_sub(self, sub: Subscription, tell_server: bool = True) -> None:
+    def remove_sub(self, sub: Subscription[Any], tell_server: bool = True) -> None:
         self.carried.pop(sub.sid, None)
         if self.subs.pop(sub.sid, None) is None:
             return
         self.resume_for(sub.sid)
-        self.matcher.remove(sub.pattern, sub)
+        sub.paused_on.discard(self.ref)
+        ledger = self.ledgers.pop(sub.sid, None)
+        if ledger is not None:  # what was settled goes before the Unsubscribe; later ones are dropped
+            ledger.send()
+            ledger.close()
+        if sub.group is None:
+            self.matcher.remove(sub.pattern, sub)
         if tell_server:
             self.send_control(encode_unsubscribe(Unsubscribe(sub.sid)))
+
+    def lose_unacked(self) -> None:
+        """The worker process that holds this Link's group deliveries is gone (restarted,
+        or its node left the map): every ack member's unsettled ones are lost, told through
+        `on_loss` (LossReason.UNACKED_LOST), and what is settled of them is dropped."""
+        ledgers, self.ledgers = self.ledgers, {}
+        client = self.client
+        for ledger in ledgers.values():
+            lost = ledger.close()
+            if lost:
+                client.stats.unacked_lost += lost
+                client.loss_told(self.ref, lost, LossReason.UNACKED_LOST)
 
     def pause_for(self, sid: int) -> None:
         """Subscription `sid`'s queue is full: the worker keeps this connection's
@@ -955,6 +1026,49 @@ class Link(_LinkState):
             if sub.partition is None or sub.partition == kp:
                 sub.deliver(msg)
 
+    def on_group(self, msg: Message, sid: int, attempt: int) -> None:
+        """A delivery a Delivery frame announced for group member `sid` alone (the
+        WorkerProtocol counts them): handed to it as a GroupMessage, never to the
+        Matcher's subscriptions, and not a position of the Link's live stream."""
+        self.received += 1
+        self.group_received += 1
+        stats = self.client.stats
+        stats.received += 1
+        stats.group_received += 1
+        if attempt > 1:
+            stats.redeliveries += 1
+        sub = self.subs.get(sid)
+        if sub is None or sub.closed or sub.group is None:
+            stats.unmatched += 1
+            return
+        if not sub.group.ack:
+            sub.deliver(GroupMessage(msg, attempt))
+            return
+        ledger = self.ledgers.get(sid)
+        if ledger is None:
+            ledger = self.ledgers[sid] = self.client.acks.ledger(self, sid, sub)
+        position = Position(msg.vbucket, msg.epoch, msg.offset)
+        opened = ledger.delivered(position)
+        dropped = stats.dropped_local  # (the blocking client's queue counts there too)
+        sub.deliver(GroupMessage(msg, attempt, ledger))
+        if opened and stats.dropped_local != dropped:  # its queue was full past the hard bound
+            ledger.forget(position)
+
+    def on_group_notice(self, notice: GroupNotice) -> None:
+        """A member's pause or resume on this worker, or a drain deadline that passed."""
+        client = self.client
+        sub = self.subs.get(notice.sid)
+        if notice.event == GroupEvent.PAUSED:
+            client.stats.group_paused += 1
+            if sub is not None:
+                sub.paused_on.add(self.ref)
+        elif notice.event == GroupEvent.RESUMED:
+            if sub is not None:
+                sub.paused_on.discard(self.ref)
+        elif notice.event == GroupEvent.DRAIN_EXPIRED:
+            client.stats.group_drain_expired += 1
+            client.report_error(DrainExpiredError(notice.sid, notice.vbucket, notice.messages))
+
     def on_frame(self, frame: Frame) -> None:
         client = self.client
         if isinstance(frame, Pong):
@@ -977,8 +1091,8 @@ class Link(_LinkState):
                 if not err.sid:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
                 client.not_my_vbucket(self, err, frame.refused)
-            elif err.code == ErrorCode.SUBSCRIPTION_LIMIT and err.sid:
-                client.subscription_limited(self, err)
+            elif err.code in (ErrorCode.SUBSCRIPTION_LIMIT, ErrorCode.BAD_GROUP) and err.sid:
+                client.subscription_refused(self, err)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
@@ -997,6 +1111,8 @@ class Link(_LinkState):
                     client.loss_unaccounted(self.ref)
                 return
             client.loss_told(self.ref, frame.dropped, frame.reason)
+        elif isinstance(frame, GroupNotice):
+            self.on_group_notice(frame)
         elif isinstance(frame, MapUpdate):
             client.map_updated(self, frame.map)
         elif isinstance(frame, Goodbye):

@@ -3,7 +3,9 @@
 One instance per client, shared by every part of it (the publish path, the
 Links, the subscriptions, the map refresh), each counting what it sees as a
 plain attribute increment: nothing per message but the increment, and read
-at any time.
+at any time. Its counters are slots: an instance dict of 30 or more
+attributes leaves CPython 3.11's shared-keys fast path, and the publish and
+delivery paths count here (bench/README.md, "Groups and acks in the SDK").
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class ClientStats:
     """Plain counters of one client (read them at any time)."""
 
@@ -45,6 +47,19 @@ class ClientStats:
     epochs_changed: int = 0
     errors: int = 0
     map_refreshes: int = 0
+    # Groups and acknowledgements (broky.client.groups)
+    group_received: int = 0  # deliveries to group members (announced by a Delivery frame)
+    redeliveries: int = 0  # of those, redeliveries (delivery_count > 1)
+    group_paused: int = 0  # GroupNotice PAUSED: a member reached max_in_flight on a worker
+    group_drain_expired: int = 0  # GroupNotice DRAIN_EXPIRED (each also reported to on_error)
+    acks_sent: int = 0  # positions sent in Ack frames: ACK
+    nacks_sent: int = 0  # ... NACK
+    in_progress_sent: int = 0  # ... IN_PROGRESS
+    # settlements not sent: their deliveries were lost (UNACKED_LOST) or their member is gone
+    acks_dropped: int = 0
+    # deliveries of ack members unsettled when the worker holding them restarted or left
+    # (reported to on_loss with LossReason.UNACKED_LOST): nobody redelivers them
+    unacked_lost: int = 0
 
 
 __all__ = ["ClientStats"]

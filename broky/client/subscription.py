@@ -32,6 +32,13 @@ Subscribe was confirmed) and the positions of the retained messages a start
 replayed to it alone (`replayed`): with the Link's own positions that is
 what a resume asks for, so that a reconnect loses nothing and repeats nothing
 while the worker still retains it.
+
+Groups (broky.client.groups): a subscription made with a group is a member
+(`group`: its settings); its deliveries are GroupMessages, queued like any
+other. `in_flight` counts those of an ack member not yet settled by the
+application, and `paused_by_server` says whether a worker holds its
+deliveries back (it reached max_in_flight there: GroupNotice PAUSED, until
+RESUMED), per worker in `paused_on`.
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from broky.client.groups import GroupSpec
 from broky.client.inbox import (
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_MAX_PENDING_MSGS,
     KEEP_PAYLOAD_BYTES,
     Inbox,
+    M,
     hard_bounds,
 )
 from broky.client.stats import ClientStats
@@ -64,22 +73,24 @@ class SubscriptionOwner(Protocol):
     def report_error(self, exc: BaseException) -> None:
         """Hand an error to the client's `on_error` (a drop, a callback that raised)."""
 
-    def pause_subscription(self, sub: Subscription) -> None:
+    def pause_subscription(self, sub: Subscription[Any]) -> None:
         """`sub`'s queue is full: pause the connections that carry it."""
 
-    def resume_subscription(self, sub: Subscription) -> None:
+    def resume_subscription(self, sub: Subscription[Any]) -> None:
         """`sub`'s queue has room again: resume them."""
 
-    async def remove_subscription(self, sub: Subscription) -> None:
+    async def remove_subscription(self, sub: Subscription[Any]) -> None:
         """Stop `sub` on every worker that has it, then close it."""
 
 
-class Subscription(Inbox):
+class Subscription(Inbox[M]):
     """Interest in keys matching `pattern` (and only `partition`, if given).
 
     Created by `Client.subscribe`; not constructed directly. Attributes
     `delivered` (messages handed to the consumer), `dropped` (messages lost
-    because the local queue was full) and `pending` are plain counters.
+    because the local queue was full), `pending` and, for a group member with
+    ack, `in_flight` are plain counters. Its messages are Messages, a group
+    member's GroupMessages (a `Subscription[GroupMessage]`).
     """
 
     def __init__(
@@ -88,12 +99,13 @@ class Subscription(Inbox):
         sid: int,
         pattern: bytes,
         partition: bytes | None,
-        callback: Callback | None,
+        callback: Callable[[M], Any] | None,
         max_pending_msgs: int,
         max_pending_bytes: int,
         since: tuple[Position, ...] = (),
         since_time: int = 0,
         last: int = 0,
+        group: GroupSpec | None = None,
     ) -> None:
         super().__init__(max_pending_msgs, max_pending_bytes, owner.stats)
         self._owner = owner
@@ -102,7 +114,7 @@ class Subscription(Inbox):
         self.partition = partition
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._inline: Callback | None = None
+        self._inline: Callable[[M], Any] | None = None
         # Where it asked to start (schema/README.md 5.1), for the first Subscribe on each worker.
         self.since = since
         self.since_time = since_time
@@ -112,6 +124,12 @@ class Subscription(Inbox):
         # messages replayed to it alone: vbucket -> (epoch, offset, ts_broker).
         self.starts: dict[object, int] = {}
         self.replayed: dict[object, dict[int, tuple[int, int, int]]] = {}
+        # A group member's settings; its unsettled deliveries (ack: the sum of its Links'
+        # AckLedgers' `open`, under the client's AckBatcher lock); the workers (WorkerRef)
+        # that paused it (GroupNotice PAUSED, until RESUMED or the connection is lost).
+        self.group = group
+        self.in_flight = 0
+        self.paused_on: set[object] = set()
         if callback is not None:
             if _is_coroutine_callback(callback):
                 self._task = asyncio.get_running_loop().create_task(self._run_callback(callback))
@@ -124,10 +142,10 @@ class Subscription(Inbox):
         sid: int,
         pattern: bytes,
         partition: bytes | None,
-        callback: Callback | None,
+        callback: Callable[[M], Any] | None,
         *args: Any,
         **kwargs: Any,
-    ) -> Subscription:
+    ) -> Subscription[M]:
         """A plain callback makes an InlineSubscription: the reader calls it, no queue."""
         if cls is Subscription and callback is not None and not _is_coroutine_callback(callback):
             cls = InlineSubscription
@@ -135,7 +153,15 @@ class Subscription(Inbox):
 
     def __repr__(self) -> str:
         scope = f" partition={self.partition!r}" if self.partition is not None else ""
-        return f"<Subscription sid={self.sid} pattern={self.pattern!r}{scope}>"
+        member = f" group={self.group.name!r}" if self.group is not None else ""
+        return f"<Subscription sid={self.sid} pattern={self.pattern!r}{scope}{member}>"
+
+    @property
+    def paused_by_server(self) -> bool:
+        """A group member with ack that a worker stopped delivering to: it holds
+        max_in_flight (or max_in_flight_bytes) unsettled deliveries there. Settle some
+        (ack, nack) and the worker resumes it; counted in `stats.group_paused`."""
+        return bool(self.paused_on)
 
     def positions(self) -> list[Position]:
         """Per vbucket, the position of the last message handed to the consumer (by
@@ -178,7 +204,7 @@ class Subscription(Inbox):
 
     # ---------------------------------------------------------------- consumer side
 
-    async def next_msg(self, timeout: float | None = None) -> Message:
+    async def next_msg(self, timeout: float | None = None) -> M:
         """Return the next message.
 
         Args:
@@ -207,16 +233,16 @@ class Subscription(Inbox):
                     self._waiter = None
         return self._take()
 
-    def __aiter__(self) -> AsyncIterator[Message]:
+    def __aiter__(self) -> AsyncIterator[M]:
         return self
 
-    async def __anext__(self) -> Message:
+    async def __anext__(self) -> M:
         try:
             return await self.next_msg()
         except ClientClosedError:
             raise StopAsyncIteration from None
 
-    async def _run_callback(self, callback: Callback, first: Awaitable[Any] | None = None) -> None:
+    async def _run_callback(self, callback: Callable[[M], Any], first: Awaitable[Any] | None = None) -> None:
         """Await the callback's result for each queued message, one at a time, in order."""
         if first is not None:
             try:
@@ -246,13 +272,13 @@ class Subscription(Inbox):
         await self._owner.remove_subscription(self)
 
 
-class InlineSubscription(Subscription):
+class InlineSubscription(Subscription[M]):
     """A Subscription with a plain callback, which the reader calls inline, without a
     queue (`Subscription(...)` with one makes this class). A callback that returns an
     awaitable is found out at its first call: that result is awaited by a task, and every
     later message queued for that task, as for a coroutine function."""
 
-    def deliver(self, msg: Message) -> None:
+    def deliver(self, msg: M) -> None:
         inline = self._inline
         if inline is None:  # it turned out asynchronous: queued for the task
             self._put(msg)
@@ -273,7 +299,7 @@ class InlineSubscription(Subscription):
             self._task = asyncio.get_running_loop().create_task(self._run_callback(inline, result))
 
 
-def _is_coroutine_callback(callback: Callback) -> bool:
+def _is_coroutine_callback(callback: Callable[..., Any]) -> bool:
     """A coroutine function, or an object whose `async def __call__` is one."""
     return inspect.iscoroutinefunction(callback) or inspect.iscoroutinefunction(type(callback).__call__)
 

@@ -20,9 +20,10 @@ that refuses a subscription with NOT_MY_VBUCKET (`refused`) drops it at
 once, without an Unsubscribe; the map refresh that follows moves it to its
 owner, or reports it when the fresh map still names the refusing worker. A
 worker that refuses it with SUBSCRIPTION_LIMIT (`limited`: that connection
-holds as many subscriptions, or subscription bytes, as the server allows)
-drops it for good: it is never sent to that Link again, not on a reconnect
-nor on a new map.
+holds as many subscriptions, or subscription bytes, as the server allows) or
+BAD_GROUP (a group member whose settings differ from those of its group's
+members there) drops it for good: it is never sent to that Link again, not
+on a reconnect nor on a new map.
 
 The table knows the map only through the two lookups `follow_map` is given,
 so it opens no Link of its own.
@@ -31,6 +32,7 @@ so it opens no Link of its own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from broky.client.link import Link
 from broky.client.subscription import Subscription
@@ -42,10 +44,10 @@ class SubscriptionTable:
 
     def __init__(self, report: Callable[[BaseException], None]) -> None:
         self.report = report  # the client's `on_error` path
-        self.subs: dict[int, Subscription] = {}
+        self.subs: dict[int, Subscription[Any]] = {}
         self.links: dict[int, list[Link]] = {}  # sid -> the Links that carry it
         self.rejected: dict[int, Link] = {}  # sid -> the Link whose worker refused it (NOT_MY_VBUCKET)
-        # sid -> (the last SUBSCRIPTION_LIMIT Error, the Links whose worker refused it)
+        # sid -> (the last SUBSCRIPTION_LIMIT or BAD_GROUP Error, the Links whose worker refused it)
         self.limited: dict[int, tuple[ServerError, list[Link]]] = {}
         self.paused: dict[int, set[Link]] = {}  # sid -> the Links it paused (its queue is full)
         self.last_sid = 0
@@ -54,14 +56,14 @@ class SubscriptionTable:
         self.last_sid += 1
         return self.last_sid
 
-    def add(self, sub: Subscription, links: list[Link]) -> None:
+    def add(self, sub: Subscription[Any], links: list[Link]) -> None:
         """Register `sub` and send it on each of `links`."""
         self.subs[sub.sid] = sub
         self.links[sub.sid] = links
         for link in links:
             link.add_sub(sub)
 
-    def remove(self, sub: Subscription) -> None:
+    def remove(self, sub: Subscription[Any]) -> None:
         """Unsubscribe `sub` on every Link that carries it, then close it."""
         self.subs.pop(sub.sid, None)
         self.rejected.pop(sub.sid, None)
@@ -71,7 +73,7 @@ class SubscriptionTable:
             link.remove_sub(sub)
         sub.mark_closed()
 
-    def pause(self, sub: Subscription) -> None:
+    def pause(self, sub: Subscription[Any]) -> None:
         """`sub`'s queue is full: pause every Link that carries it (again: one it was
         put on since)."""
         paused = self.paused.setdefault(sub.sid, set())
@@ -79,7 +81,7 @@ class SubscriptionTable:
             paused.add(link)
             link.pause_for(sub.sid)
 
-    def resume(self, sub: Subscription) -> None:
+    def resume(self, sub: Subscription[Any]) -> None:
         """`sub` has room again: its Links may deliver (once no other subscription paused them)."""
         for link in self.paused.pop(sub.sid, ()):
             link.resume_for(sub.sid)
@@ -93,8 +95,8 @@ class SubscriptionTable:
             self.rejected[sub.sid] = link
 
     def limited_by(self, link: Link, err: ServerError) -> None:
-        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT: forget
-        it on that Link, so that neither a reconnect nor a new map sends it there again."""
+        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT or BAD_GROUP:
+        forget it on that Link, so that neither a reconnect nor a new map sends it there again."""
         sub = self.subs.get(err.sid)
         if sub is None:
             return
@@ -107,7 +109,7 @@ class SubscriptionTable:
             refused_by.append(link)
         self.limited[sub.sid] = (err, refused_by)
 
-    def _limited_on(self, sub: Subscription, link: Link) -> bool:
+    def _limited_on(self, sub: Subscription[Any], link: Link) -> bool:
         limited = self.limited.get(sub.sid)
         return limited is not None and link in limited[1]
 

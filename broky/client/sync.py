@@ -33,6 +33,11 @@ the same Inbox (broky.client.inbox) as an asyncio Subscription's, with the
 same rule: once full it pauses its connections, and only past its hard
 bounds drops, counts and reports to `on_error` (SlowConsumerError).
 Callbacks (`on_error`, `on_disconnect`, ...) run in the I/O thread.
+
+A group member's messages (broky.client.groups) are acknowledged from any
+thread: `msg.ack()` takes the client's ack lock for a moment, and the first
+settlement of a loop iteration wakes the I/O thread (`call_soon_threadsafe`),
+which sends them all in one Ack frame per worker, member and kind.
 """
 
 from __future__ import annotations
@@ -44,11 +49,20 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from broky.client.client import Client, ServerInfo, WorkerRef
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
-from broky.client.inbox import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Inbox
+from broky.client.groups import (
+    DEFAULT_ACK_WAIT,
+    DEFAULT_BACKOFF,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_DELIVERIES,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    GroupMessage,
+)
+from broky.client.inbox import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Inbox, M
 from broky.client.reader import ReadResult, ReadVia
 from broky.client.subscription import Subscription
 from broky.errors import (
@@ -75,7 +89,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class SyncSubscription(Inbox):
+class SyncSubscription(Inbox[M]):
     """A subscription of a SyncClient: a thread-safe bounded queue of Messages.
 
     Its Inbox (broky.client.inbox) is filled by the I/O thread (the callback of
@@ -95,7 +109,7 @@ class SyncSubscription(Inbox):
         super().__init__(max_pending_msgs, max_pending_bytes, client.stats)
         self._client = client
         self._call = call
-        self._sub: Subscription | None = None  # the asyncio Subscription that feeds it (`attach`)
+        self._sub: Subscription[Any] | None = None  # the asyncio Subscription that feeds it (`attach`)
         self._cond = threading.Condition()
         self._waiter = self._cond  # `_put` wakes through it for every message
 
@@ -113,11 +127,23 @@ class SyncSubscription(Inbox):
         assert self._sub is not None
         return self._sub.sid
 
-    def attach(self, sub: Subscription) -> None:
+    @property
+    def in_flight(self) -> int:
+        """A group member with ack: its deliveries not yet acked or nacked (see
+        `Subscription.in_flight`)."""
+        return 0 if self._sub is None else self._sub.in_flight
+
+    @property
+    def paused_by_server(self) -> bool:
+        """A group member with ack that a worker stopped delivering to (max_in_flight):
+        see `Subscription.paused_by_server`."""
+        return self._sub is not None and self._sub.paused_by_server
+
+    def attach(self, sub: Subscription[Any]) -> None:
         """For `SyncClient.subscribe`: the asyncio Subscription whose callback is `push`."""
         self._sub = sub
 
-    def push(self, msg: Message) -> None:
+    def push(self, msg: M) -> None:
         """I/O thread, the callback of the asyncio Subscription (for `SyncClient.subscribe`):
         queue one delivery (see `Inbox._put`: pause once full, drop past the hard bounds)."""
         with self._cond:
@@ -153,7 +179,7 @@ class SyncSubscription(Inbox):
             self.closed = True
             self._cond.notify_all()
 
-    def next(self, timeout: float | None = None) -> Message:
+    def next(self, timeout: float | None = None) -> M:
         """Return the next message, waiting up to `timeout` seconds (None: for ever).
 
         Raises:
@@ -174,7 +200,7 @@ class SyncSubscription(Inbox):
                     self._cond.wait(left)
             return self._take()
 
-    def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[Message]:
+    def iter(self, timeout: float | None = None, count: int | None = None) -> Iterator[M]:
         """Yield messages until none arrives within `timeout`, `count` were yielded, or close."""
         n = 0
         while count is None or n < count:
@@ -184,7 +210,7 @@ class SyncSubscription(Inbox):
                 return
             n += 1
 
-    def __iter__(self) -> Iterator[Message]:
+    def __iter__(self) -> Iterator[M]:
         """Yield messages until the subscription or its client is closed."""
         return self.iter()
 
@@ -221,7 +247,7 @@ class SyncClient:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._subs: list[SyncSubscription] = []
+        self._subs: list[SyncSubscription[Any]] = []
         self._closed = False
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._run, name="broky-io", daemon=True)
@@ -423,6 +449,8 @@ class SyncClient:
 
     # ---------------------------------------------------------------- subscribing
 
+    # As `Client.subscribe`'s: a group member's messages are GroupMessages.
+    @overload
     def subscribe(
         self,
         pattern: bytes | str,
@@ -433,15 +461,86 @@ class SyncClient:
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
-    ) -> SyncSubscription:
-        """Subscribe (see `Client.subscribe`, and its `since`, `since_time` and `last`);
-        read with `next(timeout)` or iterate.
+        group: None = None,
+    ) -> SyncSubscription[Message]: ...
+
+    @overload
+    def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        group: str,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> SyncSubscription[GroupMessage]: ...
+
+    @overload
+    def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
+        group: str | None = None,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> SyncSubscription[Any]: ...
+
+    def subscribe(
+        self,
+        pattern: bytes | str,
+        *,
+        partition: bytes | str | None = None,
+        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        since: Iterable[Position] = (),
+        since_time: int | float | datetime.datetime | None = None,
+        last: int = 0,
+        group: str | None = None,
+        key_shared: bool = False,
+        ack: bool = False,
+        ack_wait: float = DEFAULT_ACK_WAIT,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        backoff: Iterable[float] = DEFAULT_BACKOFF,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        dead_letter: bytes | str | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> SyncSubscription[Any]:
+        """Subscribe (see `Client.subscribe`, and its `since`, `since_time` and `last`,
+        and `group` and its settings for a consumer group member); read with
+        `next(timeout)` or iterate. A member's messages are acked from any thread.
 
         Raises:
             BadPatternError: the pattern is not valid.
+            ValueError: an argument is out of range (see `Client.subscribe`).
+            ServerError: a worker refused it (SUBSCRIPTION_LIMIT, BAD_GROUP).
             ClientClosedError: the client is closed.
         """
-        sync_sub = SyncSubscription(self._client, self._call, max_pending_msgs, max_pending_bytes)
+        sync_sub: SyncSubscription[Any] = SyncSubscription(
+            self._client, self._call, max_pending_msgs, max_pending_bytes
+        )
         sub = self._call(
             self._client.subscribe(
                 pattern,
@@ -450,6 +549,16 @@ class SyncClient:
                 since=since,
                 since_time=since_time,
                 last=last,
+                group=group,
+                key_shared=key_shared,
+                ack=ack,
+                ack_wait=ack_wait,
+                max_deliveries=max_deliveries,
+                backoff=backoff,
+                max_in_flight=max_in_flight,
+                max_in_flight_bytes=max_in_flight_bytes,
+                dead_letter=dead_letter,
+                drain_timeout=drain_timeout,
             )
         )
         sync_sub.attach(sub)

@@ -28,6 +28,7 @@ stamped and re-encoded).
 from __future__ import annotations
 
 import struct
+import time
 from typing import NamedTuple
 
 from broky.errors import (
@@ -146,6 +147,12 @@ class Message(NamedTuple):
     def uid_text(self) -> str | None:
         """The uid's 27-character KSUID text, or None without a uid."""
         return None if self.uid is None else ksuid.ksuid_text(self.uid)
+
+    @property
+    def age(self) -> float:
+        """Seconds since the server accepted it (ts_broker), by this machine's clock;
+        0.0 when ts_broker is not set (a message not yet published)."""
+        return (time.time_ns() - self.ts_broker) / 1e9 if self.ts_broker else 0.0
 
 
 # (struct, size prefix, header, key uoffset, payload uoffset) per (kp_len, key_len,

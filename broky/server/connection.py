@@ -34,15 +34,14 @@ import asyncio
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broky.matching import GT
 
 if TYPE_CHECKING:
     from broky.server.accounts import Account
     from broky.server.config import ServerConfig
-    from broky.server.groups import Group, Member
 
 
 class Shard(Protocol):
@@ -169,6 +168,14 @@ class Connection(asyncio.Protocol):
         return f"<Connection {self.conn_id} {self.peer}>"
 
 
+class GroupMember(Protocol):
+    """A subscription's place in a consumer group, as the subscription table needs it
+    (broky.server.groups.Member is one; known through this, so that nothing imports back)."""
+
+    @property
+    def group(self) -> Hashable: ...
+
+
 class Subscription:
     """One subscription of one connection (hashed by identity)."""
 
@@ -182,7 +189,7 @@ class Subscription:
         self.pattern = pattern
         self.key_partition = key_partition
         self.size = size  # charged against --max-subscription-bytes (control.subscription_size)
-        self.member: Member | None = None  # a group member's place (broky.server.groups)
+        self.member: Any = None  # a group member's place (broky.server.groups.Member), or None
 
 
 class Plan(NamedTuple):
@@ -191,8 +198,8 @@ class Plan(NamedTuple):
     everyone: tuple[Connection, ...]  # connections with an all-partition subscription
     scoped: dict[bytes, tuple[Connection, ...]] | None  # further connections by key_partition
     # Consumer groups (broky.server.groups): each gets the message once, for one member.
-    groups: tuple[Group, ...] = ()  # groups of all-partition subscriptions
-    scoped_groups: dict[bytes, tuple[Group, ...]] | None = None  # further groups by key_partition
+    groups: tuple[Any, ...] = ()  # groups (broky.server.groups.Group) of all-partition subscriptions
+    scoped_groups: dict[bytes, tuple[Any, ...]] | None = None  # further groups by key_partition
 
 
 def compile_plan(subs: list[Subscription]) -> Plan:
@@ -200,10 +207,10 @@ def compile_plan(subs: list[Subscription]) -> Plan:
     distinct groups): a group member's subscription counts for its group, not its connection."""
     everyone = dict.fromkeys(s.conn for s in subs if s.key_partition is None and s.member is None)
     scoped: dict[bytes, dict[Connection, None]] = {}
-    groups: dict[Group, None] = {}
-    scoped_groups: dict[bytes, dict[Group, None]] = {}
+    groups: dict[Hashable, None] = {}
+    scoped_groups: dict[bytes, dict[Hashable, None]] = {}
     for s in subs:
-        m = s.member
+        m: GroupMember | None = s.member
         if m is not None:
             if s.key_partition is None:
                 groups[m.group] = None

@@ -29,10 +29,11 @@ from broky.protocol import LossReason
 from broky.server import memory
 
 if TYPE_CHECKING:
+    from broky.matching import Matcher
     from broky.protocol import VBucketMap
     from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
-    from broky.server.groups import SubscriptionTable
+    from broky.server.connection import Plan, Subscription
     from broky.server.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
@@ -158,7 +159,10 @@ class Monitoring:
         index: int
         book: AccountBook
         map: VBucketMap
-        matcher: SubscriptionTable
+
+        @property
+        def matcher(self) -> Matcher[Subscription, Plan]: ...  # (read-only here: a subclass may be given)
+
         stats: WorkerStats
         budget: Budget
         replay: ReplayBuffer | None
