@@ -145,9 +145,16 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
     raise ServerError(f"broky serve did not become ready; log:\n{server.log()}")
 
 
-def start_nats(timeout: float = 15.0) -> Server:
+def start_nats(timeout: float = 15.0, monitor: bool = False) -> Server:
+    """nats-server on a free port; with `monitor`, its HTTP monitoring port too
+    (`metrics_port`: /varz, /connz)."""
     port = free_port()
-    server = Server("nats", ["nats-server", "-a", HOST, "-p", str(port)], port)
+    args = ["nats-server", "-a", HOST, "-p", str(port)]
+    if monitor:
+        args += ["-m", str(free_port())]
+    server = Server("nats", args, port)
+    if monitor:
+        server.metrics_port = int(args[-1])
     server._spawn(subprocess.DEVNULL)
     server._wait_port(timeout)
     return server
