@@ -36,7 +36,7 @@
 
 #include "../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 4
+#define FEEDSCAN_VERSION 5
 #define VBUCKETS 1024
 
 static Layout layout;
@@ -236,7 +236,9 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyObject *targets = PyTuple_GET_ITEM(route, 0);
         long vb = PyLong_AsLong(PyTuple_GET_ITEM(route, 1));
-        if (!PyTuple_CheckExact(targets) || vb < 0 || vb >= VBUCKETS) {
+        /* A tuple subclass is a route with consumer groups (broky.server.groups.GroupTargets):
+         * its runs are queued by Shard.emit like any other, which also serves the groups. */
+        if (!PyTuple_Check(targets) || vb < 0 || vb >= VBUCKETS) {
             PyErr_Clear();
             break; /* not a route this loop knows: the Python code decides */
         }
@@ -246,7 +248,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         unsigned char *s = seq + 16 * vb;
         uint64_t epoch = u64_at(s), offset = u64_at(s + 8);
         put_u64(s + 8, offset + 1);
-        int nobody = PyTuple_GET_SIZE(targets) == 0;
+        int nobody = PyTuple_GET_SIZE(targets) == 0 && PyTuple_CheckExact(targets);
         if (nobody) {
             unmatched++;
             if (log == Py_None) { /* nobody gets it, nobody can ask for it later */

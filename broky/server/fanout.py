@@ -343,11 +343,21 @@ class Shard(
                         published += handled
                         unmatched += unrouted
                         if runs:
+                            # The twin's runs continue the one in progress here (the same
+                            # targets, right after it), and its last one stays open: runs end
+                            # where the Python loop alone would end them, so a group's
+                            # deliveries (broky.server.groups) are chunked the same way.
                             if run is not None:
-                                delivered += self.emit(buf, run, run_start, run_end, run_n)
-                                run = same_head = None
+                                first = runs[0]
+                                if first[0] is run and first[1] == run_end:
+                                    run_end = first[2]
+                                    run_n += first[3]
+                                    del runs[0]
                             for targets, start, end, count in runs:
-                                delivered += self.emit(buf, targets, start, end, count)
+                                if run is not None:
+                                    delivered += self.emit(buf, run, run_start, run_end, run_n)
+                                run, run_start, run_end, run_n = targets, start, end, count
+                            same_head = None
                             runs.clear()
                         if n - pos < 4:
                             break
