@@ -24,10 +24,13 @@ pending bytes (write buffer + queued this read, kept while paused) plus, with
 acks, the fewest bytes in flight; ties go round the members in turn. A client
 whose local queue is full pauses its connection (Pause), so its deliveries
 stay queued here and count as its load: a member that reads slowly gets
-less. Key-shared: each vbucket has one member, chosen by rendezvous hashing
-(the member with the highest xxh64(member key, vbucket)), so a join or a
-leave moves only the vbuckets that must move; every message of a
-key_partition (one vbucket) goes to the same member in offset order.
+less. Key-shared: each vbucket has one member, sticky, weighed by traffic:
+a vbucket's first message gives it to the member whose vbuckets weigh least
+(`Group.claim`; a vbucket weighs its recent messages), and once a second
+(`rebalance`, also when a member joins) vbuckets move from the heaviest
+member to the lightest while one carries more than BALANCE_SLACK times the
+other; a member that leaves gives back only its own. Every message of a
+key_partition (one vbucket) goes to its member in offset order.
 
 Acknowledgements. A delivered message of an ack group is `Pending` in the
 group's in-flight table, keyed by its position (vbucket, epoch, offset), until
@@ -75,8 +78,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from broky.errors import ErrorCode
 from broky.matching import Matcher, parse_pattern, pattern_matches
 from broky.protocol import (
@@ -115,6 +116,11 @@ _vbucket = struct.Struct("<H").unpack_from
 # Messages of a load-balanced group without acks given to one member at a time (one
 # Delivery frame): the choice by load is made per chunk, not per message.
 GROUP_CHUNK = 8
+# Key-shared: how often the vbuckets are weighed again (ns of the read clock), how uneven two
+# members may be before vbuckets move, and how many move at a time.
+BALANCE_NS = 1_000_000_000
+BALANCE_SLACK = 1.1
+BALANCE_MOVES = 64
 DEFAULT_ACK_WAIT = 30.0
 DEFAULT_MAX_DELIVERIES = 5
 DEFAULT_BACKOFF = (1.0, 5.0, 30.0)
@@ -147,8 +153,8 @@ class Member:
     """One subscription's place in its group."""
 
     __slots__ = (
-        "group", "sub", "conn", "sid", "key", "header", "max_msgs", "max_bytes", "in_flight",
-        "in_flight_bytes", "paused", "delivered", "backlog", "backlog_bytes", "vb_count", "recent", "mark",
+        "group", "sub", "conn", "sid", "header", "max_msgs", "max_bytes", "in_flight", "in_flight_bytes",
+        "paused", "delivered", "backlog", "backlog_bytes", "vb_count", "recent", "mark", "weight",
     )  # fmt: skip
 
     def __init__(self, group: Group, sub: Subscription, max_msgs: int, max_bytes: int) -> None:
@@ -156,8 +162,6 @@ class Member:
         self.sub = sub
         self.conn = sub.conn
         self.sid = sub.sid
-        # Stable while it lives: the rendezvous hash's seed for this member.
-        self.key = f"{sub.conn.conn_id}:{sub.sid}".encode()
         self.header = encode_delivery(Delivery(sub.sid, 1, 1))  # the usual Delivery frame
         self.max_msgs = max_msgs
         self.max_bytes = max_bytes
@@ -173,6 +177,7 @@ class Member:
         # connection has queued, which may also carry other subscriptions' deliveries.
         self.recent = 0
         self.mark = 0
+        self.weight = 0.0  # key-shared: what its vbuckets weigh (Group.weights)
 
     def full(self) -> bool:
         return len(self.in_flight) >= self.max_msgs or self.in_flight_bytes >= self.max_bytes
@@ -243,7 +248,13 @@ class Group:
         self.drain_timeout = (sub.drain_timeout_ms or DEFAULT_DRAIN_TIMEOUT * 1000) / 1000
         self.members: list[Member] = []
         self.turn = 0  # where the next tie-break starts
-        self.owners: list[Member] | None = None  # key-shared: per vbucket (None: to compute)
+        # Key-shared: each vbucket's member (None: none yet, claimed by its next message), what
+        # each vbucket weighs (its messages, halved at every rebalance: recent traffic counts
+        # most), and when the next rebalance is due (the read clock, ns).
+        self.owners: list[Member | None] = [None] * VBUCKETS
+        self.counts = [0] * VBUCKETS
+        self.weights = [0.0] * VBUCKETS
+        self.next_balance = 0
         self.pending: dict[Key, Pending] = {}
         self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
         self.backlog_bytes = 0
@@ -289,15 +300,30 @@ class Group:
                 best_load = load
         return best
 
-    def assign(self) -> list[Member]:
-        """Key-shared: every vbucket's member by rendezvous hashing."""
+    def lightest(self) -> Member:
+        """Key-shared: the member whose vbuckets weigh least (ties in turn)."""
         members = self.members
-        if len(members) == 1:
-            owners = [members[0]] * VBUCKETS
-        else:
-            owners = [max(members, key=lambda m: xxhash.xxh64_intdigest(m.key, vb)) for vb in range(VBUCKETS)]
-        self.owners = owners
-        return owners
+        n = len(members)
+        start = self.turn
+        self.turn = start + 1 if start + 1 < n else 0
+        best = members[start]
+        for i in range(1, n):
+            j = start + i
+            m = members[j if j < n else j - n]
+            if m.weight < best.weight:
+                best = m
+        return best
+
+    def claim(self, vb: int) -> Member:
+        """Key-shared: a vbucket with no member yet (its first message, or its member left)
+        goes to the lightest member, weighed as the average vbucket until it is measured."""
+        m = self.lightest()
+        owners = self.owners
+        owners[vb] = m
+        taken = VBUCKETS - owners.count(None)
+        measured = sum(self.weights)
+        m.weight += measured / taken if measured and taken else 1.0
+        return m
 
 
 class GroupTable:
@@ -416,8 +442,8 @@ class GroupDelivery:
         s.member = m
         g.members.append(m)
         self.stats.group_members += 1
-        if g.key_shared:
-            self.reassign(g)
+        if g.key_shared and len(g.members) > 1:
+            self.rebalance(g, decay=False)  # it takes a share of what the others carry
         if len(g.members) == 1 and (g.pending or g.backlog):
             self.revive(g)
         return True
@@ -432,8 +458,8 @@ class GroupDelivery:
         self.stats.group_members -= 1
         if g.ack:
             self.give_back(g, m)
-        elif g.key_shared and g.members:
-            g.assign()
+        elif g.key_shared:
+            self.release_vbuckets(g, m)
         if not g.members and not g.pending and not g.backlog:
             self.forget_group(g)
         self.flush_soon()
@@ -468,6 +494,8 @@ class GroupDelivery:
             newer.extend(d.held)
             g.backlog_bytes -= sum(len(h.frame) for h in d.held)
         if not g.members:
+            if g.key_shared:
+                self.release_vbuckets(g, m)
             for d in g.draining.values():
                 newer.extend(d.held)
                 g.backlog_bytes -= sum(len(h.frame) for h in d.held)
@@ -481,7 +509,7 @@ class GroupDelivery:
                 self.arm(now + g.ack_wait)
             return
         if g.key_shared:
-            self.reassign(g)  # m's vbuckets go to the others (nothing of m's to drain)
+            self.release_vbuckets(g, m)  # claimed by the others as their messages come
         for e in entries:
             self.redeliver(g, e, now)
         for h in backlog + newer:
@@ -515,34 +543,81 @@ class GroupDelivery:
             self.stats.group_lost_no_member += lost
         self.forget_group(g)
 
-    def reassign(self, g: Group) -> None:
-        """Key-shared: recompute the vbuckets' members; with acks, a vbucket whose old member
-        still holds messages of it drains (see the theory of operation)."""
-        old = g.owners
-        owners = g.assign()
-        if old is None or not g.ack:
+    def release_vbuckets(self, g: Group, m: Member) -> None:
+        """Key-shared: m left; its vbuckets are claimed again by their next messages."""
+        owners = g.owners
+        for vb, owner in enumerate(owners):
+            if owner is m:
+                owners[vb] = None
+        m.weight = 0.0
+
+    def rebalance(self, g: Group, decay: bool = True) -> None:
+        """Key-shared: move vbuckets from the heaviest member to the lightest while one weighs
+        more than BALANCE_SLACK times the other, at most BALANCE_MOVES at a time, each the
+        vbucket that best halves their gap: only what must move moves. Periodic (every
+        BALANCE_NS of the read clock, with the weights' decay) and when a member joins."""
+        weights = g.weights
+        counts = g.counts
+        if decay:
+            g.next_balance = self.seqs.last_ts + BALANCE_NS
+            for vb in range(VBUCKETS):
+                weights[vb] = weights[vb] * 0.5 + counts[vb]
+                counts[vb] = 0
+            weight = weights
+        else:
+            weight = [w + c for w, c in zip(weights, counts, strict=True)]
+        members = g.members
+        owned: dict[Member, list[int]] = {m: [] for m in members}
+        for m in members:
+            m.weight = 0.0
+        for vb, owner in enumerate(g.owners):
+            if owner is not None:
+                owner.weight += weight[vb]
+                owned[owner].append(vb)
+        for _ in range(BALANCE_MOVES):
+            hi = max(members, key=lambda m: m.weight)
+            lo = min(members, key=lambda m: m.weight)
+            gap = hi.weight - lo.weight
+            if gap <= 0 or hi.weight <= BALANCE_SLACK * lo.weight:
+                break
+            best = -1
+            best_miss = gap
+            for vb in owned[hi]:
+                w = weight[vb]
+                if 0 < w < gap and abs(gap / 2 - w) < best_miss:
+                    best, best_miss = vb, abs(gap / 2 - w)
+            if best < 0:
+                break  # only vbuckets heavier than the gap: moving one would not help
+            owned[hi].remove(best)
+            owned[lo].append(best)
+            hi.weight -= weight[best]
+            lo.weight += weight[best]
+            self.move(g, best, hi, lo)
+            self.stats.group_vbuckets_moved += 1
+
+    def move(self, g: Group, vb: int, old: Member, new: Member) -> None:
+        """Key-shared: vb goes from old to new; with acks it drains first when old still holds
+        messages of it (see the theory of operation)."""
+        g.owners[vb] = new
+        if not g.ack or vb in g.draining:  # (a drain under way ends at the vbucket's new owner)
             return
         now = self.loop.time()
-        table = self.matcher.groups
-        for vb in range(VBUCKETS):
-            before = old[vb]
-            if before is owners[vb] or before not in g.members or vb in g.draining:
-                continue
-            moving = [h for h in before.backlog if h.vb == vb]
-            if moving:
-                before.backlog = deque(h for h in before.backlog if h.vb != vb)
-                size = sum(len(h.frame) for h in moving)
-                before.backlog_bytes -= size
-                g.backlog_bytes -= size
-            if before.vb_count.get(vb):
-                d = Drain(before, now + g.drain_timeout, 0)
-                d.held.extend(moving)
-                g.draining[vb] = d
-                table.push(d.deadline, (g, vb, 0))
-                self.arm(d.deadline)
-            else:
-                for h in moving:
-                    self.place(g, h, now)
+        moving = [h for h in old.backlog if h.vb == vb]
+        if moving:
+            old.backlog = deque(h for h in old.backlog if h.vb != vb)
+            size = sum(len(h.frame) for h in moving)
+            old.backlog_bytes -= size
+            g.backlog_bytes -= size
+        if old.vb_count.get(vb):
+            d = Drain(old, now + g.drain_timeout, 0)
+            d.held.extend(moving)
+            g.backlog_bytes += sum(len(h.frame) for h in moving)
+            g.draining[vb] = d
+            self.matcher.groups.push(d.deadline, (g, vb, 0))
+            self.arm(d.deadline)
+        else:
+            for h in moving:
+                self.place(g, h, now)
 
     # ------------------------------------------------------------ delivery
 
@@ -555,12 +630,17 @@ class GroupDelivery:
             if g.ack:
                 delivered += self.emit_acked(g, buf, start, end)
             elif g.key_shared:
-                owners = g.owners or g.assign()
+                if self.seqs.last_ts >= g.next_balance:
+                    self.rebalance(g)
+                owners = g.owners
+                counts = g.counts
                 pos = start
                 run_m: Member | None = None
                 run_start = run_n = 0
                 while pos < end:
-                    m = owners[_vbucket(buf, pos + VBUCKET_AT)[0]]
+                    vb = _vbucket(buf, pos + VBUCKET_AT)[0]
+                    counts[vb] += 1
+                    m = owners[vb] or g.claim(vb)
                     if m is not run_m:
                         if run_m is not None:
                             delivered += self.queue_to(run_m, buf, run_start, pos, run_n, 1)
@@ -628,11 +708,16 @@ class GroupDelivery:
         now = self.loop.time()
         table = self.matcher.groups
         limit = int(self.budget.share * KEPT_SHARE)
+        counts = g.counts if g.key_shared else None
+        if counts is not None and self.seqs.last_ts >= g.next_balance:
+            self.rebalance(g)
         delivered = 0
         pos = start
         while pos < end:
             stop = pos + 4 + _u32(buf, pos)[0]
             h = Held(bytes(buf[pos:stop]), _vbucket(buf, pos + VBUCKET_AT)[0])
+            if counts is not None:
+                counts[h.vb] += 1
             table.kept += stop - pos
             if table.kept > limit:
                 self.overflow(g, h)
@@ -648,7 +733,6 @@ class GroupDelivery:
             g.backlog_bytes += len(h.frame)
             return 0
         if g.key_shared:
-            owners = g.owners or g.assign()
             d = g.draining.get(h.vb)
             if d is not None:
                 if g.backlog_bytes + len(h.frame) > self.config.group_backlog_bytes:
@@ -657,7 +741,7 @@ class GroupDelivery:
                 g.backlog_bytes += len(h.frame)
                 d.held.append(h)
                 return 0
-            m: Member | None = owners[h.vb]
+            m: Member | None = g.owners[h.vb] or g.claim(h.vb)
             assert m is not None
             if m.paused or m.backlog or not self.has_room(m, len(h.frame)):
                 return self.hold(g, m, h)
@@ -826,8 +910,7 @@ class GroupDelivery:
         if d is None:
             return
         now = self.loop.time()
-        owners = g.owners or g.assign()
-        new = owners[vb]
+        new = g.owners[vb] or g.claim(vb)
         if expired:
             left = d.old.vb_count.get(vb, 0)
             self.stats.group_drain_expired += 1
@@ -847,8 +930,7 @@ class GroupDelivery:
             self.place(g, h, now)
             return
         if g.key_shared:
-            owners = g.owners or g.assign()
-            m = owners[vb]
+            m = g.owners[vb] or g.claim(vb)
             d = g.draining.get(vb)
             if d is not None:
                 d.held.appendleft(h)  # older than what the drain holds

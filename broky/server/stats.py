@@ -132,6 +132,7 @@ class WorkerStats:
         self.group_delivered = 0  # messages queued to group members (redeliveries included)
         self.group_paused = 0  # PAUSED notices: a member reached max_in_flight
         self.group_drain_expired = 0  # vbucket moves that went ahead at drain_timeout
+        self.group_vbuckets_moved = 0  # key-shared: vbuckets moved between members to balance them
         self.group_lost_no_member = 0  # held or in flight when the group's last member left
         self.acks = 0
         self.nacks = 0
