@@ -78,6 +78,7 @@ from broky.client.groups import (
     GroupMessage,
     group_spec,
 )
+from broky.client.inbox import GROUP_MAX_PENDING_MSGS
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
@@ -452,7 +453,7 @@ class Client(Publisher):
         *,
         partition: bytes | str | None = None,
         callback: Callable[[Message], Any] | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -467,7 +468,7 @@ class Client(Publisher):
         *,
         partition: bytes | str | None = None,
         callback: Callable[[GroupMessage], Any] | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         group: str,
         key_shared: bool = False,
@@ -488,7 +489,7 @@ class Client(Publisher):
         *,
         partition: bytes | str | None = None,
         callback: Callback | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -511,7 +512,7 @@ class Client(Publisher):
         *,
         partition: bytes | str | None = None,
         callback: Callable[[Any], Any] | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -539,6 +540,10 @@ class Client(Publisher):
                 it is full the connections that carry the subscription are
                 paused (the server keeps their deliveries queued, under its own bound)
                 until the queue is down to half (see broky.client.subscription).
+                None: 65,536 messages, or for a group member GROUP_MAX_PENDING_MSGS
+                (1,000): the server gives a member less once its queue is full and
+                its connection paused, so a smaller queue keeps a slow member's share
+                close to its speed (bench/results/groups.md).
             since: positions to go on from (a previous subscription's `positions()`):
                 per vbucket, the retained messages after that position are delivered
                 first, then live ones (schema/README.md 5.1).
@@ -619,6 +624,8 @@ class Client(Publisher):
         if not self._connected:
             raise BrokyConnectionError("the client is not connected; await connect() first")
         sid = self._subscriptions.new_sid()
+        if max_pending_msgs is None:  # a member's smaller queue: see GROUP_MAX_PENDING_MSGS
+            max_pending_msgs = DEFAULT_MAX_PENDING_MSGS if spec is None else GROUP_MAX_PENDING_MSGS
         sub = Subscription(
             self,
             sid,

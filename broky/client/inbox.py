@@ -59,6 +59,9 @@ else:  # (a default is for the type checker alone: 3.11's TypeVar has none)
     M = TypeVar("M", bound=Message)
 
 DEFAULT_MAX_PENDING_MSGS = 65536
+# A consumer group member's default (broky.client.client, Client.subscribe): the worker sees a
+# member's backlog only once its queue is full and its connection paused.
+GROUP_MAX_PENDING_MSGS = 1000
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 # A paused subscription still queues what was on its way when it paused (what the server
 # had queued for the connection, under the server's own bound, and what the sockets
@@ -215,6 +218,7 @@ __all__ = [
     "M",
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_MAX_PENDING_MSGS",
+    "GROUP_MAX_PENDING_MSGS",
     "HARD_FACTOR",
     "KEEP_PAYLOAD_BYTES",
     "Inbox",

@@ -62,7 +62,13 @@ from broky.client.groups import (
     DEFAULT_MAX_IN_FLIGHT_BYTES,
     GroupMessage,
 )
-from broky.client.inbox import DEFAULT_MAX_PENDING_BYTES, DEFAULT_MAX_PENDING_MSGS, Inbox, M
+from broky.client.inbox import (
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_PENDING_MSGS,
+    GROUP_MAX_PENDING_MSGS,
+    Inbox,
+    M,
+)
 from broky.client.reader import ReadResult, ReadVia
 from broky.client.subscription import Subscription
 from broky.errors import (
@@ -456,7 +462,7 @@ class SyncClient:
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -470,7 +476,7 @@ class SyncClient:
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         group: str,
         key_shared: bool = False,
@@ -490,7 +496,7 @@ class SyncClient:
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -512,7 +518,7 @@ class SyncClient:
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        max_pending_msgs: int = DEFAULT_MAX_PENDING_MSGS,
+        max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         since: Iterable[Position] = (),
         since_time: int | float | datetime.datetime | None = None,
@@ -538,6 +544,8 @@ class SyncClient:
             ServerError: a worker refused it (SUBSCRIPTION_LIMIT, BAD_GROUP).
             ClientClosedError: the client is closed.
         """
+        if max_pending_msgs is None:  # as Client.subscribe chooses it
+            max_pending_msgs = DEFAULT_MAX_PENDING_MSGS if group is None else GROUP_MAX_PENDING_MSGS
         sync_sub: SyncSubscription[Any] = SyncSubscription(
             self._client, self._call, max_pending_msgs, max_pending_bytes
         )
