@@ -777,7 +777,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for x in _ok(results, sid):
             v = x["max_over_min"]
             target(f"{BY_ID[sid].title}: max/min <= 1.2", v, None if v is None else v <= 1.2)
-    for sid in ("slow3_broky", "slow3_broky_q1000", "slow3_broky_ack", "slow3_nats"):
+    for sid in ("slow3_broky", "slow3_broky_q65536", "slow3_broky_ack", "slow3_nats"):
         for x in _ok(results, sid):
             v = x.get("slow_share_of_fast")
             # "about a third": a work-conserving dispatcher gives 1/3 .. its capacity's share (0.41)
@@ -885,7 +885,7 @@ def _max(values: Iterable[float | None]) -> float | None:
 def _slow(
     results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, fast: float, slow: float
 ) -> list[str]:
-    ids = ("slow3_broky", "slow3_broky_q1000", "slow3_broky_ack", "slow3_nats")
+    ids = ("slow3_broky", "slow3_broky_q65536", "slow3_broky_ack", "slow3_nats")
     cap_fast, cap_slow = 1 / fast, 1 / slow
     conserving = cap_slow / ((args.rate - cap_slow) / 2)
     lines = [
