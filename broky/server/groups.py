@@ -26,10 +26,12 @@ whose local queue is full pauses its connection (Pause), so its deliveries
 stay queued here and count as its load: a member that reads slowly gets
 less. Key-shared: each vbucket has one member, sticky, weighed by traffic:
 a vbucket's first message gives it to the member whose vbuckets weigh least
-(`Group.claim`; a vbucket weighs its recent messages), and once a second
-(`rebalance`, also when a member joins) vbuckets move from the heaviest
-member to the lightest while one carries more than BALANCE_SLACK times the
-other; a member that leaves gives back only its own. Every message of a
+(`Group.claim`; a vbucket weighs its recent messages). `rebalance` moves
+vbuckets from the heaviest member to the lightest while one carries more
+than BALANCE_SLACK times the other: at once when a member joins, and a
+second after any join or leave (with acks, every second: those moves
+drain); a member that leaves gives back only its own. Without acks a group
+thus settles a second after its last membership change. Every message of a
 key_partition (one vbucket) goes to its member in offset order.
 
 Acknowledgements. A delivered message of an ack group is `Pending` in the
@@ -255,6 +257,10 @@ class Group:
         self.counts = [0] * VBUCKETS
         self.weights = [0.0] * VBUCKETS
         self.next_balance = 0
+        # Without acks a move is not drained (nothing tells when a member is done), so vbuckets
+        # move only to settle a membership change: one rebalance BALANCE_NS after it, then none
+        # until the next. With acks moves drain, and the group is rebalanced every BALANCE_NS.
+        self.settling = True
         self.pending: dict[Key, Pending] = {}
         self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
         self.backlog_bytes = 0
@@ -442,8 +448,11 @@ class GroupDelivery:
         s.member = m
         g.members.append(m)
         self.stats.group_members += 1
-        if g.key_shared and len(g.members) > 1:
-            self.rebalance(g, decay=False)  # it takes a share of what the others carry
+        if g.key_shared:
+            if len(g.members) > 1:
+                self.rebalance(g, decay=False)  # it takes a share of what the others carry
+            g.settling = True  # and a second later, weighed again
+            g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
         if len(g.members) == 1 and (g.pending or g.backlog):
             self.revive(g)
         return True
@@ -544,12 +553,15 @@ class GroupDelivery:
         self.forget_group(g)
 
     def release_vbuckets(self, g: Group, m: Member) -> None:
-        """Key-shared: m left; its vbuckets are claimed again by their next messages."""
+        """Key-shared: m left; its vbuckets are claimed again by their next messages (and
+        weighed again a second later)."""
         owners = g.owners
         for vb, owner in enumerate(owners):
             if owner is m:
                 owners[vb] = None
         m.weight = 0.0
+        g.settling = True
+        g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
 
     def rebalance(self, g: Group, decay: bool = True) -> None:
         """Key-shared: move vbuckets from the heaviest member to the lightest while one weighs
@@ -560,6 +572,7 @@ class GroupDelivery:
         counts = g.counts
         if decay:
             g.next_balance = self.seqs.last_ts + BALANCE_NS
+            g.settling = g.ack
             for vb in range(VBUCKETS):
                 weights[vb] = weights[vb] * 0.5 + counts[vb]
                 counts[vb] = 0
@@ -630,7 +643,7 @@ class GroupDelivery:
             if g.ack:
                 delivered += self.emit_acked(g, buf, start, end)
             elif g.key_shared:
-                if self.seqs.last_ts >= g.next_balance:
+                if g.settling and self.seqs.last_ts >= g.next_balance:
                     self.rebalance(g)
                 owners = g.owners
                 counts = g.counts
