@@ -127,6 +127,19 @@ def test_run_py_starts_a_cluster_clients_use_and_stops_every_process(quick_start
         assert (workdir / "node1.log").exists()
         got = asyncio.run(round_trip(seeds, 50))
         assert got == {b"tenant-%d" % p: [b"0", b"1", b"2"] for p in range(50)}
+        # `broky info` on node1: the whole map, and what node1 sees of the cluster
+        http = next(m.group(1) for line in lines if (m := re.match(r"node1: .*, HTTP (\S+), pid", line)))
+        info = subprocess.run(
+            [sys.executable, "-m", "broky", "info", "--server", seeds.split(",")[0], "--metrics", http,
+             "--interval", "0.2"],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+        assert info.returncode == 0, info.stderr
+        text = info.stdout.decode()
+        assert re.search(r"^map       version \d+, 1024 vbuckets, 3 node\(s\)$", text, re.MULTILINE), text
+        assert re.search(
+            r"^cluster   node node1, leader node\d, 3 members, map version \d+$", text, re.MULTILINE
+        )
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)  # Ctrl-C (SIGTERM alike): each node drains into those left
         out, _ = proc.communicate(timeout=90)

@@ -12,7 +12,8 @@ The summary (the default) reads /metrics twice, --interval seconds apart:
 (`broky_connections{worker="0"} 3`), so the summary is the same with or
 without the server's token. It prints one row per worker (up, vbuckets,
 connections, subscriptions, groups, messages in and out per second, drops per
-second, memory), then the node's totals: messages published, delivered and
+second, memory), in cluster mode the node's view of the cluster (its id,
+the leader, members, map version, etcd), then the node's totals: messages published, delivered and
 dropped with their rates, the drops by reason (the only way a message is
 lost: each is counted with its reason), connections and subscriptions, and
 the mean broker latency over the interval. Subscriptions, topics and groups
@@ -209,6 +210,17 @@ def summary(before: Metrics, after: Metrics, source: str) -> list[str]:
         cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1])]
         cells += [cell.rjust(width) for cell, width in zip(row[2:], widths[2:], strict=True)]
         lines.append("  " + "  ".join(cells).rstrip())
+
+    for labels in after.values.get("broky_cluster_node_info", {}):  # cluster mode: one sample
+        node = dict(labels)
+        lines.append(
+            f"cluster   node {node.get('node_id')}, leader {node.get('leader') or 'none'}, "
+            f"{_count(after.total('broky_cluster_members'))} members, "
+            f"map version {_count(after.total('broky_cluster_map_version'))}"
+            + (" (a move prepared)" if after.total("broky_cluster_map_moving") else "")
+            + ("" if after.total("broky_cluster_etcd_up") else ", etcd UNREACHABLE")
+            + (", draining" if after.total("broky_cluster_draining") else "")
+        )
 
     published, delivered = (
         after.total("broky_messages_published_total"),
