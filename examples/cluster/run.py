@@ -37,6 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 1 or args.workers < 1:
         parser.error("--nodes and --workers must be at least 1")
 
-    def ports(first: int | None, count: int, pick: Any) -> list[int]:
+    def ports(first: int | None, count: int, pick: Callable[[], int]) -> list[int]:
         return [pick() for _ in range(count)] if not first else list(range(first, first + count))
 
     etcd_client, etcd_peer = ports(args.etcd_port, 2, free_port)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  broky cluster status --cluster {cluster}\n"
             f"  broky sub --server {seeds} 'demo.>'\n"
             f"  broky pub --server {seeds} --partition tenant-1 demo.hello 'hi'\n"
-            "Ctrl-C stops the nodes (each drains into the others), then etcd.",
+            "Ctrl-C stops the nodes (each drains into the others), then etcd; a second Ctrl-C kills them.",
             flush=True,
         )
         exited: set[str] = set()
