@@ -41,7 +41,6 @@ import os
 import re
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections import defaultdict
 from typing import Any
