@@ -11,14 +11,21 @@ subscriber of ``clicks.>`` in this process counts what arrives. At the end it
 prints rows per second for the Spark write and for delivery to the subscriber,
 and the count per event type. Without ``--server`` it starts ``broky serve`` on
 free loopback ports and stops it at the end.
+
+It needs PySpark (the ``spark`` extra) and a Java runtime: ``./run test``
+installs both; after ``./run serve`` alone, ``.venv/bin/pip install -e
+".[spark]"`` and Debian's ``openjdk-17-jre-headless``. Without them it says so
+and exits 1. Spark's scratch directory is a temporary one, removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,7 +146,16 @@ class Counter:
         self.thread.join(10)
 
 
-def spark_session(partitions: int) -> Any:
+def missing() -> str | None:
+    """What Spark needs that this machine lacks, or None."""
+    if importlib.util.find_spec("pyspark") is None:
+        return "PySpark is not installed (the spark extra)"
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        return "no Java runtime (java is not on PATH and JAVA_HOME is not set)"
+    return None
+
+
+def spark_session(partitions: int, scratch: str) -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -152,7 +168,7 @@ def spark_session(partitions: int) -> Any:
         .config("spark.sql.shuffle.partitions", str(partitions))
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.sql.warehouse.dir", tempfile.mkdtemp(prefix="broky-clickstream-"))
+        .config("spark.sql.warehouse.dir", scratch)
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("WARN")
@@ -179,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partitions", type=int, default=2, help="Spark partitions and cores (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="workers of the broker it starts (default 2)")
     args = parser.parse_args(argv)
+    lacking = missing()
+    if lacking is not None:
+        print(
+            f"clickstream.py: {lacking}. ./run test installs what Spark needs; after ./run serve alone: "
+            ".venv/bin/pip install -e '.[spark]' and a Java runtime "
+            "(Debian: apt-get install openjdk-17-jre-headless)",
+            file=sys.stderr,
+        )
+        return 1
 
     import broky.spark
 
@@ -188,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         proc, server = start_server(args.workers)
         print(f"started broky serve on {server} (pid {proc.pid})")
     spark = None
+    scratch = tempfile.mkdtemp(prefix="broky-clickstream-")
     try:
-        spark = spark_session(args.partitions)
+        spark = spark_session(args.partitions, scratch)
         broky.spark.register(spark)
         df = clickstream(spark, args.events, args.users, args.partitions)
         counter = Counter(server, args.events)
@@ -216,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if spark is not None:
             spark.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
         if proc is not None:
             stop_server(proc)
 

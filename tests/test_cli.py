@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+import broky
 from broky.client.cli import DEFAULT_METRICS_PORT
+from broky.client.info import Metrics, summary
 from broky.protocol.routing import vbucket_of
 from tests.serverproc import ServerProcess
 
@@ -49,6 +51,9 @@ class SubProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        for pipe in (self.proc.stdout, self.proc.stderr):  # still open if it was never finished
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture
@@ -128,31 +133,108 @@ def test_server_takes_a_list_of_seeds(
     assert done.returncode == 2 and b"empty entry in the server list" in done.stderr, done.stderr
 
 
-def test_info_shows_the_map(server: ServerProcess) -> None:
-    pub = broky_cli("pub", "k", "--server", server.url, stdin=b"1\n2\n3\n")
-    assert pub.returncode == 0, pub.stderr
-    done = broky_cli("info", "--server", server.url, "--metrics", f"127.0.0.1:{server.metrics_port}")
+def test_info_summarizes_the_server_for_a_person(server: ServerProcess, subs: list[SubProcess]) -> None:
+    subs.append(SubProcess("orders.>", "--server", server.url))
+    subs.append(SubProcess("jobs.>", "--group", "crunchers", "--server", server.url))
+    for key, body in (
+        (b"orders.created", b"1\n2\n3\n"),
+        (b"nobody.listens", b"1\n2\n"),
+        (b"jobs.a", b"1\n"),
+    ):
+        pub = broky_cli("pub", key, "--server", server.url, stdin=body)
+        assert pub.returncode == 0, pub.stderr
+    metrics = f"127.0.0.1:{server.metrics_port}"
+    done = broky_cli("info", "--server", server.url, "--metrics", metrics, "--interval", "0.2")
     assert done.returncode == 0, done.stderr
-    text = done.stdout.decode()
-    assert "map       version 1, 1024 vbuckets, 1 node(s)" in text
-    assert "workers 2" in text
-    assert "worker 0: 512 vbuckets: 0-511" in text
-    assert "worker 1: 512 vbuckets: 512-1023" in text
-    assert "max_frame_bytes 1048576" in text
-    assert f"counters  from 127.0.0.1:{server.metrics_port}" in text
-    # live values, not a placeholder: the three messages just published
-    assert re.search(r"^  \S*messages_published\S* 3$", text, re.MULTILINE), text
+    lines = done.stdout.decode().splitlines()
+    assert lines[:7] == [
+        f"server    {server.url}",
+        f"version   {broky.__version__}",
+        "map       version 1, 1024 vbuckets, 1 node(s)",
+        f"node      {lines[3].split()[1]} at 127.0.0.1:{server.port}, workers 2",
+        "  worker 0: 512 vbuckets: 0-511",
+        "  worker 1: 512 vbuckets: 512-1023",
+        "limits    max_frame_bytes 1048576, max_pending_bytes 67108864",
+    ]
+    assert re.fullmatch(
+        rf"live      from {metrics}: 2 of 2 workers up, rates over the last 0\.\d s", lines[7]
+    )
+    assert lines[8].split() == [
+        "worker", "up", "vbuckets", "conns", "subs", "groups", "in/s", "out/s", "dropped/s", "memory"
+    ]  # fmt: skip
+    for w, line in enumerate(lines[9:11]):
+        # each `broky sub` holds a connection and a subscription on each worker (every vbucket)
+        cells = line.split()
+        assert cells[:6] == [str(w), "yes", "512", "2", "2", "1"], line
+        assert cells[-1] == "MiB" and 10 < float(cells[-2]) < 1000, line
+    # the counters since start, and every loss by its reason; nothing moves during the interval
+    clients = re.fullmatch(r"clients   4 connections \((\d+) since start\).*", lines[13])
+    assert clients is not None, lines
+    since = int(clients.group(1))
+    assert since > 4  # the two `broky sub`, the three `broky pub` (and this `info`) on one worker or both
+    assert lines[11:] == [
+        "messages  published 6 (0/s), delivered 4 (0/s), replayed 0",
+        "dropped   2 (0/s): no_subscribers 2",
+        f"clients   4 connections ({since} since start); over the workers 4 subscriptions, 4 topics",
+        "groups    over the workers 2 groups, 2 members, 0 messages in flight; acked 0, redelivered 0, "
+        "dead-lettered 0",
+        "latency   no deliveries in the interval",
+    ], lines
 
 
-def test_info_reads_the_stats_of_a_server_with_a_token(start_server: Callable[..., ServerProcess]) -> None:
+def test_info_rates_are_over_the_interval() -> None:
+    def page(published: int, delivered: int, slow: int, latency: float) -> str:
+        return (
+            f'broky_worker_up{{worker="0"}} 1.0\n'
+            f'broky_messages_published_total{{worker="0"}} {published}.0\n'
+            f'broky_messages_delivered_total{{worker="0"}} {delivered}.0\n'
+            f'broky_messages_dropped_total{{reason="slow_consumer",worker="0"}} {slow}.0\n'
+            f'broky_broker_latency_seconds_sum{{worker="0"}} {latency}\n'
+            f'broky_broker_latency_seconds_count{{worker="0"}} {delivered}.0\n'
+            f'broky_broker_latency_seconds_bucket{{le="0.001",worker="0"}} {delivered}.0\n'
+        )
+
+    before = Metrics(page(1000, 2000, 0, 1.0), at=10.0)
+    after = Metrics(page(1500, 3000, 5, 1.5), at=12.0)  # 2 s later
+    lines = summary(before, after, "h:9477")
+    assert lines[0] == "live      from h:9477: 1 of 1 workers up, rates over the last 2.0 s"
+    assert lines[2].split()[6:9] == ["250", "500", "2.5"]  # in/s, out/s, dropped/s of worker 0
+    assert lines[3] == "messages  published 1,500 (250/s), delivered 3,000 (500/s), replayed 0"
+    assert lines[4] == "dropped   5 (2.5/s): slow_consumer 5"
+    assert lines[-1] == "latency   broker mean 0.5 ms over 1,000 deliveries"
+
+
+def test_info_json_prints_everything(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--auth-token", "tok")
     pub = broky_cli("pub", "k", "x", "--server", server.url, "--auth-token", "tok")
     assert pub.returncode == 0, pub.stderr
     metrics = f"127.0.0.1:{server.metrics_port}"
-    done = broky_cli("info", "--server", server.url, "--auth-token", "tok", "--metrics", metrics)
+    done = broky_cli("info", "--server", server.url, "--auth-token", "tok", "--metrics", metrics, "--json")
     assert done.returncode == 0, done.stderr
-    # /stats (it needs the token) rather than the /metrics fallback: its flattened names
-    assert re.search(r"^  totals\.messages_published 1$", done.stdout.decode(), re.MULTILINE), done.stdout
+    out = json.loads(done.stdout)
+    assert out["server"] == server.url and out["version"] == broky.__version__
+    assert out["limits"] == {"max_frame_bytes": 1048576, "max_pending_bytes": 67108864}
+    assert out["map"]["version"] == 1 and not out["map"]["moving"]
+    (node,) = out["map"]["nodes"]
+    assert node["node_id"] == out["node_id"] and node["port"] == server.port
+    assert node["workers"] == [
+        {"worker": 0, "vbuckets": [[0, 511]]},
+        {"worker": 1, "vbuckets": [[512, 1023]]},
+    ]
+    # /stats whole (it needs the token): every counter, not a summary
+    assert out["metrics_address"] == metrics and "error" not in out
+    assert out["stats"]["totals"]["messages_published"] == 1
+    assert out["stats"]["totals"]["dropped"]["no_subscribers"] == 1
+    assert len(out["stats"]["workers"]) == 2 and "acks" in out["stats"]["workers"][0]
+
+
+def test_info_json_says_which_counters_it_could_not_read(server: ServerProcess, unused_port: int) -> None:
+    done = broky_cli("info", "--server", server.url, "--metrics", f"127.0.0.1:{unused_port}", "--json")
+    assert done.returncode == 1
+    out = json.loads(done.stdout)  # what could be read: still one JSON object
+    assert out["map"]["version"] == 1 and out["stats"] is None
+    assert out["error"].startswith(f"no counters from 127.0.0.1:{unused_port}: ")
+    assert done.stderr.decode() == f"broky info: error: {out['error']}\n"
 
 
 def test_info_into_a_closed_pipe_is_quiet(server: ServerProcess, tmp_path: Path) -> None:

@@ -15,6 +15,18 @@ pytestmark = pytest.mark.spark
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "clickstream.py"
 
 
+def test_without_java_it_says_what_to_install() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(Path(sys.executable).parent)  # no java on it
+    done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, env=env, timeout=60)
+    assert done.returncode == 1 and done.stdout == b""
+    assert done.stderr.decode() == (
+        "clickstream.py: no Java runtime (java is not on PATH and JAVA_HOME is not set). ./run test installs "
+        "what Spark needs; after ./run serve alone: .venv/bin/pip install -e '.[spark]' and a Java runtime "
+        "(Debian: apt-get install openjdk-17-jre-headless)\n"
+    )
+
+
 def test_clickstream_example_delivers_every_event() -> None:
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLE), "--events", "20000", "--users", "500"],

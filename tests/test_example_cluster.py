@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import re
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +28,29 @@ from tests import requires
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
 READY = re.compile(r"cluster ready: 3 nodes, map version \d+, leader node\d, seeds (\S+)")
+SHARES = re.compile(r"  vbuckets per node: node1 (\d+), node2 (\d+), node3 (\d+)$")
 PID = re.compile(r"pid (\d+)")
+WORKDIR = re.compile(r"data and logs (?:kept )?in (\S+?)\)?$")
+QUICK_START = (4777, 9477)  # what `./run serve` holds while the README's reader tries the example
+
+
+@pytest.fixture
+def quick_start_ports() -> Iterator[None]:
+    """4777 and 9477 held, as by a `./run serve` (by this test, or already by something else)."""
+    held = []
+    for port in QUICK_START:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError as exc:
+            s.close()
+            assert exc.errno == errno.EADDRINUSE, exc  # held by another process: as good
+            continue
+        held.append(s)
+    yield
+    for s in held:
+        s.close()
 
 
 def alive(pid: int) -> bool:
@@ -79,10 +105,10 @@ async def round_trip(seeds: str, partitions: int) -> dict[bytes, list[bytes]]:
     return got
 
 
-def test_run_py_starts_a_cluster_clients_use_and_stops_every_process() -> None:
+def test_run_py_starts_a_cluster_clients_use_and_stops_every_process(quick_start_ports: None) -> None:
     requires.program("etcd")
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLE / "run.py"), "--port", "0", "--workers", "1"],
+    proc = subprocess.Popen(  # on its default ports: free ones, beside the Quick start's server
+        [sys.executable, str(EXAMPLE / "run.py"), "--workers", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -93,14 +119,35 @@ def test_run_py_starts_a_cluster_clients_use_and_stops_every_process() -> None:
         pids = [int(m.group(1)) for line in lines if (m := PID.search(line))]
         assert len(pids) == 4, lines  # etcd and three nodes
         seeds = next(m.group(1) for line in lines if (m := READY.search(line)))
+        assert not {f"127.0.0.1:{port}" for port in QUICK_START} & set(seeds.split(","))
+        # the map it prints is the settled one: 1024 vbuckets over the three nodes' workers
+        shares = next([int(n) for n in m.groups()] for line in lines if (m := SHARES.search(line)))
+        assert sorted(shares) == [341, 341, 342], lines
+        workdir = Path(next(m.group(1) for line in lines if (m := WORKDIR.search(line))))
+        assert (workdir / "node1.log").exists()
         got = asyncio.run(round_trip(seeds, 50))
         assert got == {b"tenant-%d" % p: [b"0", b"1", b"2"] for p in range(50)}
+        # `broky info` on node1: the whole map, and what node1 sees of the cluster
+        http = next(m.group(1) for line in lines if (m := re.match(r"node1: .*, HTTP (\S+), pid", line)))
+        info = subprocess.run(
+            [sys.executable, "-m", "broky", "info", "--server", seeds.split(",")[0], "--metrics", http,
+             "--interval", "0.2"],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+        assert info.returncode == 0, info.stderr
+        text = info.stdout.decode()
+        assert re.search(r"^map       version \d+, 1024 vbuckets, 3 node\(s\)$", text, re.MULTILINE), text
+        assert re.search(
+            r"^cluster   node node1, leader node\d, 3 members, map version \d+$", text, re.MULTILINE
+        )
         started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)  # as Ctrl-C: each node drains into those left
+        proc.send_signal(signal.SIGINT)  # Ctrl-C (SIGTERM alike): each node drains into those left
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out.decode()
         assert out.decode().splitlines()[-1] == "stopped"
+        assert "Traceback" not in out.decode()
         assert not [pid for pid in pids if alive(pid)]
+        assert not workdir.exists()
         print(f"run.py stopped three nodes and etcd in {time.monotonic() - started:.1f} s")
     finally:
         if proc.poll() is None:
@@ -109,6 +156,38 @@ def test_run_py_starts_a_cluster_clients_use_and_stops_every_process() -> None:
         for pid in pids:
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
+
+
+def test_run_py_on_a_port_taken_names_it_and_keeps_the_log_it_points_to() -> None:
+    requires.program("etcd")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLE / "run.py"), "--nodes", "1", "--workers", "1", "--port", str(port)],
+            capture_output=True,
+            timeout=90,
+            start_new_session=True,
+        )
+    out, err = done.stdout.decode(), done.stderr.decode()
+    workdir = Path(next(m.group(1) for line in out.splitlines() if (m := WORKDIR.search(line))))
+    try:
+        assert done.returncode == 1, out + err
+        assert out.splitlines()[-1] == f"stopped; data and logs kept in {workdir}"
+        failure, see, hint = err.splitlines()
+        assert failure.startswith("run.py: node1 did not start: ")
+        assert f"cannot listen on 127.0.0.1:{port} for clients: address already in use" in failure
+        assert "choose another port with --port PORT" in failure
+        assert see == f"run.py: see {workdir}/node1.log"
+        assert (
+            failure.split(": ", 2)[2] in (workdir / "node1.log").read_text()
+        )  # quoted from the log it keeps
+        assert hint == "run.py: without --port, --metrics-port and --etcd-port it picks free ports"
+        pids = [int(m.group(1)) for line in out.splitlines() if (m := PID.search(line))]
+        assert pids and not [pid for pid in pids if alive(pid)]  # etcd stopped all the same
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def compose_nodes(text: str) -> dict[str, dict[str, str]]:

@@ -229,11 +229,21 @@ def test_repeated_boot_failure_stops_the_master(tmp_path: Path) -> None:
     assert b"failed to boot 3 times in a row; giving up" in proc.stderr
 
 
-def test_port_in_use_is_a_clear_error(server: ServerProcess) -> None:
-    cmd = [sys.executable, "-m", "broky", "serve", "--port", str(server.port), "--metrics-port", "0"]
+@pytest.mark.parametrize("option", ["--port", "--metrics-port"])
+def test_port_in_use_names_the_port_and_the_option_that_chooses_another(
+    server: ServerProcess, option: str
+) -> None:
+    held = server.port if option == "--port" else server.metrics_port
+    ports = {"--port": "0", "--metrics-port": "0", option: str(held)}
+    cmd = [sys.executable, "-m", "broky", "serve", *(a for pair in ports.items() for a in pair)]
     proc = subprocess.run(cmd, capture_output=True, timeout=30, start_new_session=True)
     assert proc.returncode == 1
-    assert b"cannot listen on 127.0.0.1" in proc.stderr and b"Traceback" not in proc.stderr
+    (line,) = proc.stderr.decode().splitlines()  # one line, no traceback
+    what = "clients" if option == "--port" else "metrics (HTTP)"
+    assert f" CRITICAL master broky.master: cannot listen on 127.0.0.1:{held} for {what}: " in line
+    assert "address already in use" in line
+    variable = "$BROKY_PORT" if option == "--port" else "$BROKY_METRICS_PORT"
+    assert line.endswith(f"choose another port with {option} PORT or {variable} (0 picks a free one)")
 
 
 def test_a_delivery_in_flight_at_shutdown_arrives_before_goodbye(start_server: Any) -> None:

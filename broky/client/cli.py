@@ -10,6 +10,8 @@ Arguments are bytes where the protocol wants bytes: KEY, PAYLOAD, PATTERN and
 --partition go through `os.fsencode`, so any byte the shell can pass arrives
 unchanged (`$'a.\\xff'`).
 
+`broky info` is broky.client.info (loaded by `cmd_info`).
+
 `broky sub --group NAME` joins a consumer group (broky.client.groups):
 several `broky sub` with one group share the messages; `--ack` acknowledges
 each message once its line is written (a burst's acks go once its lines are
@@ -27,11 +29,9 @@ import math
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from broky.client.client import Client, connect
+from broky.client.client import connect
 from broky.client.groups import GroupMessage
 from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
@@ -39,7 +39,6 @@ from broky.client.url import parse_servers
 from broky.errors import BrokyError
 from broky.matching import parse_pattern
 from broky.protocol import LossReason, Message
-from broky.protocol.routing import to_ranges
 
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
 ENV_METRICS = "BROKY_METRICS"
@@ -237,7 +236,20 @@ def register(subparsers: Any) -> None:
         "info",
         help="describe a server",
         description="Print the node, its workers, the vbucket map (version and ranges per worker), "
-        "its limits and live counters from its metrics port.",
+        "its limits, and a summary of what it is doing from its metrics port: per worker and in total, "
+        "connections, subscriptions, groups, messages in and out per second, drops by reason, latency.",
+    )
+    i.add_argument(
+        "--json",
+        action="store_true",
+        help="print everything as one JSON object instead: the map, the limits and every counter of /stats",
+    )
+    i.add_argument(
+        "--interval",
+        metavar="SECONDS",
+        type=_seconds,
+        default=1.0,
+        help="the summary's rates are over this many seconds (1)",
     )
     i.add_argument(
         "--metrics",
@@ -442,100 +454,11 @@ def _run(coro: Any) -> int:
 # ---------------------------------------------------------------- info
 
 
-def fetch_counters(url: str, timeout: float = 2.0, token: str | None = None) -> dict[str, float]:
-    """Live counters from a metrics endpoint: JSON /stats (it needs the server's auth
-    token, if it has one), else Prometheus /metrics (open).
-
-    Raises:
-        OSError: neither endpoint answered.
-    """
-    base = url if "://" in url else f"http://{url}"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        with urllib.request.urlopen(
-            urllib.request.Request(f"{base}/stats", headers=headers), timeout=timeout
-        ) as resp:
-            data = json.load(resp)
-        flat: dict[str, float] = {}
-        _flatten("", data, flat)
-        return flat
-    except (urllib.error.HTTPError, ValueError):
-        pass
-    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode(errors="replace")
-    counters: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("broky_"):
-            continue
-        name, _, value = line.rpartition(" ")
-        if name.split("{")[0].endswith(("_bucket", "_created")):
-            continue
-        try:
-            counters[name] = float(value)
-        except ValueError:
-            continue
-    return counters
-
-
-def _flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
-    elif isinstance(value, list):
-        for k, v in enumerate(value):
-            _flatten(f"{prefix}.{k}", v, out)
-    elif isinstance(value, bool | int | float):
-        out[prefix] = float(value)
-
-
-def _fmt(value: float) -> str:
-    return str(int(value)) if value == int(value) else f"{value:g}"
-
-
-async def _info(args: argparse.Namespace) -> int:
-    options = _options(args, "broky-info")
-    client = Client(args.server, **options)
-    await client.connect()
-    try:
-        info = client.server_info
-        assert info is not None
-        vmap = info.map
-        print(f"server    {client.address}")
-        print(f"version   {info.server_version or 'unknown'}")
-        print(f"map       version {vmap.version}, {len(vmap.owners)} vbuckets, {len(vmap.nodes)} node(s)")
-        for n, node in enumerate(vmap.nodes):
-            print(f"node      {node.node_id} at {node.host}:{node.port}, workers {node.workers}")
-            for w in range(node.workers):
-                vbs = vmap.vbuckets_of(n, w)
-                ranges = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in to_ranges(vbs))
-                print(f"  worker {w}: {len(vbs)} vbuckets: {ranges}")
-        print(f"limits    max_frame_bytes {info.max_frame_bytes}, max_pending_bytes {info.max_pending_bytes}")
-    finally:
-        await client.close()
-    explicit = args.metrics or os.environ.get(ENV_METRICS)
-    metrics = explicit or f"{client.address.host}:{DEFAULT_METRICS_PORT}"
-    try:
-        counters = await asyncio.to_thread(fetch_counters, metrics, 2.0, options["auth_token"])
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if explicit:  # asked for: a failure
-            sys.stdout.flush()
-            return _fail("info", f"no counters from {metrics}: {reason}")
-        print(
-            f"counters  unavailable from {metrics} (the default metrics port): {reason}; "
-            f"pass --metrics HOST:PORT or set ${ENV_METRICS} (`broky serve` prints its metrics "
-            "address in its ready line)"
-        )
-        return 0
-    print(f"counters  from {metrics}")
-    for name in sorted(counters):
-        print(f"  {name} {_fmt(counters[name])}")
-    return 0
-
-
 def cmd_info(args: argparse.Namespace) -> int:
+    from broky.client import info  # it imports this module's helpers
+
     try:
         parse_servers(args.server)
-        return _run(_info(args))
+        return info.main(args)
     except (BrokyError, ValueError) as exc:
         return _fail("info", exc)

@@ -4,10 +4,12 @@ Theory of operation
 -------------------
 The master binds the client port and the metrics port, starts the workers
 (broky.server.supervisor) and prints the ready line once every worker has
-said READY. For each accepted socket it reads exactly one frame: the size
-prefix, then that many bytes (never more, so anything the client pipelined
-behind its Hello stays in the kernel for the worker to read), within
---hello-timeout seconds. It checks that the frame is a Hello of protocol
+said READY. A port it cannot bind is one CRITICAL line naming the address,
+the cause and the option that chooses another (`_cannot_listen`), and exit 1.
+For each accepted socket it reads exactly one frame: the size prefix, then
+that many bytes (never more, so anything the client pipelined behind its
+Hello stays in the kernel for the worker to read), within --hello-timeout
+seconds. It checks that the frame is a Hello of protocol
 version 1, with the right auth token when one is configured, and picks the
 worker: Hello.worker, or the least-loaded one for -1. The socket and the Hello
 bytes then travel to that worker over its control channel as a CONN with a
@@ -110,7 +112,7 @@ from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server import fastpath, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
-from broky.server.config import MAX_HELLO_BYTES, ServerConfig
+from broky.server.config import MAX_HELLO_BYTES, ServerConfig, env_name
 from broky.server.httpd import HttpServer, Request, Response
 from broky.server.logs import Throttle
 from broky.server.supervisor import Supervisor, WorkerProcess
@@ -204,9 +206,16 @@ class Master:
         cfg = self.config
         try:
             self.listener = _listen(cfg.host, cfg.port)
+        except OSError as exc:
+            log.critical("%s", _cannot_listen(cfg.host, cfg.port, "clients", "port", exc))
+            return 1
+        try:
             metrics_port = await self.http.start(cfg.host, cfg.metrics_port)
         except OSError as exc:
-            log.critical("cannot listen on %s: %s", cfg.host, exc)
+            self.listener.close()
+            log.critical(
+                "%s", _cannot_listen(cfg.host, cfg.metrics_port, "metrics (HTTP)", "metrics_port", exc)
+            )
             return 1
         port = self.listener.getsockname()[1]
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
@@ -809,6 +818,19 @@ def _describe(cause: str) -> str:
         return _CAUSES[cause]
     code = getattr(errno, cause, None)
     return os.strerror(code).lower() if isinstance(code, int) else cause
+
+
+def _cannot_listen(host: str, port: int, what: str, dest: str, exc: OSError) -> str:
+    """The CRITICAL line of a port that cannot be bound: which address, for what, why,
+    and the option (and variable) that chooses another."""
+    why = os.strerror(exc.errno).lower() if exc.errno else str(exc)  # asyncio's strerror is a sentence
+    if exc.errno == errno.EADDRINUSE:
+        why += " (another broky serve, or another program, holds it)"
+    option = "--" + dest.replace("_", "-")
+    return (
+        f"cannot listen on {host}:{port} for {what}: {why}; choose another port with {option} PORT "
+        f"or ${env_name(dest)} (0 picks a free one)"
+    )
 
 
 def _listen(host: str, port: int) -> socket.socket:

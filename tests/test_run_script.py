@@ -1,0 +1,32 @@
+"""`./run`, the README's two commands: what the README says `./run test` installs is
+what it installs, and it installs every program the tests require."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests import requires
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def apt_installs() -> dict[str, str]:
+    """program -> Debian package, from `./run`'s apt_install."""
+    run = (ROOT / "run").read_text()
+    return dict(re.findall(r"command -v (\S+) >/dev/null \|\| missing\+=\((\S+)\)", run))
+
+
+def test_the_readme_names_every_package_run_test_installs() -> None:
+    installs = apt_installs()
+    assert {"flatc", "etcd", "java"} <= set(installs), installs
+    readme = " ".join((ROOT / "README.md").read_text().split())  # one line: the sentence wraps
+    listed = re.search(r"`\./run test` also installs the Debian packages the tests start \(([^)]*)\)", readme)
+    assert listed is not None
+    named = [name.strip() for name in listed.group(1).split(",")]
+    assert sorted(named) == sorted("a Java runtime for Spark" if p == "java" else p for p in installs), named
+
+
+def test_run_test_installs_every_program_a_test_requires() -> None:
+    packages = set(apt_installs().values())
+    assert set(requires.PACKAGES.values()) <= packages
