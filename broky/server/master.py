@@ -108,7 +108,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import fastpath, handoff, monitor
+from broky.server import console, fastpath, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Request, Response
@@ -213,6 +213,7 @@ class Master:
         self.http.route("/healthz", self.healthz)
         self.http.route("/readyz", self.readyz)
         monitor.install(self)
+        console.install(self.http)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
