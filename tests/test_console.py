@@ -12,7 +12,9 @@ is kept in the test's tmp directory (its path is printed).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -90,15 +92,24 @@ def test_console_shows_workers_and_traffic_in_chromium(
     page.wait_for("document.querySelectorAll('#series polyline').length > 0")  # the chart has begun
 
     with broky.connect_sync(server.url, name="console-client-zq") as client:
+        # Published while nobody subscribed: counted, shown, but not red (nobody missed them).
+        for i in range(3):
+            client.publish(f"kp-{i}", "nobody.listens", b"unheard")
+        client.flush()
+        page.wait_for("/no subscribers.*\\b3\\b/.test(document.querySelector('#losses').innerText)")
+        assert page.evaluate("document.querySelectorAll('#losses .bad, #t-lost.bad').length") == 0
         sub = client.subscribe("console.>")
         for i in range(7):
             client.publish(f"kp-{i}", f"console.event.{i}", b"hello from the SDK %d" % i)
         client.flush()
         assert len(list(sub.iter(timeout=2.0, count=7))) == 7
         # Published after the page opened: the totals, the client and its pattern appear.
-        page.wait_for("/\\b7 in all\\b/.test(document.querySelector('#t-pub').innerText)")
+        page.wait_for("/\\b10 in all\\b/.test(document.querySelector('#t-pub').innerText)")
         page.wait_for("/\\b7 in all\\b/.test(document.querySelector('#t-del').innerText)")
         page.wait_for("document.querySelector('#connections').innerText.includes('console-client-zq')")
+        # Connection ids are 64-bit: shown exactly, not rounded to a double.
+        ids = {str(c["id"]) for c in json.loads(_get(server, "/connections"))["connections"]}
+        assert ids <= set(text_of(page, "#connections").split()), ids
         page.wait_for("document.querySelector('#topics').innerText.includes('console.>')")
         page.wait_for("document.querySelector('#workers').innerText.match(/\\bup\\b/g).length === 2")
         assert page.console_errors == [] and page.log_errors == [], (page.console_errors, page.log_errors)
@@ -132,6 +143,30 @@ def test_console_shows_workers_and_traffic_in_chromium(
     shot = page.screenshot(tmp_path / "console.png")
     assert shot.stat().st_size > 10_000
     print(f"console screenshot: {shot}")
+
+
+def test_a_worker_that_does_not_answer_is_red_and_comes_back(
+    server: ServerProcess, browser: Chromium
+) -> None:
+    page = browser.new_page()
+    page.navigate(origin(server) + "/")
+    page.wait_for("document.querySelector('#health').innerText === '2 workers up'")
+    assert page.evaluate("document.querySelectorAll('.bad').length") == 0  # nothing red when all is well
+    pid = json.loads(_get(server, "/stats"))["master"]["worker_pids"][1]
+    os.kill(pid, signal.SIGSTOP)  # it keeps its pid but answers nothing: the master reports it down
+    try:
+        page.wait_for("document.querySelector('#health').innerText === '1 of 2 workers down'")
+        assert page.evaluate("document.querySelector('#health').classList.contains('bad')") is True
+        row = page.wait_for(
+            "(() => { const r = document.querySelectorAll('#workers tbody tr')[1];"
+            " return r.querySelector('td.bad') && r.innerText; })()"
+        )
+        assert "down" in row and "no answer" in row
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    page.wait_for("document.querySelector('#health').innerText === '2 workers up'")
+    page.wait_for("document.querySelectorAll('.bad').length === 0")
+    assert page.console_errors == [] and page.log_errors == [], (page.console_errors, page.log_errors)
 
 
 def test_console_asks_for_the_token_and_keeps_it_for_the_tab(
