@@ -33,7 +33,7 @@ Last-Event-ID, and says "the live tail needs /v1/sub" when the server answers
 
 from __future__ import annotations
 
-from importlib import resources
+from pathlib import Path
 
 from broky.server.httpd import HttpServer, Request, Response
 
@@ -43,7 +43,7 @@ CONTENT_TYPE = "text/html; charset=utf-8"
 
 def page() -> bytes:
     """The console's page, as shipped with the package."""
-    return resources.files("broky.server").joinpath(PAGE).read_bytes()
+    return Path(__file__).with_name(PAGE).read_bytes()  # not importlib.resources: 10 ms of imports
 
 
 def install(http: HttpServer) -> None:

@@ -70,7 +70,8 @@ last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
 (`worker_stats`); the last three need the auth token of a server that has one
-(broky.server.httpd checks it, the master hands it the token). SIGTERM or
+(broky.server.httpd checks it, the master hands it the token); and
+broky.server.console serves the live console, a page that reads them, at /. SIGTERM or
 SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
 within 5 s. In cluster mode the first one drains the node first (`_drain`:
 its vbuckets go to the other members, at most --drain-timeout), and a node
