@@ -199,6 +199,7 @@ class Chromium:
         args = [
             exe, "--headless", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
             "--disable-extensions", "--disable-background-networking", "--disable-sync",
+            "--disable-dev-shm-usage",  # containers often have a small /dev/shm
             "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
             f"--window-size={self.size[0]},{self.size[1]}", "about:blank",
         ]  # fmt: skip

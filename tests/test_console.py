@@ -25,7 +25,9 @@ import pytest
 
 import broky
 from broky.server import console
+from tests import requires
 from tests.browser import Chromium, Page
+from tests.cluster import Cluster, EtcdServer, wait_for
 from tests.serverproc import ServerProcess
 
 TOKEN = "console-secret-zq"
@@ -219,6 +221,54 @@ def test_the_page_parses_server_sent_events_as_the_standard_says(
     ]
     assert rest == "id: 517:3:10001\ndata:x"  # an event is not complete before its blank line
     assert page.console_errors == []
+
+
+def test_nodes_of_a_cluster_are_listed_with_the_leader_and_links_to_their_consoles(browser: Chromium) -> None:
+    requires.program("etcd")
+    etcd = EtcdServer().start()
+    cluster = Cluster(etcd)
+    try:
+        a = cluster.start("node-a")
+        b = cluster.start("node-b")
+        wait_for(lambda: len(cluster.stats("node-a")["cluster"]["members"]) == 2, 30.0, "two members")
+        page = browser.new_page()
+        page.navigate(origin(a) + "/")
+        rows = page.wait_for(
+            "(() => { const r = [...document.querySelectorAll('#nodes tbody tr')].map(t => t.innerText);"
+            " return r.length === 2 && r; })()"
+        )
+        leader = cluster.stats("node-a")["cluster"]["leader"]
+        assert any(row.startswith(f"{leader} · leader") for row in rows), rows
+        assert any("node-a" in row and "this one" in row for row in rows), rows
+        assert all("serving" in row for row in rows), rows
+        link = page.evaluate("document.querySelector('#nodes a').href")
+        assert link == f"http://{b.host}:{b.metrics_port}/"  # node-b's own console
+        assert "node node-a" in text_of(page, "#node")
+        assert page.console_errors == [] and page.log_errors == [], (page.console_errors, page.log_errors)
+    finally:
+        cluster.stop()
+        etcd.stop()
+
+
+def test_the_theme_follows_the_system_until_the_button_chooses(
+    server: ServerProcess, browser: Chromium
+) -> None:
+    page = browser.new_page()
+    background = "getComputedStyle(document.body).backgroundColor"
+    for scheme, colour in (("dark", "rgb(14, 18, 23)"), ("light", "rgb(244, 246, 248)")):
+        page.call(
+            "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": scheme}]}
+        )
+        page.navigate(origin(server) + "/")
+        page.wait_for("document.querySelectorAll('#workers tbody tr').length === 2")
+        assert page.evaluate(background) == colour, scheme
+    assert page.evaluate("document.querySelector('#theme').innerText") == "Theme: auto"
+    page.evaluate("document.querySelector('#theme').click()")  # auto -> dark, over the system's light
+    assert page.evaluate(background) == "rgb(14, 18, 23)"
+    page.navigate(origin(server) + "/")  # the choice is kept (localStorage: a preference, not a secret)
+    assert page.evaluate("document.querySelector('#theme').innerText") == "Theme: dark"
+    assert page.evaluate(background) == "rgb(14, 18, 23)"
+    assert page.console_errors == [] and page.log_errors == []
 
 
 def _get(server: ServerProcess, path: str) -> Any:
