@@ -202,10 +202,10 @@ def test_console_asks_for_the_token_and_keeps_it_for_the_tab(
     page.screenshot(tmp_path / "console-token.png")
 
 
-def test_the_page_parses_server_sent_events_as_the_standard_says(
+def test_the_tail_parses_server_sent_events_and_draws_a_clients_bytes_as_text(
     server: ServerProcess, browser: Chromium
 ) -> None:
-    """The tail's SSE parser, in the browser (the stream itself comes from /v1/sub)."""
+    """The tail's SSE parser and its rows, in the browser (the stream itself comes from /v1/sub)."""
     page = browser.new_page()
     page.navigate(origin(server) + "/")
     stream = (
@@ -220,6 +220,23 @@ def test_the_page_parses_server_sent_events_as_the_standard_says(
         {"event": "loss", "data": '{"count": 3,\n "reason": "slow_consumer"}', "id": None},
     ]
     assert rest == "id: 517:3:10001\ndata:x"  # an event is not complete before its blank line
+    # Drawn as the tail draws what /v1/sub streams: a client's bytes are text, never markup.
+    hostile = "<img src=x onerror='window.pwned=1'>"
+    message = {"key_partition": "kp-1", "key": "orders.eu", "payload": hostile,
+               "position": {"vbucket": 517, "epoch": 3, "offset": 10000}}  # fmt: skip
+    streamed = {"event": "message", "data": json.dumps(message), "id": "517:3:10000"}
+    page.evaluate(f"window.brokyTailEvent({json.dumps(streamed)})")
+    loss = {"count": 3, "reason": "slow_consumer"}
+    page.evaluate(
+        f"window.brokyTailEvent({json.dumps({'event': 'loss', 'data': json.dumps(loss), 'id': None})})"
+    )
+    rows = page.evaluate(
+        "[...document.querySelectorAll('#tail tbody tr')].map(r => [r.className, r.innerText])"
+    )
+    assert rows[0][0] == "loss" and "lost 3 message(s): slow_consumer" in rows[0][1], rows  # newest first
+    assert "517 · 10000 (epoch 3)" in rows[1][1] and "orders.eu" in rows[1][1] and hostile in rows[1][1], rows
+    assert page.evaluate("document.querySelectorAll('#tail img').length") == 0
+    assert page.evaluate("window.pwned === undefined") is True
     assert page.console_errors == []
 
 
