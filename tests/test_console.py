@@ -171,6 +171,22 @@ def test_a_worker_that_does_not_answer_is_red_and_comes_back(
     assert page.console_errors == [] and page.log_errors == [], (page.console_errors, page.log_errors)
 
 
+def test_a_server_that_stops_answering_is_red_on_the_page(
+    start_server: Callable[..., ServerProcess], browser: Chromium
+) -> None:
+    server = start_server()
+    page = browser.new_page()
+    page.navigate(origin(server) + "/")
+    page.wait_for("document.querySelector('#health').innerText === '2 workers up'")
+    server.stop()
+    page.wait_for("document.querySelector('#health').innerText === 'no answer'")
+    assert page.evaluate("document.querySelector('#health').classList.contains('bad')") is True
+    assert "the server does not answer" in text_of(page, "#banner")
+    page.wait_for("/no answer for \\d+ s/.test(document.querySelector('#fresh').innerText)", timeout=15)
+    assert page.console_errors == [], page.console_errors  # Chromium logs the refused connections itself
+    assert all(e["source"] == "network" for e in page.log_errors), page.log_errors
+
+
 def test_console_asks_for_the_token_and_keeps_it_for_the_tab(
     start_server: Callable[..., ServerProcess], browser: Chromium, tmp_path: Path
 ) -> None:
