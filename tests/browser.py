@@ -163,15 +163,22 @@ class Page:
         return answer["result"].get("value")
 
     def wait_for(self, expression: str, timeout: float = TIMEOUT) -> Any:
-        """Poll until the expression is truthy; return its value."""
+        """Poll until the expression is truthy; return its value. An expression that raises
+        counts as false until the deadline (the page may be between two documents)."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.evaluate(expression)
+            error = ""
+            try:
+                value = self.evaluate(expression)
+            except AssertionError as exc:
+                value, error = None, f"\n--- the last error: {exc}"
             if value:
                 return value
             if time.monotonic() > deadline:
-                text = self.evaluate("document.body.innerText")
-                raise AssertionError(f"never true within {timeout} s: {expression}\n--- the page:\n{text}")
+                text = self.evaluate("document.body ? document.body.innerText : ''")
+                raise AssertionError(
+                    f"never true within {timeout} s: {expression}{error}\n--- the page:\n{text}"
+                )
             self.browser.pump_until(lambda: False, 0.2, "")
 
     def screenshot(self, path: Path) -> Path:

@@ -208,7 +208,8 @@ def test_console_asks_for_the_token_and_keeps_it_for_the_tab(
     page.wait_for("document.querySelectorAll('#workers tbody tr').length === 2")
     assert page.evaluate("document.querySelector('#tokenform').hidden") is True
     # A wrong token is refused with the server's reason, and can be replaced.
-    page.evaluate("sessionStorage.setItem('broky.token', 'wrong'); location.reload()")
+    page.evaluate("sessionStorage.setItem('broky.token', 'wrong')")
+    page.navigate(origin(server) + "/")  # waits for the load (a reload from the page would race it)
     page.wait_for("/wrong auth token/.test(document.querySelector('#banner').innerText)")
     assert page.console_errors == [], page.console_errors
     # The only failed loads are the 401s the server answered before the token was given.
