@@ -35,7 +35,7 @@ from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
 TOKEN = "t0ken-f7"
-OPEN = ("/healthz", "/readyz", "/metrics")
+OPEN = ("/", "/healthz", "/readyz", "/metrics")  # "/": the console (broky.server.console)
 PRIVATE = ("/stats", "/connections", "/topics")
 ROUTES = OPEN + PRIVATE
 PARSE_STATUSES = {400, 405, 505}
@@ -54,7 +54,7 @@ methods_any = st.one_of(
 paths_ok = st.one_of(  # two in three name a route
     st.sampled_from(ROUTES),
     st.sampled_from(ROUTES),
-    st.sampled_from(["/", "/nope", "/metrics/", "/stats/x", "/healthz.json", "/debug/stats"]),
+    st.sampled_from(["/index.html", "/nope", "/metrics/", "/stats/x", "/healthz.json", "/debug/stats"]),
 )
 paths_any = st.one_of(
     paths_ok,

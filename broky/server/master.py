@@ -72,7 +72,8 @@ last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
 (`worker_stats`); the last three need the auth token of a server that has one
-(broky.server.httpd checks it, the master hands it the token). SIGTERM or
+(broky.server.httpd checks it, the master hands it the token); and
+broky.server.console serves the live console, a page that reads them, at /. SIGTERM or
 SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
 within 5 s. In cluster mode the first one drains the node first (`_drain`:
 its vbuckets go to the other members, at most --drain-timeout), and a node
@@ -110,7 +111,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import fastpath, handoff, monitor
+from broky.server import console, fastpath, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig, env_name
 from broky.server.httpd import HttpServer, Request, Response
@@ -222,6 +223,7 @@ class Master:
         self.http.route("/healthz", self.healthz)
         self.http.route("/readyz", self.readyz)
         monitor.install(self)
+        console.install(self.http)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)

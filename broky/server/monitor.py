@@ -18,7 +18,8 @@ JSON, `broky_worker_up 0`), never waited for indefinitely. Every list is
 bounded (`?limit=`, at most MAX_LIMIT) and a worker's answer is trimmed to
 fit one control message, so no endpoint can grow with the traffic.
 
-Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz):
+Endpoints (JSON ones in the spirit of nats-server's /varz, /connz, /subsz; the
+live console at / reads them, see broky.server.console):
     /metrics      Prometheus text format (broky.server.metrics)                          open
     /healthz      200 while the master runs (registered by the master)                   open
     /readyz       200 when every worker is ready, heard from and taking connections,     open
