@@ -108,7 +108,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import fastpath, handoff, monitor
+from broky.server import fastpath, gateway, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.httpd import HttpServer, Request, Response
@@ -176,7 +176,7 @@ class Master:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
-        self.http = HttpServer(config.auth_token)
+        self.http = HttpServer(config.auth_token, config.http_max_body, config.http_max_connections)
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -197,6 +197,7 @@ class Master:
         self.node_grace = False  # a restart of this server was seen, and its grace given (`_note_restart`)
         self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
         self.cluster_task: asyncio.Task[None] | None = None
+        self.gateway: gateway.Gateway | None = None  # the /v1/ routes (set in `run`)
 
     # ------------------------------------------------------------ life
 
@@ -213,6 +214,7 @@ class Master:
         self.http.route("/healthz", self.healthz)
         self.http.route("/readyz", self.readyz)
         monitor.install(self)
+        self.gateway = gateway.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
@@ -327,6 +329,8 @@ class Master:
                 pass
             self.listener.close()
         self.stopping = True  # handshakes cancelled from now on say Goodbye (_handshake)
+        if self.gateway is not None:  # its streams end cleanly, its client says goodbye
+            await self.gateway.close()
         handshakes = list(self.handshakes)
         if handshakes:
             log.info("goodbye to %d connections in the handshake", len(handshakes))
