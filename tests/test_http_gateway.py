@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -306,7 +308,10 @@ def test_4xx_answers_say_what_was_wrong_in_json(server: ServerProcess) -> None:
     cases = [
         (("-X", "POST", f"{b}/v1/pub/a.b?lines=2"), 400, "lines must be 0"),
         (("-X", "POST", f"{b}/v1/pub/"), 400, "the key is missing"),
-        ((f"{b}/v1/sub/a..b",), 400, "bad pattern 'a..b'"),
+        ((f"{b}/v1/sub/a..b",), 400, "bad pattern 'a..b': an empty token"),
+        ((f"{b}/v1/sub/a.>.b",), 400, "bad pattern 'a.>.b': '>' may only be the last token"),
+        ((f"{b}/v1/sub/a.b*",), 400, "bad pattern 'a.b*': a wildcard inside a token"),
+        ((f"{b}/v1/sub/",), 400, "bad pattern '': the pattern is empty"),
         ((f"{b}/v1/sub/a?format=xml",), 400, "format must be one of ndjson, raw, sse"),
         ((f"{b}/v1/sub/a?last=-1",), 400, "last must be a count"),
         ((f"{b}/v1/sub/a?since_time=yesterday",), 400, "since_time must be"),
@@ -417,3 +422,87 @@ def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(sma
     assert told["reason"] == "slow_consumer" and told["limit"] == 64 << 10
     metrics = curl(f"{base(small)}/metrics")[1].decode()
     assert "broky_http_streams_cut_total 1" in metrics
+
+
+# ---------------------------------------------------------------- the README's examples
+
+
+def _readme_http() -> tuple[list[str], list[str]]:
+    """The README's HTTP section: its shell command lines, and its JSON examples."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("\n## HTTP\n", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line
+        for block in re.findall(r"```sh\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return commands, re.findall(r"```json\n(.*?)\n```", section, re.S)
+
+
+def _gauge(server: ServerProcess, name: str) -> float:
+    text = curl(f"{base(server)}/metrics")[1].decode()
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_curl_examples_work_as_written(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    s = start_server()
+    commands, examples = _readme_http()
+    here = f"{s.host}:{s.metrics_port}"
+    env = {**os.environ, "BROKY_AUTH_TOKEN": "unused: this server has no token"}
+    streams = [c for c in commands if "curl -N" in c]
+    others = [c for c in commands if "curl -N" not in c]
+    assert len(streams) == 3 and len(others) == 5, commands
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", c.replace("localhost:9477", here)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        for c in streams
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while _gauge(s, "broky_http_streams") < 3:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.1)
+        outputs = [
+            subprocess.run(
+                ["bash", "-c", c.replace("localhost:9477", here)],
+                cwd=tmp_path,
+                capture_output=True,
+                env=env,
+                timeout=30,
+                check=True,
+            ).stdout
+            for c in others
+        ]
+        time.sleep(1.0)
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+    got = [proc.communicate(timeout=10)[0] for proc in procs]
+    # The outputs are those shown, but for the epoch (a new one per server start) and the uid.
+    published = [json.loads(out) for out in outputs if out.startswith(b'{"published"')]
+    assert [p["published"] for p in published] == [2, 1, 2]
+    shown = json.loads(examples[0])
+    first = published[0]
+    epoch = first["first"][1]
+    assert json.dumps(first) == json.dumps(shown).replace(shown["first"][1], epoch)
+    assert outputs[-1].decode().strip() == examples[-1].strip()  # the 400
+    ndjson, raw, sse = got
+    line = json.loads(ndjson.split(b"\n")[0])
+    example = json.loads(examples[1])
+    assert list(line) == list(example)
+    assert {k: line[k] for k in ("key", "key_partition", "payload", "vbucket", "offset")} == {
+        k: example[k] for k in ("key", "key_partition", "payload", "vbucket", "offset")
+    }
+    assert raw.split(b"\n")[:2] == [b'{"id": 1}', b'{"id": 2}']
+    events = _events(sse.split(b"\n"))
+    assert [json.loads(e["data"])["payload"] for e in events if "id" in e][:2] == ['{"id": 1}', '{"id": 2}']

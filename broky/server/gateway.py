@@ -33,13 +33,16 @@ n in one epoch, nobody else published to the vbucket meanwhile and first/last
 are exact; else they are the bounds the messages lie within ("exact": false).
 
 Subscribe. A `SubStream` holds what waits for the HTTP client, bounded by
-`max_pending` bytes (the server's --max-pending-bytes, as for any
-connection): past it the stream is cut (`cut_slow`, counted), after a last
-line saying so (SSE `event: cut`), so a reader that cannot keep up is told
-and closed like any slow consumer, and the SDK connection it shares is never
-paused for it. Losses the server tells: those naming the stream's
-subscription (a start that asked for what is no longer retained: EVICTED,
-EPOCH_CHANGED) go to that stream only; those of the gateway's connection to
+`max_pending` bytes (STREAM_MAX_PENDING, or --max-pending-bytes if that is
+smaller: this is the master's memory, which --memory-budget does not count,
+and at most --http-max-connections streams hold it): past it the stream is
+cut (`cut_slow`, counted), after a last line saying so (SSE `event: cut`),
+so a reader that cannot keep up is told and closed like any slow consumer,
+and the SDK connection it shares is never paused for it.
+
+Losses the server tells: those naming the stream's subscription (a start
+that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
+that stream only; those of the gateway's connection to
 a worker (sid 0: SLOW_CONSUMER, CONNECTION_LOST, ...) go to every stream, as
 "scope": "gateway": they may include this stream's messages, and nobody can
 say which. ndjson shows a loss as a line {"loss": {...}}, SSE as `event:
@@ -60,8 +63,8 @@ that event, and `since_time` = when the first stream started for vbuckets it
 had not reached; the worker replays the rest from its replay buffer. Ledgers
 outlive their streams by RESUME_WINDOW seconds, at most MAX_LEDGERS of them
 (the oldest go first). An id the server cannot use (unknown or expired
-stream, an event older than its ledger keeps) still resumes its own vbucket
-from its position, everything else from now, and says so first with an
+stream, an event older than its ledger keeps, a wrong secret, a stream still
+open) still resumes its own vbucket from its position, everything else from now, and says so first with an
 `event: loss` ("reason": "resume_unknown", "dropped": null): never silently.
 """
 
@@ -82,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from broky.errors import BadPatternError, BrokyError
-from broky.matching import parse_pattern
+from broky.matching import MAX_PATTERN_BYTES, parse_pattern
 from broky.protocol import LossReason, Message
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
@@ -104,6 +107,9 @@ RESUME_WINDOW = 300.0  # seconds a ledger outlives its stream
 KEEPALIVE_SECONDS = 15.0  # an SSE comment (ndjson: nothing) after this long without an event
 SSE_RETRY_MS = 1000
 FORMATS = ("ndjson", "raw", "sse")
+# What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
+# memory, which --memory-budget does not count, so smaller than a connection's bound.
+STREAM_MAX_PENDING = 1 << 20
 
 
 @dataclass
@@ -470,8 +476,8 @@ class Gateway:
         pattern = urllib.parse.unquote_to_bytes(request.path[len(SUB) :])
         try:
             parse_pattern(pattern)
-        except BadPatternError as exc:
-            raise_bad(f"bad pattern {quote(pattern)}: {exc}")
+        except BadPatternError:
+            raise_bad(f"bad pattern {quote(pattern)}: {_pattern_problem(pattern)}")
         query = request.query
         fmt = query.get("format")
         if fmt is None:
@@ -499,7 +505,8 @@ class Gateway:
             if ledger is None:
                 ledger = self._new_ledger(started_ns)
             ledger.live = True
-        stream = SubStream(self, fmt, self.config.max_pending_bytes, ledger)
+        bound = min(self.config.max_pending_bytes, STREAM_MAX_PENDING)
+        stream = SubStream(self, fmt, bound, ledger)
         if fmt == "sse":
             stream._put(f"retry: {SSE_RETRY_MS}\n\n".encode())
             if told_unknown:
@@ -572,6 +579,20 @@ class Gateway:
         self.ledgers.move_to_end(number)
         ledger.restart(at)
         return ledger, [Position(v, e, o) for v, (e, o) in sorted(at.items())], False
+
+
+def _pattern_problem(pattern: bytes) -> str:
+    """What is wrong with a pattern parse_pattern refused, in words for an HTTP client."""
+    if not pattern:
+        return "the pattern is empty: GET /v1/sub/PATTERN"
+    if len(pattern) > MAX_PATTERN_BYTES:
+        return f"longer than {MAX_PATTERN_BYTES} bytes"
+    tokens = pattern.split(b".")
+    if not all(tokens):
+        return "an empty token (two dots in a row, or a dot at either end)"
+    if b">" in tokens[:-1]:
+        return "'>' may only be the last token"
+    return "a wildcard inside a token: '*' and '>' stand alone between dots"
 
 
 def raise_bad(message: str) -> NoReturn:
