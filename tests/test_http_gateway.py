@@ -322,6 +322,9 @@ def test_4xx_answers_say_what_was_wrong_in_json(server: ServerProcess) -> None:
         ((f"{b}/v1/nothing",), 404, "no such path"),
         (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST only"),
     ]
+    too_big = b"x" * (1 << 20)  # --max-frame-bytes is 1 MiB: no room for the rest of the frame
+    status, body = curl_json(*AUTH, "--data-binary", "@-", f"{b}/v1/pub/big.x?lines=0", data=too_big)
+    assert status == 413 and body["error"].startswith("a message of 1048576 bytes: at most ")
     for args, status, text in cases:
         got_status, body = curl_json(*AUTH, *args)
         assert (got_status, body["status"]) == (status, status), (args, body)

@@ -13,24 +13,31 @@ broky_token cookie or ?access_token=):
 
 How a request reaches the workers (decided). The master holds one SDK
 `Client` connected to its own workers (`sdk`, connected at the first /v1/
-request, once, and kept): a publish is one `publish_many` of the body's lines
-straight to the worker that owns the partition's vbucket, then a `flush`;
-a subscription is one SDK subscription with an inline callback that appends
-to the stream's buffer. Nothing per message crosses processes but the
-message itself, once, on a connection the SDK already batches; the cost per
-request (the handshake of a new connection, or a hand-off of the HTTP socket
-to a worker) is paid once per process instead. bench/README.md "HTTP"
+request, once, and kept; broky.client is loaded only then): a subscription
+is one SDK subscription with an inline callback that appends to the
+stream's buffer. A publish goes through a `Lane`: one connection per worker
+(opened at its first POST, with Hello.worker, and kept), on which the POST's
+messages go straight to the worker that owns the partition's vbucket, in
+one write, between two Reads of that vbucket's position (an empty range:
+start_time after every message). A worker handles a connection's frames in
+order, so the first ReadDone says where the vbucket stood before the
+messages, the second where it stands after them, and the second also means
+that the worker has processed them all (as a flush). Nothing per message
+crosses processes but the message itself, once; the cost per request is two
+small Reads on a connection already open, instead of a handshake and a
+hand-off per request (a new connection per POST) or two bounded reads on
+connections of their own (`Client.positions`). bench/README.md "HTTP"
 measures it against the SDK's per-call publish.
 
 Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
 an empty last line dropped; `?lines=0` takes the whole body as one message.
 The key is the path after /v1/pub/, percent-decoded; `partition` defaults to
 the key. The answer: {"published": n, "first": [vb, epoch, offset], "last":
-[...], "exact": bool}. The positions come from `Client.positions` of the
-partition before and after the publish (two bounded reads), the gateway's own
-publishes to one vbucket being serialized: when the offsets moved by exactly
-n in one epoch, nobody else published to the vbucket meanwhile and first/last
-are exact; else they are the bounds the messages lie within ("exact": false).
+[...], "exact": bool}. When the offsets moved by exactly n in one epoch
+between the two Reads, nobody else's publish came in between (the
+worker may take a large body in several reads, and serve other connections
+between them) and first/last are exact; else they are the bounds the
+messages lie within ("exact": false).
 
 Subscribe. A `SubStream` holds what waits for the HTTP client, bounded by
 `max_pending` bytes (STREAM_MAX_PENDING, or --max-pending-bytes if that is
@@ -86,13 +93,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from broky.errors import BadPatternError, BrokyError
 from broky.matching import MAX_PATTERN_BYTES, parse_pattern
-from broky.protocol import LossReason, Message
-from broky.protocol.frames import Position
+from broky.protocol import Error, Hello, LossReason, Message, Read, ReadDone, encode_message, new_ksuid
+from broky.protocol.frames import Position, encode_read
 from broky.protocol.routing import vbucket_of
 from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
 
 if TYPE_CHECKING:
     from broky.client.client import Client
+    from broky.client.connection import WorkerProtocol
     from broky.client.link import WorkerRef
     from broky.client.subscription import Subscription
     from broky.server.config import ServerConfig
@@ -107,6 +115,10 @@ RESUME_WINDOW = 300.0  # seconds a ledger outlives its stream
 KEEPALIVE_SECONDS = 15.0  # an SSE comment (ndjson: nothing) after this long without an event
 SSE_RETRY_MS = 1000
 FORMATS = ("ndjson", "raw", "sse")
+PROBES = 4096  # Read frames a lane keeps encoded, one per key_partition (then it starts over)
+FRAME_OVERHEAD = 128  # bytes of a Message frame besides key, key_partition and payload (at most)
+PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be processed
+END_OF_TIME = (1 << 63) - 1  # a Read's start_time after every message: the vbucket's position only
 # What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
 # memory, which --memory-budget does not count, so smaller than a connection's bound.
 STREAM_MAX_PENDING = 1 << 20
@@ -331,6 +343,75 @@ def _text(data: bytes) -> str:
     return data.decode(errors="backslashreplace")
 
 
+class Lane:
+    """The gateway's publish connection to one worker (a connection.Handler): a POST's Read,
+    its messages and a second Read go out in one write, and the two ReadDones say where the
+    vbucket stood before and after (see the theory of operation). A worker handles one
+    connection's frames in order, so ReadDones come in the order of the Reads: each takes
+    the oldest waiter, and every Read can carry the same rid (its frame is cached)."""
+
+    def __init__(self) -> None:
+        self.proto: WorkerProtocol | None = None
+        self.waiting: collections.deque[asyncio.Future[ReadDone]] = collections.deque()
+        self.probes: dict[bytes, bytes] = {}  # key_partition -> its Read frame (bounded: PROBES)
+
+    def on_message(self, msg: Message) -> None:  # a publish connection subscribes to nothing
+        pass
+
+    def on_frame(self, frame: Any) -> None:
+        if isinstance(frame, ReadDone):
+            if self.waiting:
+                waiter = self.waiting.popleft()
+                if not waiter.done():
+                    waiter.set_result(frame)
+        elif isinstance(frame, Error):  # NOT_MY_VBUCKET (a move), or worse: every POST under way fails
+            self.fail(BrokyError(f"the worker refused: {frame.message or frame.code}"))
+
+    def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
+        self.fail(BrokyError(f"the connection to the worker was lost{f': {exc}' if exc else ''}"))
+
+    def fail(self, exc: BaseException) -> None:
+        waiting, self.waiting = self.waiting, collections.deque()
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_exception(exc)
+        if self.proto is not None:
+            self.proto.close()
+            self.proto = None
+
+    async def publish(
+        self, partition: bytes, vb: int, key: bytes, payloads: list[bytes], timeout: float
+    ) -> tuple[ReadDone, ReadDone]:
+        """Publish; (the vbucket's ReadDone before, after).
+
+        Raises:
+            BrokyError: the connection was lost or the worker refused something.
+        """
+        proto = self.proto
+        assert proto is not None
+        probe = self.probes.get(partition)
+        if probe is None:
+            if len(self.probes) >= PROBES:
+                self.probes.clear()
+            probe = self.probes[partition] = encode_read(
+                Read(1, b">", partition, start_time=END_OF_TIME, vbuckets=(vb,))
+            )
+        loop = asyncio.get_running_loop()
+        before, after = loop.create_future(), loop.create_future()
+        self.waiting.extend((before, after))
+        now = time.time_ns()
+        frames = [probe]
+        frames.extend(encode_message(partition, key, payload, now, uid=new_ksuid()) for payload in payloads)
+        frames.append(probe)
+        proto.writelines(frames)
+        try:
+            async with asyncio.timeout(timeout):
+                return await before, await after
+        except TimeoutError:
+            self.fail(BrokyError(f"the worker did not answer within {timeout:g} s"))
+            raise BrokyError(f"the worker did not answer within {timeout:g} s") from None
+
+
 class Gateway:
     """The /v1/ routes on the master's HTTP server, with the master's SDK client."""
 
@@ -343,7 +424,7 @@ class Gateway:
         self.connect_host = connect_host
         self.client: Client | None = None
         self._connecting = asyncio.Lock()
-        self._vb_locks: dict[int, asyncio.Lock] = {}
+        self.lanes: dict[tuple[str, int], Lane] = {}  # (node id, worker) -> its publish lane
         self.counters = GatewayCounters()
         self.streams: set[SubStream] = set()
         self.ledgers: collections.OrderedDict[int, Ledger] = collections.OrderedDict()
@@ -362,6 +443,8 @@ class Gateway:
         for stream in list(self.streams):
             stream.end()
         await asyncio.sleep(0)  # let the writers take their ends
+        for lane in self.lanes.values():
+            lane.fail(BrokyError("the server is shutting down"))
         client, self.client = self.client, None
         if client is not None:
             try:
@@ -445,18 +528,14 @@ class Gateway:
         n = len(payloads)
         client = await self.sdk()
         vb = vbucket_of(partition)
-        lock = self._vb_locks.get(vb)
-        if lock is None:
-            lock = self._vb_locks[vb] = asyncio.Lock()
         try:
-            async with lock:
-                before = (await client.positions(partition=partition, timeout=10.0))[0]
-                if n:
-                    await client.publish_many([partition] * n, [key] * n, payloads)
-                await client.flush()
-                after = (await client.positions(partition=partition, timeout=10.0))[0]
+            first, done = await self._publish(client, partition, vb, key, payloads)
+        except HttpError:
+            raise
         except BrokyError as exc:
             raise HttpError(503, f"publish failed: {exc}") from None
+        before = Position(vb, first.epoch, first.next - 1)
+        after = Position(vb, done.epoch, done.next - 1)
         self.counters.publish_requests += 1
         self.counters.published += n
         exact = after.epoch == before.epoch and after.offset - before.offset == n
@@ -469,6 +548,35 @@ class Gateway:
             answer["after"] = _position(vb, before.epoch, before.offset)
             answer["at_most"] = _position(vb, after.epoch, after.offset)
         return 200, "application/json", (json.dumps(answer) + "\n").encode()
+
+    async def _publish(
+        self, client: Client, partition: bytes, vb: int, key: bytes, payloads: list[bytes]
+    ) -> tuple[ReadDone, ReadDone]:
+        """Through the lane of the worker that owns `vb` (opened at its first use)."""
+        info = client.server_info
+        assert info is not None
+        room = info.max_frame_bytes - FRAME_OVERHEAD - len(key) - len(partition)
+        largest = max(map(len, payloads), default=0)
+        if largest > room:
+            raise HttpError(
+                413,
+                f"a message of {largest} bytes: at most {room} fit in a frame (--max-frame-bytes)",
+            )
+        node, worker = info.map.owners[vb]
+        node_id = info.map.nodes[node].node_id
+        lane = self.lanes.get((node_id, worker))
+        if lane is None or lane.proto is None:
+            lane = self.lanes[(node_id, worker)] = Lane()
+            host, port = client.address_of(node_id)
+            hello = Hello(worker=worker, client_name="http-gateway-pub", auth_token=self.config.auth_token)
+            from broky.client.connection import open_connection  # the SDK: loaded at the first /v1/ request
+
+            try:
+                lane.proto, _ = await open_connection(host, port, hello, 5.0)
+            except (BrokyError, OSError) as exc:
+                raise BrokyError(f"cannot reach worker {worker}: {exc}") from None
+            lane.proto.attach(lane)
+        return await lane.publish(partition, vb, key, payloads, PUBLISH_TIMEOUT)
 
     # ------------------------------------------------------------ subscribe
 
