@@ -510,3 +510,29 @@ def test_the_readme_curl_examples_work_as_written(
     assert raw.split(b"\n")[:2] == [b'{"id": 1}', b'{"id": 2}']
     events = _events(sse.split(b"\n"))
     assert [json.loads(e["data"])["payload"] for e in events if "id" in e][:2] == ['{"id": 1}', '{"id": 2}']
+
+
+def test_last_and_since_time_start_with_retained_messages(server: ServerProcess) -> None:
+    began = time.time()
+
+    async def publish() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            for i in range(5):
+                await client.publish("hist", "hist.x", b"h-%d" % i)
+
+    asyncio.run(publish())
+    url = f"{base(server)}/v1/sub/hist.>"
+    for query, expected in (
+        ("?format=raw&last=2", [b"h-3", b"h-4"]),
+        (f"?format=raw&since_time={began:.6f}", [b"h-0", b"h-1", b"h-2", b"h-3", b"h-4"]),
+        ("?format=raw&since_time=" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began - 1)),
+         [b"h-0", b"h-1", b"h-2", b"h-3", b"h-4"]),
+        ("?format=raw", []),
+    ):  # fmt: skip
+        done = subprocess.run(
+            [program("curl"), "-sSN", "-m", "1.5", *AUTH, url + query],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.stdout.split(b"\n")[:-1] == expected, query
