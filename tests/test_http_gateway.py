@@ -536,3 +536,37 @@ def test_last_and_since_time_start_with_retained_messages(server: ServerProcess)
             check=False,
         )
         assert done.stdout.split(b"\n")[:-1] == expected, query
+
+
+def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/over.>?format=sse"
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            first = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, url, stdout=subprocess.PIPE
+            )
+            await _warm_up(client, first, "over.warm")
+            for i in range(5):
+                await client.publish("o", "over.x", b"o-%d" % i)
+            lines = await _stream_until(
+                first, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 2
+            )
+            mid = [e for e in _events(lines) if "o-" in e.get("data", "")][1]["id"]  # after o-1
+            second = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, "-H", f"Last-Event-ID: {mid}", url, stdout=subprocess.PIPE
+            )
+            try:
+                async with asyncio.timeout(10):
+                    assert await first.wait() == 0  # its stream ended (with its last chunk)
+                more = await _stream_until(
+                    second, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 3
+                )
+            finally:
+                second.kill()
+                await second.wait()
+            events = _events(more)
+            assert not [e for e in events if e.get("event") == "loss"]
+            assert [json.loads(e["data"])["payload"] for e in events if "id" in e] == ["o-2", "o-3", "o-4"]
+
+    asyncio.run(main())

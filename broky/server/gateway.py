@@ -67,11 +67,13 @@ last LEDGER_EVENTS events it sent, in order. A reconnect with Last-Event-ID
 (a resume is a capability: ids are never logged), finds the event in the
 ledger and subscribes again with `since` = every vbucket's position as of
 that event, and `since_time` = when the first stream started for vbuckets it
-had not reached; the worker replays the rest from its replay buffer. Ledgers
-outlive their streams by RESUME_WINDOW seconds, at most MAX_LEDGERS of them
-(the oldest go first). An id the server cannot use (unknown or expired
-stream, an event older than its ledger keeps, a wrong secret, a stream still
-open) still resumes its own vbucket from its position, everything else from now, and says so first with an
+had not reached; the worker replays the rest from its replay buffer. A
+resume of a stream the server still writes to ends that stream first (its
+client went, unseen). Ledgers outlive their streams by RESUME_WINDOW
+seconds, at most MAX_LEDGERS of them (the oldest go first). An id the
+server cannot use (unknown or expired stream, an event older than its
+ledger keeps, a wrong secret) still resumes its own vbucket from its
+position, everything else from now, and says so first with an
 `event: loss` ("reason": "resume_unknown", "dropped": null): never silently.
 """
 
@@ -162,6 +164,7 @@ class Ledger:
         self.events: collections.deque[tuple[int, int, int]] = collections.deque()
         self.touched = time.monotonic()
         self.live = False  # a stream writes to it now
+        self.owner: SubStream | None = None  # that stream
 
     def add(self, vb: int, epoch: int, offset: int) -> None:
         events = self.events
@@ -633,6 +636,8 @@ class Gateway:
             if ledger is not None:
                 ledger.live = False
             raise HttpError(503, f"subscribe failed: {exc}") from None
+        if ledger is not None:
+            ledger.owner = stream
         self.streams.add(stream)
         self.counters.streams += 1
         self.counters.streams_total += 1
@@ -642,8 +647,9 @@ class Gateway:
         if stream in self.streams:
             self.streams.discard(stream)
             self.counters.streams -= 1
-        if stream.ledger is not None:
+        if stream.ledger is not None and stream.ledger.owner in (stream, None):
             stream.ledger.live = False
+            stream.ledger.owner = None
             stream.ledger.touched = time.monotonic()
 
     def _new_ledger(self, started_ns: int) -> Ledger:
@@ -671,11 +677,9 @@ class Gateway:
 
         ledger = self.ledgers.get(number)
         at = None
-        if (
-            ledger is not None
-            and hmac.compare_digest(secret.encode(), ledger.secret.encode())
-            and not ledger.live
-        ):
+        if ledger is not None and hmac.compare_digest(secret.encode(), ledger.secret.encode()):
+            if ledger.owner is not None:  # its stream is still open (its client's going went unseen)
+                ledger.owner.close()
             at = ledger.positions_at(vb, epoch, offset)
         else:
             ledger = None
