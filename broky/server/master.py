@@ -70,7 +70,11 @@ last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
 (`worker_stats`); the last three need the auth token of a server that has one
-(broky.server.httpd checks it, the master hands it the token). SIGTERM or
+(broky.server.httpd checks it, the master hands it the token).
+broky.server.gateway adds /v1/pub/ and /v1/sub/ (publish and subscribe over
+HTTP): from the first such request on, the master is also a client of its
+own workers (an SDK client, and a publish connection per worker), which it
+closes first when it stops, so the streams end cleanly. SIGTERM or
 SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
 within 5 s. In cluster mode the first one drains the node first (`_drain`:
 its vbuckets go to the other members, at most --drain-timeout), and a node
