@@ -205,7 +205,8 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "--metrics-port",
         "metrics_port",
         _port,
-        "HTTP port for /metrics, /healthz, /readyz, /stats, /connections and /topics (default %(default)s)",
+        "HTTP port for /metrics, /healthz, /readyz, /stats, /connections, /topics and /v1/ "
+        "(publish and subscribe over HTTP) (default %(default)s)",
     ),
     (
         "--http-max-body",
