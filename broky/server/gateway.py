@@ -346,6 +346,11 @@ def _text(data: bytes) -> str:
     return data.decode(errors="backslashreplace")
 
 
+def _encode(key_partition: bytes, key: bytes, payload: bytes, ts_producer: int, uid: bytes) -> bytes:
+    """A Message frame, as the SDK's compiled `encode` makes it (without the twin)."""
+    return encode_message(key_partition, key, payload, ts_producer, uid=uid)
+
+
 class Lane:
     """The gateway's publish connection to one worker (a connection.Handler): a POST's Read,
     its messages and a second Read go out in one write, and the two ReadDones say where the
@@ -353,8 +358,9 @@ class Lane:
     connection's frames in order, so ReadDones come in the order of the Reads: each takes
     the oldest waiter, and every Read can carry the same rid (its frame is cached)."""
 
-    def __init__(self) -> None:
+    def __init__(self, encode: Callable[[bytes, bytes, bytes, int, bytes], bytes]) -> None:
         self.proto: WorkerProtocol | None = None
+        self.encode = encode  # a Message frame (the SDK's compiled twin when it is built: same bytes)
         self.waiting: collections.deque[asyncio.Future[ReadDone]] = collections.deque()
         self.probes: dict[bytes, bytes] = {}  # key_partition -> its Read frame (bounded: PROBES)
 
@@ -404,7 +410,8 @@ class Lane:
         self.waiting.extend((before, after))
         now = time.time_ns()
         frames = [probe]
-        frames.extend(encode_message(partition, key, payload, now, uid=new_ksuid()) for payload in payloads)
+        encode = self.encode
+        frames.extend(encode(partition, key, payload, now, new_ksuid()) for payload in payloads)
         frames.append(probe)
         proto.writelines(frames)
         try:
@@ -569,10 +576,14 @@ class Gateway:
         node_id = info.map.nodes[node].node_id
         lane = self.lanes.get((node_id, worker))
         if lane is None or lane.proto is None:
-            lane = self.lanes[(node_id, worker)] = Lane()
+            from broky.client import pubpack  # the SDK: loaded at the first /v1/ request
+
+            lane = self.lanes[(node_id, worker)] = Lane(
+                _encode if pubpack.compiled is None else pubpack.compiled.encode
+            )
             host, port = client.address_of(node_id)
             hello = Hello(worker=worker, client_name="http-gateway-pub", auth_token=self.config.auth_token)
-            from broky.client.connection import open_connection  # the SDK: loaded at the first /v1/ request
+            from broky.client.connection import open_connection
 
             try:
                 lane.proto, _ = await open_connection(host, port, hello, 5.0)
