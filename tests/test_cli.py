@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import broky
-from broky.client.cli import DEFAULT_METRICS_PORT
+from broky.client.commands import DEFAULT_METRICS_PORT
 from broky.client.info import Metrics, summary
 from broky.protocol.routing import vbucket_of
 from tests.serverproc import ServerProcess

@@ -21,7 +21,6 @@ flushed: what a crash loses unprinted is redelivered, not lost).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import datetime
 import json
@@ -32,6 +31,10 @@ import time
 from typing import Any
 
 from broky.client.client import connect
+from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_TOKEN
+from broky.client.commands import client_options as _options
+from broky.client.commands import fail as _fail
+from broky.client.commands import run as _run
 from broky.client.groups import GroupMessage
 from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
@@ -39,11 +42,6 @@ from broky.client.url import parse_servers
 from broky.errors import BrokyError
 from broky.matching import parse_pattern
 from broky.protocol import LossReason, Message
-
-ENV_TOKEN = "BROKY_AUTH_TOKEN"
-ENV_METRICS = "BROKY_METRICS"
-DEFAULT_METRICS_PORT = 9477
-
 
 # ---------------------------------------------------------------- argument types
 # Each raises ArgumentTypeError with its own message: argparse prefixes the
@@ -262,19 +260,6 @@ def register(subparsers: Any) -> None:
     i.set_defaults(func=cmd_info)
 
 
-def _fail(command: str, message: object) -> int:
-    print(f"broky {command}: error: {message}", file=sys.stderr)
-    return 1
-
-
-def _options(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
-        "connect_timeout": args.connect_timeout,
-    }
-
-
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -443,19 +428,11 @@ def cmd_sub(args: argparse.Namespace) -> int:
         return 0
 
 
-def _run(coro: Any) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return int(asyncio.run(coro))
-    return int(uvloop.run(coro))
-
-
 # ---------------------------------------------------------------- info
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from broky.client import info  # it imports this module's helpers
+    from broky.client import info  # (loaded only for `broky info`)
 
     try:
         parse_servers(args.server)

@@ -459,6 +459,7 @@ class Client(Publisher):
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: None = None,
+        on_loss: Callable[[int, int], Any] | None = None,
     ) -> Subscription[Message]: ...
 
     @overload
@@ -495,6 +496,7 @@ class Client(Publisher):
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
+        on_loss: Callable[[int, int], Any] | None = None,
         key_shared: bool = False,
         ack: bool = False,
         ack_wait: float = DEFAULT_ACK_WAIT,
@@ -518,6 +520,7 @@ class Client(Publisher):
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
+        on_loss: Callable[[int, int], Any] | None = None,
         key_shared: bool = False,
         ack: bool = False,
         ack_wait: float = DEFAULT_ACK_WAIT,
@@ -554,6 +557,10 @@ class Client(Publisher):
                 retained messages that match.
             What the workers no longer retain is reported through `on_loss`
             (LossReason EVICTED or EPOCH_CHANGED), never skipped in silence.
+            on_loss: called with (dropped, reason) for the LossNotices that name this
+                subscription (a start from positions, a time or the last N: EVICTED,
+                EPOCH_CHANGED), instead of the client's `on_loss`; the losses of a
+                whole connection (sid 0) still go to the client's.
             group: join the consumer group of that name (for this pattern and
                 partition): each matching message goes to one member of the group
                 only, on whichever client, the least loaded (other subscriptions and
@@ -639,6 +646,8 @@ class Client(Publisher):
             last=last,
             group=spec,
         )
+        if on_loss is not None:
+            sub.on_loss = on_loss
         router = self.router
         if part is None:
             links = router.all_links()

@@ -45,8 +45,11 @@ import urllib.request
 from collections import defaultdict
 from typing import Any
 
-from broky.client.cli import DEFAULT_METRICS_PORT, ENV_METRICS, _fail, _options, _run
 from broky.client.client import Client, ServerInfo
+from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS
+from broky.client.commands import client_options as _options
+from broky.client.commands import fail as _fail
+from broky.client.commands import run as _run
 from broky.protocol.routing import VBucketMap, to_ranges
 
 SAMPLE = re.compile(r"^(broky_\w+)(?:\{(.*)\})? (\S+)$")

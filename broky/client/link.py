@@ -1110,6 +1110,10 @@ class Link(_LinkState):
                 if self.subs:  # a connection that carried no subscription had no delivery to lose
                     client.loss_unaccounted(self.ref)
                 return
+            told = self.subs.get(frame.sid) if frame.sid else None
+            if told is not None and told.on_loss is not None:  # the subscription's own hook
+                client.invoke_callback(told.on_loss, frame.dropped, frame.reason)
+                return
             client.loss_told(self.ref, frame.dropped, frame.reason)
         elif isinstance(frame, GroupNotice):
             self.on_group_notice(frame)

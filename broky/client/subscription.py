@@ -93,6 +93,10 @@ class Subscription(Inbox[M]):
     member's GroupMessages (a `Subscription[GroupMessage]`).
     """
 
+    # (dropped, reason) of the LossNotices naming it (`Client.subscribe`'s on_loss); a class
+    # default, so that a subscription without one carries no attribute more.
+    on_loss: Callable[[int, int], Any] | None = None
+
     def __init__(
         self,
         owner: SubscriptionOwner,

@@ -65,6 +65,8 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     metrics_port: int = DEFAULT_METRICS_PORT
+    http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.httpd)
+    http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
@@ -203,7 +205,20 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "--metrics-port",
         "metrics_port",
         _port,
-        "HTTP port for /metrics, /healthz, /readyz, /stats, /connections and /topics (default %(default)s)",
+        "HTTP port for /metrics, /healthz, /readyz, /stats, /connections, /topics and /v1/ "
+        "(publish and subscribe over HTTP) (default %(default)s)",
+    ),
+    (
+        "--http-max-body",
+        "http_max_body",
+        _size,
+        "largest request body on the HTTP port, e.g. a POST /v1/pub/...; larger: 413 (default %(default)s)",
+    ),
+    (
+        "--http-max-connections",
+        "http_max_connections",
+        _positive_int,
+        "HTTP connections served at once (streams included); more are answered 503 (default %(default)s)",
     ),
     (
         "--auth-token",

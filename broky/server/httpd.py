@@ -1,43 +1,75 @@
-"""A minimal HTTP/1.0 server on the metrics port (asyncio, no dependency).
+"""A small HTTP/1.1 server on the metrics port (asyncio, no dependency).
 
 Theory of operation
 -------------------
-One request per connection, GET and HEAD only. Routes map a path to an async
-handler that takes the parsed `Request` and returns (status, content type,
-body); the master registers /healthz and /readyz, and broky.server.monitor
+Routes map a path (or, for the gateway's /v1/ routes, a path prefix) and the
+methods it takes to an async handler that gets the parsed `Request` and
+returns (status, content type, body), or a `Stream` whose chunks are sent as
+they come. The master registers /healthz and /readyz, broky.server.monitor
 adds /metrics, /stats, /connections and /topics (see there for what each
-lists, and which need the auth token).
+lists, and which need the auth token), broky.server.gateway the /v1/ routes.
+
+A connection carries requests one after the other (HTTP/1.1 keep-alive; an
+HTTP/1.0 request, or one with "Connection: close", is the last), at most
+MAX_REQUESTS_PER_CONNECTION of them, each head due within REQUEST_TIMEOUT of
+the previous answer (an idle connection is closed silently after that). A
+Stream is always the last answer of its connection. At most `max_connections`
+connections are served at once: one more is answered 503 and closed
+(`refused_busy`, counted).
 
 Every request takes the same steps, each of which may end it with a 4xx:
 
     read      bytes until the head ends (the first empty line; CRLF or bare
               LF, as h11 accepts), at most MAX_REQUEST_BYTES (else 431) and
               within REQUEST_TIMEOUT seconds (else 408 when anything
-              arrived; a connection that sent nothing is closed silently,
-              as is one that ended before anything but empty lines)
+              arrived, and the client counted in `cut_slow`; a connection
+              that sent nothing is closed silently, as is one that ended
+              before anything but empty lines)
     parse     `parse_head`, sans-IO (bytes in, a Request out or HttpError
               raised): "METHOD SP TARGET SP HTTP/1.x" (400; another major
-              version 505; a method other than GET and HEAD 405 with
+              version 505; a method other than GET, HEAD and POST 405 with
               Allow), a target of visible ASCII that is a path or an
               absolute http(s) URL (400), header lines "name: value" with a
               token name and no control character (400; obsolete line
-              folding too; a second Authorization, Host or Content-Length
-              too). The query string is decoded (percent-escapes as UTF-8,
-              invalid sequences replaced; the last value of a name wins);
-              the path is matched as sent, undecoded (unknown: 404)
+              folding too; a second Authorization, Host, Content-Length or
+              Transfer-Encoding too). The query string is decoded
+              (percent-escapes as UTF-8, invalid sequences replaced; the
+              last value of a name wins); the path is matched as sent,
+              undecoded (unknown: 404; a method the route does not take: 405
+              with Allow)
+    body      (a request with Content-Length or "Transfer-Encoding: chunked"
+              only; `body_framing` decides which, sans-IO, and
+              `ChunkedDecoder` decodes chunks): at most `max_body` bytes
+              (413, said before any of it is read when Content-Length says
+              so), each read within REQUEST_TIMEOUT and the whole body within
+              BODY_TIMEOUT (408, counted in `cut_slow`); a route that takes
+              no body ignores it (read and dropped, same bounds). Any other
+              Transfer-Encoding is a 501, both framings at once a 400
     authorize a route registered `private` needs, when the server has an
-              auth token, "Authorization: Bearer <token>" (compared in
-              constant time): 401 with WWW-Authenticate: Bearer and a body
-              saying whether it was missing, malformed or wrong
+              auth token, the token (`Authorization: Bearer <token>`, or for
+              a route registered `browser` also the "broky_token" cookie or
+              ?access_token=; compared in constant time): 401 with
+              WWW-Authenticate: Bearer and a body saying whether it was
+              missing, malformed or wrong
     handle    the route's handler; its query-string checks are its own
               (a bad value is its 400)
 
-A body that names what was wrong quotes the input escaped and cut to
-QUOTED_CHARS. A HEAD request gets the same status and headers as a GET,
-without the body. The answer is written, the write side shut, and input read
-and discarded until the client closes (at most LINGER_SECONDS), so that
-bytes the client sent beyond the head never turn the close into a reset that
+Every error body is JSON, {"error": "<what was wrong>", "status": N}; one that
+names what was wrong quotes the input escaped and cut to QUOTED_CHARS. A HEAD
+request gets the same status and headers as a GET, without the body. After
+the last answer of a connection the write side is shut, and input read and
+discarded until the client closes (at most LINGER_SECONDS), so that bytes
+the client sent beyond the head never turn the close into a reset that
 destroys the answer.
+
+A Stream is written chunked (HTTP/1.1; to an HTTP/1.0 client, without
+framing, ended by the close): each chunk its handler gives is written as it
+comes, and a write the client does not take within WRITE_TIMEOUT cuts the
+stream (counted in `cut_slow`); the stream's own bound on what it holds for a
+slow reader is its handler's (broky.server.gateway). A client that closes
+its side ends the stream at once (a reader task watches for the end of its
+input). A stream that ends writes the terminating zero-length chunk, so a
+client can tell a clean end from a cut.
 
 No input reaches a traceback or a 500: a handler that raises is a bug of
 ours. It answers 500 with a short body, and is logged with its traceback at
@@ -49,11 +81,13 @@ way, once per cause per LOG_INTERVAL, never with what was sent.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from broky.errors import BrokyError
 from broky.server.logs import Throttle
@@ -65,13 +99,34 @@ Response = tuple[int, str, bytes]
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    method: str  # "GET" or "HEAD"
+    method: str  # "GET", "HEAD" or "POST"
     path: str  # the target's path, as sent (not percent-decoded)
     query: dict[str, str]  # decoded; the last value of a name wins
     headers: dict[str, str]  # lower-case name -> value (bytes as latin-1, so nothing is lost)
+    version: int = 1  # the minor version: HTTP/1.0 or HTTP/1.1
+    body: bytes = b""
+
+    @property
+    def keep_alive(self) -> bool:
+        """The client lets the connection carry another request after this one."""
+        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
+        return self.version >= 1 and "close" not in tokens
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+class Stream(Protocol):
+    """A response sent as it comes (broky.server.gateway's subscriptions)."""
+
+    content_type: str
+    headers: tuple[tuple[str, str], ...]
+
+    async def next(self) -> bytes | None:
+        """The next bytes to send (coalesced), or None: the stream has ended."""
+
+    def close(self) -> None:
+        """The client went, or the server cut the stream: let go of what it holds."""
+
+
+Handler = Callable[[Request], Awaitable[Response | Stream]]
 
 _REASONS = {
     200: "OK",
@@ -80,24 +135,38 @@ _REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
+    501: "Not Implemented",
     503: "Service Unavailable",
     505: "HTTP Version Not Supported",
 }
 MAX_REQUEST_BYTES = 8192
-REQUEST_TIMEOUT = 5.0
+REQUEST_TIMEOUT = 5.0  # for a whole head, for each read of a body, and between two requests
+BODY_TIMEOUT = 60.0  # for a whole body
+WRITE_TIMEOUT = 10.0  # for a write the client does not take (the slow-consumer deadline's default)
+MAX_REQUESTS_PER_CONNECTION = 1000
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BODY = 16 << 20
 LINGER_SECONDS = 1.0
 LOG_INTERVAL = 10.0  # seconds between two log lines about one route's failures (or one refusal cause)
 QUOTED_CHARS = 40  # of the input quoted in an error body
-METHODS = ("GET", "HEAD")
-_SINGLE = frozenset({"authorization", "host", "content-length"})  # headers a request may carry once
+METHODS = ("GET", "HEAD", "POST")
+READ_METHODS = ("GET", "HEAD")
+TOKEN_COOKIE = "broky_token"
+# Headers a request may carry once.
+_SINGLE = frozenset({"authorization", "host", "content-length", "transfer-encoding"})
 
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 token (methods, header names)
-_VERSION = re.compile(rb"HTTP/([0-9])\.[0-9]")
+_VERSION = re.compile(rb"HTTP/([0-9])\.([0-9])")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value (HTAB is allowed)
 _ABSOLUTE = re.compile(r"https?://[^/?]*", re.IGNORECASE)
+_DIGITS = re.compile(r"[0-9]{1,18}")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 
 
 class HttpError(BrokyError):
@@ -110,9 +179,18 @@ class HttpError(BrokyError):
         self.headers = headers
         self.send_body = True  # False once the method is known to be HEAD
 
+    def answer_for(self, send_body: bool) -> Answer:
+        self.send_body = send_body
+        return self.answer()
+
     def answer(self) -> Answer:
-        body = (self.message + "\n").encode()
-        return Answer(self.status, "text/plain", body, self.headers, self.send_body)
+        return Answer(self.status, "application/json", error_body(self.status, self.message), self.headers,
+                      self.send_body)  # fmt: skip
+
+
+def error_body(status: int, message: str, **more: object) -> bytes:
+    """The JSON body of an error answer."""
+    return (json.dumps({"error": message, "status": status, **more}) + "\n").encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,14 +200,16 @@ class Answer:
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
     send_body: bool = True
+    keep_alive: bool = False
+    version: int = 0  # the minor version of the status line
 
     def encode(self) -> bytes:
         lines = [
-            f"HTTP/1.0 {self.status} {_REASONS.get(self.status, '')}",
+            f"HTTP/1.{self.version} {self.status} {_REASONS.get(self.status, '')}",
             f"Content-Type: {self.content_type}",
             f"Content-Length: {len(self.body)}",
             *(f"{name}: {value}" for name, value in self.headers),
-            "Connection: close",
+            "Connection: keep-alive" if self.keep_alive else "Connection: close",
         ]
         head = ("\r\n".join(lines) + "\r\n\r\n").encode()
         return head + self.body if self.send_body else head
@@ -139,6 +219,21 @@ class Answer:
 class Route:
     handler: Handler
     private: bool  # needs the auth token when the server has one
+    methods: tuple[str, ...] = READ_METHODS
+    browser: bool = False  # the token may also come as a cookie or ?access_token= (EventSource)
+
+
+@dataclass
+class HttpCounters:
+    """What the HTTP server refused or cut (plain integers, read at scrape time)."""
+
+    connections: int = 0  # open now
+    accepted: int = 0
+    requests: int = 0
+    refused_busy: int = 0  # connections over max_connections, answered 503
+    cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
+    too_large: int = 0  # bodies over max_body (413)
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- sans-IO
@@ -179,14 +274,99 @@ def parse_head(head: bytes) -> Request:
         raise HttpError(400, f"malformed method {quote(method_bytes)}")
     method = method_bytes.decode("ascii")
     if method not in METHODS:
-        raise HttpError(405, "GET or HEAD only", (("Allow", ", ".join(METHODS)),))
+        raise HttpError(405, f"{', '.join(METHODS)} only", (("Allow", ", ".join(METHODS)),))
     try:
         path, query = _parse_target(target_bytes)
         headers = _parse_headers(header_lines)
     except HttpError as exc:
         exc.send_body = method != "HEAD"
         raise
-    return Request(method, path, query, headers)
+    return Request(method, path, query, headers, 0 if major.group(2) == b"0" else 1)
+
+
+def body_framing(request: Request) -> int | None:
+    """How the request's body is framed: its length (0: no body), or None: chunked.
+
+    Raises:
+        HttpError: 400 (a bad Content-Length, or both framings), 501 (another Transfer-Encoding).
+    """
+    coding = request.headers.get("transfer-encoding")
+    length = request.headers.get("content-length")
+    if coding is not None:
+        if length is not None:
+            raise HttpError(400, "both Content-Length and Transfer-Encoding")
+        if coding.strip().lower() != "chunked":
+            raise HttpError(501, f"Transfer-Encoding {quote(coding)}: only chunked is understood")
+        return None
+    if length is None:
+        return 0
+    if _DIGITS.fullmatch(length.strip()) is None:
+        raise HttpError(400, f"malformed Content-Length {quote(length)}")
+    return int(length)
+
+
+class ChunkedDecoder:
+    """Sans-IO decoder of a chunked body: `feed` bytes, read `body` once `done`.
+
+    Chunk extensions are ignored, trailers read and dropped. The data held is
+    bounded by `limit` (HttpError 413 past it) plus one chunk-size line.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0  # body bytes so far
+        self.buffer = b""
+        self.remaining = -1  # data bytes left of the current chunk; 0: its CRLF; -1: a size line
+        self.trailers = False
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """Take `data`; return what follows the body (once `done`).
+
+        Raises:
+            HttpError: 400 (malformed), 413 (over the limit).
+        """
+        self.buffer += data
+        while not self.done:
+            if self.remaining > 0:  # chunk data
+                if not self.buffer:
+                    return b""
+                take = self.buffer[: self.remaining]
+                self.buffer = self.buffer[len(take) :]
+                self.remaining -= len(take)
+                self.parts.append(take)
+                self.size += len(take)
+                continue
+            end = self.buffer.find(b"\n")
+            if end < 0:
+                if len(self.buffer) > 1024:
+                    raise HttpError(400, "a chunk-size line over 1024 bytes")
+                return b""
+            line, self.buffer = self.buffer[:end].removesuffix(b"\r"), self.buffer[end + 1 :]
+            if self.remaining == 0:  # the end of a chunk's data
+                if line:
+                    raise HttpError(400, "a chunk's data longer than its size")
+                self.remaining = -1
+            elif self.trailers:
+                self.done = not line
+            else:
+                size_text = line.split(b";", 1)[0].strip(b" \t")
+                if _HEX.fullmatch(size_text) is None:
+                    raise HttpError(400, f"malformed chunk size {quote(size_text)}")
+                size = int(size_text, 16)
+                if size == 0:
+                    self.trailers = True
+                elif self.size + size > self.limit:
+                    raise HttpError(413, f"body over {self.limit} bytes (--http-max-body)")
+                else:
+                    self.remaining = size
+        rest, self.buffer = self.buffer, b""
+        return rest
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def _parse_target(target_bytes: bytes) -> tuple[str, dict[str, str]]:
@@ -219,7 +399,7 @@ def _parse_headers(lines: list[bytes]) -> dict[str, str]:
         if key in headers:
             if key in _SINGLE:
                 raise HttpError(400, f"more than one {shown} header")
-            headers[key] += ", " + value.decode("latin-1")
+            headers[key] += ("; " if key == "cookie" else ", ") + value.decode("latin-1")
         else:
             headers[key] = value.decode("latin-1")
     return headers
@@ -234,21 +414,59 @@ def quote(data: bytes | str) -> str:
     return shown[:QUOTED_CHARS] + f"... ({len(text)} characters)"
 
 
+def cookie(request: Request, name: str) -> str | None:
+    """The value of cookie `name` in the request, if any (the first wins)."""
+    for part in request.headers.get("cookie", "").split(";"):
+        key, eq, value = part.strip().partition("=")
+        if eq and key == name:
+            return value.strip().strip('"')
+    return None
+
+
 # ---------------------------------------------------------------- the server
 
 
 class HttpServer:
-    def __init__(self, token: str | None = None) -> None:
+    def __init__(
+        self,
+        token: str | None = None,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
         self.routes: dict[str, Route] = {}
+        self.prefixes: dict[str, Route] = {}  # path prefix -> route (the longest that matches wins)
         self.server: asyncio.AbstractServer | None = None
         self._token = token.encode() if token else None
-        self.failures: dict[str, int] = {}  # route -> handler failures (answered 500)
+        self.max_body = max_body
+        self.max_connections = max_connections
+        self.counters = HttpCounters()
+        self.failures = self.counters.failures  # route -> handler failures (answered 500)
         self.refused: dict[str, int] = {}  # cause -> requests refused for their token (401)
         self.log_throttle = Throttle(LOG_INTERVAL)
+        self.streams: set[Stream] = set()  # streams being written
 
-    def route(self, path: str, handler: Handler, private: bool = False) -> None:
-        """Serve `path` with `handler`; `private`: only with the auth token, if the server has one."""
-        self.routes[path] = Route(handler, private)
+    def route(
+        self,
+        path: str,
+        handler: Handler,
+        private: bool = False,
+        methods: tuple[str, ...] = READ_METHODS,
+        prefix: bool = False,
+        browser: bool = False,
+    ) -> None:
+        """Serve `path` (or, with `prefix`, every path starting with it) with `handler` for
+        `methods`; `private`: only with the auth token, if the server has one; `browser`: the
+        token may also come as the broky_token cookie or ?access_token= (EventSource sets no
+        header)."""
+        (self.prefixes if prefix else self.routes)[path] = Route(handler, private, methods, browser)
+
+    def find(self, path: str) -> Route | None:
+        route = self.routes.get(path)
+        if route is None:
+            matches = [p for p in self.prefixes if path.startswith(p)]
+            if matches:
+                route = self.prefixes[max(matches, key=len)]
+        return route
 
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port."""
@@ -258,64 +476,192 @@ class HttpServer:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        for stream in list(self.streams):
+            stream.close()
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counters = self.counters
+        counters.accepted += 1
+        if counters.connections >= self.max_connections:
+            counters.refused_busy += 1
+            busy = HttpError(503, f"the server serves {self.max_connections} HTTP connections already; "
+                             "try again later")  # fmt: skip
+            await _last_answer(reader, writer, busy.answer())
+            return
+        counters.connections += 1
         try:
-            head = await _read_head(reader)
-            if head is None:
+            await self._serve(reader, writer)
+        finally:
+            counters.connections -= 1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        data = b""  # read beyond the previous request (pipelined)
+        while True:
+            try:
+                got = await _read_head(reader, data, idle=served > 0)
+                if got is None:
+                    writer.close()
+                    return
+                if isinstance(got, HttpError):
+                    if got.status == 408:
+                        self.counters.cut_slow += 1
+                    await _last_answer(reader, writer, got.answer())
+                    return
+                head, data = got
+                served += 1
+                self.counters.requests += 1
+                answer, data = await self._answer_with_body(reader, head, data)
+            except (OSError, TimeoutError):  # the client reset or vanished
                 writer.close()
                 return
-            answer = head.answer() if isinstance(head, HttpError) else await self.answer(head)
-        except (OSError, TimeoutError):  # the client reset or vanished
-            writer.close()
+            except Exception:  # a bug of ours outside any handler: logged like a handler's
+                self._failed("(request)")
+                answer = Answer(500, "application/json", error_body(500, "internal error"))
+            if not isinstance(answer, Answer):
+                await self._write_stream(reader, writer, *answer)
+                return
+            if answer.keep_alive and served < MAX_REQUESTS_PER_CONNECTION:
+                try:
+                    writer.write(answer.encode())
+                    async with asyncio.timeout(WRITE_TIMEOUT):
+                        await writer.drain()
+                except TimeoutError:
+                    self.counters.cut_slow += 1
+                    writer.close()
+                    return
+                except (OSError, RuntimeError):
+                    writer.close()
+                    return
+                continue
+            await _last_answer(reader, writer, _closing(answer))
             return
-        except Exception:  # a bug of ours outside any handler: logged like a handler's
-            self._failed("(request)")
-            answer = Answer(500, "text/plain", b"internal error\n")
+
+    async def _answer_with_body(
+        self, reader: asyncio.StreamReader, head: bytes, data: bytes
+    ) -> tuple[Answer | tuple[Stream, Request], bytes]:
+        """The answer to one request (a Stream with its request, or an Answer), and the bytes
+        read beyond its body."""
         try:
-            writer.write(answer.encode())
-            await writer.drain()
-            writer.write_eof()  # then wait for the client to close: see the theory of operation
-            await asyncio.wait_for(_discard(reader), LINGER_SECONDS)
-        except (OSError, RuntimeError, TimeoutError):  # the client went away (RuntimeError: closed transport)
-            pass
-        finally:
-            writer.close()
+            request = parse_head(head)
+        except HttpError as exc:
+            return exc.answer(), b""
+        try:
+            framing = body_framing(request)
+            limit = self.max_body
+            if framing is not None and framing > limit:
+                self.counters.too_large += 1
+                raise HttpError(413, f"body of {framing} bytes over {limit} (--http-max-body)")
+            body, data = await _read_body(reader, framing, data, limit)
+        except HttpError as exc:
+            if exc.status == 408:
+                self.counters.cut_slow += 1
+            elif exc.status == 413:
+                self.counters.too_large += 1
+            exc.send_body = request.method != "HEAD"
+            return _versioned(exc.answer(), request, keep=False), b""
+        request = Request(request.method, request.path, request.query, request.headers, request.version, body)
+        got = await self.respond(request)
+        if isinstance(got, Answer):
+            return _versioned(got, request, keep=request.keep_alive and got.status < 500), data
+        return (got, request), b""
 
     async def answer(self, head: bytes) -> Answer:
-        """The answer to one request head: parse, route, authorize, handle."""
+        """The answer to one request head without a body: parse, route, authorize, handle
+        (a Stream is closed and answered 200 without its body: for tests of the routes)."""
         try:
             request = parse_head(head)
         except HttpError as exc:
             return exc.answer()
+        got = await self.respond(request)
+        if isinstance(got, Answer):
+            return got
+        got.close()
+        return Answer(200, got.content_type, b"", got.headers, send_body=False)
+
+    async def respond(self, request: Request) -> Answer | Stream:
+        """Route, authorize and handle a parsed request."""
         send_body = request.method != "HEAD"
-        route = self.routes.get(request.path)
+        route = self.find(request.path)
         if route is None:
-            return Answer(404, "text/plain", b"not found\n", send_body=send_body)
+            return HttpError(404, f"no such path: {quote(request.path)}").answer_for(send_body)
+        if request.method not in route.methods:
+            allow = ", ".join(route.methods)
+            return HttpError(405, f"{allow} only", (("Allow", allow),)).answer_for(send_body)
         if route.private and self._token is not None:
-            refused = self._authorize(request)
+            refused = self._authorize(request, route.browser)
             if refused is not None:
-                refused.send_body = send_body
-                return refused.answer()
+                return refused.answer_for(send_body)
         try:
-            status, ctype, body = await route.handler(request)
+            got = await route.handler(request)
+        except HttpError as exc:  # the handler's own 4xx (or 503)
+            return exc.answer_for(send_body)
         except Exception:
             self._failed(request.path)
-            return Answer(500, "text/plain", b"internal error\n", send_body=send_body)
-        return Answer(status, ctype, body, send_body=send_body)
+            return Answer(500, "application/json", error_body(500, "internal error"), send_body=send_body)
+        if isinstance(got, tuple):
+            status, ctype, body = got
+            return Answer(status, ctype, body, send_body=send_body)
+        return got
 
-    def _authorize(self, request: Request) -> HttpError | None:
+    async def _write_stream(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: Stream, request: Request
+    ) -> None:
+        """Write `stream` (the last answer of its connection) until it ends or the client goes."""
+        chunked = request.version >= 1
+        lines = [
+            f"HTTP/1.{request.version} 200 OK",
+            f"Content-Type: {stream.content_type}",
+            *(f"{name}: {value}" for name, value in stream.headers),
+            "Cache-Control: no-cache",
+            "X-Accel-Buffering: no",
+            *(["Transfer-Encoding: chunked"] if chunked else []),
+            "Connection: close",
+        ]
+        self.streams.add(stream)
+        watcher = asyncio.get_running_loop().create_task(_watch_eof(reader, stream))
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            if request.method == "HEAD":
+                return
+            while (data := await stream.next()) is not None:
+                if data:
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+                    async with asyncio.timeout(WRITE_TIMEOUT):
+                        await writer.drain()
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+            async with asyncio.timeout(WRITE_TIMEOUT):
+                await writer.drain()
+        except TimeoutError:
+            self.counters.cut_slow += 1
+        except (OSError, RuntimeError):
+            pass
+        finally:
+            self.streams.discard(stream)
+            stream.close()
+            watcher.cancel()
+            writer.close()
+
+    def _authorize(self, request: Request, browser: bool) -> HttpError | None:
         """None when the request carries the token, else the 401 that says why not."""
         assert self._token is not None
         value = request.headers.get("authorization")
         scheme, _, credentials = (value or "").partition(" ")
         credentials = credentials.strip(" \t")
+        if value is None and browser:  # EventSource sets no header: a cookie, or the query
+            given = cookie(request, TOKEN_COOKIE)
+            if given is None:
+                given = request.query.get("access_token")
+            if given is not None:
+                value, scheme, credentials = given, "bearer", given
         if value is None:
             cause = "missing"
-            why = f"{request.path} needs the server's auth token: send 'Authorization: Bearer <token>'"
+            also = f", the {TOKEN_COOKIE} cookie or ?access_token=<token>" if browser else ""
+            why = f"{request.path} needs the server's auth token: send 'Authorization: Bearer <token>'{also}"
             challenge = 'Bearer realm="broky"'
         elif scheme.lower() != "bearer" or not credentials:
             cause = "malformed"
@@ -350,9 +696,35 @@ class HttpServer:
             )  # fmt: skip
 
 
-async def _read_head(reader: asyncio.StreamReader) -> bytes | HttpError | None:
-    """The request head, the error that ends the request instead, or None: nothing to answer."""
-    data = b""
+def _versioned(answer: Answer, request: Request, keep: bool) -> Answer:
+    return Answer(answer.status, answer.content_type, answer.body, answer.headers, answer.send_body,
+                  keep, request.version)  # fmt: skip
+
+
+def _closing(answer: Answer) -> Answer:
+    return Answer(answer.status, answer.content_type, answer.body, answer.headers, answer.send_body,
+                  False, answer.version)  # fmt: skip
+
+
+async def _last_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answer: Answer) -> None:
+    """Write the connection's last answer, shut the write side, linger, close."""
+    try:
+        writer.write(answer.encode())
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await writer.drain()
+        writer.write_eof()  # then wait for the client to close: see the theory of operation
+        await asyncio.wait_for(_discard(reader), LINGER_SECONDS)
+    except (OSError, RuntimeError, TimeoutError):  # the client went away (RuntimeError: closed transport)
+        pass
+    finally:
+        writer.close()
+
+
+async def _read_head(
+    reader: asyncio.StreamReader, data: bytes = b"", idle: bool = False
+) -> tuple[bytes, bytes] | HttpError | None:
+    """The request head and the bytes read after it, the error that ends the request instead,
+    or None: nothing to answer. `idle`: a kept-alive connection, whose silence is no error."""
     try:
         async with asyncio.timeout(REQUEST_TIMEOUT):
             while (end := head_length(data)) < 0:
@@ -365,12 +737,60 @@ async def _read_head(reader: asyncio.StreamReader) -> bytes | HttpError | None:
                     return HttpError(400, "the connection ended inside the request head")
                 data += chunk
     except TimeoutError:
-        if not data:
+        if not data.strip(b"\r\n") and (idle or not data):
             return None
         return HttpError(408, f"no complete request head within {REQUEST_TIMEOUT:g} s")
     if end < 0 or end > MAX_REQUEST_BYTES:
         return HttpError(431, f"request head over {MAX_REQUEST_BYTES} bytes")
-    return data[:end]
+    return data[:end], data[end:]
+
+
+async def _read_body(
+    reader: asyncio.StreamReader, framing: int | None, data: bytes, limit: int
+) -> tuple[bytes, bytes]:
+    """(the body, the bytes read beyond it) of a request framed `framing` (body_framing).
+
+    Raises:
+        HttpError: 400 (malformed chunks, or the connection ended inside the body), 408 (too
+            slow), 413 (over `limit`).
+    """
+    if framing == 0:
+        return b"", data
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT):
+            if framing is not None:
+                parts = [data[:framing]]
+                got = len(parts[0])
+                rest = data[framing:]
+                while got < framing:
+                    chunk = await asyncio.wait_for(reader.read(min(framing - got, 1 << 20)), REQUEST_TIMEOUT)
+                    if not chunk:
+                        raise HttpError(
+                            400, f"the connection ended inside the body ({got} of {framing} bytes)"
+                        )
+                    parts.append(chunk)
+                    got += len(chunk)
+                return b"".join(parts), rest
+            decoder = ChunkedDecoder(limit)
+            rest = decoder.feed(data)
+            while not decoder.done:
+                chunk = await asyncio.wait_for(reader.read(1 << 20), REQUEST_TIMEOUT)
+                if not chunk:
+                    raise HttpError(400, "the connection ended inside the chunked body")
+                rest = decoder.feed(chunk)
+            return decoder.body, rest
+    except TimeoutError:
+        raise HttpError(408, "the request body did not arrive in time") from None
+
+
+async def _watch_eof(reader: asyncio.StreamReader, stream: Stream) -> None:
+    """Close `stream` once its client closes (what it sends meanwhile is dropped)."""
+    try:
+        while await reader.read(65536):
+            pass
+    except (OSError, RuntimeError):
+        pass
+    stream.close()
 
 
 async def _discard(reader: asyncio.StreamReader) -> None:

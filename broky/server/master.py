@@ -72,8 +72,12 @@ last NOT_READY_AFTER_REFUSAL seconds, else 503 naming the workers and why);
 broky.server.monitor adds /metrics, /stats, /connections and /topics, whose
 worker counters the master asks for over the control channels
 (`worker_stats`); the last three need the auth token of a server that has one
-(broky.server.httpd checks it, the master hands it the token); and
-broky.server.console serves the live console, a page that reads them, at /. SIGTERM or
+(broky.server.httpd checks it, the master hands it the token);
+broky.server.console serves the live console, a page that reads them, at /;
+broky.server.gateway adds /v1/pub/ and /v1/sub/ (publish and subscribe over
+HTTP): from the first such request on, the master is also a client of its
+own workers (an SDK client, and a publish connection per worker), which it
+closes first when it stops, so the streams end cleanly. SIGTERM or
 SIGINT: stop accepting, ask every worker to say Goodbye and close, exit 0
 within 5 s. In cluster mode the first one drains the node first (`_drain`:
 its vbuckets go to the other members, at most --drain-timeout), and a node
@@ -111,7 +115,7 @@ from broky.protocol import (
 )
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
-from broky.server import console, fastpath, handoff, monitor
+from broky.server import console, fastpath, gateway, handoff, monitor
 from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig, env_name
 from broky.server.httpd import HttpServer, Request, Response
@@ -179,7 +183,7 @@ class Master:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
-        self.http = HttpServer(config.auth_token)
+        self.http = HttpServer(config.auth_token, config.http_max_body, config.http_max_connections)
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -200,6 +204,7 @@ class Master:
         self.node_grace = False  # a restart of this server was seen, and its grace given (`_note_restart`)
         self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
         self.cluster_task: asyncio.Task[None] | None = None
+        self.gateway: gateway.Gateway | None = None  # the /v1/ routes (set in `run`)
 
     # ------------------------------------------------------------ life
 
@@ -224,6 +229,7 @@ class Master:
         self.http.route("/readyz", self.readyz)
         monitor.install(self)
         console.install(self.http)
+        self.gateway = gateway.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
@@ -338,6 +344,8 @@ class Master:
                 pass
             self.listener.close()
         self.stopping = True  # handshakes cancelled from now on say Goodbye (_handshake)
+        if self.gateway is not None:  # its streams end cleanly, its client says goodbye
+            await self.gateway.close()
         handshakes = list(self.handshakes)
         if handshakes:
             log.info("goodbye to %d connections in the handshake", len(handshakes))

@@ -403,6 +403,7 @@ class SnapshotCollector:
         for i, n in enumerate(m.get("vbuckets_owned", [])):
             owned.add_metric([str(i)], float(n))
         yield owned
+        yield from _http_metrics(m.get("http", {}))
         yield from self._cluster_metrics()
 
     def _cluster_metrics(self) -> Iterator[Family]:
@@ -441,6 +442,46 @@ class SnapshotCollector:
             gauge = _gauge(name, doc)
             gauge.add_metric([], float(value))
             yield gauge
+
+
+# The HTTP port (broky.server.httpd, broky.server.gateway): (name, key in the master's "http"
+# view, help); a name ending in _total is a counter, else a gauge.
+HTTP_METRICS = (
+    ("broky_http_connections", "connections", "HTTP connections open now."),
+    ("broky_http_requests_total", "requests", "HTTP requests read."),
+    (
+        "broky_http_refused_total",
+        "refused_busy",
+        "HTTP connections refused (503) over --http-max-connections.",
+    ),
+    (
+        "broky_http_cut_slow_total",
+        "cut_slow",
+        "HTTP clients cut for slowness: a head or body not sent in time (408), an answer not read in time.",
+    ),
+    ("broky_http_too_large_total", "too_large", "HTTP request bodies over --http-max-body (413)."),
+    ("broky_http_published_total", "published", "Messages published through POST /v1/pub/."),
+    ("broky_http_streams", "streams", "HTTP subscription streams open now (GET /v1/sub/)."),
+    (
+        "broky_http_streams_cut_total",
+        "streams_cut",
+        "HTTP streams cut for their pending bytes (a slow reader).",
+    ),
+    ("broky_http_stream_losses_total", "losses_told", "Loss events written to HTTP streams (ndjson, SSE)."),
+    ("broky_http_resumed_total", "resumed", "Event streams resumed from their Last-Event-ID."),
+    (
+        "broky_http_resume_unknown_total",
+        "resume_unknown",
+        "Last-Event-IDs the server could not use whole (told to the client as a loss).",
+    ),
+)
+
+
+def _http_metrics(view: dict[str, Any]) -> Iterator[Family]:
+    for name, key, doc in HTTP_METRICS:
+        family = _counter(name, doc) if name.endswith("_total") else _gauge(name, doc)
+        family.add_metric([], float(view.get(key, 0)))
+        yield family
 
 
 class Exporter:

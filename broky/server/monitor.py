@@ -298,11 +298,39 @@ class Monitor:
             "handoffs_refused": _by_worker(m.handoffs_refused, m.config.workers),
             "connections_refused": dict(m.limits_refused),
             "vbuckets_owned": _owned(m),
+            "http": _http_view(m),
         }
 
     def _cluster_view(self) -> dict[str, Any] | None:
         cluster = self.master.cluster
         return None if cluster is None else cluster.view(self.master.config.workers)
+
+
+def _http_view(master: Observed) -> dict[str, Any]:
+    """The HTTP port's counters (broky.server.httpd) and the gateway's (broky.server.gateway)."""
+    c = master.http.counters
+    view: dict[str, Any] = {
+        "connections": c.connections,
+        "requests": c.requests,
+        "refused_busy": c.refused_busy,
+        "cut_slow": c.cut_slow,
+        "too_large": c.too_large,
+    }
+    gw = getattr(master, "gateway", None)
+    if gw is not None:
+        g = gw.counters
+        view.update(
+            published=g.published,
+            publish_requests=g.publish_requests,
+            streams=g.streams,
+            streams_total=g.streams_total,
+            delivered=g.delivered,
+            streams_cut=g.cut_slow,
+            losses_told=g.losses_told,
+            resumed=g.resumed,
+            resume_unknown=g.resume_unknown,
+        )
+    return view
 
 
 def _owned(master: Observed) -> list[int]:

@@ -1,0 +1,42 @@
+"""What the `broky` commands share: environment names, the default metrics port, how a
+command fails, the client options its arguments give, and how it runs a coroutine.
+
+broky.client.cli (the commands) and broky.client.info (`broky info`) both use them, so
+neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+ENV_TOKEN = "BROKY_AUTH_TOKEN"
+ENV_METRICS = "BROKY_METRICS"
+DEFAULT_METRICS_PORT = 9477
+
+
+def fail(command: str, message: object) -> int:
+    """One error line on stderr; the exit status 1."""
+    print(f"broky {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def client_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """connect()'s options from a command's arguments (the token from the environment too)."""
+    return {
+        "name": name,
+        "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
+        "connect_timeout": args.connect_timeout,
+    }
+
+
+def run(coro: Any) -> int:
+    """Run a command's coroutine on uvloop (asyncio without it); its exit status."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return int(asyncio.run(coro))
+    return int(uvloop.run(coro))

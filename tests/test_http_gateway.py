@@ -1,0 +1,576 @@
+"""The HTTP way in (broky.server.gateway over broky.server.httpd), with real `curl` processes
+against a real `broky serve`: a POST of 100,000 lines arrives intact and in order at an SDK
+subscriber, `curl -N` streams what the SDK publishes, an event-stream client that is cut and
+reconnects with Last-Event-ID misses nothing and gets nothing twice, errors and refusals say
+why in JSON, and the server's bounds (body, connections, slow heads, slow readers) hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import broky
+from broky.server import httpd
+from tests.requires import program
+from tests.serverproc import ServerProcess
+
+TOKEN = "gw-t0ken"
+AUTH = ("-H", f"Authorization: Bearer {TOKEN}")
+PARTITIONS = [f"p{i}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--auth-token", TOKEN).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[ServerProcess]:
+    """A server with small HTTP bounds, no token."""
+    proc = ServerProcess(
+        "--http-max-body", "1000", "--http-max-connections", "4", "--max-pending-bytes", "64K"
+    ).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def base(server: ServerProcess) -> str:
+    return f"http://{server.host}:{server.metrics_port}"
+
+
+def curl(*args: str, data: bytes | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    """(HTTP status, body) of one curl run."""
+    done = subprocess.run(
+        [program("curl"), "-sS", "-w", "\n%{http_code}", *args],
+        input=data,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    body, _, code = done.stdout.rpartition(b"\n")
+    return int(code), body
+
+
+def curl_json(*args: str, data: bytes | None = None) -> tuple[int, Any]:
+    status, body = curl(*args, data=data)
+    return status, json.loads(body)
+
+
+# ---------------------------------------------------------------- publish
+
+
+@pytest.mark.timeout(120)
+def test_a_post_of_100000_lines_arrives_intact_and_in_order_at_an_sdk_subscriber(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    lines = [json.dumps({"n": i, "text": f"line {i} \u00e9"}).encode() for i in range(100_000)]
+    path = tmp_path / "events.ndjson"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+    async def main() -> tuple[Any, list[broky.Message]]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            sub = await client.subscribe("bulk.>", max_pending_msgs=200_000, max_pending_bytes=64 << 20)
+            proc = await asyncio.create_subprocess_exec(
+                program("curl"), "-sS", *AUTH, "-X", "POST", "--data-binary", f"@{path}",
+                f"{base(server)}/v1/pub/bulk.events?partition=orders-7",
+                stdout=subprocess.PIPE,
+            )  # fmt: skip
+            got: list[broky.Message] = []
+            async with asyncio.timeout(90):
+                while len(got) < len(lines):
+                    got.append(await sub.next_msg())
+                out, _ = await proc.communicate()
+            assert proc.returncode == 0
+            return json.loads(out), got
+
+    answer, got = asyncio.run(main())
+    assert [m.payload for m in got] == lines
+    assert {(m.key, m.key_partition) for m in got} == {(b"bulk.events", b"orders-7")}
+    assert answer["published"] == 100_000 and answer["exact"] is True
+    first, last = got[0], got[-1]
+    assert answer["first"] == [first.vbucket, str(first.epoch), first.offset]
+    assert answer["last"] == [last.vbucket, str(last.epoch), last.offset]
+    assert last.offset - first.offset == 99_999
+
+
+def test_lines_0_publishes_the_body_as_one_message_and_chunked_bodies_are_taken(
+    server: ServerProcess,
+) -> None:
+    async def main() -> list[bytes]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            sub = await client.subscribe("whole.>")
+            url = f"{base(server)}/v1/pub/whole.doc?lines=0"
+            status, answer = await asyncio.to_thread(
+                curl_json, *AUTH, "--data-binary", "@-", url, data=b"a\nb\n"
+            )
+            assert (status, answer["published"]) == (200, 1)
+            status, answer = await asyncio.to_thread(
+                curl_json, *AUTH, "-H", "Transfer-Encoding: chunked", "--data-binary", "@-",
+                f"{base(server)}/v1/pub/whole.lines?partition=x", data=b"c\nd\n" * 5000,
+            )  # fmt: skip
+            assert (status, answer["published"]) == (200, 10_000)
+            return [(await sub.next_msg(10)).payload for _ in range(10_001)]
+
+    got = asyncio.run(main())
+    assert got == [b"a\nb\n", *[b"c", b"d"] * 5000]
+
+
+def test_keep_alive_carries_many_requests_on_one_connection(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/pub/ka.x?partition=k"
+    done = subprocess.run(
+        [program("curl"), "-sS", *AUTH, "-w", "%{num_connects}\n", "--data-binary", "x",
+         "-o", "/dev/null", url, "-o", "/dev/null", "--data-binary", "y", url,
+         "-o", "/dev/null", "--data-binary", "z", url],
+        capture_output=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == [b"1", b"0", b"0"]  # one connection for the three
+
+
+# ---------------------------------------------------------------- subscribe
+
+
+async def _stream_until(
+    proc: asyncio.subprocess.Process, want: Any, timeout: float = 30, or_timeout: bool = False
+) -> list[bytes]:
+    """Lines of `proc`'s stdout until `want(lines)` holds (`or_timeout`: or the time is up)."""
+    assert proc.stdout is not None
+    lines: list[bytes] = []
+    try:
+        async with asyncio.timeout(timeout):
+            while not want(lines):
+                line = await proc.stdout.readline()
+                assert line, f"the stream ended: {lines[-5:]}"
+                lines.append(line.rstrip(b"\n"))
+    except TimeoutError:
+        if not or_timeout:
+            raise
+    return lines
+
+
+async def _warm_up(client: broky.Client, proc: asyncio.subprocess.Process, key: str) -> list[bytes]:
+    """Publish to `key` until the stream shows one: then its subscription is in place."""
+    assert proc.stdout is not None
+    async with asyncio.timeout(20):
+        while True:
+            await client.publish("warm", key, b"warm")
+            try:
+                async with asyncio.timeout(0.1):
+                    line = await proc.stdout.readline()
+            except TimeoutError:
+                continue
+            return [line.rstrip(b"\n")]
+
+
+def test_curl_n_streams_what_the_sdk_publishes_as_ndjson_and_raw(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            for fmt in ("ndjson", "raw"):
+                proc = await asyncio.create_subprocess_exec(
+                    program("curl"), "-sSN", *AUTH, f"{base(server)}/v1/sub/live.>?format={fmt}",
+                    stdout=subprocess.PIPE,
+                )  # fmt: skip
+                try:
+                    await _warm_up(client, proc, "live.warm")
+                    sent = [f"m-{i}".encode() for i in range(1000)]
+                    for i, payload in enumerate(sent):
+                        await client.publish(PARTITIONS[i % 8], f"live.{i % 3}", payload)
+                    lines = await _stream_until(proc, lambda ls: sum(1 for x in ls if b"m-" in x) >= 1000)
+                finally:
+                    proc.kill()
+                    await proc.wait()
+                if fmt == "raw":
+                    payloads = [line for line in lines if line.startswith(b"m-")]
+                else:
+                    records = [json.loads(line) for line in lines]
+                    payloads = [r["payload"].encode() for r in records if r["key"] != "live.warm"]
+                    assert {r["key_partition"] for r in records if r["key"] != "live.warm"} == set(PARTITIONS)
+                for p in PARTITIONS:  # in order per partition, every one
+                    mine = [s for i, s in enumerate(sent) if PARTITIONS[i % 8] == p]
+                    assert [x for x in payloads if x in set(mine)] == mine
+
+    asyncio.run(main())
+
+
+def _events(lines: list[bytes]) -> list[dict[str, Any]]:
+    """The SSE events in `lines` (complete ones: followed by their empty line)."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    for line in lines:
+        if not line:
+            if current:
+                events.append(current)
+            current = {}
+        elif not line.startswith(b":"):
+            name, _, value = line.decode().partition(": ")
+            current[name] = value
+    return events
+
+
+@pytest.mark.timeout(90)
+def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/sse.>"
+    accept = ("-H", "Accept: text/event-stream")
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            first = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *accept, url + f"?access_token={TOKEN}", stdout=subprocess.PIPE
+            )
+            await _warm_up(client, first, "sse.warm")
+            sent = [(PARTITIONS[i % 8], f"e-{i}".encode()) for i in range(600)]
+            for part, payload in sent[:300]:
+                await client.publish(part, "sse.x", payload)
+
+            def enough(ls: list[bytes]) -> bool:
+                return sum(1 for e in _events(ls) if e.get("data", "").find('"e-') >= 0) >= 150
+
+            lines = await _stream_until(first, enough)
+            first.kill()  # mid-stream: what it had not read is gone with it
+            await first.wait()
+            events = [e for e in _events(lines) if "id" in e]
+            last_id = events[-1]["id"]
+            for part, payload in sent[300:]:  # while it is away
+                await client.publish(part, "sse.x", payload)
+            second = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *accept, "-H", f"Last-Event-ID: {last_id}",
+                "--cookie", f"broky_token={TOKEN}", url, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            need = len(sent) - sum(1 for e in events if '"e-' in e.get("data", ""))
+            try:  # (on a timeout, what came: the comparison below says what is missing)
+                more = await _stream_until(
+                    second,
+                    lambda ls: sum(1 for e in _events(ls) if '"e-' in e.get("data", "")) >= need,
+                    20,
+                    True,
+                )
+            finally:
+                second.kill()
+                await second.wait()
+            resumed = _events(more)
+            assert not [e for e in resumed if e.get("event") in ("loss", "cut")], resumed[:3]
+            got = [
+                json.loads(e["data"])
+                for e in [*events, *(e for e in resumed if "id" in e)]
+                if '"e-' in e.get("data", "")
+            ]
+            payloads = [g["payload"].encode() for g in got]
+            assert sorted(payloads) == sorted(p for _, p in sent)  # each once
+            for p in PARTITIONS:  # in order per partition
+                mine = [pl for part, pl in sent if part == p]
+                assert [g["payload"].encode() for g in got if g["key_partition"] == p] == mine
+            for g, e in zip(got, [e for e in [*events, *resumed] if '"e-' in e.get("data", "")], strict=True):
+                vb, epoch, offset = (int(x, 36) for x in e["id"].split(".")[:3])
+                assert (vb, str(epoch), offset) == (g["vbucket"], g["epoch"], g["offset"])
+
+    asyncio.run(main())
+
+
+def test_an_id_the_server_cannot_use_resumes_its_vbucket_and_says_so(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/gone.>"
+    done = subprocess.run(
+        [program("curl"), "-sSN", "-m", "2", *AUTH, "-H", "Accept: text/event-stream",
+         "-H", "Last-Event-ID: 1.2.3.zzzz.nope", url],
+        capture_output=True, timeout=30, check=False,
+    )  # fmt: skip
+    events = _events(done.stdout.split(b"\n"))
+    loss = [json.loads(e["data"]) for e in events if e.get("event") == "loss"]
+    # First the id the server could not use, then the worker's word on its position: an epoch
+    # it never had (told to this stream alone: the subscription's own LossNotice).
+    assert loss == [
+        {"dropped": None, "reason": "resume_unknown", "scope": "stream"},
+        {"dropped": 0, "reason": "epoch_changed", "scope": "stream"},
+    ]
+
+
+# ---------------------------------------------------------------- errors and refusals
+
+
+def test_4xx_answers_say_what_was_wrong_in_json(server: ServerProcess) -> None:
+    b = base(server)
+    cases = [
+        (("-X", "POST", f"{b}/v1/pub/a.b?lines=2"), 400, "lines must be 0"),
+        (("-X", "POST", f"{b}/v1/pub/"), 400, "the key is missing"),
+        ((f"{b}/v1/sub/a..b",), 400, "bad pattern 'a..b': an empty token"),
+        ((f"{b}/v1/sub/a.>.b",), 400, "bad pattern 'a.>.b': '>' may only be the last token"),
+        ((f"{b}/v1/sub/a.b*",), 400, "bad pattern 'a.b*': a wildcard inside a token"),
+        ((f"{b}/v1/sub/",), 400, "bad pattern '': the pattern is empty"),
+        ((f"{b}/v1/sub/a?format=xml",), 400, "format must be one of ndjson, raw, sse"),
+        ((f"{b}/v1/sub/a?last=-1",), 400, "last must be a count"),
+        ((f"{b}/v1/sub/a?since_time=yesterday",), 400, "since_time must be"),
+        ((f"{b}/v1/sub/a?format=ndjson&last_event_id=x",), 400, "resumes an event stream"),
+        ((f"{b}/v1/sub/a?format=sse&last_event_id=x",), 400, "is not an id this server gave"),
+        ((f"{b}/v1/pub/a.b",), 405, "POST only"),
+        (("-X", "POST", f"{b}/v1/sub/a"), 405, "GET, HEAD only"),
+        ((f"{b}/v1/nothing",), 404, "no such path"),
+        (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST only"),
+    ]
+    too_big = b"x" * (1 << 20)  # --max-frame-bytes is 1 MiB: no room for the rest of the frame
+    status, body = curl_json(*AUTH, "--data-binary", "@-", f"{b}/v1/pub/big.x?lines=0", data=too_big)
+    assert status == 413 and body["error"].startswith("a message of 1048576 bytes: at most ")
+    for args, status, text in cases:
+        got_status, body = curl_json(*AUTH, *args)
+        assert (got_status, body["status"]) == (status, status), (args, body)
+        assert body["error"].startswith(text) or text in body["error"], (args, body)
+
+
+def test_401_says_why_for_each_way_of_giving_the_token(server: ServerProcess) -> None:
+    b = base(server)
+    pub = f"{b}/v1/pub/auth.x"
+    status, body = curl_json("--data-binary", "x", pub)
+    assert status == 401 and body["error"] == (
+        "/v1/pub/auth.x needs the server's auth token: send 'Authorization: Bearer <token>', "
+        "the broky_token cookie or ?access_token=<token>"
+    )
+    status, body = curl_json("-H", "Authorization: Basic dXNlcjpwdw==", "--data-binary", "x", pub)
+    assert (status, body["error"]) == (401, "malformed Authorization header: expected 'Bearer <token>'")
+    for way in (("-H", "Authorization: Bearer nope"), ("--cookie", "broky_token=nope"), ()):
+        target = pub + ("?access_token=nope" if not way else "")
+        status, body = curl_json(*way, "--data-binary", "x", target)
+        assert (status, body["error"]) == (401, "wrong auth token"), way
+    for way in (AUTH, ("--cookie", f"a=1; broky_token={TOKEN}"), ()):
+        target = pub + (f"?access_token={TOKEN}" if not way else "")
+        status, body = curl_json(*way, "--data-binary", "x", target)
+        assert (status, body["published"]) == (200, 1), way
+    log = server.log()
+    assert TOKEN not in log and "Traceback" not in log
+
+
+def test_a_body_over_http_max_body_is_413_with_either_framing(small: ServerProcess) -> None:
+    url = f"{base(small)}/v1/pub/big.x"
+    status, body = curl_json("--data-binary", "@-", url, data=b"x" * 1001)
+    assert (status, body["error"]) == (413, "body of 1001 bytes over 1000 (--http-max-body)")
+    status, body = curl_json("-H", "Transfer-Encoding: chunked", "--data-binary", "@-", url, data=b"x" * 1001)
+    assert (status, body["error"]) == (413, "body over 1000 bytes (--http-max-body)")
+    status, body = curl_json("--data-binary", "@-", url, data=b"x" * 1000)
+    assert (status, body["published"]) == (200, 1)
+
+
+def _raw(server: ServerProcess) -> socket.socket:
+    return socket.create_connection((server.host, server.metrics_port), timeout=15)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.timeout(60)
+def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: ServerProcess) -> None:
+    held = [_raw(small) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /v1/sub/x HTTP/1.1\r\nHost: x\r\n")  # and never the end of the head
+        time.sleep(0.3)
+        with _raw(small) as extra:
+            answer = _read_all(extra)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 503 ")
+        assert json.loads(body)["error"].startswith("the server serves 4 HTTP connections already")
+        started = time.monotonic()
+        for sock in held:  # each cut after REQUEST_TIMEOUT, told why
+            head, _, body = _read_all(sock).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 408 "), head
+            assert json.loads(body)["error"] == f"no complete request head within {httpd.REQUEST_TIMEOUT:g} s"
+        assert time.monotonic() - started < httpd.REQUEST_TIMEOUT + 2
+    finally:
+        for sock in held:
+            sock.close()
+    status, body = curl("-o", "/dev/null", f"{base(small)}/healthz")
+    assert status == 200  # served again once they are gone
+    metrics = curl(f"{base(small)}/metrics")[1].decode()
+    assert "broky_http_refused_total 1" in metrics
+    assert "broky_http_cut_slow_total 4" in metrics
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(small: ServerProcess) -> None:
+    with _raw(small) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /v1/sub/slow.> HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+        time.sleep(0.5)
+
+        async def flood() -> None:
+            async with broky.connect(small.url) as client:
+                for i in range(3000):
+                    await client.publish(PARTITIONS[i % 8], "slow.x", os.urandom(500).hex().encode())
+                await client.flush()
+
+        asyncio.run(flood())
+        time.sleep(1.0)
+        data = _read_all(sock)
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked" in data
+    assert data.endswith(b"0\r\n\r\n")  # the stream's end, not a cut connection
+    assert b"event: cut\ndata: " in data
+    cut = data[data.index(b"event: cut") :].split(b"\n")[1]
+    told = json.loads(cut.removeprefix(b"data: "))
+    assert told["reason"] == "slow_consumer" and told["limit"] == 64 << 10
+    metrics = curl(f"{base(small)}/metrics")[1].decode()
+    assert "broky_http_streams_cut_total 1" in metrics
+
+
+# ---------------------------------------------------------------- the README's examples
+
+
+def _readme_http() -> tuple[list[str], list[str]]:
+    """The README's HTTP section: its shell command lines, and its JSON examples."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("\n## HTTP\n", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line
+        for block in re.findall(r"```sh\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    return commands, re.findall(r"```json\n(.*?)\n```", section, re.S)
+
+
+def _gauge(server: ServerProcess, name: str) -> float:
+    text = curl(f"{base(server)}/metrics")[1].decode()
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_curl_examples_work_as_written(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    s = start_server()
+    commands, examples = _readme_http()
+    here = f"{s.host}:{s.metrics_port}"
+    env = {**os.environ, "BROKY_AUTH_TOKEN": "unused: this server has no token"}
+    streams = [c for c in commands if "curl -N" in c]
+    others = [c for c in commands if "curl -N" not in c]
+    assert len(streams) == 3 and len(others) == 5, commands
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", c.replace("localhost:9477", here)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        for c in streams
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        while _gauge(s, "broky_http_streams") < 3:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.1)
+        outputs = [
+            subprocess.run(
+                ["bash", "-c", c.replace("localhost:9477", here)],
+                cwd=tmp_path,
+                capture_output=True,
+                env=env,
+                timeout=30,
+                check=True,
+            ).stdout
+            for c in others
+        ]
+        time.sleep(1.0)
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+    got = [proc.communicate(timeout=10)[0] for proc in procs]
+    # The outputs are those shown, but for the epoch (a new one per server start) and the uid.
+    published = [json.loads(out) for out in outputs if out.startswith(b'{"published"')]
+    assert [p["published"] for p in published] == [2, 1, 2]
+    shown = json.loads(examples[0])
+    first = published[0]
+    epoch = first["first"][1]
+    assert json.dumps(first) == json.dumps(shown).replace(shown["first"][1], epoch)
+    assert outputs[-1].decode().strip() == examples[-1].strip()  # the 400
+    ndjson, raw, sse = got
+    line = json.loads(ndjson.split(b"\n")[0])
+    example = json.loads(examples[1])
+    assert list(line) == list(example)
+    assert {k: line[k] for k in ("key", "key_partition", "payload", "vbucket", "offset")} == {
+        k: example[k] for k in ("key", "key_partition", "payload", "vbucket", "offset")
+    }
+    assert raw.split(b"\n")[:2] == [b'{"id": 1}', b'{"id": 2}']
+    events = _events(sse.split(b"\n"))
+    assert [json.loads(e["data"])["payload"] for e in events if "id" in e][:2] == ['{"id": 1}', '{"id": 2}']
+
+
+def test_last_and_since_time_start_with_retained_messages(server: ServerProcess) -> None:
+    began = time.time()
+
+    async def publish() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            for i in range(5):
+                await client.publish("hist", "hist.x", b"h-%d" % i)
+            # Not left to close(): it drops what waits for a worker whose first connection is
+            # still being made (stats.unsent_on_close), as when another client holds the first.
+            await client.flush()
+
+    asyncio.run(publish())
+    url = f"{base(server)}/v1/sub/hist.>"
+    for query, expected in (
+        ("?format=raw&last=2", [b"h-3", b"h-4"]),
+        (f"?format=raw&since_time={began:.6f}", [b"h-0", b"h-1", b"h-2", b"h-3", b"h-4"]),
+        ("?format=raw&since_time=" + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began - 1)),
+         [b"h-0", b"h-1", b"h-2", b"h-3", b"h-4"]),
+        ("?format=raw", []),
+    ):  # fmt: skip
+        done = subprocess.run(
+            [program("curl"), "-sSN", "-m", "1.5", *AUTH, url + query],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.stdout.split(b"\n")[:-1] == expected, query
+
+
+def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/over.>?format=sse"
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            first = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, url, stdout=subprocess.PIPE
+            )
+            await _warm_up(client, first, "over.warm")
+            for i in range(5):
+                await client.publish("o", "over.x", b"o-%d" % i)
+            lines = await _stream_until(
+                first, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 2
+            )
+            mid = [e for e in _events(lines) if "o-" in e.get("data", "")][1]["id"]  # after o-1
+            second = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, "-H", f"Last-Event-ID: {mid}", url, stdout=subprocess.PIPE
+            )
+            try:
+                async with asyncio.timeout(10):
+                    assert await first.wait() == 0  # its stream ended (with its last chunk)
+                more = await _stream_until(
+                    second, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 3
+                )
+            finally:
+                second.kill()
+                await second.wait()
+            events = _events(more)
+            assert not [e for e in events if e.get("event") == "loss"]
+            assert [json.loads(e["data"])["payload"] for e in events if "id" in e] == ["o-2", "o-3", "o-4"]
+
+    asyncio.run(main())
