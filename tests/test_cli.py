@@ -302,7 +302,9 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
     ("args", "message"),
     [
         (["pub", "k", "x", "--server", "nats://h:1"], b"argument --server: unsupported scheme"),
-        (["sub", "a..b", "--server", "127.0.0.1:1"], b"argument PATTERN: empty token"),
+        (["sub", "a..b", "--server", "127.0.0.1:1"], b"argument PATTERN: empty token in pattern 'a..b'"),
+        (["sub", "a.>.b"], b"argument PATTERN: '>' must be the last token in 'a.>.b'"),
+        (["sub", "a.b*"], b"argument PATTERN: wildcards must be whole tokens in 'a.b*'"),
         (["sub", "k", "--count", "0"], b"argument --count: must be at least 1, not 0"),
         (["sub", "k", "--count", "many"], b"argument --count: 'many' is not a whole number"),
         (["pub", "", "x"], b"argument KEY: must not be empty"),
@@ -312,7 +314,10 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
         (["pub", "k.", "x"], b"argument KEY: 'k.' has an empty token"),
         (["pub", "k", "x", "--connect-timeout", "-1"], b"argument --connect-timeout: must be a positive"),
         (["info", "--connect-timeout", "nan"], b"argument --connect-timeout: must be a positive"),
-        (["sub", "k", "--no-such-option"], b"unrecognized arguments: --no-such-option"),
+        (["sub", "k", "--no-such-option"], b"broky sub: error: unrecognized arguments: --no-such-option"),
+        (["pub", "k", "x", "y"], b"broky pub: error: unrecognized arguments: y"),
+        (["cluster", "status", "--no-such-option"], b"broky cluster status: error: unrecognized arguments"),
+        (["--no-such-option", "pub", "k", "x"], b"broky: error: unrecognized arguments: --no-such-option"),
         (["sub", "k", "--since-time", "yesterday"], b"argument --since-time: 'yesterday' is not a duration"),
         (["sub", "k", "--last", "-1"], b"argument --last: must be at least 1"),
         (["sub", "k", "--ack"], b"--key-shared and --ack need --group NAME"),
@@ -328,7 +333,8 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: bytes) 
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
     assert done.stderr.count(b"\n") == 1, done.stderr
-    assert re.match(rb"broky( [a-z]+)?: error: ", done.stderr), done.stderr
+    assert re.match(rb"broky( [a-z]+)*: error: ", done.stderr), done.stderr
+    assert b" b'" not in done.stderr and b"_" not in done.stderr, done.stderr  # no reprs, no names
     assert done.stdout == b""
 
 
