@@ -167,9 +167,9 @@ class ServerShutdownError(BrokyConnectionError):
     """
 
     def __init__(self, reason: str, processed: int = 0) -> None:
-        super().__init__(
-            f"the server is shutting down: {reason}" if reason else "the server is shutting down"
-        )
+        # the server's own reason is "server shutting down": say it once
+        said = reason and reason.lower().removeprefix("server ") != "shutting down"
+        super().__init__(f"the server is shutting down: {reason}" if said else "the server is shutting down")
         self.reason = reason
         self.processed = processed
 
