@@ -125,6 +125,15 @@ class PayloadTooLargeError(LocalProtocolError):
         self.limit = limit
 
 
+class PayloadTypeError(LocalProtocolError, TypeError):
+    """A payload that is not bytes (a str, say): encode it first (`text.encode()`).
+
+    Also a TypeError, as Python raises for a wrong argument type. A payload is
+    opaque bytes: the SDK does not guess an encoding for it (keys, which are
+    names, take a str as UTF-8).
+    """
+
+
 class BadPatternError(LocalProtocolError):
     """A subscription pattern breaks the key pattern syntax."""
 

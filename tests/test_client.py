@@ -361,6 +361,24 @@ def test_auth_token(start_server: Callable[..., ServerProcess]) -> None:
         broky.connect_sync(server.url, auth_token="wrong")
 
 
+def test_a_str_payload_is_a_type_error_that_says_to_encode_it(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            sub = await client.subscribe("text")
+            for _ in range(3):  # the first publish of a shape, then its template's fast path
+                with pytest.raises(TypeError, match=r"payload must be bytes, not str: encode it"):
+                    await client.publish(b"kp", b"text", "héllo")  # type: ignore[arg-type]
+                await client.publish(b"kp", b"text", "héllo".encode())
+            with pytest.raises(broky.PayloadTypeError):  # a LocalProtocolError too, as before
+                client.publish_nowait(b"kp", b"text", "x")  # type: ignore[arg-type]
+            assert [m.payload for m in await take(sub, 3)] == ["héllo".encode()] * 3
+
+    run(main)
+    assert issubclass(broky.PayloadTypeError, broky.LocalProtocolError)
+    with broky.connect_sync(server.url) as c, pytest.raises(TypeError, match="encode it"):
+        c.publish(b"kp", b"text", "x")  # type: ignore[arg-type]
+
+
 def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:
     async def main() -> None:
         client = await broky.connect(server.url)
