@@ -168,6 +168,14 @@ class BrokyConnectionError(BrokyError, ConnectionError):
     """No connection to the server could be made or kept."""
 
 
+class NoServerError(BrokyConnectionError):
+    """Every address tried refused the connection: no server listens there.
+
+    A host that does not answer at all is a BrokyConnectionError after the
+    timeout; a refusal is immediate (see `wait_for_server` in `broky.connect`).
+    """
+
+
 class ServerShutdownError(BrokyConnectionError):
     """The server said Goodbye (it is shutting down) and closes the connection.
 
