@@ -41,6 +41,19 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """As argparse's, but arguments left over are an error of this parser.
+
+        argparse hands a subcommand's leftovers up to `broky`, whose error would
+        say `broky: error: unrecognized arguments` for a `broky serve` option.
+        """
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `broky` parser: with every command, or with `command`'s alone if it is one."""

@@ -125,6 +125,15 @@ class PayloadTooLargeError(LocalProtocolError):
         self.limit = limit
 
 
+class PayloadTypeError(LocalProtocolError, TypeError):
+    """A payload that is not bytes (a str, say): encode it first (`text.encode()`).
+
+    Also a TypeError, as Python raises for a wrong argument type. A payload is
+    opaque bytes: the SDK does not guess an encoding for it (keys, which are
+    names, take a str as UTF-8).
+    """
+
+
 class BadPatternError(LocalProtocolError):
     """A subscription pattern breaks the key pattern syntax."""
 
@@ -159,6 +168,14 @@ class BrokyConnectionError(BrokyError, ConnectionError):
     """No connection to the server could be made or kept."""
 
 
+class NoServerError(BrokyConnectionError):
+    """Every address tried refused the connection: no server listens there.
+
+    A host that does not answer at all is a BrokyConnectionError after the
+    timeout; a refusal is immediate (see `wait_for_server` in `broky.connect`).
+    """
+
+
 class ServerShutdownError(BrokyConnectionError):
     """The server said Goodbye (it is shutting down) and closes the connection.
 
@@ -167,9 +184,9 @@ class ServerShutdownError(BrokyConnectionError):
     """
 
     def __init__(self, reason: str, processed: int = 0) -> None:
-        super().__init__(
-            f"the server is shutting down: {reason}" if reason else "the server is shutting down"
-        )
+        # the server's own reason is "server shutting down": say it once
+        said = reason and reason.lower().removeprefix("server ") != "shutting down"
+        super().__init__(f"the server is shutting down: {reason}" if said else "the server is shutting down")
         self.reason = reason
         self.processed = processed
 

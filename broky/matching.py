@@ -38,6 +38,11 @@ MAX_PATTERN_BYTES = 4096
 MAX_CACHED_KEY_BYTES = 256  # longer keys are matched every time: the cache must not pin big keys
 
 
+def _shown(pattern: bytes) -> str:
+    """A pattern for a message: as text in quotes, a byte that is not UTF-8 as \\xNN (not b'...')."""
+    return "'" + pattern.decode(errors="backslashreplace") + "'"
+
+
 def parse_pattern(pattern: bytes) -> list[bytes]:
     """Split and validate a pattern.
 
@@ -52,11 +57,11 @@ def parse_pattern(pattern: bytes) -> list[bytes]:
     last = len(tokens) - 1
     for i, token in enumerate(tokens):
         if not token:
-            raise BadPatternError(f"empty token in pattern {pattern!r}")
+            raise BadPatternError(f"empty token in pattern {_shown(pattern)}")
         if token == GT and i != last:
-            raise BadPatternError(f"'>' must be the last token in {pattern!r}")
+            raise BadPatternError(f"'>' must be the last token in {_shown(pattern)}")
         if token not in (STAR, GT) and (b"*" in token or b">" in token):
-            raise BadPatternError(f"wildcards must be whole tokens in {pattern!r}")
+            raise BadPatternError(f"wildcards must be whole tokens in {_shown(pattern)}")
     return tokens
 
 

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -302,7 +303,9 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
     ("args", "message"),
     [
         (["pub", "k", "x", "--server", "nats://h:1"], b"argument --server: unsupported scheme"),
-        (["sub", "a..b", "--server", "127.0.0.1:1"], b"argument PATTERN: empty token"),
+        (["sub", "a..b", "--server", "127.0.0.1:1"], b"argument PATTERN: empty token in pattern 'a..b'"),
+        (["sub", "a.>.b"], b"argument PATTERN: '>' must be the last token in 'a.>.b'"),
+        (["sub", "a.b*"], b"argument PATTERN: wildcards must be whole tokens in 'a.b*'"),
         (["sub", "k", "--count", "0"], b"argument --count: must be at least 1, not 0"),
         (["sub", "k", "--count", "many"], b"argument --count: 'many' is not a whole number"),
         (["pub", "", "x"], b"argument KEY: must not be empty"),
@@ -312,7 +315,10 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
         (["pub", "k.", "x"], b"argument KEY: 'k.' has an empty token"),
         (["pub", "k", "x", "--connect-timeout", "-1"], b"argument --connect-timeout: must be a positive"),
         (["info", "--connect-timeout", "nan"], b"argument --connect-timeout: must be a positive"),
-        (["sub", "k", "--no-such-option"], b"unrecognized arguments: --no-such-option"),
+        (["sub", "k", "--no-such-option"], b"broky sub: error: unrecognized arguments: --no-such-option"),
+        (["pub", "k", "x", "y"], b"broky pub: error: unrecognized arguments: y"),
+        (["cluster", "status", "--no-such-option"], b"broky cluster status: error: unrecognized arguments"),
+        (["--no-such-option", "pub", "k", "x"], b"broky: error: unrecognized arguments: --no-such-option"),
         (["sub", "k", "--since-time", "yesterday"], b"argument --since-time: 'yesterday' is not a duration"),
         (["sub", "k", "--last", "-1"], b"argument --last: must be at least 1"),
         (["sub", "k", "--ack"], b"--key-shared and --ack need --group NAME"),
@@ -328,15 +334,47 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: bytes) 
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
     assert done.stderr.count(b"\n") == 1, done.stderr
-    assert re.match(rb"broky( [a-z]+)?: error: ", done.stderr), done.stderr
+    assert re.match(rb"broky( [a-z]+)*: error: ", done.stderr), done.stderr
+    assert b" b'" not in done.stderr and b"_" not in done.stderr, done.stderr  # no reprs, no names
     assert done.stdout == b""
 
 
-def test_no_server_is_a_clear_error(unused_port: int) -> None:
-    for command in (["pub", "k", "x"], ["sub", "k"], ["info"]):
-        done = broky_cli(*command, "--server", f"127.0.0.1:{unused_port}", "--connect-timeout", "0.3")
+def test_no_server_is_a_clear_error_at_once(unused_port: int) -> None:
+    # a refused connection is an answer: nothing listens there. The 5 s timeout is not waited.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other = s.getsockname()[1]
+    for command, seeds in (
+        (["pub", "k", "x"], [unused_port]),
+        (["sub", "k"], [unused_port, other]),
+        (["info"], [unused_port]),
+    ):
+        tried = ", ".join(f"127.0.0.1:{port}" for port in seeds)
+        began = time.monotonic()
+        done = broky_cli(*command, "--server", tried.replace(" ", ""))
+        took = time.monotonic() - began
         assert done.returncode == 1
-        assert b"cannot connect" in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+        expected = (
+            f"broky {command[0]}: error: connection refused at {tried}: no server listens there "
+            "(is `broky serve` running? `./run serve` starts one)\n"
+        )
+        assert done.stderr == expected.encode(), done.stderr
+        assert took < 4, took  # an interpreter's start and a refusal, not the 5 s timeout
+
+
+def test_an_address_that_does_not_answer_gets_the_whole_timeout() -> None:
+    # a listening socket nobody accepts from: the TCP connection is made, no Welcome comes
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        address = f"127.0.0.1:{mute.getsockname()[1]}"
+        began = time.monotonic()
+        done = broky_cli("pub", "k", "x", "--server", address, "--connect-timeout", "1")
+        took = time.monotonic() - began
+    assert done.returncode == 1
+    assert f"cannot connect to broky://{address} within 1 s".encode() in done.stderr, done.stderr
+    assert b"broky serve" not in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+    assert took >= 1, took
 
 
 def test_wrong_token_is_a_clear_error(start_server: Callable[..., ServerProcess]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -359,6 +361,58 @@ def test_auth_token(start_server: Callable[..., ServerProcess]) -> None:
     run(main)
     with pytest.raises(broky.AuthenticationError):
         broky.connect_sync(server.url, auth_token="wrong")
+
+
+def test_a_str_payload_is_a_type_error_that_says_to_encode_it(server: ServerProcess) -> None:
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            sub = await client.subscribe("text")
+            for _ in range(3):  # the first publish of a shape, then its template's fast path
+                with pytest.raises(TypeError, match=r"payload must be bytes, not str: encode it"):
+                    await client.publish(b"kp", b"text", "héllo")  # type: ignore[arg-type]
+                await client.publish(b"kp", b"text", "héllo".encode())
+            with pytest.raises(broky.PayloadTypeError):  # a LocalProtocolError too, as before
+                client.publish_nowait(b"kp", b"text", "x")  # type: ignore[arg-type]
+            assert [m.payload for m in await take(sub, 3)] == ["héllo".encode()] * 3
+
+    run(main)
+    assert issubclass(broky.PayloadTypeError, broky.LocalProtocolError)
+    with broky.connect_sync(server.url) as c, pytest.raises(TypeError, match="encode it"):
+        c.publish(b"kp", b"text", "x")  # type: ignore[arg-type]
+
+
+def test_a_refused_first_connection_waits_for_a_starting_server_unless_told_not_to(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+
+    async def main() -> None:
+        began = time.monotonic()
+        with pytest.raises(
+            broky.NoServerError, match=re.escape(f"connection refused at {address}: no server listens")
+        ):
+            await broky.connect(address, wait_for_server=False)
+        assert time.monotonic() - began < 1  # at once, not after connect_timeout
+        with pytest.raises(broky.NoServerError, match=r"within 0\.3 s"):  # the default: it kept trying
+            await broky.connect(address, connect_timeout=0.3)
+        assert time.monotonic() - began >= 0.3
+        # a server that starts while the client is refused is found (compose, systemd, a fixture)
+        connecting = asyncio.ensure_future(broky.connect(address, connect_timeout=20).__aenter__())
+        await asyncio.sleep(0.2)
+        assert not connecting.done()
+        await asyncio.to_thread(start_server, "--port", str(port))
+        client = await connecting
+        try:
+            sub = await client.subscribe("up")
+            await client.publish(b"kp", b"up", b"found")
+            assert (await sub.next_msg(5)).payload == b"found"
+        finally:
+            await client.close()
+
+    run(main)
 
 
 def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:

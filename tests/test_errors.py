@@ -67,3 +67,12 @@ def test_the_value_errors_are_still_value_errors() -> None:
         "spark.columns.BadColumnError",
     ):
         assert issubclass(found[f"broky.{name}"], ValueError), name
+
+
+def test_a_shutdown_says_its_reason_once() -> None:
+    from broky.errors import ServerShutdownError
+
+    # what broky serve sends says nothing more than the class: not "shutting down: server shutting down"
+    assert str(ServerShutdownError("server shutting down")) == "the server is shutting down"
+    assert str(ServerShutdownError("")) == "the server is shutting down"
+    assert str(ServerShutdownError("drained")) == "the server is shutting down: drained"

@@ -160,7 +160,7 @@ def test_protocol_error_table_matches_the_classes() -> None:
     rows = re.findall(
         r"^\| `(\w+Error)` \| (?:([A-Z_]+) \((\d+)\)|as given) \| (ours|the peer's)", DOC, re.MULTILINE
     )
-    assert len(rows) == 8, rows
+    assert len(rows) == 9, rows
     for name, code_name, code, whose in rows:
         cls = getattr(errors, name)
         assert issubclass(cls, errors.ProtocolError)

@@ -145,7 +145,8 @@ def test_a_bad_variable_breaks_only_serve() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "broky", "serve", "--workers", "1"], env=env, capture_output=True, timeout=30
     )
-    assert proc.returncode == 2 and proc.stderr.startswith(b"broky serve: BROKY_PORT='http': "), proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(b"broky serve: error: BROKY_PORT='http' (sets --port): "), proc.stderr
     assert b"Traceback" not in proc.stderr
 
 
@@ -161,10 +162,60 @@ def test_a_kubernetes_service_link_is_ignored_with_a_warning(name: str) -> None:
     assert (cfg.port, cfg.metrics_port) == (5000, 5001) and len(warnings) == 1  # flags: not even read
 
 
-def test_bad_log_format_exits_2() -> None:
-    cmd = [sys.executable, "-m", "broky", "serve", "--log-format", "xml"]
-    proc = subprocess.run(cmd, capture_output=True, timeout=30)
-    assert proc.returncode == 2 and b"--log-format must be text or json" in proc.stderr
+def serve_refuses(*argv: str, env: dict[str, str] | None = None) -> str:
+    """The one line `broky serve ARGV` (a real process) exits 2 with, before it serves."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BROKY_")}
+    cmd = [sys.executable, "-m", "broky", "serve", "--port", "0", "--metrics-port", "0", *argv]
+    proc = subprocess.run(cmd, capture_output=True, timeout=30, env={**clean, **(env or {})})
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.decode()
+    assert line.count("\n") == 1 and line.startswith("broky serve: error: "), line
+    return line.removeprefix("broky serve: error: ").rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["--log-format", "xml"], {}, "argument --log-format: expected text or json, got 'xml'"),
+        (
+            ["--log-level", "loud"],
+            {},
+            "argument --log-level: expected debug, info, warning or error, got 'loud'",
+        ),
+        (["--workers", "abc"], {}, "argument --workers: expected a whole number >= 1, got 'abc'"),
+        (
+            ["--port", "http"],
+            {},
+            "argument --port: expected a TCP port (0-65535; 0: any free port), got 'http'",
+        ),
+        (
+            ["--hello-timeout", "soon"],
+            {},
+            "argument --hello-timeout: expected a number of seconds > 0, got 'soon'",
+        ),
+        (["--hello-timeout", "nan"], {}, "argument --hello-timeout: must be > 0 seconds, got nan"),
+        (["--no-such-option"], {}, "unrecognized arguments: --no-such-option"),
+        (
+            [],
+            {"BROKY_WORKERS": "zz"},
+            "BROKY_WORKERS='zz' (sets --workers): expected a whole number >= 1, got 'zz'",
+        ),
+        (
+            [],
+            {"BROKY_LOG_LEVEL": "loud"},
+            "BROKY_LOG_LEVEL='loud' (sets --log-level): expected debug, info, warning or error, got 'loud'",
+        ),
+    ],
+)
+def test_a_bad_setting_is_named_with_what_it_takes(
+    argv: list[str], env: dict[str, str], expected: str
+) -> None:
+    assert serve_refuses(*argv, env=env) == expected
+
+
+def test_log_level_and_format_take_any_case() -> None:
+    cfg = parse(["--log-level", "DEBUG"], {"BROKY_LOG_FORMAT": "JSON"})
+    assert (cfg.log_level, cfg.log_format) == ("debug", "json")
 
 
 def test_advertised_host() -> None:

@@ -32,7 +32,13 @@ ReadOwner in broky.client.reader), and the Client's members that serve them
 for the SDK's own modules: they are not part of the API for users.
 
 The first connection says Hello with worker=-1; its Welcome carries the
-vbucket map, the worker it landed on and the server's max_frame_bytes. From
+vbucket map, the worker it landed on and the server's max_frame_bytes. It is
+retried until connect_timeout, a refused connection too: a program started
+beside its server (compose, systemd, a test fixture) is refused until the
+server listens. `wait_for_server=False` (the `broky` commands) makes a round
+in which every seed refused fail at once with NoServerError; an address that
+does not answer gets the timeout either way. Reconnects (broky.client.link)
+never take this path: they retry until max_reconnect_attempts. From
 then on the Router keeps one `Link` per (node, worker) the client needs,
 created lazily; a Link survives reconnects, and under it a
 `WorkerProtocol` is one TCP connection.
@@ -99,6 +105,7 @@ from broky.errors import (
     BrokyError,
     BrokyTimeoutError,
     ClientClosedError,
+    NoServerError,
     ServerError,
     SlowConsumerError,
 )
@@ -164,6 +171,7 @@ class Client(Publisher):
         name: str | None = None,
         auth_token: str | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        wait_for_server: bool = True,
         linger: float = DEFAULT_LINGER,
         batch_size: int = DEFAULT_BATCH_SIZE,
         max_reconnect_buffer_bytes: int = DEFAULT_MAX_RECONNECT_BUFFER_BYTES,
@@ -203,6 +211,7 @@ class Client(Publisher):
         self.name = name
         self.auth_token = auth_token
         self.connect_timeout = connect_timeout
+        self.wait_for_server = wait_for_server
         self.linger = linger
         self.batch_size = batch_size
         self.max_reconnect_buffer_bytes = max_reconnect_buffer_bytes
@@ -248,6 +257,9 @@ class Client(Publisher):
 
         With several seeds (a cluster's nodes), they are tried in turn, each
         attempt bounded by a share of connect_timeout, until one answers.
+        A refused connection is retried too (a server may be starting), unless
+        wait_for_server is False: then a round in which every seed refused
+        raises NoServerError at once.
 
         Returns:
             The client itself.
@@ -255,6 +267,8 @@ class Client(Publisher):
         Raises:
             BrokyConnectionError: the host name does not resolve, or no Welcome
                 from the server within connect_timeout.
+            NoServerError: every seed refused the connection (at once without
+                wait_for_server, else for connect_timeout).
             AuthenticationError: the server refused the auth token.
             ServerError: the server refused the Hello for another reason.
             ClientClosedError: the client was closed.
@@ -285,6 +299,7 @@ class Client(Publisher):
         last: BrokyError | None = None
         found: tuple[ServerAddress, WorkerProtocol, Welcome] | None = None
         while found is None:
+            refused = 0
             for seed, addresses in resolved:
                 left = deadline - loop.time()
                 try:
@@ -296,14 +311,18 @@ class Client(Publisher):
                 except ServerError:
                     raise
                 except BrokyError as exc:
+                    refused += isinstance(exc, NoServerError)
                     if last is None or not isinstance(exc, BrokyTimeoutError):
                         last = exc  # keep "connection refused" rather than the last short timeout
             if found is not None:
                 break
+            if refused == len(resolved) and not self.wait_for_server:
+                tried = ", ".join(f"{seed.host}:{seed.port}" for seed, _ in resolved)
+                raise NoServerError(f"connection refused at {tried}: no server listens there") from None
             left = deadline - loop.time()
             if left <= 0:
                 tried = ", ".join(str(seed) for seed, _ in resolved)
-                raise BrokyConnectionError(
+                raise (NoServerError if refused == len(resolved) else BrokyConnectionError)(
                     f"cannot connect to {tried} within {self.connect_timeout:g} s: {last}"
                 ) from None
             await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
@@ -1051,6 +1070,12 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
         auth_token: the server's token, if it has one.
         connect_timeout: seconds to keep trying the first connection (default 5),
             and the handshake timeout of every later connection.
+        wait_for_server: retry a refused first connection until connect_timeout
+            (default True: a server that is starting refuses for a moment);
+            False: raise NoServerError as soon as every address of every seed
+            refused (nothing listens there), as the `broky` commands do. An
+            address that does not answer is waited for either way; reconnects
+            after the first connection always retry.
         linger: seconds a publish may wait for others to share its write
             (Kafka's linger.ms); 0 (default) = the next event loop iteration.
         batch_size: bytes after which the queued publishes of one worker are

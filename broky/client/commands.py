@@ -3,6 +3,10 @@ command fails, the client options its arguments give, and how it runs a coroutin
 
 broky.client.cli (the commands) and broky.client.info (`broky info`) both use them, so
 neither imports the other for them.
+
+A command does not wait for a server that refuses the connection (the SDK's
+`wait_for_server=False`): a person who typed it wants to hear at once that no
+server listens there, and what starts one.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import os
 import sys
 from typing import Any
 
+from broky.errors import NoServerError
+
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
 ENV_METRICS = "BROKY_METRICS"
 DEFAULT_METRICS_PORT = 9477
@@ -20,6 +26,8 @@ DEFAULT_METRICS_PORT = 9477
 
 def fail(command: str, message: object) -> int:
     """One error line on stderr; the exit status 1."""
+    if isinstance(message, NoServerError):
+        message = f"{message} (is `broky serve` running? `./run serve` starts one)"
     print(f"broky {command}: error: {message}", file=sys.stderr)
     return 1
 
@@ -30,6 +38,8 @@ def client_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "name": name,
         "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
         "connect_timeout": args.connect_timeout,
+        # a refusal is an answer: nothing listens there, say so at once (see broky.connect)
+        "wait_for_server": False,
     }
 
 

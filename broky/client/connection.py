@@ -38,6 +38,7 @@ from broky.errors import (
     BrokyTimeoutError,
     ErrorCode,
     MalformedFrameError,
+    NoServerError,
     NotMyVBucketError,
     ProtocolError,
     RemoteProtocolError,
@@ -491,7 +492,7 @@ async def open_connection(
 
     Raises:
         BrokyConnectionError: the name did not resolve, the TCP connection failed
-            or it closed during the handshake.
+            (NoServerError: refused) or it closed during the handshake.
         BrokyTimeoutError: no Welcome within `timeout` seconds.
         ServerError: the server answered with an Error (AuthenticationError for AUTH_FAILED).
     """
@@ -502,15 +503,20 @@ async def open_connection(
             if addresses is None:
                 addresses = await resolve(host, port, timeout)
             error: OSError | None = None
+            refused = 0
             for address in addresses:  # numeric: create_connection resolves nothing
                 try:
                     _, proto = await loop.create_connection(WorkerProtocol, address, port)
                     break
                 except OSError as exc:
                     error = exc
+                    refused += isinstance(exc, ConnectionRefusedError)
             if proto is None:
                 reason = (error.strerror or error) if error is not None else "no address"
-                raise BrokyConnectionError(f"cannot connect to {host}:{port}: {reason}")
+                message = f"cannot connect to {host}:{port}: {reason}"
+                if refused and refused == len(addresses):  # every address: nothing listens there
+                    raise NoServerError(message)
+                raise BrokyConnectionError(message)
             proto.write(encode_hello(hello))
             welcome = await proto.welcome
     except TimeoutError:

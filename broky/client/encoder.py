@@ -41,7 +41,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from broky.errors import LocalProtocolError, PayloadTooLargeError
+from broky.errors import LocalProtocolError, PayloadTooLargeError, PayloadTypeError
 from broky.protocol import encode_message, vbucket_of
 from broky.protocol.ksuid import KsuidSequence
 from broky.protocol.layout import (
@@ -80,7 +80,13 @@ def payload_bytes(value: object) -> bytes:
     """bytes of a bytes-like payload; a str is refused (encode it yourself)."""
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
-    raise LocalProtocolError(f"payload must be bytes, not {type(value).__name__}")
+    raise payload_type_error(value)
+
+
+def payload_type_error(value: object) -> PayloadTypeError:
+    """The error for a payload that is not bytes (a TypeError too), saying what to do."""
+    hint = ": encode it (text.encode())" if isinstance(value, str) else ""
+    return PayloadTypeError(f"payload must be bytes, not {type(value).__name__}{hint}")
 
 
 class PublishEncoder:
@@ -150,14 +156,15 @@ class PublishEncoder:
 
         Raises:
             PayloadTooLargeError: the frame exceeds max_frame_bytes.
-            LocalProtocolError: payload is not bytes, or ts_producer is not an int64.
+            PayloadTypeError: payload is not bytes.
+            LocalProtocolError: ts_producer is not an int64.
         """
         try:
             pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
         except KeyError:
             if not self._admit((key_partition, key, len(payload))):
                 if payload.__class__ is not bytes:
-                    raise LocalProtocolError(f"payload must be bytes, not {type(payload).__name__}") from None
+                    raise payload_type_error(payload) from None
                 return self._encode_plain(key_partition, key, payload, ts_producer, None)
             pack, head, mid, block, vb = self.template(key_partition, key, len(payload))
         ts = _time_ns()

@@ -181,6 +181,7 @@ class Publisher:
             BrokyConnectionError: reconnecting to the owning worker was given up
                 (max_reconnect_attempts; counted in `stats.refused`).
             ClientClosedError: the client is closed.
+            PayloadTypeError: the payload is not bytes-like (a str: encode it; a TypeError too).
             LocalProtocolError: a field cannot be encoded (wrong type, bad uid).
         """
         # The fast path, inlined: one cached template and Link per (key_partition,

@@ -318,6 +318,7 @@ class SyncClient:
                 its worker dropped just after it was handed off (raised once).
             BrokyConnectionError: reconnecting to the owning worker was given up.
             ClientClosedError: the client is closed.
+            PayloadTypeError: the payload is not bytes-like (a str: encode it; a TypeError too).
             LocalProtocolError: a field cannot be encoded.
         """
         if self._closed:

@@ -30,11 +30,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(args, warn=warnings.append)  # reads the BROKY_* variables
     except ValueError as exc:
-        print(f"broky serve: {exc}", file=sys.stderr)
+        print(f"broky serve: error: {exc}", file=sys.stderr)
         return 2
     if cfg.cluster and not _etcd_client_installed():
         print(
-            "broky serve: --cluster needs the etcd client, which is not installed: "
+            "broky serve: error: --cluster needs the etcd client, which is not installed: "
             "pip install 'broky[cluster]'",
             file=sys.stderr,
         )

@@ -7,6 +7,11 @@ cannot break other broky commands. A port variable holding a service link
 (`tcp://10.0.0.7:4777`, what Kubernetes injects as BROKY_PORT for a Service
 named `broky`) is ignored with a warning: its port is the Service's, which
 need not be the one this process should bind.
+
+A bad value is one line naming the flag (or the variable and its flag) and
+what it takes: the type functions below raise ArgumentTypeError with that
+message, never a bare ValueError (argparse would name the function:
+"invalid _positive_int value").
 """
 
 from __future__ import annotations
@@ -126,39 +131,67 @@ def _invalid(message: str) -> Exception:
     return argparse.ArgumentTypeError(message)
 
 
+def _whole(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _invalid(f"expected {expected}, got {text!r}") from None
+
+
+def _number(text: str, expected: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise _invalid(f"expected {expected}, got {text!r}") from None
+
+
+# Each type function names what it expects: argparse would show a ValueError as
+# "invalid _positive_int value", and the BROKY_* variables repeat its message.
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _whole(text, "a whole number >= 1")
     if value < 1:
         raise _invalid(f"must be >= 1, got {value}")
     return value
 
 
 def _count_or_zero(text: str) -> int:
-    value = int(text)
+    value = _whole(text, "a whole number >= 0 (0: no limit)")
     if value < 0:
         raise _invalid(f"must be >= 0 (0: no limit), got {value}")
     return value
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = _whole(text, "a TCP port (0-65535; 0: any free port)")
     if not 0 <= value <= 65535:
         raise _invalid(f"not a TCP port: {value}")
     return value
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if value <= 0:
+    value = _number(text, "a number of seconds > 0")
+    if not value > 0:  # NaN too
         raise _invalid(f"must be > 0 seconds, got {value}")
     return value
 
 
 def _seconds_or_zero(text: str) -> float:
-    value = float(text)
+    value = _number(text, "a number of seconds >= 0")
     if not value >= 0:  # NaN too
         raise _invalid(f"must be >= 0 seconds, got {value}")
     return value
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    """A type function accepting `choices` in any case (lowercased)."""
+    listed = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+
+    def check(text: str) -> str:
+        if text.lower() not in choices:
+            raise _invalid(f"expected {listed}, got {text!r}")
+        return text.lower()
+
+    return check
 
 
 def _cluster(text: str) -> str:
@@ -299,8 +332,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "holds max_in_flight messages (or a moving vbucket drains); past it they are dropped and "
         "counted as group_overflow (default %(default)s)",
     ),
-    ("--log-level", "log_level", str, "debug, info, warning or error (default %(default)s)"),
-    ("--log-format", "log_format", str, "text or json (default %(default)s)"),
+    (
+        "--log-level",
+        "log_level",
+        _one_of("debug", "info", "warning", "error"),
+        "debug, info, warning or error (default %(default)s)",
+    ),
+    ("--log-format", "log_format", _one_of("text", "json"), "text or json (default %(default)s)"),
     ("--node-id", "node_id", str, "node id in the vbucket map (default: host name)"),
     (
         "--advertise-host",
@@ -407,7 +445,7 @@ def _from_environment(
     try:
         return kind(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
-        raise ValueError(f"{name}={raw!r}: {exc}") from None
+        raise ValueError(f"{name}={raw!r} (sets {flag}): {exc}") from None
 
 
 def _stderr_warning(message: str) -> None:
@@ -441,10 +479,6 @@ def from_args(
             raise ValueError("--max-reply-bytes cannot exceed --max-pending-bytes")
         values["max_reply_bytes"] = values["max_pending_bytes"]  # the default, under a small bound
     config = ServerConfig(**values)
-    if config.log_format not in ("text", "json"):
-        raise ValueError(f"--log-format must be text or json, not {config.log_format!r}")
-    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueError(f"unknown --log-level {config.log_level!r}")
     if config.max_frame_bytes > 0xFFFFFFFF:
         raise ValueError("--max-frame-bytes must fit in 32 bits")
     if config.workers > 1024:
