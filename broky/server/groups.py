@@ -622,11 +622,12 @@ class GroupDelivery:
             old.backlog_bytes -= size
             g.backlog_bytes -= size
         if old.vb_count.get(vb):
-            d = Drain(old, now + g.drain_timeout, 0)
+            table = self.matcher.groups
+            d = Drain(old, now + g.drain_timeout, next(table.seq))  # a gen of its own: see `expire`
             d.held.extend(moving)
             g.backlog_bytes += sum(len(h.frame) for h in moving)
             g.draining[vb] = d
-            self.matcher.groups.push(d.deadline, (g, vb, 0))
+            table.push(d.deadline, (g, vb, d.gen))
             self.arm(d.deadline)
         else:
             for h in moving:
