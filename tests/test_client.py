@@ -439,6 +439,27 @@ def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:
         c.flush()
 
 
+def test_close_delivers_publishes_waiting_for_a_first_connection(server: ServerProcess) -> None:
+    """Publish to many partitions, close at once: a worker's connection opens at its first
+    publish, and close() waits for it (it dropped them, counted in unsent_on_close)."""
+
+    async def main() -> None:
+        async with broky.connect(server.url) as subscriber:
+            sub = await subscriber.subscribe("closing.>")
+            for round in range(4):  # the master gives each a worker: some rounds race the other's
+                client = await broky.connect(server.url)
+                assert sum(link.proto is not None for link in client.router.links.values()) == 1
+                keys = [b"closing.%d.%d" % (round, i) for i in range(200)]
+                for i, key in enumerate(keys):
+                    client.publish_nowait(b"p%d" % i, key, b"x")
+                await client.close()
+                assert client.stats.unsent_on_close == 0
+                got = await take(sub, 200)
+                assert sorted(m.key for m in got) == sorted(keys)
+
+    run(main)
+
+
 def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: ServerProcess) -> None:
     """A client whose map is wrong (every vbucket shifted to the other worker) recovers."""
 

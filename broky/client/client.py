@@ -340,29 +340,42 @@ class Client(Publisher):
     async def close(self) -> None:
         """Flush what can be flushed (up to flush_timeout), close every connection.
 
-        Publishes still buffered for a worker that is down are dropped and
-        counted in `stats.unsent_on_close`. Iterators of subscriptions end
-        after the messages already received. Closing twice is harmless.
+        The flush is `flush`'s: publishes queued for a worker whose connection
+        is still being opened (a client's first publishes to a worker open its
+        connection) or reopened are waited for, as are refused ones sent again
+        on a fresh map. What the flush could not settle within flush_timeout
+        is logged as a warning: publishes that may not have reached the
+        server, and those still buffered for a worker that stayed down, which
+        are dropped and counted in `stats.unsent_on_close`. Iterators of
+        subscriptions end after the messages already received. Closing twice
+        is harmless.
         """
         if self._closed:
             return
-        self.acks.flush()  # settlements made so far go before the round trips
-        up = [link for link in self.router.links.values() if link.proto is not None]
-        if up:
-            try:
-                async with asyncio.timeout(self.flush_timeout):
-                    await asyncio.gather(*(link.round_trip(retry=False) for link in up))
-            except (TimeoutError, BrokyError) as exc:
-                log.warning("close: flush incomplete: %s", exc)
+        try:
+            if self._connected:
+                await self.flush()
+            else:
+                self.acks.flush()
+        except BrokyError as exc:
+            log.warning("close: %s", exc)
+        finally:
+            self._close_now()
+        # let the transports deliver connection_lost
+        await asyncio.sleep(0)
+
+    def _close_now(self) -> None:
         self._closed = True
         self._open = False
+        unsent = self.stats.unsent_on_close
         self.router.close()
+        unsent = self.stats.unsent_on_close - unsent
+        if unsent:
+            log.warning("close: %d publishes dropped: never sent (their worker stayed unreachable)", unsent)
         self._subscriptions.close()
         self._losses.close()
         for task in list(self._tasks):
             task.cancel()
-        # let the transports deliver connection_lost
-        await asyncio.sleep(0)
 
     async def __aenter__(self) -> Client:
         return await self.connect()
