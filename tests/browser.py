@@ -213,8 +213,14 @@ class Chromium:
         if os.geteuid() == 0:
             args.insert(1, "--no-sandbox")  # Chromium refuses to run its sandbox as root
         with self.log.open("wb") as log:
+            # TMPDIR: its singleton socket directories go under `tmp` too, not into /tmp for good
             self.proc = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+                args,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "TMPDIR": str(self.tmp)},
             )
         active = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + TIMEOUT
