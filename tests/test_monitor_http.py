@@ -685,3 +685,88 @@ def test_a_request_over_keep_alive_then_one_with_a_body_then_a_close(token_serve
     assert first.startswith(b"200 ") and b"Connection: keep-alive" in first
     assert second.startswith(b"405 ") and b"Allow: GET, HEAD" in second
     assert third.startswith(b"200 ") and b"Connection: close" in third
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One answer with a Content-Length (or the 100 Continue interim), read off a live socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"Content-Length: ([0-9]+)", head)
+    want = int(length.group(1)) if length else 0
+    while len(body) < want:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_body_is_never_read_before_its_token_is_checked(token_server: ServerProcess) -> None:
+    """A client without the token cannot make the server hold a body: the 401 comes before it."""
+    head = b"POST /v1/pub/k HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\nExpect: 100-continue\r\n\r\n"
+    with socket.create_connection((token_server.host, token_server.metrics_port), timeout=10) as sock:
+        sock.sendall(head)  # and not a byte of the body
+        answer = _read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 401 ") and b"Connection: close" in answer, answer
+        assert b"100 Continue" not in answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("/v1/pub/k needs")
+
+
+def test_expect_100_continue_is_answered_before_the_body(token_server: ServerProcess) -> None:
+    """curl sends Expect: 100-continue with a body over 1 MiB and waits a second for it."""
+    body = b"line\n" * 3
+    head = (
+        f"POST /v1/pub/exp HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    with socket.create_connection((token_server.host, token_server.metrics_port), timeout=10) as sock:
+        sock.sendall(head)
+        assert sock.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        answer = _read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["published"] == 3
+    odd = head.replace(b"100-continue", b"magic")
+    answer = exchange(token_server, odd + body)
+    assert answer.startswith(b"HTTP/1.1 417 ") and b"only 100-continue" in answer, answer
+
+
+def test_bodies_held_at_once_are_bounded_and_a_body_past_the_bound_gets_503(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server("--http-max-body", "1M", "--http-body-memory", "1M")
+    address = (server.host, server.metrics_port)
+
+    def post_head(n: int) -> bytes:
+        return f"POST /v1/pub/mem HTTP/1.1\r\nHost: x\r\nContent-Length: {n}\r\n\r\n".encode()
+
+    with socket.create_connection(address, timeout=10) as slow:
+        slow.sendall(post_head(700_000) + b"x" * 1000)  # holds 700,000 bytes until it ends
+        deadline = time.monotonic() + 10
+        while (held := _http_gauge(server, "broky_http_body_bytes")) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held == 700_000
+        with socket.create_connection(address, timeout=10) as other:
+            other.sendall(post_head(400_000))
+            answer = _read_answer(other)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer, answer
+        assert b"--http-body-memory" in answer
+        small = exchange(server, post_head(6) + b"a\nb\nc\n")  # what is left still serves
+        assert small.startswith(b"HTTP/1.1 200 ") and b'"published": 3' in small, small
+        slow.sendall(b"x" * 699_000)
+        answer = _read_answer(slow)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert _http_gauge(server, "broky_http_body_bytes") == 0
+    assert _http_gauge(server, "broky_http_refused_memory_total") == 1
+    again = exchange(server, post_head(400_000) + b"y" * 400_000)
+    assert again.startswith(b"HTTP/1.1 200 "), again[:200]
+
+
+def _http_gauge(server: ServerProcess, name: str) -> float:
+    text = _check_response(exchange(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), head_only=False)[2]
+    found = re.search(rb"^" + name.encode() + rb" ([0-9.e+]+)$", text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))

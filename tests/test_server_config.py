@@ -53,6 +53,15 @@ def test_connection_limits_and_the_reply_bound() -> None:
         parse(["--max-subscriptions", "0"])
 
 
+def test_the_http_body_bounds() -> None:
+    cfg = parse([])
+    assert (cfg.http_max_body, cfg.http_body_memory) == (16 << 20, 64 << 20)
+    # The default body memory follows a larger body bound; an explicit one may not be smaller.
+    assert parse(["--http-max-body", "100M"]).http_body_memory == 100 << 20
+    with pytest.raises(ValueError, match="--http-body-memory cannot be less than --http-max-body"):
+        parse(["--http-max-body", "2M", "--http-body-memory", "1M"])
+
+
 def test_memory_budget_and_connection_limits() -> None:
     cfg = parse([])
     assert cfg.memory_budget == 1 << 30

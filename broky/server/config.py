@@ -71,6 +71,7 @@ class ServerConfig:
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     metrics_port: int = DEFAULT_METRICS_PORT
     http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.httpd)
+    http_body_memory: int = 64 << 20  # request bodies the HTTP port holds at once, by all connections
     http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
     auth_token: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -246,6 +247,13 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "http_max_body",
         _size,
         "largest request body on the HTTP port, e.g. a POST /v1/pub/...; larger: 413 (default %(default)s)",
+    ),
+    (
+        "--http-body-memory",
+        "http_body_memory",
+        _size,
+        "request bodies the HTTP port holds at once, all connections together (at least "
+        "--http-max-body); a body beyond it: 503 with Retry-After (default %(default)s)",
     ),
     (
         "--http-max-connections",
@@ -478,6 +486,10 @@ def from_args(
         if "max_reply_bytes" in given:
             raise ValueError("--max-reply-bytes cannot exceed --max-pending-bytes")
         values["max_reply_bytes"] = values["max_pending_bytes"]  # the default, under a small bound
+    if values["http_body_memory"] < values["http_max_body"]:
+        if "http_body_memory" in given:
+            raise ValueError("--http-body-memory cannot be less than --http-max-body")
+        values["http_body_memory"] = values["http_max_body"]  # the default, under a large body bound
     config = ServerConfig(**values)
     if config.max_frame_bytes > 0xFFFFFFFF:
         raise ValueError("--max-frame-bytes must fit in 32 bits")

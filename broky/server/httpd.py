@@ -37,20 +37,37 @@ Every request takes the same steps, each of which may end it with a 4xx:
               last value of a name wins); the path is matched as sent,
               undecoded (unknown: 404; a method the route does not take: 405
               with Allow)
+    admit     from the head alone, before any of the body is read (`admit`):
+              the path is routed (unknown: 404; a method the route does not
+              take: 405 with Allow), and a route registered `private`
+              needs, when the server has an auth token, the token
+              (`Authorization: Bearer <token>`, or for a route registered
+              `browser` also the "broky_token" cookie or ?access_token=;
+              compared in constant time): 401 with WWW-Authenticate: Bearer
+              and a body saying whether it was missing, malformed or wrong.
+              So a client without the token cannot make the server hold a
+              body. The body of a request answered here is read past (and
+              the connection goes on) only if it has a Content-Length of at
+              most SKIPPED_BODY bytes; else the answer is the connection's
+              last, and the body is never read (the linger below discards
+              it)
     body      (a request with Content-Length or "Transfer-Encoding: chunked"
               only; `body_framing` decides which, sans-IO, and
-              `ChunkedDecoder` decodes chunks): at most `max_body` bytes
-              (413, said before any of it is read when Content-Length says
-              so), each read within REQUEST_TIMEOUT and the whole body within
-              BODY_TIMEOUT (408, counted in `cut_slow`); a route that takes
-              no body ignores it (read and dropped, same bounds). Any other
-              Transfer-Encoding is a 501, both framings at once a 400
-    authorize a route registered `private` needs, when the server has an
-              auth token, the token (`Authorization: Bearer <token>`, or for
-              a route registered `browser` also the "broky_token" cookie or
-              ?access_token=; compared in constant time): 401 with
-              WWW-Authenticate: Bearer and a body saying whether it was
-              missing, malformed or wrong
+              `ChunkedDecoder` decodes chunks; any other Transfer-Encoding
+              is a 501, both framings at once a 400): at most `max_body`
+              bytes (413, said before any of it is read when Content-Length
+              says so), each read within REQUEST_TIMEOUT and the whole body
+              within BODY_TIMEOUT (408, counted in `cut_slow`). The bodies
+              held at once, by all connections, share `body_memory` bytes
+              (--http-body-memory): a body that would take more is answered
+              503 with Retry-After (`refused_memory`, counted): a
+              Content-Length body before any of it is read, a chunked one
+              as it grows. A body is held until its handler returns.
+              "Expect: 100-continue" (curl sends it with a body over 1 MiB,
+              then waits a second for it) is answered "100 Continue" once
+              the body will be read; any other expectation is a 417. A
+              body sent to a route that takes none (GET) is treated as one
+              answered from the head (read past if small, else never read)
     handle    the route's handler; its query-string checks are its own
               (a bad value is its 400)
 
@@ -151,7 +168,9 @@ WRITE_TIMEOUT = 10.0  # for a write the client does not take (the slow-consumer 
 MAX_REQUESTS_PER_CONNECTION = 1000
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_BODY = 16 << 20
+DEFAULT_BODY_MEMORY = 64 << 20  # request bodies held at once, by all connections
 LINGER_SECONDS = 1.0
+SKIPPED_BODY = 65536  # a body refused from its head (or for a route that takes none) read past up to this
 LOG_INTERVAL = 10.0  # seconds between two log lines about one route's failures (or one refusal cause)
 QUOTED_CHARS = 40  # of the input quoted in an error body
 METHODS = ("GET", "HEAD", "POST")
@@ -233,6 +252,7 @@ class HttpCounters:
     refused_busy: int = 0  # connections over max_connections, answered 503
     cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
     too_large: int = 0  # bodies over max_body (413)
+    refused_memory: int = 0  # bodies refused while others held body_memory (503)
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -426,12 +446,58 @@ def cookie(request: Request, name: str) -> str | None:
 # ---------------------------------------------------------------- the server
 
 
+class BodyMemory:
+    """The bytes of request bodies held at once, by all connections, bounded by `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def ticket(self) -> BodyTicket:
+        return BodyTicket(self)
+
+
+class BodyTicket:
+    """One request's share of a BodyMemory: `hold` grows it, `release` gives it back."""
+
+    __slots__ = ("memory", "held")
+
+    def __init__(self, memory: BodyMemory) -> None:
+        self.memory = memory
+        self.held = 0
+
+    def hold(self, size: int) -> None:
+        """Hold `size` bytes in all (not more).
+
+        Raises:
+            HttpError: 503, when the bodies of other requests hold what is left.
+        """
+        more = size - self.held
+        if more <= 0:
+            return
+        memory = self.memory
+        if memory.held + more > memory.limit:
+            raise HttpError(
+                503,
+                f"the server holds {memory.held} bytes of request bodies already, {memory.limit} at "
+                "most (--http-body-memory); try again in a moment",
+                (("Retry-After", "1"),),
+            )
+        memory.held += more
+        self.held = size
+
+    def release(self) -> None:
+        self.memory.held -= self.held
+        self.held = 0
+
+
 class HttpServer:
     def __init__(
         self,
         token: str | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        body_memory: int = DEFAULT_BODY_MEMORY,
     ) -> None:
         self.routes: dict[str, Route] = {}
         self.prefixes: dict[str, Route] = {}  # path prefix -> route (the longest that matches wins)
@@ -439,6 +505,7 @@ class HttpServer:
         self._token = token.encode() if token else None
         self.max_body = max_body
         self.max_connections = max_connections
+        self.bodies = BodyMemory(body_memory)
         self.counters = HttpCounters()
         self.failures = self.counters.failures  # route -> handler failures (answered 500)
         self.refused: dict[str, int] = {}  # cause -> requests refused for their token (401)
@@ -514,7 +581,7 @@ class HttpServer:
                 head, data = got
                 served += 1
                 self.counters.requests += 1
-                answer, data = await self._answer_with_body(reader, head, data)
+                answer, data = await self._answer_with_body(reader, writer, head, data)
             except (OSError, TimeoutError):  # the client reset or vanished
                 writer.close()
                 return
@@ -541,7 +608,7 @@ class HttpServer:
             return
 
     async def _answer_with_body(
-        self, reader: asyncio.StreamReader, head: bytes, data: bytes
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, data: bytes
     ) -> tuple[Answer | tuple[Stream, Request], bytes]:
         """The answer to one request (a Stream with its request, or an Answer), and the bytes
         read beyond its body."""
@@ -549,22 +616,62 @@ class HttpServer:
             request = parse_head(head)
         except HttpError as exc:
             return exc.answer(), b""
+        send_body = request.method != "HEAD"
         try:
             framing = body_framing(request)
-            limit = self.max_body
-            if framing is not None and framing > limit:
-                self.counters.too_large += 1
-                raise HttpError(413, f"body of {framing} bytes over {limit} (--http-max-body)")
-            body, data = await _read_body(reader, framing, data, limit)
         except HttpError as exc:
-            if exc.status == 408:
-                self.counters.cut_slow += 1
-            elif exc.status == 413:
-                self.counters.too_large += 1
-            exc.send_body = request.method != "HEAD"
+            exc.send_body = send_body
             return _versioned(exc.answer(), request, keep=False), b""
-        request = Request(request.method, request.path, request.query, request.headers, request.version, body)
-        got = await self.respond(request)
+        route = self.find(request.path)
+        refused = self.admit(request, route)
+        unused = refused is None and framing != 0 and route is not None and "POST" not in route.methods
+        if refused is not None or unused:
+            # Decided from the head, or a body the route does not take: a small body is
+            # skipped (the connection goes on), a larger or chunked one never read.
+            skipped = await _skip_body(reader, framing, data)
+            keep = skipped is not None and request.keep_alive
+            if refused is None:
+                assert route is not None
+                got = await self.handle(request, route)
+                if not isinstance(got, Answer):
+                    return (got, request), b""
+                refused, keep = got, keep and got.status < 500
+            return _versioned(refused, request, keep=keep), skipped or b""
+        assert route is not None
+        if framing == 0:
+            got = await self.handle(request, route)
+            if not isinstance(got, Answer):
+                return (got, request), b""
+            return _versioned(got, request, keep=request.keep_alive and got.status < 500), data
+        ticket = self.bodies.ticket()
+        try:
+            try:
+                limit = self.max_body
+                if framing is not None and framing > limit:
+                    raise HttpError(413, f"body of {framing} bytes over {limit} (--http-max-body)")
+                expect = request.headers.get("expect") if request.version >= 1 else None
+                if expect is not None and expect.strip().lower() != "100-continue":
+                    raise HttpError(417, f"Expect {quote(expect)}: only 100-continue is understood")
+                ticket.hold(framing or 0)  # chunked: as it grows
+                if expect is not None:
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body, data = await _read_body(reader, framing, data, limit, ticket)
+            except HttpError as exc:
+                if exc.status == 408:
+                    self.counters.cut_slow += 1
+                elif exc.status == 413:
+                    self.counters.too_large += 1
+                elif exc.status == 503:
+                    self.counters.refused_memory += 1
+                exc.send_body = send_body
+                return _versioned(exc.answer(), request, keep=False), b""
+            request = Request(
+                request.method, request.path, request.query, request.headers, request.version, body
+            )
+            del body
+            got = await self.handle(request, route)
+        finally:
+            ticket.release()
         if isinstance(got, Answer):
             return _versioned(got, request, keep=request.keep_alive and got.status < 500), data
         return (got, request), b""
@@ -583,9 +690,17 @@ class HttpServer:
         return Answer(200, got.content_type, b"", got.headers, send_body=False)
 
     async def respond(self, request: Request) -> Answer | Stream:
-        """Route, authorize and handle a parsed request."""
-        send_body = request.method != "HEAD"
+        """Route, authorize and handle a parsed request (its body, if any, already in it)."""
         route = self.find(request.path)
+        refused = self.admit(request, route)
+        if refused is not None:
+            return refused
+        assert route is not None
+        return await self.handle(request, route)
+
+    def admit(self, request: Request, route: Route | None) -> Answer | None:
+        """The answer that ends `request` from its head alone (404, 405, 401), or None."""
+        send_body = request.method != "HEAD"
         if route is None:
             return HttpError(404, f"no such path: {quote(request.path)}").answer_for(send_body)
         if request.method not in route.methods:
@@ -595,6 +710,11 @@ class HttpServer:
             refused = self._authorize(request, route.browser)
             if refused is not None:
                 return refused.answer_for(send_body)
+        return None
+
+    async def handle(self, request: Request, route: Route) -> Answer | Stream:
+        """The answer of `route`'s handler to an admitted request."""
+        send_body = request.method != "HEAD"
         try:
             got = await route.handler(request)
         except HttpError as exc:  # the handler's own 4xx (or 503)
@@ -746,13 +866,14 @@ async def _read_head(
 
 
 async def _read_body(
-    reader: asyncio.StreamReader, framing: int | None, data: bytes, limit: int
+    reader: asyncio.StreamReader, framing: int | None, data: bytes, limit: int, ticket: BodyTicket
 ) -> tuple[bytes, bytes]:
-    """(the body, the bytes read beyond it) of a request framed `framing` (body_framing).
+    """(the body, the bytes read beyond it) of a request framed `framing` (body_framing); a
+    chunked body is held in `ticket` as it grows (a Content-Length one was held before).
 
     Raises:
         HttpError: 400 (malformed chunks, or the connection ended inside the body), 408 (too
-            slow), 413 (over `limit`).
+            slow), 413 (over `limit`), 503 (the body memory is held by others).
     """
     if framing == 0:
         return b"", data
@@ -773,14 +894,36 @@ async def _read_body(
                 return b"".join(parts), rest
             decoder = ChunkedDecoder(limit)
             rest = decoder.feed(data)
+            ticket.hold(decoder.size)
             while not decoder.done:
                 chunk = await asyncio.wait_for(reader.read(1 << 20), REQUEST_TIMEOUT)
                 if not chunk:
                     raise HttpError(400, "the connection ended inside the chunked body")
                 rest = decoder.feed(chunk)
+                ticket.hold(decoder.size)
             return decoder.body, rest
     except TimeoutError:
         raise HttpError(408, "the request body did not arrive in time") from None
+
+
+async def _skip_body(reader: asyncio.StreamReader, framing: int | None, data: bytes) -> bytes | None:
+    """Read past a body that will not be used, if it is a Content-Length one of at most
+    SKIPPED_BODY bytes: the bytes read beyond it; None when the body is left unread (the
+    connection must end), or it did not arrive in time."""
+    if framing == 0:
+        return data
+    if framing is None or framing > SKIPPED_BODY:
+        return None
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT):
+            while len(data) < framing:
+                chunk = await reader.read(framing - len(data))
+                if not chunk:
+                    return None
+                data += chunk
+    except TimeoutError:
+        return None
+    return data[framing:]
 
 
 async def _watch_eof(reader: asyncio.StreamReader, stream: Stream) -> None:

@@ -183,7 +183,9 @@ class Master:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
-        self.http = HttpServer(config.auth_token, config.http_max_body, config.http_max_connections)
+        self.http = HttpServer(
+            config.auth_token, config.http_max_body, config.http_max_connections, config.http_body_memory
+        )
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}

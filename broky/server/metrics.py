@@ -460,6 +460,12 @@ HTTP_METRICS = (
         "HTTP clients cut for slowness: a head or body not sent in time (408), an answer not read in time.",
     ),
     ("broky_http_too_large_total", "too_large", "HTTP request bodies over --http-max-body (413)."),
+    (
+        "broky_http_refused_memory_total",
+        "refused_memory",
+        "HTTP request bodies refused (503) while others held --http-body-memory.",
+    ),
+    ("broky_http_body_bytes", "body_bytes", "Bytes of HTTP request bodies held now."),
     ("broky_http_published_total", "published", "Messages published through POST /v1/pub/."),
     ("broky_http_streams", "streams", "HTTP subscription streams open now (GET /v1/sub/)."),
     (

@@ -315,6 +315,8 @@ def _http_view(master: Observed) -> dict[str, Any]:
         "refused_busy": c.refused_busy,
         "cut_slow": c.cut_slow,
         "too_large": c.too_large,
+        "refused_memory": c.refused_memory,
+        "body_bytes": master.http.bodies.held,
     }
     gw = getattr(master, "gateway", None)
     if gw is not None:
