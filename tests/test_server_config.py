@@ -53,6 +53,17 @@ def test_connection_limits_and_the_reply_bound() -> None:
         parse(["--max-subscriptions", "0"])
 
 
+def test_the_handshake_rate() -> None:
+    cfg = parse([])
+    assert (cfg.handshake_rate, cfg.handshake_burst) == (500.0, 1_000)
+    cfg = parse(["--handshake-rate", "0.5", "--handshake-burst", "7"])
+    assert (cfg.handshake_rate, cfg.handshake_burst) == (0.5, 7)
+    assert parse(["--handshake-rate", "0"]).handshake_rate == 0.0
+    for bad in ("-1", "nan", "inf", "fast"):
+        with pytest.raises(SystemExit):
+            parse(["--handshake-rate", bad])
+
+
 def test_the_http_body_bounds() -> None:
     cfg = parse([])
     assert (cfg.http_max_body, cfg.http_body_memory) == (16 << 20, 64 << 20)

@@ -296,7 +296,11 @@ def test_connection_limits_per_worker_and_per_address(start_server: Any) -> None
             assert too_many.code == ErrorCode.TOO_MANY_CONNECTIONS
             assert "--max-connections-per-address 4" in (too_many.message or "")
         master = debug_stats(server)["master"]
-        assert master["connections_refused"] == {"max_connections": 1, "max_connections_per_address": 3}
+        assert master["connections_refused"] == {
+            "max_connections": 1,
+            "max_connections_per_address": 3,
+            "handshake_rate": 0,
+        }
         assert master["handshakes_refused"] == {"SERVER_BUSY": 1, "TOO_MANY_CONNECTIONS": 3}
         _, samples = scrape(server)
         refusals = "broky_connections_refused_total"
@@ -320,3 +324,22 @@ def test_connection_limits_per_worker_and_per_address(start_server: Any) -> None
     finally:
         for w in held:
             w.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_address_opens_a_burst_then_handshake_rate_connections_a_second(start_server: Any) -> None:
+    server: ServerProcess = start_server("--handshake-rate", "4", "--handshake-burst", "3")
+    time.sleep(1)  # the start-up's own /readyz and Hello probes refill meanwhile
+    for _ in range(3):
+        Wire.hello(server.address).close()
+    too_fast = refused(server, -1)
+    assert too_fast.code == ErrorCode.TOO_MANY_CONNECTIONS
+    assert "faster than --handshake-rate 4 a second (after a burst of --handshake-burst 3)" in (
+        too_fast.message or ""
+    )
+    welcomed(server, -1, timeout=5).close()  # a token a quarter of a second later
+    master = debug_stats(server)["master"]
+    assert master["connections_refused"]["handshake_rate"] >= 1
+    _, samples = scrape(server)
+    assert value(samples, "broky_connections_refused_total", reason="handshake_rate") >= 1
+    assert server.log().count("connection refused: TOO_MANY_CONNECTIONS") == 1  # one line per 10 s

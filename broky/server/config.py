@@ -82,6 +82,8 @@ class ServerConfig:
     memory_budget: int = DEFAULT_MEMORY_BUDGET  # server-wide; each worker gets memory_budget // workers
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # per worker; 0 = no limit
     max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS  # 0 = no limit
+    handshake_rate: float = 500.0  # handshakes per second from one client address; 0 = no limit
+    handshake_burst: int = 1_000  # ... and at once (broky.server.rates)
     replay_bytes: int = DEFAULT_REPLAY_BYTES  # per worker; 0 = no replay buffer
     replay_max_age: float = 0.0  # seconds a retained message is kept at most; 0 = no age bound
     # Per consumer group and worker: bytes of its messages waiting for a member with room.
@@ -180,6 +182,13 @@ def _seconds_or_zero(text: str) -> float:
     value = _number(text, "a number of seconds >= 0")
     if not value >= 0:  # NaN too
         raise _invalid(f"must be >= 0 seconds, got {value}")
+    return value
+
+
+def _rate_or_zero(text: str) -> float:
+    value = _number(text, "a number per second >= 0 (0: no limit)")
+    if not 0 <= value < float("inf"):  # NaN too
+        raise _invalid(f"must be >= 0 per second (0: no limit), got {value}")
     return value
 
 
@@ -316,6 +325,20 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         _count_or_zero,
         "most connections from one client IP address, over all workers; one more gets "
         "TOO_MANY_CONNECTIONS; 0 = no limit (default %(default)s)",
+    ),
+    (
+        "--handshake-rate",
+        "handshake_rate",
+        _rate_or_zero,
+        "connections one client IP address may open per second, after a burst of --handshake-burst; "
+        "one more gets TOO_MANY_CONNECTIONS; 0 = no limit (default %(default)s)",
+    ),
+    (
+        "--handshake-burst",
+        "handshake_burst",
+        _positive_int,
+        "connections one client IP address may open at once before --handshake-rate applies "
+        "(default %(default)s)",
     ),
     (
         "--replay-bytes",

@@ -60,6 +60,11 @@ sent; one more gets TOO_MANY_CONNECTIONS. Each refusal is counted by limit
 (/metrics broky_connections_refused_total) and logged at most once per
 LIMIT_LOG_INTERVAL per limit with the number not logged.
 
+A client address may also open at most --handshake-burst connections at
+once, then --handshake-rate a second (broky.server.rates): one more gets
+TOO_MANY_CONNECTIONS before its Hello is read, counted and logged the same
+way (limit handshake_rate).
+
 A refused handshake gets one fatal Error frame, one log line (throttled as
 above when a worker refused it or a limit was reached), and a lingering
 close: the master half-closes and discards input for up to a second so that
@@ -120,6 +125,7 @@ from broky.server.accounts import ACCOUNT_TTL, Account
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig, env_name
 from broky.server.httpd import HttpServer, Request, Response
 from broky.server.logs import Throttle
+from broky.server.rates import AddressRate
 from broky.server.supervisor import Supervisor, WorkerProcess
 
 if TYPE_CHECKING:
@@ -139,6 +145,7 @@ HANDOFF_LOG_INTERVAL = 10.0  # seconds between two log lines about one (worker, 
 LIMIT_LOG_INTERVAL = 10.0  # seconds between two log lines about connections refused for one limit
 MAX_CONNECTIONS = "max_connections"  # the connection limits, as counted and labelled
 MAX_CONNECTIONS_PER_ADDRESS = "max_connections_per_address"
+HANDSHAKE_RATE = "handshake_rate"
 NO_ANSWER = "no_answer"  # hand-off failure causes of the master's own (the worker's are in REFUSED)
 CHANNEL_FULL = "channel_full"
 _CAUSES = {
@@ -199,7 +206,12 @@ class Master:
         self.handoffs_refused: dict[tuple[int, str], int] = {}  # (worker, cause) -> hand-offs not taken
         self._handoff_log = Throttle(HANDOFF_LOG_INTERVAL)
         # Handshakes refused for a connection limit, by limit.
-        self.limits_refused: dict[str, int] = {MAX_CONNECTIONS: 0, MAX_CONNECTIONS_PER_ADDRESS: 0}
+        self.limits_refused: dict[str, int] = {
+            MAX_CONNECTIONS: 0,
+            MAX_CONNECTIONS_PER_ADDRESS: 0,
+            HANDSHAKE_RATE: 0,
+        }
+        self.handshake_rate = AddressRate(config.handshake_rate, config.handshake_burst)
         self._limit_log = Throttle(LIMIT_LOG_INTERVAL)
         self.started = time.time()
         self.started_monotonic = time.monotonic()
@@ -401,6 +413,14 @@ class Master:
 
     async def _handshake(self, sock: socket.socket, address: str, peer: str) -> None:
         try:
+            if not self.handshake_rate.allow(address, time.monotonic()):
+                cfg = self.config
+                raise self._limit_refused(
+                    HANDSHAKE_RATE,
+                    ErrorCode.TOO_MANY_CONNECTIONS,
+                    f"{address} opens connections faster than --handshake-rate {cfg.handshake_rate:g} a "
+                    f"second (after a burst of --handshake-burst {cfg.handshake_burst}); try again later",
+                )
             try:
                 hello_bytes, hello = await asyncio.wait_for(self._read_hello(sock), self.config.hello_timeout)
             except TimeoutError:

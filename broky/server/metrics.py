@@ -385,7 +385,7 @@ class SnapshotCollector:
         limits = _counter(
             "broky_connections_refused_total",
             "Handshakes refused for a connection limit, by the limit: max_connections (a worker's, "
-            "SERVER_BUSY) or max_connections_per_address (TOO_MANY_CONNECTIONS).",
+            "SERVER_BUSY), max_connections_per_address or handshake_rate (TOO_MANY_CONNECTIONS).",
             labels=["reason"],
         )
         for limit, n in sorted(m.get("connections_refused", {}).items()):
