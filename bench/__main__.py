@@ -4,8 +4,13 @@ Starts the three servers on loopback ports of its own, drives each one with
 the same load generator (bench/harness/loadgen.py) scenario by scenario —
 systems interleaved, so drift on a shared machine hits all of them alike —
 then writes bench.md (tables with ratios), bench.json and PNG plots into the
-output directory (default bench/results). `--quick` is the CI smoke run
-(under a minute). A progress line goes to stderr.
+output directory. `--quick` is the CI smoke run (under a minute). A progress
+line goes to stderr.
+
+Only a full run (every system, scenario and section, full durations) writes
+into bench/results by default, the committed figures the README quotes; any
+other run writes into a directory of its own under the system's temporary
+directory (printed), unless `--out` names one.
 
 The method is "Benchmark method" in the design notes: peers in the same run,
 ratios quoted, server CPU per delivered message from /proc as the steadiest
@@ -201,10 +206,32 @@ def _command(argv: list[str]) -> str:
     return " ".join(["python -m bench", *kept])
 
 
+def _full_run(argv: Sequence[str] | None) -> bool:
+    """Whether this run is the whole benchmark with its default settings (what bench/results
+    holds): no --quick, nothing left out, no duration, rate or size shortened."""
+    given = sys.argv[1:] if argv is None else list(argv)
+    changes = {
+        *("--quick", "--only", "--systems", "--warmup", "--duration", "--rate", "--latency-duration"),
+        *("--sdk-messages", "--workers", "--no-latency", "--no-sdk", "--no-sdk-to-sdk", "--no-plots"),
+    }
+    return not any(arg.split("=", 1)[0] in changes for arg in given)
+
+
+def _scratch(mode: str) -> Path:
+    """A new directory for a run whose figures must not replace the committed ones."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"broky-bench-{mode}-"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs for CI (under a minute)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output directory (default bench/results)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: bench/results for a full run, else a temporary directory)",
+    )
     parser.add_argument(
         "--systems", default="broky,nats,redis", help="comma-separated subset of broky,nats,redis"
     )
@@ -238,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in chosen if s.id in wanted]
+    if args.out is None:
+        args.out = RESULTS if _full_run(argv) else _scratch("quick" if quick else "partial")
 
     # SIGTERM (e.g. a test timeout) unwinds through the finally below: no server outlives us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

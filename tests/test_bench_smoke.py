@@ -257,3 +257,25 @@ def test_report_targets_tables_and_plots(tmp_path: Path) -> None:
     for p in paths:
         if p.suffix == ".png":
             assert p.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_only_a_full_run_writes_into_the_committed_results() -> None:
+    """A quick or partial run must not replace bench/results (the README quotes those)."""
+    from bench.__main__ import _full_run, _scratch
+
+    assert _full_run([])
+    for argv in (
+        ["--quick"],
+        ["--only", "1to1_100"],
+        ["--duration=1"],
+        ["--no-latency"],
+        ["--systems", "broky"],
+    ):
+        assert not _full_run(argv), argv
+    scratch = _scratch("quick")
+    try:
+        assert (
+            scratch.is_dir() and scratch.name.startswith("broky-bench-quick-") and not any(scratch.iterdir())
+        )
+    finally:
+        scratch.rmdir()
