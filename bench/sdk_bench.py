@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     info = machine()
     servers = Servers(args.workers).start()
-    cases: dict[str, tuple[Callable[[str, int], Awaitable[dict[str, float]]], ...]] = {
+    cases: dict[str, tuple[Callable[[str, int], Coroutine[Any, Any, dict[str, float]]], ...]] = {
         "publish": (broky_publish, nats_publish),
         # nats.py has no bulk call: its per-call publish is what a bulk producer has there
         "bulk publish": (broky_publish_many, nats_publish),
