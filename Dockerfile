@@ -1,29 +1,50 @@
 # Broky server image: `docker build -t broky .` then
 # `docker run --rm -p 4777:4777 -p 9477:9477 broky` (any `broky serve` option may follow).
-# The wheel is built with a C compiler (the fan-out's compiled fast path,
-# broky/server/_feedscan.c, and the SDK's publish encoding, broky/client/_pubpack.c);
-# the image that runs it has none.
-FROM python:3.11-slim AS build
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY broky ./broky
-RUN pip wheel --no-cache-dir --no-deps -w /wheels . \
-    && python -c "import glob, sys, zipfile; n = [n for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()]; sys.exit(not all(any(x.startswith(m) and x.endswith('.so') for x in n) for m in ('broky/server/_feedscan', 'broky/client/_pubpack')))"
+# Where no registry of base images is reachable, `scripts/build-image` builds it with
+# podman on a minimal Debian base of its own (mmdebstrap) passed as BASE.
+#
+# The build stage compiles the wheel (the fan-out's fast path, broky/server/_feedscan.c,
+# and the SDK's publish encoding, broky/client/_pubpack.c) and installs it with its
+# dependencies into a virtual environment, /opt/broky; the image that runs it gets that
+# environment alone: no compiler, no pip.
+ARG BASE=docker.io/library/python:3.11-slim
 
-FROM python:3.11-slim
+FROM ${BASE} AS build
+# Debian's own python3 (a base made by scripts/build-image) keeps Python.h and venv's pip
+# in packages of their own; the python image has both.
+RUN set -eu; pkgs="gcc libc6-dev"; \
+    if [ "$(command -v python3)" = /usr/bin/python3 ]; then pkgs="$pkgs python3-dev python3-venv"; fi; \
+    apt-get update && apt-get install -y --no-install-recommends $pkgs && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+# The dependencies first, in a layer of their own: a change to Broky's code alone rebuilds
+# from the next step, in seconds. A CA bundle given as the build secret `ca`
+# (scripts/build-image passes the host's, for a network that inspects TLS) is mounted for
+# this step only: it is in no layer.
+COPY pyproject.toml ./
+RUN --mount=type=secret,id=ca \
+    set -eu; if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
+    python3 -m venv /opt/broky \
+    && python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); print(*p['build-system']['requires'], *p['project']['dependencies'], *p['project']['optional-dependencies']['cluster'], sep='\\n')" > /tmp/requirements.txt \
+    && /opt/broky/bin/pip install --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt
+COPY setup.py README.md ./
+COPY broky ./broky
+# The wheel must hold both compiled modules (a missing compiler or Python.h would leave the
+# pure-Python fallbacks in, silently). Then pip and setuptools leave the environment.
+RUN /opt/broky/bin/pip wheel --no-deps --no-build-isolation --disable-pip-version-check -w /wheels . \
+    && python3 -c "import glob, sys, zipfile; n = [n for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()]; sys.exit(not all(any(x.startswith(m) and x.endswith('.so') for x in n) for m in ('broky/server/_feedscan', 'broky/client/_pubpack')))" \
+    && /opt/broky/bin/pip install --no-deps --no-cache-dir --disable-pip-version-check /wheels/broky-*.whl \
+    && /opt/broky/bin/pip uninstall -q -y pip setuptools
+
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PATH=/opt/broky/bin:$PATH
 
 # With the cluster extra (the etcd client): `broky serve --cluster etcd://...` works in the image.
-COPY --from=build /wheels /wheels
-RUN pip install "$(ls /wheels/broky-*.whl)[cluster]" && rm -rf /wheels
+COPY --from=build /opt/broky /opt/broky
 
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin broky
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin broky
 USER broky
 WORKDIR /
 

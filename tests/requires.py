@@ -1,11 +1,11 @@
 """Programs the tests start that do not come with the package: one rule for all of them.
 
 `./run test` installs each (Debian packages: nats-server, redis-server, etcd-server,
-prometheus, flatbuffers-compiler, chromium, curl). A test that needs one calls `program(name)`
-first: outside CI a missing program skips the test with a reason that says how
-to get it; in CI (the environment variable CI set to true, as CI services do and
-`.ci/run` does) it fails the test, because a skipped test there would hide a
-broken set-up as surely as a broken build.
+prometheus, flatbuffers-compiler, chromium, curl, podman, runc, mmdebstrap). A test
+that needs one calls `program(name)` first: outside CI a missing program skips the
+test with a reason that says how to get it; in CI (the environment variable CI set
+to true, as CI services do and `.ci/run` does) it fails the test, because a skipped
+test there would hide a broken set-up as surely as a broken build.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ PACKAGES = {
     "curl": "curl",
     "etcd": "etcd-server",
     "flatc": "flatbuffers-compiler",
+    "mmdebstrap": "mmdebstrap",
     "nats-server": "nats-server",
+    "podman": "podman",
     "prometheus": "prometheus",
     "promtool": "prometheus",
     "redis-server": "redis-server",
+    "runc": "runc",
 }
 
 

@@ -1,7 +1,10 @@
 """examples/cluster/: run.py starts etcd and three nodes with one command; the
-docker-compose.yml (no Docker engine here) is checked for what can be checked
-without one: its settings parse as `broky serve` settings and its Prometheus
-configuration passes promtool."""
+docker-compose.yml is checked for what can be checked without starting containers
+(its settings parse as `broky serve` settings, its etcd flags are the flags of
+Debian's etcd that its etcd image runs, its Prometheus configuration passes promtool,
+its images are the ones `scripts/build-image --cluster` builds). Running it with
+podman-compose takes half a minute: it was run by hand (README, "The container image");
+tests/test_image.py builds and runs Broky's image."""
 
 from __future__ import annotations
 
@@ -238,6 +241,23 @@ def test_docker_compose_nodes_are_valid_broky_serve_settings() -> None:
     prometheus = (EXAMPLE / "prometheus.yml").read_text()
     for name, env in nodes.items():
         assert f"{name}:{env['BROKY_METRICS_PORT']}" in prometheus
+
+
+def test_docker_compose_runs_the_images_build_image_builds_and_etcds_own_flags() -> None:
+    text = (EXAMPLE / "docker-compose.yml").read_text()
+    script = (EXAMPLE.parent.parent / "scripts" / "build-image").read_text()
+    images = re.findall(r"^ +image: (\S+)$", text, re.M)
+    assert set(images) == {f"localhost/broky{s}:latest" for s in ("", "-etcd", "-prometheus")}
+    for name in ("etcd", "prometheus"):
+        assert f"dockerfile: {name}.Dockerfile" in text and (EXAMPLE / f"{name}.Dockerfile").is_file()
+        assert f"build localhost/broky-{name} examples/cluster examples/cluster/{name}.Dockerfile" in script
+    # The etcd image runs Debian's etcd-server, the package the tests' etcd comes from.
+    flags = re.findall(r"^      - (--[a-z-]+)=", text[text.index("  etcd:\n") :], re.M)
+    assert len(flags) == 7, flags
+    help_text = subprocess.run(
+        [requires.program("etcd"), "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert [f for f in flags if f"{f} " not in help_text.stdout + help_text.stderr] == []
 
 
 def test_the_example_prometheus_configuration_is_valid() -> None:
