@@ -12,12 +12,14 @@ broky_token cookie or ?access_token=):
                                              request says Accept: text/event-stream
 
 How a request reaches the workers (decided). The master holds one SDK
-`Client` connected to its own workers (`sdk`, connected at the first /v1/
-request, once, and kept; broky.client is loaded only then): a subscription
-is one SDK subscription with an inline callback that appends to the
-stream's buffer. A publish goes through a `Lane`: one connection per worker
-(opened at its first POST, with Hello.worker, and kept), on which the POST's
-messages go straight to the worker that owns the partition's vbucket, in
+`Client` seeded at its own node (`sdk`, connected at the first /v1/
+request, once, and kept; broky.client is loaded only then), which follows
+the vbucket map as any SDK client does: a subscription is one SDK
+subscription with an inline callback that appends to the stream's buffer.
+A publish goes through a `Lane`: one connection per worker, of any node of
+the map (opened at its first POST, with Hello.worker, once for every POST
+that needs it meanwhile, and kept), on which the POST's messages go
+straight to the worker that owns the partition's vbucket, in
 one write, between two Reads of that vbucket's position (an empty range:
 start_time after every message). A worker handles a connection's frames in
 order, so the first ReadDone says where the vbucket stood before the
@@ -28,6 +30,33 @@ small Reads on a connection already open, instead of a handshake and a
 hand-off per request (a new connection per POST) or two bounded reads on
 connections of their own (`Client.positions`). bench/README.md "HTTP"
 measures it against the SDK's per-call publish.
+
+In a cluster (decided: forward, not redirect). Any node answers a POST:
+the lane goes to the owning worker wherever it is, so a POST for another
+node's vbucket costs about what one POSTed at its owner does, where a 307
+would add a round trip and a request's worth of the first node's CPU
+(bench/README.md "HTTP", measured). A redirect would also fail its users: curl
+follows one only with -L, webhooks and many HTTP libraries do not re-POST
+a body, and the map names nodes' binary ports, not their HTTP ports, which
+a load balancer may hide anyway. Past the master that took the POST, no
+other process handles the messages on their way: they cross the network
+once, from that master to the owning worker, as an SDK client's would.
+
+When the map moves under a POST. A worker refuses the messages of a
+vbucket it no longer owns (NOT_MY_VBUCKET carries each back, in order, and
+the lane gives them to their POST: `Batch.refused`); a lost lane (the node
+died or left: Goodbye) fails its POSTs under way, and which of their
+messages the node took is unknown. Either way the POST is tried once more
+(`_place`) within its PUBLISH_TIMEOUT: the map is refreshed through the SDK
+client (`Client.refresh_map`) every RETRY_INTERVAL until it names an owner
+that answers (not the worker that refused), and what is left goes there:
+the refused messages, or all of them after a lost lane (with their uids:
+a subscriber can tell a message it gets twice). The answer then says so
+("resent": how many, why, and whether some may have been published twice).
+What cannot be placed is a 503 saying why, with how many messages were
+published before ("published": null when unknown), never a silent drop.
+A planned move keeps the vbucket's sequence, so a POST split by one is
+still exact across the two workers.
 
 Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
 an empty last line dropped; `?lines=0` takes the whole body as one message.
@@ -46,6 +75,10 @@ and at most --http-max-connections streams hold it): past it the stream is
 cut (`cut_slow`, counted), after a last line saying so (SSE `event: cut`),
 so a reader that cannot keep up is told and closed like any slow consumer,
 and the SDK connection it shares is never paused for it.
+
+A stream covers the cluster: the SDK client subscribes on every worker of
+every node (and follows the map as nodes come and go), so a stream on any
+node carries every node's messages.
 
 Losses the server tells: those naming the stream's subscription (a start
 that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
@@ -70,7 +103,10 @@ that event, and `since_time` = when the first stream started for vbuckets it
 had not reached; the worker replays the rest from its replay buffer. A
 resume of a stream the server still writes to ends that stream first (its
 client went, unseen). Ledgers outlive their streams by RESUME_WINDOW
-seconds, at most MAX_LEDGERS of them (the oldest go first). An id the
+seconds, at most MAX_LEDGERS of them (the oldest go first). Ledgers are
+the node's own: another node of the cluster does not know the stream (a
+resume there is as below), so a reconnect must reach the node that gave
+the id, as a load balancer's sticky sessions do. An id the
 server cannot use (unknown or expired stream, an event older than its
 ledger keeps, a wrong secret) still resumes its own vbucket from its
 position, everything else from now, and says so first with an
