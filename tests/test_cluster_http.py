@@ -8,7 +8,8 @@
   other node resumes its own vbucket only, and says so.
 - A POST whose owner died is placed at the new owner once the map says so
   (the gateway refreshes the map and tries again within the request's time),
-  and POSTs during a join all arrive, each once, in order.
+  and POSTs during a join and a drain all arrive, each once, in order, at the
+  positions their answers name.
 
 Leases of 2 s, moves committed within 4 s, one worker per node: seconds, not
 minutes. Processes are stopped by pid (tests/cluster.py).
@@ -67,6 +68,10 @@ async def post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
     assert proc.returncode == 0, err
     answer, _, code = out.rpartition(b"\n")
     return int(code), json.loads(answer)
+
+
+def owner(vmap: VBucketMap, kp: str) -> str:
+    return vmap.nodes[vmap.owners[vbucket_of(kp.encode())][0]].node_id
 
 
 def http_view(cluster: Cluster, node_id: str) -> dict[str, Any]:
@@ -267,8 +272,9 @@ def test_a_post_whose_owner_died_is_placed_at_the_new_owner_within_the_request(c
     assert (view["publish_retries"], view["publish_failed"]) == (1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_posts_during_a_join_all_arrive_each_once_in_order_at_the_positions_answered(
+def test_posts_during_a_join_and_a_drain_all_arrive_each_once_in_order_at_the_positions_answered(
     cluster: Cluster,
 ) -> None:
     cluster.start("a", workers=1)
@@ -277,6 +283,7 @@ def test_posts_during_a_join_all_arrive_each_once_in_order_at_the_positions_answ
     kps = [f"j{i}" for i in range(16)]
     answers: list[tuple[str, int, dict[str, Any]]] = []  # (kp, round, answer)
     failures: list[BaseException] = []
+    forwarded: list[int] = []  # node a's count once b took its share
     stop = threading.Event()
 
     def posting() -> None:
@@ -309,31 +316,45 @@ def test_posts_during_a_join_all_arrive_each_once_in_order_at_the_positions_answ
                 await asyncio.to_thread(cluster.start, "b", workers=1)
                 await asyncio.to_thread(cluster.wait_settled)
                 await asyncio.sleep(0.5)
+                vmap = await asyncio.to_thread(current_map, cluster)
+                assert [kp for kp in kps if owner(vmap, kp) == "b"]  # some went to b: forwarded now
+                forwarded.append(http_view(cluster, "a")["forwarded"])
+                await asyncio.to_thread(cluster.leave, "b")  # hands them back, Goodbye
+                await asyncio.to_thread(cluster.wait_settled)
+                await asyncio.sleep(0.5)
             finally:
                 stop.set()
                 await asyncio.to_thread(thread.join)
             assert not failures, failures
             got: list[broky.Message] = []
+            distinct: set[bytes] = set()
             async with asyncio.timeout(30):
-                while len(got) < 5 * len(answers):
+                while len(distinct) < 5 * len(answers):
                     got.append(await sub.next_msg())
+                    distinct.add(got[-1].payload)
             return got
 
     got = asyncio.run(main())
     assert not [x for x in answers if "error" in x[2] or x[2]["published"] != 5], answers[:3]
-    by_payload = {m.payload.decode(): m for m in got}
-    assert len(by_payload) == len(got) == 5 * len(answers)  # each once
+    # each once: twice only what a lost lane's POST sent again, and said so (maybe_twice)
+    maybe_twice = {(kp, r) for kp, r, answer in answers if answer.get("resent", {}).get("maybe_twice")}
+    by_payload: dict[str, broky.Message] = {}
+    for m in got:
+        text = m.payload.decode()
+        of, at, _ = text.split(":")
+        assert text not in by_payload or (of, int(at)) in maybe_twice, text
+        by_payload.setdefault(text, m)
+    assert len(by_payload) == 5 * len(answers)
     for kp in kps:  # in order
-        mine = [m.payload.decode() for m in got if m.key_partition == kp.encode()]
+        mine = [p for p in by_payload if p.startswith(f"{kp}:")]
         assert mine == sorted(mine, key=lambda p: (int(p.split(":")[1]), int(p.split(":")[2])))
     for kp, round_, answer in answers:  # where the answer said (nobody else publishes there)
+        if (kp, round_) in maybe_twice:
+            continue
         first, last = by_payload[f"{kp}:{round_}:0"], by_payload[f"{kp}:{round_}:4"]
         assert answer["exact"], (kp, round_, answer)
         assert answer["first"] == [first.vbucket, str(first.epoch), first.offset], (kp, round_, answer)
         assert answer["last"] == [last.vbucket, str(last.epoch), last.offset], (kp, round_, answer)
-    vmap = current_map(cluster)
-    moved = [kp for kp in kps if vmap.nodes[vmap.owners[vbucket_of(kp.encode())][0]].node_id == "b"]
-    assert moved  # some key_partitions went to b: their later POSTs were forwarded
     view = http_view(cluster, "a")
-    assert view["forwarded"] > 0 and view["publish_failed"] == 0
+    assert forwarded[0] > 0 and view["publish_failed"] == 0
     assert view["publish_retries"] == sum(1 for x in answers if "resent" in x[2])
