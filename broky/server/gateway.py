@@ -765,6 +765,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         why = "no time was left"
         while (left := deadline - loop.time()) > 0:
+            if self.closing:
+                raise BrokyError("the server is shutting down")
             try:
                 async with asyncio.timeout(left):
                     await client.refresh_map()
@@ -806,7 +808,9 @@ class Gateway:
     def _opened(self, owner: tuple[str, int], task: asyncio.Task[Lane]) -> None:
         self._opening.pop(owner, None)
         if not task.cancelled() and task.exception() is None:
-            self.lanes[owner] = task.result()
+            lane = self.lanes[owner] = task.result()
+            if self.closing:  # opened while the server shut down: its POSTs fail
+                lane.fail(BrokyError("the server is shutting down"))
 
     async def _open_lane(self, client: Client, owner: tuple[str, int]) -> Lane:
         from broky.client.connection import open_connection  # the SDK: loaded at the first /v1/ request
