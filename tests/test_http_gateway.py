@@ -196,6 +196,46 @@ def test_a_lane_gets_what_a_worker_refuses_back_in_order_and_carries_on(server: 
     asyncio.run(main())
 
 
+def test_a_post_that_cannot_be_placed_is_a_503_that_says_why(
+    start_server: Callable[..., ServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's code in this process, against a real server that then goes: the POST is
+    tried again until its deadline (1 s here, 30 s in the server), then refused with a 503
+    naming the worker it could not reach and how many messages were published (none)."""
+    from broky.protocol import new_ksuid, vbucket_of
+    from broky.server import gateway
+    from broky.server.config import ServerConfig
+    from broky.server.httpd import HttpError
+
+    server = start_server()
+    monkeypatch.setattr(gateway, "PUBLISH_TIMEOUT", 1.0)
+    config = ServerConfig(host=server.host, port=server.port, node_id="here")
+
+    async def main() -> None:
+        gw = gateway.Gateway(None, config, lambda: True, server.host)  # type: ignore[arg-type]  # no routes
+        try:
+            client = await gw.sdk()
+            kp = b"placed"
+            frame = gateway._encode(kp, b"p.x", b"m", 1, new_ksuid())
+            answer = await gw._place(client, kp, vbucket_of(kp), [frame])
+            assert answer["published"] == 1 and answer["exact"] is True
+            server.stop()
+            await asyncio.sleep(0.5)  # the lane takes the Goodbye and the end of its connection
+            started = time.monotonic()
+            with pytest.raises(HttpError) as refused:
+                await gw._place(client, kp, vbucket_of(kp), [frame])
+            assert 1.0 <= time.monotonic() - started < 5
+        finally:
+            await gw.close()
+        body = json.loads(refused.value.answer().body)
+        assert body["status"] == 503 and body["published"] == 0, body
+        assert body["error"].startswith("publish failed: cannot reach worker "), body
+        assert "then no owner of vbucket" in body["error"] and "within 1 s" in body["error"], body
+        assert (gw.counters.publish_retries, gw.counters.publish_failed) == (1, 1)
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------- subscribe
 
 
