@@ -41,6 +41,9 @@ a body, and the map names nodes' binary ports, not their HTTP ports, which
 a load balancer may hide anyway. Past the master that took the POST, no
 other process handles the messages on their way: they cross the network
 once, from that master to the owning worker, as an SDK client's would.
+(DESIGN.md's "no server-to-server data routes" is about the nodes' own
+data path; the gateway is a client of the cluster, as a program with the
+SDK is, and what it forwards is its HTTP clients' publishes alone.)
 
 When the map moves under a POST. A worker refuses the messages of a
 vbucket it no longer owns (NOT_MY_VBUCKET carries each back, in order, and
