@@ -348,13 +348,19 @@ def test_posts_during_a_join_and_a_drain_all_arrive_each_once_in_order_at_the_po
     for kp in kps:  # in order
         mine = [p for p in by_payload if p.startswith(f"{kp}:")]
         assert mine == sorted(mine, key=lambda p: (int(p.split(":")[1]), int(p.split(":")[2])))
+    unknown = 0
     for kp, round_, answer in answers:  # where the answer said (nobody else publishes there)
         if (kp, round_) in maybe_twice:
             continue
         first, last = by_payload[f"{kp}:{round_}:0"], by_payload[f"{kp}:{round_}:4"]
-        assert answer["exact"], (kp, round_, answer)
-        assert answer["first"] == [first.vbucket, str(first.epoch), first.offset], (kp, round_, answer)
-        assert answer["last"] == [last.vbucket, str(last.epoch), last.offset], (kp, round_, answer)
+        if answer["exact"]:
+            assert answer["first"] == [first.vbucket, str(first.epoch), first.offset], (kp, round_, answer)
+            assert answer["last"] == [last.vbucket, str(last.epoch), last.offset], (kp, round_, answer)
+        else:  # a move under way: the bounds, or nothing when the taker could not say where it stood
+            assert answer["first"] is answer["last"] is None, (kp, round_, answer)
+            assert ("after" in answer) == ("at_most" in answer), (kp, round_, answer)
+            unknown += 1
+    assert unknown < len(answers) / 4, unknown  # a few, around the moves
     view = http_view(cluster, "a")
     assert forwarded[0] > 0 and view["publish_failed"] == 0
     assert view["publish_retries"] == sum(1 for x in answers if "resent" in x[2])

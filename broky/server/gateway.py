@@ -59,7 +59,11 @@ a subscriber can tell a message it gets twice). The answer then says so
 What cannot be placed is a 503 saying why, with how many messages were
 published before ("published": null when unknown), never a silent drop.
 A planned move keeps the vbucket's sequence, so a POST split by one is
-still exact across the two workers.
+still exact across the two workers. One moment of a move leaves a POST's
+positions unknown (no bounds either): a worker takes the messages of a
+vbucket moving to it once the map prepares the move, before it owns it and
+answers Reads for it, so a gateway that follows the commit before that
+worker does gets its Reads refused and its messages taken.
 
 Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
 an empty last line dropped; `?lines=0` takes the whole body as one message.
