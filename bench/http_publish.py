@@ -19,6 +19,28 @@ Server CPU per message (master + workers, /proc/<pid>/stat) for each case.
 Results: bench/results/http.md and http.json with the machine.
 
     python -m bench.http_publish [--runs 3] [--messages 20000] [--seconds 5]
+
+With --cluster: etcd and two nodes, a and b (--workers each, default 1 here),
+one cluster for every run, and a POST for a vbucket that node b owns, made
+where the client happens to be (node a) or at its owner (node b). Server CPU
+is both nodes'. The cases, each `--runs` times in turn:
+
+- forward: POST at a, vbucket of b: the gateway of a publishes on its lane
+  to b's worker (what ships);
+- direct: POST at b, vbucket of b: what a client that knows the owner pays,
+  and the second leg of a redirect;
+- local: POST at a, vbucket of a: the single-node case, for scale;
+- 307 leg: POST at a, answered at once (a 400: the request and its body read,
+  a small JSON answer): what node a would spend on a 307 and the client on its
+  first round trip;
+- forward / direct, 1000 msgs/POST: the same with batches;
+- redirect (estimated): not built, so derived from its legs: CPU = 307 leg +
+  direct, calls/s = 1 / (1/307 leg + 1/direct) (two round trips, one after
+  the other, per POST).
+
+Results: bench/results/http_cluster.md and http_cluster.json.
+
+    python -m bench.http_publish --cluster [--runs 3] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -62,9 +84,9 @@ class HttpConn:
         reader, writer = await asyncio.open_connection(host, port)
         return cls(host, port, reader, writer)
 
-    async def post(self, target: str, body: bytes | None) -> dict[str, Any]:
-        """POST (body None: GET); a new connection when the server closed the last (as after
-        1,000 requests)."""
+    async def post(self, target: str, body: bytes | None, status: bytes = b"200") -> dict[str, Any]:
+        """POST (body None: GET), expecting `status`; a new connection when the server closed
+        the last (as after 1,000 requests)."""
         if self.reader.at_eof():
             self.writer.close()
             self.reader, self.writer = await asyncio.open_connection(*self.address)
@@ -83,7 +105,7 @@ class HttpConn:
         if b"\r\nConnection: close" in status_and_headers:
             self.writer.close()
             await self.reader.read()  # at EOF: the next POST opens a new connection
-        if not status_and_headers.startswith(b"HTTP/1.1 200"):
+        if not status_and_headers.startswith(b"HTTP/1.1 " + status):
             raise RuntimeError(f"{status_and_headers!r} {answer!r}")
         result: dict[str, Any] = json.loads(answer) if body is not None else {"published": 1}
         return result
@@ -107,10 +129,21 @@ async def sdk_per_call(server: Server, n: int) -> tuple[float, int]:
         return time.perf_counter() - start, n
 
 
-async def http_clients(server: Server, clients: int, seconds: float, lines: int) -> tuple[float, int]:
+async def http_clients(
+    server: Server,
+    clients: int,
+    seconds: float,
+    lines: int,
+    partitions: list[str] = PARTITIONS,
+    query: str = "",
+    status: bytes = b"200",
+) -> tuple[float, int]:
+    """`clients` keep-alive connections POSTing `lines` lines each to `partitions` in turn
+    for `seconds`; (elapsed, messages published; with `status` other than 200: calls)."""
     conns = [await HttpConn.open(server.host, server.metrics_port) for _ in range(clients)]
     body = b"\n".join([PAYLOAD] * lines) + b"\n"
-    await conns[0].post("/v1/pub/bench.warm", PAYLOAD)  # the gateway connects its client once
+    for p in partitions:  # the gateway connects its client, and its lanes, once
+        await conns[0].post(f"/v1/pub/bench.warm?partition={p}", PAYLOAD)
     published = 0
     start = time.perf_counter()
     deadline = start + seconds
@@ -119,8 +152,9 @@ async def http_clients(server: Server, clients: int, seconds: float, lines: int)
         nonlocal published
         i = k
         while time.perf_counter() < deadline:
-            answer = await conn.post(f"/v1/pub/bench.key?partition={PARTITIONS[i % 8]}", body)
-            published += answer["published"]
+            target = f"/v1/pub/bench.key?partition={partitions[i % len(partitions)]}{query}"
+            answer = await conn.post(target, body, status)
+            published += answer["published"] if status == b"200" else 1
             i += clients
 
     await asyncio.gather(*(run(c, k) for k, c in enumerate(conns)))
@@ -151,11 +185,14 @@ async def positions(server: Server, seconds: float) -> tuple[float, int]:
         return time.perf_counter() - start, calls
 
 
-def measure(server: Server, case: Any) -> dict[str, float]:
-    cpu0 = server_cpu(server)
+def measure(server: Server, case: Any, others: tuple[Server, ...] = ()) -> dict[str, float]:
+    """Run `case`; its rate and server CPU per message (`server`'s and `others`'), of which
+    `server`'s master."""
+    everyone = (server, *others)
+    cpu0 = sum(server_cpu(s) for s in everyone)
     master0 = procstat.cpu_seconds(server.pid)
     elapsed, count = asyncio.run(case())
-    cpu = server_cpu(server) - cpu0
+    cpu = sum(server_cpu(s) for s in everyone) - cpu0
     master = procstat.cpu_seconds(server.pid) - master0
     return {
         "rate": count / elapsed,
@@ -170,8 +207,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=None, help="per node (default 2; 1 with --cluster)")
+    parser.add_argument("--cluster", action="store_true", help="two nodes: forward against redirect")
     args = parser.parse_args()
+    if args.cluster:
+        cluster_main(args)
+        return
+    args.workers = args.workers or 2
     info = machine_info()
     cases = {
         "sdk per call": lambda s: lambda: sdk_per_call(s, args.messages),
@@ -221,6 +263,95 @@ def main() -> None:
     (RESULTS / "http.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "http.json").write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
                                                    "summary": summary}, indent=2) + "\n")  # fmt: skip
+    print("\n".join(lines))
+
+
+def owned_by(vmap: Any, node_id: str, count: int) -> list[str]:
+    """`count` key_partitions whose vbuckets `vmap` gives to node `node_id`."""
+    from broky.protocol.routing import vbucket_of
+
+    index = vmap.node_index(node_id)
+    found = [
+        p
+        for p in (f"partition-{i}" for i in range(100_000))
+        if vmap.owners[vbucket_of(p.encode())][0] == index
+    ]
+    return found[:count]
+
+
+def cluster_main(args: argparse.Namespace) -> None:
+    from bench.harness.cluster import EtcdServer, current_map, settled, start_node, wait_for
+
+    workers = args.workers or 1
+    info = machine_info()
+    etcd = EtcdServer().start()
+    nodes: dict[str, Server] = {}
+    try:
+        for node_id in ("a", "b"):
+            nodes[node_id] = start_node(etcd.url(), node_id, workers)
+        wait_for(lambda: settled(nodes), 60, "the nodes settled on one map")
+        vmap = current_map(etcd)
+        of_a, of_b = owned_by(vmap, "a", 8), owned_by(vmap, "b", 8)
+        a, b = nodes["a"], nodes["b"]
+        secs = args.seconds
+        cases: dict[str, tuple[Server, Any]] = {
+            "forward: POST at a, vbucket of b": (a, lambda: http_clients(a, 1, secs, 1, of_b)),
+            "direct: POST at b, vbucket of b": (b, lambda: http_clients(b, 1, secs, 1, of_b)),
+            "local: POST at a, vbucket of a": (a, lambda: http_clients(a, 1, secs, 1, of_a)),
+            "307 leg: POST at a, answered at once": (
+                a,
+                lambda: http_clients(a, 1, secs, 1, of_b, "&lines=2", b"400"),
+            ),
+            "forward, 1000 msgs/POST": (a, lambda: http_clients(a, 1, secs, 1000, of_b)),
+            "direct, 1000 msgs/POST": (b, lambda: http_clients(b, 1, secs, 1000, of_b)),
+        }
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+        for r in range(args.runs):
+            for name, (at, case) in cases.items():
+                other = b if at is a else a
+                runs[name].append(measure(at, case, (other,)))
+                print(f"run {r + 1} {name}: {runs[name][-1]}", flush=True)
+    finally:
+        for node in nodes.values():
+            node.stop()
+        etcd.stop()
+    summary = {
+        name: {
+            "rate": statistics.median(x["rate"] for x in results),
+            "cpu_us_per": statistics.median(x["cpu_us_per"] for x in results),
+            "master_us_per": statistics.median(x["master_us_per"] for x in results),
+        }
+        for name, results in runs.items()
+    }
+    leg, direct = summary["307 leg: POST at a, answered at once"], summary["direct: POST at b, vbucket of b"]
+    summary["redirect (estimated: 307 leg + direct)"] = {
+        "rate": 1 / (1 / leg["rate"] + 1 / direct["rate"]),
+        "cpu_us_per": leg["cpu_us_per"] + direct["cpu_us_per"],
+        "master_us_per": leg["master_us_per"] + direct["master_us_per"],
+    }
+    forward = summary["forward: POST at a, vbucket of b"]["rate"]
+    lines = [
+        "# HTTP publish in a cluster: forward against redirect",
+        "",
+        f"Machine: {describe(info)}; load at start {info['load_average_at_start']}.",
+        f"`python -m bench.http_publish --cluster --runs {args.runs} --seconds {secs:g} --workers {workers}`;"
+        " two nodes on one etcd, one keep-alive client, medians; 100-byte payloads, 8 partitions.",
+        "",
+        "| case | msgs/s (calls/s) | / forward | both nodes' CPU µs per msg (call) | of which its master |",
+        "|---|---|---|---|---|",
+    ]
+    for name, x in summary.items():
+        cells = [
+            f"{x['rate']:,.0f}",
+            f"{x['rate'] / forward:.2f}",
+            f"{x['cpu_us_per']:,.1f}",
+            f"{x['master_us_per']:,.1f}",
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "http_cluster.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "http_cluster.json").write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
+                                                           "summary": summary}, indent=2) + "\n")  # fmt: skip
     print("\n".join(lines))
 
 

@@ -7,7 +7,8 @@ starts nodes against it (tests.serverproc.ServerProcess with --cluster,
 the whole history of the map key from etcd (`map_history`: etcd keeps every
 revision until it is compacted, and these tests never compact). Everything is
 stopped by pid: nodes with SIGKILL on their process group (a SIGTERM would
-drain), then etcd.
+drain), then etcd. The `cluster` fixture (a Cluster on an etcd of its own) is
+every test module's, through tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import pytest
 
 from bench.harness.cluster import EtcdServer, http_get, settled_views, wait_for
 from bench.harness.servers import free_port
 from broky.protocol.routing import NO_OWNER, VBucketMap, vbucket_of
+from tests import requires
 from tests.serverproc import ServerProcess
 
 __all__ = ["EtcdServer", "free_port", "http_get", "wait_for"]  # tests import them from here
@@ -211,6 +215,21 @@ class Cluster:
             timeout,
             f"nodes {sorted(self.nodes)} settled on the map in etcd",
         )
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    """A Cluster (no node started yet) on an etcd of its own: leases of 2 s, moves committed
+    within 4 s. tests/conftest.py makes it every module's `cluster` (a module may define
+    its own)."""
+    requires.program("etcd")
+    etcd = EtcdServer().start()
+    c = Cluster(etcd, lease_ttl=2, move_timeout=4.0)
+    try:
+        yield c
+    finally:
+        c.stop()
+        etcd.stop()
 
 
 def assert_versions_grow(history: list[VBucketMap]) -> None:

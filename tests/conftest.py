@@ -4,6 +4,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.cluster import cluster  # noqa: F401  (real etcd and cluster nodes: see there)
 from tests.serverproc import ServerProcess
 from tests.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
 

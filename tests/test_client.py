@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import socket
 import threading
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 import broky
+from bench.harness.cluster import http_get
 from broky.protocol import LossReason, VBucketMap, encode_message, vbucket_of
 from tests.serverproc import ServerProcess
 
@@ -68,6 +70,26 @@ def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server:
             assert client.stats.misrouted == 0
             assert errors == []
             assert client.stats.published == len(sent)
+
+    run(main)
+
+
+def test_refresh_map_asks_a_node_once_for_every_caller_meanwhile(server: ServerProcess) -> None:
+    def handed() -> int:
+        status, body = http_get(server.metrics_port, "/stats")
+        assert status == 200
+        count: int = json.loads(body)["master"]["connections_handed"]
+        return count
+
+    async def main() -> None:
+        async with broky.connect(server.url) as client:
+            before = handed()
+            first, second = await asyncio.gather(client.refresh_map(), client.refresh_map())
+            assert first is second and client.server_info is not None
+            assert first == client.server_info.map == client.router.map
+            assert handed() == before + 1  # one Hello, on a connection of its own
+            await client.refresh_map()
+            assert handed() == before + 2
 
     run(main)
 

@@ -17,33 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterator
 
 import pytest
 
 import broky
 from broky.protocol import Error, Message, Read, ReadDone, Replay, vbucket_of
 from broky.protocol.frames import Position
-from tests import requires
-from tests.cluster import Cluster, EtcdServer, owners_by_id
+from tests.cluster import Cluster, owners_by_id
 from tests.wire import Wire
 
 PARTITIONS = 64
 KPS = [b"kp-%d" % i for i in range(PARTITIONS)]
 BEFORE, AFTER = 5, 3  # messages per key_partition before the join, and after it
 LINGER = 8.0
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    requires.program("etcd")
-    etcd = EtcdServer().start()
-    c = Cluster(etcd, lease_ttl=2, move_timeout=4.0)
-    try:
-        yield c
-    finally:
-        c.stop()
-        etcd.stop()
 
 
 def publish(seed: str, phase: int, count: int) -> None:

@@ -9,29 +9,15 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 
 import broky
 from broky import GroupMessage
-from tests import requires
-from tests.cluster import Cluster, EtcdServer
+from tests.cluster import Cluster
 
 KPS = [f"c{i}" for i in range(256)]
 N = 10_000
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    requires.program("etcd")
-    etcd = EtcdServer().start()
-    c = Cluster(etcd, lease_ttl=2, move_timeout=4.0)
-    try:
-        yield c
-    finally:
-        c.stop()
-        etcd.stop()
 
 
 def seed(cluster: Cluster, node_id: str) -> str:

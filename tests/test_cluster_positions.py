@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,24 +35,11 @@ import broky
 from broky.client.link import WorkerRef
 from broky.protocol import LossReason, Message, VBucketMap, vbucket_of
 from broky.protocol.frames import Position
-from tests import requires
-from tests.cluster import Cluster, EtcdServer, owners_by_id
+from tests.cluster import Cluster, owners_by_id
 
 PARTITIONS = 128
 KPS = [b"kp-%d" % i for i in range(PARTITIONS)]
 RATE = 2000  # msgs/s
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    requires.program("etcd")
-    etcd = EtcdServer().start()
-    c = Cluster(etcd, lease_ttl=2, move_timeout=4.0)
-    try:
-        yield c
-    finally:
-        c.stop()
-        etcd.stop()
 
 
 class Received:

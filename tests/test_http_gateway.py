@@ -145,6 +145,97 @@ def test_keep_alive_carries_many_requests_on_one_connection(server: ServerProces
     assert done.stdout.split() == [b"1", b"0", b"0"]  # one connection for the three
 
 
+def test_a_lane_gets_what_a_worker_refuses_back_in_order_and_carries_on(server: ServerProcess) -> None:
+    """The gateway's second try after a move, on one node: a lane to a worker that does not
+    own the vbucket gets the messages back (NOT_MY_VBUCKET), in order, between its Reads'
+    refusals, and serves the next POST; the owner takes them, and the answer over both is
+    exact."""
+    from broky.client.connection import open_connection
+    from broky.protocol import Error, Hello, ReadDone, encode_message, new_ksuid, vbucket_of
+    from broky.server.gateway import Lane, _answer
+
+    async def lane(worker: int) -> Lane:
+        lane = Lane("node", worker)
+        lane.proto, _ = await open_connection(
+            server.host, server.port, Hello(worker=worker, auth_token=TOKEN), 5
+        )
+        lane.proto.attach(lane)
+        return lane
+
+    def kp_of(vmap: Any, worker: int) -> bytes:
+        return next(
+            kp for kp in (b"lane-%d" % i for i in range(1000)) if vmap.owners[vbucket_of(kp)] == (0, worker)
+        )
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            sub = await client.subscribe("lane.>")
+            assert client.server_info is not None
+            kp0, kp1 = kp_of(client.server_info.map, 0), kp_of(client.server_info.map, 1)
+            vb = vbucket_of(kp0)
+            frames = [encode_message(kp0, b"lane.x", b"m%d" % i, 1, uid=new_ksuid()) for i in range(3)]
+            one, zero = await lane(1), await lane(0)
+            try:
+                refused = await one.publish(kp0, vb, frames, 10)
+                assert refused.refused == frames and refused.accepted == 0 and not refused.errors
+                assert [(type(p), p.rid) for p in refused.probes] == [(Error, 1), (Error, 1)]
+                other = [encode_message(kp1, b"lane.y", b"y", 1, uid=new_ksuid())]
+                ok = await one.publish(kp1, vbucket_of(kp1), other, 10)  # the lane carries on
+                assert not ok.refused and [type(p) for p in ok.probes] == [ReadDone, ReadDone]
+                placed = await zero.publish(kp0, vb, refused.refused, 10)
+            finally:
+                for each in (one, zero):
+                    each.fail(ConnectionError("the test is over"))
+            answer = _answer(vb, 3, [refused, placed])
+            got = {m.payload: m for m in [await sub.next_msg(10) for _ in range(4)]}
+            first, last = got[b"m0"], got[b"m2"]
+            assert answer["exact"] is True
+            assert answer["first"] == [vb, str(first.epoch), first.offset]
+            assert answer["last"] == [vb, str(last.epoch), last.offset] and last.offset == first.offset + 2
+
+    asyncio.run(main())
+
+
+def test_a_post_that_cannot_be_placed_is_a_503_that_says_why(
+    start_server: Callable[..., ServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's code in this process, against a real server that then goes: the POST is
+    tried again until its deadline (1 s here, 30 s in the server), then refused with a 503
+    naming the worker it could not reach and how many messages were published (none)."""
+    from broky.protocol import new_ksuid, vbucket_of
+    from broky.server import gateway
+    from broky.server.config import ServerConfig
+    from broky.server.httpd import HttpError
+
+    server = start_server()
+    monkeypatch.setattr(gateway, "PUBLISH_TIMEOUT", 1.0)
+    config = ServerConfig(host=server.host, port=server.port, node_id="here")
+
+    async def main() -> None:
+        gw = gateway.Gateway(None, config, lambda: True, server.host)  # type: ignore[arg-type]  # no routes
+        try:
+            client = await gw.sdk()
+            kp = b"placed"
+            frame = gateway._encode(kp, b"p.x", b"m", 1, new_ksuid())
+            answer = await gw._place(client, kp, vbucket_of(kp), [frame])
+            assert answer["published"] == 1 and answer["exact"] is True
+            server.stop()
+            await asyncio.sleep(0.5)  # the lane takes the Goodbye and the end of its connection
+            started = time.monotonic()
+            with pytest.raises(HttpError) as refused:
+                await gw._place(client, kp, vbucket_of(kp), [frame])
+            assert 1.0 <= time.monotonic() - started < 5
+        finally:
+            await gw.close()
+        body = json.loads(refused.value.answer().body)
+        assert body["status"] == 503 and body["published"] == 0, body
+        assert body["error"].startswith("publish failed: cannot reach worker "), body
+        assert "then no owner of vbucket" in body["error"] and "within 1 s" in body["error"], body
+        assert (gw.counters.publish_retries, gw.counters.publish_failed) == (1, 1)
+
+    asyncio.run(main())
+
+
 # ---------------------------------------------------------------- subscribe
 
 

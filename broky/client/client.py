@@ -822,6 +822,26 @@ class Client(Publisher):
         )
         return (await reading).positions
 
+    async def refresh_map(self) -> VBucketMap:
+        """Ask a node for the current vbucket map now, follow it if it is newer, and return
+        the map the client follows then.
+
+        A client follows the map by itself (every node pushes its changes): this is
+        for a caller with a reason to think the push has not come yet, such as the
+        server's HTTP gateway after a worker refused a publish or a node went. One
+        refresh at a time: a call during one waits for it. A refresh that reaches no
+        node leaves the map as it was (and is reported to `on_error`).
+
+        Raises:
+            ClientClosedError: the client is closed.
+            BrokyConnectionError: the client is not connected yet.
+        """
+        self._check_usable()
+        await self.router.refresh()
+        vmap = self.router.map
+        assert vmap is not None  # connected: the first Welcome carried one
+        return vmap
+
     # ---------------------------------------------------------------- asked by the Links (LinkOwner)
 
     def take_welcome(self, welcome: Welcome) -> None:

@@ -359,6 +359,12 @@ class Router:
         if self.refreshing is None or self.refreshing.done():
             self.refreshing = self.owner.loop.create_task(self._refresh())
 
+    async def refresh(self) -> None:
+        """Ask for a fresh map now (`_refresh`), or wait for the refresh under way."""
+        if self.refreshing is None or self.refreshing.done():
+            self.refreshing = self.owner.loop.create_task(self._refresh())
+        await asyncio.shield(self.refreshing)
+
     async def _refresh(self) -> None:
         """A fresh map from any node that answers: the seed node, the map's nodes, the seeds."""
         owner = self.owner

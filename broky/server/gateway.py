@@ -12,12 +12,14 @@ broky_token cookie or ?access_token=):
                                              request says Accept: text/event-stream
 
 How a request reaches the workers (decided). The master holds one SDK
-`Client` connected to its own workers (`sdk`, connected at the first /v1/
-request, once, and kept; broky.client is loaded only then): a subscription
-is one SDK subscription with an inline callback that appends to the
-stream's buffer. A publish goes through a `Lane`: one connection per worker
-(opened at its first POST, with Hello.worker, and kept), on which the POST's
-messages go straight to the worker that owns the partition's vbucket, in
+`Client` seeded at its own node (`sdk`, connected at the first /v1/
+request, once, and kept; broky.client is loaded only then), which follows
+the vbucket map as any SDK client does: a subscription is one SDK
+subscription with an inline callback that appends to the stream's buffer.
+A publish goes through a `Lane`: one connection per worker, of any node of
+the map (opened at its first POST, with Hello.worker, once for every POST
+that needs it meanwhile, and kept), on which the POST's messages go
+straight to the worker that owns the partition's vbucket, in
 one write, between two Reads of that vbucket's position (an empty range:
 start_time after every message). A worker handles a connection's frames in
 order, so the first ReadDone says where the vbucket stood before the
@@ -28,6 +30,40 @@ small Reads on a connection already open, instead of a handshake and a
 hand-off per request (a new connection per POST) or two bounded reads on
 connections of their own (`Client.positions`). bench/README.md "HTTP"
 measures it against the SDK's per-call publish.
+
+In a cluster (decided: forward, not redirect). Any node answers a POST:
+the lane goes to the owning worker wherever it is, so a POST for another
+node's vbucket costs about what one POSTed at its owner does, where a 307
+would add a round trip and a request's worth of the first node's CPU
+(bench/README.md "HTTP", measured). A redirect would also fail its users: curl
+follows one only with -L, webhooks and many HTTP libraries do not re-POST
+a body, and the map names nodes' binary ports, not their HTTP ports, which
+a load balancer may hide anyway. Past the master that took the POST, no
+other process handles the messages on their way: they cross the network
+once, from that master to the owning worker, as an SDK client's would.
+(DESIGN.md's "no server-to-server data routes" is about the nodes' own
+data path; the gateway is a client of the cluster, as a program with the
+SDK is, and what it forwards is its HTTP clients' publishes alone.)
+
+When the map moves under a POST. A worker refuses the messages of a
+vbucket it no longer owns (NOT_MY_VBUCKET carries each back, in order, and
+the lane gives them to their POST: `Batch.refused`); a lost lane (the node
+died or left: Goodbye) fails its POSTs under way, and which of their
+messages the node took is unknown. Either way the POST is tried once more
+(`_place`) within its PUBLISH_TIMEOUT: the map is refreshed through the SDK
+client (`Client.refresh_map`) every RETRY_INTERVAL until it names an owner
+that answers (not the worker that refused), and what is left goes there:
+the refused messages, or all of them after a lost lane (with their uids:
+a subscriber can tell a message it gets twice). The answer then says so
+("resent": how many, why, and whether some may have been published twice).
+What cannot be placed is a 503 saying why, with how many messages were
+published before ("published": null when unknown), never a silent drop.
+A planned move keeps the vbucket's sequence, so a POST split by one is
+still exact across the two workers. One moment of a move leaves a POST's
+positions unknown (no bounds either): a worker takes the messages of a
+vbucket moving to it once the map prepares the move, before it owns it and
+answers Reads for it, so a gateway that follows the commit before that
+worker does gets its Reads refused and its messages taken.
 
 Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
 an empty last line dropped; `?lines=0` takes the whole body as one message.
@@ -46,6 +82,10 @@ and at most --http-max-connections streams hold it): past it the stream is
 cut (`cut_slow`, counted), after a last line saying so (SSE `event: cut`),
 so a reader that cannot keep up is told and closed like any slow consumer,
 and the SDK connection it shares is never paused for it.
+
+A stream covers the cluster: the SDK client subscribes on every worker of
+every node (and follows the map as nodes come and go), so a stream on any
+node carries every node's messages.
 
 Losses the server tells: those naming the stream's subscription (a start
 that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
@@ -70,7 +110,10 @@ that event, and `since_time` = when the first stream started for vbuckets it
 had not reached; the worker replays the rest from its replay buffer. A
 resume of a stream the server still writes to ends that stream first (its
 client went, unseen). Ledgers outlive their streams by RESUME_WINDOW
-seconds, at most MAX_LEDGERS of them (the oldest go first). An id the
+seconds, at most MAX_LEDGERS of them (the oldest go first). Ledgers are
+the node's own: another node of the cluster does not know the stream (a
+resume there is as below), so a reconnect must reach the node that gave
+the id, as a load balancer's sticky sessions do. An id the
 server cannot use (unknown or expired stream, an event older than its
 ledger keeps, a wrong secret) still resumes its own vbucket from its
 position, everything else from now, and says so first with an
@@ -95,7 +138,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from broky.errors import BadPatternError, BrokyError
 from broky.matching import MAX_PATTERN_BYTES, parse_pattern
-from broky.protocol import Error, Hello, LossReason, Message, Read, ReadDone, encode_message, new_ksuid
+from broky.protocol import (
+    Error,
+    Goodbye,
+    Hello,
+    LossReason,
+    Message,
+    Read,
+    ReadDone,
+    encode_message,
+    new_ksuid,
+)
 from broky.protocol.frames import Position, encode_read
 from broky.protocol.routing import vbucket_of
 from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
@@ -119,7 +172,9 @@ SSE_RETRY_MS = 1000
 FORMATS = ("ndjson", "raw", "sse")
 PROBES = 4096  # Read frames a lane keeps encoded, one per key_partition (then it starts over)
 FRAME_OVERHEAD = 128  # bytes of a Message frame besides key, key_partition and payload (at most)
-PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be processed
+PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be placed and processed (a retry included)
+CONNECT_TIMEOUT = 5.0  # seconds to open a lane
+RETRY_INTERVAL = 0.2  # seconds between tries to find vbucket's new owner (a POST's second try)
 END_OF_TIME = (1 << 63) - 1  # a Read's start_time after every message: the vbucket's position only
 # What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
 # memory, which --memory-budget does not count, so smaller than a connection's bound.
@@ -131,7 +186,10 @@ class GatewayCounters:
     """Plain integers, read at scrape time."""
 
     published: int = 0  # messages
-    publish_requests: int = 0
+    publish_requests: int = 0  # answered 200
+    forwarded: int = 0  # messages published at a worker of another node
+    publish_retries: int = 0  # POSTs tried a second time (their vbucket moved, or a node went)
+    publish_failed: int = 0  # POSTs answered 503: not all of their messages placed
     streams: int = 0  # open now
     streams_total: int = 0
     delivered: int = 0  # messages written to streams' buffers
@@ -342,6 +400,44 @@ def _position(vb: int, epoch: int, offset: int) -> list[Any]:
     return [vb, str(epoch), offset]
 
 
+def _answer(vb: int, n: int, batches: list[Batch]) -> dict[str, Any]:
+    """The answer to a POST whose n messages `batches` placed (answered whole, in order).
+
+    Exact when each batch's messages took consecutive offsets between its two Reads
+    (nobody else published to vb meanwhile) and each batch went on where the one
+    before it stopped (a move continues the sequence at the new owner); else the
+    bounds the messages lie within, when both ends are known."""
+    answer: dict[str, Any] = {"published": n, "vbucket": vb}
+    placed = [batch for batch in batches if batch.accepted]
+    spans = [(batch.probes[0], batch.probes[1]) for batch in placed]  # the Reads' answers
+    known = all(isinstance(b, ReadDone) and isinstance(a, ReadDone) for b, a in spans)
+    exact = n > 0 and known
+    if exact:
+        prev: ReadDone | None = None
+        for batch, (before, after) in zip(placed, spans, strict=True):
+            assert isinstance(before, ReadDone) and isinstance(after, ReadDone)
+            if after.epoch != before.epoch or after.next - before.next != batch.accepted:
+                exact = False
+            if prev is not None and (before.epoch != prev.epoch or before.next != prev.next):
+                exact = False
+            prev = after
+    answer["exact"] = exact
+    if not n:
+        return answer
+    first, last = spans[0][0], spans[-1][1]
+    if exact:
+        assert isinstance(first, ReadDone) and isinstance(last, ReadDone)
+        answer["first"] = _position(vb, first.epoch, first.next)
+        answer["last"] = _position(vb, last.epoch, last.next - 1)
+        return answer
+    # others published to the vbucket meanwhile (or its epoch changed): the bounds, if known
+    answer["first"] = answer["last"] = None
+    if isinstance(first, ReadDone) and isinstance(last, ReadDone):
+        answer["after"] = _position(vb, first.epoch, first.next - 1)
+        answer["at_most"] = _position(vb, last.epoch, last.next - 1)
+    return answer
+
+
 def _text(data: bytes) -> str:
     return data.decode(errors="backslashreplace")
 
@@ -351,53 +447,90 @@ def _encode(key_partition: bytes, key: bytes, payload: bytes, ts_producer: int, 
     return encode_message(key_partition, key, payload, ts_producer, uid=uid)
 
 
+class Batch:
+    """One POST's messages on a lane, and what the worker answered about them: its two
+    Reads' answers (a ReadDone, or an Error naming the read), in order, and between
+    them the messages it refused (NOT_MY_VBUCKET carries each back) or failed."""
+
+    __slots__ = ("frames", "probes", "refused", "errors", "done")
+
+    def __init__(self, frames: list[bytes], done: asyncio.Future[None]) -> None:
+        self.frames = frames  # the Message frames, as written (a resend sends these again)
+        self.probes: list[ReadDone | Error] = []
+        self.refused: list[bytes] = []  # frames the worker refused, in order
+        self.errors: list[str] = []  # other refusals of its messages (none expected)
+        self.done = done
+
+    @property
+    def accepted(self) -> int:
+        return len(self.frames) - len(self.refused)
+
+
 class Lane:
     """The gateway's publish connection to one worker (a connection.Handler): a POST's Read,
     its messages and a second Read go out in one write, and the two ReadDones say where the
     vbucket stood before and after (see the theory of operation). A worker handles one
-    connection's frames in order, so ReadDones come in the order of the Reads: each takes
-    the oldest waiter, and every Read can carry the same rid (its frame is cached)."""
+    connection's frames in order, so its answers come in the order of the frames: the
+    answer to a Read (ReadDone, or an Error with the rid) goes to the oldest batch still
+    waiting, an answer to a message (a refusal) to the oldest batch, which then has its
+    first Read's answer and not its second; every Read can carry the same rid (its frame
+    is cached)."""
 
-    def __init__(self, encode: Callable[[bytes, bytes, bytes, int, bytes], bytes]) -> None:
+    def __init__(self, node_id: str, worker: int) -> None:
+        self.node_id = node_id
+        self.worker = worker
         self.proto: WorkerProtocol | None = None
-        self.encode = encode  # a Message frame (the SDK's compiled twin when it is built: same bytes)
-        self.waiting: collections.deque[asyncio.Future[ReadDone]] = collections.deque()
+        self.waiting: collections.deque[Batch] = collections.deque()
         self.probes: dict[bytes, bytes] = {}  # key_partition -> its Read frame (bounded: PROBES)
+
+    def __str__(self) -> str:
+        return f"worker {self.worker} of node {self.node_id!r}"
 
     def on_message(self, msg: Message) -> None:  # a publish connection subscribes to nothing
         pass
 
     def on_frame(self, frame: Any) -> None:
-        if isinstance(frame, ReadDone):
-            if self.waiting:
-                waiter = self.waiting.popleft()
-                if not waiter.done():
-                    waiter.set_result(frame)
-        elif isinstance(frame, Error):  # NOT_MY_VBUCKET (a move), or worse: every POST under way fails
-            self.fail(BrokyError(f"the worker refused: {frame.message or frame.code}"))
+        waiting = self.waiting
+        if isinstance(frame, ReadDone) or (isinstance(frame, Error) and frame.rid and not frame.fatal):
+            if waiting:
+                batch = waiting[0]
+                batch.probes.append(frame)
+                if len(batch.probes) == 2:
+                    waiting.popleft()
+                    if not batch.done.done():
+                        batch.done.set_result(None)
+        elif isinstance(frame, Error):
+            if frame.fatal:
+                self.fail(BrokyError(f"{self} closed the connection: {frame.message or frame.code}"))
+            elif waiting and frame.refused is not None:  # NOT_MY_VBUCKET: the message, back
+                waiting[0].refused.append(frame.refused)
+            elif waiting:
+                waiting[0].errors.append(frame.message or str(frame.code))
+        elif isinstance(frame, Goodbye):  # the node leaves: what follows is not processed
+            self.fail(BrokyError(f"{self} said Goodbye ({frame.reason or 'leaving'})"))
 
     def on_lost(self, proto: WorkerProtocol, exc: BaseException | None) -> None:
-        self.fail(BrokyError(f"the connection to the worker was lost{f': {exc}' if exc else ''}"))
+        self.fail(BrokyError(f"the connection to {self} was lost{f': {exc}' if exc else ''}"))
 
     def fail(self, exc: BaseException) -> None:
         waiting, self.waiting = self.waiting, collections.deque()
-        for waiter in waiting:
-            if not waiter.done():
-                waiter.set_exception(exc)
+        for batch in waiting:
+            if not batch.done.done():
+                batch.done.set_exception(exc)
         if self.proto is not None:
             self.proto.close()
             self.proto = None
 
-    async def publish(
-        self, partition: bytes, vb: int, key: bytes, payloads: list[bytes], timeout: float
-    ) -> tuple[ReadDone, ReadDone]:
-        """Publish; (the vbucket's ReadDone before, after).
+    async def publish(self, partition: bytes, vb: int, frames: list[bytes], timeout: float) -> Batch:
+        """Write the messages between two Reads of vb; the Batch once both Reads are answered.
 
         Raises:
-            BrokyError: the connection was lost or the worker refused something.
+            BrokyError: the connection was lost (or closed, or said Goodbye), or the worker
+                did not answer within `timeout`: which of the messages it took is unknown.
         """
         proto = self.proto
-        assert proto is not None
+        if proto is None:
+            raise BrokyError(f"the connection to {self} was lost")
         probe = self.probes.get(partition)
         if probe is None:
             if len(self.probes) >= PROBES:
@@ -405,21 +538,17 @@ class Lane:
             probe = self.probes[partition] = encode_read(
                 Read(1, b">", partition, start_time=END_OF_TIME, vbuckets=(vb,))
             )
-        loop = asyncio.get_running_loop()
-        before, after = loop.create_future(), loop.create_future()
-        self.waiting.extend((before, after))
-        now = time.time_ns()
-        frames = [probe]
-        encode = self.encode
-        frames.extend(encode(partition, key, payload, now, new_ksuid()) for payload in payloads)
-        frames.append(probe)
-        proto.writelines(frames)
+        batch = Batch(frames, asyncio.get_running_loop().create_future())
+        self.waiting.append(batch)
+        proto.writelines([probe, *frames, probe])
         try:
             async with asyncio.timeout(timeout):
-                return await before, await after
+                await batch.done
         except TimeoutError:
-            self.fail(BrokyError(f"the worker did not answer within {timeout:g} s"))
-            raise BrokyError(f"the worker did not answer within {timeout:g} s") from None
+            why = f"{self} did not answer within {timeout:.3g} s"
+            self.fail(BrokyError(why))
+            raise BrokyError(why) from None
+        return batch
 
 
 class Gateway:
@@ -435,6 +564,8 @@ class Gateway:
         self.client: Client | None = None
         self._connecting = asyncio.Lock()
         self.lanes: dict[tuple[str, int], Lane] = {}  # (node id, worker) -> its publish lane
+        self._opening: dict[tuple[str, int], asyncio.Task[Lane]] = {}  # lanes being opened
+        self.encode: Callable[[bytes, bytes, bytes, int, bytes], bytes] | None = None  # a Message frame
         self.counters = GatewayCounters()
         self.streams: set[SubStream] = set()
         self.ledgers: collections.OrderedDict[int, Ledger] = collections.OrderedDict()
@@ -537,32 +668,6 @@ class Gateway:
                 payloads.pop()
         n = len(payloads)
         client = await self.sdk()
-        vb = vbucket_of(partition)
-        try:
-            first, done = await self._publish(client, partition, vb, key, payloads)
-        except HttpError:
-            raise
-        except BrokyError as exc:
-            raise HttpError(503, f"publish failed: {exc}") from None
-        before = Position(vb, first.epoch, first.next - 1)
-        after = Position(vb, done.epoch, done.next - 1)
-        self.counters.publish_requests += 1
-        self.counters.published += n
-        exact = after.epoch == before.epoch and after.offset - before.offset == n
-        answer: dict[str, Any] = {"published": n, "vbucket": vb, "exact": exact}
-        if n and exact:
-            answer["first"] = _position(vb, before.epoch, before.offset + 1)
-            answer["last"] = _position(vb, after.epoch, after.offset)
-        elif n:  # others published to the vbucket meanwhile (or its epoch changed): the bounds
-            answer["first"] = answer["last"] = None
-            answer["after"] = _position(vb, before.epoch, before.offset)
-            answer["at_most"] = _position(vb, after.epoch, after.offset)
-        return 200, "application/json", (json.dumps(answer) + "\n").encode()
-
-    async def _publish(
-        self, client: Client, partition: bytes, vb: int, key: bytes, payloads: list[bytes]
-    ) -> tuple[ReadDone, ReadDone]:
-        """Through the lane of the worker that owns `vb` (opened at its first use)."""
         info = client.server_info
         assert info is not None
         room = info.max_frame_bytes - FRAME_OVERHEAD - len(key) - len(partition)
@@ -572,25 +677,161 @@ class Gateway:
                 413,
                 f"a message of {largest} bytes: at most {room} fit in a frame (--max-frame-bytes)",
             )
-        node, worker = info.map.owners[vb]
-        node_id = info.map.nodes[node].node_id
-        lane = self.lanes.get((node_id, worker))
-        if lane is None or lane.proto is None:
+        if self.encode is None:
             from broky.client import pubpack  # the SDK: loaded at the first /v1/ request
 
-            lane = self.lanes[(node_id, worker)] = Lane(
-                _encode if pubpack.compiled is None else pubpack.compiled.encode
-            )
-            host, port = client.address_of(node_id)
-            hello = Hello(worker=worker, client_name="http-gateway-pub", auth_token=self.config.auth_token)
-            from broky.client.connection import open_connection
+            self.encode = _encode if pubpack.compiled is None else pubpack.compiled.encode
+        encode = self.encode
+        now = time.time_ns()
+        frames = [encode(partition, key, payload, now, new_ksuid()) for payload in payloads]
+        vb = vbucket_of(partition)
+        answer = await self._place(client, partition, vb, frames)
+        self.counters.publish_requests += 1
+        self.counters.published += n
+        return 200, "application/json", (json.dumps(answer) + "\n").encode()
 
+    async def _place(self, client: Client, partition: bytes, vb: int, frames: list[bytes]) -> dict[str, Any]:
+        """Publish `frames` at the owner of vb, whichever node it is on; the JSON answer.
+
+        A second try, once, within the request's PUBLISH_TIMEOUT, for what the first
+        could not place: the messages the worker refused (vb moved: NOT_MY_VBUCKET
+        carries each back, in order), or all of them when the lane was lost (the node
+        went or left; which ones it took is unknown: they go again, with their uids).
+        Before it, the map is refreshed until it names an owner that takes them.
+
+        Raises:
+            HttpError: 503, saying why the messages could not be placed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PUBLISH_TIMEOUT
+        n = len(frames)
+        done: list[Batch] = []  # batches the worker answered whole, in order
+        owner = self._owner(client, vb)
+        refused_by: tuple[str, int] | None = None
+        try:
+            lane = await self._lane(client, owner, deadline)
+        except BrokyError as exc:  # nothing written
+            resend, unsure, why = frames, False, str(exc)
+        else:
             try:
-                lane.proto, _ = await open_connection(host, port, hello, 5.0)
-            except (BrokyError, OSError) as exc:
-                raise BrokyError(f"cannot reach worker {worker}: {exc}") from None
-            lane.proto.attach(lane)
-        return await lane.publish(partition, vb, key, payloads, PUBLISH_TIMEOUT)
+                batch = await lane.publish(partition, vb, frames, deadline - loop.time())
+            except BrokyError as exc:
+                resend, unsure, why = frames, True, str(exc)
+            else:
+                self._count(lane, batch)
+                if batch.errors:
+                    self._failed(f"{lane} refused: {batch.errors[0]}", batch.accepted)
+                if not batch.refused:
+                    return _answer(vb, n, [batch])
+                done.append(batch)
+                resend, unsure, refused_by = batch.refused, False, owner
+                why = f"{lane} no longer owns vbucket {vb} (it moved)"
+        self.counters.publish_retries += 1
+        try:
+            lane = await self._relocate(client, vb, refused_by, deadline)
+            batch = await lane.publish(partition, vb, resend, deadline - loop.time())
+        except BrokyError as exc:
+            published = None if unsure else sum(b.accepted for b in done)
+            self._failed(f"{why}; then {exc}", published)
+        self._count(lane, batch)
+        if batch.errors or batch.refused:
+            problem = batch.errors[0] if batch.errors else f"it does not own vbucket {vb} either"
+            self._failed(f"{why}; then {lane} refused: {problem}", sum(b.accepted for b in (*done, batch)))
+        done.append(batch)
+        answer = _answer(vb, n, done)
+        answer["resent"] = {"messages": len(resend), "why": why, "maybe_twice": unsure}
+        return answer
+
+    def _count(self, lane: Lane, batch: Batch) -> None:
+        if lane.node_id != self.config.node_id:
+            self.counters.forwarded += batch.accepted
+
+    def _failed(self, why: str, published: int | None) -> NoReturn:
+        """503: the messages could not all be placed; `published`: how many were (None: unknown)."""
+        self.counters.publish_failed += 1
+        if published:
+            self.counters.published += published
+        raise HttpError(503, f"publish failed: {why}", fields={"published": published})
+
+    def _owner(self, client: Client, vb: int) -> tuple[str, int]:
+        """(node id, worker) of vb's owner in the client's map."""
+        info = client.server_info
+        assert info is not None
+        node, worker = info.map.owners[vb]
+        return info.map.nodes[node].node_id, worker
+
+    async def _relocate(
+        self, client: Client, vb: int, refused_by: tuple[str, int] | None, deadline: float
+    ) -> Lane:
+        """The lane of vb's owner once the map, refreshed, names one that answers (and
+        not `refused_by`, the worker that refused them), tried every RETRY_INTERVAL.
+
+        Raises:
+            BrokyError: none before the deadline (why: the last attempt's reason).
+        """
+        loop = asyncio.get_running_loop()
+        why = "no time was left"
+        while (left := deadline - loop.time()) > 0:
+            if self.closing:
+                raise BrokyError("the server is shutting down")
+            try:
+                async with asyncio.timeout(left):
+                    await client.refresh_map()
+            except (BrokyError, TimeoutError) as exc:
+                why = f"the map could not be refreshed: {exc}"
+            owner = self._owner(client, vb)
+            if owner == refused_by:
+                why = f"the map still names worker {owner[1]} of node {owner[0]!r}, which refused them"
+            else:
+                try:
+                    return await self._lane(client, owner, deadline)
+                except BrokyError as exc:
+                    why = str(exc)
+            await asyncio.sleep(min(RETRY_INTERVAL, max(deadline - loop.time(), 0)))
+        raise BrokyError(f"no owner of vbucket {vb} took them within {PUBLISH_TIMEOUT:g} s ({why})")
+
+    async def _lane(self, client: Client, owner: tuple[str, int], deadline: float) -> Lane:
+        """The lane of `owner` (node id, worker): open, or opened now (once for every POST
+        that needs it meanwhile).
+
+        Raises:
+            BrokyError: it cannot be reached before the deadline (or CONNECT_TIMEOUT).
+        """
+        lane = self.lanes.get(owner)
+        if lane is not None and lane.proto is not None:
+            return lane
+        opening = self._opening.get(owner)
+        if opening is None:
+            opening = self._opening[owner] = asyncio.get_running_loop().create_task(
+                self._open_lane(client, owner)
+            )
+            opening.add_done_callback(lambda task: self._opened(owner, task))
+        try:
+            async with asyncio.timeout(deadline - asyncio.get_running_loop().time()):
+                return await asyncio.shield(opening)
+        except TimeoutError:
+            raise BrokyError(f"worker {owner[1]} of node {owner[0]!r} did not answer in time") from None
+
+    def _opened(self, owner: tuple[str, int], task: asyncio.Task[Lane]) -> None:
+        self._opening.pop(owner, None)
+        if not task.cancelled() and task.exception() is None:
+            lane = self.lanes[owner] = task.result()
+            if self.closing:  # opened while the server shut down: its POSTs fail
+                lane.fail(BrokyError("the server is shutting down"))
+
+    async def _open_lane(self, client: Client, owner: tuple[str, int]) -> Lane:
+        from broky.client.connection import open_connection  # the SDK: loaded at the first /v1/ request
+
+        node_id, worker = owner
+        lane = Lane(node_id, worker)
+        host, port = client.address_of(node_id)
+        hello = Hello(worker=worker, client_name="http-gateway-pub", auth_token=self.config.auth_token)
+        try:
+            lane.proto, _ = await open_connection(host, port, hello, CONNECT_TIMEOUT)
+        except (BrokyError, OSError) as exc:
+            raise BrokyError(f"cannot reach {lane} at {host}:{port}: {exc}") from None
+        lane.proto.attach(lane)
+        return lane
 
     # ------------------------------------------------------------ subscribe
 

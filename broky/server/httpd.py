@@ -191,11 +191,18 @@ _HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
 class HttpError(BrokyError):
     """A request answered `status` with `message` before (or instead of) its handler."""
 
-    def __init__(self, status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        headers: tuple[tuple[str, str], ...] = (),
+        fields: dict[str, object] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers
+        self.fields = fields or {}  # more members of the JSON body
         self.send_body = True  # False once the method is known to be HEAD
 
     def answer_for(self, send_body: bool) -> Answer:
@@ -203,8 +210,8 @@ class HttpError(BrokyError):
         return self.answer()
 
     def answer(self) -> Answer:
-        return Answer(self.status, "application/json", error_body(self.status, self.message), self.headers,
-                      self.send_body)  # fmt: skip
+        body = error_body(self.status, self.message, **self.fields)
+        return Answer(self.status, "application/json", body, self.headers, self.send_body)
 
 
 def error_body(status: int, message: str, **more: object) -> bytes:

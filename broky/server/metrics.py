@@ -467,6 +467,21 @@ HTTP_METRICS = (
     ),
     ("broky_http_body_bytes", "body_bytes", "Bytes of HTTP request bodies held now."),
     ("broky_http_published_total", "published", "Messages published through POST /v1/pub/."),
+    (
+        "broky_http_forwarded_total",
+        "forwarded",
+        "Messages of POST /v1/pub/ published at a worker of another node (the vbucket's owner).",
+    ),
+    (
+        "broky_http_publish_retries_total",
+        "publish_retries",
+        "POST /v1/pub/ requests tried a second time: their vbucket moved, or its node went.",
+    ),
+    (
+        "broky_http_publish_failed_total",
+        "publish_failed",
+        "POST /v1/pub/ requests answered 503: not every message could be placed.",
+    ),
     ("broky_http_streams", "streams", "HTTP subscription streams open now (GET /v1/sub/)."),
     (
         "broky_http_streams_cut_total",

@@ -324,6 +324,9 @@ def _http_view(master: Observed) -> dict[str, Any]:
         view.update(
             published=g.published,
             publish_requests=g.publish_requests,
+            forwarded=g.forwarded,
+            publish_retries=g.publish_retries,
+            publish_failed=g.publish_failed,
             streams=g.streams,
             streams_total=g.streams_total,
             delivered=g.delivered,
