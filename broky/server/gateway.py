@@ -47,6 +47,15 @@ cut (`cut_slow`, counted), after a last line saying so (SSE `event: cut`),
 so a reader that cannot keep up is told and closed like any slow consumer,
 and the SDK connection it shares is never paused for it.
 
+Formatting once (measured, bench/README.md "HTTP"). The master's one SDK
+connection per worker gets each message once, however many streams match it,
+and the SDK hands the same Message object to each stream's callback in turn:
+the first stream formats it (its JSON, and the head of its SSE id: position
+in base 36) and keeps it on the gateway (`formatted`), and the others find
+it there (an identity check: the gateway holds the Message, so no other can
+take its address). Each stream then adds only its own: its ledger's entry
+and the tail of its ids (stream number and secret, `Ledger.id_tail`).
+
 Losses the server tells: those naming the stream's subscription (a start
 that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
 that stream only; those of the gateway's connection to
@@ -165,6 +174,7 @@ class Ledger:
         self.touched = time.monotonic()
         self.live = False  # a stream writes to it now
         self.owner: SubStream | None = None  # that stream
+        self.id_tail = f"{b36(number)}.{secret}".encode()  # its events' ids end so (after id_head)
 
     def add(self, vb: int, epoch: int, offset: int) -> None:
         events = self.events
@@ -188,8 +198,10 @@ class Ledger:
         self.events.clear()
 
 
-def encode_id(vb: int, epoch: int, offset: int, ledger: Ledger) -> str:
-    return f"{b36(vb)}.{b36(epoch)}.{b36(offset)}.{b36(ledger.number)}.{ledger.secret}"
+def id_head(vb: int, epoch: int, offset: int) -> str:
+    """What every stream's id of the event at this position begins with (an id: this, then
+    its stream's Ledger.id_tail; decode_id reads it)."""
+    return f"{b36(vb)}.{b36(epoch)}.{b36(offset)}."
 
 
 def decode_id(text: str) -> tuple[int, int, int, int, str] | None:
@@ -235,18 +247,20 @@ class SubStream:
             self.dropped += 1
             return
         fmt = self.format
+        gateway = self.gateway
         if fmt == "raw":
             data = msg.payload + b"\n"
         else:
-            line = json.dumps(_as_json(msg), separators=(",", ":"))
+            if gateway.formatted is not msg:  # the SDK hands every stream the same Message
+                gateway.format(msg)
             if fmt == "ndjson":
-                data = line.encode() + b"\n"
+                data = gateway.ndjson_line
             else:
-                assert self.ledger is not None
-                self.ledger.add(msg.vbucket, msg.epoch, msg.offset)
-                event_id = encode_id(msg.vbucket, msg.epoch, msg.offset, self.ledger)
-                data = f"id: {event_id}\ndata: {line}\n\n".encode()
-        self.gateway.counters.delivered += 1
+                ledger = self.ledger
+                assert ledger is not None
+                ledger.add(msg.vbucket, msg.epoch, msg.offset)
+                data = b"id: %s%s\ndata: %s\n\n" % (gateway.id_head, ledger.id_tail, gateway.json_line)
+        gateway.counters.delivered += 1
         self._put(data)
         if self.pending > self.max_pending:
             self.cut()
@@ -441,6 +455,11 @@ class Gateway:
         self._numbers = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closing = False
+        # The last Message formatted for the streams (see "Formatting once"), and its forms.
+        self.formatted: Message | None = None
+        self.json_line = b""
+        self.ndjson_line = b""
+        self.id_head = b""
 
     def install(self) -> None:
         methods = ("POST",)
@@ -506,6 +525,14 @@ class Gateway:
                 raise HttpError(503, f"cannot reach the workers: {exc}") from None
             self.client = client
             return client
+
+    def format(self, msg: Message) -> None:
+        """`msg` as every ndjson and SSE stream sends it (see "Formatting once")."""
+        line = json.dumps(_as_json(msg), separators=(",", ":")).encode()
+        self.formatted = msg
+        self.json_line = line
+        self.ndjson_line = line + b"\n"
+        self.id_head = id_head(msg.vbucket, msg.epoch, msg.offset).encode()
 
     def _connection_loss(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         name = LossReason.name(reason)
