@@ -1,7 +1,8 @@
 """SSE delivery (GET /v1/sub/PATTERN, text/event-stream) against the SDK's, on one `broky serve`.
 
     python -m bench.sse [--readers 1000] [--rate 20] [--rate-one 2000] [--rounds 5]
-                        [--seconds 5] [--procs 2] [--workers 2] [--quick] [--name sse] [--out DIR]
+                        [--seconds 5] [--procs 2] [--workers 2] [--only sse|sdk] [--quick]
+                        [--name sse] [--out DIR]
 
 Cases, alternating within each round (a fresh server for each case of each round, so that
 the machine's other load falls on both alike; medians and spread over the rounds):
@@ -484,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="the measured window")
     parser.add_argument("--procs", type=int, default=2, help="reader processes")
     parser.add_argument("--workers", type=int, default=2, help="Broky's workers")
+    parser.add_argument("--only", default="", help="the kinds of case to run: sse, sdk or sse,sdk (all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (the CI smoke run)")
     parser.add_argument("--name", default="sse", help="the results' file name, without .md/.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -511,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
         "sse 1": ("sse", 1, args.rate_one),
         "sdk 1": ("sdk", 1, args.rate_one),
     }
+    if args.only:
+        kinds = set(args.only.split(","))
+        cases = {name: case for name, case in cases.items() if case[0] in kinds}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for r in range(args.rounds):
         order = list(cases) if r % 2 == 0 else [*reversed(list(cases)[:2]), *reversed(list(cases)[2:])]

@@ -624,3 +624,28 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
             assert [json.loads(e["data"])["payload"] for e in events if "id" in e] == ["o-2", "o-3", "o-4"]
 
     asyncio.run(main())
+
+
+def test_an_sse_stream_gets_a_keepalive_at_the_second_tick_without_a_write() -> None:
+    # The gateway ticks every KEEPALIVE_SECONDS / 2 (one task for all streams, gateway.py
+    # "Keepalives"): a comment goes to a stream that wrote nothing since the tick before.
+    from broky.server.gateway import KEEPALIVE, SubStream
+
+    async def main() -> None:
+        stream = SubStream(None, "sse", 1 << 20, None)  # type: ignore[arg-type]  # no gateway: none used
+        stream._put(b"id: x\ndata: {}\n\n")
+        stream.keepalive()  # the first tick after a write: nothing yet
+        assert await stream.next() == b"id: x\ndata: {}\n\n"
+        stream.keepalive()  # written since the tick before
+        assert not stream.parts
+        stream.keepalive()  # a whole tick without a write
+        assert await stream.next() == KEEPALIVE
+        stream.keepalive()
+        stream.keepalive()  # and again a whole tick later
+        assert await stream.next() == KEEPALIVE
+        stream.ended = True
+        stream.keepalive()
+        stream.keepalive()  # an ended stream gets none
+        assert await stream.next() is None
+
+    asyncio.run(main())
