@@ -325,6 +325,7 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
         _say(pub, "go")
         time.sleep(WARMUP)
         busy0 = procstat.machine_cpu()
+        sys0, user0 = procstat.system_cpu_seconds(server.pid), procstat.cpu_seconds(server.pid)
         events0, _, _, rcpu0 = _counts(reader_procs)
         cpu0, master0, t0 = (
             procstat.total_exact_cpu_seconds(pids),
@@ -339,6 +340,7 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
             time.perf_counter(),
         )
         busy1 = procstat.machine_cpu()
+        sys1, user1 = procstat.system_cpu_seconds(server.pid), procstat.cpu_seconds(server.pid)
         rss_open = procstat.rss_bytes(server.pid)
         published = _final(pub)["published"]
         last, still = -1, time.monotonic()
@@ -364,6 +366,8 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
             "server_cpu_cores": cpu / window,
             "master_share": (master1 - master0) / cpu if cpu else None,
             "master_cpu_cores": (master1 - master0) / window,
+            # the kernel's part of the master's CPU (clock ticks: /proc/PID/stat stime of utime+stime)
+            "master_system_share": (sys1 - sys0) / (user1 - user0) if user1 > user0 else None,
             "readers_cpu_cores": (rcpu1 - rcpu0) / window,
             "machine_busy": _busy(busy0, busy1),
             "master_rss_before": rss_before,
@@ -415,7 +419,8 @@ def _busy(a: tuple[float, float, float], b: tuple[float, float, float]) -> float
 
 
 SUMMED = ("deliveries_per_s", "cpu_us_per_delivery", "master_share", "master_rss_open", "master_rss_before",
-          "machine_busy", "readers_cpu_cores", "server_cpu_cores")  # fmt: skip
+          "machine_busy", "readers_cpu_cores", "server_cpu_cores", "master_cpu_cores",
+          "master_system_share")  # fmt: skip
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -473,7 +478,18 @@ def report(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, A
                  f"parsed, {len(bad)} malformed.")  # fmt: skip
     lines.append("Reader processes' CPU (cores, median): " + ", ".join(
         f"{name} {s['readers_cpu_cores']:.2f}" for name, s in summary.items()) + ".")  # fmt: skip
+    cores = [
+        f"{name} {s['master_cpu_cores']:.2f} ({_pct(s['master_system_share'])})"
+        for name, s in summary.items()
+    ]
+    lines.append(
+        "The master's CPU (cores, median) and its kernel part (system time): " + ", ".join(cores) + "."
+    )
     return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0%}"
 
 
 def main(argv: list[str] | None = None) -> int:
