@@ -53,8 +53,11 @@ and the SDK hands the same Message object to each stream's callback in turn:
 the first stream formats it (its JSON, and the head of its SSE id: position
 in base 36) and keeps it on the gateway (`formatted`), and the others find
 it there (an identity check: the gateway holds the Message, so no other can
-take its address). Each stream then adds only its own: its ledger's entry
-and the tail of its ids (stream number and secret, `Ledger.id_tail`).
+take its address). Each stream then adds only its own: the tail of its ids
+(stream number and secret, `Ledger.id_tail`), and to its ledger the
+message's position, one tuple the gateway made for all ledgers (with
+tuples of their own, 1,000 streams whose ledgers were full took the
+master's RSS from 31 MB to 128 MB; sharing them, to 61 MB).
 
 Keepalives (measured, bench/README.md "HTTP"). An SSE stream that wrote
 nothing for KEEPALIVE_SECONDS / 2 to KEEPALIVE_SECONDS gets a comment (":
@@ -62,8 +65,8 @@ keepalive"), so that proxies and browsers keep an idle stream open. One
 task of the gateway ticks every KEEPALIVE_SECONDS / 2 for all streams: a
 stream with nothing written since the tick before gets its comment. A
 timeout on each stream's wait for data instead (the first version) made a
-timer per stream per wake, which cost the master about 7 µs of each
-delivery on 1,000 streams.
+timer per stream per wake: on uvloop, with 1,000 streams waiting, a wake
+cost 9.8 µs so against 2.3 µs without.
 
 Losses the server tells: those naming the stream's subscription (a start
 that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
@@ -186,12 +189,14 @@ class Ledger:
         self.owner: SubStream | None = None  # that stream
         self.id_tail = f"{b36(number)}.{secret}".encode()  # its events' ids end so (after id_head)
 
-    def add(self, vb: int, epoch: int, offset: int) -> None:
+    def add(self, event: tuple[int, int, int]) -> None:
+        """The position (vb, epoch, offset) of an event sent: the gateway's one tuple per
+        message, shared by every ledger (see "Formatting once")."""
         events = self.events
         if len(events) >= LEDGER_EVENTS:
             old_vb, old_epoch, old_offset = events.popleft()
             self.base[old_vb] = (old_epoch, old_offset)
-        events.append((vb, epoch, offset))
+        events.append(event)
 
     def positions_at(self, vb: int, epoch: int, offset: int) -> dict[int, tuple[int, int]] | None:
         """Every vbucket's position as of the event at (vb, epoch, offset), or None: not kept."""
@@ -269,7 +274,7 @@ class SubStream:
             else:
                 ledger = self.ledger
                 assert ledger is not None
-                ledger.add(msg.vbucket, msg.epoch, msg.offset)
+                ledger.add(gateway.position)
                 data = b"id: %s%s\ndata: %s\n\n" % (gateway.id_head, ledger.id_tail, gateway.json_line)
         gateway.counters.delivered += 1
         self._put(data)
@@ -474,6 +479,7 @@ class Gateway:
         self.json_line = b""
         self.ndjson_line = b""
         self.id_head = b""
+        self.position = (0, 0, 0)
 
     def install(self) -> None:
         methods = ("POST",)
@@ -547,6 +553,7 @@ class Gateway:
         self.json_line = line
         self.ndjson_line = line + b"\n"
         self.id_head = id_head(msg.vbucket, msg.epoch, msg.offset).encode()
+        self.position = (msg.vbucket, msg.epoch, msg.offset)
 
     async def _keepalives(self) -> None:
         """Every KEEPALIVE_SECONDS / 2, each SSE stream's `keepalive` (see "Keepalives")."""
