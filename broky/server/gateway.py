@@ -66,7 +66,7 @@ task of the gateway ticks every KEEPALIVE_SECONDS / 2 for all streams: a
 stream with nothing written since the tick before gets its comment. A
 timeout on each stream's wait for data instead (the first version) made a
 timer per stream per wake: on uvloop, with 1,000 streams waiting, a wake
-cost 9.8 µs so against 2.3 µs without.
+cost 9.8 µs with its timeout, 2.3 µs without.
 
 Losses the server tells: those naming the stream's subscription (a start
 that asked for what is no longer retained: EVICTED, EPOCH_CHANGED) go to
