@@ -136,6 +136,8 @@ def test_console_shows_workers_and_traffic_in_chromium(
             client.publish("kp-tail", "console.tail", b"seen in the tail")
             client.flush()
             page.wait_for("document.querySelector('#tail').innerText.includes('seen in the tail')")
+            row = page.evaluate("document.querySelector('#tail tbody tr').innerText")
+            assert re.search(r"\d+ · \d+ \(epoch \d+\)", row), row  # its position, as /v1/sub gives it
             assert page.log_errors == [], page.log_errors
     assert page.console_errors == [], page.console_errors
     # The client is gone from the table (the HTTP gateway's own connections, which the tail
@@ -230,22 +232,24 @@ def test_the_tail_parses_server_sent_events_and_draws_a_clients_bytes_as_text(
     stream = (
         ": a comment\n\n"
         'id: 517:3:10000\ndata: {"key": "orders.eu", "payload": "a"}\n\n'
-        'event: loss\r\ndata: {"count": 3,\r\ndata:  "reason": "slow_consumer"}\r\n\r\n'
+        'event: loss\r\ndata: {"dropped": 3,\r\ndata:  "reason": "slow_consumer"}\r\n\r\n'
         "id: 517:3:10001\ndata:x"
     )
     events, rest = page.evaluate(f"window.brokyParseSSE({json.dumps(stream)})")
     assert events == [
         {"event": "message", "data": '{"key": "orders.eu", "payload": "a"}', "id": "517:3:10000"},
-        {"event": "loss", "data": '{"count": 3,\n "reason": "slow_consumer"}', "id": None},
+        {"event": "loss", "data": '{"dropped": 3,\n "reason": "slow_consumer"}', "id": None},
     ]
     assert rest == "id: 517:3:10001\ndata:x"  # an event is not complete before its blank line
     # Drawn as the tail draws what /v1/sub streams: a client's bytes are text, never markup.
     hostile = "<img src=x onerror='window.pwned=1'>"
+    # (as the gateway writes it: the position's fields at the top level, the epoch a string; the
+    # id, which carries the stream's resume secret, is not shown)
     message = {"key_partition": "kp-1", "key": "orders.eu", "payload": hostile,
-               "position": {"vbucket": 517, "epoch": 3, "offset": 10000}}  # fmt: skip
-    streamed = {"event": "message", "data": json.dumps(message), "id": "517:3:10000"}
+               "vbucket": 517, "epoch": "3", "offset": 10000}  # fmt: skip
+    streamed = {"event": "message", "data": json.dumps(message), "id": "ep.3.7ps.1.SECRETx"}
     page.evaluate(f"window.brokyTailEvent({json.dumps(streamed)})")
-    loss = {"count": 3, "reason": "slow_consumer"}
+    loss = {"dropped": 3, "reason": "slow_consumer", "scope": "gateway"}
     page.evaluate(
         f"window.brokyTailEvent({json.dumps({'event': 'loss', 'data': json.dumps(loss), 'id': None})})"
     )
@@ -254,6 +258,7 @@ def test_the_tail_parses_server_sent_events_and_draws_a_clients_bytes_as_text(
     )
     assert rows[0][0] == "loss" and "lost 3 message(s): slow_consumer" in rows[0][1], rows  # newest first
     assert "517 · 10000 (epoch 3)" in rows[1][1] and "orders.eu" in rows[1][1] and hostile in rows[1][1], rows
+    assert "SECRET" not in page.evaluate("document.querySelector('#tail').innerText")
     assert page.evaluate("document.querySelectorAll('#tail img').length") == 0
     assert page.evaluate("window.pwned === undefined") is True
     assert page.console_errors == []

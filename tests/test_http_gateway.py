@@ -316,6 +316,56 @@ def _events(lines: list[bytes]) -> list[dict[str, Any]]:
     return events
 
 
+@pytest.mark.timeout(60)
+def test_streams_of_every_format_at_once_each_get_every_message_with_ids_of_their_own(
+    server: ServerProcess,
+) -> None:
+    # The gateway formats a message once for all its streams (gateway.py, "Formatting once"):
+    # each stream still gets every message, and each SSE stream its own ids.
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            procs = []
+            for fmt in ("sse", "sse", "ndjson", "raw"):
+                procs.append(
+                    await asyncio.create_subprocess_exec(
+                        program("curl"), "-sSN", *AUTH, f"{base(server)}/v1/sub/many.>?format={fmt}",
+                        stdout=subprocess.PIPE,
+                    )
+                )  # fmt: skip
+            try:
+                for proc in procs:
+                    await _warm_up(client, proc, "many.warm")
+                sent = [(PARTITIONS[i % 8], f"f-{i}".encode()) for i in range(300)]
+                for part, payload in sent:
+                    await client.publish(part, "many.x", payload)
+
+                def done(ls: list[bytes]) -> bool:  # (an SSE event is whole at its empty line)
+                    return sum(1 for x in ls if b'"f-' in x or x.startswith(b"f-")) >= len(sent) and (
+                        ls[-1] == b"" or not ls[-1].startswith(b"data: ")
+                    )
+
+                lines = [await _stream_until(p, done) for p in procs]
+            finally:
+                for proc in procs:
+                    proc.kill()
+                    await proc.wait()
+        events = [[e for e in _events(ls) if '"f-' in e.get("data", "")] for ls in lines[:2]]
+        records = [json.loads(x) for x in lines[2] if b'"f-' in x]
+        payloads = [r["payload"].encode() for r in records]  # every one, once (in order per partition:
+        assert sorted(payloads) == sorted(p for _, p in sent)  # the other tests; workers interleave)
+        assert [x for x in lines[3] if x.startswith(b"f-")] == payloads  # one client feeds every stream
+        tails = []
+        for stream in events:
+            assert [json.loads(e["data"]) for e in stream] == records  # the same JSON as ndjson's
+            for e, r in zip(stream, records, strict=True):
+                vb, epoch, offset = (int(x, 36) for x in e["id"].split(".")[:3])
+                assert (vb, str(epoch), offset) == (r["vbucket"], r["epoch"], r["offset"])
+            tails.append({e["id"].split(".", 3)[3] for e in stream})
+        assert len(tails[0]) == len(tails[1]) == 1 and tails[0] != tails[1]  # each stream's own
+
+    asyncio.run(main())
+
+
 @pytest.mark.timeout(90)
 def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(server: ServerProcess) -> None:
     url = f"{base(server)}/v1/sub/sse.>"
@@ -660,5 +710,30 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
             events = _events(more)
             assert not [e for e in events if e.get("event") == "loss"]
             assert [json.loads(e["data"])["payload"] for e in events if "id" in e] == ["o-2", "o-3", "o-4"]
+
+    asyncio.run(main())
+
+
+def test_an_sse_stream_gets_a_keepalive_at_the_second_tick_without_a_write() -> None:
+    # The gateway ticks every KEEPALIVE_SECONDS / 2 (one task for all streams, gateway.py
+    # "Keepalives"): a comment goes to a stream that wrote nothing since the tick before.
+    from broky.server.gateway import KEEPALIVE, SubStream
+
+    async def main() -> None:
+        stream = SubStream(None, "sse", 1 << 20, None)  # type: ignore[arg-type]  # no gateway: none used
+        stream._put(b"id: x\ndata: {}\n\n")
+        stream.keepalive()  # the first tick after a write: nothing yet
+        assert await stream.next() == b"id: x\ndata: {}\n\n"
+        stream.keepalive()  # written since the tick before
+        assert not stream.parts
+        stream.keepalive()  # a whole tick without a write
+        assert await stream.next() == KEEPALIVE
+        stream.keepalive()
+        stream.keepalive()  # and again a whole tick later
+        assert await stream.next() == KEEPALIVE
+        stream.ended = True
+        stream.keepalive()
+        stream.keepalive()  # an ended stream gets none
+        assert await stream.next() is None
 
     asyncio.run(main())

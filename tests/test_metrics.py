@@ -125,8 +125,8 @@ def test_health_ready_and_errors(server: ServerProcess) -> None:
     assert get(server, "/metrics", "POST")[0] == 405
     assert get(server, "/debug/stats")[0] == 404  # /stats says it all
     for bad in ("x", "0", "-3"):
-        status, _, body = get(server, f"/connections?limit={bad}")
-        assert status == 400 and b"limit must be a positive integer" in body
+        status, ctype, body = get(server, f"/connections?limit={bad}")
+        assert (status, ctype) == (400, "application/json") and b"limit must be a positive integer" in body
 
 
 def test_a_limit_not_a_positive_integer_is_a_400_and_a_huge_one_is_clamped(server: ServerProcess) -> None:
@@ -136,8 +136,10 @@ def test_a_limit_not_a_positive_integer_is_a_400_and_a_huge_one_is_clamped(serve
     for path in ("/connections", "/topics"):
         for value_ in bad:
             status, ctype, body = get(server, f"{path}?limit={value_}")
-            assert (status, ctype) == (400, "text/plain"), (path, value_, status, body)
-            assert body.startswith(b"limit must be a positive integer") and len(body) < 200, body
+            assert (status, ctype) == (400, "application/json"), (path, value_, status, body)
+            error = json.loads(body)  # JSON, as every error of the HTTP server
+            assert error["status"] == 400 and error["error"].startswith("limit must be a positive integer")
+            assert len(body) < 200, body
         for huge, expected in (("9" * 4301, 1000), ("1" * 6000, 1000), ("0" * 6000 + "7", 7)):
             assert get_json(server, f"{path}?limit={huge}")["limit"] == expected
     status, _, body = get(server, "/connections?limit=" + "x" * 6000)

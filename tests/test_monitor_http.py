@@ -244,12 +244,13 @@ def test_head_length_finds_the_first_empty_line_and_nothing_before_it(line: byte
         st.text(max_size=20), st.integers(-10, 10**30).map(str), st.integers(4290, 4400).map("7".__mul__)
     )
 )
-def test_limit_is_a_clamped_positive_integer_or_a_400_body(raw: str) -> None:
-    limit, error = monitor._limit({"limit": raw})
+def test_limit_is_a_clamped_positive_integer_or_a_400(raw: str) -> None:
     positive = raw.isascii() and raw.isdigit() and Decimal(raw) > 0  # Decimal: no 4,300-digit limit
-    if error:
-        assert limit == 0 and error.startswith(b"limit must be a positive integer") and len(error) < 200
-        assert not positive
+    try:
+        limit = monitor._limit({"limit": raw})
+    except HttpError as exc:
+        assert exc.status == 400 and exc.message.startswith("limit must be a positive integer")
+        assert len(exc.message) < 200 and not positive
     else:
         assert positive and limit == min(Decimal(raw), monitor.MAX_LIMIT)
 
@@ -352,7 +353,12 @@ def _check_response(data: bytes, head_only: bool | None) -> tuple[int, dict[str,
         body = body[: 0 if head_only else length]
     sizes = {0, length} if head_only is None else {0 if head_only else length}
     assert len(body) in sizes, (len(body), length, data[:300])
-    return int(match.group(1)), headers, body
+    status = int(match.group(1))
+    if status >= 400:  # every error is JSON, {"error": ..., "status": N}
+        assert headers["content-type"] == "application/json", (status, headers)
+        if body:
+            assert json.loads(body)["status"] == status, body[:300]
+    return status, headers, body
 
 
 # ---------------------------------------------------------------- a real server
@@ -412,7 +418,7 @@ def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
         if status == 200 and g.method == "GET" and g.path in PRIVATE:
             data = json.loads(body)
             if g.path != "/stats":
-                assert data["limit"] == monitor._limit(g.query)[0]
+                assert data["limit"] == monitor._limit(g.query)
     if status == 401:
         assert headers["www-authenticate"].startswith("Bearer")
     if status == 405:

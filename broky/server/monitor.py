@@ -32,8 +32,9 @@ live console at / reads them, see broky.server.console):
 ?limit= is a positive decimal integer in ASCII digits (`str.isdigit()` alone
 would take "²", which int() refuses), of any length: over MAX_LIMIT it is
 MAX_LIMIT, and a string of more digits than MAX_LIMIT has is never given to
-int() (which refuses 4,301 digits or more). Anything else is a 400 quoting
-the value cut short; other names in the query string are ignored.
+int() (which refuses 4,301 digits or more). Anything else is a 400 (JSON, as
+every error of broky.server.httpd) quoting the value cut short; other names in
+the query string are ignored.
 
 Exposure (decided). "open" endpoints answer anyone: Prometheus scrapes and
 orchestrator probes usually carry no credential, and they list counters only
@@ -72,7 +73,7 @@ from broky import __version__
 from broky.protocol.routing import VBucketMap, to_ranges
 from broky.server import handoff, histogram
 from broky.server.config import ServerConfig
-from broky.server.httpd import HttpServer, Request, Response, quote
+from broky.server.httpd import HttpError, HttpServer, Request, Response, quote
 from broky.server.metrics import Exporter
 
 if TYPE_CHECKING:
@@ -251,9 +252,7 @@ class Monitor:
         return 200, "application/json", _json(body)
 
     async def connections(self, request: Request) -> Response:
-        limit, error = _limit(request.query)
-        if error:
-            return 400, "text/plain", error
+        limit = _limit(request.query)
         views = await self.master.worker_stats(b"connections:%d" % limit)
         listed = [c for v in views if v is not None for c in v["connections"]]
         listed.sort(key=lambda c: c["messages_in"] + c["messages_out"], reverse=True)
@@ -266,9 +265,7 @@ class Monitor:
         return 200, "application/json", _json(body)
 
     async def topics(self, request: Request) -> Response:
-        limit, error = _limit(request.query)
-        if error:
-            return 400, "text/plain", error
+        limit = _limit(request.query)
         views = await self.master.worker_stats(b"topics:%d" % limit)
         # One entry per (pattern, worker): exact, see the theory of operation.
         topics = [t for v in views if v is not None for t in v["topics"]]
@@ -368,20 +365,23 @@ def install(master: Observed) -> Monitor:
     return mon
 
 
-def _limit(query: dict[str, str]) -> tuple[int, bytes]:
-    """?limit=: a positive decimal integer (ASCII digits; any length, clamped to MAX_LIMIT)."""
+def _limit(query: dict[str, str]) -> int:
+    """?limit=: a positive decimal integer (ASCII digits; any length, clamped to MAX_LIMIT).
+
+    Raises:
+        HttpError: 400 (a JSON body, as every error of the HTTP server) for anything else.
+    """
     raw = query.get("limit")
     if raw is None:
-        return DEFAULT_LIMIT, b""
+        return DEFAULT_LIMIT
     digits = raw.lstrip("0")
     if not raw.isascii() or not raw.isdigit() or not digits:  # str.isdigit() alone takes "²"
-        return (
-            0,
-            f"limit must be a positive integer (at most {MAX_LIMIT} are listed), not {quote(raw)}\n".encode(),
+        raise HttpError(
+            400, f"limit must be a positive integer (at most {MAX_LIMIT} are listed), not {quote(raw)}"
         )
     if len(digits) > len(str(MAX_LIMIT)):  # never int() of a huge string (4,301 digits raise)
-        return MAX_LIMIT, b""
-    return min(int(digits), MAX_LIMIT), b""
+        return MAX_LIMIT
+    return min(int(digits), MAX_LIMIT)
 
 
 def _latency_summary(snap: dict[str, Any]) -> dict[str, Any]:
