@@ -814,7 +814,10 @@ def render(doc: dict[str, Any]) -> str:
         if name in sections:
             r = sections[name]
             verdict = "met" if CHECKS[name](r) else "NOT met"
-            when = f"Run at {r['ran_at']}, load average {r['load_average']} at its start."
+            when = (
+                f"Run at {r['ran_at']}, load average {r['load_average']} at its start; the machine's CPUs "
+                f"were {r['machine_busy']:.0%} busy meanwhile (this run and everyone else's)."
+            )
             lines += [*RENDER[name](r), "", f"Verdict: {verdict}. {when}", ""]
     return "\n".join(lines)
 
@@ -1027,8 +1030,11 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         ran_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         load = round(os.getloadavg()[0], 2)
+        busy0, all0, _ = procstat.machine_cpu()
         result = RUNS[name](args, transport)
-        result.update(ran_at=ran_at, load_average=load, seconds_total=round(time.monotonic() - start, 1))
+        busy1, all1, _ = procstat.machine_cpu()
+        result.update(ran_at=ran_at, load_average=load, seconds_total=round(time.monotonic() - start, 1),
+                      machine_busy=round((busy1 - busy0) / max(all1 - all0, 1e-9), 2))  # fmt: skip
         doc["sections"][name] = result
         passed = CHECKS[name](result)
         ok = ok and passed
