@@ -241,12 +241,18 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
             sock.sendall(encode_frame(Ping(1)))
         out["answered_ping_after_hold"], _ = _for_every(held, Pong, 60.0)
         out["rss_peak_held"] = memory_budget.server_rss(server)
+        for sock in held:
+            sock.close()
+        held.clear()
+        time.sleep(2.0)
+        out["after"] = latency.run_latency(driver, server.address, server.pids, 100, rate, 1.0,
+                                           args.latency_seconds)  # fmt: skip
         out["server_log_tail"] = server.log()[-1500:]
     finally:
         for sock in held:
             sock.close()
         server.stop()
-    for run in ("baseline", "with_connections"):
+    for run in ("baseline", "with_connections", "after"):
         out[run].pop("distribution", None)
     return out
 
@@ -561,7 +567,7 @@ class Fuzz:
                     sock.shutdown(socket.SHUT_WR)
                     sock.settimeout(2.0)
                     head = sock.recv(64)
-                    status = head[9:10].decode("latin-1") + "xx" if head.startswith(b"HTTP/1.") else "none"
+                    status = head[9:12].decode("latin-1") if head.startswith(b"HTTP/1.") else "none"
                     with contextlib.suppress(TimeoutError):
                         while sock.recv(1 << 16):
                             pass
@@ -592,6 +598,21 @@ class Fuzz:
         for t in threads:
             t.join(30)
         return time.monotonic() - start
+
+
+class RssSeries(threading.Thread):
+    """The server's RSS every `every` seconds: (seconds since the start, bytes)."""
+
+    def __init__(self, server: servers.Server, every: float) -> None:
+        super().__init__(daemon=True)
+        self.server, self.every = server, every
+        self.samples: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        while not self.stop.wait(self.every):
+            self.samples.append((round(time.monotonic() - start, 1), memory_budget.server_rss(self.server)))
 
 
 class Probe(threading.Thread):
@@ -678,12 +699,10 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         fuzz = Fuzz(server.address, (server.host, server.metrics_port), pool, http_pool, args.frames,
                     args.fuzz_seconds, args.fuzz_threads)  # fmt: skip
         cpu0 = procstat.total_cpu_seconds(server.pids())
-        tenth = threading.Timer(
-            args.fuzz_seconds / 10, lambda: out.__setitem__("rss_tenth", memory_budget.server_rss(server))
-        )
-        tenth.start()
+        series = RssSeries(server, max(1.0, args.fuzz_seconds / 10))
+        series.start()
         seconds = fuzz.run()
-        tenth.cancel()
+        series.stop.set()
         cpu = procstat.total_cpu_seconds(server.pids()) - cpu0
         time.sleep(1.0)
         probe.stop.set()
@@ -693,7 +712,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         after = server_stats(server)
         out["rss_end"] = memory_budget.server_rss(server)
         out["rss_peak"] = max(sampler.peak, out["rss_end"])
-        out.setdefault("rss_tenth", out["rss_end"])
+        out["rss_series"] = series.samples
         out.update({
             "seconds": round(seconds, 1),
             "frames_sent": fuzz.sent_frames,
@@ -842,13 +861,17 @@ def render_connections(r: dict[str, Any]) -> list[str]:
         f"({(r['rss_held'] - r['rss_idle']) / max(1, r['welcomed']) / 1024:.1f} KiB per connection) |",
         f"| server CPU while holding them (with the latency pair) | {r['server_cpu_s_per_s_held']:g} s/s |",
         "",
-        f"Latency of one pub/sub pair, open loop, {b['rate_per_s']:,.0f} msgs/s of 100 B, "
-        f"{b['samples']:,} and {w['samples']:,} samples:",
+        f"Latency of one pub/sub pair (bench.harness.latency: raw connections, one to each "
+        f"side's worker), open loop, {b['rate_per_s']:,.0f} msgs/s of 100 B, {b['samples']:,} samples a run:",
         "",
-        "| | p50 / p99 / p99.9 / max (µs) | server CPU |",
+        "| | p50 / p99 / p99.9 / max (µs) | server CPU over the run |",
         "|---|---:|---:|",
         f"| without the connections | {_pct(b)} | {b['server_cpu_s']:.2f} s |",
         f"| with them held | {_pct(w)} | {w['server_cpu_s']:.2f} s |",
+        f"| after they closed | {_pct(r['after'])} | {r['after']['server_cpu_s']:.2f} s |",
+        "",
+        "The three runs follow each other on one server; on a shared machine the first and the last "
+        "bracket what the others' load does to the figures.",
     ]
 
 
@@ -883,8 +906,21 @@ def render_stalled(r: dict[str, Any]) -> list[str]:
             f"reconnecting) | {s['published_to_its_worker']:,} / {s['received']:,} / {t['before_close']:,}, "
             f"{t['on_reconnect']:,} {s['told_on_reconnect_by_reason'] or ''} |"
         )
-        lines.append(f"| ... closed by the server; its last Error | {s['closed']}; {s['error'] or '-'} |")
-    return lines
+        accounted = s["received"] + t["before_close"] + t["on_reconnect"]
+        lines.append(
+            f"| ... closed by the server; the last Error it read; received + told | {s['closed']}; "
+            f"{s['error'] or '-'}; {accounted:,} |"
+        )
+    return [*lines, "", STALLED_NOTE]
+
+
+STALLED_NOTE = (
+    "A stalled subscriber's worker drops what goes past its pending bound (SLOW_CONSUMER) and, "
+    "--slow-consumer-deadline (10 s) later, closes it; what was still in its buffer is lost with the "
+    "connection (CONNECTION_LOST). It is told both when it reconnects naming its connection. Its "
+    "received + told is the prefix of its worker's messages up to its close; the rest were published "
+    "after it was gone."
+)
 
 
 def render_fuzz(r: dict[str, Any]) -> list[str]:
@@ -914,13 +950,16 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         f"| connections: ended with a fatal Error / closed otherwise / kept open past {HANG_SECONDS:g} s | "
         f"{r['connections_ended_with_error']:,} / {r['connections_closed_otherwise']:,} / "
         f"{r['connections_kept_open']:,} (refused {r['connections_refused']}) |",
-        f"| HTTP requests (random, mutated, valid), by answer | {r['http_requests']:,} {r['http_status']} |",
+        f"| HTTP requests (random, mutated, valid), by answer | {r['http_requests']:,}: "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(r["http_status"].items()))
+        + " |",
         f"| worker crashes | {r['worker_crashes']} |",
         f"| hangs (a probe round trip over {HANG_SECONDS:g} s) | {r['hangs']} |",
         f"| probe: Ping round trips, longest | {r['probe_round_trips']:,}, {r['probe_max_rtt_ms']:g} ms |",
         f"| probe: GET /healthz, longest | {r['probe_max_http_rtt_ms']:g} ms |",
-        f"| server RSS start / after a tenth / peak / end | {_mb(r['rss_start'])} / {_mb(r['rss_tenth'])} / "
-        f"{_mb(r['rss_peak'])} / {_mb(r['rss_end'])} |",
+        f"| server RSS start / peak / end | {_mb(r['rss_start'])} / {_mb(r['rss_peak'])} / "
+        f"{_mb(r['rss_end'])} |",
+        f"| server RSS every tenth of the run | {', '.join(_mb(b) for _, b in r['rss_series'])} |",
         f"| ... of which the replay buffers at the end (their bound) | {_mb(r['replay_bytes_end'])} "
         f"({_mb(r['replay_limit'])}) |",
         f"| pending outbound bytes at the end | {r['pending_bytes_end']:,} |",
