@@ -62,6 +62,7 @@ import os
 import random
 import resource
 import selectors
+import shlex
 import socket
 import statistics
 import struct
@@ -499,6 +500,7 @@ class Fuzz:
         self.answered_error = self.closed_silently = self.kept_open = self.refused = 0
         self.http_requests = 0
         self.http_status: dict[str, int] = {}
+        self.http_5xx: dict[str, int] = {}  # the bodies of 5xx answers (what the server said)
         self.stop = threading.Event()
 
     def _claim(self, n: int) -> bool:
@@ -566,8 +568,12 @@ class Fuzz:
                     sock.sendall(data)
                     sock.shutdown(socket.SHUT_WR)
                     sock.settimeout(2.0)
-                    head = sock.recv(64)
+                    head = sock.recv(1024)
                     status = head[9:12].decode("latin-1") if head.startswith(b"HTTP/1.") else "none"
+                    if status.startswith("5"):
+                        body = head.partition(b"\r\n\r\n")[2][:160].decode("latin-1")
+                        with self.lock:
+                            self.http_5xx[body] = self.http_5xx.get(body, 0) + 1
                     with contextlib.suppress(TimeoutError):
                         while sock.recv(1 << 16):
                             pass
@@ -726,6 +732,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
             "connections_refused": fuzz.refused,
             "http_requests": fuzz.http_requests,
             "http_status": fuzz.http_status,
+            "http_5xx_bodies": dict(sorted(fuzz.http_5xx.items(), key=lambda kv: -kv[1])[:10]),
             "server_cpu_s": round(cpu, 1),
             "bytes_received_by_workers": _grew(before, after, "totals", "bytes_received"),
             "messages_published": _grew(before, after, "totals", "messages_published"),
@@ -1060,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(path.read_text())
     info = machine_info()
     doc["machine"] = info
-    doc["command"] = "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv))
+    doc["command"] = " " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.conditions:
         doc["conditions"] = args.conditions
     ok = True
