@@ -520,6 +520,16 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {value!r}")
 
 
+def _path(path: Path) -> str:
+    """A path as the results name it: relative to the checkout when inside it (no machine's
+    directories in committed files)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def write_results(
     out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace, **data: Any
 ) -> None:
@@ -527,7 +537,7 @@ def write_results(
     machine, the command's settings and `data`) in directory `out`; the report on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings = {k: _path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     document = {"machine": info, "args": settings, **data}
     (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     print(text)
