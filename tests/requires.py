@@ -22,6 +22,7 @@ PACKAGES = {
     "etcd": "etcd-server",
     "flatc": "flatbuffers-compiler",
     "nats-server": "nats-server",
+    "openssl": "openssl",
     "prometheus": "prometheus",
     "promtool": "prometheus",
     "redis-server": "redis-server",

@@ -158,6 +158,9 @@ from broky.protocol.frames import Position, encode_ping, encode_subscribe, encod
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, UID_AT, UID_END
 from broky.protocol.message import BODY_MESSAGE, body_type
 
+if TYPE_CHECKING:
+    import ssl
+
 log = logging.getLogger("broky.client")
 _u32 = struct.Struct("<I").unpack_from
 
@@ -245,6 +248,7 @@ class LinkOwner(Protocol):
     # options (see `broky.connect`)
     name: str | None
     auth_token: str | None
+    tls: ssl.SSLContext | None  # every connection upgrades to TLS with it (None: plain)
     connect_timeout: float
     linger: float
     batch_size: int
@@ -480,7 +484,9 @@ class Link(_LinkState):
                 positions=self.previous is not None,  # it resubscribes `since` its positions
             )
             try:
-                proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
+                proto, welcome = await open_connection(
+                    host, port, hello, client.connect_timeout, tls=client.tls
+                )
             except BrokyError as exc:
                 last = exc
                 self.tried.set()

@@ -390,6 +390,13 @@ class DeadAccounts:
             return None
         return entry[1]
 
+    def lookup(self, conn_id: int, worker: int) -> Account | None:
+        """The account of a connection of a dead incarnation of `worker`, unproven: for a
+        TLS client, whose secret only its worker reads (inside TLS), and checks against
+        the account's before using it (broky.server.worker)."""
+        entry = self._accounts.get(conn_id)
+        return entry[1] if entry is not None and entry[0] == worker else None
+
     def discard(self, conn_id: int) -> None:
         """The account was handed to a worker: it is answered once."""
         self._accounts.pop(conn_id, None)

@@ -87,10 +87,13 @@ import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from broky.errors import BrokyError
 from broky.server.logs import Throttle
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("broky.master")
 
@@ -468,10 +471,10 @@ class HttpServer:
                 route = self.prefixes[max(matches, key=len)]
         return route
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; return the bound port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen (https with the context `tls`); return the bound port."""
         self.server = await asyncio.start_server(
-            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES
+            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES, ssl=tls
         )
         return int(self.server.sockets[0].getsockname()[1])
 

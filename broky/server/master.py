@@ -124,6 +124,7 @@ from broky.server.supervisor import Supervisor, WorkerProcess
 
 if TYPE_CHECKING:
     from broky.cluster.node import ClusterNode
+    from broky.server.tls import Certificates
 
 log = logging.getLogger("broky.master")
 
@@ -205,18 +206,30 @@ class Master:
         self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
         self.cluster_task: asyncio.Task[None] | None = None
         self.gateway: gateway.Gateway | None = None  # the /v1/ routes (set in `run`)
+        self.certificates: Certificates | None = None  # --tls-cert: the https port's (broky.server.tls)
 
     # ------------------------------------------------------------ life
 
     async def run(self) -> int:
         cfg = self.config
+        if cfg.tls_cert:
+            from broky.server.tls import Certificates
+
+            try:
+                self.certificates = Certificates(cfg, https=True)
+            except Exception as exc:  # OSError, ssl.SSLError: the message names the file or the mismatch
+                log.critical(
+                    "cannot load the TLS certificate %s with key %s: %s", cfg.tls_cert, cfg.tls_key, exc
+                )
+                return 1
         try:
             self.listener = _listen(cfg.host, cfg.port)
         except OSError as exc:
             log.critical("%s", _cannot_listen(cfg.host, cfg.port, "clients", "port", exc))
             return 1
         try:
-            metrics_port = await self.http.start(cfg.host, cfg.metrics_port)
+            https = self.certificates.https if self.certificates is not None else None
+            metrics_port = await self.http.start(cfg.host, cfg.metrics_port, https)
         except OSError as exc:
             self.listener.close()
             log.critical(
@@ -231,6 +244,7 @@ class Master:
         console.install(self.http)
         self.gateway = gateway.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
+        sup.on_hangup = self.reload
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
             joined = await self._join()
@@ -435,8 +449,9 @@ class Master:
             wp = await self._pick_worker(hello, refused_by)
             account = self._dead_account(hello, wp)
             try:
-                await self._hand_over(sock, hello_bytes, wp, address, account.pack() if account else b"")
-                if account is not None:
+                packed = account.pack() if account else b""
+                await self._hand_over(sock, hello_bytes, wp, address, packed, hello.tls)
+                if account is not None and not hello.tls:  # a TLS client's claim: its worker checks it
                     assert self.supervisor is not None
                     self.supervisor.dead.discard(account.conn_id)  # answered by its new worker
                 return
@@ -488,6 +503,22 @@ class Master:
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"protocol version {hello.protocol_version} unsupported (this server: "
                 f"{', '.join(map(str, sorted(SERVED_VERSIONS)))})",
+            )
+        if hello.tls:  # the worker runs the TLS handshake and checks the Hello inside (broky.server.tls)
+            if not self.config.tls_cert:
+                raise Refused(ErrorCode.TLS_UNAVAILABLE, "this server does not offer TLS (no --tls-cert)")
+            if hello.auth_token or (hello.previous is not None and hello.previous.resume_token):
+                raise Refused(
+                    ErrorCode.TLS_REQUIRED,
+                    "a Hello asking for TLS travels in plain text: it must carry no auth_token and no "
+                    "previous.resume_token (they go in the Hello inside TLS)",
+                )
+            return frame, hello
+        if self.config.tls_cert and not self.config.tls_allow_plain:
+            raise Refused(
+                ErrorCode.TLS_REQUIRED,
+                "this server requires TLS: connect with broky+tls://HOST:PORT "
+                "(Hello.tls; schema/README.md 2.1)",
             )
         token = self.config.auth_token
         if token:
@@ -568,6 +599,8 @@ class Master:
         if prev is None or prev.connection_id >> 32 == wp.epoch:
             return None
         assert self.supervisor is not None
+        if hello.tls:  # its secret is inside TLS: the worker checks it against the account's
+            return self.supervisor.dead.lookup(prev.connection_id, wp.index)
         return self.supervisor.dead.find(prev.connection_id, wp.index, prev.resume_token)
 
     def _ready_besides(self, refused_by: set[int]) -> bool:
@@ -575,7 +608,13 @@ class Master:
         return any(wp.ready and not wp.gone and wp.index not in refused_by for wp in self.supervisor.live())
 
     async def _hand_over(
-        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, address: str, account: bytes = b""
+        self,
+        sock: socket.socket,
+        hello_bytes: bytes,
+        wp: WorkerProcess,
+        address: str,
+        account: bytes = b"",
+        tls: bool = False,
     ) -> None:
         """Send the socket (with the account of the connection it resumes, if any) to wp,
         waiting (bounded) while its channel is full, and wait (bounded) for its answer.
@@ -596,7 +635,7 @@ class Master:
                 raise _WorkerGone("its control channel is closed")
             self._check_address(address)  # and counted right after the send: no await between
             try:
-                handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account)
+                handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account, tls)
                 self.supervisor.count_connection(wp, handoff_id, address)
                 break
             except (BlockingIOError, InterruptedError):
@@ -743,6 +782,21 @@ class Master:
                 if a is not None:
                     self._stats_waiters.pop(a[0], None)
                     a[1].cancel()
+
+    def reload(self) -> None:
+        """SIGHUP: load the TLS certificates again, here (the https port) and in every
+        worker (their handshakes); open connections keep theirs (broky.server.tls)."""
+        if self.certificates is None or self.supervisor is None:
+            log.info("SIGHUP received: nothing to reload (no --tls-cert)")
+            return
+        if not self.certificates.reload():
+            return  # logged; the workers would fail alike: they keep theirs too
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.RELOAD)
+            except OSError as exc:  # dead: its successor loads the files at boot
+                log.info("worker %d did not take the reload: %s", wp.index, exc)
+        log.info("SIGHUP received: TLS certificates reloaded from %s", self.config.tls_cert)
 
     def apply_map(self, vmap: VBucketMap) -> bool:
         """Make `vmap` this node's map if it is newer: every worker applies it and

@@ -143,6 +143,10 @@ class WorkerStats:
         self.dead_lettered = 0  # published to a dead_letter key
         self.dead_letters_refused = 0  # not published: the vbucket was leaving this worker
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
+        # TLS (broky.server.tls): handshakes that reached a Hello inside TLS, and those
+        # that failed, by reason (FAILURE_REASONS: timeout, certificate, protocol, closed).
+        self.tls_handshakes = 0
+        self.tls_failures: dict[str, int] = {}
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
         # Delivered messages by log2 of their read's receive-to-write time: bucket i
         # counts times under 2**(i+10) ns (about 2**i us; see broky.server.histogram).
@@ -181,6 +185,7 @@ class Monitoring:
         data["dropped"] = dict(s.dropped)
         data["resumes"] = dict(s.resumes)
         data["errors"] = dict(s.errors)
+        data["tls_failures"] = dict(s.tls_failures)
         data["subscriptions_refused"] = dict(s.subscriptions_refused)
         data["latency_us"] = list(s.latency_us)
         data.update(

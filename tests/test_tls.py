@@ -1,0 +1,197 @@
+"""TLS against a real `broky serve` (broky.server.tls; schema/README.md 2.1).
+
+Certificates are made here with the `openssl` command (a CA, a server certificate
+for 127.0.0.1, client certificates of that CA and of a stranger's CA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import broky
+from broky.errors import BrokyConnectionError, ErrorCode, ServerError
+from tests.requires import program
+from tests.serverproc import ServerProcess
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run([program("openssl"), *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN={name}", cwd=d,
+    )  # fmt: skip
+
+
+def _cert(d: Path, name: str, ca: str, ext: str) -> None:
+    (d / f"{name}.ext").write_text(ext + "\n")
+    _openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d,
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+        "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d,
+    )  # fmt: skip
+
+
+SERVER_EXT = "subjectAltName=IP:127.0.0.1,DNS:localhost"
+CLIENT_EXT = "extendedKeyUsage=clientAuth"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("certs")
+    _ca(d, "ca")
+    _ca(d, "other-ca")
+    _cert(d, "server", "ca", SERVER_EXT)
+    _cert(d, "server2", "other-ca", SERVER_EXT)  # the certificate a reload brings
+    _cert(d, "client", "ca", CLIENT_EXT)
+    _cert(d, "stranger", "other-ca", CLIENT_EXT)
+    return d
+
+
+def tls_args(d: Path, *extra: str) -> tuple[str, ...]:
+    return ("--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"), *extra)
+
+
+def client_context(d: Path, ca: str = "ca", cert: str | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(d / f"{ca}.pem"))
+    if cert is not None:
+        ctx.load_cert_chain(str(d / f"{cert}.pem"), str(d / f"{cert}.key"))
+    return ctx
+
+
+def tls_url(server: ServerProcess) -> str:
+    return f"broky+tls://127.0.0.1:{server.port}"
+
+
+def run(main: Callable[[], object], timeout: float = 30) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout):
+            await main()  # type: ignore[misc]
+
+    asyncio.run(bounded())
+
+
+async def roundtrip(url: str, ctx: ssl.SSLContext, n: int = 200, **options: object) -> None:
+    """Publish n messages over 64 key_partitions (every worker) and receive them all."""
+    async with broky.connect(url, ssl_context=ctx, connect_timeout=5, **options) as client:  # type: ignore[arg-type]
+        sub = await client.subscribe("t.>")
+        for i in range(n):
+            await client.publish(f"kp{i % 64}", f"t.{i}", b"x" * 100)
+        await client.flush()
+        got = [await sub.next_msg(5) for _ in range(n)]
+        assert sorted(int(m.key.split(b".")[1]) for m in got) == list(range(n))
+        assert len([ref for ref, link in client.router.links.items() if link.proto]) == 2  # both workers
+
+
+def metric(server: ServerProcess, name: str, ctx: ssl.SSLContext, **labels: str) -> float:
+    with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/metrics", context=ctx) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_publish_and_subscribe_over_tls_and_https_metrics(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    server = start_server(*tls_args(certs), "--auth-token", "s3cret")
+    ctx = client_context(certs)
+    run(lambda: roundtrip(tls_url(server), ctx, auth_token="s3cret"))
+    with broky.connect_sync(tls_url(server), ssl_context=ctx, auth_token="s3cret") as client:
+        sub = client.subscribe("s")
+        client.publish("kp", "s", b"sync")
+        client.flush()
+        assert sub.next(5).payload == b"sync"
+    # the token travels inside TLS only, and the worker checks it
+    with pytest.raises(ServerError) as refused:
+        broky.connect_sync(tls_url(server), ssl_context=ctx, auth_token="wrong", connect_timeout=3)
+    assert refused.value.code == ErrorCode.AUTH_FAILED
+    # the HTTP port serves https with the same certificate
+    with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/healthz", context=ctx) as r:
+        assert r.read() == b"ok\n"
+    assert metric(server, "broky_tls_handshakes_total", ctx) >= 3
+
+
+def test_plain_and_tls_clients_refused_with_a_clear_error(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    tls_server = start_server(*tls_args(certs))
+    with pytest.raises(ServerError, match="requires TLS") as plain:
+        broky.connect_sync(tls_server.url, connect_timeout=3)
+    assert plain.value.code == ErrorCode.TLS_REQUIRED
+    plain_server = start_server()
+    with pytest.raises(ServerError, match="does not offer TLS") as no_tls:
+        broky.connect_sync(tls_url(plain_server), ssl_context=client_context(certs), connect_timeout=3)
+    assert no_tls.value.code == ErrorCode.TLS_UNAVAILABLE
+    # a certificate the client does not trust: the handshake fails, and says so
+    with pytest.raises(BrokyConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        broky.connect_sync(
+            tls_url(tls_server), ssl_context=client_context(certs, "other-ca"), connect_timeout=3
+        )
+    # --tls-allow-plain serves both
+    both = start_server(*tls_args(certs, "--tls-allow-plain"))
+    run(lambda: roundtrip(tls_url(both), client_context(certs), n=20))
+    broky.connect_sync(both.url, connect_timeout=3).close()
+
+
+def test_mutual_tls_refuses_a_client_without_the_right_certificate(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    server = start_server(*tls_args(certs, "--tls-ca", str(certs / "ca.pem"), "--tls-verify-clients"))
+    for who in (None, "stranger"):
+        with pytest.raises(BrokyConnectionError, match=r"(?i)certificate"):
+            broky.connect_sync(
+                tls_url(server), ssl_context=client_context(certs, cert=who), connect_timeout=1
+            )
+    # (the SDK tried again within connect_timeout: each attempt is counted)
+    run(lambda: roundtrip(tls_url(server), client_context(certs, cert="client")))  # the others are served
+    assert (
+        metric(server, "broky_tls_handshake_failures_total", client_context(certs), reason="certificate") >= 2
+    )
+    assert len(re.findall("TLS handshake with .* failed", server.log())) >= 1
+
+
+def test_sighup_reloads_the_certificate_without_dropping_connections(
+    start_server: Callable[..., ServerProcess], certs: Path, tmp_path: Path
+) -> None:
+    for suffix in ("pem", "key"):
+        (tmp_path / f"live.{suffix}").write_bytes((certs / f"server.{suffix}").read_bytes())
+    server = start_server("--tls-cert", str(tmp_path / "live.pem"), "--tls-key", str(tmp_path / "live.key"))
+
+    async def main() -> None:
+        async with broky.connect(tls_url(server), ssl_context=client_context(certs)) as old:
+            sub = await old.subscribe("r")
+            for suffix in ("pem", "key"):
+                (tmp_path / f"live.{suffix}").write_bytes((certs / f"server2.{suffix}").read_bytes())
+            os.kill(server.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while (
+                "reloaded its TLS certificates" not in server.log() or server.log().count("reloaded its") < 2
+            ):
+                assert time.monotonic() < deadline, server.log()
+                await asyncio.sleep(0.05)
+            with pytest.raises(BrokyConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+                await broky.connect(tls_url(server), ssl_context=client_context(certs), connect_timeout=3)
+            await roundtrip(tls_url(server), client_context(certs, "other-ca"), n=20)  # the new one
+            await old.publish("kp", "r", b"still here")  # the old connection is untouched
+            assert (await sub.next_msg(5)).payload == b"still here"
+
+    run(main)
