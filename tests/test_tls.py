@@ -89,7 +89,7 @@ def run(main: Callable[[], object], timeout: float = 30) -> None:
 
 async def roundtrip(url: str, ctx: ssl.SSLContext, n: int = 200, **options: object) -> None:
     """Publish n messages over 64 key_partitions (every worker) and receive them all."""
-    async with broky.connect(url, ssl_context=ctx, connect_timeout=5, **options) as client:  # type: ignore[arg-type]
+    async with broky.connect(url, ssl_context=ctx, connect_timeout=5, **options) as client:
         sub = await client.subscribe("t.>")
         for i in range(n):
             await client.publish(f"kp{i % 64}", f"t.{i}", b"x" * 100)
