@@ -7,6 +7,7 @@ for 127.0.0.1, client certificates of that CA and of a stranger's CA).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -167,6 +168,11 @@ def test_mutual_tls_refuses_a_client_without_the_right_certificate(
         metric(server, "broky_tls_handshake_failures_total", client_context(certs), reason="certificate") >= 2
     )
     assert len(re.findall("TLS handshake with .* failed", server.log())) >= 1
+    # the HTTP gateway reaches its own workers over TLS (presenting the server's certificate)
+    ctx = client_context(certs)
+    post = urllib.request.Request(f"https://127.0.0.1:{server.metrics_port}/v1/pub/g?lines=0", data=b"hi")
+    with urllib.request.urlopen(post, context=ctx) as r:
+        assert json.loads(r.read())["published"] == 1
 
 
 def test_sighup_reloads_the_certificate_without_dropping_connections(

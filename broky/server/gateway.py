@@ -101,6 +101,8 @@ from broky.protocol.routing import vbucket_of
 from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
 
 if TYPE_CHECKING:
+    import ssl
+
     from broky.client.client import Client
     from broky.client.connection import WorkerProtocol
     from broky.client.link import WorkerRef
@@ -497,6 +499,7 @@ class Gateway:
                 f"{self.connect_host}:{cfg.port}",
                 name="http-gateway",
                 auth_token=cfg.auth_token,
+                ssl_context=self._tls(),
                 on_loss=self._connection_loss,
                 on_error=self._error,
             )
@@ -506,6 +509,22 @@ class Gateway:
                 raise HttpError(503, f"cannot reach the workers: {exc}") from None
             self.client = client
             return client
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """A TLS server's gateway connects to its own workers with TLS too (they require
+        it): it checks no certificate (it dials its own port), and under mutual TLS it
+        presents the server's certificate, which must then chain to --tls-ca."""
+        cfg = self.config
+        if not cfg.tls_cert or cfg.tls_allow_plain:
+            return None
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        if cfg.tls_verify_clients:
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        return ctx
 
     def _connection_loss(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         name = LossReason.name(reason)
@@ -586,7 +605,7 @@ class Gateway:
             from broky.client.connection import open_connection
 
             try:
-                lane.proto, _ = await open_connection(host, port, hello, 5.0)
+                lane.proto, _ = await open_connection(host, port, hello, 5.0, tls=client.tls)
             except (BrokyError, OSError) as exc:
                 raise BrokyError(f"cannot reach worker {worker}: {exc}") from None
             lane.proto.attach(lane)
