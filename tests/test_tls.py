@@ -13,6 +13,7 @@ import re
 import signal
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -201,3 +202,31 @@ def test_sighup_reloads_the_certificate_without_dropping_connections(
             assert (await sub.next_msg(5)).payload == b"still here"
 
     run(main)
+
+
+def test_cli_commands_take_tls_options(start_server: Callable[..., ServerProcess], certs: Path) -> None:
+    server = start_server(*tls_args(certs))
+    cli = [sys.executable, "-m", "broky"]
+    tls = ["--server", tls_url(server), "--tls-ca", str(certs / "ca.pem")]
+    sub = subprocess.Popen([*cli, "sub", *tls, "--count", "1", "c.>"], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while "c.>" not in json.dumps(metric_topics(server, client_context(certs))):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pub = subprocess.run(
+            [*cli, "pub", *tls, "c.1", "over tls"], capture_output=True, text=True, timeout=20
+        )
+        assert pub.returncode == 0, pub.stderr
+        out, _ = sub.communicate(timeout=10)
+        assert "over tls" in out
+    finally:
+        sub.kill()
+        sub.wait()
+    plain = subprocess.run([*cli, "pub", "--server", server.url, "c.1", "x"], capture_output=True, text=True)
+    assert plain.returncode == 1 and "requires TLS" in plain.stderr
+
+
+def metric_topics(server: ServerProcess, ctx: ssl.SSLContext) -> object:
+    with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/topics", context=ctx) as r:
+        return json.loads(r.read())

@@ -1,7 +1,8 @@
 """`broky pub`, `broky sub` and `broky info`: the SDK from the command line.
 
-Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777)
-and `--auth-token` (default $BROKY_AUTH_TOKEN). Errors are one line on stderr
+Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777),
+`--auth-token` (default $BROKY_AUTH_TOKEN) and, for TLS, `--tls-ca`,
+`--tls-cert` and `--tls-key` (or a broky+tls:// server: the system's CAs). Errors are one line on stderr
 and a non-zero exit status: 1 for a failure (no server, refused token, ...),
 2 for bad arguments (checked by argparse `type` functions before anything
 connects; see broky.cli.Parser for the one-line form).
@@ -130,7 +131,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=_server,
         default=None,
         help=(
-            "broky://host:port or host:port, or a comma-separated list of seeds (any nodes of a cluster) "
+            "broky://host:port or host:port (broky+tls:// for TLS), or a comma-separated list of seeds "
+            "(any nodes of a cluster) "
             "(default: $BROKY_SERVER, else 127.0.0.1:4777)"
         ),
     )
@@ -144,6 +146,16 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="give up connecting after (5)",
     )
+    p.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=None,
+        help="connect with TLS, trusting the CAs of this bundle (default with broky+tls://: the system's)",
+    )
+    p.add_argument(
+        "--tls-cert", metavar="PEM", default=None, help="client certificate (mutual TLS); implies TLS"
+    )
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="the private key of --tls-cert")
 
 
 def register(subparsers: Any) -> None:
