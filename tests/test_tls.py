@@ -230,3 +230,19 @@ def test_cli_commands_take_tls_options(start_server: Callable[..., ServerProcess
 def metric_topics(server: ServerProcess, ctx: ssl.SSLContext) -> object:
     with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/topics", context=ctx) as r:
         return json.loads(r.read())
+
+
+def test_spark_options_make_a_tls_client(start_server: Callable[..., ServerProcess], certs: Path) -> None:
+    from broky.spark.sink import ClientConfig
+
+    server = start_server(*tls_args(certs))
+    config = ClientConfig.from_options(
+        {"broky.servers": f"127.0.0.1:{server.port}", "broky.tls.ca": str(certs / "ca.pem")}
+    )
+
+    async def main() -> None:
+        client = await config.connect("spark-tls")
+        assert client.tls is not None and client.server_info is not None
+        await client.close()
+
+    run(main)

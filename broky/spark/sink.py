@@ -137,6 +137,9 @@ class ClientConfig:
         connect_timeout: seconds, option ``broky.connect.timeout.ms``.
         flush_timeout: seconds, option ``broky.flush.timeout.ms``.
         sdk_options: passed to `broky.connect` as is (``batch_size``, ``linger``).
+        tls_ca, tls_cert, tls_key: PEM files (options ``broky.tls.ca``, ``broky.tls.cert``,
+            ``broky.tls.key``), read on each executor: any of them means TLS, as do
+            ``broky+tls://`` seeds (then the system's CAs) or ``broky.tls`` = true.
     """
 
     servers: tuple[str, ...]
@@ -145,6 +148,10 @@ class ClientConfig:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_MS / 1000
     flush_timeout: float = DEFAULT_FLUSH_TIMEOUT_MS / 1000
     sdk_options: Mapping[str, Any] = field(default_factory=dict)
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ClientConfig:
@@ -172,7 +179,22 @@ class ClientConfig:
             / 1000,
             flush_timeout=_number(opts, "broky.flush.timeout.ms", float, DEFAULT_FLUSH_TIMEOUT_MS) / 1000,
             sdk_options=sdk,
+            tls=opts.get("broky.tls", "false").strip().lower() in ("true", "1", "yes"),
+            tls_ca=opts.get("broky.tls.ca") or None,
+            tls_cert=opts.get("broky.tls.cert") or None,
+            tls_key=opts.get("broky.tls.key") or None,
         )
+
+    def ssl_context(self) -> Any:
+        """The ssl.SSLContext of the TLS options (made where the client runs), or None."""
+        if not (self.tls or self.tls_ca or self.tls_cert):
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
 
     async def connect(self, name: str, **callbacks: Any) -> Any:
         """Connect through the seeds (the SDK tries them in turn); return the asyncio client.
@@ -191,6 +213,7 @@ class ClientConfig:
                 ",".join(self.servers),
                 name=name,
                 auth_token=self.auth_token,
+                ssl_context=self.ssl_context(),
                 connect_timeout=self.connect_timeout,
                 flush_timeout=self.flush_timeout,
                 **self.sdk_options,
