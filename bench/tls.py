@@ -12,6 +12,10 @@ broky+tls:// with the CA), nats-server plain (`nats`) and with TLS
 the CA). The certificate is an ECDSA P-256 one made with `openssl` for
 127.0.0.1 (bench.harness.servers `tls_files`); TLS 1.3 on both sides.
 
+A TLS run's subscriber stops after 15 s without a message, not 3 s
+(bench.sdk_burst TLS_QUIET: nats.py's TLS subscriber was seen silent for
+over 3 s mid-burst on a busy machine).
+
 Reported: each system's medians (bench/sdk_burst.py's figures), and per run
 the ratios TLS / plain of each server and Broky TLS / NATS TLS. Results:
 bench/results/tls.md and tls.json, with the machine.

@@ -50,6 +50,7 @@ def _cert(d: Path, name: str, ca: str, ext: str) -> None:
     )  # fmt: skip
 
 
+DOCKERFILE = Path(__file__).resolve().parent.parent / "Dockerfile"
 SERVER_EXT = "subjectAltName=IP:127.0.0.1,DNS:localhost"
 CLIENT_EXT = "extendedKeyUsage=clientAuth"
 
@@ -130,6 +131,14 @@ def test_publish_and_subscribe_over_tls_and_https_metrics(
     with urllib.request.urlopen(f"https://127.0.0.1:{server.metrics_port}/healthz", context=ctx) as r:
         assert r.read() == b"ok\n"
     assert metric(server, "broky_tls_handshakes_total", ctx) >= 3
+    # the Dockerfile's health check asks https when BROKY_TLS_CERT is set
+    health = re.search(r"^HEALTHCHECK .+?CMD (\[[^\n]+\])$", DOCKERFILE.read_text(), re.M | re.S)
+    assert health
+    env = {"BROKY_METRICS_PORT": str(server.metrics_port), "BROKY_TLS_CERT": str(certs / "server.pem")}
+    probe = json.loads(health.group(1))
+    assert (
+        subprocess.run([sys.executable, *probe[1:]], env=env, timeout=30, capture_output=True).returncode == 0
+    )
 
 
 def test_plain_and_tls_clients_refused_with_a_clear_error(
