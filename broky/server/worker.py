@@ -36,7 +36,13 @@ descriptors) or whose adoption failed (any exception before connection_made)
 is answered REFUSED with the cause ("no_fd", or the errno name such as
 EMFILE); the master still holds the socket and tells the client SERVER_BUSY.
 Refusals are logged through a Throttle: one line per cause per
-ADOPT_LOG_INTERVAL with the running count, never one per connection. When an
+ADOPT_LOG_INTERVAL with the running count, never one per connection. A CONN
+with the TLS flag (the client asked for TLS) is answered ADOPTED at once,
+then gets the go-ahead, the TLS handshake and its Hello inside TLS
+(`_connect_tls`, broky.server.tls) before it becomes a connection like any
+other; a failure there closes it and says CLOSED. The claim of a dead
+worker's account that such a client makes is checked here (the master
+cannot see its resume token). When an
 adopted connection is gone, the worker says CLOSED with its hand-off id (the
 master counts connections per client address); one that finds the channel
 full is sent again at the next tick.
