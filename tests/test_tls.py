@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -155,7 +156,7 @@ def test_plain_and_tls_clients_refused_with_a_clear_error(
     # a certificate the client does not trust: the handshake fails, and says so
     with pytest.raises(BrokyConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
         broky.connect_sync(
-            tls_url(tls_server), ssl_context=client_context(certs, "other-ca"), connect_timeout=3
+            tls_url(tls_server), ssl_context=client_context(certs, "other-ca"), connect_timeout=0.5
         )
     # --tls-allow-plain serves both
     both = start_server(*tls_args(certs, "--tls-allow-plain"))
@@ -170,7 +171,7 @@ def test_mutual_tls_refuses_a_client_without_the_right_certificate(
     for who in (None, "stranger"):
         with pytest.raises(BrokyConnectionError, match=r"(?i)certificate"):
             broky.connect_sync(
-                tls_url(server), ssl_context=client_context(certs, cert=who), connect_timeout=1
+                tls_url(server), ssl_context=client_context(certs, cert=who), connect_timeout=0.5
             )
     # (the SDK tried again within connect_timeout: each attempt is counted)
     run(lambda: roundtrip(tls_url(server), client_context(certs, cert="client")))  # the others are served
@@ -205,7 +206,7 @@ def test_sighup_reloads_the_certificate_without_dropping_connections(
                 assert time.monotonic() < deadline, server.log()
                 await asyncio.sleep(0.05)
             with pytest.raises(BrokyConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
-                await broky.connect(tls_url(server), ssl_context=client_context(certs), connect_timeout=3)
+                await broky.connect(tls_url(server), ssl_context=client_context(certs), connect_timeout=0.5)
             await roundtrip(tls_url(server), client_context(certs, "other-ca"), n=20)  # the new one
             await old.publish("kp", "r", b"still here")  # the old connection is untouched
             assert (await sub.next_msg(5)).payload == b"still here"
@@ -255,3 +256,29 @@ def test_spark_options_make_a_tls_client(start_server: Callable[..., ServerProce
         await client.close()
 
     run(main)
+
+
+def test_a_stalled_or_garbled_tls_handshake_is_closed_and_counted(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    from broky.protocol import Error, Hello, decode_frame, encode_frame
+
+    server = start_server(*tls_args(certs, "--hello-timeout", "0.5"))
+    plain_hello = encode_frame(Hello(tls=True))
+    for then in (b"", b"GET / HTTP/1.1\r\n\r\n"):  # nothing (a timeout); not TLS (protocol)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(plain_hello)
+            assert s.recv(4) == b"\0\0\0\0"  # the go-ahead
+            s.sendall(then)
+            s.settimeout(5)
+            while s.recv(4096):  # the server closes it
+                pass
+    # a Hello asking for TLS may not carry a secret: it crossed the network in clear
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        s.sendall(encode_frame(Hello(tls=True, auth_token="s3cret")))
+        refusal = decode_frame(s.recv(65536))
+    assert isinstance(refusal, Error) and refusal.code == ErrorCode.TLS_REQUIRED and refusal.fatal
+    ctx = client_context(certs)
+    run(lambda: roundtrip(tls_url(server), ctx, n=20))  # the others are served
+    assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="timeout") == 1
+    assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="protocol") == 1
