@@ -233,6 +233,12 @@ def test_cli_commands_take_tls_options(start_server: Callable[..., ServerProcess
     finally:
         sub.kill()
         sub.wait()
+    metrics = f"https://127.0.0.1:{server.metrics_port}"
+    info = subprocess.run(
+        [*cli, "info", *tls, "--metrics", metrics, "--json"], capture_output=True, text=True
+    )
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["stats"]["master"]["workers"] == 2
     plain = subprocess.run([*cli, "pub", "--server", server.url, "c.1", "x"], capture_output=True, text=True)
     assert plain.returncode == 1 and "requires TLS" in plain.stderr
 
