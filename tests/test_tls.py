@@ -288,3 +288,30 @@ def test_a_stalled_or_garbled_tls_handshake_is_closed_and_counted(
     run(lambda: roundtrip(tls_url(server), ctx, n=20))  # the others are served
     assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="timeout") == 1
     assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="protocol") == 1
+
+
+def test_a_tls_client_resumes_its_account_after_its_worker_dies(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    """The dead worker's account travels with the hand-off unproven (the master cannot see
+    the resume token inside TLS); the new worker checks the token against it."""
+    server = start_server(*tls_args(certs))
+    ctx = client_context(certs)
+
+    async def main() -> None:
+        async with broky.connect(tls_url(server), ssl_context=ctx) as client:
+            sub = await client.subscribe("k.>")
+            for i in range(64):
+                await client.publish(f"kp{i}", f"k.{i}", b"before")
+            await client.flush()
+            assert len([await sub.next_msg(5) for _ in range(64)]) == 64
+            os.kill(server.worker_pids()[0], signal.SIGKILL)
+            for i in range(64):
+                await client.publish(f"kp{i}", f"k.{i}", b"after")
+            await client.flush()
+            got = [await sub.next_msg(10) for _ in range(64)]
+            assert {m.payload for m in got} == {b"after"}
+
+    run(main)
+    assert metric(server, "broky_resumes_total", ctx, result="worker_restart") >= 1
+    assert metric(server, "broky_resumes_total", ctx, result="refused") == 0

@@ -19,7 +19,9 @@ master -> worker
     CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
              read from the client: its Hello frame, and for a client resuming
              a connection of a dead worker, that connection's account:
-             broky.server.accounts `Account.pack`; then flags: TLS_FLAG when the
+             broky.server.accounts `Account.pack`, with its secret when the
+             client asked for TLS (its worker checks the claim, the master
+             cannot: the secret is inside TLS); then flags: TLS_FLAG when the
              Hello asked for TLS, so the worker runs the TLS handshake and
              reads the real Hello inside it, broky.server.tls), with the client
              socket's fd attached

@@ -455,7 +455,7 @@ class Master:
             wp = await self._pick_worker(hello, refused_by)
             account = self._dead_account(hello, wp)
             try:
-                packed = account.pack() if account else b""
+                packed = account.pack(secret=hello.tls) if account else b""  # (TLS: its worker checks it)
                 await self._hand_over(sock, hello_bytes, wp, address, packed, hello.tls)
                 if account is not None and not hello.tls:  # a TLS client's claim: its worker checks it
                     assert self.supervisor is not None
