@@ -49,7 +49,7 @@ import logging
 import struct
 from typing import TYPE_CHECKING
 
-from broky.errors import ErrorCode
+from broky.errors import BrokyError, ErrorCode
 from broky.protocol import SERVED_VERSIONS, Hello, decode_frame
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
@@ -123,7 +123,7 @@ class Certificates:
         return True
 
 
-class HelloRefused(Exception):
+class HelloRefused(BrokyError):
     """The Hello inside TLS is refused with `code` (a fatal Error, inside TLS)."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
