@@ -271,6 +271,10 @@ def test_a_stalled_or_garbled_tls_handshake_is_closed_and_counted(
 
     server = start_server(*tls_args(certs, "--hello-timeout", "0.5"))
     plain_hello = encode_frame(Hello(tls=True))
+    # TLS up, then no Hello inside it: HELLO_TIMEOUT, inside TLS (the handshake succeeded)
+    with pytest.raises(ServerError) as late:
+        run(lambda: _tls_without_hello(server.port, client_context(certs)))
+    assert late.value.code == ErrorCode.HELLO_TIMEOUT
     for then in (b"", b"GET / HTTP/1.1\r\n\r\n"):  # nothing (a timeout); not TLS (protocol)
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(plain_hello)
@@ -286,7 +290,7 @@ def test_a_stalled_or_garbled_tls_handshake_is_closed_and_counted(
     assert isinstance(refusal, Error) and refusal.code == ErrorCode.TLS_REQUIRED and refusal.fatal
     ctx = client_context(certs)
     run(lambda: roundtrip(tls_url(server), ctx, n=20))  # the others are served
-    assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="timeout") == 1
+    assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="timeout") == 2
     assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="protocol") == 1
 
 
@@ -315,3 +319,18 @@ def test_a_tls_client_resumes_its_account_after_its_worker_dies(
     run(main)
     assert metric(server, "broky_resumes_total", ctx, result="worker_restart") >= 1
     assert metric(server, "broky_resumes_total", ctx, result="refused") == 0
+
+
+async def _tls_without_hello(port: int, ctx: ssl.SSLContext) -> None:
+    """The plain Hello, the go-ahead, the TLS handshake, then silence: the server's answer."""
+    from broky.client.connection import server_error
+    from broky.protocol import Error, Hello, decode_frame, encode_frame
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(encode_frame(Hello(tls=True)))
+    assert await reader.readexactly(4) == b"\0\0\0\0"
+    await writer.start_tls(ctx, server_hostname="127.0.0.1")
+    answer = decode_frame(await reader.read(65536))
+    writer.close()
+    assert isinstance(answer, Error)
+    raise server_error(answer)

@@ -22,7 +22,9 @@ the shard sees no difference). --hello-timeout bounds each half: the plain
 Hello at the master, the TLS handshake and the Hello inside it at the worker.
 
 A failed handshake (timeout, a certificate refused, not TLS at all, the peer
-gone) costs its worker one counter bump (WorkerStats.tls_failures, by
+gone) ends with the TLS layer's alert or a close, since no frame can reach the
+client without TLS (a client without a Hello inside TLS within the deadline
+gets HELLO_TIMEOUT, inside TLS); it costs its worker one counter bump (WorkerStats.tls_failures, by
 `FAILURE_REASONS`, /metrics broky_tls_handshake_failures_total) and at most
 one log line per LOG_INTERVAL per reason (`broky.server.logs.Throttle`);
 a Hello inside TLS that is refused (AUTH_FAILED, ...) gets its fatal Error
@@ -239,6 +241,12 @@ class Handshakes:
             hello = check_hello(frame, self.config, self.index)
         except TimeoutError:
             self._failed(TIMEOUT, peer, f"no TLS handshake and Hello inside it within {timeout:g} s")
+            if transport is not None:  # TLS is up: the client is told, as a plain one is
+                self.stats.count_error(ErrorCode.HELLO_TIMEOUT)
+                message = f"no Hello inside TLS within {timeout:g} s"
+                transport.write(error_frame(ErrorCode.HELLO_TIMEOUT, message, fatal=True))
+                transport.close()
+                return None
         except HelloRefused as exc:
             assert transport is not None
             self.stats.count_error(exc.code)
@@ -259,7 +267,7 @@ class Handshakes:
         if transport is not None:
             transport.abort()
         else:
-            sock.close()
+            sock.close()  # (uvloop detached it if it had made a transport of it: then a no-op)
         return None
 
     def _failed(self, reason: str, peer: str, why: str) -> None:
