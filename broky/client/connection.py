@@ -54,6 +54,7 @@ from broky.protocol import (
     Delivery,
     Error,
     Frame,
+    Goodbye,
     Hello,
     Message,
     PreviousConnection,
@@ -535,6 +536,8 @@ async def _start_tls(
             ) from None
         if isinstance(frame, Error):
             raise server_error(frame)
+        if isinstance(frame, Goodbye):
+            raise BrokyConnectionError(f"{host}:{port} is shutting down: {frame.reason}")
         raise BrokyConnectionError(
             f"{host}:{port} does not offer TLS: it answered a Hello asking for TLS with a "
             f"{type(frame).__name__} (a server older than TLS support)"

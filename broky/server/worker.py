@@ -264,8 +264,14 @@ class Worker:
         ):
             self.shard.stats.resumes["refused"] += 1  # a claim without the secret: answered as unknown
             account = None
-        conn = self.shard.new_connection(frame, account)
-        conn.handoff_id = handoff_id
+        try:
+            conn = self.shard.new_connection(frame, account)
+        except Exception as exc:  # a bug: that connection goes, the worker stays
+            log.error("TLS connection from %s failed: %r", peer, exc)
+            transport.abort()
+            self._closed_handoff(handoff_id)
+            return
+        conn.handoff_id = handoff_id  # from here on the shard says CLOSED when it is gone
         transport.set_protocol(conn)
         transport.resume_reading()  # (paused once the Hello was read); a held connection pauses it again
         conn.connection_made(transport)
