@@ -49,6 +49,7 @@ class ErrorCode(enum.IntEnum):
     BAD_GROUP = _WireErrorCode.BAD_GROUP
     TLS_REQUIRED = _WireErrorCode.TLS_REQUIRED
     TLS_UNAVAILABLE = _WireErrorCode.TLS_UNAVAILABLE
+    PERMISSION_DENIED = _WireErrorCode.PERMISSION_DENIED
 
 
 class BrokyError(Exception):

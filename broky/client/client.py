@@ -174,6 +174,8 @@ class Client(Publisher):
         *,
         name: str | None = None,
         auth_token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         wait_for_server: bool = True,
@@ -214,7 +216,9 @@ class Client(Publisher):
         self.seeds: list[ServerAddress] = parse_servers(server)
         self.address: ServerAddress = self.seeds[0]  # the seed that answered the first Hello
         self.name = name
-        self.auth_token = auth_token
+        # A user of the server's users file (--users) goes in the Hello's auth_token as
+        # USER:PASSWORD (inside TLS when the connection has it; broky.server.users).
+        self.auth_token = auth_token if user is None else f"{user}:{password or ''}"
         # TLS (broky+tls://, or an ssl_context): every connection of this client, to any
         # node of the map, upgrades to TLS with this context (schema/README.md 2.1).
         self.tls: ssl.SSLContext | None = ssl_context
@@ -1090,6 +1094,7 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
             None = $BROKY_SERVER or 127.0.0.1:4777.
         name: client name shown by the server's monitoring.
         auth_token: the server's token, if it has one.
+        user, password: a user of the server's users file (--users), instead of auth_token.
         ssl_context: TLS with this `ssl.SSLContext` (its trusted CAs, and a client
             certificate for mutual TLS: `load_cert_chain`); without it, a
             ``broky+tls://`` server uses `ssl.create_default_context()` (the system's

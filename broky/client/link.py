@@ -1099,6 +1099,11 @@ class Link(_LinkState):
                 client.not_my_vbucket(self, err, frame.refused)
             elif err.code in (ErrorCode.SUBSCRIPTION_LIMIT, ErrorCode.BAD_GROUP) and err.sid:
                 client.subscription_refused(self, err)
+            elif err.code == ErrorCode.PERMISSION_DENIED:  # (--users) the connection stays
+                if err.sid:  # refused, or ended by a reload of the users: ended here too
+                    client.subscription_refused(self, err)
+                else:
+                    self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost

@@ -66,6 +66,11 @@ class ErrorCode(object):
     # The handshake is refused: the Hello asked for TLS and this server does
     # not offer it (no certificate configured).
     TLS_UNAVAILABLE = 25
+    # A publish or Subscribe outside the permissions of the connection's user
+    # (--users). Not fatal: nothing of it is done; `sid` set for a Subscribe,
+    # `refused` holds the refused publish. Also the notice that ends a
+    # subscription the user may no longer hold (after a reload).
+    PERMISSION_DENIED = 26
 
 
 class LossReason(object):

@@ -73,6 +73,7 @@ class ServerConfig:
     http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.httpd)
     http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
     auth_token: str | None = None
+    users: str | None = None  # a users file (TOML; broky.server.users), read again at SIGHUP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
@@ -287,6 +288,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         str,
         "token every Hello must carry, and every request for /stats, /connections and /topics "
         "(as 'Authorization: Bearer TOKEN'; default: none)",
+    ),
+    (
+        "--users",
+        "users",
+        _readable_file,
+        "users file (TOML): users, their password hashes (broky passwd) or certificate subjects, "
+        "and what each may publish and subscribe to; clients connect as USER:PASSWORD; reloaded at "
+        "SIGHUP (default: none)",
     ),
     ("--max-frame-bytes", "max_frame_bytes", _size, "largest accepted frame (default %(default)s)"),
     (

@@ -133,6 +133,7 @@ class GatewayCounters:
     """Plain integers, read at scrape time."""
 
     published: int = 0  # messages
+    permission_denied: int = 0  # requests of a user outside its permissions (403)
     publish_requests: int = 0
     streams: int = 0  # open now
     streams_total: int = 0
@@ -536,10 +537,30 @@ class Gateway:
 
     # ------------------------------------------------------------ publish
 
+    def refusal(self, request: Request, pub: bytes | None = None, sub: bytes | None = None) -> None:
+        """A request of a user (Basic credentials, --users) outside its permissions: 403."""
+        if request.user is None:
+            return
+        users = self.http.users()
+        user = None if users is None else users.by_name.get(request.user)
+        if user is None:
+            why: str | None = "the user is gone from the users file"
+        elif not user.http:
+            why = "may not use the HTTP gateway"
+        elif pub is not None:
+            why = user.publish.key_refusal(pub)
+        else:
+            assert sub is not None
+            why = user.subscribe.pattern_refusal(sub)
+        if why is not None:
+            self.counters.permission_denied += 1
+            raise HttpError(403, f"PERMISSION_DENIED: user {request.user!r}: {why}")
+
     async def publish(self, request: Request) -> Response:
         key = urllib.parse.unquote_to_bytes(request.path[len(PUB) :])
         if not key:
             raise_bad("the key is missing: POST /v1/pub/KEY")
+        self.refusal(request, pub=key)
         query = request.query
         partition = query["partition"].encode() if "partition" in query else key
         if not partition:
@@ -619,6 +640,7 @@ class Gateway:
             parse_pattern(pattern)
         except BadPatternError:
             raise_bad(f"bad pattern {quote(pattern)}: {_pattern_problem(pattern)}")
+        self.refusal(request, sub=pattern)
         query = request.query
         fmt = query.get("format")
         if fmt is None:

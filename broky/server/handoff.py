@@ -10,7 +10,7 @@ master -> worker
              {"config": ServerConfig, "epoch": the worker's connection id epoch,
              "map": the current vbucket map (JSON, or null for the single-node map),
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
-             messages that follow}
+             messages that follow, "users": the users file (--users) as read, or null}
     MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
              to apply (the cluster's; broky.server.ownership `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
@@ -36,6 +36,8 @@ master -> worker
              the new owners continue them (`Shard.take_handed`)
     RELOAD   (no payload) SIGHUP: load the TLS certificates again; handshakes
              that start later use them (broky.server.tls `Certificates`)
+    USERS    JSON: the users file, read again at SIGHUP (broky.server.users): the worker
+             applies its rules at once (`Shard.apply_users`); CONFIG carries it at boot
 worker -> master
     READY    the worker serves (sent once after boot)
     ADOPTED  uint32 hand-off id + uint32 open connections (this one included):
@@ -89,6 +91,7 @@ GRACE = b"G"
 SEQUENCES = b"Q"
 HANDED = b"H"
 RELOAD = b"T"
+USERS = b"U"
 READY = b"R"
 LOAD = b"L"
 ADOPTED = b"A"

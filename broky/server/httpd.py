@@ -81,6 +81,7 @@ way, once per cause per LOG_INTERVAL, never with what was sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -91,6 +92,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from broky.errors import BrokyError
 from broky.server.logs import Throttle
+from broky.server.users import Users, admits
 
 if TYPE_CHECKING:
     import ssl
@@ -108,6 +110,7 @@ class Request:
     headers: dict[str, str]  # lower-case name -> value (bytes as latin-1, so nothing is lost)
     version: int = 1  # the minor version: HTTP/1.0 or HTTP/1.1
     body: bytes = b""
+    user: str | None = None  # the user its Basic credentials named (--users), once authorized
 
     @property
     def keep_alive(self) -> bool:
@@ -234,6 +237,7 @@ class HttpCounters:
     accepted: int = 0
     requests: int = 0
     refused_busy: int = 0  # connections over max_connections, answered 503
+    basic_auth: int = 0  # requests with Basic credentials (--users)
     cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
     too_large: int = 0  # bodies over max_body (413)
     failures: dict[str, int] = field(default_factory=dict)
@@ -440,6 +444,7 @@ class HttpServer:
         self.prefixes: dict[str, Route] = {}  # path prefix -> route (the longest that matches wins)
         self.server: asyncio.AbstractServer | None = None
         self._token = token.encode() if token else None
+        self.users: Callable[[], Users | None] = lambda: None  # --users: Basic credentials admit too
         self.max_body = max_body
         self.max_connections = max_connections
         self.counters = HttpCounters()
@@ -595,9 +600,18 @@ class HttpServer:
             allow = ", ".join(route.methods)
             return HttpError(405, f"{allow} only", (("Allow", allow),)).answer_for(send_body)
         if route.private and self._token is not None:
-            refused = self._authorize(request, route.browser)
-            if refused is not None:
-                return refused.answer_for(send_body)
+            users = self.users()
+            if users is not None and request.headers.get("authorization", "")[:6].lower() == "basic ":
+                user = await self._basic(request, users)
+                if user is None:
+                    return HttpError(
+                        401, "wrong user or password", (("WWW-Authenticate", 'Basic realm="broky"'),)
+                    ).answer_for(send_body)
+                request = dataclasses.replace(request, user=user)
+            else:
+                refused = self._authorize(request, route.browser)
+                if refused is not None:
+                    return refused.answer_for(send_body)
         try:
             got = await route.handler(request)
         except HttpError as exc:  # the handler's own 4xx (or 503)
@@ -648,6 +662,21 @@ class HttpServer:
             stream.close()
             watcher.cancel()
             writer.close()
+
+    async def _basic(self, request: Request, users: Users) -> str | None:
+        """The user that 'Authorization: Basic base64(user:password)' names, verified; or None."""
+        import base64
+        import binascii
+
+        self.counters.basic_auth += 1
+        try:
+            given = base64.b64decode(request.headers["authorization"][6:].strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            given = ""
+        if not await admits(None, users, given):
+            self.refused["wrong"] = self.refused.get("wrong", 0) + 1
+            return None
+        return given.partition(":")[0]
 
     def _authorize(self, request: Request, browser: bool) -> HttpError | None:
         """None when the request carries the token, else the 401 that says why not."""

@@ -95,6 +95,7 @@ them) before it stops; a second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import errno
 import json
@@ -127,6 +128,7 @@ from broky.server.config import MAX_HELLO_BYTES, ServerConfig, env_name
 from broky.server.httpd import HttpServer, Request, Response
 from broky.server.logs import Throttle
 from broky.server.supervisor import Supervisor, WorkerProcess
+from broky.server.users import Users, admits
 
 if TYPE_CHECKING:
     from broky.cluster.node import ClusterNode
@@ -187,10 +189,21 @@ class Refused(BrokyError):
 
 class Master:
     def __init__(self, config: ServerConfig) -> None:
+        self.users: Users | None = None  # --users (broky.server.users)
+        self.users_error: str | None = None  # a users file that does not read: `run` says so
+        if config.users:
+            try:
+                self.users = Users.load(config.users)
+            except ValueError as exc:
+                self.users_error = str(exc)
+            if not config.auth_token:  # the server's own key (its HTTP gateway's), known to no one else
+                secret = base64.urlsafe_b64encode(os.urandom(24)).decode()  # (no `secrets`: it loads hmac)
+                config = dataclasses.replace(config, auth_token=secret)
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
         self.http = HttpServer(config.auth_token, config.http_max_body, config.http_max_connections)
+        self.http.users = lambda: self.users
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -218,6 +231,9 @@ class Master:
 
     async def run(self) -> int:
         cfg = self.config
+        if self.users_error is not None:
+            log.critical("%s", self.users_error)
+            return 1
         if cfg.tls_cert:
             from broky.server.tls import Certificates
 
@@ -251,6 +267,7 @@ class Master:
         self.gateway = gateway.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
         sup.on_hangup = self.reload
+        sup.users = self.users.data if self.users is not None else None
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
             joined = await self._join()
@@ -526,12 +543,8 @@ class Master:
                 "this server requires TLS: connect with broky+tls://HOST:PORT "
                 "(Hello.tls; schema/README.md 2.1)",
             )
-        token = self.config.auth_token
-        if token:
-            import hmac  # here: a server without a token never loads hashlib's OpenSSL digests (0.7 MB)
-
-            if not hmac.compare_digest((hello.auth_token or "").encode(), token.encode()):
-                raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token")
+        if not await admits(self.config.auth_token, self.users, hello.auth_token):
+            raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token (or user:password)")
         return frame, hello
 
     async def _pick_worker(self, hello: Hello, refused_by: set[int]) -> WorkerProcess:
@@ -790,8 +803,9 @@ class Master:
                     a[1].cancel()
 
     def reload(self) -> None:
-        """SIGHUP: load the TLS certificates again, here (the https port) and in every
-        worker (their handshakes); open connections keep theirs (broky.server.tls)."""
+        """SIGHUP: read the users file again (--users) and load the TLS certificates
+        again, here and in every worker (broky.server.users, broky.server.tls)."""
+        self.reload_users()
         if self.certificates is None or self.supervisor is None:
             log.info("SIGHUP received: nothing to reload (no --tls-cert)")
             return
@@ -803,6 +817,27 @@ class Master:
             except OSError as exc:  # dead: its successor loads the files at boot
                 log.info("worker %d did not take the reload: %s", wp.index, exc)
         log.info("SIGHUP received: TLS certificates reloaded from %s", self.config.tls_cert)
+
+    def reload_users(self) -> None:
+        """SIGHUP with --users: the file again, here (handshakes, the HTTP port) and in
+        every worker (USERS: new rules at once; subscriptions they refuse end)."""
+        path = self.config.users
+        if not path or self.supervisor is None:
+            return
+        try:
+            users = Users.load(path)
+        except ValueError as exc:
+            log.error("users not reloaded (the previous ones stay in force): %s", exc)
+            return
+        self.users = users
+        self.supervisor.users = users.data
+        payload = json.dumps(users.data).encode()
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.USERS, payload)
+            except OSError as exc:  # dead: its successor gets them in CONFIG
+                log.info("worker %d did not take the users: %s", wp.index, exc)
+        log.info("SIGHUP received: %d users reloaded from %s", len(users.by_name), path)
 
     def apply_map(self, vmap: VBucketMap) -> bool:
         """Make `vmap` this node's map if it is newer: every worker applies it and

@@ -314,6 +314,11 @@ class SnapshotCollector:
             "(--max-subscriptions) or bytes (--max-subscription-bytes).",
             labels=["worker", "reason"],
         )
+        denied = _counter(
+            "broky_permission_denied_total",
+            "Publishes and Subscribes refused with PERMISSION_DENIED (--users), by user.",
+            labels=["worker", "user"],
+        )
         errors = _counter(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
         )
@@ -346,6 +351,8 @@ class SnapshotCollector:
             limits = dict.fromkeys(REFUSAL_REASONS, 0) | s.get("subscriptions_refused", {})
             for reason, n in sorted(limits.items()):
                 refused.add_metric([w, reason], float(n))
+            for user, n in sorted(s.get("permission_denied", {}).items()):
+                denied.add_metric([w, user], float(n))
             for code, n in sorted(s.get("errors", {}).items()):
                 errors.add_metric([w, code.lower()], float(n))
             for reason, n in sorted(
@@ -361,6 +368,7 @@ class SnapshotCollector:
             )
         yield dropped
         yield refused
+        yield denied
         yield errors
         yield resumes
         yield tls_failed

@@ -110,6 +110,7 @@ class WorkerStats:
         self.subscriptions = 0  # now
         self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
         self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
+        self.permission_denied: dict[str, int] = {}  # PERMISSION_DENIED, by user (--users)
         self.reads_stopped = 0  # times a connection was read no more for its unread replies
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
@@ -187,6 +188,7 @@ class Monitoring:
         data["errors"] = dict(s.errors)
         data["tls_failures"] = dict(s.tls_failures)
         data["subscriptions_refused"] = dict(s.subscriptions_refused)
+        data["permission_denied"] = dict(s.permission_denied)
         data["latency_us"] = list(s.latency_us)
         data.update(
             worker=self.index,

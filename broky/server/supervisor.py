@@ -108,6 +108,7 @@ class Supervisor:
         self.boot_failures = [0] * config.workers
         self.events: asyncio.Queue[str] = asyncio.Queue()
         self.on_hangup: Callable[[], None] | None = None  # SIGHUP (the master's reload)
+        self.users: dict[str, Any] | None = None  # the users file as read (--users): for CONFIG
         self.stopping = False
         self.failure: str | None = None
         self.restarts = 0
@@ -150,6 +151,7 @@ class Supervisor:
             "map": self.map_json,
             "grace": self.config.restart_grace if expected else 0.0,
             "expect": len(batches),
+            "users": self.users,
         }
         handoff.send(master_end, handoff.CONFIG, json.dumps(boot).encode())
         for batch in batches:

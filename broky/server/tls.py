@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from broky.errors import BrokyError, ErrorCode
@@ -57,6 +58,7 @@ from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
 from broky.server.config import MAX_HELLO_BYTES, ServerConfig
 from broky.server.logs import Throttle
+from broky.server.users import Users, admits, subject_of
 
 if TYPE_CHECKING:
     import socket
@@ -157,13 +159,7 @@ def check_hello(frame: bytes, config: ServerConfig, worker: int) -> Hello:
             ErrorCode.NO_SUCH_WORKER,
             f"the Hello inside TLS names worker {hello.worker}; the plain one named this one ({worker})",
         )
-    token = config.auth_token
-    if token:
-        import hmac
-
-        if not hmac.compare_digest((hello.auth_token or "").encode(), token.encode()):
-            raise HelloRefused(ErrorCode.AUTH_FAILED, "wrong or missing auth token")
-    return hello
+    return hello  # its credentials: `Handshakes.handshake` (broky.server.users.admits)
 
 
 class _FirstFrame(asyncio.Protocol):
@@ -218,6 +214,7 @@ class Handshakes:
         self.certificates = Certificates(config)
         self.stats = stats  # tls_handshakes, tls_failures (by reason), errors (refused Hellos)
         self._log = Throttle(LOG_INTERVAL)
+        self.users: Callable[[], Users | None] = lambda: None  # the worker's (--users)
 
     async def handshake(
         self, loop: asyncio.AbstractEventLoop, sock: socket.socket, peer: str
@@ -238,7 +235,15 @@ class Handshakes:
                     lambda: first, sock=sock, ssl=self.certificates.context, ssl_handshake_timeout=2 * timeout
                 )
                 frame, rest = await first.done
-            hello = check_hello(frame, self.config, self.index)
+                hello = check_hello(frame, self.config, self.index)
+                cert = transport.get_extra_info("peercert")
+                users = self.users()
+                if not await admits(
+                    self.config.auth_token, users, hello.auth_token, subject_of(cert) if cert else None
+                ):
+                    raise HelloRefused(
+                        ErrorCode.AUTH_FAILED, "wrong or missing auth token (or user:password)"
+                    )
         except TimeoutError:
             self._failed(TIMEOUT, peer, f"no TLS handshake and Hello inside it within {timeout:g} s")
             if transport is not None:  # TLS is up: the client is told, as a plain one is

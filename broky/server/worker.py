@@ -72,7 +72,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
@@ -85,6 +85,7 @@ from broky.server.fanout import Shard
 from broky.server.logs import Throttle, setup_logging
 from broky.server.stats import DropReason
 from broky.server.tls import START_TLS
+from broky.server.users import Users, WorkerUsers
 
 if TYPE_CHECKING:
     from broky.server.tls import Handshakes
@@ -108,6 +109,7 @@ class Worker:
         expected: set[int] | None = None,
         grace: float = 0.0,
         vmap: VBucketMap | None = None,
+        users: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -124,12 +126,15 @@ class Worker:
         self._stopping = False
         self._unsent_closed: list[int] = []  # hand-off ids of closed connections not told yet
         self.shard.on_closed = self._closed
+        if users is not None:
+            self.shard.users = WorkerUsers(Users(users))
         self.shard.handover.report = self._handed
         self.tls: Handshakes | None = None  # --tls-cert: this worker runs its clients' TLS handshakes
         if config.tls_cert:
             from broky.server.tls import Handshakes
 
             self.tls = Handshakes(config, index, self.shard.stats)
+            self.tls.users = lambda: None if self.shard.users is None else self.shard.users.users
 
     async def run(self) -> None:
         loop = self.loop
@@ -171,6 +176,9 @@ class Worker:
             elif kind == handoff.RELOAD:
                 if self.tls is not None and self.tls.certificates.reload():
                     log.info("worker %d reloaded its TLS certificates", self.index)
+            elif kind == handoff.USERS:
+                self.shard.apply_users(Users(json.loads(payload)))
+                log.info("worker %d applied the reloaded users", self.index)
             elif kind == handoff.GRACE:
                 self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
@@ -401,7 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     vmap = None if boot.get("map") is None else VBucketMap.from_json(boot["map"])
 
     async def run() -> None:
-        await Worker(config, index, chan, book, boot["epoch"], expected, boot["grace"], vmap).run()
+        await Worker(
+            config, index, chan, book, boot["epoch"], expected, boot["grace"], vmap, boot.get("users")
+        ).run()
 
     uvloop.run(run())
     return 0
