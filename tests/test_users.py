@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -87,6 +90,15 @@ def test_patterns_and_the_constant_time_compare(monkeypatch: pytest.MonkeyPatch)
     assert verify_password(stored, "pw") and not verify_password(stored, "wrong")
     assert len(compared) == 2  # every check goes through hmac.compare_digest
     assert users_module.Users({"users": {}}).check("nobody:x") is None
+    # broky passwd: the hash line of a password read from stdin
+    made = subprocess.run(
+        [sys.executable, "-m", "broky", "passwd"],
+        input="s3cret\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert made.returncode == 0 and verify_password(made.stdout.strip(), "s3cret")
 
 
 def test_allowed_denied_reload_and_the_http_gateway(
@@ -146,6 +158,14 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 with pytest.raises(urllib.error.HTTPError) as http:
                     urllib.request.urlopen(req)
                 assert http.value.code == status
+            # the CLI: --user, the password from the environment (never a flag)
+            env = {**os.environ, "BROKY_PASSWORD": "apw"}
+            pub = [sys.executable, "-m", "broky", "pub", "--server", server.url, "--user", "alice"]
+            done = await asyncio.to_thread(
+                subprocess.run, [*pub, "orders.cli", "c"], env=env, capture_output=True, timeout=30
+            )
+            assert done.returncode == 0, done.stderr
+            assert (await watch.next_msg(5)).payload == (await mine.next_msg(5)).payload == b"c"
             # SIGHUP: alice may subscribe to orders.eu.> only; her orders.* subscription ends
             errors.clear()
             users_file(path, ["orders.eu.>"])

@@ -1,7 +1,8 @@
 """`broky pub`, `broky sub` and `broky info`: the SDK from the command line.
 
 Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777),
-`--auth-token` (default $BROKY_AUTH_TOKEN) and, for TLS, `--tls-ca`,
+`--auth-token` (default $BROKY_AUTH_TOKEN), `--user` (default $BROKY_USER; the
+password from $BROKY_PASSWORD, else a prompt) and, for TLS, `--tls-ca`,
 `--tls-cert` and `--tls-key` (or a broky+tls:// server: the system's CAs). Errors are one line on stderr
 and a non-zero exit status: 1 for a failure (no server, refused token, ...),
 2 for bad arguments (checked by argparse `type` functions before anything
@@ -32,7 +33,7 @@ import time
 from typing import Any
 
 from broky.client.client import connect
-from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_TOKEN
+from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_PASSWORD, ENV_TOKEN, ENV_USER
 from broky.client.commands import client_options as _options
 from broky.client.commands import fail as _fail
 from broky.client.commands import run as _run
@@ -138,6 +139,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--auth-token", metavar="TOKEN", default=None, help=f"the server's auth token (default: ${ENV_TOKEN})"
+    )
+    p.add_argument(
+        "--user",
+        metavar="NAME",
+        default=None,
+        help=f"connect as this user of the server's users file (default: ${ENV_USER}); the password "
+        f"comes from ${ENV_PASSWORD}, else a prompt",
     )
     p.add_argument(
         "--connect-timeout",

@@ -20,6 +20,8 @@ from typing import Any
 from broky.errors import NoServerError
 
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
+ENV_USER = "BROKY_USER"
+ENV_PASSWORD = "BROKY_PASSWORD"  # the password of --user (never a flag: it would show in `ps`)
 ENV_METRICS = "BROKY_METRICS"
 DEFAULT_METRICS_PORT = 9477
 
@@ -38,9 +40,21 @@ def client_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
     Raises:
         ValueError: --tls-cert without --tls-key (or the reverse), or a file that does not load.
     """
+    user = getattr(args, "user", None) or os.environ.get(ENV_USER) or None
+    password = None
+    if user is not None:  # never on the command line: the environment, or a prompt
+        password = os.environ.get(ENV_PASSWORD)
+        if password is None:
+            if not sys.stdin.isatty():
+                raise ValueError(f"--user {user}: set ${ENV_PASSWORD}, or run on a terminal to be asked")
+            import getpass
+
+            password = getpass.getpass(f"password for {user}: ")
     return {
         "name": name,
         "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
+        "user": user,
+        "password": password,
         "connect_timeout": args.connect_timeout,
         # a refusal is an answer: nothing listens there, say so at once (see broky.connect)
         "wait_for_server": False,

@@ -104,14 +104,22 @@ def read_metrics(address: str, timeout: float = 2.0, context: Any = None) -> Met
         return Metrics(resp.read().decode(errors="replace"), time.monotonic())
 
 
-def read_stats(address: str, token: str | None, timeout: float = 2.0, context: Any = None) -> dict[str, Any]:
-    """/stats of `address` (with the token of a server that has one).
+def read_stats(
+    address: str, token: str | None, timeout: float = 2.0, context: Any = None, user: str | None = None
+) -> dict[str, Any]:
+    """/stats of `address` (with the token of a server that has one; with `user`, the
+    token is USER:PASSWORD, sent as Basic credentials).
 
     Raises:
         OSError: it did not answer, or refused (urllib.error.HTTPError).
         ValueError: not JSON.
     """
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if user is not None:
+        import base64
+
+        headers = {"Authorization": "Basic " + base64.b64encode((token or "").encode()).decode()}
+    else:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{_base(address)}/stats", headers=headers)
     with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
         data: dict[str, Any] = json.load(resp)
@@ -360,7 +368,7 @@ async def info_json(args: argparse.Namespace) -> int:
     status = 0
     try:
         out["stats"] = await asyncio.to_thread(
-            read_stats, address, options["auth_token"], 2.0, _https(address, client)
+            read_stats, address, client.auth_token, 2.0, _https(address, client), options.get("user")
         )
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)

@@ -133,7 +133,8 @@ class ClientConfig:
         servers: ``host:port`` seeds (option ``broky.servers``, comma-separated, like
             Kafka's ``bootstrap.servers``): any node of a cluster, or the one server.
         name: client name prefix; each task appends its partition and attempt.
-        auth_token: option ``broky.auth.token``.
+        auth_token: option ``broky.auth.token``; or, for a user of the server's users
+            file (--users), ``broky.auth.user`` and ``broky.auth.password`` (USER:PASSWORD).
         connect_timeout: seconds, option ``broky.connect.timeout.ms``.
         flush_timeout: seconds, option ``broky.flush.timeout.ms``.
         sdk_options: passed to `broky.connect` as is (``batch_size``, ``linger``).
@@ -174,7 +175,11 @@ class ClientConfig:
         return cls(
             servers=servers,
             name=opts.get("broky.client.name", "spark"),
-            auth_token=opts.get("broky.auth.token") or None,
+            auth_token=(
+                f"{opts['broky.auth.user']}:{opts.get('broky.auth.password', '')}"  # a user (--users)
+                if opts.get("broky.auth.user")
+                else opts.get("broky.auth.token") or None
+            ),
             connect_timeout=_number(opts, "broky.connect.timeout.ms", float, DEFAULT_CONNECT_TIMEOUT_MS)
             / 1000,
             flush_timeout=_number(opts, "broky.flush.timeout.ms", float, DEFAULT_FLUSH_TIMEOUT_MS) / 1000,
