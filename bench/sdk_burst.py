@@ -21,7 +21,9 @@ on every side: the servers' pending bounds, the clients' queues.
   subscriber on PSUBSCRIBE `cpu.*`.
 - Broky with other server settings, as systems of their own that alternate
   with the others (VARIANTS): `broky_noreplay` is `broky serve --replay-bytes 0`
-  (no replay buffer; `broky` runs the defaults, the buffer on).
+  (no replay buffer; `broky` runs the defaults, the buffer on); `broky_users` is
+  `broky serve --users FILE` with clients that connect as a user who may publish
+  under `cpu.>` only (every publish goes through that user's route cache).
 
 `--burst N` makes the publisher pause `--pause` seconds after every N
 messages (bursts with quiet moments between them, rather than one burst).
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import statistics
 import struct
@@ -80,13 +83,17 @@ SYSTEMS = ("broky", "nats", "redis")
 # Broky with other server options: system name -> (the clients' system, `broky serve` options).
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "broky_noreplay": ("broky", ["--replay-bytes", "0"]),
+    "broky_users": ("broky", []),  # --users: the clients are a user limited to publish cpu.> (_start)
 }
+ENV_AUTH = "BENCH_BROKY_AUTH"  # a client process's Hello.auth_token (broky_users)
+USERS_AUTH = "bench:bench"
 # Systems whose connections are TLS (bench/tls.py): system -> the clients' system. Their
 # servers get a certificate (servers.tls_files), their client processes `--tls-ca`.
 TLS_SYSTEMS = {"broky_tls": "broky", "nats_tls": "nats"}
 TITLES = {
     **SDK_TITLES,
     "broky_noreplay": "Broky SDK, replay off",
+    "broky_users": "Broky SDK, a user with limited permissions",
     "broky_tls": "Broky SDK, TLS",
     "nats_tls": "nats.py, TLS",
 }
@@ -107,10 +114,28 @@ def clients_of(system: str) -> str:
     return VARIANTS[system][0] if system in VARIANTS else system
 
 
+def _users_file() -> str:
+    """A users file whose one user may publish under cpu.> only (not cpu.secret.>)."""
+    import tempfile
+
+    from broky.server.users import hash_password
+
+    f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)  # noqa: SIM115
+    user, password = USERS_AUTH.split(":")
+    f.write(
+        f'[users.{user}]\npassword = "{hash_password(password, 1000)}"\n'
+        'publish = { allow = ["cpu.>"], deny = ["cpu.secret.>"] }\n'
+    )
+    f.close()
+    return f.name
+
+
 def _broky_connect(address: str, **options: Any) -> Any:
     """broky.connect, with TLS in a TLS run's client process."""
     import broky
 
+    if os.environ.get(ENV_AUTH):  # a users run: the clients connect as the limited user
+        options["auth_token"] = os.environ[ENV_AUTH]
     if _tls_ca is None:
         return broky.connect(address, **options)
     import ssl
@@ -324,8 +349,9 @@ def _client(
             "--partitions", str(parts), "--size", str(size), "--burst", str(burst), "--pause", str(pause),
             *(["--check"] if check else []),
             *(["--tls-ca", servers.tls_files()[0]] if system in TLS_SYSTEMS else [])]  # fmt: skip
+    env = {**os.environ, ENV_AUTH: USERS_AUTH} if system == "broky_users" else None
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
     )
 
 
@@ -337,6 +363,8 @@ def _start(system: str, workers: int) -> servers.Server:
         return servers.start_nats(extra=["--tls", "--tlscert", cert, "--tlskey", key])
     if system == "broky":
         return servers.start_broky(workers)
+    if system == "broky_users":
+        return servers.start_broky(workers, ["--users", _users_file()])
     if system in VARIANTS:
         return servers.start_broky(workers, VARIANTS[system][1])
     return servers.STARTERS[system]()
@@ -432,7 +460,13 @@ def _replay_stats(system: str, server: servers.Server) -> dict[str, int] | None:
 
         scheme, ctx = "https", ssl.create_default_context(cafile=servers.tls_files()[0])
     url = f"{scheme}://{server.host}:{server.metrics_port}/stats"
-    with urllib.request.urlopen(url, timeout=10, context=ctx) as resp:
+    headers = {}
+    if system == "broky_users":  # its HTTP port wants the user's credentials (Basic)
+        import base64
+
+        headers["Authorization"] = "Basic " + base64.b64encode(USERS_AUTH.encode()).decode()
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10, context=ctx) as resp:
         workers = json.loads(resp.read())["workers"]
     keys = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
     return {k: sum(w.get(k, 0) for w in workers) for k in keys}

@@ -202,7 +202,6 @@ class ControlFrames:
         self, c: Connection, perms: Permissions, message: str, sid: int = 0, refused: bytes | None = None
     ) -> None:
         """PERMISSION_DENIED (non-fatal), counted per user (broky.server.users)."""
-        perms.denied += 1
         denied = self.stats.permission_denied
         denied[perms.name] = denied.get(perms.name, 0) + 1
         self.error(c, ErrorCode.PERMISSION_DENIED, f"user {perms.name!r}: {message}", sid, refused)

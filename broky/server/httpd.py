@@ -237,7 +237,6 @@ class HttpCounters:
     accepted: int = 0
     requests: int = 0
     refused_busy: int = 0  # connections over max_connections, answered 503
-    basic_auth: int = 0  # requests with Basic credentials (--users)
     cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
     too_large: int = 0  # bodies over max_body (413)
     failures: dict[str, int] = field(default_factory=dict)
@@ -668,7 +667,6 @@ class HttpServer:
         import base64
         import binascii
 
-        self.counters.basic_auth += 1
         try:
             given = base64.b64decode(request.headers["authorization"][6:].strip(), validate=True).decode()
         except (binascii.Error, UnicodeDecodeError):

@@ -289,13 +289,12 @@ def subject_of(cert: dict[str, Any] | None) -> str | None:
 class Permissions:
     """What one user may do on one worker, with its own route cache (the hot path)."""
 
-    __slots__ = ("user", "routes", "refused", "denied")
+    __slots__ = ("user", "routes", "refused")
 
     def __init__(self, user: User | None) -> None:
         self.user = user  # None: a user gone from the file (everything refused)
         self.routes: dict[object, Any] = {}
-        self.refused: dict[bytes, str] = {}
-        self.denied = 0  # PERMISSION_DENIED answered to this user on this worker
+        self.refused: dict[bytes, str] = {}  # keys it may not publish -> why (bounded)
 
     @property
     def name(self) -> str:
