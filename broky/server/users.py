@@ -70,7 +70,7 @@ SCHEME = "pbkdf2-sha256"
 DEFAULT_ITERATIONS = 200_000
 SALT_BYTES = 16
 REFUSED_CACHE_SIZE = 4096  # refused keys remembered per user and worker
-ROUTE_CACHE_SIZE = 65536  # routes cached per user and worker (as the worker's own)
+REFUSED_CACHE_MAX_KEY = 256  # ... of at most this many bytes (as the route cache's keys)
 
 
 def hash_password(password: str, iterations: int = DEFAULT_ITERATIONS, salt: bytes | None = None) -> str:
@@ -306,7 +306,7 @@ class Permissions:
         except KeyError:
             pass
         why = self.user.publish.key_refusal(key) if self.user is not None else "the user is gone"
-        if why is not None:
+        if why is not None and len(key) <= REFUSED_CACHE_MAX_KEY:  # (big keys are not kept)
             if len(self.refused) >= REFUSED_CACHE_SIZE:
                 self.refused.clear()
             self.refused[key] = why
