@@ -12,6 +12,12 @@ Resume restarts a read the Pause held up.
 
 Theory of operation
 -------------------
+Permissions (--users, broky.server.users): a Subscribe of a connection whose
+user may not subscribe to its pattern (or use groups) gets a non-fatal
+PERMISSION_DENIED and creates nothing (`deny`, counted per user);
+`apply_users` takes a reloaded users file and ends, with the same Error and
+the sid, each subscription the new rules refuse.
+
 Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
 (pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
 over the connection) gets a non-fatal SUBSCRIPTION_LIMIT and creates nothing.

@@ -56,8 +56,15 @@ Theory of operation
    scoped subscriptions match) those subscribed to this key_partition. A
    connection appears at most once, so a message travels once per connection
    however many of its subscriptions match; the client dispatches locally.
+   A connection whose user (--users) may publish some keys only reads its
+   user's own cache instead (broky.server.users `Permissions.routes`): a miss
+   there checks the key against the user's patterns first (refused:
+   PERMISSION_DENIED, with the frame, as NOT_MY_VBUCKET), then routes it and
+   copies the route in; the compiled twin gets that dict, so an allowed key
+   costs what it costs anyone. Without --users, or for a user allowed
+   everything, nothing of this runs (Connection.perms is None).
    Any subscription change (subscribe, unsubscribe, disconnect) empties the
-   cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries. Routes
+   cache (and the users' caches); it is also emptied when it reaches ROUTE_CACHE_SIZE entries. Routes
    of keys (key_partition + key) over ROUTE_CACHE_MAX_KEY bytes are not cached,
    here or in the matcher, so the caches hold at most ROUTE_CACHE_SIZE small keys.
 3. Runs: consecutive messages with the same targets form a run. A message whose

@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 Routes (registered on the master's HttpServer, broky.server.httpd, all under
 /v1/, all `private`: with an --auth-token they need it, as a Bearer header, the
-broky_token cookie or ?access_token=):
+broky_token cookie or ?access_token=; with --users, a user's Basic credentials
+do too, and the request acts as that user: `refusal` answers 403 for a key or
+pattern outside its permissions, or for a user with `http = false`):
 
     POST /v1/pub/KEY?partition=P[&lines=0]   publish; JSON answer
     GET  /v1/sub/PATTERN?format=ndjson|raw|sse[&partition=P][&since_time=T][&last=N]

@@ -8,6 +8,9 @@ returns (status, content type, body), or a `Stream` whose chunks are sent as
 they come. The master registers /healthz and /readyz, broky.server.monitor
 adds /metrics, /stats, /connections and /topics (see there for what each
 lists, and which need the auth token), broky.server.gateway the /v1/ routes.
+With --users, a private route also takes a user's 'Authorization: Basic'
+credentials (checked by broky.server.users.admits; the request then names
+its `user`).
 
 A connection carries requests one after the other (HTTP/1.1 keep-alive; an
 HTTP/1.0 request, or one with "Connection: close", is the last), at most

@@ -10,14 +10,16 @@ For each accepted socket it reads exactly one frame: the size prefix, then
 that many bytes (never more, so anything the client pipelined behind its
 Hello stays in the kernel for the worker to read), within --hello-timeout
 seconds. It checks that the frame is a Hello of a protocol
-version it serves, with the right auth token when one is configured, and picks the
+version it serves, with the right auth token (or, with --users, a user's
+USER:PASSWORD: broky.server.users) when one is configured, and picks the
 worker: Hello.worker, or the least-loaded one for -1. A Hello that asks for
 TLS (Hello.tls, with --tls-cert) carries no secret: the master checks no token,
 hands the socket over with the TLS flag, and the worker runs the TLS handshake
 and checks the real Hello inside it (broky.server.tls); with a certificate,
 a Hello that does not ask for TLS is refused (TLS_REQUIRED) unless
 --tls-allow-plain. SIGHUP reloads the certificates (`reload`: here, for the
-https port, and in every worker, RELOAD). The socket and the Hello
+https port, and in every worker, RELOAD) and the users file (here, and in
+every worker, USERS). The socket and the Hello
 bytes then travel to that worker over its control channel as a CONN with a
 hand-off id (broky.server.handoff), and the master keeps its own copy of the
 socket until the worker answers: ADOPTED (the master closes its copy; the

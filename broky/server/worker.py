@@ -12,7 +12,7 @@ Ownership. A worker owns, and never shares:
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
 (CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, CLOSED, STATS
-request/answer, READY, LOAD, GRACE; in a cluster also MAP, and SEQUENCES and
+request/answer, READY, LOAD, GRACE, RELOAD, USERS; in a cluster also MAP, and SEQUENCES and
 HANDED: the sequences of vbuckets that move, broky.server.handover). There is
 no lock, and one piece of shared memory, written by the worker only: the
 accounts of its connections (broky.server.accounts), which the master reads
