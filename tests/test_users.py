@@ -168,8 +168,13 @@ def test_allowed_denied_reload_and_the_http_gateway(
             assert (await watch.next_msg(5)).payload == (await mine.next_msg(5)).payload == b"c"
             # SIGHUP: alice may subscribe to orders.eu.> only; her orders.* subscription ends
             errors.clear()
+            stream = await asyncio.to_thread(
+                urllib.request.urlopen, _request(server, "/v1/sub/orders.*?format=ndjson", "alice", "apw")
+            )
             users_file(path, ["orders.eu.>"])
             server.signal(signal.SIGHUP)
+            lines = await asyncio.to_thread(stream.read)  # to its end: the reload ends it, and says so
+            assert b'"denied"' in lines and b"ended by a reload" in lines, lines
             for _ in range(100):
                 if errors:
                     break

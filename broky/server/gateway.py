@@ -232,6 +232,8 @@ class SubStream:
         self.wake = asyncio.Event()
         self.sub: Subscription[Message] | None = None
         self.dropped = 0  # messages not written: the stream was cut for them
+        self.user: str | None = None  # the user of its request (--users), and its pattern
+        self.pattern = b""
 
     # ------------------------------------------------ from the SDK (inline, never blocks)
 
@@ -282,6 +284,15 @@ class SubStream:
             self._put(f"event: cut\ndata: {body}\n\n".encode())
         elif self.format == "ndjson":
             self._put(f'{{"cut":{body}}}\n'.encode())
+        self.end()
+
+    def deny(self, why: str) -> None:
+        """A reload of the users refuses this stream's pattern: say so (ndjson, SSE), end."""
+        body = json.dumps({"reason": "PERMISSION_DENIED", "message": why})
+        if self.format == "sse":
+            self._put(f"event: denied\ndata: {body}\n\n".encode())
+        elif self.format == "ndjson":
+            self._put(f'{{"denied":{body}}}\n'.encode())
         self.end()
 
     def _put(self, data: bytes) -> None:
@@ -539,12 +550,28 @@ class Gateway:
 
     # ------------------------------------------------------------ publish
 
+    def apply_users(self) -> None:
+        """The users were reloaded (SIGHUP): end each stream its user may no longer hold."""
+        for stream in list(self.streams):
+            if stream.user is not None and not stream.ended:
+                why = self.why_not(stream.user, sub=stream.pattern)
+                if why is not None:
+                    self.counters.permission_denied += 1
+                    stream.deny(f"user {stream.user!r}: subscription ended by a reload: {why}")
+
     def refusal(self, request: Request, pub: bytes | None = None, sub: bytes | None = None) -> None:
         """A request of a user (Basic credentials, --users) outside its permissions: 403."""
         if request.user is None:
             return
+        why = self.why_not(request.user, pub, sub)
+        if why is not None:
+            self.counters.permission_denied += 1
+            raise HttpError(403, f"PERMISSION_DENIED: user {request.user!r}: {why}")
+
+    def why_not(self, name: str, pub: bytes | None = None, sub: bytes | None = None) -> str | None:
+        """Why user `name` may not publish `pub` (or subscribe to `sub`) here; None: it may."""
         users = self.http.users()
-        user = None if users is None else users.by_name.get(request.user)
+        user = None if users is None else users.by_name.get(name)
         if user is None:
             why: str | None = "the user is gone from the users file"
         elif not user.http:
@@ -554,9 +581,7 @@ class Gateway:
         else:
             assert sub is not None
             why = user.subscribe.pattern_refusal(sub)
-        if why is not None:
-            self.counters.permission_denied += 1
-            raise HttpError(403, f"PERMISSION_DENIED: user {request.user!r}: {why}")
+        return why
 
     async def publish(self, request: Request) -> Response:
         key = urllib.parse.unquote_to_bytes(request.path[len(PUB) :])
@@ -672,6 +697,7 @@ class Gateway:
             ledger.live = True
         bound = min(self.config.max_pending_bytes, STREAM_MAX_PENDING)
         stream = SubStream(self, fmt, bound, ledger)
+        stream.user, stream.pattern = request.user, pattern  # (a reload of the users re-checks them)
         if fmt == "sse":
             stream._put(f"retry: {SSE_RETRY_MS}\n\n".encode())
             if told_unknown:

@@ -833,6 +833,8 @@ class Master:
             return
         self.users = users
         self.supervisor.users = users.data
+        if self.gateway is not None:
+            self.gateway.apply_users()  # its streams (HTTP subscriptions) of users
         payload = json.dumps(users.data).encode()
         for wp in self.supervisor.live():
             try:
