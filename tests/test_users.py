@@ -144,6 +144,9 @@ def test_allowed_denied_reload_and_the_http_gateway(
             assert codes.count(ErrorCode.PERMISSION_DENIED) == 2, errors
             assert "orders.secret.>" in str(errors[0]) and "prices.a" in str(errors[1])
             assert denied(server, "alice") >= 5
+            with urllib.request.urlopen(_request(server, "/connections", "bob", "bpw")) as r:
+                listed = [c["user"] for c in json.loads(r.read())["connections"]]
+            assert {"alice", "bob"} <= set(listed)
             # the HTTP gateway acts as the user of the request's Basic credentials
             with urllib.request.urlopen(
                 _request(server, "/v1/pub/orders.h?lines=0", "alice", "apw", b"h")

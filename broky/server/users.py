@@ -370,6 +370,7 @@ async def admits(
     PBKDF2 runs in a thread when that password was not verified before)."""
     if server_token is None and users is None:
         return True
+    import asyncio
     import hmac
 
     if server_token and hmac.compare_digest((given or "").encode(), server_token.encode()):
@@ -379,11 +380,20 @@ async def admits(
     if subject and subject in users.by_subject:
         return True
     found = users.split(given)
-    if found is None:
+    if found is None:  # as slow as a wrong password: the time does not tell which names exist
+        await asyncio.to_thread(verify_password, _dummy(), given or "")
         return False
     user, password = found
     if users.remembered(user, password):
         return True
-    import asyncio
-
     return await asyncio.to_thread(users.verify, user, password)
+
+
+_DUMMY: list[str] = []
+
+
+def _dummy() -> str:
+    """A hash no password matches, checked for an unknown user (made once)."""
+    if not _DUMMY:
+        _DUMMY.append(hash_password(base64.b64encode(os.urandom(16)).decode()))
+    return _DUMMY[0]
