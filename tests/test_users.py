@@ -184,6 +184,9 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 await asyncio.sleep(0.05)
             assert errors and getattr(errors[0], "code", None) == ErrorCode.PERMISSION_DENIED, errors
             assert "ended by a reload" in str(errors[0])
+            path.write_text("[users.alice\n")  # a file that does not read: the users in force stay
+            server.signal(signal.SIGHUP)
+            server.wait_log("users not reloaded")
             eu = await alice.subscribe("orders.eu.>")
             with pytest.raises(ServerError, match=r"PERMISSION|covered"):
                 await alice.subscribe("orders.us")
@@ -222,5 +225,15 @@ def test_a_client_certificate_subject_stands_for_the_user(
                     break
                 await asyncio.sleep(0.05)
             assert [getattr(e, "code", None) for e in errors] == [ErrorCode.PERMISSION_DENIED]
+            # the gateway reaches its workers over TLS with the server's own token
+            basic = base64.b64encode(b"bob:bpw").decode()
+            post = urllib.request.Request(
+                f"https://127.0.0.1:{server.metrics_port}/v1/pub/m.gw?lines=0",
+                data=b"gw",
+                headers={"Authorization": f"Basic {basic}"},
+            )
+            with urllib.request.urlopen(post, context=client_context(certs)) as r:
+                assert json.loads(r.read())["published"] == 1
+            assert (await sub.next_msg(5)).payload == b"gw"
 
     asyncio.run(asyncio.wait_for(main(), 60))
