@@ -52,6 +52,6 @@ WORKDIR /
 EXPOSE 4777 9477
 
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('BROKY_METRICS_PORT', '9477'); port = port if port.isdigit() else '9477'; sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=2).status == 200 else 1)"]
+    CMD ["python", "-c", "import os, ssl, sys, urllib.request; port = os.environ.get('BROKY_METRICS_PORT', '9477'); port = port if port.isdigit() else '9477'; tls = bool(os.environ.get('BROKY_TLS_CERT')); url = f\"{'https' if tls else 'http'}://127.0.0.1:{port}/healthz\"; sys.exit(0 if urllib.request.urlopen(url, timeout=2, context=ssl._create_unverified_context() if tls else None).status == 200 else 1)"]
 
 ENTRYPOINT ["broky", "serve", "--host", "0.0.0.0"]

@@ -21,7 +21,9 @@ on every side: the servers' pending bounds, the clients' queues.
   subscriber on PSUBSCRIBE `cpu.*`.
 - Broky with other server settings, as systems of their own that alternate
   with the others (VARIANTS): `broky_noreplay` is `broky serve --replay-bytes 0`
-  (no replay buffer; `broky` runs the defaults, the buffer on).
+  (no replay buffer; `broky` runs the defaults, the buffer on); `broky_users` is
+  `broky serve --users FILE` with clients that connect as a user who may publish
+  under `cpu.>` only (every publish goes through that user's route cache).
 
 `--burst N` makes the publisher pause `--pause` seconds after every N
 messages (bursts with quiet moments between them, rather than one burst).
@@ -56,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import statistics
 import struct
@@ -80,16 +83,76 @@ SYSTEMS = ("broky", "nats", "redis")
 # Broky with other server options: system name -> (the clients' system, `broky serve` options).
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "broky_noreplay": ("broky", ["--replay-bytes", "0"]),
+    "broky_users": ("broky", []),  # --users: the clients are a user limited to publish cpu.> (_start)
 }
-TITLES = {**SDK_TITLES, "broky_noreplay": "Broky SDK, replay off"}
+ENV_AUTH = "BENCH_BROKY_AUTH"  # a client process's Hello.auth_token (broky_users)
+USERS_AUTH = "bench:bench"
+# Systems whose connections are TLS (bench/tls.py): system -> the clients' system. Their
+# servers get a certificate (servers.tls_files), their client processes `--tls-ca`.
+TLS_SYSTEMS = {"broky_tls": "broky", "nats_tls": "nats"}
+TITLES = {
+    **SDK_TITLES,
+    "broky_noreplay": "Broky SDK, replay off",
+    "broky_users": "Broky SDK, a user with limited permissions",
+    "broky_tls": "Broky SDK, TLS",
+    "nats_tls": "nats.py, TLS",
+}
+_tls_ca: str | None = None  # in a client process: connect with TLS, trusting this CA
 QUIET = 3.0  # seconds without a message after which the subscriber stops counting
+# ... in TLS runs: nats.py's TLS subscriber was seen silent for over 3 s mid-burst on a
+# busy 2-core machine (and then counted 299,999 of 300,000 lost); its server CPU over the
+# extra idle seconds is a few ms.
+TLS_QUIET = 15.0
 REDIS_PIPELINE = 1000
 _head = struct.Struct("<II")  # check mode: key_partition index, sequence number in it
 
 
 def clients_of(system: str) -> str:
     """Which clients a system's runs use (a variant of Broky: Broky's SDK)."""
+    if system in TLS_SYSTEMS:
+        return TLS_SYSTEMS[system]
     return VARIANTS[system][0] if system in VARIANTS else system
+
+
+def _users_file() -> str:
+    """A users file whose one user may publish under cpu.> only (not cpu.secret.>)."""
+    import tempfile
+
+    from broky.server.users import hash_password
+
+    f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)  # noqa: SIM115
+    user, password = USERS_AUTH.split(":")
+    f.write(
+        f'[users.{user}]\npassword = "{hash_password(password, 1000)}"\n'
+        'publish = { allow = ["cpu.>"], deny = ["cpu.secret.>"] }\n'
+    )
+    f.close()
+    return f.name
+
+
+def _broky_connect(address: str, **options: Any) -> Any:
+    """broky.connect, with TLS in a TLS run's client process."""
+    import broky
+
+    if os.environ.get(ENV_AUTH):  # a users run: the clients connect as the limited user
+        options["auth_token"] = os.environ[ENV_AUTH]
+    if _tls_ca is None:
+        return broky.connect(address, **options)
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=_tls_ca)
+    return broky.connect(f"broky+tls://{address}", ssl_context=ctx, **options)
+
+
+async def _nats_connect(address: str, **options: Any) -> Any:
+    """nats.connect, with TLS in a TLS run's client process."""
+    import nats
+
+    if _tls_ca is None:
+        return await nats.connect(f"nats://{address}", **options)
+    import ssl
+
+    return await nats.connect(f"tls://{address}", tls=ssl.create_default_context(cafile=_tls_ca), **options)
 
 
 def partitions(system: str, count: int) -> list[Any]:
@@ -105,11 +168,10 @@ def partitions(system: str, count: int) -> list[Any]:
 async def _broky_sub(
     address: str, expected: int, parts: int = 0, size: int = 0, check: bool = False
 ) -> dict[str, Any]:
-    import broky
 
     told: list[int] = []
     checked: dict[str, Any] = {}
-    async with broky.connect(address, on_loss=lambda ref, n, reason: told.append(n)) as client:
+    async with _broky_connect(address, on_loss=lambda ref, n, reason: told.append(n)) as client:
         sub = await client.subscribe("cpu.>")
         print("ready", flush=True)
         it = _checked(sub.__aiter__(), parts, size, checked) if check else sub.__aiter__()
@@ -141,14 +203,13 @@ async def _checked(it: Any, parts: int, size: int, out: dict[str, Any]) -> Any:
 
 
 async def _nats_sub(address: str, expected: int) -> dict[str, Any]:
-    import nats
 
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:  # nats.py reports its slow-consumer drops here
         errors.append(type(exc).__name__)
 
-    nc = await nats.connect(f"nats://{address}", error_cb=on_error)
+    nc = await _nats_connect(address, error_cb=on_error)
     sub = await nc.subscribe("cpu.>")
     await nc.flush()
     print("ready", flush=True)
@@ -207,12 +268,11 @@ def _bursts(n: int, burst: int) -> list[range]:
 async def _broky_pub(
     address: str, n: int, parts: int, size: int, burst: int = 0, pause: float = 0.0, check: bool = False
 ) -> dict[str, Any]:
-    import broky
 
     names = partitions("broky", parts)
     payload = b"x" * size
     pad = payload[_head.size :]
-    async with broky.connect(address) as client:
+    async with _broky_connect(address) as client:
         started = time.time()
         for k, numbers in enumerate(_bursts(n, burst)):
             if k:
@@ -230,11 +290,10 @@ async def _broky_pub(
 async def _nats_pub(
     address: str, n: int, parts: int, size: int, burst: int = 0, pause: float = 0.0
 ) -> dict[str, Any]:
-    import nats
 
     names = partitions("nats", parts)
     payload = b"x" * size
-    nc = await nats.connect(f"nats://{address}")
+    nc = await _nats_connect(address)
     started = time.time()
     for k, numbers in enumerate(_bursts(n, burst)):
         if k:
@@ -288,15 +347,24 @@ def _client(
 ) -> subprocess.Popen[str]:  # fmt: skip
     argv = ["--role", f"{clients_of(system)}:{role}", "--address", address, "--messages", str(n),
             "--partitions", str(parts), "--size", str(size), "--burst", str(burst), "--pause", str(pause),
-            *(["--check"] if check else [])]  # fmt: skip
+            *(["--check"] if check else []),
+            *(["--tls-ca", servers.tls_files()[0]] if system in TLS_SYSTEMS else [])]  # fmt: skip
+    env = {**os.environ, ENV_AUTH: USERS_AUTH} if system == "broky_users" else None
     return subprocess.Popen(
-        [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
     )
 
 
 def _start(system: str, workers: int) -> servers.Server:
+    if system in TLS_SYSTEMS:
+        _, cert, key = servers.tls_files()
+        if system == "broky_tls":
+            return servers.start_broky(workers, ["--tls-cert", cert, "--tls-key", key])
+        return servers.start_nats(extra=["--tls", "--tlscert", cert, "--tlskey", key])
     if system == "broky":
         return servers.start_broky(workers)
+    if system == "broky_users":
+        return servers.start_broky(workers, ["--users", _users_file()])
     if system in VARIANTS:
         return servers.start_broky(workers, VARIANTS[system][1])
     return servers.STARTERS[system]()
@@ -386,8 +454,19 @@ def _replay_stats(system: str, server: servers.Server) -> dict[str, int] | None:
     """Broky's replay buffers, summed over the workers (/stats), or None for the others."""
     if clients_of(system) != "broky":
         return None
-    url = f"http://{server.host}:{server.metrics_port}/stats"
-    with urllib.request.urlopen(url, timeout=10) as resp:
+    scheme, ctx = "http", None
+    if system in TLS_SYSTEMS:  # the HTTP port serves https with the server's certificate
+        import ssl
+
+        scheme, ctx = "https", ssl.create_default_context(cafile=servers.tls_files()[0])
+    url = f"{scheme}://{server.host}:{server.metrics_port}/stats"
+    headers = {}
+    if system == "broky_users":  # its HTTP port wants the user's credentials (Basic)
+        import base64
+
+        headers["Authorization"] = "Basic " + base64.b64encode(USERS_AUTH.encode()).decode()
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=10, context=ctx) as resp:
         workers = json.loads(resp.read())["workers"]
     keys = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
     return {k: sum(w.get(k, 0) for w in workers) for k in keys}
@@ -586,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help="comma-separated, of broky,nats,redis and the variants: " + ",".join(VARIANTS),
+        help="comma-separated, of broky,nats,redis and the variants: " + ",".join([*VARIANTS, *TLS_SYSTEMS]),
     )
     parser.add_argument("--partitions", type=int, default=256, help="key_partitions (NATS, Redis: subjects)")
     parser.add_argument("--size", type=int, default=100, help="payload bytes")
@@ -600,8 +679,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
+        global _tls_ca, QUIET
+        _tls_ca = args.tls_ca
+        if _tls_ca is not None:
+            QUIET = TLS_QUIET
         system, role = args.role.split(":")
         import uvloop
 
@@ -618,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     systems = [s for s in args.systems.split(",") if s]
-    if set(systems) - set(SYSTEMS) - set(VARIANTS):
+    if set(systems) - set(SYSTEMS) - set(VARIANTS) - set(TLS_SYSTEMS):
         parser.error(f"unknown systems in {args.systems!r}")
     info = machine_info()
 

@@ -444,6 +444,45 @@ def test_shard_feed_1mib(benchmark, subscribe) -> None:  # type: ignore[no-untyp
         loop.close()
 
 
+def test_shard_feed_1mib_limited_user(benchmark) -> None:  # type: ignore[no-untyped-def]
+    # test_shard_feed_1mib[one-subscriber] for a publisher whose user (--users) may publish
+    # some keys only (broky.server.users): its publishes go through its own route cache,
+    # so once a key is checked it costs what it costs anyone. Compare the two.
+    import asyncio
+
+    from broky.server.users import Users, WorkerUsers
+
+    loop = asyncio.new_event_loop()
+    try:
+        shard, conn, data, count = _shard_and_read(True, loop)
+        users = Users(
+            {
+                "users": {
+                    "u": {
+                        "password": "pbkdf2-sha256$1$AA==$AA==",
+                        "publish": {"allow": ["orders.>"], "deny": ["x.>"]},
+                    }
+                }
+            }
+        )
+        shard.users = WorkerUsers(users)  # type: ignore[attr-defined]
+        conn.user = "u"  # type: ignore[attr-defined]
+        conn.perms = shard.users.permissions("u")  # type: ignore[attr-defined]
+        benchmark.extra_info["messages"] = count
+
+        def feed() -> None:
+            shard.feed(conn, data)  # type: ignore[attr-defined]
+            conn.out.clear()  # type: ignore[attr-defined]
+            conn.unflushed = 0  # type: ignore[attr-defined]
+
+        benchmark(feed)
+        stats = shard.stats  # type: ignore[attr-defined]
+        assert stats.messages_delivered == stats.messages_published >= count
+        assert not stats.permission_denied
+    finally:
+        loop.close()
+
+
 def test_shard_feed_one_message(benchmark) -> None:  # type: ignore[no-untyped-def]
     # A read holding one message (a publisher at a low rate): the per-read costs
     # show here, among them committing the read's counters to the accounts table

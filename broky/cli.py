@@ -24,6 +24,7 @@ from broky import __version__
 # load them all (tests/test_cli.py checks that this table names what they add).
 COMMANDS = {
     "serve": "broky.server.cli",
+    "passwd": "broky.server.cli",
     "pub": "broky.client.cli",
     "sub": "broky.client.cli",
     "info": "broky.client.cli",

@@ -47,6 +47,9 @@ class ErrorCode(enum.IntEnum):
     BAD_POSITION = _WireErrorCode.BAD_POSITION
     READ_REFUSED = _WireErrorCode.READ_REFUSED
     BAD_GROUP = _WireErrorCode.BAD_GROUP
+    TLS_REQUIRED = _WireErrorCode.TLS_REQUIRED
+    TLS_UNAVAILABLE = _WireErrorCode.TLS_UNAVAILABLE
+    PERMISSION_DENIED = _WireErrorCode.PERMISSION_DENIED
 
 
 class BrokyError(Exception):

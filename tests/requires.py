@@ -1,8 +1,9 @@
 """Programs the tests start that do not come with the package: one rule for all of them.
 
 `./run test` installs each (Debian packages: nats-server, redis-server, etcd-server,
-prometheus, flatbuffers-compiler, chromium, curl, podman, runc, mmdebstrap). A test
-that needs one calls `program(name)` first: outside CI a missing program skips the
+`./run test` installs each (Debian packages: nats-server, redis-server, etcd-server,
+prometheus, flatbuffers-compiler, chromium, curl, openssl, podman, runc, mmdebstrap). A
+test that needs one calls `program(name)` first: outside CI a missing program skips the
 test with a reason that says how to get it; in CI (the environment variable CI set
 to true, as CI services do and `.ci/run` does) it fails the test, because a skipped
 test there would hide a broken set-up as surely as a broken build.
@@ -23,6 +24,7 @@ PACKAGES = {
     "flatc": "flatbuffers-compiler",
     "mmdebstrap": "mmdebstrap",
     "nats-server": "nats-server",
+    "openssl": "openssl",
     "podman": "podman",
     "prometheus": "prometheus",
     "promtool": "prometheus",

@@ -216,6 +216,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
         st.none() | texts,
         st.none() | st.builds(PreviousConnection, u64, u64, u64, st.none(), u64),
         st.booleans(),
+        st.booleans(),
     ),
     subscribes(),
     st.builds(Unsubscribe, u32),
@@ -376,6 +377,7 @@ def generated_read(frame: bytes) -> Frame:
             _text(h.AuthToken()),
             previous,
             h.Positions(),
+            h.Tls(),
         )
     if kind == Body.Welcome:
         w = body(fbs.Welcome)
@@ -667,6 +669,8 @@ class Writer:
                 adders.append(lambda: fbs.HelloAddAuthToken(b, r["token"]))
             if frame.positions or self.draw(st.booleans()):
                 adders.append(lambda: fbs.HelloAddPositions(b, frame.positions))
+            if frame.tls or self.draw(st.booleans()):
+                adders.append(lambda: fbs.HelloAddTls(b, frame.tls))
             return self.table(fbs.HelloStart, fbs.HelloEnd, adders)
         if isinstance(frame, Welcome):
             vmap = self.vmap(frame.map)

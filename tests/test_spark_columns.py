@@ -170,6 +170,10 @@ def test_client_options() -> None:
     assert config.sdk_options == {"batch_size": 65536, "linger": 0.005}
     assert (config.connect_timeout, config.auth_token) == (1.5, "s3cret")
     assert config.flush_timeout == 10.0  # the default: a broker that is gone fails a task within 10 s
+    user = ClientConfig.from_options(
+        {"broky.servers": "a:1", "broky.auth.user": "etl", "broky.auth.password": "pw"}
+    )
+    assert user.auth_token == "etl:pw"  # a user of the server's users file (--users): USER:PASSWORD
     with pytest.raises(SinkConfigError, match=r"broky\.servers"):
         ClientConfig.from_options({})
     with pytest.raises(SinkConfigError, match=r"'broky\.linger\.ms' must be a number"):

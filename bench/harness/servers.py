@@ -145,11 +145,11 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
     raise ServerError(f"broky serve did not become ready; log:\n{server.log()}")
 
 
-def start_nats(timeout: float = 15.0, monitor: bool = False) -> Server:
-    """nats-server on a free port; with `monitor`, its HTTP monitoring port too
-    (`metrics_port`: /varz, /connz)."""
+def start_nats(timeout: float = 15.0, monitor: bool = False, extra: list[str] | None = None) -> Server:
+    """nats-server on a free port (with `extra` options); with `monitor`, its HTTP
+    monitoring port too (`metrics_port`: /varz, /connz)."""
     port = free_port()
-    args = ["nats-server", "-a", HOST, "-p", str(port)]
+    args = ["nats-server", "-a", HOST, "-p", str(port), *(extra or [])]
     if monitor:
         args += ["-m", str(free_port())]
     server = Server("nats", args, port)
@@ -186,3 +186,32 @@ def start_redis(timeout: float = 15.0) -> Server:
 
 
 STARTERS = {"nats": start_nats, "redis": start_redis}
+
+_tls: tuple[str, str, str] | None = None
+
+
+def tls_files() -> tuple[str, str, str]:
+    """(CA, certificate, key) PEM files for TLS servers on 127.0.0.1, made once per process
+    with the `openssl` command in a temporary directory (removed at exit)."""
+    global _tls
+    if _tls is None:
+        import atexit
+
+        d = tempfile.mkdtemp(prefix="bench-tls-")
+        atexit.register(shutil.rmtree, d, True)
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+        ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+        openssl(
+            "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=bench-ca"
+        )
+        openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+        Path(d, "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        openssl(
+            "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "2", "-extfile", "server.ext",
+        )  # fmt: skip
+        _tls = (f"{d}/ca.pem", f"{d}/server.pem", f"{d}/server.key")
+    return _tls

@@ -1,7 +1,9 @@
 """`broky pub`, `broky sub` and `broky info`: the SDK from the command line.
 
-Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777)
-and `--auth-token` (default $BROKY_AUTH_TOKEN). Errors are one line on stderr
+Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777),
+`--auth-token` (default $BROKY_AUTH_TOKEN), `--user` (default $BROKY_USER; the
+password from $BROKY_PASSWORD, else a prompt) and, for TLS, `--tls-ca`,
+`--tls-cert` and `--tls-key` (or a broky+tls:// server: the system's CAs). Errors are one line on stderr
 and a non-zero exit status: 1 for a failure (no server, refused token, ...),
 2 for bad arguments (checked by argparse `type` functions before anything
 connects; see broky.cli.Parser for the one-line form).
@@ -31,7 +33,7 @@ import time
 from typing import Any
 
 from broky.client.client import connect
-from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_TOKEN
+from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_PASSWORD, ENV_TOKEN, ENV_USER
 from broky.client.commands import client_options as _options
 from broky.client.commands import fail as _fail
 from broky.client.commands import run as _run
@@ -130,12 +132,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=_server,
         default=None,
         help=(
-            "broky://host:port or host:port, or a comma-separated list of seeds (any nodes of a cluster) "
+            "broky://host:port or host:port (broky+tls:// for TLS), or a comma-separated list of seeds "
+            "(any nodes of a cluster) "
             "(default: $BROKY_SERVER, else 127.0.0.1:4777)"
         ),
     )
     p.add_argument(
         "--auth-token", metavar="TOKEN", default=None, help=f"the server's auth token (default: ${ENV_TOKEN})"
+    )
+    p.add_argument(
+        "--user",
+        metavar="NAME",
+        default=None,
+        help=f"connect as this user of the server's users file (default: ${ENV_USER}); the password "
+        f"comes from ${ENV_PASSWORD}, else a prompt",
     )
     p.add_argument(
         "--connect-timeout",
@@ -144,6 +154,16 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="give up connecting after (5)",
     )
+    p.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=None,
+        help="connect with TLS, trusting the CAs of this bundle (default with broky+tls://: the system's)",
+    )
+    p.add_argument(
+        "--tls-cert", metavar="PEM", default=None, help="client certificate (mutual TLS); implies TLS"
+    )
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="the private key of --tls-cert")
 
 
 def register(subparsers: Any) -> None:

@@ -70,7 +70,7 @@ import logging
 import random
 from collections.abc import Callable, Generator, Iterable, Mapping
 from types import TracebackType
-from typing import Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from broky.client.connection import WorkerProtocol, open_connection, resolve
 from broky.client.groups import (
@@ -98,7 +98,7 @@ from broky.client.subscription import (
     Subscription,
 )
 from broky.client.subscription_table import SubscriptionTable
-from broky.client.url import ServerAddress, parse_servers
+from broky.client.url import ServerAddress, parse_servers, wants_tls
 from broky.errors import (
     AuthenticationError,
     BrokyConnectionError,
@@ -113,9 +113,13 @@ from broky.matching import parse_pattern
 from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, Message, VBucketMap, Welcome
 from broky.protocol.frames import Position, encode_map_applied
 
+if TYPE_CHECKING:
+    import ssl
+
 log = logging.getLogger("broky.client")
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
+TLS_CLOSE_TIMEOUT = 1.0  # close waits this long for the server's close_notify, then aborts
 DEFAULT_LINGER = 0.0
 DEFAULT_BATCH_SIZE = 128 << 10  # 64 KiB: 7 % more client CPU per publish (bench/README.md)
 DEFAULT_MAX_RECONNECT_BUFFER_BYTES = 8 << 20
@@ -170,6 +174,9 @@ class Client(Publisher):
         *,
         name: str | None = None,
         auth_token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         wait_for_server: bool = True,
         linger: float = DEFAULT_LINGER,
@@ -209,7 +216,16 @@ class Client(Publisher):
         self.seeds: list[ServerAddress] = parse_servers(server)
         self.address: ServerAddress = self.seeds[0]  # the seed that answered the first Hello
         self.name = name
-        self.auth_token = auth_token
+        # A user of the server's users file (--users) goes in the Hello's auth_token as
+        # USER:PASSWORD (inside TLS when the connection has it; broky.server.users).
+        self.auth_token = auth_token if user is None else f"{user}:{password or ''}"
+        # TLS (broky+tls://, or an ssl_context): every connection of this client, to any
+        # node of the map, upgrades to TLS with this context (schema/README.md 2.1).
+        self.tls: ssl.SSLContext | None = ssl_context
+        if self.tls is None and wants_tls(server):
+            import ssl
+
+            self.tls = ssl.create_default_context()  # the system's trust store
         self.connect_timeout = connect_timeout
         self.wait_for_server = wait_for_server
         self.linger = linger
@@ -304,7 +320,7 @@ class Client(Publisher):
                 left = deadline - loop.time()
                 try:
                     proto, welcome = await open_connection(
-                        seed.host, seed.port, hello, max(min(left, share), 0.001), addresses
+                        seed.host, seed.port, hello, max(min(left, share), 0.001), addresses, self.tls
                     )
                     found = (seed, proto, welcome)
                     break
@@ -360,9 +376,18 @@ class Client(Publisher):
         except BrokyError as exc:
             log.warning("close: %s", exc)
         finally:
+            protos = [link.proto for link in self.router.links.values() if link.proto is not None]
             self._close_now()
         # let the transports deliver connection_lost
         await asyncio.sleep(0)
+        if self.tls is not None:  # a TLS close is a round trip (close_notify): wait for it, bounded
+            deadline = self.loop.time() + TLS_CLOSE_TIMEOUT
+            while any(not p.closed for p in protos) and self.loop.time() < deadline:
+                await asyncio.sleep(0.005)
+            for p in protos:
+                if not p.closed:
+                    p.abort()
+            await asyncio.sleep(0)
 
     def _close_now(self) -> None:
         self._closed = True
@@ -1098,9 +1123,16 @@ def connect(server: str | None = None, **options: Any) -> Connecting:
 
     Args:
         server: ``broky://host:port`` or ``host:port`` (port 4777 by default);
+            ``broky+tls://host:port`` for TLS (see ssl_context);
             None = $BROKY_SERVER or 127.0.0.1:4777.
         name: client name shown by the server's monitoring.
         auth_token: the server's token, if it has one.
+        user, password: a user of the server's users file (--users), instead of auth_token.
+        ssl_context: TLS with this `ssl.SSLContext` (its trusted CAs, and a client
+            certificate for mutual TLS: `load_cert_chain`); without it, a
+            ``broky+tls://`` server uses `ssl.create_default_context()` (the system's
+            trust store). Either way every connection of the client, to any node,
+            is TLS, and a server that offers none is an error.
         connect_timeout: seconds to keep trying the first connection (default 5),
             and the handshake timeout of every later connection.
         wait_for_server: retry a refused first connection until connect_timeout

@@ -20,6 +20,8 @@ from typing import Any
 from broky.errors import NoServerError
 
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
+ENV_USER = "BROKY_USER"
+ENV_PASSWORD = "BROKY_PASSWORD"  # the password of --user (never a flag: it would show in `ps`)
 ENV_METRICS = "BROKY_METRICS"
 DEFAULT_METRICS_PORT = 9477
 
@@ -33,14 +35,58 @@ def fail(command: str, message: object) -> int:
 
 
 def client_options(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """connect()'s options from a command's arguments (the token from the environment too)."""
+    """connect()'s options from a command's arguments (the token from the environment too).
+
+    Raises:
+        ValueError: --tls-cert without --tls-key (or the reverse), or a file that does not load.
+    """
+    user = getattr(args, "user", None) or os.environ.get(ENV_USER) or None
+    password = None
+    if user is not None:  # never on the command line: the environment, or a prompt
+        password = os.environ.get(ENV_PASSWORD)
+        if password is None:
+            if not sys.stdin.isatty():
+                raise ValueError(f"--user {user}: set ${ENV_PASSWORD}, or run on a terminal to be asked")
+            import getpass
+
+            password = getpass.getpass(f"password for {user}: ")
     return {
         "name": name,
         "auth_token": args.auth_token if args.auth_token is not None else os.environ.get(ENV_TOKEN),
+        "user": user,
+        "password": password,
         "connect_timeout": args.connect_timeout,
         # a refusal is an answer: nothing listens there, say so at once (see broky.connect)
         "wait_for_server": False,
+        "ssl_context": tls_context(args),
     }
+
+
+def tls_context(args: argparse.Namespace) -> Any:
+    """The ssl.SSLContext --tls-ca, --tls-cert and --tls-key describe, or None (none given:
+    a broky+tls:// server is checked against the system's CAs by the SDK).
+
+    Raises:
+        ValueError: --tls-cert without --tls-key (or the reverse), or a file that does not load.
+    """
+    ca, cert, key = (
+        getattr(args, "tls_ca", None),
+        getattr(args, "tls_cert", None),
+        getattr(args, "tls_key", None),
+    )
+    if not (ca or cert or key):
+        return None
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    import ssl
+
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert:
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the TLS files: {exc}") from None
+    return ctx
 
 
 def run(coro: Any) -> int:

@@ -20,6 +20,11 @@ Handshake: `open_connection` resolves the host (`resolve`: awaited on its
 own, so a timeout never leaves a half-done lookup behind), connects to its
 addresses in order, writes the Hello and waits for the Welcome (or a fatal
 Error) within the timeout; from then on frames go to the owner's handlers.
+With TLS it first upgrades the connection (`_start_tls`: a plain Hello that
+asks for TLS and carries no secret, the server's go-ahead, the TLS
+handshake), then sends the Hello inside TLS; the protocol is the same
+WorkerProtocol over asyncio's TLS transport (its writes and reads, and so the
+compiled publish and read paths, go through the transport either way).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import ipaddress
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from broky.errors import (
     AuthenticationError,
@@ -44,7 +49,19 @@ from broky.errors import (
     RemoteProtocolError,
     ServerError,
 )
-from broky.protocol import VBUCKETS, Delivery, Error, Frame, Hello, Message, Replay, Welcome, decode_frame
+from broky.protocol import (
+    VBUCKETS,
+    Delivery,
+    Error,
+    Frame,
+    Goodbye,
+    Hello,
+    Message,
+    PreviousConnection,
+    Replay,
+    Welcome,
+    decode_frame,
+)
 from broky.protocol.frames import encode_hello
 from broky.protocol.framing import MIN_FRAME_SIZE, check_size
 from broky.protocol.layout import (
@@ -63,6 +80,9 @@ from broky.protocol.layout import (
     read_shape,
     struct_at,
 )
+
+if TYPE_CHECKING:
+    import ssl
 
 # Inbound frames are deliveries (bounded by the server's max_frame_bytes) and
 # control frames; a Welcome with a large map is a few KiB.
@@ -479,8 +499,89 @@ async def resolve(host: str, port: int, timeout: float) -> list[str]:
     return addresses
 
 
+async def _start_tls(
+    sock: socket.socket, host: str, port: int, hello: Hello, tls: ssl.SSLContext
+) -> WorkerProtocol:
+    """The TLS upgrade (schema/README.md 2.1) on a connected socket: a plain Hello that
+    asks for TLS and carries no secret, the server's go-ahead (a size prefix of 0) or a
+    fatal Error, then the TLS handshake; returns the protocol over TLS.
+
+    Raises:
+        ServerError: the server refused the Hello (TLS_UNAVAILABLE: it offers no TLS).
+        BrokyConnectionError: it answered something else (it does not know Hello.tls:
+            an older server), closed, or the TLS handshake failed (e.g. its certificate
+            is not trusted).
+    """
+    import ssl
+
+    loop = asyncio.get_running_loop()
+    previous = hello.previous
+    plain = Hello(
+        protocol_version=hello.protocol_version,
+        worker=hello.worker,
+        previous=None if previous is None else PreviousConnection(previous.connection_id),
+        tls=True,
+    )
+    await loop.sock_sendall(sock, encode_hello(plain))
+    head = await _recv_exactly(sock, 4, host, port)
+    size = _u32(head)[0]
+    if size:  # not the go-ahead: a refusal (a fatal Error), or a server that does not know Hello.tls
+        if not MIN_FRAME_SIZE <= size <= 1 << 20:
+            raise BrokyConnectionError(f"{host}:{port} answered a Hello asking for TLS with garbage")
+        try:
+            frame = decode_frame(head + await _recv_exactly(sock, size, host, port))
+        except ProtocolError as exc:
+            raise BrokyConnectionError(
+                f"{host}:{port} answered a Hello asking for TLS with garbage: {exc}"
+            ) from None
+        if isinstance(frame, Error):
+            raise server_error(frame)
+        if isinstance(frame, Goodbye):
+            raise BrokyConnectionError(f"{host}:{port} is shutting down: {frame.reason}")
+        raise BrokyConnectionError(
+            f"{host}:{port} does not offer TLS: it answered a Hello asking for TLS with a "
+            f"{type(frame).__name__} (a server older than TLS support)"
+        )
+    try:
+        _, proto = await loop.create_connection(WorkerProtocol, sock=sock, ssl=tls, server_hostname=host)
+    except ssl.SSLError as exc:
+        raise BrokyConnectionError(f"TLS handshake with {host}:{port} failed: {exc}") from None
+    return proto
+
+
+async def _recv_exactly(sock: socket.socket, n: int, host: str, port: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while len(data) < n:
+        chunk = await loop.sock_recv(sock, n - len(data))
+        if not chunk:
+            raise BrokyConnectionError(f"{host}:{port} closed the connection before it started TLS")
+        data += chunk
+    return data
+
+
+async def _connect(address: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket (the TLS upgrade starts on it)."""
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await loop.sock_connect(sock, (address, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def open_connection(
-    host: str, port: int, hello: Hello, timeout: float, addresses: Sequence[str] | None = None
+    host: str,
+    port: int,
+    hello: Hello,
+    timeout: float,
+    addresses: Sequence[str] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[WorkerProtocol, Welcome]:
     """Connect, send Hello and wait for the Welcome.
 
@@ -489,15 +590,19 @@ async def open_connection(
         hello: the Hello to send.
         timeout: seconds for everything (resolving, connecting, the handshake).
         addresses: numeric addresses of `host` (see `resolve`), tried in order.
+        tls: TLS with this context (schema/README.md 2.1): the Hello is sent inside TLS.
 
     Raises:
         BrokyConnectionError: the name did not resolve, the TCP connection failed
-            (NoServerError: refused) or it closed during the handshake.
+            (NoServerError: refused) or it closed during the handshake, or the TLS
+            upgrade failed.
         BrokyTimeoutError: no Welcome within `timeout` seconds.
-        ServerError: the server answered with an Error (AuthenticationError for AUTH_FAILED).
+        ServerError: the server answered with an Error (AuthenticationError for AUTH_FAILED;
+            TLS_UNAVAILABLE: TLS was asked for, and the server offers none).
     """
     loop = asyncio.get_running_loop()
     proto: WorkerProtocol | None = None
+    sock: socket.socket | None = None
     try:
         async with asyncio.timeout(timeout):
             if addresses is None:
@@ -506,11 +611,17 @@ async def open_connection(
             refused = 0
             for address in addresses:  # numeric: create_connection resolves nothing
                 try:
-                    _, proto = await loop.create_connection(WorkerProtocol, address, port)
+                    if tls is None:
+                        _, proto = await loop.create_connection(WorkerProtocol, address, port)
+                    else:
+                        sock = await _connect(address, port)
                     break
                 except OSError as exc:
                     error = exc
                     refused += isinstance(exc, ConnectionRefusedError)
+            if sock is not None and tls is not None:
+                proto = await _start_tls(sock, host, port, hello, tls)
+                sock = None  # the transport's now
             if proto is None:
                 reason = (error.strerror or error) if error is not None else "no address"
                 message = f"cannot connect to {host}:{port}: {reason}"
@@ -518,13 +629,25 @@ async def open_connection(
                     raise NoServerError(message)
                 raise BrokyConnectionError(message)
             proto.write(encode_hello(hello))
-            welcome = await proto.welcome
+            try:
+                welcome = await proto.welcome
+            except BrokyConnectionError as exc:
+                if tls is None or isinstance(exc, ServerError):
+                    raise
+                raise BrokyConnectionError(
+                    f"{host}:{port} closed the TLS connection before its Welcome ({exc}): with mutual "
+                    "TLS, it refused this client's certificate, or the client sent none"
+                ) from None
     except TimeoutError:
         if proto is not None:
             proto.abort()
+        if sock is not None:
+            sock.close()
         raise BrokyTimeoutError(f"no Welcome from {host}:{port} within {timeout:g} s") from None
     except BaseException:
         if proto is not None:
             proto.abort()
+        if sock is not None:
+            sock.close()
         raise
     return proto, welcome

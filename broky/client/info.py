@@ -94,26 +94,34 @@ def _base(address: str) -> str:
     return address if "://" in address else f"http://{address}"
 
 
-def read_metrics(address: str, timeout: float = 2.0) -> Metrics:
-    """/metrics of `address` (host:port or a URL).
+def read_metrics(address: str, timeout: float = 2.0, context: Any = None) -> Metrics:
+    """/metrics of `address` (host:port or a URL; https with the ssl.SSLContext `context`).
 
     Raises:
         OSError: it did not answer with the page.
     """
-    with urllib.request.urlopen(f"{_base(address)}/metrics", timeout=timeout) as resp:
+    with urllib.request.urlopen(f"{_base(address)}/metrics", timeout=timeout, context=context) as resp:
         return Metrics(resp.read().decode(errors="replace"), time.monotonic())
 
 
-def read_stats(address: str, token: str | None, timeout: float = 2.0) -> dict[str, Any]:
-    """/stats of `address` (with the token of a server that has one).
+def read_stats(
+    address: str, token: str | None, timeout: float = 2.0, context: Any = None, user: str | None = None
+) -> dict[str, Any]:
+    """/stats of `address` (with the token of a server that has one; with `user`, the
+    token is USER:PASSWORD, sent as Basic credentials).
 
     Raises:
         OSError: it did not answer, or refused (urllib.error.HTTPError).
         ValueError: not JSON.
     """
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if user is not None:
+        import base64
+
+        headers = {"Authorization": "Basic " + base64.b64encode((token or "").encode()).decode()}
+    else:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(f"{_base(address)}/stats", headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
         data: dict[str, Any] = json.load(resp)
         return data
 
@@ -279,7 +287,13 @@ def summary(before: Metrics, after: Metrics, source: str) -> list[str]:
 def _metrics_address(args: argparse.Namespace, client: Client) -> tuple[str, bool]:
     """Where the counters are, and whether it was given (flag or variable) or guessed."""
     explicit = args.metrics or os.environ.get(ENV_METRICS)
-    return explicit or f"{client.address.host}:{DEFAULT_METRICS_PORT}", bool(explicit)
+    scheme = "https://" if client.tls is not None else ""  # a TLS server's HTTP port is https
+    return explicit or f"{scheme}{client.address.host}:{DEFAULT_METRICS_PORT}", bool(explicit)
+
+
+def _https(address: str, client: Client) -> Any:
+    """The TLS client's SSLContext for an https address (its CAs check the HTTP port too)."""
+    return client.tls if address.startswith("https://") else None
 
 
 def _unavailable(address: str, reason: object) -> str:
@@ -307,9 +321,9 @@ async def info_text(args: argparse.Namespace) -> int:
     print("\n".join(describe(info, str(client.address))), flush=True)
     address, explicit = _metrics_address(args, client)
     try:
-        before = await asyncio.to_thread(read_metrics, address)
+        before = await asyncio.to_thread(read_metrics, address, 2.0, _https(address, client))
         await asyncio.sleep(args.interval)
-        after = await asyncio.to_thread(read_metrics, address)
+        after = await asyncio.to_thread(read_metrics, address, 2.0, _https(address, client))
     except OSError as exc:
         reason = getattr(exc, "reason", exc)
         if explicit:
@@ -353,7 +367,9 @@ async def info_json(args: argparse.Namespace) -> int:
     out["metrics_address"] = address
     status = 0
     try:
-        out["stats"] = await asyncio.to_thread(read_stats, address, options["auth_token"])
+        out["stats"] = await asyncio.to_thread(
+            read_stats, address, client.auth_token, 2.0, _https(address, client), options.get("user")
+        )
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         out["stats"] = None

@@ -158,6 +158,9 @@ from broky.protocol.frames import Position, encode_ping, encode_subscribe, encod
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, UID_AT, UID_END
 from broky.protocol.message import BODY_MESSAGE, body_type
 
+if TYPE_CHECKING:
+    import ssl
+
 log = logging.getLogger("broky.client")
 _u32 = struct.Struct("<I").unpack_from
 
@@ -245,6 +248,7 @@ class LinkOwner(Protocol):
     # options (see `broky.connect`)
     name: str | None
     auth_token: str | None
+    tls: ssl.SSLContext | None  # every connection upgrades to TLS with it (None: plain)
     connect_timeout: float
     linger: float
     batch_size: int
@@ -480,7 +484,9 @@ class Link(_LinkState):
                 positions=self.previous is not None,  # it resubscribes `since` its positions
             )
             try:
-                proto, welcome = await open_connection(host, port, hello, client.connect_timeout)
+                proto, welcome = await open_connection(
+                    host, port, hello, client.connect_timeout, tls=client.tls
+                )
             except BrokyError as exc:
                 last = exc
                 self.tried.set()
@@ -1093,6 +1099,11 @@ class Link(_LinkState):
                 client.not_my_vbucket(self, err, frame.refused)
             elif err.code in (ErrorCode.SUBSCRIPTION_LIMIT, ErrorCode.BAD_GROUP) and err.sid:
                 client.subscription_refused(self, err)
+            elif err.code == ErrorCode.PERMISSION_DENIED:  # (--users) the connection stays
+                if err.sid:  # refused, or ended by a reload of the users: ended here too
+                    client.subscription_refused(self, err)
+                else:
+                    self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost

@@ -376,7 +376,9 @@ class Router:
         last: BrokyError | None = None
         for host, port in dict.fromkeys(candidates):
             try:
-                proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+                proto, welcome = await open_connection(
+                    host, port, hello, owner.connect_timeout, tls=owner.tls
+                )
             except BrokyError as exc:
                 last = exc
                 continue

@@ -1,5 +1,6 @@
 """Server addresses: `broky://host:port`, `host:port`, `host` or `[v6]:port`;
-a cluster's seeds are several, separated by commas (`h1:4777,h2:4777`)."""
+a cluster's seeds are several, separated by commas (`h1:4777,h2:4777`).
+`broky+tls://host:port` asks for TLS (schema/README.md section 2.1)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import NamedTuple
 DEFAULT_PORT = 4777
 DEFAULT_HOST = "127.0.0.1"
 SCHEME = "broky://"
+TLS_SCHEME = "broky+tls://"
 ENV_SERVER = "BROKY_SERVER"
 
 
@@ -26,6 +28,7 @@ def parse_server(url: str | None) -> ServerAddress:
 
     Accepted forms: ``broky://host:port``, ``host:port``, ``host``,
     ``broky://host``, ``[::1]:4777``; the port defaults to 4777.
+    ``broky+tls://`` instead of ``broky://`` asks for TLS (see `wants_tls`).
 
     Raises:
         ValueError: the text is not a server address (the message says why).
@@ -33,10 +36,11 @@ def parse_server(url: str | None) -> ServerAddress:
     if url is None:
         url = os.environ.get(ENV_SERVER) or f"{DEFAULT_HOST}:{DEFAULT_PORT}"
     text = url.strip()
+    tls = text.lower().startswith(TLS_SCHEME)
     if "://" in text:
-        if not text.lower().startswith(SCHEME):
-            raise ValueError(f"unsupported scheme in {url!r}: use broky://host:port")
-        text = text[len(SCHEME) :]
+        if not text.lower().startswith(SCHEME) and not tls:
+            raise ValueError(f"unsupported scheme in {url!r}: use broky://host:port or broky+tls://host:port")
+        text = text[len(TLS_SCHEME if tls else SCHEME) :]
     text = text.rstrip("/")
     if not text:
         raise ValueError(f"no host in server address {url!r}")
@@ -82,8 +86,9 @@ def parse_servers(text: str | None) -> list[ServerAddress]:
         text = os.environ.get(ENV_SERVER) or f"{DEFAULT_HOST}:{DEFAULT_PORT}"
     body = text.strip()
     scheme = ""
-    if body.lower().startswith(SCHEME):
-        scheme, body = SCHEME, body[len(SCHEME) :]
+    for known in (SCHEME, TLS_SCHEME):
+        if body.lower().startswith(known):
+            scheme, body = known, body[len(known) :]
     parts = [p.strip() for p in body.split(",")]
     if not any(parts):
         raise ValueError(f"no server address in {text!r}")
@@ -95,3 +100,11 @@ def parse_servers(text: str | None) -> list[ServerAddress]:
         if address not in seeds:
             seeds.append(address)
     return seeds
+
+
+def wants_tls(text: str | None) -> bool:
+    """Whether a server address (or list of seeds; None: $BROKY_SERVER) asks for TLS:
+    it starts with ``broky+tls://``, which then holds for every seed, or any seed does."""
+    if text is None:
+        text = os.environ.get(ENV_SERVER) or ""
+    return any(part.strip().lower().startswith(TLS_SCHEME) for part in text.split(","))

@@ -60,6 +60,17 @@ class ErrorCode(object):
     # members on this worker, or it also asks for since, since_time or last.
     # Not fatal, sid set, no subscription created.
     BAD_GROUP = 23
+    # The handshake is refused: this server requires TLS and the Hello did not
+    # ask for it (Hello.tls), or a Hello asking for TLS carried a secret.
+    TLS_REQUIRED = 24
+    # The handshake is refused: the Hello asked for TLS and this server does
+    # not offer it (no certificate configured).
+    TLS_UNAVAILABLE = 25
+    # A publish or Subscribe outside the permissions of the connection's user
+    # (--users). Not fatal: nothing of it is done; `sid` set for a Subscribe,
+    # `refused` holds the refused publish. Also the notice that ends a
+    # subscription the user may no longer hold (after a reload).
+    PERMISSION_DENIED = 26
 
 
 class LossReason(object):
@@ -579,13 +590,25 @@ class Hello(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
-def HelloStart(builder): builder.StartObject(6)
+    # The client asks for TLS (schema/README.md section 2.1): this Hello is
+    # sent in plain text and carries no secret (no auth_token, no
+    # previous.resume_token); the TLS handshake follows on the same stream,
+    # then the real Hello inside TLS.
+    # Hello
+    def Tls(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
+def HelloStart(builder): builder.StartObject(7)
 def HelloAddProtocolVersion(builder, protocolVersion): builder.PrependUint16Slot(0, protocolVersion, 1)
 def HelloAddWorker(builder, worker): builder.PrependInt16Slot(1, worker, -1)
 def HelloAddClientName(builder, clientName): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(clientName), 0)
 def HelloAddAuthToken(builder, authToken): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(authToken), 0)
 def HelloAddPrevious(builder, previous): builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(previous), 0)
 def HelloAddPositions(builder, positions): builder.PrependBoolSlot(5, positions, 0)
+def HelloAddTls(builder, tls): builder.PrependBoolSlot(6, tls, 0)
 def HelloEnd(builder): return builder.EndObject()
 
 

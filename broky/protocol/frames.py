@@ -96,6 +96,7 @@ class Hello(NamedTuple):
     auth_token: str | None = None
     previous: PreviousConnection | None = None
     positions: bool = False  # resubscribes `since` its positions: queued deliveries are replayed, not told
+    tls: bool = False  # asks for TLS: sent in plain text, no secret; the real Hello follows inside TLS
 
 
 class Resumed(NamedTuple):
@@ -356,6 +357,8 @@ def encode_hello(hello: Hello) -> bytes:
         fbs.HelloAddPrevious(b, previous)
     if hello.positions:
         fbs.HelloAddPositions(b, True)
+    if hello.tls:
+        fbs.HelloAddTls(b, True)
     return _finish(b, Body.Hello, fbs.HelloEnd(b))
 
 
@@ -945,7 +948,9 @@ def _decode_body(kind: int, t: Table) -> Frame:
             if prev is None
             else PreviousConnection(prev.u64(0), prev.u64(1), prev.u64(2), prev.byte_vector(3), prev.u64(4))
         )
-        return Hello(t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous, t.boolean(5))
+        return Hello(
+            t.u16(0, 1), t.i16(1, -1), t.string(2), t.string(3), previous, t.boolean(5), t.boolean(6)
+        )
     if kind == Body.Welcome:
         vmap = t.table(4)
         res = t.table(8)

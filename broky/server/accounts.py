@@ -120,18 +120,26 @@ class Account(NamedTuple):
     subscriptions: int = 0
     open: bool = False  # the connection was still open (the worker died under it)
     refused: int = 0  # processed publishes refused with NOT_MY_VBUCKET
-    token: bytes = b""  # the connection's secret (never in a hand-off: the master checks it)
+    # The connection's secret. In a hand-off only for a TLS client: the master checks a plain
+    # client's claim, but a TLS client's secret is inside TLS, so its worker checks it.
+    token: bytes = b""
     cut: bool = False  # the worker cut it to stay within its memory budget
 
-    def pack(self) -> bytes:
-        """The 48 bytes a hand-off carries (broky.server.handoff)."""
+    def pack(self, secret: bool = False) -> bytes:
+        """The 48 bytes a hand-off carries (broky.server.handoff); `secret`: then the token."""
         flags = CUT if self.cut else 0
-        return _ACCOUNT.pack(self.conn_id, self.processed, self.delivered, self.dropped, self.refused, flags)
+        packed = _ACCOUNT.pack(
+            self.conn_id, self.processed, self.delivered, self.dropped, self.refused, flags
+        )
+        return packed + self.token if secret else packed
 
     @classmethod
     def unpack(cls, data: bytes) -> Account:
-        conn_id, processed, delivered, dropped, refused, flags = _ACCOUNT.unpack(data)
-        return cls(conn_id, processed, delivered, dropped, refused=refused, cut=bool(flags & CUT))
+        conn_id, processed, delivered, dropped, refused, flags = _ACCOUNT.unpack_from(data)
+        token = bytes(data[_ACCOUNT.size :])
+        return cls(
+            conn_id, processed, delivered, dropped, refused=refused, token=token, cut=bool(flags & CUT)
+        )
 
 
 class Accounted(Protocol):
@@ -389,6 +397,13 @@ class DeadAccounts:
             self.claims_refused += 1
             return None
         return entry[1]
+
+    def lookup(self, conn_id: int, worker: int) -> Account | None:
+        """The account of a connection of a dead incarnation of `worker`, unproven: for a
+        TLS client, whose secret only its worker reads (inside TLS), and checks against
+        the account's before using it (broky.server.worker)."""
+        entry = self._accounts.get(conn_id)
+        return entry[1] if entry is not None and entry[0] == worker else None
 
     def discard(self, conn_id: int) -> None:
         """The account was handed to a worker: it is answered once."""

@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from broky.server.groups import SubscriptionTable
     from broky.server.logs import Throttle
     from broky.server.stats import WorkerStats
+    from broky.server.users import WorkerUsers
+
+from broky.server.users import subject_of
 
 log = logging.getLogger("broky.worker")
 
@@ -64,6 +67,7 @@ class Arrivals:
 
     if TYPE_CHECKING:  # what it uses of the rest of the Shard (a Connection's too: connection.Shard)
         config: ServerConfig
+        users: WorkerUsers | None
         book: AccountBook
         epoch: int
         welcome: WelcomeTemplate
@@ -113,6 +117,12 @@ class Arrivals:
             self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
             return
         c.client_name = hello.client_name
+        users = self.users
+        if users is not None:  # (a TLS client's certificate may name its user: mutual TLS)
+            cert = c.transport.get_extra_info("peercert")
+            c.user = name = users.identify(hello.auth_token, subject_of(cert) if cert else None)
+            if name is not None:
+                c.perms = users.permissions(name)
         self.book.open(c)
         resumed, notices = (
             (None, b"") if hello.previous is None else self.take_over(c, hello.previous, hello.positions)

@@ -79,7 +79,6 @@ class Backpressure:
         stats: WorkerStats
         conns: dict[int, Connection]
         warnings: Throttle
-        max_reply_bytes: int
         budget: Budget
         replay: ReplayBuffer | None
         handover: Handovers
@@ -172,9 +171,10 @@ class Backpressure:
             else:  # merged with the newest: those replies count until this write left
                 marks[-1] = (c.sent, c.reply_sent)
         unread = self.unread_replies(c, buffered)
-        if unread > self.max_reply_bytes:
+        limit = self.config.max_reply_bytes  # at most max_pending_bytes (ServerConfig.from_args)
+        if unread > limit:
             self.stop_reading(c)
-        elif c.reads_stopped and unread <= self.max_reply_bytes >> 2:
+        elif c.reads_stopped and unread <= limit >> 2:
             self.read_again(c)
 
     def unread_replies(self, c: Connection, buffered: int) -> int:
@@ -218,7 +218,7 @@ class Backpressure:
             c.dropped = 0
         deadline = self.config.slow_consumer_deadline
         if c.reads_stopped:
-            why = f"over {self.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
+            why = f"over {self.config.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
         else:
             why = f"over {c.limit} pending bytes for more than {deadline:g} s"
         self.fatal(c, ErrorCode.SLOW_CONSUMER, why)

@@ -1,4 +1,4 @@
-"""The `broky serve` subcommand."""
+"""The `broky serve` and `broky passwd` subcommands."""
 
 from __future__ import annotations
 
@@ -23,6 +23,31 @@ def register(subparsers: Any) -> None:
     )
     config.add_arguments(parser)
     parser.set_defaults(func=run)
+    passwd: argparse.ArgumentParser = subparsers.add_parser(
+        "passwd",
+        help="print the hash of a password for a users file (--users)",
+        description=(
+            "Read a password (a prompt on a terminal, else the first line of stdin) and print "
+            "its salted hash (pbkdf2-sha256$ITERATIONS$SALT$HASH), for `password = ...` in a users file."
+        ),
+    )
+    passwd.set_defaults(func=run_passwd)
+
+
+def run_passwd(args: argparse.Namespace) -> int:
+    from broky.server.users import hash_password
+
+    if sys.stdin.isatty():
+        import getpass
+
+        password = getpass.getpass("password: ")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if not password:
+        print("broky passwd: error: an empty password", file=sys.stderr)
+        return 2
+    print(hash_password(password))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

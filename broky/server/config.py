@@ -74,6 +74,7 @@ class ServerConfig:
     http_body_memory: int = 64 << 20  # request bodies the HTTP port holds at once, by all connections
     http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
     auth_token: str | None = None
+    users: str | None = None  # a users file (TOML; broky.server.users), read again at SIGHUP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
@@ -107,6 +108,13 @@ class ServerConfig:
     # After a drain, seconds the node serves on while it retains messages of vbuckets it handed
     # over, so that readers behind the handover can fetch them (broky.server.master); 0: none.
     drain_linger: float = 5.0
+    # TLS (broky.server.tls): the server's certificate chain and key (PEM); with them every
+    # client connection must ask for TLS (unless tls_allow_plain) and the HTTP port serves https.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # CA bundle (PEM) that client certificates must chain to
+    tls_verify_clients: bool = False  # mutual TLS: a client without a certificate from tls_ca is refused
+    tls_allow_plain: bool = False  # with a certificate, plain connections are served too
 
     def advertised_host(self) -> str:
         """The host clients should dial, as written in the vbucket map."""
@@ -117,9 +125,11 @@ class ServerConfig:
         return self.host
 
     def to_worker_json(self) -> dict[str, Any]:
-        """The settings a worker needs (the auth token stays in the master)."""
+        """The settings a worker needs. The auth token stays in the master, except with
+        TLS: a TLS connection's Hello is read, and its token checked, by its worker."""
         data = dataclasses.asdict(self)
-        data["auth_token"] = None
+        if not self.tls_cert:
+            data["auth_token"] = None
         return data
 
     @classmethod
@@ -232,6 +242,25 @@ def _size(text: str) -> int:
     return value
 
 
+def _switch(text: str) -> bool:
+    """A flag that takes no value (given alone: on), or yes/no, true/false, 1/0 (variables)."""
+    value = text.strip().lower()
+    if value in ("1", "yes", "true", "on"):
+        return True
+    if value in ("0", "no", "false", "off", ""):
+        return False
+    raise _invalid(f"expected yes or no, got {text!r}")
+
+
+def _readable_file(text: str) -> str:
+    """A file this process can read (a certificate, a key, a CA bundle)."""
+    if not os.path.isfile(text):
+        raise _invalid(f"no such file: {text!r}")
+    if not os.access(text, os.R_OK):
+        raise _invalid(f"cannot read {text!r} (permission denied)")
+    return text
+
+
 def _size_or_zero(text: str) -> int:
     """A size in bytes (`_size`), or 0."""
     if text.strip() == "0":
@@ -276,6 +305,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         str,
         "token every Hello must carry, and every request for /stats, /connections and /topics "
         "(as 'Authorization: Bearer TOKEN'; default: none)",
+    ),
+    (
+        "--users",
+        "users",
+        _readable_file,
+        "users file (TOML): users, their password hashes (broky passwd) or certificate subjects, "
+        "and what each may publish and subscribe to; clients connect as USER:PASSWORD; reloaded at "
+        "SIGHUP (default: none)",
     ),
     ("--max-frame-bytes", "max_frame_bytes", _size, "largest accepted frame (default %(default)s)"),
     (
@@ -434,6 +471,32 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "vbuckets it handed over, so that bounded reads behind the handover can fetch them; "
         "0 = stop at once (default %(default)s)",
     ),
+    (
+        "--tls-cert",
+        "tls_cert",
+        _readable_file,
+        "PEM certificate chain of the server: with --tls-key, clients must connect with TLS "
+        "(broky+tls://), and the HTTP port serves https; reloaded at SIGHUP (default: no TLS)",
+    ),
+    ("--tls-key", "tls_key", _readable_file, "PEM private key of --tls-cert (default: none)"),
+    (
+        "--tls-ca",
+        "tls_ca",
+        _readable_file,
+        "PEM CA bundle that client certificates must chain to (with --tls-verify-clients) (default: none)",
+    ),
+    (
+        "--tls-verify-clients",
+        "tls_verify_clients",
+        _switch,
+        "mutual TLS: refuse a client without a certificate signed by --tls-ca (default: off)",
+    ),
+    (
+        "--tls-allow-plain",
+        "tls_allow_plain",
+        _switch,
+        "with --tls-cert, serve plain TCP connections too (default: off, TLS only)",
+    ),
 ]
 
 
@@ -449,7 +512,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     for flag, dest, kind, help_text in _FLAGS:
         shown = str(getattr(defaults, dest)).replace("%", "%%")
-        parser.add_argument(flag, dest=dest, type=kind, help=help_text.replace("%(default)s", shown))
+        text = help_text.replace("%(default)s", shown)
+        if kind is _switch:  # given alone: on
+            parser.add_argument(flag, dest=dest, type=kind, nargs="?", const=True, help=text)
+        else:
+            parser.add_argument(flag, dest=dest, type=kind, help=text)
 
 
 def _from_environment(
@@ -520,6 +587,12 @@ def from_args(
         raise ValueError("--workers cannot exceed the 1024 vbuckets")
     if config.memory_budget < config.workers:
         raise ValueError(f"--memory-budget must give each of the {config.workers} workers at least a byte")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together: give both, or neither")
+    if config.tls_verify_clients and not config.tls_ca:
+        raise ValueError("--tls-verify-clients needs --tls-ca: the CA that client certificates chain to")
+    if (config.tls_ca or config.tls_verify_clients or config.tls_allow_plain) and not config.tls_cert:
+        raise ValueError("--tls-ca, --tls-verify-clients and --tls-allow-plain need --tls-cert and --tls-key")
     share = config.memory_budget // config.workers
     if share < config.max_pending_bytes:
         warn(

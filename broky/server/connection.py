@@ -42,6 +42,7 @@ from broky.matching import GT
 if TYPE_CHECKING:
     from broky.server.accounts import Account
     from broky.server.config import ServerConfig
+    from broky.server.users import Permissions
 
 
 class Shard(Protocol):
@@ -69,7 +70,8 @@ class Connection(asyncio.Protocol):
         "paused", "write_paused", "reads_stopped", "said_goodbye", "dropped", "over_since", "subs", "linger",
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
-        "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out",
+        "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
+        "perms",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -130,6 +132,10 @@ class Connection(asyncio.Protocol):
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
         self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.reads)
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.groups)
+        # Its user (--users; None: none, or the server's token) and, when that user's
+        # permissions are limited, what it may do (broky.server.users).
+        self.user: str | None = None
+        self.perms: Permissions | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.on_adopted is not None:

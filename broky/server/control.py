@@ -12,6 +12,12 @@ Resume restarts a read the Pause held up.
 
 Theory of operation
 -------------------
+Permissions (--users, broky.server.users): a Subscribe of a connection whose
+user may not subscribe to its pattern (or use groups) gets a non-fatal
+PERMISSION_DENIED and creates nothing (`deny`, counted per user);
+`apply_users` takes a reloaded users file and ends, with the same Error and
+the sid, each subscription the new rules refuse.
+
 Limits: a Subscribe over --max-subscriptions (count) or --max-subscription-bytes
 (pattern + key_partition + SUBSCRIPTION_TOKEN_BYTES per pattern token, summed
 over the connection) gets a non-fatal SUBSCRIPTION_LIMIT and creates nothing.
@@ -53,8 +59,13 @@ if TYPE_CHECKING:
     from broky.server.config import ServerConfig
     from broky.server.groups import Member, SubscriptionTable
     from broky.server.stats import WorkerStats
+    from broky.server.users import Permissions, Users, WorkerUsers
 
 SUBSCRIPTION_TOKEN_BYTES = 64  # charged per pattern token against --max-subscription-bytes
+
+
+def _text(b: bytes) -> str:
+    return b.decode(errors="backslashreplace")
 
 
 def subscription_size(pattern: bytes, key_partition: bytes | None, tokens: int) -> int:
@@ -73,6 +84,10 @@ class ControlFrames:
         stats: WorkerStats
         budget: Budget
         _touched: list[Connection]
+        users: WorkerUsers | None
+        conns: dict[int, Connection]
+
+        def flush(self) -> None: ...
 
         def forget_routes(self) -> None: ...
         def write_out(self, t: Connection) -> int: ...
@@ -139,6 +154,14 @@ class ControlFrames:
         except BadPatternError as exc:
             self.error(c, ErrorCode.BAD_PATTERN, str(exc), sub.sid)
             return
+        perms = c.perms
+        if perms is not None:
+            why = perms.subscribe_refusal(sub.pattern, bool(sub.group))
+            if why is not None:
+                self.deny(
+                    c, perms, f"subscription {sub.sid} to '{_text(sub.pattern)}' refused: {why}", sub.sid
+                )
+                return
         kp = sub.key_partition
         if kp is not None and not self.accepts[vbucket_of(kp)]:
             self.error(
@@ -180,6 +203,47 @@ class ControlFrames:
         self.forget_routes()
         if sub.since or sub.since_time or sub.last:  # a start from positions (broky.server.history)
             self.start_subscription(c, s, sub, t0)
+
+    def deny(
+        self, c: Connection, perms: Permissions, message: str, sid: int = 0, refused: bytes | None = None
+    ) -> None:
+        """PERMISSION_DENIED (non-fatal), counted per user (broky.server.users)."""
+        denied = self.stats.permission_denied
+        denied[perms.name] = denied.get(perms.name, 0) + 1
+        self.error(c, ErrorCode.PERMISSION_DENIED, f"user {perms.name!r}: {message}", sid, refused)
+
+    def deny_publish(self, c: Connection, perms: Permissions, key: bytes, why: str, frame: bytes) -> None:
+        """A publish outside the user's permissions: processed and refused, as NOT_MY_VBUCKET
+        (the frame goes back in the Error)."""
+        c.refused += 1
+        self.deny(c, perms, f"publish to '{_text(key)}' refused: {why}", refused=frame)
+
+    def apply_users(self, users: Users) -> None:
+        """Users read again (SIGHUP): every connection takes its user's new rules, and
+        each subscription they refuse ends with a PERMISSION_DENIED carrying its sid."""
+        registry = self.users
+        if registry is None:
+            return
+        registry.replace(users)
+        self.forget_routes()
+        for c in list(self.conns.values()):
+            if c.user is None:
+                continue
+            c.perms = perms = registry.permissions(c.user)
+            if perms is None:
+                continue
+            for sid, s in list(c.subs.items()):
+                why = perms.subscribe_refusal(s.pattern, s.member is not None)
+                if why is not None:
+                    self.unsubscribe(c, sid)
+                    self.deny(
+                        c, perms, f"subscription {sid} to '{_text(s.pattern)}' ended by a reload: {why}", sid
+                    )
+            if c.out and not c.touched:
+                c.touched = True
+                self._touched.append(c)
+        if self._touched:
+            self.flush()
 
     def refuse_subscription(self, c: Connection, sid: int, limit: str, why: str) -> None:
         """A Subscribe over a per-connection limit: non-fatal SUBSCRIPTION_LIMIT, counted."""

@@ -56,8 +56,15 @@ Theory of operation
    scoped subscriptions match) those subscribed to this key_partition. A
    connection appears at most once, so a message travels once per connection
    however many of its subscriptions match; the client dispatches locally.
+   A connection whose user (--users) may publish some keys only reads its
+   user's own cache instead (broky.server.users `Permissions.routes`): a miss
+   there checks the key against the user's patterns first (refused:
+   PERMISSION_DENIED, with the frame, as NOT_MY_VBUCKET), then routes it and
+   copies the route in; the compiled twin gets that dict, so an allowed key
+   costs what it costs anyone. Without --users, or for a user allowed
+   everything, nothing of this runs (Connection.perms is None).
    Any subscription change (subscribe, unsubscribe, disconnect) empties the
-   cache; it is also emptied when it reaches ROUTE_CACHE_SIZE entries. Routes
+   cache (and the users' caches); it is also emptied when it reaches ROUTE_CACHE_SIZE entries. Routes
    of keys (key_partition + key) over ROUTE_CACHE_MAX_KEY bytes are not cached,
    here or in the matcher, so the caches hold at most ROUTE_CACHE_SIZE small keys.
 3. Runs: consecutive messages with the same targets form a run. A message whose
@@ -142,6 +149,7 @@ from broky.server.reads import Reads
 from broky.server.replay import ReplayBuffer
 from broky.server.sequences import Sequences
 from broky.server.stats import DropReason, Monitoring, WorkerStats
+from broky.server.users import WorkerUsers
 
 log = logging.getLogger("broky.worker")
 
@@ -255,7 +263,8 @@ class Shard(
         # Restart grace (see `start_grace`): while `holding`, Message frames are held.
         self.holding = False
         self.grace = Grace()
-        self.max_reply_bytes = min(config.max_reply_bytes, config.max_pending_bytes)
+        # Users and their permissions (--users; broky.server.users): None without.
+        self.users: WorkerUsers | None = None
         # This worker's share of --memory-budget (broky.server.memory_budget; the replay buffer
         # draws from it too), and the heap trim's bookkeeping.
         self.budget = Budget(config.memory_budget // config.workers)
@@ -301,7 +310,8 @@ class Shard(
         stats = self.stats
         stats.bytes_received += n
         max_frame = self.config.max_frame_bytes
-        routes = self.routes
+        perms = c.perms  # a user with limited permissions: its own route cache (broky.server.users)
+        routes = self.routes if perms is None else perms.routes
         uid_shapes = self.uid_shapes
         plain_shapes = self.plain_shapes
         startswith = data.startswith
@@ -457,7 +467,20 @@ class Shard(
                     route = routes[rkey]
                 except KeyError:
                     kp, key, ts_at = route_message(data, pos, end)  # validates the whole frame once
+                    if perms is not None:
+                        why = perms.publish_refusal(key)
+                        if why is not None:
+                            if run is not None:
+                                delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
+                                run = same_head = None
+                            self.deny_publish(c, perms, key, why, data[pos:end])
+                            pos = end
+                            continue
                     route = self.route(rkey, kp, key)
+                    if perms is not None and route is not AWAITING and rkey in self.routes:
+                        if len(routes) >= ROUTE_CACHE_SIZE:
+                            routes.clear()
+                        routes[rkey] = route  # a key this user may publish
                     if route is AWAITING:  # its vbucket's sequence is on its way: held until it is here
                         published -= 1
                         if run is not None:
@@ -641,6 +664,8 @@ class Shard(
         """Subscriptions changed: every cached route may be wrong."""
         self.routes.clear()
         self._interned.clear()
+        if self.users is not None:
+            self.users.forget_routes()
 
     def flush(self) -> None:
         """Write once to every connection touched during this read; charge what each

@@ -4,7 +4,9 @@ Theory of operation
 -------------------
 Routes (registered on the master's HttpServer, broky.server.httpd, all under
 /v1/, all `private`: with an --auth-token they need it, as a Bearer header, the
-broky_token cookie or ?access_token=):
+broky_token cookie or ?access_token=; with --users, a user's Basic credentials
+do too, and the request acts as that user: `refusal` answers 403 for a key or
+pattern outside its permissions, or for a user with `http = false`):
 
     POST /v1/pub/KEY?partition=P[&lines=0]   publish; JSON answer
     GET  /v1/sub/PATTERN?format=ndjson|raw|sse[&partition=P][&since_time=T][&last=N]
@@ -175,6 +177,8 @@ from broky.protocol.routing import vbucket_of
 from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
 
 if TYPE_CHECKING:
+    import ssl
+
     from broky.client.client import Client
     from broky.client.connection import WorkerProtocol
     from broky.client.link import WorkerRef
@@ -208,6 +212,7 @@ class GatewayCounters:
     """Plain integers, read at scrape time."""
 
     published: int = 0  # messages
+    permission_denied: int = 0  # requests of a user outside its permissions (403)
     publish_requests: int = 0  # answered 200
     forwarded: int = 0  # messages published at a worker of another node
     publish_retries: int = 0  # POSTs tried a second time (their vbucket moved, or a node went)
@@ -313,6 +318,8 @@ class SubStream:
         self.sub: Subscription[Message] | None = None
         self.dropped = 0  # messages not written: the stream was cut for them
         self.idle = False  # nothing written since the gateway's last keepalive tick
+        self.user: str | None = None  # the user of its request (--users), and its pattern
+        self.pattern = b""
 
     # ------------------------------------------------ from the SDK (inline, never blocks)
 
@@ -365,6 +372,15 @@ class SubStream:
             self._put(f"event: cut\ndata: {body}\n\n".encode())
         elif self.format == "ndjson":
             self._put(f'{{"cut":{body}}}\n'.encode())
+        self.end()
+
+    def deny(self, why: str) -> None:
+        """A reload of the users refuses this stream's pattern: say so (ndjson, SSE), end."""
+        body = json.dumps({"reason": "PERMISSION_DENIED", "message": why})
+        if self.format == "sse":
+            self._put(f"event: denied\ndata: {body}\n\n".encode())
+        elif self.format == "ndjson":
+            self._put(f'{{"denied":{body}}}\n'.encode())
         self.end()
 
     def _put(self, data: bytes) -> None:
@@ -667,6 +683,7 @@ class Gateway:
                 f"{self.connect_host}:{cfg.port}",
                 name="http-gateway",
                 auth_token=cfg.auth_token,
+                ssl_context=self._tls(),
                 on_loss=self._connection_loss,
                 on_error=self._error,
             )
@@ -694,6 +711,22 @@ class Gateway:
                 if stream.format == "sse":
                     stream.keepalive()
 
+    def _tls(self) -> ssl.SSLContext | None:
+        """A TLS server's gateway connects to its own workers with TLS too (they require
+        it): it checks no certificate (it dials its own port), and under mutual TLS it
+        presents the server's certificate, which must then chain to --tls-ca."""
+        cfg = self.config
+        if not cfg.tls_cert or cfg.tls_allow_plain:
+            return None
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        if cfg.tls_verify_clients:
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        return ctx
+
     def _connection_loss(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         name = LossReason.name(reason)
         for stream in list(self.streams):
@@ -704,10 +737,44 @@ class Gateway:
 
     # ------------------------------------------------------------ publish
 
+    def apply_users(self) -> None:
+        """The users were reloaded (SIGHUP): end each stream its user may no longer hold."""
+        for stream in list(self.streams):
+            if stream.user is not None and not stream.ended:
+                why = self.why_not(stream.user, sub=stream.pattern)
+                if why is not None:
+                    self.counters.permission_denied += 1
+                    stream.deny(f"user {stream.user!r}: subscription ended by a reload: {why}")
+
+    def refusal(self, request: Request, pub: bytes | None = None, sub: bytes | None = None) -> None:
+        """A request of a user (Basic credentials, --users) outside its permissions: 403."""
+        if request.user is None:
+            return
+        why = self.why_not(request.user, pub, sub)
+        if why is not None:
+            self.counters.permission_denied += 1
+            raise HttpError(403, f"PERMISSION_DENIED: user {request.user!r}: {why}")
+
+    def why_not(self, name: str, pub: bytes | None = None, sub: bytes | None = None) -> str | None:
+        """Why user `name` may not publish `pub` (or subscribe to `sub`) here; None: it may."""
+        users = self.http.users()
+        user = None if users is None else users.by_name.get(name)
+        if user is None:
+            why: str | None = "the user is gone from the users file"
+        elif not user.http:
+            why = "may not use the HTTP gateway"
+        elif pub is not None:
+            why = user.publish.key_refusal(pub)
+        else:
+            assert sub is not None
+            why = user.subscribe.pattern_refusal(sub)
+        return why
+
     async def publish(self, request: Request) -> Response:
         key = urllib.parse.unquote_to_bytes(request.path[len(PUB) :])
         if not key:
             raise_bad("the key is missing: POST /v1/pub/KEY")
+        self.refusal(request, pub=key)
         query = request.query
         partition = query["partition"].encode() if "partition" in query else key
         if not partition:
@@ -883,7 +950,7 @@ class Gateway:
         host, port = client.address_of(node_id)
         hello = Hello(worker=worker, client_name="http-gateway-pub", auth_token=self.config.auth_token)
         try:
-            lane.proto, _ = await open_connection(host, port, hello, CONNECT_TIMEOUT)
+            lane.proto, _ = await open_connection(host, port, hello, CONNECT_TIMEOUT, tls=client.tls)
         except (BrokyError, OSError) as exc:
             raise BrokyError(f"cannot reach {lane} at {host}:{port}: {exc}") from None
         lane.proto.attach(lane)
@@ -897,6 +964,7 @@ class Gateway:
             parse_pattern(pattern)
         except BadPatternError:
             raise_bad(f"bad pattern {quote(pattern)}: {_pattern_problem(pattern)}")
+        self.refusal(request, sub=pattern)
         query = request.query
         fmt = query.get("format")
         if fmt is None:
@@ -926,6 +994,7 @@ class Gateway:
             ledger.live = True
         bound = min(self.config.max_pending_bytes, STREAM_MAX_PENDING)
         stream = SubStream(self, fmt, bound, ledger)
+        stream.user, stream.pattern = request.user, pattern  # (a reload of the users re-checks them)
         if fmt == "sse":
             stream._put(f"retry: {SSE_RETRY_MS}\n\n".encode())
             if told_unknown:

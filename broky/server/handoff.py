@@ -10,7 +10,7 @@ master -> worker
              {"config": ServerConfig, "epoch": the worker's connection id epoch,
              "map": the current vbucket map (JSON, or null for the single-node map),
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
-             messages that follow}
+             messages that follow, "users": the users file (--users) as read, or null}
     MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
              to apply (the cluster's; broky.server.ownership `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
@@ -19,8 +19,12 @@ master -> worker
     CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
              read from the client: its Hello frame, and for a client resuming
              a connection of a dead worker, that connection's account:
-             broky.server.accounts `Account.pack`), with the client socket's
-             fd attached
+             broky.server.accounts `Account.pack`, with its secret when the
+             client asked for TLS (its worker checks the claim, the master
+             cannot: the secret is inside TLS); then flags: TLS_FLAG when the
+             Hello asked for TLS, so the worker runs the TLS handshake and
+             reads the real Hello inside it, broky.server.tls), with the client
+             socket's fd attached
     STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
              or another view (broky.server.monitor.answer)
     GRACE    uint32 milliseconds: this server (or node) restarted, as a
@@ -30,6 +34,10 @@ master -> worker
     SEQUENCES  a handover record read from etcd (JSON, broky.server.handover
              `Handed`): the sequences a worker of the cluster handed over;
              the new owners continue them (`Shard.take_handed`)
+    RELOAD   (no payload) SIGHUP: load the TLS certificates again; handshakes
+             that start later use them (broky.server.tls `Certificates`)
+    USERS    JSON: the users file, read again at SIGHUP (broky.server.users): the worker
+             applies its rules at once (`Shard.apply_users`); CONFIG carries it at boot
 worker -> master
     READY    the worker serves (sent once after boot)
     ADOPTED  uint32 hand-off id + uint32 open connections (this one included):
@@ -61,7 +69,7 @@ answered yet (broky.server.master).
 
 CONN's payload is a fixed header (hand-off id, number of fields) followed by
 the length of each field, then the fields: the Hello bytes are field 0, the
-account field 1 (empty: none). New
+account field 1 (empty: none), the flags field 2 (empty: none). New
 fields are appended; `split_conn` reads the fields it knows, so a reader
 ignores fields newer than itself and gets b"" for fields its peer did not send.
 A worker that reads EOF on the channel knows the master is gone and exits.
@@ -82,6 +90,8 @@ STATS = b"S"
 GRACE = b"G"
 SEQUENCES = b"Q"
 HANDED = b"H"
+RELOAD = b"T"
+USERS = b"U"
 READY = b"R"
 LOAD = b"L"
 ADOPTED = b"A"
@@ -89,6 +99,7 @@ REFUSED = b"F"
 CLOSED = b"X"
 
 NO_FD = "no_fd"  # the REFUSED cause of a CONN that arrived without its file descriptor
+TLS_FLAG = b"T"  # CONN flags: the client asked for TLS (its Hello inside TLS follows)
 
 MAX_MESSAGE = 1 << 20  # larger than any Hello or stats snapshot
 _u32 = struct.Struct("<I")
@@ -112,6 +123,7 @@ class Conn(NamedTuple):
     handoff_id: int
     hello: bytes
     account: bytes = b""  # broky.server.accounts Account.pack, or b"": none
+    tls: bool = False  # the Hello asked for TLS: the worker runs the handshake (broky.server.tls)
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -136,11 +148,16 @@ def send(chan: socket.socket, kind: bytes, payload: bytes = b"") -> None:
 
 
 def send_socket(
-    chan: socket.socket, client: socket.socket, handoff_id: int, already_read: bytes, account: bytes = b""
+    chan: socket.socket,
+    client: socket.socket,
+    handoff_id: int,
+    already_read: bytes,
+    account: bytes = b"",
+    tls: bool = False,
 ) -> None:
     """Hand a client socket, the bytes read from it so far (and the account of the
-    connection it resumes) to the worker (CONN)."""
-    socket.send_fds(chan, [CONN + pack_conn(handoff_id, already_read, account)], [client.fileno()])
+    connection it resumes; whether it asked for TLS) to the worker (CONN)."""
+    socket.send_fds(chan, [CONN + pack_conn(handoff_id, already_read, account, tls)], [client.fileno()])
 
 
 def send_json(chan: socket.socket, kind: bytes, request_id: int, data: Any) -> None:
@@ -164,9 +181,11 @@ def recv(chan: socket.socket) -> Received:
     return Received(data[:1], data[1:], fd, bool(flags & socket.MSG_CTRUNC))
 
 
-def pack_conn(handoff_id: int, hello: bytes, account: bytes = b"") -> bytes:
+def pack_conn(handoff_id: int, hello: bytes, account: bytes = b"", tls: bool = False) -> bytes:
     """The payload of a CONN message."""
-    fields = (hello, account) if account else (hello,)
+    fields: tuple[bytes, ...] = (
+        (hello, account, TLS_FLAG) if tls else (hello, account) if account else (hello,)
+    )
     lengths = b"".join(_u32.pack(len(f)) for f in fields)
     return _conn_head.pack(handoff_id, len(fields)) + lengths + b"".join(fields)
 
@@ -182,7 +201,8 @@ def split_conn(payload: bytes) -> Conn:
         offset += size
     hello = fields[0] if fields else b""
     account = fields[1] if len(fields) > 1 else b""
-    return Conn(handoff_id, hello, account)
+    tls = len(fields) > 2 and TLS_FLAG in fields[2]
+    return Conn(handoff_id, hello, account, tls)
 
 
 EXPECT_BATCH = 65536  # ids per EXPECT message (512 KiB)

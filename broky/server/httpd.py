@@ -8,6 +8,9 @@ returns (status, content type, body), or a `Stream` whose chunks are sent as
 they come. The master registers /healthz and /readyz, broky.server.monitor
 adds /metrics, /stats, /connections and /topics (see there for what each
 lists, and which need the auth token), broky.server.gateway the /v1/ routes.
+With --users, a private route also takes a user's 'Authorization: Basic'
+credentials (checked by broky.server.users.admits; the request then names
+its `user`).
 
 A connection carries requests one after the other (HTTP/1.1 keep-alive; an
 HTTP/1.0 request, or one with "Connection: close", is the last), at most
@@ -98,16 +101,21 @@ way, once per cause per LOG_INTERVAL, never with what was sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from broky.errors import BrokyError
 from broky.server.logs import Throttle
+from broky.server.users import Users, admits
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("broky.master")
 
@@ -122,6 +130,7 @@ class Request:
     headers: dict[str, str]  # lower-case name -> value (bytes as latin-1, so nothing is lost)
     version: int = 1  # the minor version: HTTP/1.0 or HTTP/1.1
     body: bytes = b""
+    user: str | None = None  # the user its Basic credentials named (--users), once authorized
 
     @property
     def keep_alive(self) -> bool:
@@ -510,6 +519,7 @@ class HttpServer:
         self.prefixes: dict[str, Route] = {}  # path prefix -> route (the longest that matches wins)
         self.server: asyncio.AbstractServer | None = None
         self._token = token.encode() if token else None
+        self.users: Callable[[], Users | None] = lambda: None  # --users: Basic credentials admit too
         self.max_body = max_body
         self.max_connections = max_connections
         self.bodies = BodyMemory(body_memory)
@@ -542,10 +552,10 @@ class HttpServer:
                 route = self.prefixes[max(matches, key=len)]
         return route
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen; return the bound port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen (https with the context `tls`); return the bound port."""
         self.server = await asyncio.start_server(
-            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES
+            self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES, ssl=tls
         )
         return int(self.server.sockets[0].getsockname()[1])
 
@@ -630,7 +640,7 @@ class HttpServer:
             exc.send_body = send_body
             return _versioned(exc.answer(), request, keep=False), b""
         route = self.find(request.path)
-        refused = self.admit(request, route)
+        refused, request = await self.admit(request, route)
         unused = refused is None and framing != 0 and route is not None and "POST" not in route.methods
         if refused is not None or unused:
             # Decided from the head, or a body the route does not take: a small body is
@@ -672,9 +682,7 @@ class HttpServer:
                     self.counters.refused_memory += 1
                 exc.send_body = send_body
                 return _versioned(exc.answer(), request, keep=False), b""
-            request = Request(
-                request.method, request.path, request.query, request.headers, request.version, body
-            )
+            request = dataclasses.replace(request, body=body)
             del body
             got = await self.handle(request, route)
         finally:
@@ -699,25 +707,35 @@ class HttpServer:
     async def respond(self, request: Request) -> Answer | Stream:
         """Route, authorize and handle a parsed request (its body, if any, already in it)."""
         route = self.find(request.path)
-        refused = self.admit(request, route)
+        refused, request = await self.admit(request, route)
         if refused is not None:
             return refused
         assert route is not None
         return await self.handle(request, route)
 
-    def admit(self, request: Request, route: Route | None) -> Answer | None:
-        """The answer that ends `request` from its head alone (404, 405, 401), or None."""
+    async def admit(self, request: Request, route: Route | None) -> tuple[Answer | None, Request]:
+        """The answer that ends `request` from its head alone (404, 405, 401), or None; and the
+        request, with its user once Basic credentials admitted it."""
         send_body = request.method != "HEAD"
         if route is None:
-            return HttpError(404, f"no such path: {quote(request.path)}").answer_for(send_body)
+            return HttpError(404, f"no such path: {quote(request.path)}").answer_for(send_body), request
         if request.method not in route.methods:
             allow = ", ".join(route.methods)
-            return HttpError(405, f"{allow} only", (("Allow", allow),)).answer_for(send_body)
+            return HttpError(405, f"{allow} only", (("Allow", allow),)).answer_for(send_body), request
         if route.private and self._token is not None:
-            refused = self._authorize(request, route.browser)
-            if refused is not None:
-                return refused.answer_for(send_body)
-        return None
+            users = self.users()
+            if users is not None and request.headers.get("authorization", "")[:6].lower() == "basic ":
+                user = await self._basic(request, users)
+                if user is None:
+                    return HttpError(
+                        401, "wrong user or password", (("WWW-Authenticate", 'Basic realm="broky"'),)
+                    ).answer_for(send_body), request
+                request = dataclasses.replace(request, user=user)
+            else:
+                refused = self._authorize(request, route.browser)
+                if refused is not None:
+                    return refused.answer_for(send_body), request
+        return None, request
 
     async def handle(self, request: Request, route: Route) -> Answer | Stream:
         """The answer of `route`'s handler to an admitted request."""
@@ -772,6 +790,20 @@ class HttpServer:
             stream.close()
             watcher.cancel()
             writer.close()
+
+    async def _basic(self, request: Request, users: Users) -> str | None:
+        """The user that 'Authorization: Basic base64(user:password)' names, verified; or None."""
+        import base64
+        import binascii
+
+        try:
+            given = base64.b64decode(request.headers["authorization"][6:].strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            given = ""
+        if not await admits(None, users, given):
+            self.refused["wrong"] = self.refused.get("wrong", 0) + 1
+            return None
+        return given.partition(":")[0]
 
     def _authorize(self, request: Request, browser: bool) -> HttpError | None:
         """None when the request carries the token, else the 401 that says why not."""

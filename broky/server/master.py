@@ -9,9 +9,17 @@ the cause and the option that chooses another (`_cannot_listen`), and exit 1.
 For each accepted socket it reads exactly one frame: the size prefix, then
 that many bytes (never more, so anything the client pipelined behind its
 Hello stays in the kernel for the worker to read), within --hello-timeout
-seconds. It checks that the frame is a Hello of protocol
-version 1, with the right auth token when one is configured, and picks the
-worker: Hello.worker, or the least-loaded one for -1. The socket and the Hello
+seconds. It checks that the frame is a Hello of a protocol
+version it serves, with the right auth token (or, with --users, a user's
+USER:PASSWORD: broky.server.users) when one is configured, and picks the
+worker: Hello.worker, or the least-loaded one for -1. A Hello that asks for
+TLS (Hello.tls, with --tls-cert) carries no secret: the master checks no token,
+hands the socket over with the TLS flag, and the worker runs the TLS handshake
+and checks the real Hello inside it (broky.server.tls); with a certificate,
+a Hello that does not ask for TLS is refused (TLS_REQUIRED) unless
+--tls-allow-plain. SIGHUP reloads the certificates (`reload`: here, for the
+https port, and in every worker, RELOAD) and the users file (here, and in
+every worker, USERS). The socket and the Hello
 bytes then travel to that worker over its control channel as a CONN with a
 hand-off id (broky.server.handoff), and the master keeps its own copy of the
 socket until the worker answers: ADOPTED (the master closes its copy; the
@@ -94,6 +102,7 @@ them) before it stops; a second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import errno
 import json
@@ -127,9 +136,11 @@ from broky.server.httpd import HttpServer, Request, Response
 from broky.server.logs import Throttle
 from broky.server.rates import AddressRate
 from broky.server.supervisor import Supervisor, WorkerProcess
+from broky.server.users import Users, admits
 
 if TYPE_CHECKING:
     from broky.cluster.node import ClusterNode
+    from broky.server.tls import Certificates
 
 log = logging.getLogger("broky.master")
 
@@ -187,12 +198,23 @@ class Refused(BrokyError):
 
 class Master:
     def __init__(self, config: ServerConfig) -> None:
+        self.users: Users | None = None  # --users (broky.server.users)
+        self.users_error: str | None = None  # a users file that does not read: `run` says so
+        if config.users:
+            try:
+                self.users = Users.load(config.users)
+            except ValueError as exc:
+                self.users_error = str(exc)
+            if not config.auth_token:  # the server's own key (its HTTP gateway's), known to no one else
+                secret = base64.urlsafe_b64encode(os.urandom(24)).decode()  # (no `secrets`: it loads hmac)
+                config = dataclasses.replace(config, auth_token=secret)
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
         self.http = HttpServer(
             config.auth_token, config.http_max_body, config.http_max_connections, config.http_body_memory
         )
+        self.http.users = lambda: self.users
         self.supervisor: Supervisor | None = None
         self.handshakes: set[asyncio.Task[None]] = set()
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -219,18 +241,33 @@ class Master:
         self.cluster: ClusterNode | None = None  # cluster mode (--cluster) only
         self.cluster_task: asyncio.Task[None] | None = None
         self.gateway: gateway.Gateway | None = None  # the /v1/ routes (set in `run`)
+        self.certificates: Certificates | None = None  # --tls-cert: the https port's (broky.server.tls)
 
     # ------------------------------------------------------------ life
 
     async def run(self) -> int:
         cfg = self.config
+        if self.users_error is not None:
+            log.critical("%s", self.users_error)
+            return 1
+        if cfg.tls_cert:
+            from broky.server.tls import Certificates
+
+            try:
+                self.certificates = Certificates(cfg, https=True)
+            except Exception as exc:  # OSError, ssl.SSLError: the message names the file or the mismatch
+                log.critical(
+                    "cannot load the TLS certificate %s with key %s: %s", cfg.tls_cert, cfg.tls_key, exc
+                )
+                return 1
         try:
             self.listener = _listen(cfg.host, cfg.port)
         except OSError as exc:
             log.critical("%s", _cannot_listen(cfg.host, cfg.port, "clients", "port", exc))
             return 1
         try:
-            metrics_port = await self.http.start(cfg.host, cfg.metrics_port)
+            https = self.certificates.https if self.certificates is not None else None
+            metrics_port = await self.http.start(cfg.host, cfg.metrics_port, https)
         except OSError as exc:
             self.listener.close()
             log.critical(
@@ -245,6 +282,8 @@ class Master:
         console.install(self.http)
         self.gateway = gateway.install(self)
         self.supervisor = sup = Supervisor(cfg, self._on_worker_message)
+        sup.on_hangup = self.reload
+        sup.users = self.users.data if self.users is not None else None
         sup.install_signals()
         if cfg.cluster:  # the workers start with the cluster's map (`apply_map` later)
             joined = await self._join()
@@ -457,8 +496,9 @@ class Master:
             wp = await self._pick_worker(hello, refused_by)
             account = self._dead_account(hello, wp)
             try:
-                await self._hand_over(sock, hello_bytes, wp, address, account.pack() if account else b"")
-                if account is not None:
+                packed = account.pack(secret=hello.tls) if account else b""  # (TLS: its worker checks it)
+                await self._hand_over(sock, hello_bytes, wp, address, packed, hello.tls)
+                if account is not None and not hello.tls:  # a TLS client's claim: its worker checks it
                     assert self.supervisor is not None
                     self.supervisor.dead.discard(account.conn_id)  # answered by its new worker
                 return
@@ -511,12 +551,24 @@ class Master:
                 f"protocol version {hello.protocol_version} unsupported (this server: "
                 f"{', '.join(map(str, sorted(SERVED_VERSIONS)))})",
             )
-        token = self.config.auth_token
-        if token:
-            import hmac  # here: a server without a token never loads hashlib's OpenSSL digests (0.7 MB)
-
-            if not hmac.compare_digest((hello.auth_token or "").encode(), token.encode()):
-                raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token")
+        if hello.tls:  # the worker runs the TLS handshake and checks the Hello inside (broky.server.tls)
+            if not self.config.tls_cert:
+                raise Refused(ErrorCode.TLS_UNAVAILABLE, "this server does not offer TLS (no --tls-cert)")
+            if hello.auth_token or (hello.previous is not None and hello.previous.resume_token):
+                raise Refused(
+                    ErrorCode.TLS_REQUIRED,
+                    "a Hello asking for TLS travels in plain text: it must carry no auth_token and no "
+                    "previous.resume_token (they go in the Hello inside TLS)",
+                )
+            return frame, hello
+        if self.config.tls_cert and not self.config.tls_allow_plain:
+            raise Refused(
+                ErrorCode.TLS_REQUIRED,
+                "this server requires TLS: connect with broky+tls://HOST:PORT "
+                "(Hello.tls; schema/README.md 2.1)",
+            )
+        if not await admits(self.config.auth_token, self.users, hello.auth_token):
+            raise Refused(ErrorCode.AUTH_FAILED, "wrong or missing auth token (or user:password)")
         return frame, hello
 
     async def _pick_worker(self, hello: Hello, refused_by: set[int]) -> WorkerProcess:
@@ -590,6 +642,8 @@ class Master:
         if prev is None or prev.connection_id >> 32 == wp.epoch:
             return None
         assert self.supervisor is not None
+        if hello.tls:  # its secret is inside TLS: the worker checks it against the account's
+            return self.supervisor.dead.lookup(prev.connection_id, wp.index)
         return self.supervisor.dead.find(prev.connection_id, wp.index, prev.resume_token)
 
     def _ready_besides(self, refused_by: set[int]) -> bool:
@@ -597,7 +651,13 @@ class Master:
         return any(wp.ready and not wp.gone and wp.index not in refused_by for wp in self.supervisor.live())
 
     async def _hand_over(
-        self, sock: socket.socket, hello_bytes: bytes, wp: WorkerProcess, address: str, account: bytes = b""
+        self,
+        sock: socket.socket,
+        hello_bytes: bytes,
+        wp: WorkerProcess,
+        address: str,
+        account: bytes = b"",
+        tls: bool = False,
     ) -> None:
         """Send the socket (with the account of the connection it resumes, if any) to wp,
         waiting (bounded) while its channel is full, and wait (bounded) for its answer.
@@ -618,7 +678,7 @@ class Master:
                 raise _WorkerGone("its control channel is closed")
             self._check_address(address)  # and counted right after the send: no await between
             try:
-                handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account)
+                handoff.send_socket(wp.chan, sock, handoff_id, hello_bytes, account, tls)
                 self.supervisor.count_connection(wp, handoff_id, address)
                 break
             except (BlockingIOError, InterruptedError):
@@ -765,6 +825,45 @@ class Master:
                 if a is not None:
                     self._stats_waiters.pop(a[0], None)
                     a[1].cancel()
+
+    def reload(self) -> None:
+        """SIGHUP: read the users file again (--users) and load the TLS certificates
+        again, here and in every worker (broky.server.users, broky.server.tls)."""
+        self.reload_users()
+        if self.certificates is None or self.supervisor is None:
+            log.info("SIGHUP received: nothing to reload (no --tls-cert)")
+            return
+        if not self.certificates.reload():
+            return  # logged; the workers would fail alike: they keep theirs too
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.RELOAD)
+            except OSError as exc:  # dead: its successor loads the files at boot
+                log.info("worker %d did not take the reload: %s", wp.index, exc)
+        log.info("SIGHUP received: TLS certificates reloaded from %s", self.config.tls_cert)
+
+    def reload_users(self) -> None:
+        """SIGHUP with --users: the file again, here (handshakes, the HTTP port) and in
+        every worker (USERS: new rules at once; subscriptions they refuse end)."""
+        path = self.config.users
+        if not path or self.supervisor is None:
+            return
+        try:
+            users = Users.load(path)
+        except ValueError as exc:
+            log.error("users not reloaded (the previous ones stay in force): %s", exc)
+            return
+        self.users = users
+        self.supervisor.users = users.data
+        if self.gateway is not None:
+            self.gateway.apply_users()  # its streams (HTTP subscriptions) of users
+        payload = json.dumps(users.data).encode()
+        for wp in self.supervisor.live():
+            try:
+                handoff.send(wp.chan, handoff.USERS, payload)
+            except OSError as exc:  # dead: its successor gets them in CONFIG
+                log.info("worker %d did not take the users: %s", wp.index, exc)
+        log.info("SIGHUP received: %d users reloaded from %s", len(users.by_name), path)
 
     def apply_map(self, vmap: VBucketMap) -> bool:
         """Make `vmap` this node's map if it is newer: every worker applies it and

@@ -36,6 +36,8 @@ from broky import __version__
 from broky.server import histogram
 from broky.server.stats import DropReason
 
+TLS_FAILURE_REASONS = ("timeout", "certificate", "protocol", "closed")  # broky.server.tls FAILURE_REASONS
+
 # (metric name, snapshot field, help) of the per-worker counters and gauges.
 COUNTERS = (
     ("broky_messages_published_total", "messages_published", "Messages received from publishers."),
@@ -47,6 +49,11 @@ COUNTERS = (
     ("broky_bytes_received_total", "bytes_received", "Bytes read from client connections."),
     ("broky_bytes_sent_total", "bytes_sent", "Bytes written to client connections."),
     ("broky_connections_opened_total", "connections_total", "Client connections adopted by the worker."),
+    (
+        "broky_tls_handshakes_total",
+        "tls_handshakes",
+        "TLS connections whose handshake, and Hello inside TLS, the worker completed.",
+    ),
     (
         "broky_slow_consumer_disconnects_total",
         "slow_consumer_disconnects",
@@ -307,8 +314,19 @@ class SnapshotCollector:
             "(--max-subscriptions) or bytes (--max-subscription-bytes).",
             labels=["worker", "reason"],
         )
+        denied = _counter(
+            "broky_permission_denied_total",
+            "Publishes and Subscribes refused with PERMISSION_DENIED (--users), by user.",
+            labels=["worker", "user"],
+        )
         errors = _counter(
             "broky_errors_sent_total", "Error frames sent to clients, by code.", labels=["worker", "code"]
+        )
+        tls_failed = _counter(
+            "broky_tls_handshake_failures_total",
+            "TLS handshakes that failed, by reason: timeout (--hello-timeout), certificate (one was "
+            "refused: mutual TLS), protocol (not TLS, or none this server speaks), closed (the peer left).",
+            labels=["worker", "reason"],
         )
         resumes = _counter(
             "broky_resumes_total",
@@ -333,8 +351,14 @@ class SnapshotCollector:
             limits = dict.fromkeys(REFUSAL_REASONS, 0) | s.get("subscriptions_refused", {})
             for reason, n in sorted(limits.items()):
                 refused.add_metric([w, reason], float(n))
+            for user, n in sorted(s.get("permission_denied", {}).items()):
+                denied.add_metric([w, user], float(n))
             for code, n in sorted(s.get("errors", {}).items()):
                 errors.add_metric([w, code.lower()], float(n))
+            for reason, n in sorted(
+                (dict.fromkeys(TLS_FAILURE_REASONS, 0) | s.get("tls_failures", {})).items()
+            ):
+                tls_failed.add_metric([w, reason], float(n))
             results = dict.fromkeys(RESUME_RESULTS, 0) | s.get("resumes", {})
             for result, n in sorted(results.items()):
                 resumes.add_metric([w, result], float(n))
@@ -344,8 +368,10 @@ class SnapshotCollector:
             )
         yield dropped
         yield refused
+        yield denied
         yield errors
         yield resumes
+        yield tls_failed
         yield latency
         yield from self._master_metrics()
 

@@ -153,6 +153,7 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
                 "worker": shard.index,
                 "remote": c.peer,
                 "name": c.client_name,
+                "user": c.user,  # --users: its user (None: none, or the server's token)
                 "uptime_seconds": round(now - c.connected_at, 3),
                 "subscriptions": len(c.subs),
                 "subscription_bytes": c.sub_bytes,

@@ -110,6 +110,7 @@ class WorkerStats:
         self.subscriptions = 0  # now
         self.subscription_bytes = 0  # now: summed `Subscription.size` of every connection
         self.subscriptions_refused: dict[str, int] = {"count": 0, "bytes": 0}  # SUBSCRIPTION_LIMIT, by limit
+        self.permission_denied: dict[str, int] = {}  # PERMISSION_DENIED, by user (--users)
         self.reads_stopped = 0  # times a connection was read no more for its unread replies
         self.memory_trims = 0  # malloc_trim calls after subscription-heavy connections left
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
@@ -143,6 +144,10 @@ class WorkerStats:
         self.dead_lettered = 0  # published to a dead_letter key
         self.dead_letters_refused = 0  # not published: the vbucket was leaving this worker
         self.errors: dict[str, int] = {}  # Error frames sent, by code name
+        # TLS (broky.server.tls): handshakes that reached a Hello inside TLS, and those
+        # that failed, by reason (FAILURE_REASONS: timeout, certificate, protocol, closed).
+        self.tls_handshakes = 0
+        self.tls_failures: dict[str, int] = {}
         self.bytes_discarded = 0  # unsent bytes of connections reset at the linger deadline
         # Delivered messages by log2 of their read's receive-to-write time: bucket i
         # counts times under 2**(i+10) ns (about 2**i us; see broky.server.histogram).
@@ -181,7 +186,9 @@ class Monitoring:
         data["dropped"] = dict(s.dropped)
         data["resumes"] = dict(s.resumes)
         data["errors"] = dict(s.errors)
+        data["tls_failures"] = dict(s.tls_failures)
         data["subscriptions_refused"] = dict(s.subscriptions_refused)
+        data["permission_denied"] = dict(s.permission_denied)
         data["latency_us"] = list(s.latency_us)
         data.update(
             worker=self.index,

@@ -107,6 +107,8 @@ class Supervisor:
         self.workers: list[WorkerProcess | None] = [None] * config.workers
         self.boot_failures = [0] * config.workers
         self.events: asyncio.Queue[str] = asyncio.Queue()
+        self.on_hangup: Callable[[], None] | None = None  # SIGHUP (the master's reload)
+        self.users: dict[str, Any] | None = None  # the users file as read (--users): for CONFIG
         self.stopping = False
         self.failure: str | None = None
         self.restarts = 0
@@ -149,6 +151,7 @@ class Supervisor:
             "map": self.map_json,
             "grace": self.config.restart_grace if expected else 0.0,
             "expect": len(batches),
+            "users": self.users,
         }
         handoff.send(master_end, handoff.CONFIG, json.dumps(boot).encode())
         for batch in batches:
@@ -336,7 +339,7 @@ class Supervisor:
     # ------------------------------------------------------------ the loop
 
     def install_signals(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             self.loop.add_signal_handler(sig, self.events.put_nowait, sig.name)
 
     async def run(self, drain: Callable[[], Coroutine[Any, Any, None]] | None = None) -> int:
@@ -363,6 +366,10 @@ class Supervisor:
                 else:
                     log.info("%s received: shutting down", event)
                 return 0
+            if event == "SIGHUP":
+                if self.on_hangup is not None:
+                    self.on_hangup()
+                continue
             if event == "drained":
                 log.info("drained: shutting down")
                 return 0

@@ -12,7 +12,7 @@ Ownership. A worker owns, and never shares:
 Nothing on the data path crosses processes. The only link to the master is the
 control channel (broky.server.handoff): every message on it is explicit
 (CONFIG, EXPECT, CONN with the socket's fd, ADOPTED/REFUSED, CLOSED, STATS
-request/answer, READY, LOAD, GRACE; in a cluster also MAP, and SEQUENCES and
+request/answer, READY, LOAD, GRACE, RELOAD, USERS; in a cluster also MAP, and SEQUENCES and
 HANDED: the sequences of vbuckets that move, broky.server.handover). There is
 no lock, and one piece of shared memory, written by the worker only: the
 accounts of its connections (broky.server.accounts), which the master reads
@@ -36,7 +36,13 @@ descriptors) or whose adoption failed (any exception before connection_made)
 is answered REFUSED with the cause ("no_fd", or the errno name such as
 EMFILE); the master still holds the socket and tells the client SERVER_BUSY.
 Refusals are logged through a Throttle: one line per cause per
-ADOPT_LOG_INTERVAL with the running count, never one per connection. When an
+ADOPT_LOG_INTERVAL with the running count, never one per connection. A CONN
+with the TLS flag (the client asked for TLS) is answered ADOPTED at once,
+then gets the go-ahead, the TLS handshake and its Hello inside TLS
+(`_connect_tls`, broky.server.tls) before it becomes a connection like any
+other; a failure there closes it and says CLOSED. The claim of a dead
+worker's account that such a client makes is checked here (the master
+cannot see its resume token). When an
 adopted connection is gone, the worker says CLOSED with its hand-off id (the
 master counts connections per client address); one that finds the channel
 full is sent again at the next tick.
@@ -66,17 +72,23 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import uvloop
 
 from broky.protocol import Goodbye, VBucketMap, encode_frame
 from broky.server import handoff, monitor
-from broky.server.accounts import Account, AccountBook
+from broky.server.accounts import Account, AccountBook, same_secret
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
 from broky.server.logs import Throttle, setup_logging
 from broky.server.stats import DropReason
+from broky.server.tls import START_TLS
+from broky.server.users import Users, WorkerUsers
+
+if TYPE_CHECKING:
+    from broky.server.tls import Handshakes
 
 log = logging.getLogger("broky.worker")
 
@@ -97,6 +109,7 @@ class Worker:
         expected: set[int] | None = None,
         grace: float = 0.0,
         vmap: VBucketMap | None = None,
+        users: dict[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -113,7 +126,15 @@ class Worker:
         self._stopping = False
         self._unsent_closed: list[int] = []  # hand-off ids of closed connections not told yet
         self.shard.on_closed = self._closed
+        if users is not None:
+            self.shard.users = WorkerUsers(Users(users))
         self.shard.handover.report = self._handed
+        self.tls: Handshakes | None = None  # --tls-cert: this worker runs its clients' TLS handshakes
+        if config.tls_cert:
+            from broky.server.tls import Handshakes
+
+            self.tls = Handshakes(config, index, self.shard.stats)
+            self.tls.users = lambda: None if self.shard.users is None else self.shard.users.users
 
     async def run(self) -> None:
         loop = self.loop
@@ -121,6 +142,7 @@ class Worker:
         loop.add_reader(self.chan.fileno(), self._on_channel)
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the master reloads, and tells (RELOAD)
         ticker = loop.create_task(self._ticker())
         handoff.send(self.chan, handoff.READY)
         log.info("worker %d ready, pid %d", self.index, os.getpid())
@@ -151,6 +173,12 @@ class Worker:
                     self.shard.apply_map(vmap)
             elif kind == handoff.SEQUENCES:
                 self.shard.take_handed(payload)
+            elif kind == handoff.RELOAD:
+                if self.tls is not None and self.tls.certificates.reload():
+                    log.info("worker %d reloaded its TLS certificates", self.index)
+            elif kind == handoff.USERS:
+                self.shard.apply_users(Users(json.loads(payload)))
+                log.info("worker %d applied the reloaded users", self.index)
             elif kind == handoff.GRACE:
                 self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
@@ -194,6 +222,13 @@ class Worker:
                 sock.close()
                 return
             account = Account.unpack(handed.account) if handed.account else None
+            if handed.tls:
+                self._answer_adopted(handed.handoff_id, len(self.shard.conns) + 1)
+                adopted = True  # before a byte moves: the TLS handshake is this worker's
+                with contextlib.suppress(OSError):  # (a peer gone fails the handshake, counted)
+                    sock.send(START_TLS)  # go ahead (broky.server.tls)
+                await self._connect_tls(sock, handed.handoff_id, account)
+                return
             conn = self.shard.new_connection(handed.hello, account)
             conn.handoff_id = handed.handoff_id
             conn.on_adopted = answer_adopted
@@ -210,6 +245,47 @@ class Worker:
             cause = errno.errorcode.get(code or 0, type(exc).__name__)
             self._refuse(handed.handoff_id, cause, f"could not adopt the socket: {exc}")
 
+    async def _connect_tls(self, sock: socket.socket, handoff_id: int, account: Account | None) -> None:
+        """A client that asked for TLS: the handshake and its Hello inside TLS, checked
+        (broky.server.tls), then the connection, as a plain one. A failure closes the
+        socket and says CLOSED (the master counts the connection until then)."""
+        assert self.tls is not None
+        try:
+            peer = "{}:{}".format(*sock.getpeername()[:2])
+        except OSError:
+            peer = "?"
+        try:
+            got = await self.tls.handshake(self.loop, sock, peer)
+        except Exception as exc:  # a bug: that connection goes, the worker stays
+            log.error("TLS connection from %s failed: %r", peer, exc)
+            sock.close()
+            got = None
+        if got is None:  # counted and logged
+            self._closed_handoff(handoff_id)
+            return
+        transport, hello, frame, rest = got
+        prev = hello.previous
+        if account is not None and (
+            prev is None
+            or prev.connection_id != account.conn_id
+            or not same_secret(prev.resume_token, account.token)
+        ):
+            self.shard.stats.resumes["refused"] += 1  # a claim without the secret: answered as unknown
+            account = None
+        try:
+            conn = self.shard.new_connection(frame, account)
+        except Exception as exc:  # a bug: that connection goes, the worker stays
+            log.error("TLS connection from %s failed: %r", peer, exc)
+            transport.abort()
+            self._closed_handoff(handoff_id)
+            return
+        conn.handoff_id = handoff_id  # from here on the shard says CLOSED when it is gone
+        transport.set_protocol(conn)
+        transport.resume_reading()  # (paused once the Hello was read); a held connection pauses it again
+        conn.connection_made(transport)
+        if rest:
+            conn.data_received(rest)
+
     def _answer_adopted(self, handoff_id: int, open_connections: int) -> None:
         with contextlib.suppress(OSError):
             handoff.send(self.chan, handoff.ADOPTED, handoff.pack_adopted(handoff_id, open_connections))
@@ -217,7 +293,10 @@ class Worker:
 
     def _closed(self, conn: Connection) -> None:
         """An adopted connection is gone: tell the master (CLOSED), now or at the next tick."""
-        self._unsent_closed.append(conn.handoff_id)
+        self._closed_handoff(conn.handoff_id)
+
+    def _closed_handoff(self, handoff_id: int) -> None:
+        self._unsent_closed.append(handoff_id)
         if len(self._unsent_closed) == 1:
             self._send_closed()
 
@@ -330,7 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     vmap = None if boot.get("map") is None else VBucketMap.from_json(boot["map"])
 
     async def run() -> None:
-        await Worker(config, index, chan, book, boot["epoch"], expected, boot["grace"], vmap).run()
+        await Worker(
+            config, index, chan, book, boot["epoch"], expected, boot["grace"], vmap, boot.get("users")
+        ).run()
 
     uvloop.run(run())
     return 0

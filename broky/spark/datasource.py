@@ -38,7 +38,8 @@ class BrokyDataSource(DataSource):
 
     Options: ``broky.servers`` (required), ``key_partition`` / ``key`` (constants that
     override the columns), ``broky.batch.size``, ``broky.linger.ms``,
-    ``broky.auth.token``, ``broky.connect.timeout.ms``, ``broky.flush.timeout.ms``,
+    ``broky.auth.token`` (or ``broky.auth.user`` and ``broky.auth.password``),
+    ``broky.connect.timeout.ms``, ``broky.flush.timeout.ms``,
     ``broky.client.name``. Columns: see `broky.spark.columns`.
     """
 

@@ -133,10 +133,14 @@ class ClientConfig:
         servers: ``host:port`` seeds (option ``broky.servers``, comma-separated, like
             Kafka's ``bootstrap.servers``): any node of a cluster, or the one server.
         name: client name prefix; each task appends its partition and attempt.
-        auth_token: option ``broky.auth.token``.
+        auth_token: option ``broky.auth.token``; or, for a user of the server's users
+            file (--users), ``broky.auth.user`` and ``broky.auth.password`` (USER:PASSWORD).
         connect_timeout: seconds, option ``broky.connect.timeout.ms``.
         flush_timeout: seconds, option ``broky.flush.timeout.ms``.
         sdk_options: passed to `broky.connect` as is (``batch_size``, ``linger``).
+        tls_ca, tls_cert, tls_key: PEM files (options ``broky.tls.ca``, ``broky.tls.cert``,
+            ``broky.tls.key``), read on each executor: any of them means TLS, as do
+            ``broky+tls://`` seeds (then the system's CAs) or ``broky.tls`` = true.
     """
 
     servers: tuple[str, ...]
@@ -145,6 +149,10 @@ class ClientConfig:
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_MS / 1000
     flush_timeout: float = DEFAULT_FLUSH_TIMEOUT_MS / 1000
     sdk_options: Mapping[str, Any] = field(default_factory=dict)
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> ClientConfig:
@@ -167,12 +175,31 @@ class ClientConfig:
         return cls(
             servers=servers,
             name=opts.get("broky.client.name", "spark"),
-            auth_token=opts.get("broky.auth.token") or None,
+            auth_token=(
+                f"{opts['broky.auth.user']}:{opts.get('broky.auth.password', '')}"  # a user (--users)
+                if opts.get("broky.auth.user")
+                else opts.get("broky.auth.token") or None
+            ),
             connect_timeout=_number(opts, "broky.connect.timeout.ms", float, DEFAULT_CONNECT_TIMEOUT_MS)
             / 1000,
             flush_timeout=_number(opts, "broky.flush.timeout.ms", float, DEFAULT_FLUSH_TIMEOUT_MS) / 1000,
             sdk_options=sdk,
+            tls=opts.get("broky.tls", "false").strip().lower() in ("true", "1", "yes"),
+            tls_ca=opts.get("broky.tls.ca") or None,
+            tls_cert=opts.get("broky.tls.cert") or None,
+            tls_key=opts.get("broky.tls.key") or None,
         )
+
+    def ssl_context(self) -> Any:
+        """The ssl.SSLContext of the TLS options (made where the client runs), or None."""
+        if not (self.tls or self.tls_ca or self.tls_cert):
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
 
     async def connect(self, name: str, **callbacks: Any) -> Any:
         """Connect through the seeds (the SDK tries them in turn); return the asyncio client.
@@ -191,6 +218,7 @@ class ClientConfig:
                 ",".join(self.servers),
                 name=name,
                 auth_token=self.auth_token,
+                ssl_context=self.ssl_context(),
                 connect_timeout=self.connect_timeout,
                 flush_timeout=self.flush_timeout,
                 **self.sdk_options,

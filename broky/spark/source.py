@@ -65,7 +65,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
@@ -416,7 +416,7 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
     partition, attempt = task_identity()
     config = opts.client
     seeds = (task.address, *(s for s in config.servers if s != task.address))
-    config = ClientConfig(seeds, config.name, config.auth_token, config.connect_timeout, config.flush_timeout)
+    config = replace(config, servers=seeds, sdk_options={})  # (its TLS options too)
     import uvloop
 
     loop = uvloop.new_event_loop()
