@@ -327,10 +327,13 @@ async def _tls_without_hello(port: int, ctx: ssl.SSLContext) -> None:
     from broky.protocol import Error, Hello, decode_frame, encode_frame
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(encode_frame(Hello(tls=True)))
-    assert await reader.readexactly(4) == b"\0\0\0\0"
-    await writer.start_tls(ctx, server_hostname="127.0.0.1")
-    answer = decode_frame(await reader.read(65536))
-    writer.close()
+    try:
+        writer.write(encode_frame(Hello(tls=True)))
+        assert await reader.readexactly(4) == b"\0\0\0\0"
+        await writer.start_tls(ctx, server_hostname="127.0.0.1")
+        answer = decode_frame(await reader.read(65536))
+    finally:
+        writer.transport.abort()  # (a TLS close would wait for the peer's close_notify)
+        await asyncio.sleep(0)
     assert isinstance(answer, Error)
     raise server_error(answer)
