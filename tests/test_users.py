@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import json
 import os
 import re
@@ -160,6 +161,7 @@ def test_allowed_denied_reload_and_the_http_gateway(
             ):
                 with pytest.raises(urllib.error.HTTPError) as http:
                     urllib.request.urlopen(req)
+                http.value.close()  # its socket: else a ResourceWarning in whatever test runs later
                 assert http.value.code == status
             # the CLI: --user, the password from the environment (never a flag)
             env = {**os.environ, "BROKY_PASSWORD": "apw"}
@@ -176,7 +178,8 @@ def test_allowed_denied_reload_and_the_http_gateway(
             )
             users_file(path, ["orders.eu.>"])
             server.signal(signal.SIGHUP)
-            lines = await asyncio.to_thread(stream.read)  # to its end: the reload ends it, and says so
+            with stream:
+                lines = await asyncio.to_thread(stream.read)  # to its end: the reload ends it, and says so
             assert b'"denied"' in lines and b"ended by a reload" in lines, lines
             for _ in range(100):
                 if errors:
@@ -227,13 +230,17 @@ def test_a_client_certificate_subject_stands_for_the_user(
             assert [getattr(e, "code", None) for e in errors] == [ErrorCode.PERMISSION_DENIED]
             # the gateway reaches its workers over TLS with the server's own token
             basic = base64.b64encode(b"bob:bpw").decode()
-            post = urllib.request.Request(
-                f"https://127.0.0.1:{server.metrics_port}/v1/pub/m.gw?lines=0",
-                data=b"gw",
-                headers={"Authorization": f"Basic {basic}"},
+            # http.client, closed here: urllib leaves its TLS socket to the garbage collector,
+            # whose ResourceWarning then fails whichever test is running
+            https = http.client.HTTPSConnection(
+                "127.0.0.1", server.metrics_port, context=client_context(certs), timeout=10
             )
-            with urllib.request.urlopen(post, context=client_context(certs)) as r:
-                assert json.loads(r.read())["published"] == 1
+            try:
+                https.request("POST", "/v1/pub/m.gw?lines=0", b"gw", {"Authorization": f"Basic {basic}"})
+                answer = https.getresponse()
+                assert answer.status == 200 and json.loads(answer.read())["published"] == 1
+            finally:
+                https.close()
             assert (await sub.next_msg(5)).payload == b"gw"
 
     asyncio.run(asyncio.wait_for(main(), 60))
