@@ -128,7 +128,11 @@ def test_publishes_made_while_disconnected_are_sent_after_reconnect(
 def test_publish_raises_once_the_reconnect_buffer_is_full(server: ServerProcess, proxy: FaultProxy) -> None:
     async def main() -> None:
         ev = Events()
-        async with broky.connect(proxy.address, max_reconnect_buffer_bytes=4000, **ev.options()) as client:
+        # flush_timeout: how long a publish into the full buffer waits for the worker
+        # before it is refused (default 10 s); 1 s proves the same, sooner
+        async with broky.connect(
+            proxy.address, max_reconnect_buffer_bytes=4000, flush_timeout=1.0, **ev.options()
+        ) as client:
             proxy.refuse(True)
             await until(lambda: len(ev.disconnects) == 1)
             sent = 0
@@ -404,6 +408,7 @@ def test_blocking_publish_raises_once_the_reconnect_buffer_is_full(
     with broky.connect_sync(
         proxy.address,
         max_reconnect_buffer_bytes=4000,
+        flush_timeout=1.0,  # each refused publish waits this long for the worker first (default 10 s)
         reconnect_min_delay=0.02,
         reconnect_max_delay=0.2,
         on_disconnect=lambda *_: down.set(),
@@ -418,7 +423,7 @@ def test_blocking_publish_raises_once_the_reconnect_buffer_is_full(
         assert info.value.limit == 4000
         assert 4000 - 300 < info.value.pending_bytes <= 4000
         assert 10 < sent < 40
-        with pytest.raises(broky.PublishBufferFullError):  # still full: raised again, at once
+        with pytest.raises(broky.PublishBufferFullError):  # still full: raised again (after its own wait)
             c.publish(b"kp", b"k", b"x" * 100)
         proxy.refuse(False)
         c.flush(timeout=10)  # nothing raised in the I/O thread is left over

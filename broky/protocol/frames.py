@@ -362,6 +362,19 @@ def encode_hello(hello: Hello) -> bytes:
     return _finish(b, Body.Hello, fbs.HelloEnd(b))
 
 
+def _owner_vector(b: flatbuffers.Builder, owners: tuple[tuple[int, int], ...]) -> int:
+    """A vector of VBucketOwner structs (ushort node, ushort worker: 4 bytes, no padding),
+    written in one slice: the bytes 1024 `fbs.CreateVBucketOwner` calls would write, in a
+    tenth of the time (the Python builder's per-field prepends made a map's encoding cost
+    ~15 ms, paid by every worker for every map it takes, and by every test that builds a
+    Shard)."""
+    data = struct.pack(f"<{2 * len(owners)}H", *[half for owner in owners for half in owner])
+    b.StartVector(4, len(owners), 2)  # = fbs.VBucketMapStartOwnersVector: room, alignment
+    b.head -= len(data)
+    b.Bytes[b.head : b.head + len(data)] = data
+    return int(b.EndVector())
+
+
 def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
     nodes = []
     for node in vmap.nodes:
@@ -377,16 +390,8 @@ def _encode_map(b: flatbuffers.Builder, vmap: VBucketMap) -> int:
     for node_off in reversed(nodes):
         b.PrependUOffsetTRelative(node_off)
     nodes_vec = b.EndVector()
-    fbs.VBucketMapStartOwnersVector(b, len(vmap.owners))
-    for node_index, worker in reversed(vmap.owners):
-        fbs.CreateVBucketOwner(b, node_index, worker)
-    owners_vec = b.EndVector()
-    incoming_vec = 0
-    if vmap.incoming is not None:
-        fbs.VBucketMapStartIncomingVector(b, len(vmap.incoming))
-        for node_index, worker in reversed(vmap.incoming):
-            fbs.CreateVBucketOwner(b, node_index, worker)
-        incoming_vec = b.EndVector()
+    owners_vec = _owner_vector(b, vmap.owners)
+    incoming_vec = 0 if vmap.incoming is None else _owner_vector(b, vmap.incoming)
     fbs.VBucketMapStart(b)
     fbs.VBucketMapAddVersion(b, vmap.version)
     fbs.VBucketMapAddNodes(b, nodes_vec)
