@@ -76,7 +76,8 @@ def test_bench_groups_quick_runs_every_section(tmp_path: Path) -> None:
     assert ks["partitions_split"] == 0 or ks["server"]["group_vbuckets_moved"] > 0, ks
     assert ks["partitions_incomplete"] <= ks["partitions_split"], ks  # incomplete: only if moved
     assert ks["out_of_order"] == 0 and ks["offset_backwards"] == 0, ks
-    assert sum(ks["partitions_per_member"]) <= 64 and 0 < ks["hottest_partition_share"] < 1, ks
+    assert sum(ks["partitions_per_member"]) <= 64 + ks["partitions_split"], ks  # a moved one: on two
+    assert 0 < ks["hottest_partition_share"] < 1, ks
     targets = {t["target"] for t in doc["summary"]["targets"]}
     assert any("idle group" in t for t in targets), targets
 
