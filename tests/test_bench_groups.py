@@ -69,9 +69,15 @@ def test_bench_groups_quick_runs_every_section(tmp_path: Path) -> None:
     assert results["slow3_broky_ack"][0]["slow_share_of_fast"] is not None
     assert results["slow3_broky_ack"][0]["server"]["acks"] == n  # every message acked once
     ks = results["ks3_zipf"][0]
-    assert ks["partitions_split"] == 0 and ks["partitions_incomplete"] == 0, ks
+    # Without acks a vbucket moves at most once, undrained, at the rebalance a second after the
+    # last member joined (schema/README.md 5.3 rule 3), which the run may straddle on a loaded
+    # machine: a key_partition may then have two members, one after the other, never more.
+    assert ks["partitions_moved_back_and_forth"] == 0, ks
+    assert ks["partitions_split"] == 0 or ks["server"]["group_vbuckets_moved"] > 0, ks
+    assert ks["partitions_incomplete"] <= ks["partitions_split"], ks  # incomplete: only if moved
     assert ks["out_of_order"] == 0 and ks["offset_backwards"] == 0, ks
-    assert sum(ks["partitions_per_member"]) <= 64 and 0 < ks["hottest_partition_share"] < 1, ks
+    assert sum(ks["partitions_per_member"]) <= 64 + ks["partitions_split"], ks  # a moved one: on two
+    assert 0 < ks["hottest_partition_share"] < 1, ks
     targets = {t["target"] for t in doc["summary"]["targets"]}
     assert any("idle group" in t for t in targets), targets
 
@@ -120,6 +126,18 @@ def test_analyse_key_shared_finds_split_and_incomplete_key_partitions() -> None:
     assert got["partitions_split"] == 1 and got["partitions_incomplete"] == 2
     assert got["partitions_per_member"] == [2, 2, 1] and got["lost"] == 1
     assert got["hottest_partition_share"] == 0.25
+    assert got["partitions_moved_back_and_forth"] == 0  # key_partition 1: one member, then another
+
+
+def test_analyse_key_shared_finds_a_key_partition_moved_back_and_forth() -> None:
+    n, parts = 12, 4  # round robin: key_partition p has messages p, p + 4, p + 8
+    published = {"published": n, "started_at": 0.0, "seconds": 1.0}
+    taken = [
+        _member(n, [0, 8, 1, 5, 2, 6, 10], [2, 2, 3, 0]),  # key_partition 0: here, there, here
+        _member(n, [4, 9, 3, 7, 11], [1, 1, 0, 3]),  # key_partition 1: moved once, to here
+    ]
+    got = groups.analyse(groups.BY_ID["ks3_uniform"], n, parts, published, taken, n)
+    assert got["partitions_split"] == 2 and got["partitions_moved_back_and_forth"] == 1
 
 
 def test_slow_members_capacity_is_headroom_times_the_rate() -> None:
