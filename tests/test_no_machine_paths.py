@@ -1,8 +1,8 @@
 """No file of the repository names a directory of the machine it was made on.
 
-Benchmark results, docs and code are read on other machines: a path such as
-/root/..., /home/NAME/... or the checkout's own absolute path means nothing
-there (and says where the author worked). Results name their output directory
+Benchmark results, docs and code are read on other machines: a path into the
+root user's home, someone's home directory, a work directory or the checkout's
+own absolute path means nothing there (and says where the author worked). Results name their output directory
 relative to the checkout (bench.harness.report).
 """
 
