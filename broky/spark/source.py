@@ -33,7 +33,11 @@ first (then the seeds) and makes one bounded read of its vbuckets
 positions, and turns the messages into Arrow record batches of the source's
 schema as they come. A retried task reads the same range, so the same rows.
 
-Moves. The driver remembers the map of the moment each offset was taken.
+Moves. The driver remembers the map of the moment each offset was taken:
+the one its client held just before it asked for the positions, never one
+that came in while they did (a move then, and a position the old owner
+gave would be remembered with the new owner, which holds none of the range
+before the handover: told as loss, though the old owner had it all).
 Each vbucket of a task is asked first (`Client.read`'s ``via``, by address)
 of the worker that owned it when the batch's start was taken if that is
 another worker than now (it moved between two batches), else of its owner
@@ -280,11 +284,13 @@ async def _client(opts: SourceOptions, name: str) -> Any:
 
 
 async def _positions(opts: SourceOptions) -> tuple[off.Offsets, Any]:
-    """Where every vbucket (or the key_partition's) stands now, and the map."""
+    """Where every vbucket (or the key_partition's) stands now, and the map the client held
+    before it asked: never newer than the positions (see "Moves" in the header)."""
     client = await _client(opts, f"{opts.client.name}-driver")
     try:
+        vmap = client.server_info.map  # before: the map moves on while the positions come in
         ps = await client.positions(partition=opts.key_partition, timeout=opts.client.connect_timeout * 4)
-        return {p.vbucket: p for p in ps}, client.server_info.map
+        return {p.vbucket: p for p in ps}, vmap
     finally:
         await client.close()
 
