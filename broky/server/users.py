@@ -25,7 +25,11 @@ on purpose (about 0.1 s at the default iterations), which a handshake must not
 pay each time: a password once verified is remembered as its SHA-256 (in
 memory only, per user, dropped at a reload), so the next handshakes of that
 client cost one SHA-256 and one constant-time compare; a wrong password pays
-the whole PBKDF2, in a thread (hashlib releases the GIL) off the event loop.
+the whole PBKDF2, in a thread (hashlib releases the GIL) off the event loop:
+one thread per process (`_slow_check`), so that clients sending wrong
+passwords, which need no credential to do so, get their checks queued one
+after the other and can take at most one core of a process, never the cores
+its event loop and the other processes serve with.
 --auth-token with --users: the token still admits, as the operator's key
 with every permission (no user); without --auth-token the master makes a
 random one that only its own HTTP gateway knows.
@@ -61,6 +65,7 @@ from __future__ import annotations
 
 import base64
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from broky.errors import BadPatternError
@@ -380,13 +385,24 @@ async def admits(
     if subject and subject in users.by_subject:
         return True
     found = users.split(given)
+    loop = asyncio.get_running_loop()
     if found is None:  # as slow as a wrong password: the time does not tell which names exist
-        await asyncio.to_thread(verify_password, _dummy(), given or "")
+        await loop.run_in_executor(_slow_check(), verify_password, _dummy(), given or "")
         return False
     user, password = found
     if users.remembered(user, password):
         return True
-    return await asyncio.to_thread(users.verify, user, password)
+    return await loop.run_in_executor(_slow_check(), users.verify, user, password)
+
+
+_SLOW_CHECK: list[ThreadPoolExecutor] = []
+
+
+def _slow_check() -> ThreadPoolExecutor:
+    """The one thread of this process that runs PBKDF2 checks (made at the first)."""
+    if not _SLOW_CHECK:
+        _SLOW_CHECK.append(ThreadPoolExecutor(1, thread_name_prefix="broky-pbkdf2"))
+    return _SLOW_CHECK[0]
 
 
 _DUMMY: list[str] = []
