@@ -39,12 +39,12 @@ import asyncio
 import json
 import selectors
 import socket
+import ssl
 import struct
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import children, servers  # noqa: E402
+from bench.harness import children, servers, tlsclient  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
 from broky.protocol import (  # noqa: E402
@@ -153,13 +153,19 @@ class Stalled:
     """One raw connection to one worker, subscribed to `>`, that reads nothing until `drain`."""
 
     def __init__(
-        self, address: tuple[str, int], worker: int, previous: PreviousConnection | None = None
+        self,
+        address: tuple[str, int],
+        worker: int,
+        previous: PreviousConnection | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.worker = worker
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         self.sock.settimeout(10)
         self.sock.connect(address)
+        if tls is not None:  # bench.soak --tls
+            self.sock = tlsclient.upgrade(self.sock, tls, worker, previous)
         self.reader = FrameReader(max_frame_bytes=1 << 30)
         self.sock.sendall(encode_frame(Hello(worker=worker, client_name="stalled", previous=previous)))
         welcome = self._next()
@@ -227,7 +233,7 @@ def drain_all(stalled: list[Stalled]) -> None:
         for key, _ in events:
             s = key.data
             try:
-                data = s.sock.recv(1 << 20)
+                data = tlsclient.recv_ready(s.sock, 1 << 20)
             except BlockingIOError:
                 continue
             except ConnectionResetError:
@@ -267,10 +273,9 @@ def server_rss(server: servers.Server) -> int:
     return total
 
 
-def stats(metrics_port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/stats", timeout=10) as resp:
-        result: dict[str, Any] = json.loads(resp.read())
-        return result
+def stats(server: servers.Server) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(server.http_get("/stats"))
+    return result
 
 
 @dataclass
@@ -342,7 +347,7 @@ def run(
         sampler.join()
         result.rss_peak = max(sampler.peak, server_rss(server))
         result.rss_after_burst = server_rss(server)
-        snap = stats(server.metrics_port)["workers"]
+        snap = stats(server)["workers"]
         result.memory_budget = sum(w["memory_budget"] for w in snap)
         result.cuts = sum(w["budget_cuts"] for w in snap)
         result.cut_bytes = sum(w["budget_cut_bytes"] for w in snap)
@@ -354,7 +359,7 @@ def run(
             s.sock.close()
         time.sleep(SETTLE)
         result.rss_after = server_rss(server)
-        result.memory_trims = sum(w["memory_trims"] for w in stats(server.metrics_port)["workers"])
+        result.memory_trims = sum(w["memory_trims"] for w in stats(server)["workers"])
     finally:
         sampler.stop.set()
         for s in stalled:

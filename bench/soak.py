@@ -1,6 +1,6 @@
 """Soak suite: the server held under many connections, a stalled reader, hostile input and kills.
 
-    python -m bench.soak [--only SECTION ...] [--quick] [--out DIR]
+    python -m bench.soak [--only SECTION ...] [--quick] [--tls] [--out DIR]
 
 Four sections (issue 27, item 5), each on a fresh `broky serve --workers 2`;
 `--only` runs some of them and keeps the others' last figures in the results;
@@ -43,14 +43,17 @@ never read: both counts are reported (the frames the workers read are
 `messages_published` + subscriptions + pings, not broken down, so the report
 gives the bytes the workers received).
 
-TLS: `Transport` is the one place that knows how a client reaches the
-server (the server's flags, the SDK's URL and ssl_context, a raw socket's
-wrapping). `--tls` is accepted and refused for now: the server's TLS is
-being built on another branch; when it lands, `Transport(tls=True)` fills
-those four in and every section runs over it (bench.worker_kill.run needs
-the URL and the server flags passed in).
+TLS (`--tls`): `Transport` is the one place that knows how a client reaches
+the server. With TLS, every server gets a certificate of the benchmark's own
+CA (bench.harness.servers.tls_files), the SDK children connect to
+broky+tls:// trusting that CA, and raw connections make the upgrade of
+schema/README.md 2.1 (bench.harness.tlsclient) before their Hello; the HTTP
+port is https. The fuzz sends its streams inside TLS, except one connection
+in 16 (PLAIN_TO_TLS) that sends its stream in plain text to the TLS-only
+server, and likewise to the https port.
 
-Results: bench/results/reliability.md and .json, with the machine.
+Results: bench/results/reliability.md and .json (plain TCP), and
+reliability_tls.md and .json (`--tls`), with the machine.
 """
 
 from __future__ import annotations
@@ -64,13 +67,13 @@ import resource
 import selectors
 import shlex
 import socket
+import ssl
 import statistics
 import struct
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,7 +83,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import memory_budget, worker_kill  # noqa: E402
-from bench.harness import children, latency, loadgen, procstat, servers  # noqa: E402
+from bench.harness import children, latency, loadgen, procstat, servers, tlsclient  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
 from broky.protocol import (  # noqa: E402
@@ -114,24 +117,65 @@ SECTIONS = ("connections", "stalled", "fuzz", "kills")
 WORKERS = 2
 HANG_SECONDS = 5.0  # a probe round trip longer than this is a hang
 MUTATION_RATE = 0.001  # of the frames in a fuzz stream
+PLAIN_TO_TLS = 1 / 16  # with TLS: the share of fuzz connections that send in plain text anyway
 STREAM_FRAMES = 2000  # frames per fuzz connection
 POOL_STREAMS = 256
 
 
 @dataclass(frozen=True)
 class Transport:
-    """How every client of the suite reaches the server: plain TCP (TLS: see the header)."""
+    """How every client of the suite reaches the server: plain TCP, or TLS (see the header)."""
 
     tls: bool = False
 
     def server_args(self) -> list[str]:
-        return []
+        if not self.tls:
+            return []
+        _, cert, key = servers.tls_files()
+        return ["--tls-cert", cert, "--tls-key", key]
 
     def url(self, server: servers.Server) -> str:
-        return f"{server.host}:{server.port}"
+        return f"{'broky+tls://' if self.tls else ''}{server.host}:{server.port}"
 
-    def connect(self, address: tuple[str, int], timeout: float = 10.0) -> socket.socket:
-        return socket.create_connection(address, timeout=timeout)
+    def client_args(self) -> list[str]:
+        """What an SDK child process (bench.worker_kill's roles) needs besides the URL."""
+        return ["--tls-ca", servers.tls_files()[0]] if self.tls else []
+
+    def context(self) -> ssl.SSLContext | None:
+        return tlsclient.context(servers.tls_files()[0]) if self.tls else None
+
+    def driver(self) -> loadgen.BrokyDriver:
+        return loadgen.BrokyDriver(servers.tls_files()[0] if self.tls else None)
+
+    def connect(self, address: tuple[str, int], worker: int, timeout: float = 10.0) -> socket.socket:
+        """A connection placed on `worker`, ready for the caller's Hello (inside TLS, with TLS)."""
+        sock = socket.create_connection(address, timeout=timeout)
+        ctx = self.context()
+        if ctx is None:
+            return sock
+        try:
+            return tlsclient.upgrade(sock, ctx, worker)
+        except BaseException:
+            sock.close()
+            raise
+
+    def http_connect(self, address: tuple[str, int], timeout: float = 10.0) -> socket.socket:
+        """A connection to the HTTP port (https, with TLS)."""
+        sock = socket.create_connection(address, timeout=timeout)
+        ctx = self.context()
+        if ctx is None:
+            return sock
+        try:
+            return ctx.wrap_socket(sock, server_hostname=address[0])
+        except BaseException:
+            sock.close()
+            raise
+
+
+def half_close(sock: socket.socket) -> None:
+    """Shut our sending side and keep reading; on TLS the SSL object stays (SSLSocket.shutdown
+    would drop it and leave the reads with raw TLS records)."""
+    socket.socket.shutdown(sock, socket.SHUT_WR)
 
 
 def start_server(transport: Transport, extra: list[str]) -> servers.Server:
@@ -139,7 +183,7 @@ def start_server(transport: Transport, extra: list[str]) -> servers.Server:
 
 
 def server_stats(server: servers.Server) -> dict[str, Any]:
-    return memory_budget.stats(server.metrics_port)
+    return memory_budget.stats(server)
 
 
 def read_frame(sock: socket.socket, reader: FrameReader) -> Any:
@@ -178,7 +222,7 @@ def _for_every(socks: list[socket.socket], want: type, timeout: float) -> tuple[
             assert isinstance(sock, socket.socket)
             reader = readers[sock.fileno()]
             try:
-                data = sock.recv(1 << 16)
+                data = tlsclient.recv_ready(sock, 1 << 16)
             except BlockingIOError:
                 continue
             except OSError:
@@ -206,7 +250,7 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
     held: list[socket.socket] = []
     out: dict[str, Any] = {"connections": args.connections, "hold_s": args.hold, "fd_limits": limits}
     try:
-        driver = loadgen.BrokyDriver()
+        driver = transport.driver()
         driver.prepare(server.address)
         rate = args.latency_rate
         out["rss_idle"] = memory_budget.server_rss(server)
@@ -217,7 +261,7 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
         for wave in range(0, args.connections, 500):
             batch = []
             for i in range(wave, min(wave + 500, args.connections)):
-                sock = transport.connect(server.address)
+                sock = transport.connect(server.address, i % WORKERS)
                 sock.sendall(encode_frame(Hello(worker=i % WORKERS, client_name="soak")))
                 batch.append(sock)
             got, gone = _for_every(batch, Welcome, 60.0)
@@ -276,10 +320,10 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
     out: dict[str, Any] = {"messages": args.messages, "rate": args.stalled_rate}
     try:
         for w in range(WORKERS):
-            s = memory_budget.Stalled(server.address, w)
+            s = memory_budget.Stalled(server.address, w, tls=transport.context())
             s.subscribe()
             stalled.append(s)
-        subs = [worker_kill._spawn("subscriber", url) for _ in range(2)]
+        subs = [worker_kill._spawn("subscriber", url, *transport.client_args()) for _ in range(2)]
         procs.extend(subs)
         for sub in subs:
             assert sub.stdout is not None
@@ -296,7 +340,7 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
         duration = args.messages / args.stalled_rate
         pub = worker_kill._spawn("publisher", url, "--rate", str(args.stalled_rate), "--duration",
                                  str(duration), "--partitions", str(partitions),
-                                 "--payload-bytes", "100")  # fmt: skip
+                                 "--payload-bytes", "100", *transport.client_args())  # fmt: skip
         procs.append(pub)
         pub_out, _ = pub.communicate(timeout=duration + 120)
         published = children.last_json(pub_out)
@@ -310,7 +354,7 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
         out["slow_consumer_disconnects"] = sum(w["slow_consumer_disconnects"] for w in snap)
         out["budget_cuts"] = sum(w["budget_cuts"] for w in snap)
         memory_budget.drain_all(stalled)
-        out["stalled"] = _told(server.address, stalled, published, partitions)
+        out["stalled"] = _told(server.address, stalled, published, partitions, transport)
         out["server_log_tail"] = server.log()[-1500:]
     finally:
         sampler.stop.set()
@@ -334,7 +378,11 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
 
 
 def _told(
-    address: tuple[str, int], stalled: list[memory_budget.Stalled], published: dict[str, Any], partitions: int
+    address: tuple[str, int],
+    stalled: list[memory_budget.Stalled],
+    published: dict[str, Any],
+    partitions: int,
+    transport: Transport,
 ) -> list[dict[str, Any]]:
     """What each stalled connection received and was told (a closed one: also on reconnecting)."""
     per_worker = [0] * WORKERS
@@ -346,7 +394,7 @@ def _told(
         reasons: dict[str, int] = {}
         if s.closed:
             prev = PreviousConnection(s.welcome.connection_id, s.received, s.told, s.welcome.resume_token)
-            back = memory_budget.Stalled(address, s.worker, previous=prev)
+            back = memory_budget.Stalled(address, s.worker, previous=prev, tls=transport.context())
             for frame in back.frames_after_welcome():
                 if isinstance(frame, LossNotice):
                     told["on_reconnect"] += frame.dropped
@@ -438,9 +486,12 @@ def _control(rnd: random.Random, kp: bytes, pattern: bytes, pick: float) -> byte
     return encode_frame(Goodbye("soak"))
 
 
-def fuzz_stream(rnd: random.Random, frames: int) -> tuple[bytes, int, int]:
+Stream = tuple[bytes, int, int, int]  # a fuzz connection's bytes, frames, Messages, worker
+
+
+def fuzz_stream(rnd: random.Random, frames: int) -> Stream:
     """One connection's bytes: a Hello, then `frames` frames (some mutated; or random bytes);
-    with the count of frames and of Messages among them."""
+    with the count of frames, of Messages among them, and the worker its Hello names."""
     worker = rnd.randrange(WORKERS)
     kps = owned_partitions(worker)
     hello = bytearray(encode_frame(Hello(worker=worker, client_name="fuzz")))
@@ -458,7 +509,7 @@ def fuzz_stream(rnd: random.Random, frames: int) -> tuple[bytes, int, int]:
         if rnd.random() < MUTATION_RATE:
             raw = bytes(mutate(bytearray(raw), rnd))
         parts.append(raw)
-    return b"".join(parts), frames + 1, messages
+    return b"".join(parts), frames + 1, messages, worker
 
 
 HTTP_REQUESTS = [
@@ -490,15 +541,17 @@ def http_request(rnd: random.Random) -> bytes:
 class Fuzz:
     """Threads that send the pool's streams, connection after connection, until a count or a time."""
 
-    def __init__(self, address: tuple[str, int], http: tuple[str, int], pool: list[tuple[bytes, int, int]],
-                 http_pool: list[bytes], frames: int, seconds: float, threads: int) -> None:  # fmt: skip
-        self.address, self.http = address, http
+    def __init__(self, address: tuple[str, int], http: tuple[str, int], pool: list[Stream],
+                 http_pool: list[bytes], frames: int, seconds: float, threads: int,
+                 transport: Transport) -> None:  # fmt: skip
+        self.address, self.http, self.transport = address, http, transport
         self.pool, self.http_pool = pool, http_pool
         self.frames, self.seconds, self.threads = frames, seconds, threads
         self.lock = threading.Lock()
         self.sent_frames = self.sent_bytes = self.sent_messages = self.connections = 0
         self.answered_error = self.closed_silently = self.kept_open = self.refused = 0
         self.http_requests = 0
+        self.plain_to_tls = 0  # with TLS: connections that sent their stream in plain text
         self.http_status: dict[str, int] = {}
         self.http_5xx: dict[str, int] = {}  # the bodies of 5xx answers (what the server said)
         self.stop = threading.Event()
@@ -510,22 +563,27 @@ class Fuzz:
             self.sent_frames += n
             return True
 
-    def _one(self, data: bytes) -> str:
-        """Send `data` on a new connection, close our side, read until the server closes."""
+    def _one(self, data: bytes, worker: int, plain: bool) -> str:
+        """Send `data` on a new connection, close our side, read until the server closes
+        (with TLS: inside TLS, unless `plain`: in plain text to a server that wants TLS)."""
         try:
-            sock = socket.create_connection(self.address, timeout=10)
-        except OSError:
+            if plain:
+                sock = socket.create_connection(self.address, timeout=10)
+            else:
+                sock = self.transport.connect(self.address, worker)
+        except (OSError, EOFError, tlsclient.UpgradeRefused):
             return "refused"
         try:
             sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
+            half_close(sock)
             sock.settimeout(HANG_SECONDS)
             reader = FrameReader(max_frame_bytes=1 << 24)
             last = None
-            while chunk := sock.recv(1 << 16):
-                reader.feed(chunk)
-                for raw in reader.frames():
-                    last = raw
+            with contextlib.suppress(ssl.SSLEOFError):  # a TLS server may close without close_notify
+                while chunk := sock.recv(1 << 16):
+                    reader.feed(chunk)
+                    for raw in reader.frames():
+                        last = raw
             final = decode_frame(last) if last is not None else None
             return "error" if isinstance(final, Error) and final.fatal else "closed"
         except TimeoutError:
@@ -538,12 +596,14 @@ class Fuzz:
     def _frames_thread(self, seed: int) -> None:
         rnd = random.Random(seed)
         while True:
-            data, n, messages = self.pool[rnd.randrange(len(self.pool))]
+            data, n, messages, worker = self.pool[rnd.randrange(len(self.pool))]
             if not self._claim(n):
                 return
-            outcome = self._one(data)
+            plain = self.transport.tls and rnd.random() < PLAIN_TO_TLS
+            outcome = self._one(data, worker, plain)
             with self.lock:
                 self.connections += 1
+                self.plain_to_tls += plain
                 self.sent_messages += messages
                 self.sent_bytes += len(data)
                 if outcome == "error":
@@ -559,15 +619,26 @@ class Fuzz:
         rnd = random.Random(seed)
         while not self.stop.is_set():
             data = self.http_pool[rnd.randrange(len(self.http_pool))]
+            plain = self.transport.tls and rnd.random() < PLAIN_TO_TLS
             try:
-                sock = socket.create_connection(self.http, timeout=10)
+                if plain:
+                    sock = socket.create_connection(self.http, timeout=10)
+                else:
+                    sock = self.transport.http_connect(self.http)
             except OSError:
                 status = "refused"
             else:
+                # Over TLS the request is not followed by a half-close: a TLS server ends the
+                # session at an EOF (asyncio's does), dropping the answer. So an incomplete request
+                # waits for its rest (the server's --http-timeout): "no answer in 0.5 s", the
+                # probe's GET /healthz telling whether the port still answers.
+                over_tls = self.transport.tls and not plain
+                wait = 0.5 if over_tls else 2.0
                 try:
                     sock.sendall(data)
-                    sock.shutdown(socket.SHUT_WR)
-                    sock.settimeout(2.0)
+                    if not over_tls:
+                        half_close(sock)
+                    sock.settimeout(wait)
                     head = sock.recv(1024)
                     status = head[9:12].decode("latin-1") if head.startswith(b"HTTP/1.") else "none"
                     if status.startswith("5"):
@@ -575,10 +646,12 @@ class Fuzz:
                         with self.lock:
                             self.http_5xx[body] = self.http_5xx.get(body, 0) + 1
                     with contextlib.suppress(TimeoutError):
-                        while sock.recv(1 << 16):
+                        while not over_tls and sock.recv(1 << 16):
                             pass
                 except TimeoutError:
-                    status = "no answer in 2 s"
+                    status = f"no answer in {wait:g} s"
+                except ssl.SSLEOFError:
+                    status = "closed"  # (what a plain client sending to https gets)
                 except OSError:
                     status = "reset"
                 finally:
@@ -624,9 +697,9 @@ class RssSeries(threading.Thread):
 class Probe(threading.Thread):
     """One connection per worker, a Ping always in flight; and GET /healthz. Longest round trips."""
 
-    def __init__(self, server: servers.Server) -> None:
+    def __init__(self, server: servers.Server, transport: Transport) -> None:
         super().__init__(daemon=True)
-        self.server = server
+        self.server, self.transport = server, transport
         self.stop = threading.Event()
         self.max_rtt = 0.0
         self.max_http_rtt = 0.0
@@ -637,7 +710,7 @@ class Probe(threading.Thread):
     def run(self) -> None:
         socks = []
         for w in range(WORKERS):
-            sock = socket.create_connection(self.server.address, timeout=HANG_SECONDS * 2)
+            sock = self.transport.connect(self.server.address, w, timeout=HANG_SECONDS * 2)
             reader = FrameReader(max_frame_bytes=1 << 24)
             sock.sendall(encode_frame(Hello(worker=w, client_name="probe")))
             read_frame(sock, reader)
@@ -656,7 +729,7 @@ class Probe(threading.Thread):
                     self.failures.append(f"worker {w}: {type(exc).__name__}")
                     self.hangs += isinstance(exc, TimeoutError)
                     sock.close()
-                    sock = socket.create_connection(self.server.address, timeout=HANG_SECONDS * 2)
+                    sock = self.transport.connect(self.server.address, w, timeout=HANG_SECONDS * 2)
                     reader = FrameReader(max_frame_bytes=1 << 24)
                     sock.sendall(encode_frame(Hello(worker=w, client_name="probe")))
                     read_frame(sock, reader)
@@ -669,9 +742,7 @@ class Probe(threading.Thread):
             if time.monotonic() - last_http > 0.5:
                 last_http = time.monotonic()
                 try:
-                    url = f"http://{self.server.host}:{self.server.metrics_port}/healthz"
-                    with urllib.request.urlopen(url, timeout=HANG_SECONDS * 2) as resp:
-                        resp.read()
+                    self.server.http_get("/healthz", timeout=HANG_SECONDS * 2)
                 except OSError as exc:
                     self.failures.append(f"healthz: {exc}")
                 rtt = time.monotonic() - last_http
@@ -695,7 +766,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         "mutation_rate": MUTATION_RATE,
     }
     server = start_server(transport, ["--max-connections-per-address", "0", "--handshake-rate", "0"])
-    probe = Probe(server)
+    probe = Probe(server, transport)
     sampler = memory_budget.RssSampler(server)
     try:
         before = server_stats(server)
@@ -703,7 +774,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         probe.start()
         sampler.start()
         fuzz = Fuzz(server.address, (server.host, server.metrics_port), pool, http_pool, args.frames,
-                    args.fuzz_seconds, args.fuzz_threads)  # fmt: skip
+                    args.fuzz_seconds, args.fuzz_threads, transport)  # fmt: skip
         cpu0 = procstat.total_cpu_seconds(server.pids())
         series = RssSeries(server, max(1.0, args.fuzz_seconds / 10))
         series.start()
@@ -730,6 +801,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
             "connections_closed_otherwise": fuzz.closed_silently,
             "connections_kept_open": fuzz.kept_open,
             "connections_refused": fuzz.refused,
+            "connections_plain_to_tls": fuzz.plain_to_tls,
             "http_requests": fuzz.http_requests,
             "http_status": fuzz.http_status,
             "http_5xx_bodies": dict(sorted(fuzz.http_5xx.items(), key=lambda kv: -kv[1])[:10]),
@@ -772,10 +844,8 @@ def fuzz_ok(r: dict[str, Any]) -> bool:
 
 
 def kills_section(args: argparse.Namespace, transport: Transport) -> dict[str, Any]:
-    if transport.tls:
-        raise NotImplementedError("bench.worker_kill.run needs the TLS URL and server flags passed in")
     kills = max(1, int(args.kill_seconds / args.kill_interval))
-    result = worker_kill.run(kills, args.kill_interval, args.kill_rate, 256)
+    result = worker_kill.run(kills, args.kill_interval, args.kill_rate, 256, tls=transport.tls)
     rec = sorted(result.recovery)
     out = asdict(result)
     out.pop("server_log_tail")
@@ -825,13 +895,18 @@ def _pct(run: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     sections = doc["sections"]
     lines = [
-        "# Reliability: the soak suite",
+        "# Reliability: the soak suite" + (", over TLS" if doc.get("tls") else ""),
         "",
         f"Machine: {describe(doc['machine'])}.",
         "",
         f"Command: `python -m bench.soak{doc['command']}`; every section on a fresh "
-        "`broky serve --workers 2`. Plain TCP only: the runs with TLS are not done yet (the server's "
-        "TLS is on another branch; see bench/soak.py's header).",
+        "`broky serve --workers 2`, "
+        + (
+            "every client over TLS (an ECDSA P-256 certificate; see bench/soak.py's header). The same "
+            "runs in plain TCP: [reliability.md](reliability.md)."
+            if doc.get("tls")
+            else "plain TCP. The same runs over TLS: [reliability_tls.md](reliability_tls.md)."
+        ),
         "",
     ]
     if doc.get("conditions"):
@@ -957,6 +1032,14 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         f"| connections: ended with a fatal Error / closed otherwise / kept open past {HANG_SECONDS:g} s | "
         f"{r['connections_ended_with_error']:,} / {r['connections_closed_otherwise']:,} / "
         f"{r['connections_kept_open']:,} (refused {r['connections_refused']}) |",
+        *(
+            [
+                f"| ... of which sent in plain text to the TLS-only server | "
+                f"{r['connections_plain_to_tls']:,} |"
+            ]
+            if r.get("connections_plain_to_tls")
+            else []
+        ),
         f"| HTTP requests (random, mutated, valid), by answer | {r['http_requests']:,}: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r["http_status"].items()))
         + " |",
@@ -1028,7 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
     parser.add_argument("--quick", action="store_true", help="every section tiny (CI)")
-    parser.add_argument("--tls", action="store_true", help="the same runs over TLS (not yet: see the header)")
+    parser.add_argument("--tls", action="store_true", help="the same runs over TLS (see the header)")
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--hold", type=float, default=60.0, help="seconds the connections are held")
     parser.add_argument(
@@ -1058,16 +1141,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    if args.tls:
-        parser.error("--tls: not yet; the server's TLS is being built on another branch (see the header)")
     transport = Transport(tls=args.tls)
-    path = args.out / f"{NAME}.json"
+    name_out = f"{NAME}_tls" if args.tls else NAME
+    path = args.out / f"{name_out}.json"
     doc: dict[str, Any] = {"sections": {}}
     if args.only and path.exists():
         doc = json.loads(path.read_text())
     info = machine_info()
     doc["machine"] = info
     doc["command"] = " " + shlex.join(sys.argv[1:] if argv is None else argv)
+    doc["tls"] = args.tls
     if args.conditions:
         doc["conditions"] = args.conditions
     ok = True
@@ -1088,7 +1171,7 @@ def main(argv: list[str] | None = None) -> int:
             f"soak: {name} {'ok' if passed else 'FAILED'} in {result['seconds_total']:g} s", file=sys.stderr
         )
     settings = {k: v for k, v in doc.items() if k not in ("machine", "args", "sections")}
-    write_results(args.out, NAME, render(doc), info, args, **settings, sections=doc["sections"])
+    write_results(args.out, name_out, render(doc), info, args, **settings, sections=doc["sections"])
     return 0 if ok else 1
 
 

@@ -55,7 +55,6 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +79,16 @@ def partition(i: int) -> bytes:
 
 # ---------------------------------------------------------------- the two client processes
 
+_tls_ca: str | None = None  # in a client process of a TLS run: trust this CA (--tls-ca)
+
+
+def _ssl_context() -> Any:
+    if _tls_ca is None:
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=_tls_ca)
+
 
 async def publisher(url: str, rate: int, duration: float, partitions: int, size: int) -> dict[str, Any]:
     """Publish at `rate` for `duration` seconds (0: until a line, or EOF, on stdin), then flush."""
@@ -88,6 +97,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
     refused: list[tuple[int, int]] = []  # (partition, sequence number) of publishes refused
     async with broky.connect(
         url,
+        ssl_context=_ssl_context(),
         on_error=lambda e: errors.append(str(e)),
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}"),
     ) as client:
@@ -144,6 +154,7 @@ async def subscriber(url: str) -> dict[str, Any]:
 
     async with broky.connect(
         url,
+        ssl_context=_ssl_context(),
         on_loss=lambda ref, n, reason: losses.append(((ref.node_id, ref.worker), n, reason, time.time())),
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}: {why}"),
     ) as client:
@@ -195,10 +206,8 @@ class Result:
         return [k["recovery_s"] for k in self.kills if k["recovery_s"] is not None]
 
 
-def _worker_pids(metrics_port: int) -> list[int]:
-    url = f"http://127.0.0.1:{metrics_port}/stats"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        stats = json.loads(resp.read())
+def _worker_pids(server: servers.Server) -> list[int]:
+    stats = json.loads(server.http_get("/stats", timeout=5))
     return [pid or 0 for pid in stats["master"]["worker_pids"]]
 
 
@@ -213,11 +222,11 @@ def _spawn(role: str, url: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_restarted(metrics_port: int, old: list[int], timeout: float = 15.0) -> None:
+def _wait_restarted(server: servers.Server, old: list[int], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            pids = _worker_pids(metrics_port)
+            pids = _worker_pids(server)
         except OSError:
             pids = []
         if pids and all(pids) and pids != old:
@@ -234,15 +243,18 @@ def run(
     workers: int = 2,
     payload_bytes: int = 100,
     stall_subscriber: float = 0.0,
+    tls: bool = False,
 ) -> Result:
-    """One server, one subscriber, one publisher, `kills` SIGKILLs; see the module header."""
-    metrics_port = servers.free_port()
-    server = servers.start_broky(workers, ["--metrics-port", str(metrics_port)])
-    url = f"{server.host}:{server.port}"
+    """One server, one subscriber, one publisher, `kills` SIGKILLs; see the module header.
+    With `tls`, the server has a certificate and both clients connect over TLS."""
+    ca, cert, key = servers.tls_files() if tls else ("", "", "")
+    server = servers.start_broky(workers, ["--tls-cert", cert, "--tls-key", key] if tls else [])
+    url = f"{'broky+tls://' if tls else ''}{server.host}:{server.port}"
+    client_args = ["--tls-ca", ca] if tls else []
     procs: list[subprocess.Popen[str]] = []
     result = Result()
     try:
-        sub = _spawn("subscriber", url)
+        sub = _spawn("subscriber", url, *client_args)
         procs.append(sub)
         assert sub.stdout is not None and sub.stdin is not None
         if sub.stdout.readline().strip() != "ready":
@@ -250,7 +262,8 @@ def run(
         warmup, cooldown = 1.0, 2.0
         duration = warmup + kills * interval + cooldown
         pub = _spawn("publisher", url, "--rate", str(rate), "--duration", str(duration),
-                     "--partitions", str(partitions), "--payload-bytes", str(payload_bytes))  # fmt: skip
+                     "--partitions", str(partitions), "--payload-bytes", str(payload_bytes),
+                     *client_args)  # fmt: skip
         procs.append(pub)
         time.sleep(warmup + 0.5)  # the publisher process starts in about half a second
         for k in range(kills):
@@ -258,14 +271,14 @@ def run(
             if stall_subscriber:
                 os.kill(sub.pid, signal.SIGSTOP)
                 time.sleep(stall_subscriber)
-            pids = _worker_pids(metrics_port)
+            pids = _worker_pids(server)
             killed_at = time.time()
             os.kill(pids[worker], signal.SIGKILL)
             result.kills.append({"worker": worker, "time": killed_at, "recovery_s": None})
             if stall_subscriber:
                 time.sleep(0.2)
                 os.kill(sub.pid, signal.SIGCONT)
-            _wait_restarted(metrics_port, pids)
+            _wait_restarted(server, pids)
             time.sleep(max(0.0, interval - (time.time() - killed_at)))
         pub_out, _ = pub.communicate(timeout=duration + 60)
         sub_out, _ = sub.communicate("stop\n", timeout=60)
@@ -455,7 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
     parser.add_argument("--server", help=argparse.SUPPRESS)
     parser.add_argument("--duration", type=float, default=10.0, help=argparse.SUPPRESS)
+    parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global _tls_ca
+    _tls_ca = args.tls_ca
     if args.role == "publisher":
         out = asyncio.run(
             publisher(args.server, args.rate, args.duration, args.partitions, args.payload_bytes)

@@ -5,7 +5,9 @@ connections held, a stalled subscriber under 20,000 messages, 20,000 random and 
 frames (and HTTP requests) with a probe, and one worker SIGKILLed under load. This test
 asserts the invariants the full run reports, not its timings: every held connection
 answers, the readers beside the stalled one lose nothing, no worker crashes and no probe
-hangs under the fuzz, and lost - told = 0 for every worker.
+hangs under the fuzz, and lost - told = 0 for every worker. Both in plain TCP and over TLS
+(`--tls`: the server accepts TLS only, so a client that did not make the upgrade would be
+refused and the invariants would fail).
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_quick_soak_keeps_its_invariants(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_quick_soak_keeps_its_invariants(tmp_path: Path, tls: bool) -> None:
+    name = "reliability_tls" if tls else "reliability"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.soak", "--quick", *(["--tls"] if tls else []), "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=140,
         check=False,
     )
-    assert (tmp_path / "reliability.md").exists(), proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "reliability.json").read_text())
+    assert (tmp_path / f"{name}.md").exists(), proc.stderr[-3000:]
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    assert doc["tls"] is tls
     sections = doc["sections"]
     assert set(sections) == {"connections", "stalled", "fuzz", "kills"}
 

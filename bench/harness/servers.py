@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from bench.harness import procstat
@@ -66,6 +67,25 @@ class Server:
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")[-4000:]
+
+    @property
+    def tls(self) -> bool:
+        """Broky with a certificate: its clients use TLS and its HTTP port serves https."""
+        return "--tls-cert" in self.args
+
+    def http_get(self, path: str, timeout: float = 10.0) -> bytes:
+        """GET `path` on Broky's HTTP port (https, trusting tls_files()'s CA, when `tls`)."""
+        context = None
+        if self.tls:
+            import ssl
+
+            context = ssl.create_default_context(cafile=tls_files()[0])
+        scheme = "https" if self.tls else "http"
+        with urllib.request.urlopen(
+            f"{scheme}://{self.host}:{self.metrics_port}{path}", timeout=timeout, context=context
+        ) as resp:
+            body: bytes = resp.read()
+            return body
 
     def _spawn(self, stdout: int) -> subprocess.Popen[bytes]:
         if shutil.which(self.args[0]) is None:
