@@ -84,7 +84,7 @@ if str(ROOT) not in sys.path:
 
 from bench import memory_budget, worker_kill  # noqa: E402
 from bench.harness import children, latency, loadgen, procstat, servers, tlsclient  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.machine import broky_revision, describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
 from broky.protocol import (  # noqa: E402
     NEED_DATA,
@@ -552,6 +552,7 @@ class Fuzz:
         self.answered_error = self.closed_silently = self.kept_open = self.refused = 0
         self.http_requests = 0
         self.plain_to_tls = 0  # with TLS: connections that sent their stream in plain text
+        self.kept_open_samples: list[str] = []  # what the first few connections kept open had read
         self.http_status: dict[str, int] = {}
         self.http_5xx: dict[str, int] = {}  # the bodies of 5xx answers (what the server said)
         self.stop = threading.Event()
@@ -573,20 +574,29 @@ class Fuzz:
                 sock = self.transport.connect(self.address, worker)
         except (OSError, EOFError, tlsclient.UpgradeRefused):
             return "refused"
+        last = None
+        got = 0
         try:
             sock.sendall(data)
             half_close(sock)
             sock.settimeout(HANG_SECONDS)
             reader = FrameReader(max_frame_bytes=1 << 24)
-            last = None
             with contextlib.suppress(ssl.SSLEOFError):  # a TLS server may close without close_notify
                 while chunk := sock.recv(1 << 16):
+                    got += len(chunk)
                     reader.feed(chunk)
                     for raw in reader.frames():
                         last = raw
             final = decode_frame(last) if last is not None else None
             return "error" if isinstance(final, Error) and final.fatal else "closed"
         except TimeoutError:
+            with self.lock:
+                if len(self.kept_open_samples) < 10:
+                    frame = type(decode_frame(last)).__name__ if last is not None else "nothing"
+                    self.kept_open_samples.append(
+                        f"{'plain' if plain else 'tls' if self.transport.tls else 'tcp'} stream of worker "
+                        f"{worker}: {got:,} bytes read, the last a {frame}"
+                    )
             return "kept_open"
         except OSError:
             return "closed"
@@ -677,6 +687,20 @@ class Fuzz:
         for t in threads:
             t.join(30)
         return time.monotonic() - start
+
+
+def tenths(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The samples at the end of each tenth of the run (fewer when the run was shorter)."""
+    if not samples:
+        return []
+    end = samples[-1][0]
+    picked: list[tuple[float, int]] = []
+    for k in range(1, 11):
+        due = end * k / 10
+        sample = next(x for x in samples if x[0] >= due - 1e-9)
+        if not picked or picked[-1] != sample:
+            picked.append(sample)
+    return picked
 
 
 class RssSeries(threading.Thread):
@@ -776,7 +800,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         fuzz = Fuzz(server.address, (server.host, server.metrics_port), pool, http_pool, args.frames,
                     args.fuzz_seconds, args.fuzz_threads, transport)  # fmt: skip
         cpu0 = procstat.total_cpu_seconds(server.pids())
-        series = RssSeries(server, max(1.0, args.fuzz_seconds / 10))
+        series = RssSeries(server, 1.0)
         series.start()
         seconds = fuzz.run()
         series.stop.set()
@@ -789,7 +813,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         after = server_stats(server)
         out["rss_end"] = memory_budget.server_rss(server)
         out["rss_peak"] = max(sampler.peak, out["rss_end"])
-        out["rss_series"] = series.samples
+        out["rss_series"] = tenths(series.samples)
         out.update({
             "seconds": round(seconds, 1),
             "frames_sent": fuzz.sent_frames,
@@ -802,6 +826,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
             "connections_kept_open": fuzz.kept_open,
             "connections_refused": fuzz.refused,
             "connections_plain_to_tls": fuzz.plain_to_tls,
+            "kept_open_samples": fuzz.kept_open_samples,
             "http_requests": fuzz.http_requests,
             "http_status": fuzz.http_status,
             "http_5xx_bodies": dict(sorted(fuzz.http_5xx.items(), key=lambda kv: -kv[1])[:10]),
@@ -916,7 +941,9 @@ def render(doc: dict[str, Any]) -> str:
             r = sections[name]
             verdict = "met" if CHECKS[name](r) else "NOT met"
             when = (
-                f"Run at {r['ran_at']}, load average {r['load_average']} at its start; the machine's CPUs "
+                f"Run at {r['ran_at']}"
+                + (f" at {r['commit']} by `python -m bench.soak{r['command']}`" if r.get("command") else "")
+                + f", load average {r['load_average']} at its start; the machine's CPUs "
                 f"were {r['machine_busy']:.0%} busy meanwhile (this run and everyone else's)."
             )
             lines += [*RENDER[name](r), "", f"Verdict: {verdict}. {when}", ""]
@@ -1049,7 +1076,8 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         f"| probe: GET /healthz, longest | {r['probe_max_http_rtt_ms']:g} ms |",
         f"| server RSS start / peak / end | {_mb(r['rss_start'])} / {_mb(r['rss_peak'])} / "
         f"{_mb(r['rss_end'])} |",
-        f"| server RSS every tenth of the run | {', '.join(_mb(b) for _, b in r['rss_series'])} |",
+        f"| server RSS at the end of each tenth of the run | "
+        f"{', '.join(_mb(b) for _, b in r['rss_series'])} |",
         f"| ... of which the replay buffers at the end (their bound) | {_mb(r['replay_bytes_end'])} "
         f"({_mb(r['replay_limit'])}) |",
         f"| pending outbound bytes at the end | {r['pending_bytes_end']:,} |",
@@ -1163,6 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
         result = RUNS[name](args, transport)
         busy1, all1, _ = procstat.machine_cpu()
         result.update(ran_at=ran_at, load_average=load, seconds_total=round(time.monotonic() - start, 1),
+                      command=doc["command"], commit=broky_revision(),
                       machine_busy=round((busy1 - busy0) / max(all1 - all0, 1e-9), 2))  # fmt: skip
         doc["sections"][name] = result
         passed = CHECKS[name](result)
