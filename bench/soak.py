@@ -924,8 +924,7 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"Machine: {describe(doc['machine'])}.",
         "",
-        f"Command: `python -m bench.soak{doc['command']}`; every section on a fresh "
-        "`broky serve --workers 2`, "
+        "Every section on a fresh `broky serve --workers 2` (its commit and command under it), "
         + (
             "every client over TLS (an ECDSA P-256 certificate; see bench/soak.py's header). The same "
             "runs in plain TCP: [reliability.md](reliability.md)."
@@ -1165,6 +1164,9 @@ def main(argv: list[str] | None = None) -> int:
         "--conditions", default="", help="a sentence on the machine's other load, for the report"
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--render", action="store_true", help="write the report again from its JSON, running nothing"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -1173,8 +1175,11 @@ def main(argv: list[str] | None = None) -> int:
     name_out = f"{NAME}_tls" if args.tls else NAME
     path = args.out / f"{name_out}.json"
     doc: dict[str, Any] = {"sections": {}}
-    if args.only and path.exists():
+    if (args.only or args.render) and path.exists():
         doc = json.loads(path.read_text())
+    if args.render:
+        (args.out / f"{name_out}.md").write_text(render(doc))
+        return 0
     info = machine_info()
     doc["machine"] = info
     doc["command"] = " " + shlex.join(sys.argv[1:] if argv is None else argv)
