@@ -810,7 +810,9 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         probe.join(HANG_SECONDS * 4)
         sampler.stop.set()
         sampler.join()
+        time.sleep(HANG_SECONDS + 1.0)  # every fuzz connection closed by now, by us or by the server
         after = server_stats(server)
+        out["connections_open_at_end"] = sum(w["connections"] for w in after["workers"])
         out["rss_end"] = memory_budget.server_rss(server)
         out["rss_peak"] = max(sampler.peak, out["rss_end"])
         out["rss_series"] = tenths(series.samples)

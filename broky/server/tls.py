@@ -52,7 +52,7 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from broky.errors import BrokyError, ErrorCode
+from broky.errors import BrokyError, ErrorCode, ProtocolError
 from broky.protocol import SERVED_VERSIONS, Hello, decode_frame
 from broky.protocol.frames import error_frame
 from broky.protocol.framing import MIN_FRAME_SIZE
@@ -139,10 +139,13 @@ def check_hello(frame: bytes, config: ServerConfig, worker: int) -> Hello:
     """The Hello a TLS client sent inside TLS, checked as the master checks a plain one.
 
     Raises:
-        HelloRefused: not a Hello, a version this server does not serve, another
-            worker, or the wrong auth token.
+        HelloRefused: not a frame (its ProtocolError's code: MALFORMED_FRAME, ...), not a
+            Hello, a version this server does not serve, or another worker.
     """
-    hello = decode_frame(frame)
+    try:
+        hello = decode_frame(frame)
+    except ProtocolError as exc:  # answered as the master answers a plain one that does not decode
+        raise HelloRefused(exc.code, f"first frame inside TLS: {exc}") from None
     if not isinstance(hello, Hello):
         raise HelloRefused(
             ErrorCode.EXPECTED_HELLO,
@@ -266,6 +269,9 @@ class Handshakes:
             self._failed(reason, peer, exc.reason or str(exc))
         except OSError as exc:  # ConnectionResetError, or the end of the stream (_FirstFrame)
             self._failed(CLOSED, peer, str(exc) or type(exc).__name__)
+        except Exception as exc:  # a bug: the connection goes (its transport too), the worker stays
+            log.error("TLS connection from %s failed: %r", peer, exc)
+            self._failed(PROTOCOL, peer, repr(exc))
         else:
             self.stats.tls_handshakes += 1
             return transport, hello, frame, rest
