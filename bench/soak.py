@@ -864,7 +864,7 @@ def _grew(before: dict[str, Any], after: dict[str, Any], part: str, name: str) -
 
 def fuzz_ok(r: dict[str, Any]) -> bool:
     return bool(r["worker_crashes"] == 0 and r["hangs"] == 0 and r["worker_pids_unchanged"]
-                and not r["probe_failures"])  # fmt: skip
+                and not r["probe_failures"] and r.get("connections_open_at_end", 0) == 0)  # fmt: skip
 
 
 # ---------------------------------------------------------------- kills
@@ -1072,6 +1072,11 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r["http_status"].items()))
         + " |",
         f"| worker crashes | {r['worker_crashes']} |",
+        *(
+            [f"| connections still open on the server at the end | {r['connections_open_at_end']} |"]
+            if "connections_open_at_end" in r
+            else []
+        ),
         f"| hangs (a probe round trip over {HANG_SECONDS:g} s) | {r['hangs']} |",
         f"| probe: Ping round trips, longest | {r['probe_round_trips']:,}, {r['probe_max_rtt_ms']:g} ms |",
         f"| probe: GET /healthz, longest | {r['probe_max_http_rtt_ms']:g} ms |",

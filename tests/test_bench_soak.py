@@ -56,6 +56,7 @@ def test_quick_soak_keeps_its_invariants(tmp_path: Path, tls: bool) -> None:
     fuzz = sections["fuzz"]
     assert fuzz["frames_sent"] >= fuzz["frames_target"]
     assert fuzz["worker_crashes"] == 0 and fuzz["worker_pids_unchanged"]
+    assert fuzz["connections_open_at_end"] == 0  # none left behind by its client
     assert fuzz["hangs"] == 0 and fuzz["probe_failures"] == [] and fuzz["probe_round_trips"] > 0
     assert fuzz["http_requests"] > 0
     assert fuzz["connections_ended_with_error"] > 0  # the mutated frames reached the workers
