@@ -812,7 +812,9 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         sampler.join()
         time.sleep(HANG_SECONDS + 1.0)  # every fuzz connection closed by now, by us or by the server
         after = server_stats(server)
-        out["connections_open_at_end"] = sum(w["connections"] for w in after["workers"])
+        names = [c["name"] for c in json.loads(server.http_get("/connections?limit=100000"))["connections"]]
+        gateway = sum(name.startswith("http-gateway") for name in names)  # the HTTP port's own, kept
+        out["connections_open_at_end"], out["gateway_connections_at_end"] = len(names) - gateway, gateway
         out["rss_end"] = memory_budget.server_rss(server)
         out["rss_peak"] = max(sampler.peak, out["rss_end"])
         out["rss_series"] = tenths(series.samples)
@@ -1073,7 +1075,10 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         + " |",
         f"| worker crashes | {r['worker_crashes']} |",
         *(
-            [f"| connections still open on the server at the end | {r['connections_open_at_end']} |"]
+            [
+                f"| clients' connections still open on the server at the end (besides the HTTP gateway's "
+                f"own {r.get('gateway_connections_at_end', '?')}) | {r['connections_open_at_end']} |"
+            ]
             if "connections_open_at_end" in r
             else []
         ),

@@ -307,8 +307,9 @@ def test_a_malformed_hello_inside_tls_is_refused_and_its_connection_closed(
     hello = bytearray(encode_frame(Hello(client_name="fuzz")))
     hello[8:12] = b"XXXX"  # the file identifier (BRKY)
     for frame in (bytes(hello), b"\x0c\x00\x00\x00" + b"\xff" * 12):
+        data = frame + encode_frame(Ping(1))
         with pytest.raises(ServerError) as refused:
-            run(lambda f=frame: _tls_first_frame(server.port, ctx, f + encode_frame(Ping(1))))
+            run(lambda: _tls_first_frame(server.port, ctx, data))  # noqa: B023 (run at once)
         assert refused.value.code == ErrorCode.MALFORMED_FRAME
     deadline = time.monotonic() + 5
     while (open_now := _connections(server, ctx)) and time.monotonic() < deadline:
