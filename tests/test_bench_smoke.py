@@ -279,3 +279,11 @@ def test_only_a_full_run_writes_into_the_committed_results() -> None:
         )
     finally:
         scratch.rmdir()
+
+
+def test_bar_plots_use_a_log_axis_only_past_a_decade() -> None:
+    from bench.harness.report import log_axis
+
+    assert not log_axis([0.30, 0.40, 0.60, 0.75])  # 2.5x within a decade: linear, gaps as they are
+    assert log_axis([0.04, 0.13, 0.56])  # 14x: log
+    assert not log_axis([])
