@@ -1146,6 +1146,20 @@ QUICK = {
 }
 
 
+def without_out(argv: list[str]) -> list[str]:
+    """The command line without `--out DIR` (a directory of this machine's, not the run's)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
@@ -1194,7 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = machine_info()
     doc["machine"] = info
-    doc["command"] = " " + shlex.join(sys.argv[1:] if argv is None else argv)
+    doc["command"] = " " + shlex.join(without_out(sys.argv[1:] if argv is None else argv))
     doc["tls"] = args.tls
     if args.conditions:
         doc["conditions"] = args.conditions
