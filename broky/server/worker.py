@@ -407,6 +407,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     book = AccountBook.from_fd(book_fd)
 
     vmap = None if boot.get("map") is None else VBucketMap.from_json(boot["map"])
+    probe = os.environ.get("BROKY_LOOP_PROBE")  # a debug probe (broky.server.loopprobe); off: nothing
+    if probe:
+        from broky.server import loopprobe
+
+        loopprobe.install(index, probe)
 
     async def run() -> None:
         await Worker(
