@@ -15,9 +15,9 @@ tick and what it does, control messages, bounded reads), then for
     (how long the worker's loop made it wait, plus the network and this
     process: an end-to-end check of what the workers report);
   - with `--reads N`: one raw connection to worker 0 sends, every
-    `--read-every` s, N Read frames (a bounded read over every vbucket of the
-    worker, from 1 ms before now: small ranges, one batch each) and a Ping in
-    one write, and times that Pong (the Ping waits behind the N Reads).
+    `--read-every` s, N Read frames (each the retained messages of one
+    key_partition, from the oldest: as bench/soak.py's fuzz does) and a Ping
+    in one write, and times that Pong (the Ping waits behind the N Reads).
 Then it stops the server and prints, per worker and job: count, p50, p99,
 max and the share of the run's time the job held the loop; the master's and
 the workers' context switches over the load (wake-ups: the publish path should
@@ -46,6 +46,7 @@ if __package__ in (None, ""):
 
 from bench.harness import servers
 from broky.protocol import NEED_DATA, FrameReader, Hello, Ping, Pong, Read, decode_frame, encode_frame
+from broky.protocol.message import BODY_MESSAGE, body_type
 
 PARTS = 256
 SIZE = 100
@@ -127,9 +128,19 @@ class Raw:
         return decode_frame(raw)
 
     def until_pong(self, ping: int) -> dict[str, int]:
+        """Frames until the Pong to `ping`, by type (Messages counted, not decoded)."""
         seen: dict[str, int] = {}
         while True:
-            frame = self.next()
+            while (raw := self.reader.next_frame()) is NEED_DATA:
+                data = self.sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("broky closed the connection")
+                self.reader.feed(data)
+            assert isinstance(raw, bytes)
+            if body_type(raw, 0, len(raw)) == BODY_MESSAGE:
+                seen["Message"] = seen.get("Message", 0) + 1
+                continue
+            frame = decode_frame(raw)
             if isinstance(frame, Pong) and frame.id == ping:
                 return seen
             name = type(frame).__name__
@@ -153,13 +164,14 @@ def _reader(
     address: tuple[str, int], reads: int, every: float, stop: threading.Event, out: list[dict[str, Any]]
 ) -> None:
     raw = Raw(address, 0)
+    vmap = raw.welcome.map
+    mine = [kp for kp in _partitions() if vmap.owner(kp)[1] == 0]
     rid = n = 0
     while not stop.wait(every):
         frames = []
-        since = time.time_ns() - 1_000_000
         for _ in range(reads):
-            rid += 1
-            frames.append(encode_frame(Read(rid, b">", start_time=since)))
+            rid += 1  # one key_partition's retained messages, from the oldest
+            frames.append(encode_frame(Read(rid, b">", mine[rid % len(mine)], start_time=1)))
         n += 1
         t = time.perf_counter_ns()
         raw.sock.sendall(b"".join(frames) + encode_frame(Ping(n)))

@@ -458,7 +458,7 @@ class Shard(
                             break
                         self.control(c, data, pos, end, t0)
                         pos = end
-                        if c.state != OPEN:
+                        if c.state != OPEN or c.held:  # held: after a Read (broky.server.reads)
                             break
                         continue
                     rkey = (kp, key)
