@@ -253,7 +253,7 @@ class Backpressure:
         replay = self.replay
         if replay is not None:
             replay.expire()
-            replay.trim_all()
+            replay.trim_some()
         if self.handover.awaiting:
             self.handover_deadlines()
         if (

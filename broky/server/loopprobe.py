@@ -13,7 +13,9 @@ process only):
   gc0, gc1, gc2   the cyclic garbage collector, by generation (gc.callbacks)
   tick            Shard.tick: the periodic sweep (broky.server.backpressure)
   accounts_expire AccountBook.expire (every tick)
-  replay_expire   ReplayBuffer.expire and trim_all (inside tick)
+  replay_expire   ReplayBuffer.expire (inside tick)
+  replay_trim     ReplayBuffer.trim_all (inside tick, before it was spread: a scrape now)
+  replay_trim_some ReplayBuffer.trim_some (inside tick)
   heap_trim       Shard.trim_heap (inside tick, when due)
   control         Worker._on_channel: messages from the master
   bounded_read    Shard.bounded_read: a Read frame and its first batch
@@ -137,6 +139,7 @@ def install(index: int, prefix: str) -> Probe:
     probe.wrap(AccountBook, "expire", "accounts_expire")
     probe.wrap(ReplayBuffer, "expire", "replay_expire")
     probe.wrap(ReplayBuffer, "trim_all", "replay_trim")
+    probe.wrap(ReplayBuffer, "trim_some", "replay_trim_some")
     probe.wrap(Shard, "trim_heap", "heap_trim")
     probe.wrap(Worker, "_on_channel", "control")
     probe.wrap(Shard, "bounded_read", "bounded_read")
