@@ -2,7 +2,7 @@
 
     python -m bench.tail_sources [--rate 20000] [--seconds 20] [--workers 2]
                                  [--reads 0] [--read-every 0.5] [--serve-args "..."]
-                                 [--json FILE]
+                                 [--env NAME=VALUE ...] [--json FILE]
 
 Starts `broky serve` with BROKY_LOOP_PROBE set (broky.server.loopprobe: each
 worker times its own jobs: reads, the garbage collector by generation, the
@@ -213,12 +213,23 @@ def _quantiles(ns: list[int]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     prefix = os.path.join(tempfile.mkdtemp(prefix="tails-"), "probe")
-    os.environ["BROKY_LOOP_PROBE"] = prefix
+    env = dict(item.split("=", 1) for item in args.env) | {"BROKY_LOOP_PROBE": prefix}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         server = servers.start_broky(args.workers, shlex.split(args.serve_args))
     finally:
-        del os.environ["BROKY_LOOP_PROBE"]
-    result: dict[str, Any] = {"rate": args.rate, "seconds": args.seconds, "serve_args": args.serve_args}
+        for name, was in saved.items():
+            if was is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = was
+    result: dict[str, Any] = {
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "serve_args": args.serve_args,
+        "env": args.env,
+    }
     try:
         address = f"{servers.HOST}:{server.port}"
         me = [
@@ -285,7 +296,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def show(result: dict[str, Any]) -> None:
     seconds = result["seconds"]
-    print(f"rate {result['rate']} msgs/s for {seconds} s; serve {result['serve_args'] or '(defaults)'}")
+    print(
+        f"rate {result['rate']} msgs/s for {seconds} s; serve {result['serve_args'] or '(defaults)'}"
+        + (f"; env {' '.join(result['env'])}" if result["env"] else "")
+    )
     print(f"published {result['publisher']['published']}, received {result['subscriber']['received']}")
     print(
         "context switches/s: "
@@ -327,6 +341,7 @@ def main() -> int:
     parser.add_argument("--reads", type=int, default=0)
     parser.add_argument("--read-every", type=float, default=0.5)
     parser.add_argument("--serve-args", default="")
+    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server")
     parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--role", choices=("pub", "sub"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
