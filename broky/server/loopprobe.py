@@ -11,6 +11,8 @@ What is timed (the probe wraps these methods on their classes, in this
 process only):
   read            Shard.feed: one socket read, from its arrival to its writes
   gc0, gc1, gc2   the cyclic garbage collector, by generation (gc.callbacks)
+  accounts_commit AccountBook.commit_read: a read's counters to the accounts (inside read)
+  flush           Shard.flush: a read's writes, one per touched connection (inside read)
   tick            Shard.tick: the periodic sweep (broky.server.backpressure)
   accounts_expire AccountBook.expire (every tick)
   replay_expire   ReplayBuffer.expire (inside tick)
@@ -136,6 +138,8 @@ def install(index: int, prefix: str) -> Probe:
     probe = Probe(f"{prefix}-worker-{index}.json")
     probe.wrap(Shard, "feed", "read")
     probe.wrap(Shard, "tick", "tick")
+    probe.wrap(AccountBook, "commit_read", "accounts_commit")
+    probe.wrap(Shard, "flush", "flush")
     probe.wrap(AccountBook, "expire", "accounts_expire")
     probe.wrap(ReplayBuffer, "expire", "replay_expire")
     probe.wrap(ReplayBuffer, "trim_all", "replay_trim")
