@@ -18,6 +18,7 @@ process only):
   replay_expire   ReplayBuffer.expire (inside tick)
   replay_trim     ReplayBuffer.trim_all (inside tick, before it was spread: a scrape now)
   replay_trim_some ReplayBuffer.trim_some (inside tick)
+  replay_settle   ReplayBuffer.settle: the log into the indexes (in trim_some, lookups, a full log)
   heap_trim       Shard.trim_heap (inside tick, when due)
   control         Worker._on_channel: messages from the master
   bounded_read    Shard.bounded_read: a Read frame and its first batch
@@ -144,6 +145,7 @@ def install(index: int, prefix: str) -> Probe:
     probe.wrap(ReplayBuffer, "expire", "replay_expire")
     probe.wrap(ReplayBuffer, "trim_all", "replay_trim")
     probe.wrap(ReplayBuffer, "trim_some", "replay_trim_some")
+    probe.wrap(ReplayBuffer, "settle", "replay_settle")
     probe.wrap(Shard, "trim_heap", "heap_trim")
     probe.wrap(Worker, "_on_channel", "control")
     probe.wrap(Shard, "bounded_read", "bounded_read")
