@@ -530,3 +530,30 @@ def test_worker_stats_forgets_the_requests_it_stopped_waiting_for(monkeypatch: p
                     end.close()
 
     asyncio.run(main())
+
+
+def test_the_producer_latency_histogram_counts_comparable_ts_producers(server: ServerProcess) -> None:
+    # broky.server.histogram: ts_broker - ts_producer of each read's first Message, when the
+    # clocks are comparable (1 s ahead to 60 s behind), for each message of the read; the others
+    # counted as not comparable; no ts_producer: neither.
+    with Wire.hello(server.address, worker=0, name="pub") as pub:
+        _, s = scrape(server)
+        assert value(s, "broky_producer_latency_seconds_count", worker="0") == 0
+        assert value(s, "broky_producer_latency_not_comparable_total", worker="0") == 0
+        ages = [0.020, -0.5, 120.0, -5.0]  # seconds behind the broker's clock (negative: ahead)
+        for age in ages:  # one read each: the Pong comes back before the next publish
+            pub.publish(KP0, b"p.k", b"x", ts_producer=time.time_ns() - int(age * 1e9))
+            pub.flush()
+        pub.send(b"".join(encode_message(KP0, b"p.k", b"%d" % i, ts_producer=0) for i in range(3)))
+        pub.flush()
+        _, s = scrape(server)
+        assert value(s, "broky_messages_published_total", worker="0") == 7
+        assert value(s, "broky_producer_latency_not_comparable_total", worker="0") == 2  # 120 s, -5 s
+        assert value(s, "broky_producer_latency_seconds_count", worker="0") == 2  # 20 ms; -0.5 s as 0
+        bucket = {le: value(s, "broky_producer_latency_seconds_bucket", worker="0", le=le) for le in (
+            "8.192e-06", "0.016777216", "0.033554432", "+Inf")}  # fmt: skip
+        assert bucket == {"8.192e-06": 1, "0.016777216": 1, "0.033554432": 2, "+Inf": 2}
+        assert 0.020 <= value(s, "broky_producer_latency_seconds_sum", worker="0") < 0.0336
+        summary = get_json(server, "/stats")["workers"][0]["producer_latency_seconds"]
+        assert (summary["messages"], summary["not_comparable"]) == (2, 2)
+        assert summary["p99_le"] == 0.033554432

@@ -63,3 +63,14 @@ def test_quantile_and_merge() -> None:
     assert histogram.quantile(h.counts, 0.999) == histogram.upper_bound_seconds(13)
     merged = histogram.merge([h.counts, h.counts[:10]])
     assert sum(merged) == 199 and merged[13] == 1
+
+
+def test_producer_ages_are_comparable_from_one_second_ahead_to_a_minute_behind() -> None:
+    # broky.server.fanout's inline update of the producer histogram follows this reference
+    # (tests/test_metrics.py checks it against a real server).
+    assert histogram.producer_bucket(20_000_000) == histogram.bucket_of(20_000_000)
+    assert histogram.producer_bucket(histogram.PRODUCER_BEHIND_NS) == histogram.bucket_of(60 * 10**9)
+    assert histogram.producer_bucket(histogram.PRODUCER_BEHIND_NS + 1) is None
+    assert histogram.producer_bucket(-histogram.PRODUCER_AHEAD_NS) == 0  # a clock ahead counts as 0
+    assert histogram.producer_bucket(-histogram.PRODUCER_AHEAD_NS - 1) is None
+    assert len(WorkerStats().producer_us) == histogram.BUCKETS

@@ -259,6 +259,27 @@ def test_one_read_at_a_time_per_connection(start_server: Any) -> None:
         assert read(reader, Read(2, b">", KP)).payloads() == list(range(300))  # now it may
 
 
+def test_reads_in_one_write_are_served_on_turns_of_their_own_in_order(start_server: Any) -> None:
+    # A Read is handled over turns of the worker's loop, and the input after it waits for
+    # the next turn (broky.server.reads, "Turns of the loop"): each Read of one write is
+    # handled by a read of its own, whose clock reading its Replay carries (`ts`), and the
+    # answers keep the order of the Reads, the Pong after them.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 20)
+        reader.send(Read(1, b">", KP), Read(2, b">", KP), Read(3, b"r.*", KP))
+        frames = reader.flush()
+        replays = [f for f in frames if isinstance(f, Replay)]
+        assert [(r.rid, r.messages) for r in replays] == [(1, 20), (2, 20), (3, 20)]
+        assert replays[0].ts < replays[1].ts < replays[2].ts
+        dones = [f for f in frames if isinstance(f, ReadDone)]
+        assert [(d.rid, d.vbucket, d.next, d.remaining) for d in dones] == [
+            (rid, VB, 21, 0) for rid in (1, 2, 3)
+        ]
+        assert [type(f).__name__ for f in frames] == (["Replay"] + ["Message"] * 20 + ["ReadDone"]) * 3
+        assert read(reader, Read(4, b">", KP)).payloads() == list(range(20))  # the connection goes on
+
+
 def connection_view(server: ServerProcess, name: str) -> dict[str, Any]:
     body = json.loads(http_get(server, "/connections?limit=100")[1])
     [conn] = [c for c in body["connections"] if c["name"] == name]

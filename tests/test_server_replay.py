@@ -231,3 +231,38 @@ def test_the_log_is_settled_before_it_grows_past_its_bound(settle: Settle | None
     assert rb.log  # some wait: a lookup settles them
     assert rb.count(5) == seqs.next_of(5) - 1
     assert not rb.log
+
+
+def test_the_tick_trims_a_quarter_of_the_vbuckets_at_a_time_and_all_in_a_sweep() -> None:
+    # `trim_some` (the tick) cuts the stale entries of every TRIM_PHASES-th vbucket per call;
+    # after TRIM_PHASES calls every evicted message is counted, as `trim_all` counts them, and
+    # the dropped segments' times are forgotten (their entries are all gone).
+    from broky.server.replay import TRIM_PHASES
+
+    seqs = Sequences()
+    rb = ReplayBuffer(4000, seqs)
+    vbs = list(range(4 * TRIM_PHASES))  # 4 vbuckets in each phase
+    for ts in range(1000, 1040):  # segments of one message per vbucket
+        parts, spots, pos = [], [], 0
+        for vb in vbs:
+            f = frame(vb, seqs.take(vb), ts, 20)
+            spots.append((vb, pos))
+            parts.append(f)
+            pos += len(f)
+        seg_id = rb.retain(bytearray(b"".join(parts)), ts)
+        for vb, at in spots:
+            rb.record(vb, seg_id, at)
+    gone = rb.live - 1  # segments evicted: each held one message of every vbucket
+    assert gone > 0
+    rb.trim_some()
+    assert rb.evicted_messages == gone * 4  # the 4 vbuckets of phase 0 only
+    assert [len(rb.index[vb]) // 8 for vb in vbs[:TRIM_PHASES]] == [40 - gone, 40, 40, 40]
+    assert rb.dropped_ts and rb.trim_phase == 1
+    for _ in range(TRIM_PHASES - 1):
+        rb.trim_some()
+    assert rb.trim_phase == 0 and not rb.dropped_ts and rb.trimmed_at == rb.live
+    assert rb.evicted_messages == gone * len(vbs)
+    assert all(len(rb.index[vb]) // 8 == 40 - gone for vb in vbs)
+    assert all(rb.gone_ts[vb] == 1000 + gone - 1 for vb in vbs)  # the newest evicted message's time
+    rb.trim_some()  # nothing went since: nothing to do
+    assert rb.trim_phase == 0 and rb.evicted_messages == gone * len(vbs)

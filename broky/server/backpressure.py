@@ -86,7 +86,7 @@ class Backpressure:
 
         def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
         def handover_deadlines(self) -> None: ...
-        def refresh_pending(self) -> int: ...
+        def refresh_pending(self, attention: list[Connection] | None = None) -> int: ...
         def new_peak(self) -> None: ...
         def trim_heap(self, now: float) -> None: ...
         def continue_read(self, c: Connection) -> None: ...
@@ -229,11 +229,12 @@ class Backpressure:
         entries, sequences awaited too long (broky.server.handover), heap trim."""
         now = _monotonic()
         budget = self.budget
-        if self.refresh_pending() > budget.peak:
+        attention: list[Connection] = []
+        if self.refresh_pending(attention) > budget.peak:
             self.new_peak()
         deadline = self.config.slow_consumer_deadline
         frame_timeout = self.config.frame_timeout
-        for c in list(self.conns.values()):
+        for c in attention:
             if c.state != OPEN:
                 continue
             if c.reads_stopped:  # its replies may have drained below the high-water mark
@@ -253,7 +254,7 @@ class Backpressure:
         replay = self.replay
         if replay is not None:
             replay.expire()
-            replay.trim_all()
+            replay.trim_some()
         if self.handover.awaiting:
             self.handover_deadlines()
         if (

@@ -128,7 +128,7 @@ class Connection(asyncio.Protocol):
         self.acct_ver = 0
         self.account: Account | None = None  # a dead worker's account of Hello.previous (hand-off)
         self.resuming = 0  # id of the dead worker's connection it replaces, until it is back
-        self.held = False  # restart grace: its input waits (reads paused) in `rest`
+        self.held = False  # its input waits (reads paused) in `rest`: restart grace, a sequence, a Read
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
         self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.reads)
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.groups)

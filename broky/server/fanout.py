@@ -120,6 +120,7 @@ from broky.protocol.layout import (
     SIZE_AT,
     STAMPS_END,
     TS_BROKER_AT,
+    TS_PRODUCER_AT,
     UID_AT,
     UID_END,
     VECTORS_AT,
@@ -141,6 +142,7 @@ from broky.server.control import ControlFrames
 from broky.server.grace import Grace, RestartGrace
 from broky.server.groups import GroupDelivery, GroupTargets, SubscriptionTable
 from broky.server.handover import Handover, Handovers
+from broky.server.histogram import PRODUCER_BEHIND_NS
 from broky.server.history import History
 from broky.server.logs import Throttle
 from broky.server.memory_budget import BudgetEnforcement
@@ -154,6 +156,8 @@ from broky.server.users import WorkerUsers
 log = logging.getLogger("broky.worker")
 
 _u32 = struct.Struct("<I").unpack_from
+_i64 = struct.Struct("<q").unpack_from
+_MESSAGE_HEADERS = (HEADER_UID, HEADER_NO_UID)  # a canonical Message's fixed header, either
 # Canonical Message (broky.protocol.layout): the size prefix, the fixed header, the
 # key and payload uoffsets (each relative to its own position), and the
 # key_partition's length where it lies without a uid and where it lies with one.
@@ -458,7 +462,7 @@ class Shard(
                             break
                         self.control(c, data, pos, end, t0)
                         pos = end
-                        if c.state != OPEN:
+                        if c.state != OPEN or c.held:  # held: after a Read (broky.server.reads)
                             break
                         continue
                     rkey = (kp, key)
@@ -570,6 +574,15 @@ class Shard(
             stats.dropped[_NO_SUBSCRIBERS] += unmatched
         if published:  # before anything is written: see broky.server.accounts
             self.book.commit_read(c, self._touched)
+            # The producer latency (broky.server.histogram): the read's first frame, when it
+            # is a Message, its age counted for each message of the read.
+            if startswith(_MESSAGE_HEADERS, HEADER_AT):
+                age = t0 - _i64(data, TS_PRODUCER_AT)[0]
+                if 0 <= age <= PRODUCER_BEHIND_NS:
+                    stats.producer_ns_sum += age * published
+                    stats.producer_us[(age >> 10).bit_length()] += published
+                else:  # no ts_producer, a clock ahead of this one, or not comparable
+                    self.producer_outlier(t0 - age, age, published)
         if self._touched:
             self.flush()
             if delivered:  # one observation per delivered message (broky.server.histogram)

@@ -178,7 +178,7 @@ class RestartGrace:
                     break
                 self.control(c, data, pos, end, time.time_ns())
                 pos = end
-                if c.state != OPEN:
+                if c.state != OPEN or c.held:  # held: after a Read (broky.server.reads)
                     break
         except RemoteProtocolError as exc:
             self.fatal(c, exc.code, str(exc))

@@ -1,4 +1,4 @@
-"""The broker latency histogram: fixed log2 buckets, one integer add per read.
+"""The latency histograms (the broker's, the producer's): fixed log2 buckets, one integer add per read.
 
 Theory of operation
 -------------------
@@ -20,6 +20,21 @@ lock: the counts are a plain list of ints that the worker sends to the master
 when it is scraped (`observe` is the reference implementation of the inline
 update in broky.server.fanout, and the tests prove they agree).
 
+The producer latency is a second histogram of the same layout: the time
+from ts_producer (the publisher's clock, set by the SDK when the message is
+published) to ts_broker (this worker's, when it began handling the read that
+brought the message). The worker looks at the first frame of each read that
+published messages: when it is a Message with a ts_producer, its age counts
+once for every message of the read (a read's first message is its oldest, so
+this is an upper bound for the others). It costs one struct read, a
+subtraction and a bucket add per such read, in the same place as the broker
+histogram's. The two clocks are only comparable when they agree: on one host
+they are the same clock; across hosts the worker cannot know, so it takes an
+age between PRODUCER_AHEAD_NS in the future (a producer's clock a little
+ahead: counted as 0) and PRODUCER_BEHIND_NS in the past as comparable, and
+counts the messages of the other reads as not comparable instead
+(`producer_bucket` is the reference of that inline update).
+
 The master turns the counts into a Prometheus histogram in seconds
 (`prometheus_buckets`): the first bound is 8.2 us (buckets 0-3 folded into
 it: finer resolution is noise next to a syscall, and every bucket costs a
@@ -34,6 +49,9 @@ BUCKETS = 32  # bucket 31 also holds everything above 2**40 ns (about 18 minutes
 LAST = BUCKETS - 1
 FIRST_EXPORTED = 4  # buckets 0..3 are exported as one, le = 2**13 ns = 8.2 us
 LAST_EXPORTED = 24  # le = 2**34 ns = 17.2 s; above goes to +Inf only
+# A ts_producer this far ahead of ts_broker, or this far behind it, is not comparable.
+PRODUCER_AHEAD_NS = 1_000_000_000  # 1 s
+PRODUCER_BEHIND_NS = 60_000_000_000  # 60 s
 
 
 def bucket_of(ns: int) -> int:
@@ -41,6 +59,14 @@ def bucket_of(ns: int) -> int:
     if ns < 0:
         return 0
     return min((ns >> 10).bit_length(), LAST)
+
+
+def producer_bucket(age_ns: int) -> int | None:
+    """The bucket of a producer latency (ts_broker - ts_producer), None when the two
+    clocks are not comparable (see the header)."""
+    if age_ns < -PRODUCER_AHEAD_NS or age_ns > PRODUCER_BEHIND_NS:
+        return None
+    return bucket_of(max(age_ns, 0))
 
 
 def upper_bound_seconds(index: int) -> float:

@@ -111,13 +111,18 @@ class BudgetEnforcement:
         else:
             budget.peak = budget.pending
 
-    def refresh_pending(self) -> int:
-        """Make every connection's charge, and their total, exact; return the total."""
+    def refresh_pending(self, attention: list[Connection] | None = None) -> int:
+        """Make every connection's charge, and their total, exact; return the total.
+        `attention` (the tick's): gets the connections the tick has more to check of
+        (stopped reads, losses to tell, over their bound, a frame in pieces), in the same
+        pass (a second pass over every connection cost the tick 0.03 us a connection)."""
         total = 0
         for c in self.conns.values():
             c.base = buffered = c.transport.get_write_buffer_size()
             c.charged = pending = buffered + c.unflushed
             total += pending
+            if attention is not None and (c.reads_stopped or c.dropped or c.over_since or c.rest):
+                attention.append(c)
         self.budget.pending = total
         return total
 

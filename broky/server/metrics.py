@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 Nothing here runs per message. Workers keep plain integer counters
-(`WorkerStats` in broky.server.stats) and a log2 latency histogram
-(broky.server.histogram). When
+(`WorkerStats` in broky.server.stats) and two log2 latency histograms,
+the broker's and the producer's (broky.server.histogram). When
 /metrics is scraped, the master asks every worker for its snapshot over the
 control channel (broky.server.monitor), then this module turns the snapshots
 into metric families and renders them in Prometheus' text format (0.0.4).
@@ -100,6 +100,12 @@ COUNTERS = (
         "broky_replayed_messages_total",
         "messages_replayed",
         "Retained messages queued to subscriptions that started from positions (since, since_time, last).",
+    ),
+    (
+        "broky_producer_latency_not_comparable_total",
+        "producer_not_comparable",
+        "Published messages whose read began with a ts_producer more than 1 s ahead of the "
+        "broker's clock or 60 s behind it: not observed in broky_producer_latency_seconds.",
     ),
     (
         "broky_bounded_reads_total",
@@ -342,6 +348,15 @@ class SnapshotCollector:
             "to that read's writes.",
             labels=["worker"],
         )
+        producer = Family(
+            "broky_producer_latency_seconds",
+            "histogram",
+            "Time from ts_producer (the publisher's clock) to ts_broker (the worker's, at the "
+            "arrival of the read), per published message: the age of the read's first message, "
+            "for each message of reads that begin with a Message with a ts_producer, when the "
+            "clocks are comparable (1 s ahead to 60 s behind).",
+            labels=["worker"],
+        )
         for w, s in snaps:
             # Every DropReason is exported, at 0 until it happens, so that alerts and
             # dashboards need no `or vector(0)`.
@@ -366,6 +381,11 @@ class SnapshotCollector:
             latency.add_histogram(
                 [w], histogram.prometheus_buckets(counts), float(s.get("latency_ns_sum", 0)) / 1e9
             )
+            producer.add_histogram(
+                [w],
+                histogram.prometheus_buckets(s.get("producer_us", [])),
+                float(s.get("producer_ns_sum", 0)) / 1e9,
+            )
         yield dropped
         yield refused
         yield denied
@@ -373,6 +393,7 @@ class SnapshotCollector:
         yield resumes
         yield tls_failed
         yield latency
+        yield producer
         yield from self._master_metrics()
 
     def _master_metrics(self) -> Iterator[Family]:

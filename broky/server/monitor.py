@@ -233,7 +233,9 @@ class Monitor:
             if snap is not None:
                 entry.update(snap)
                 entry.pop("latency_us", None)
+                entry.pop("producer_us", None)
                 entry["latency_seconds"] = _latency_summary(snap)
+                entry["producer_latency_seconds"] = _producer_summary(snap)
                 for name in TOTALS:
                     totals[name] += snap.get(name, 0)
                 for reason, n in snap.get("dropped", {}).items():
@@ -391,6 +393,19 @@ def _latency_summary(snap: dict[str, Any]) -> dict[str, Any]:
     return {
         "deliveries": deliveries,
         "mean": (snap.get("latency_ns_sum", 0) / deliveries / 1e9) if deliveries else None,
+        "p50_le": histogram.quantile(counts, 0.5),
+        "p99_le": histogram.quantile(counts, 0.99),
+        "p999_le": histogram.quantile(counts, 0.999),
+    }
+
+
+def _producer_summary(snap: dict[str, Any]) -> dict[str, Any]:
+    counts = snap.get("producer_us", [])
+    messages = sum(counts)
+    return {
+        "messages": messages,
+        "not_comparable": snap.get("producer_not_comparable", 0),
+        "mean": (snap.get("producer_ns_sum", 0) / messages / 1e9) if messages else None,
         "p50_le": histogram.quantile(counts, 0.5),
         "p99_le": histogram.quantile(counts, 0.99),
         "p999_le": histogram.quantile(counts, 0.999),

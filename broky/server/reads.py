@@ -70,8 +70,9 @@ order, the next messages of the range that match the pattern (and
 key_partition), while the connection's pending bytes (its write buffer and
 what is queued, counted as in broky.server.history) stay under its bound
 `c.limit`; when nothing was queued yet, one message goes even if it does not
-fit, so every batch moves. It looks at READ_SCAN index entries at most, so a
-long read never holds the worker for long. A vbucket's messages of a batch
+fit, so every batch moves. It looks at READ_SCAN index entries at most (a
+ReadDone counts as READ_DONE_COST entries), so a long read never holds the
+worker for long (about a millisecond a batch). A vbucket's messages of a batch
 go as Replay{rid, n} and n Message frames (adjacent ones as one slice); a
 vbucket whose range is done gets its ReadDone, `remaining` counting those
 still to come. The next batch runs on `call_soon` while the transport is
@@ -90,6 +91,17 @@ and counts what it skips in that vbucket's `evicted`. A vbucket that moved
 away during the read became former with the same epoch: its messages stay,
 the range (which ends at or before the handover) is read on, and its
 ReadDone says `moved`.
+
+Turns of the loop. Fixing the ranges of every vbucket of a worker (512 of
+a 2-worker server) and a batch each take a millisecond or more, so a Read
+ends its turn of the worker's loop: it fixes its ranges and queues its first
+batch, and the rest of the connection's input after it waits for the next
+turn (`hold_for_turn`: held in `rest`, reads paused, as
+broky.server.handover holds a connection). A client that sends 40 Reads in
+one write therefore no longer holds the worker for 40 Reads at once: live
+deliveries and Pings of other connections go out between them
+(bench/README.md, "Tail sources"). Replies keep their order: a next batch
+scheduled by this Read runs before the held input is fed again.
 
 The messages of a read are Message frames queued to the connection like any
 delivery: they count in `messages_delivered` and the connection's `msgs_out`
@@ -116,14 +128,17 @@ if TYPE_CHECKING:
     import asyncio
 
     from broky.server.accounts import AccountBook
+    from broky.server.grace import Grace
     from broky.server.handover import Handovers
     from broky.server.replay import ReplayBuffer
     from broky.server.sequences import Sequences
     from broky.server.stats import WorkerStats
 
 _u32 = struct.Struct("<I").unpack_from
-# Index entries (and ReadDones) one batch looks at, at most: a few milliseconds of work.
-READ_SCAN = 4096
+# Index entries one batch looks at, at most, a ReadDone counting as READ_DONE_COST of them:
+# about a millisecond of work (bench/README.md, "Tail sources").
+READ_SCAN = 1024
+READ_DONE_COST = 4
 # Index entries taken from the replay buffer at once.
 READ_CHUNK = 512
 # Keys whose match with a read's pattern is remembered (per read; cleared when full).
@@ -177,7 +192,9 @@ class Reads:
         stats: WorkerStats
         book: AccountBook
         _touched: list[Connection]
+        grace: Grace
 
+        def feed(self, c: Connection, data: bytes) -> None: ...
         def error(
             self,
             c: Connection,
@@ -244,6 +261,23 @@ class Reads:
         c.bounded_read = ReadCursor(rid, tokens, kp, t0, ranges)
         self.stats.bounded_reads += 1
         self.pump_read(c)
+        self.hold_for_turn(c)  # the rest of c's input: see "Turns of the loop" in the header
+
+    def hold_for_turn(self, c: Connection) -> None:
+        """c's input after this Read waits in `rest`, its reads paused, until the loop's
+        next turn (the read path stops at `c.held`)."""
+        c.held = True
+        c.transport.pause_reading()
+        self.loop.call_soon(self.release_turn, c)
+
+    def release_turn(self, c: Connection) -> None:
+        """The loop turned: c's input goes on where it stopped."""
+        if not c.held or c.state != OPEN or c in self.handover.held or c in self.grace.held:
+            return  # closed meanwhile, or held for something else since (released by that)
+        c.held = False
+        if not c.reads_stopped:
+            c.transport.resume_reading()
+        self.feed(c, b"")
 
     def fix_range(self, vb: int, p: Position | None, q: Position | None, start_time: int) -> ReadRange:
         """vb's range of a read from after p (or start_time) up to q (see the header).
@@ -365,7 +399,7 @@ class Reads:
             out.append(done)
             room -= len(done)
             queued += len(done)
-            scan -= 1
+            scan -= READ_DONE_COST
             r.done += 1
         if queued:
             c.unflushed += queued

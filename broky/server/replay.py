@@ -45,8 +45,10 @@ which the worker uses when the read path's twin runs.
 Bounds. `limit` bytes of segments (`--replay-bytes`, per worker). When a new
 segment takes the total over it, the oldest segments go first, whole; their
 index entries are left behind and dropped lazily (`_trim`: a vbucket's stale
-prefix is cut when it is next read, and by `trim_all`, which the worker's
-tick calls), so eviction costs nothing per message either. An age bound
+prefix is cut when it is next read, and by `trim_some`, which the worker's
+tick calls for a quarter of the vbuckets at a time, a sweep over all of them
+taking a second; `trim_all` at a scrape), so eviction costs nothing per
+message either. An age bound
 (`max_age`, seconds) evicts segments older than that the same way.
 
 The retained bytes are drawn from the worker's share of --memory-budget
@@ -98,6 +100,9 @@ SEGMENT_SHIFT = 32  # an index entry: segment id << 32 | position
 # The log is settled when it reaches this many bytes (16 per message), besides before every
 # lookup and at the tick: at most 16,384 messages wait, whatever the rate.
 LOG_BYTES = 256 << 10
+# The tick trims every TRIM_PHASES-th vbucket's stale index entries (`trim_some`): all of
+# them at once held a worker's loop up to 0.6 ms (bench/README.md, "Tail sources").
+TRIM_PHASES = 4
 # settle(log, index): the compiled twin of ReplayBuffer.settle's loop (broky.server._feedscan).
 Settle = Callable[[bytearray, list[bytearray]], None]
 
@@ -138,7 +143,9 @@ class ReplayBuffer:
         # Per vbucket: the ts_broker of its newest evicted message (0: none since its epoch
         # began): a start from a time at or before it has lost something.
         self.gone_ts = [0] * VBUCKETS
-        self.dropped_ts: dict[int, int] = {}  # ids of segments dropped since `trim_all` -> their ts
+        self.dropped_ts: dict[int, int] = {}  # ids of segments dropped, not yet trimmed -> their ts
+        self.trim_phase = 0  # the tick's sweep (`trim_some`): the next phase, 0 .. TRIM_PHASES - 1
+        self.sweep_live = 1  # `live` when the sweep in progress began
 
     @property
     def enabled(self) -> bool:
@@ -252,15 +259,39 @@ class ReplayBuffer:
         self.evicted_messages += stale
 
     def trim_all(self) -> None:
-        """Cut every vbucket's stale index entries (the worker's tick; nothing to do
-        unless a segment went since the last time)."""
+        """Cut every vbucket's stale index entries (a scrape, for exact counts; nothing to
+        do unless a segment went since the last time)."""
         self.settle()
+        self.trim_phase = 0  # a sweep in progress (`trim_some`) is complete with this one
         if self.live == self.trimmed_at:
             return
         self.trimmed_at = self.live
         for vb in range(VBUCKETS):
             self._trim(vb)
         self.dropped_ts.clear()  # every stale entry is gone: no segment id below `live` is met again
+
+    def trim_some(self) -> None:
+        """The worker's tick: cut the stale index entries of one TRIM_PHASES-th of the
+        vbuckets (every TRIM_PHASES-th one, so that each worker's share is spread
+        evenly), a sweep over all of them taking TRIM_PHASES ticks (see "Bounds")."""
+        self.settle()
+        phase = self.trim_phase
+        if phase == 0:  # a sweep starts: nothing to do unless a segment went since the last one
+            if self.live == self.trimmed_at:
+                return
+            self.sweep_live = self.live
+        for vb in range(phase, VBUCKETS, TRIM_PHASES):
+            self._trim(vb)
+        if phase + 1 < TRIM_PHASES:
+            self.trim_phase = phase + 1
+            return
+        self.trim_phase = 0
+        live = self.trimmed_at = self.sweep_live
+        dropped = self.dropped_ts  # no entry of a segment older than the sweep is left
+        for seg_id in list(dropped):  # (ids in the order they went)
+            if seg_id >= live:
+                break
+            del dropped[seg_id]
 
     def drop_vbucket(self, vb: int) -> int:
         """Forget vb's retained messages (its sequence ends here); how many there were."""

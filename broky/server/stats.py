@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from broky.errors import ErrorCode
 from broky.protocol import LossReason
-from broky.server import memory
+from broky.server import histogram, memory
 
 if TYPE_CHECKING:
     from broky.matching import Matcher
@@ -153,6 +153,11 @@ class WorkerStats:
         # counts times under 2**(i+10) ns (about 2**i us; see broky.server.histogram).
         self.latency_us = [0] * _LATENCY_BUCKETS
         self.latency_ns_sum = 0  # sum of those times, one per delivered message
+        # Published messages by log2 of ts_broker - ts_producer, when comparable; and those
+        # whose ts_producer was not (broky.server.histogram).
+        self.producer_us = [0] * _LATENCY_BUCKETS
+        self.producer_ns_sum = 0
+        self.producer_not_comparable = 0
 
     def count_error(self, code: ErrorCode) -> None:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
@@ -179,6 +184,18 @@ class Monitoring:
 
         def group_snapshot(self) -> dict[str, Any]: ...
 
+    def producer_outlier(self, ts_producer: int, age: int, count: int) -> None:
+        """The rare path of the read path's producer histogram (broky.server.histogram):
+        `count` messages whose read began with a ts_producer `age` ns old that is not
+        between 0 and PRODUCER_BEHIND_NS."""
+        if not ts_producer:
+            return  # the publisher did not set one
+        bucket = histogram.producer_bucket(age)
+        if bucket is None:
+            self.stats.producer_not_comparable += count
+        else:  # a producer clock a little ahead of this one: counted as 0
+            self.stats.producer_us[bucket] += count
+
     def snapshot(self) -> dict[str, Any]:
         """Every counter, for the master's /stats and the metrics exporter."""
         s = self.stats
@@ -190,6 +207,7 @@ class Monitoring:
         data["subscriptions_refused"] = dict(s.subscriptions_refused)
         data["permission_denied"] = dict(s.permission_denied)
         data["latency_us"] = list(s.latency_us)
+        data["producer_us"] = list(s.producer_us)
         data.update(
             worker=self.index,
             pid=os.getpid(),

@@ -22,8 +22,11 @@ exactly what was processed and what was lost.
 Life. `python -m broky.server.worker INDEX FD BOOK_FD` is started by the
 supervisor with the worker end of the channel as FD and its accounts table as
 BOOK_FD. It reads CONFIG and the EXPECT messages (blocking), starts uvloop and
-sends READY; every tick it reports its LOAD. A worker that replaces a dead one
-starts in the restart grace (broky.server.grace `Shard.start_grace`).
+sends READY; every tick it reports its LOAD. Before READY it freezes what
+start-up made (`gc.freeze`): the cyclic collector's full collections then
+look at what came after only (BROKY_GC_FREEZE=0 leaves it, to compare). A
+worker that replaces a dead one starts in the restart grace
+(broky.server.grace `Shard.start_grace`).
 
 Hand-offs. Every CONN is answered. The worker adopts the socket with
 `loop.connect_accepted_socket` and answers ADOPTED (with its number of open
@@ -65,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import json
 import logging
 import os
@@ -96,6 +100,7 @@ TICK_SECONDS = 0.25
 GOODBYE_LINGER = 0.5  # seconds the shutdown waits for clients to close after their Goodbye
 HEARTBEAT_SECONDS = 0.5  # LOAD is sent at least this often: the master's /readyz wants signs of life
 ADOPT_LOG_INTERVAL = 10.0  # seconds between two log lines about hand-offs refused for one cause
+FREEZE_GC = os.environ.get("BROKY_GC_FREEZE", "1") != "0"  # 0: for bench/tail_sources.py's "before"
 
 
 class Worker:
@@ -144,6 +149,11 @@ class Worker:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the master reloads, and tells (RELOAD)
         ticker = loop.create_task(self._ticker())
+        if FREEZE_GC:
+            # What start-up made (modules, the config, the shard's tables) lives as long as the
+            # process: out of the collector's sight, so that its full collections, which stop
+            # the loop, look at what came after only (bench/README.md, "Tail sources").
+            gc.freeze()
         handoff.send(self.chan, handoff.READY)
         log.info("worker %d ready, pid %d", self.index, os.getpid())
         self.shard.start_grace(self.expected, self.grace)
@@ -407,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     book = AccountBook.from_fd(book_fd)
 
     vmap = None if boot.get("map") is None else VBucketMap.from_json(boot["map"])
+    probe = os.environ.get("BROKY_LOOP_PROBE")  # a debug probe (broky.server.loopprobe); off: nothing
+    if probe:
+        from broky.server import loopprobe
+
+        loopprobe.install(index, probe)
 
     async def run() -> None:
         await Worker(
