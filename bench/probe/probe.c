@@ -29,7 +29,8 @@
  *   read to each of the N receiver connections.
  *
  * The receiver stops once every expected delivery (sent x fan-out) is in, or when
- * nothing arrived for --drain seconds after the last send. One JSON line goes to
+ * nothing arrived for --drain seconds after the last send, or --drain-max seconds
+ * after it whatever still arrives (a server that fell behind: it did not keep up). One JSON line goes to
  * stdout: counts, the rate achieved, the histogram's nonzero buckets as
  * [value, count] pairs (the lowest value of each bucket), and each thread's CPU.
  */
@@ -115,6 +116,7 @@ static double rate = 1000;
 static int64_t count = 1000;
 static double warmup_s = 0;
 static double drain_s = 1.0;
+static double drain_max_s = 10.0;
 static int cpu_send = -1, cpu_recv = -1, cpu_echo = -1;
 static int echo_fanout = 1;
 static size_t echo_size = 100;
@@ -431,6 +433,7 @@ static void receive(int64_t expected) {
         n++;
     }
     int open = nsubs;
+    int64_t give_up_ns = due_of(count) + (int64_t)((drain_max_s + 20) * 1e9);
     int64_t last_progress = now_ns();
     struct epoll_event evs[64];
     for (;;) {
@@ -469,6 +472,11 @@ static void receive(int64_t expected) {
         if (open == 0) break;
         if (done && now - last_progress > (int64_t)(drain_s * 1e9) && now - send_end_ns > (int64_t)(drain_s * 1e9))
             break;
+        if (done && now - send_end_ns > (int64_t)(drain_max_s * 1e9)) break; /* a backlog: did not keep up */
+        if (!done && now > give_up_ns) { /* the server stopped reading: the sender is stuck in write */
+            error_note("the sender could not send everything (the server stopped reading)");
+            break;
+        }
     }
     receiver_cpu = thread_cpu();
     close(ep);
@@ -489,6 +497,7 @@ static uint8_t *unhex(const char *s, size_t *len) {
 static void usage(void) {
     fprintf(stderr,
             "usage: probe --mode broky|nats|redis|echo --rate R --count N [--warmup S] [--drain S]\n"
+            "  [--drain-max S]\n"
             "  servers: --pub-fd FD --sub-fds FD,FD,... --template HEX --due-offset N\n"
             "           [--record-len N --record-due-offset N]  (broky)\n"
             "  echo:    --fanout N --size BYTES\n"
@@ -518,6 +527,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--count")) count = atoll(v);
         else if (!strcmp(a, "--warmup")) warmup_s = atof(v);
         else if (!strcmp(a, "--drain")) drain_s = atof(v);
+        else if (!strcmp(a, "--drain-max")) drain_max_s = atof(v);
         else if (!strcmp(a, "--cpu-send")) cpu_send = atoi(v);
         else if (!strcmp(a, "--cpu-recv")) cpu_recv = atoi(v);
         else if (!strcmp(a, "--cpu-echo")) cpu_echo = atoi(v);
@@ -542,8 +552,12 @@ int main(int argc, char **argv) {
     pthread_t send_thread;
     if (pthread_create(&send_thread, NULL, sender, NULL)) die("pthread_create");
     receive(count * nsubs);
-    pthread_join(send_thread, NULL);
-    if (mode == ECHO) {
+    if (!atomic_load(&send_done)) { /* stuck: report what was seen; exit ends the thread */
+        send_end_ns = now_ns();
+    } else {
+        pthread_join(send_thread, NULL);
+    }
+    if (mode == ECHO && atomic_load(&send_done)) {
         shutdown(pub_fd, SHUT_WR); /* the echo thread reads end-of-stream and stops */
         pthread_join(echo_thread, NULL);
     }
