@@ -39,6 +39,7 @@ from bench.harness.loadgen import Driver, LoadError, make_keys
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9, 99.99)
 DRAIN_S = 2.0  # how long the probe waits for stragglers once nothing more arrives
+DRAIN_MAX_S = 10.0  # and at most, after its last send, for a server working off a backlog
 
 
 def new_histogram() -> HdrHistogram:
@@ -59,11 +60,13 @@ def run_latency(
     duration: float,
     fanout: int = 1,
     cpus: tuple[int, int] | None = None,
+    keep_histogram: bool = False,
 ) -> dict[str, Any]:
     """One open-loop run, 1 -> `fanout`, at `rate` msgs/s; percentiles in microseconds.
 
     `driver.prepare(address)` must have been called. `cpus`: pin the probe's sender
-    and receiver threads to these CPUs.
+    and receiver threads to these CPUs. `keep_histogram`: the HdrHistogram itself
+    under "histogram" (to merge runs), else only figures that JSON can hold.
     """
     if payload < 8:
         raise ValueError("the payload carries an 8-byte timestamp")
@@ -93,7 +96,8 @@ def run_latency(
             "--template", frame.hex(), "--due-offset", str(offset),
             "--record-len", str(rec.length), "--record-due-offset", str(rec.payload_offset),
         ]  # fmt: skip
-        return _run(args, tuple(s.fileno() for s in socks), server_pids, rate, warmup, duration, cpus)
+        fds = tuple(s.fileno() for s in socks)
+        return _run(args, fds, server_pids, rate, warmup, duration, cpus, keep_histogram)
     finally:
         for sock in socks:
             sock.close()
@@ -106,12 +110,13 @@ def run_floor(
     duration: float,
     fanout: int = 1,
     cpus: tuple[int, int] | None = None,
+    keep_histogram: bool = False,
 ) -> dict[str, Any]:
     """The same run with no broker: the probe's own echo thread over loopback TCP."""
     if payload < 8:
         raise ValueError("the payload carries an 8-byte timestamp")
     args = ["--mode", "echo", "--fanout", str(fanout), "--size", str(payload)]
-    return _run(args, (), lambda: [], rate, warmup, duration, cpus)
+    return _run(args, (), lambda: [], rate, warmup, duration, cpus, keep_histogram)
 
 
 def _run(
@@ -122,15 +127,16 @@ def _run(
     warmup: float,
     duration: float,
     cpus: tuple[int, int] | None,
+    keep_histogram: bool,
 ) -> dict[str, Any]:
     count = max(1, int(rate * (warmup + duration)))
     args += ["--rate", repr(float(rate)), "--count", str(count), "--warmup", repr(float(warmup))]
-    args += ["--drain", str(DRAIN_S), *_cpu_args(cpus)]
+    args += ["--drain", str(DRAIN_S), "--drain-max", str(DRAIN_MAX_S), *_cpu_args(cpus)]
     probe.binary()  # built (once) before the server's CPU is read
     pids = server_pids()
     cpu0, t0 = procstat.total_exact_cpu_seconds(pids), time.monotonic()
     try:
-        out = probe.run(args, fds, timeout=warmup + duration + 4 * DRAIN_S + 60)
+        out = probe.run(args, fds, timeout=warmup + duration + DRAIN_MAX_S + 60)
     except probe.ProbeError as exc:
         raise LoadError(str(exc)) from exc
     cpu1, t1 = procstat.total_exact_cpu_seconds(pids), time.monotonic()
@@ -139,7 +145,7 @@ def _run(
         raise LoadError(f"{out['mode']}: no latency sample was recorded ({out.get('first_error')})")
     server_cpu = out["echo_cpu_s"] if out["mode"] == "echo" else cpu1 - cpu0
     received = out["received"]
-    return {
+    result: dict[str, Any] = {
         "rate_per_s": rate,
         "fanout": out["fanout"],
         "samples": hist.get_total_count(),
@@ -162,6 +168,9 @@ def _run(
             k: out[k] for k in ("sender_cpu_s", "receiver_cpu_s", "send_lag_max_ns", "writes", "foreign")
         },
     }
+    if keep_histogram:
+        result["histogram"] = hist
+    return result
 
 
 def kept_up(out: dict[str, Any]) -> bool:
@@ -171,9 +180,13 @@ def kept_up(out: dict[str, Any]) -> bool:
 
 
 def distribution(hist: HdrHistogram) -> list[tuple[float, float]]:
-    """(percentile, latency µs) pairs for the percentile plot, up to the max."""
+    """(percentile, latency µs) pairs for the percentile plot, up to the max; only the
+    percentiles that at least one sample lies beyond (the rest would all be the max)."""
     points = []
+    total = hist.get_total_count()
     for p in (0, 10, 25, 50, 75, 90, 95, 99, 99.5, 99.9, 99.95, 99.99, 99.995, 99.999):
+        if (100 - p) * total < 100:
+            break
         points.append((float(p), hist.get_value_at_percentile(p) / 1000))
     points.append((100.0, hist.get_max_value() / 1000))
     return points

