@@ -129,7 +129,7 @@ def run_cell(
     runs: int,
     warmup: float,
     duration: float,
-    cpus: tuple[int, int] | None,
+    options: tuple[str, ...],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     running: dict[str, servers.Server] = {}
@@ -157,22 +157,16 @@ def run_cell(
                 progress(f"{size} B, {rate:,.0f}/s, 1 -> {fanout}, run {r + 1}/{runs}: {sid}")
                 try:
                     if sid == FLOOR:
-                        res = latency.run_floor(size, rate, warmup, duration, fanout, cpus, True)
+                        res = latency.run_floor(
+                            size, rate, warmup, duration, fanout, options, keep_histogram=True
+                        )
                     else:
                         server = running[sid]
                         driver = drivers[sid]
                         res = latency.run_latency(
-                            driver,
-                            server.address,
-                            server.pids,
-                            size,
-                            rate,
-                            warmup,
-                            duration,
-                            fanout,
-                            cpus,
-                            True,
-                        )
+                            driver, server.address, server.pids, size, rate, warmup, duration,
+                            fanout=fanout, options=options, keep_histogram=True,
+                        )  # fmt: skip
                 except (loadgen.LoadError, OSError) as exc:
                     results[sid].append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
                     continue
@@ -363,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the floor always runs)",
     )
     parser.add_argument("--probe-cpus", help="pin the probe's sender and receiver threads: SEND,RECV")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        help="the probe's sender sleeps until this long before a message is due, then spins",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default: see the module's doc)")
     args = parser.parse_args(argv)
     given = sys.argv[1:] if argv is None else list(argv)
@@ -379,12 +378,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
     chosen.append(FLOOR)
-    cpus = None
+    options: tuple[str, ...] = ()
     if args.probe_cpus:
         send, recv = _ints(args.probe_cpus)
-        cpus = (send, recv)
+        options += ("--cpu-send", str(send), "--cpu-recv", str(recv))
+    if args.spin_us:
+        options += ("--spin-us", str(args.spin_us))
     changed = {"--quick", "--runs", "--duration", "--warmup", "--rates", "--sizes", "--fanouts", "--systems"}
-    changed.add("--probe-cpus")
+    changed |= {"--probe-cpus", "--spin-us"}
     full = not any(a.split("=", 1)[0] in changed for a in given)
     out = args.out or (RESULTS if full else Path(tempfile.mkdtemp(prefix="broky-latency-")))
     out.mkdir(parents=True, exist_ok=True)
@@ -408,12 +409,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "versions": ver,
         "systems": {sid: table[sid].title for sid in chosen},
         "titles": {sid: _title(table[sid], ver[sid]) for sid in chosen},
-        "settings": {"runs": runs, "duration_s": duration, "warmup_s": warmup, "probe_cpus": cpus},
+        "settings": {
+            "runs": runs,
+            "duration_s": duration,
+            "warmup_s": warmup,
+            "probe_options": list(options),
+        },
         "cells": [],
     }
     try:
         for size, rate, fanout in todo:
-            cell = run_cell(table, chosen, size, rate, fanout, runs, warmup, duration, cpus, progress)
+            cell = run_cell(table, chosen, size, rate, fanout, runs, warmup, duration, options, progress)
             results["cells"].append(cell)
     except KeyboardInterrupt:
         print("\ninterrupted; no results written", file=sys.stderr)

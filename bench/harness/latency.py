@@ -46,10 +46,6 @@ def new_histogram() -> HdrHistogram:
     return HdrHistogram(probe.LOWEST_NS, probe.HIGHEST_NS, probe.DIGITS)
 
 
-def _cpu_args(cpus: tuple[int, int] | None) -> list[str]:
-    return [] if cpus is None else ["--cpu-send", str(cpus[0]), "--cpu-recv", str(cpus[1])]
-
-
 def run_latency(
     driver: Driver,
     address: tuple[str, int],
@@ -59,14 +55,15 @@ def run_latency(
     warmup: float,
     duration: float,
     fanout: int = 1,
-    cpus: tuple[int, int] | None = None,
+    options: tuple[str, ...] = (),
     keep_histogram: bool = False,
 ) -> dict[str, Any]:
     """One open-loop run, 1 -> `fanout`, at `rate` msgs/s; percentiles in microseconds.
 
-    `driver.prepare(address)` must have been called. `cpus`: pin the probe's sender
-    and receiver threads to these CPUs. `keep_histogram`: the HdrHistogram itself
-    under "histogram" (to merge runs), else only figures that JSON can hold.
+    `driver.prepare(address)` must have been called. `options`: more of the probe's
+    arguments (pinning: --cpu-send, --cpu-recv; --spin-us; see probe.c).
+    `keep_histogram`: the HdrHistogram itself under "histogram" (to merge runs), else
+    only figures that JSON can hold.
     """
     if payload < 8:
         raise ValueError("the payload carries an 8-byte timestamp")
@@ -97,7 +94,7 @@ def run_latency(
             "--record-len", str(rec.length), "--record-due-offset", str(rec.payload_offset),
         ]  # fmt: skip
         fds = tuple(s.fileno() for s in socks)
-        return _run(args, fds, server_pids, rate, warmup, duration, cpus, keep_histogram)
+        return _run(args, fds, server_pids, rate, warmup, duration, options, keep_histogram)
     finally:
         for sock in socks:
             sock.close()
@@ -109,14 +106,14 @@ def run_floor(
     warmup: float,
     duration: float,
     fanout: int = 1,
-    cpus: tuple[int, int] | None = None,
+    options: tuple[str, ...] = (),
     keep_histogram: bool = False,
 ) -> dict[str, Any]:
     """The same run with no broker: the probe's own echo thread over loopback TCP."""
     if payload < 8:
         raise ValueError("the payload carries an 8-byte timestamp")
     args = ["--mode", "echo", "--fanout", str(fanout), "--size", str(payload)]
-    return _run(args, (), lambda: [], rate, warmup, duration, cpus, keep_histogram)
+    return _run(args, (), lambda: [], rate, warmup, duration, options, keep_histogram)
 
 
 def _run(
@@ -126,12 +123,12 @@ def _run(
     rate: float,
     warmup: float,
     duration: float,
-    cpus: tuple[int, int] | None,
+    options: tuple[str, ...],
     keep_histogram: bool,
 ) -> dict[str, Any]:
     count = max(1, int(rate * (warmup + duration)))
     args += ["--rate", repr(float(rate)), "--count", str(count), "--warmup", repr(float(warmup))]
-    args += ["--drain", str(DRAIN_S), "--drain-max", str(DRAIN_MAX_S), *_cpu_args(cpus)]
+    args += ["--drain", str(DRAIN_S), "--drain-max", str(DRAIN_MAX_S), *options]
     probe.binary()  # built (once) before the server's CPU is read
     pids = server_pids()
     cpu0, t0 = procstat.total_exact_cpu_seconds(pids), time.monotonic()

@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -118,13 +119,14 @@ static double warmup_s = 0;
 static double drain_s = 1.0;
 static double drain_max_s = 10.0;
 static int cpu_send = -1, cpu_recv = -1, cpu_echo = -1;
+static int64_t spin_ns = 0;
 static int echo_fanout = 1;
 static size_t echo_size = 100;
 
 static int64_t start_ns, record_from_ns;
 static atomic_llong sent;
 static atomic_int send_done;
-static int64_t send_end_ns, send_lag_max_ns, writes;
+static int64_t send_end_ns, send_lag_max_ns, send_lag_sum_ns, writes;
 static double sender_cpu, receiver_cpu, echo_cpu;
 static int64_t received, recorded, foreign_units, errors, pub_bytes, min_ns = INT64_MAX, max_ns;
 static char first_error[200];
@@ -182,6 +184,8 @@ static int64_t due_of(int64_t i) { return start_ns + (int64_t)((double)i * 1e9 /
 static void *sender(void *arg) {
     (void)arg;
     pin(cpu_send);
+    /* wake when due: the default timer slack (50 µs) would add up to that to every latency */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     size_t cap = (256 * 1024) / tmpl_len;
     if (cap < 1) cap = 1;
     if (cap > 4096) cap = 4096;
@@ -191,11 +195,14 @@ static void *sender(void *arg) {
     int64_t i = 0;
     while (i < count) {
         int64_t due = due_of(i);
-        struct timespec ts = {due / 1000000000LL, due % 1000000000LL};
+        int64_t wake = due - spin_ns; /* --spin-us: sleep until shortly before, then spin */
+        struct timespec ts = {wake / 1000000000LL, wake % 1000000000LL};
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
         }
         int64_t now = now_ns();
+        while (now < due) now = now_ns();
         if (now - due > send_lag_max_ns) send_lag_max_ns = now - due;
+        send_lag_sum_ns += now - due;
         size_t n = 0;
         while (i < count && n < cap && (due = due_of(i)) <= now) {
             memcpy(out + n * tmpl_len + due_off, &due, 8); /* little-endian machines only */
@@ -501,7 +508,7 @@ static void usage(void) {
             "  servers: --pub-fd FD --sub-fds FD,FD,... --template HEX --due-offset N\n"
             "           [--record-len N --record-due-offset N]  (broky)\n"
             "  echo:    --fanout N --size BYTES\n"
-            "  [--cpu-send C] [--cpu-recv C] [--cpu-echo C]\n");
+            "  [--cpu-send C] [--cpu-recv C] [--cpu-echo C] [--spin-us US]\n");
     exit(2);
 }
 
@@ -528,6 +535,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--warmup")) warmup_s = atof(v);
         else if (!strcmp(a, "--drain")) drain_s = atof(v);
         else if (!strcmp(a, "--drain-max")) drain_max_s = atof(v);
+        else if (!strcmp(a, "--spin-us")) spin_ns = (int64_t)(atof(v) * 1000);
         else if (!strcmp(a, "--cpu-send")) cpu_send = atoi(v);
         else if (!strcmp(a, "--cpu-recv")) cpu_recv = atoi(v);
         else if (!strcmp(a, "--cpu-echo")) cpu_echo = atoi(v);
@@ -565,13 +573,14 @@ int main(int argc, char **argv) {
     double span = (send_end_ns - start_ns) / 1e9;
     printf("{\"mode\": \"%s\", \"sent\": %lld, \"fanout\": %d, \"expected\": %lld, \"received\": %lld, "
            "\"lost\": %lld, \"recorded\": %lld, \"rate\": %.1f, \"rate_achieved\": %.1f, "
-           "\"send_lag_max_ns\": %lld, \"writes\": %lld, \"min_ns\": %lld, \"max_ns\": %lld, "
+           "\"send_lag_max_ns\": %lld, \"send_lag_mean_ns\": %lld, \"writes\": %lld, \"min_ns\": %lld, \"max_ns\": %lld, "
            "\"foreign\": %lld, \"publisher_reply_bytes\": %lld, \"errors\": %lld, \"first_error\": \"%s\", "
            "\"sender_cpu_s\": %.4f, \"receiver_cpu_s\": %.4f, \"echo_cpu_s\": %.4f, \"buckets\": [",
            mode == BROKY ? "broky" : mode == NATS ? "nats" : mode == REDIS ? "redis" : "echo", (long long)n_sent,
            nsubs, (long long)(n_sent * nsubs), (long long)received,
            (long long)(n_sent * nsubs > received ? n_sent * nsubs - received : 0), (long long)recorded, rate,
-           n_sent > 1 && span > 0 ? (n_sent - 1) / span : 0.0, (long long)send_lag_max_ns, (long long)writes,
+           n_sent > 1 && span > 0 ? (n_sent - 1) / span : 0.0, (long long)send_lag_max_ns,
+           (long long)(writes ? send_lag_sum_ns / writes : 0), (long long)writes,
            (long long)(recorded ? min_ns : 0), (long long)max_ns, (long long)foreign_units, (long long)pub_bytes,
            (long long)errors, first_error, sender_cpu, receiver_cpu, echo_cpu);
     int first = 1;
