@@ -126,6 +126,7 @@ static size_t echo_size = 100;
 static int64_t start_ns, record_from_ns;
 static atomic_llong sent;
 static atomic_int send_done;
+static atomic_int pongs_owed; /* NATS PINGs to the publisher: the sender answers, between messages */
 static int64_t send_end_ns, send_lag_max_ns, send_lag_sum_ns, writes;
 static double sender_cpu, receiver_cpu, echo_cpu;
 static int64_t received, recorded, foreign_units, errors, pub_bytes, min_ns = INT64_MAX, max_ns;
@@ -209,7 +210,9 @@ static void *sender(void *arg) {
             n++;
             i++;
         }
+        int pongs = atomic_exchange(&pongs_owed, 0);
         write_all(pub_fd, out, n * tmpl_len);
+        while (pongs-- > 0) write_all(pub_fd, (const uint8_t *)"PONG\r\n", 6);
         writes++;
         atomic_store(&sent, i);
     }
@@ -450,9 +453,10 @@ static void receive(int64_t expected) {
         for (int j = 0; j < k; j++) {
             struct conn *c = evs[j].data.ptr;
             if (c->is_pub) {
-                /* replies to the publisher (Redis's ":<receivers>" per PUBLISH; Broky and NATS
-                   send none in a run this short): read and drop. Its fd stays blocking for the
-                   sender, hence MSG_DONTWAIT; nothing is written to it from this thread. */
+                /* replies to the publisher (Redis's ":<receivers>" per PUBLISH, NATS's PINGs;
+                   Broky sends none): read and drop. Its fd stays blocking for the sender, hence
+                   MSG_DONTWAIT; nothing is written to it from this thread (the sender answers
+                   PINGs between two writes of messages). */
                 ssize_t r = recv(c->fd, c->buf, RECV_BUF, MSG_DONTWAIT);
                 if (r == 0) {
                     epoll_ctl(ep, EPOLL_CTL_DEL, c->fd, NULL);
@@ -461,7 +465,13 @@ static void receive(int64_t expected) {
                     pub_bytes += r;
                     if (mode == REDIS && (c->buf[0] == '-' || memmem(c->buf, (size_t)r, "\n-", 2)))
                         error_note("redis: an error reply to PUBLISH");
-                    if (mode != REDIS) error_note("bytes sent to the publisher");
+                    if (mode == NATS) { /* PINGs (the server's first comes ~2 s after CONNECT) */
+                        for (uint8_t *q = c->buf; (q = memmem(q, (size_t)(c->buf + r - q), "PING\r\n", 6));
+                             q += 6)
+                            atomic_fetch_add(&pongs_owed, 1);
+                        if (memmem(c->buf, (size_t)r, "-ERR", 4)) error_note("nats: -ERR to the publisher");
+                    }
+                    if (mode == BROKY) error_note("broky: a frame to the publisher");
                 }
                 continue;
             }
