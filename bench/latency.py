@@ -269,11 +269,50 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             row = " | ".join(_cell(s, q) for q in QUANTILES)
             lines.append(f"| {name} | {row} | {cpu_cells} | yes |")
+    lines += targets(results)
     plots = results.get("plots") or []
     if plots:
         lines += ["", "## Percentile plots", ""]
         lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Issue 28's targets, cell by cell, on the medians: Broky's p99 and p99.9 at most
+    nats-server's, and Broky's p50 above the floor at most nats-server's p50 above it."""
+    brokys = [sid for sid in results["titles"] if sid.startswith("broky")]
+    if "nats" not in results["titles"] or not brokys:
+        return []
+    titles = results["titles"]
+    lines = [
+        "",
+        f"## Targets: Broky against {titles['nats']} (medians)",
+        "",
+        "p99 and p99.9: Broky / NATS, met at 1.00x or less; p50 above the floor: "
+        "(Broky's p50 - the floor's) / (NATS's p50 - the floor's), met at 1.00x or less. "
+        "Only where both kept up.",
+        "",
+        "| Cell | System | p99 | p99.9 | p50 above the floor | met |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for cell in results["cells"]:
+        name = f"{cell['size']:,} B, {cell['rate']:,.0f}/s, 1 → {cell['fanout']}"
+        nats, floor = cell["summary"].get("nats", {}), cell["summary"].get(FLOOR, {})
+        for sid in brokys:
+            ours = cell["summary"].get(sid, {})
+            if not (ours.get("kept_up") and nats.get("kept_up") and floor.get("kept_up")):
+                lines.append(f"| {name} | {titles[sid]} | | | | n/a: not both kept up |")
+                continue
+            r99 = ours["p99"]["median"] / nats["p99"]["median"]
+            r999 = ours["p99.9"]["median"] / nats["p99.9"]["median"]
+            base = floor["p50"]["median"]
+            above = nats["p50"]["median"] - base
+            r50 = (ours["p50"]["median"] - base) / above if above > 0 else None
+            met = r99 <= 1 and r999 <= 1 and r50 is not None and r50 <= 1
+            r50_text = f"{r50:.2f}x" if r50 is not None else "NATS at the floor"
+            verdict = "yes" if met else "**no**"
+            lines.append(f"| {name} | {titles[sid]} | {r99:.2f}x | {r999:.2f}x | {r50_text} | {verdict} |")
+    return lines
 
 
 def plot(results: dict[str, Any], out: Path) -> list[str]:
