@@ -69,3 +69,21 @@ def test_latency_quick_against_broky_nats_and_the_floor(tmp_path: Path) -> None:
         assert run["samples"] >= 900  # 1 s measured at 1,000/s, after the warm-up
     assert summary["floor"]["p50"]["median"] < summary["broky1"]["p50"]["median"], summary
     assert (out / "latency_100B_1000.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.timeout(30)
+def test_probe_floor_counts_every_message_into_hdrhistogram_buckets() -> None:
+    """The probe alone (echo mode, 1 -> 3): every message arrives, the warm-up's are not
+    recorded, and every bucket it prints is the lowest value of an hdrh bucket (the
+    layouts agree, so loading the buckets loses nothing)."""
+    from bench import probe
+
+    args = ["--mode", "echo", "--fanout", "3", "--size", "64", "--rate", "5000", "--count", "5000"]
+    out = probe.run([*args, "--warmup", "0.5"], timeout=20)
+    assert (out["sent"], out["expected"], out["received"], out["lost"]) == (5000, 15000, 15000, 0)
+    assert out["errors"] == 0, out["first_error"]
+    hist = out["histogram"]
+    assert hist.get_total_count() == out["recorded"] == 3 * 2500  # due after the 0.5 s warm-up
+    for value, _ in out["buckets"]:
+        assert hist.get_lowest_equivalent_value(value) == value
+    assert hist.get_min_value() <= out["min_ns"] and hist.get_max_value() >= out["max_ns"]

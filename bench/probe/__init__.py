@@ -69,7 +69,8 @@ def histogram(buckets: list[list[int]]) -> HdrHistogram:
 
 
 def run(args: list[str], pass_fds: tuple[int, ...] = (), timeout: float = 60.0) -> dict[str, Any]:
-    """Run the probe with `args` (see probe.c's usage); its JSON line, with "histogram" added."""
+    """Run the probe with `args` (see probe.c's usage); its JSON line, with "histogram"
+    (the buckets loaded into an hdrh HdrHistogram) added."""
     proc = subprocess.run(
         [str(binary()), *args],
         pass_fds=pass_fds,
@@ -81,5 +82,5 @@ def run(args: list[str], pass_fds: tuple[int, ...] = (), timeout: float = 60.0) 
     if proc.returncode != 0:
         raise ProbeError(f"probe exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
     out: dict[str, Any] = json.loads(proc.stdout)
-    out["histogram"] = histogram(out.pop("buckets"))
+    out["histogram"] = histogram(out["buckets"])
     return out
