@@ -373,6 +373,14 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 # ------------------------------------------------------------------ main
 
 
+def _command(given: list[str]) -> str:
+    """The command line to reproduce the run, without the (machine-specific) output path."""
+    kept = [
+        a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")
+    ]
+    return " ".join(["python -m bench.latency", *kept])
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -442,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ver = versions(table, chosen)
     results: dict[str, Any] = {
         "mode": "quick" if quick else ("full" if full else "partial"),
-        "command": " ".join(["python -m bench.latency", *(a for a in given if not a.startswith("--out"))]),
+        "command": _command(given),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine.machine_info(),
         "versions": ver,
