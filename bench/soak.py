@@ -48,9 +48,13 @@ the server. With TLS, every server gets a certificate of the benchmark's own
 CA (bench.harness.servers.tls_files), the SDK children connect to
 broky+tls:// trusting that CA, and raw connections make the upgrade of
 schema/README.md 2.1 (bench.harness.tlsclient) before their Hello; the HTTP
-port is https. The fuzz sends its streams inside TLS, except one connection
-in 16 (PLAIN_TO_TLS) that sends its stream in plain text to the TLS-only
-server, and likewise to the https port.
+port is https. The latency pair of `connections` is the exception: the
+compiled probe speaks no TLS, so that server also serves plain TCP
+(`--tls-allow-plain`) and the pair measures, in plain TCP, what the 10,000
+TLS connections held beside it do to other traffic. The fuzz sends its
+streams inside TLS, except one connection in 16 (PLAIN_TO_TLS) that sends
+its stream in plain text to the TLS-only server, and likewise to the https
+port.
 
 Results: bench/results/reliability.md and .json (plain TCP), and
 reliability_tls.md and .json (`--tls`), with the machine.
@@ -144,8 +148,10 @@ class Transport:
     def context(self) -> ssl.SSLContext | None:
         return tlsclient.context(servers.tls_files()[0]) if self.tls else None
 
-    def driver(self) -> loadgen.BrokyDriver:
-        return loadgen.BrokyDriver(servers.tls_files()[0] if self.tls else None)
+    def pair_args(self) -> list[str]:
+        """The latency pair speaks plain TCP (the compiled probe has no TLS): a TLS server
+        of the `connections` section serves plain connections too, for the pair alone."""
+        return ["--tls-allow-plain"] if self.tls else []
 
     def connect(self, address: tuple[str, int], worker: int, timeout: float = 10.0) -> socket.socket:
         """A connection placed on `worker`, ready for the caller's Hello (inside TLS, with TLS)."""
@@ -246,11 +252,13 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
     limits = raise_fd_limit()
     if args.connections + 200 > limits["soft"]:
         raise SystemExit(f"--connections {args.connections}: the open-file limit is {limits['soft']}")
-    server = start_server(transport, ["--max-connections-per-address", "0", "--handshake-rate", "0"])
+    server = start_server(transport, ["--max-connections-per-address", "0", "--handshake-rate", "0",
+                                      *transport.pair_args()])  # fmt: skip
     held: list[socket.socket] = []
     out: dict[str, Any] = {"connections": args.connections, "hold_s": args.hold, "fd_limits": limits}
+    out["pair_plain_beside_tls"] = transport.tls
     try:
-        driver = transport.driver()
+        driver = loadgen.BrokyDriver()
         driver.prepare(server.address)
         rate = args.latency_rate
         out["rss_idle"] = memory_budget.server_rss(server)
@@ -953,6 +961,9 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PLAIN_PAIR = "; in plain TCP beside the TLS ones, the compiled probe speaking no TLS"
+
+
 def render_connections(r: dict[str, Any]) -> list[str]:
     lim = r["fd_limits"]
     b, w = r["baseline"], r["with_connections"]
@@ -974,7 +985,8 @@ def render_connections(r: dict[str, Any]) -> list[str]:
         f"| server CPU while holding them (with the latency pair) | {r['server_cpu_s_per_s_held']:g} s/s |",
         "",
         f"Latency of one pub/sub pair (bench.harness.latency: raw connections, one to each "
-        f"side's worker), open loop, {b['rate_per_s']:,.0f} msgs/s of 100 B, {b['samples']:,} samples a run:",
+        f"side's worker{PLAIN_PAIR if r.get('pair_plain_beside_tls') else ''}), open loop, "
+        f"{b['rate_per_s']:,.0f} msgs/s of 100 B, {b['samples']:,} samples a run:",
         "",
         "| | p50 / p99 / p99.9 / max (µs) | server CPU over the run |",
         "|---|---:|---:|",

@@ -36,14 +36,12 @@ import multiprocessing.connection
 import os
 import selectors
 import socket
-import ssl
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.harness import tlsclient
 from broky.protocol import (
     NEED_DATA,
     Error,
@@ -185,15 +183,12 @@ class BrokyDriver(Driver):
 
     name = "broky"
 
-    def __init__(self, tls_ca: str | None = None) -> None:
+    def __init__(self) -> None:
         self.map: VBucketMap | None = None
         self.workers = 1
-        self.tls_ca = tls_ca  # a server with a certificate: TLS, trusting this CA (bench.harness.tlsclient)
 
     def connect(self, address: tuple[str, int], worker: int) -> tuple[socket.socket, Welcome]:
         sock = _connect(address)
-        if self.tls_ca is not None:
-            sock = tlsclient.upgrade(sock, tlsclient.context(self.tls_ca), worker)
         sock.sendall(encode_frame(Hello(worker=worker, client_name="bench")))
         frame = self._next_frame(sock, FrameReader())
         if not isinstance(frame, Welcome):
@@ -480,12 +475,11 @@ class Shared:
 class SubscriberStream:
     """Counts (and optionally inspects) the deliveries on one connection."""
 
-    __slots__ = ("buf", "counters", "driver", "fill", "mv", "n", "rec", "sock", "tls")
+    __slots__ = ("buf", "counters", "driver", "fill", "mv", "n", "rec", "sock")
 
     def __init__(self, driver: Driver, sock: socket.socket, rec: Record, counters: Counters) -> None:
         self.driver = driver
         self.sock = sock
-        self.tls = isinstance(sock, ssl.SSLSocket)
         self.rec = rec
         self.counters = counters
         self.buf = bytearray(max(RECV_BYTES, 4 * rec.length))
@@ -579,9 +573,7 @@ def subscriber_main(
                 before = stream.n
                 try:
                     alive = stream.read(observer)
-                    while alive and stream.tls and stream.sock.pending():
-                        alive = stream.read(observer)  # decrypted bytes no selector reports
-                except (BlockingIOError, ssl.SSLWantReadError):
+                except BlockingIOError:
                     continue
                 if not alive:
                     sel.unregister(stream.sock)

