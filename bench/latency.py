@@ -40,7 +40,7 @@ from typing import Any
 
 from hdrh.histogram import HdrHistogram
 
-from bench.harness import latency, loadgen, machine, servers
+from bench.harness import latency, loadgen, machine, report, servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = ("p50", "p99", "p99.9", "p99.99", "max")
@@ -321,7 +321,6 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
     names = []
     groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
@@ -345,15 +344,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
                     xs, ys, marker=".", label=label, color=colors(order.index(sid)),
                     linestyle="--" if sid == FLOOR else "-",
                 )  # fmt: skip
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ticks = [2.0, 10.0, 100.0, 1e3, 1e4, 1e5]
-            labels = ["50%", "90%", "99%", "99.9%", "99.99%", "99.999%"]
-            keep = [i for i, t in enumerate(ticks) if t <= top * 1.01]
-            ax.xaxis.set_major_locator(FixedLocator([ticks[i] for i in keep]))
-            ax.xaxis.set_major_formatter(FixedFormatter([labels[i] for i in keep]))
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_xlabel("percentile")
+            report.percentile_axes(ax, top)
             ax.set_ylabel("latency (µs, log)")
             ax.set_title(f"1 → {cell['fanout']}")
             ax.grid(True, which="both", alpha=0.3)

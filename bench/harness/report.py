@@ -385,9 +385,24 @@ def _footer(fig: Any, results: dict[str, Any]) -> None:
     fig.text(0.01, 0.005, describe(results["machine"]), fontsize=6.5, color="0.35", ha="left", va="bottom")
 
 
+def percentile_axes(ax: Any, top: float) -> None:
+    """Log axes for a percentile plot whose x values are 1 / (1 - p), ticked in percentiles
+    up to `top` (HdrHistogram's percentile distribution plot)."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [2.0, 10.0, 100.0, 1e3, 1e4, 1e5]
+    labels = ["50%", "90%", "99%", "99.9%", "99.99%", "99.999%"]
+    keep = [i for i, t in enumerate(ticks) if t <= top * 1.01]
+    ax.xaxis.set_major_locator(FixedLocator([ticks[i] for i in keep]))
+    ax.xaxis.set_major_formatter(FixedFormatter([labels[i] for i in keep]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("percentile")
+
+
 def plot_latency(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
     lat = results["latency"]
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -404,15 +419,7 @@ def plot_latency(results: dict[str, Any], path: Path) -> None:
             ys.append(max(v, 0.001))
         top = max(top, xs[-1])
         ax.plot(xs, ys, marker=".", color=COLORS[n], label=f"{TITLES[n]} (max {res['max_us']:.0f} µs)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ticks = [2.0, 10.0, 100.0, 1e3, 1e4, 1e5]
-    labels = ["50%", "90%", "99%", "99.9%", "99.99%", "99.999%"]
-    keep = [i for i, t in enumerate(ticks) if t <= top * 1.01]
-    ax.xaxis.set_major_locator(FixedLocator([ticks[i] for i in keep]))
-    ax.xaxis.set_major_formatter(FixedFormatter([labels[i] for i in keep]))
-    ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("percentile")
+    percentile_axes(ax, top)
     ax.set_ylabel("end-to-end latency (µs, log)")
     ax.set_title(
         f"Latency at {lat['rate_per_s']:,} msgs/s, {lat['payload']} B, open loop ({results['mode']} run)"
