@@ -129,12 +129,12 @@ class Probe:
             json.dump(self.report(), f, indent=1)
 
 
-def install(index: int, prefix: str) -> Probe:
-    """Time this worker's jobs (see the header); the report is written at exit."""
+def install(index: int, prefix: str, worker: type) -> Probe:
+    """Time this worker's jobs (see the header); the report is written at exit. `worker`:
+    broky.server.worker's Worker class (passed in: the worker imports this module)."""
     from broky.server.accounts import AccountBook
     from broky.server.fanout import Shard
     from broky.server.replay import ReplayBuffer
-    from broky.server.worker import Worker
 
     probe = Probe(f"{prefix}-worker-{index}.json")
     probe.wrap(Shard, "feed", "read")
@@ -147,7 +147,7 @@ def install(index: int, prefix: str) -> Probe:
     probe.wrap(ReplayBuffer, "trim_some", "replay_trim_some")
     probe.wrap(ReplayBuffer, "settle", "replay_settle")
     probe.wrap(Shard, "trim_heap", "heap_trim")
-    probe.wrap(Worker, "_on_channel", "control")
+    probe.wrap(worker, "_on_channel", "control")
     probe.wrap(Shard, "bounded_read", "bounded_read")
     probe.wrap(Shard, "continue_read", "read_batch")
     gc.callbacks.append(probe.on_gc)

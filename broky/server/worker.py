@@ -421,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if probe:
         from broky.server import loopprobe
 
-        loopprobe.install(index, probe)
+        loopprobe.install(index, probe, Worker)
 
     async def run() -> None:
         await Worker(
