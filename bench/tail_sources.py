@@ -118,25 +118,24 @@ class Raw:
         self.sock.sendall(encode_frame(Hello(worker=worker, client_name="tail-sources")))
         self.welcome = self.next()
 
-    def next(self) -> Any:
+    def next_raw(self) -> bytes:
+        """The next whole frame's bytes, reading as needed."""
         while (raw := self.reader.next_frame()) is NEED_DATA:
             data = self.sock.recv(1 << 20)
             if not data:
                 raise ConnectionError("broky closed the connection")
             self.reader.feed(data)
         assert isinstance(raw, bytes)
-        return decode_frame(raw)
+        return raw
+
+    def next(self) -> Any:
+        return decode_frame(self.next_raw())
 
     def until_pong(self, ping: int) -> dict[str, int]:
         """Frames until the Pong to `ping`, by type (Messages counted, not decoded)."""
         seen: dict[str, int] = {}
         while True:
-            while (raw := self.reader.next_frame()) is NEED_DATA:
-                data = self.sock.recv(1 << 20)
-                if not data:
-                    raise ConnectionError("broky closed the connection")
-                self.reader.feed(data)
-            assert isinstance(raw, bytes)
+            raw = self.next_raw()
             if body_type(raw, 0, len(raw)) == BODY_MESSAGE:
                 seen["Message"] = seen.get("Message", 0) + 1
                 continue
