@@ -44,6 +44,7 @@ from bench.harness import latency, loadgen, machine, report, servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = ("p50", "p99", "p99.9", "p99.99", "max")
+BROKER_QUANTILES = ("p50", "p99", "p99.9", "p99.99")
 FULL = {"rates": "1000,10000,50000,100000", "sizes": "100,1024", "fanouts": "1,10", "runs": 5}
 SIZE_MAX_RATE = {1024: 10000}  # 1 KiB only at the lower rates (issue 28)
 FLOOR = "floor"
@@ -163,10 +164,13 @@ def run_cell(
                     else:
                         server = running[sid]
                         driver = drivers[sid]
+                        inside0 = broker_counts(server) if table[sid].driver == "broky" else None
                         res = latency.run_latency(
                             driver, server.address, server.pids, size, rate, warmup, duration,
                             fanout=fanout, options=options, keep_histogram=True,
                         )  # fmt: skip
+                        if inside0 is not None:
+                            res["broker_us"] = broker_share(inside0, broker_counts(server))
                 except (loadgen.LoadError, OSError) as exc:
                     results[sid].append({"error": f"{type(exc).__name__}: {exc}"[:2000]})
                     continue
@@ -181,6 +185,31 @@ def run_cell(
     for sid, hist in hists.items():
         summary[sid]["distribution"] = latency.distribution(hist)
     return {"size": size, "rate": rate, "fanout": fanout, "summary": summary, "runs": results}
+
+
+def broker_counts(server: servers.Server) -> dict[float, float]:
+    """Broky's `broky_broker_latency_seconds` from /metrics: cumulative count per bucket
+    bound (seconds), every worker's summed."""
+    out: dict[float, float] = {}
+    for line in server.http_get("/metrics").decode().splitlines():
+        if line.startswith("broky_broker_latency_seconds_bucket{"):
+            labels, value = line.rsplit(" ", 1)
+            le = float(labels.split('le="', 1)[1].split('"', 1)[0])
+            out[le] = out.get(le, 0.0) + float(value)
+    return out
+
+
+def broker_share(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """Percentiles of the time inside Broky (read -> writes, per delivered message) over
+    one run, warm-up included: the upper bound of the bucket each falls in, in µs."""
+    bounds = sorted(after)
+    cumulative = [after[le] - before.get(le, 0.0) for le in bounds]
+    total = cumulative[-1] if cumulative else 0.0
+    out: dict[str, Any] = {"deliveries": int(total)}
+    for q in BROKER_QUANTILES:
+        rank = total * float(q[1:]) / 100
+        out[q] = next((le * 1e6 for le, n in zip(bounds, cumulative, strict=True) if n >= rank), None)
+    return out
 
 
 def summarize(runs: list[dict[str, Any]], failed: str | None) -> dict[str, Any]:
@@ -198,6 +227,9 @@ def summarize(runs: list[dict[str, Any]], failed: str | None) -> dict[str, Any]:
     for q in QUANTILES:
         vals = [r["max_us"] if q == "max" else r["percentiles_us"][q] for r in good]
         out[q] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    inside = [r["broker_us"] for r in good if r.get("broker_us", {}).get("deliveries")]
+    if inside:
+        out["broker_us"] = {q: statistics.median(r[q] for r in inside) for q in BROKER_QUANTILES}
     for k in ("server_cpu_pct", "server_cpu_us_per_delivery"):
         vals = [r[k] for r in good if r.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
@@ -209,6 +241,16 @@ def summarize(runs: list[dict[str, Any]], failed: str | None) -> dict[str, Any]:
 
 def _us(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _versions(results: dict[str, Any]) -> list[str]:
+    """Broky's once, then each peer's title (which carries its version)."""
+    out = []
+    for sid, v in results["versions"].items():
+        text = f"Broky {v}" if sid.startswith("broky") else results["titles"][sid]
+        if v != "-" and text not in out:
+            out.append(text)
+    return out
 
 
 def _cell(s: dict[str, Any], q: str) -> str:
@@ -227,11 +269,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['mode']} run, started {results['started']}, {results['elapsed_s']:.0f} s; "
         f"`{results['command']}`.",
         "",
-        f"Machine: {machine.describe(results['machine'])}.",
+        f"Machine: {machine.describe(results['machine'], peers=False)}.",
         "",
-        "Versions: "
-        + "; ".join(f"{titles[k]} {v}" for k, v in results["versions"].items() if v != "-")
-        + ".",
+        "Versions: " + "; ".join(_versions(results)) + ".",
         "",
         f"Open loop from each message's due time (the compiled probe, bench/probe/probe.c); {st['runs']} "
         f"runs per cell, systems alternating (the order rotates each round); each run {st['duration_s']} s "
@@ -270,6 +310,7 @@ def markdown(results: dict[str, Any]) -> str:
             row = " | ".join(_cell(s, q) for q in QUANTILES)
             lines.append(f"| {name} | {row} | {cpu_cells} | yes |")
     lines += targets(results)
+    lines += inside(results)
     plots = results.get("plots") or []
     if plots:
         lines += ["", "## Percentile plots", ""]
@@ -315,6 +356,41 @@ def targets(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def inside(results: dict[str, Any]) -> list[str]:
+    """Broky's own share of each cell: its end-to-end percentiles beside those of the time
+    its workers held the messages (broky_broker_latency_seconds over the same runs)."""
+    brokys = [sid for sid in results["titles"] if sid.startswith("broky")]
+    rows = []
+    for cell in results["cells"]:
+        name = f"{cell['size']:,} B, {cell['rate']:,.0f}/s, 1 → {cell['fanout']}"
+        for sid in brokys:
+            s = cell["summary"].get(sid, {})
+            b = s.get("broker_us")
+            if not b or "p50" not in s:
+                continue
+            ends = " / ".join(_us(s[q]["median"]) for q in BROKER_QUANTILES)
+            held = " / ".join(f"≤ {_us(b[q])}" for q in BROKER_QUANTILES)
+            rows.append(f"| {name} | {results['titles'][sid]} | {ends} | {held} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## Inside Broky: its share of the latency",
+        "",
+        "End to end (the probe, medians of the runs) beside the time inside Broky over the same runs "
+        "(warm-up included): from the worker's start on the read that brought a message to that read's "
+        "writes, per delivered message (`broky_broker_latency_seconds`, read from /metrics before and "
+        "after each run; log2 buckets, so each figure is its bucket's upper bound; medians of the "
+        "runs). The rest of a message's latency is outside the worker's handling: the probe, the "
+        "kernel's loopback, and the wait of a ready process for a CPU.",
+        "",
+        "| Cell | System | end to end p50 / p99 / p99.9 / p99.99 µs "
+        "| inside Broky p50 / p99 / p99.9 / p99.99 µs |",
+        "|---|---|---:|---:|",
+        *rows,
+    ]
+
+
 def plot(results: dict[str, Any], out: Path) -> list[str]:
     """One PNG per (size, rate): a panel per fan-out, one line per system, the floor dashed."""
     import matplotlib
@@ -352,7 +428,7 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         fig.suptitle(
             f"Latency at {rate:,.0f} msgs/s, {size:,} B, open loop, all runs merged ({results['mode']} run)"
         )
-        fig.text(0.01, 0.005, machine.describe(results["machine"]), fontsize=6, color="0.35")
+        fig.text(0.01, 0.005, machine.describe(results["machine"], peers=False), fontsize=6, color="0.35")
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         name = f"latency_{size}B_{rate:.0f}.png"
         fig.savefig(out / name, dpi=110)

@@ -56,7 +56,9 @@ def test_latency_quick_against_broky_nats_and_the_floor(tmp_path: Path) -> None:
     assert results["mode"] == "quick" and results["settings"]["runs"] == 3
     assert re.fullmatch(r"\d+\.\d+\.\d+", results["versions"]["nats"]), results["versions"]
     assert results["versions"]["broky1"].startswith("0."), results["versions"]
-    assert "nats-server " + results["versions"]["nats"] in (out / "latency.md").read_text()
+    text = (out / "latency.md").read_text()
+    assert "nats-server " + results["versions"]["nats"] in text
+    assert text.count(results["versions"]["nats"]) == text.count("nats-server " + results["versions"]["nats"])
     [cell] = results["cells"]
     assert (cell["size"], cell["rate"], cell["fanout"]) == (100, 1000.0, 1)
     summary = cell["summary"]
@@ -70,11 +72,18 @@ def test_latency_quick_against_broky_nats_and_the_floor(tmp_path: Path) -> None:
             assert run["samples"] == 500  # due after the warm-up: 0.5 s at 1,000/s
             p = run["percentiles_us"]
             assert 0 < p["p50"] <= p["p99"] <= p["p99.9"] <= p["p99.99"] <= run["max_us"], (sid, run)
+            if sid == "broky1":  # the time inside Broky, from its /metrics around the run
+                inside = run["broker_us"]
+                assert inside["deliveries"] == run["published"], (sid, run)  # warm-up included
+                assert 0 < inside["p50"] <= inside["p99"] <= inside["p99.9"] <= inside["p99.99"], inside
+                assert inside["p50"] <= p["p50"], (inside, p)  # a part of the whole
         medians = [s[q]["median"] for q in ("p50", "p99", "p99.9", "p99.99", "max")]
         assert medians[0] > 0 and medians == sorted(medians), (sid, medians)
     # (No order between the floor and a server is asserted: on a busy 2-core machine the
     # probe's echo thread competes with its sender and receiver, and a 0.5 s median of wake-up
     # times put the floor's p50 above Broky's (79 against 71 µs) in one CI-like run.)
+    assert summary["broky1"]["broker_us"]["p50"] > 0 and "## Inside Broky" in text
+    assert "broker_us" not in summary["nats"] and "broker_us" not in summary["floor"]
     assert (out / "latency_100B_1000.png").read_bytes().startswith(PNG_MAGIC)
 
 

@@ -93,10 +93,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def describe(info: dict[str, Any]) -> str:
-    """One line naming the machine and versions, for every result file."""
-    return (
+def describe(info: dict[str, Any], peers: bool = True) -> str:
+    """One line naming the machine and versions, for every result file; `peers=False`
+    leaves out the nats-server and redis-server found on PATH (for a report that names
+    the binaries it ran itself)."""
+    text = (
         f"{info['cpu_model']}, {info['cores']} cores, {info['memory_bytes'] / 2**30:.1f} GiB, "
-        f"{info['os']}, {info['python']}; Broky {info['broky']}, "
-        f"nats-server {info['nats_server']}, redis-server {info['redis_server']}"
+        f"{info['os']}, {info['python']}; Broky {info['broky']}"
     )
+    if peers:
+        text += f", nats-server {info['nats_server']}, redis-server {info['redis_server']}"
+    return text
