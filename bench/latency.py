@@ -269,7 +269,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['mode']} run, started {results['started']}, {results['elapsed_s']:.0f} s; "
         f"`{results['command']}`.",
         "",
-        f"Machine: {machine.describe(results['machine'], peers=False)}.",
+        f"Machine: {machine.describe(results['machine'], with_peers=False)}.",
         "",
         "Versions: " + "; ".join(_versions(results)) + ".",
         "",
@@ -428,7 +428,9 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
         fig.suptitle(
             f"Latency at {rate:,.0f} msgs/s, {size:,} B, open loop, all runs merged ({results['mode']} run)"
         )
-        fig.text(0.01, 0.005, machine.describe(results["machine"], peers=False), fontsize=6, color="0.35")
+        fig.text(
+            0.01, 0.005, machine.describe(results["machine"], with_peers=False), fontsize=6, color="0.35"
+        )
         fig.tight_layout(rect=(0, 0.03, 1, 1))
         name = f"latency_{size}B_{rate:.0f}.png"
         fig.savefig(out / name, dpi=110)

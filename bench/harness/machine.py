@@ -97,15 +97,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def describe(info: dict[str, Any], peers: bool = True) -> str:
-    """One line naming the machine and versions, for every result file; `peers=False`
-    leaves out the nats-server and redis-server found on PATH (for a report that names
-    the binaries it ran itself)."""
+def describe(info: dict[str, Any], with_peers: bool = True) -> str:
+    """One line naming the machine and versions, for every result file; `with_peers=False`
+    leaves out the default peers' versions (for a report that names the binaries it chose
+    itself, like bench.latency's)."""
     text = (
         f"{info['cpu_model']}, {info['cores']} cores, {info['memory_bytes'] / 2**30:.1f} GiB, "
         f"{info['os']}, {info['python']}; Broky {info['broky']}"
     )
-    if peers:
+    if with_peers:
         redis = info.get("redis_name", "redis-server")
         text += f", nats-server {info['nats_server']}, {redis} {info['redis_server']}"
     return text
