@@ -9,8 +9,9 @@ reproduce it, writing into bench/results as each does by default. Then it
 writes full_run.md and full_run.json there: the commit, the machine, and for
 every step its command, start, wall time and exit status.
 
-It refuses a tree with uncommitted changes (`--allow-dirty` to run anyway: the
-report then says -dirty, as every result file does). `--only` and `--skip`
+It refuses a tree with uncommitted changes outside bench/results, the same
+test that marks a result file's revision -dirty (`--allow-dirty` to run anyway:
+the report then says -dirty, as every result file does). `--only` and `--skip`
 run some steps: the benchmarks still write their own results, but the run's
 report goes to standard output instead of full_run.md, which names only
 complete runs. A failing step does not stop the others; the exit status is 1
@@ -101,12 +102,6 @@ def steps(latency_duration: float | None) -> list[Step]:
     ]
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
-
-
 def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -187,9 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{s.name:20} python -m {' '.join(s.args)}")
         return 0
     chosen = [s for s in plan if (not only or s.name in only) and s.name not in skip]
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    if dirty and not args.allow_dirty:
-        print(f"uncommitted changes (--allow-dirty to run anyway):\n{dirty}", file=sys.stderr)
+    revision = machine.broky_revision()  # "-dirty" as every result file will say it
+    if revision.endswith("-dirty") and not args.allow_dirty:
+        print(f"{revision}: uncommitted changes (--allow-dirty to run anyway)", file=sys.stderr)
         return 2
     logs = Path(tempfile.mkdtemp(prefix="broky-full-run-"))
     print(f"logs in {logs}", file=sys.stderr)
@@ -197,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: dict[str, Any] = {
         "command": " ".join(["python -m bench.full_run", *given]),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": machine.broky_revision(),
+        "commit": revision,
         "machine": machine.machine_info(),
         "load_start": f"{os.getloadavg()[0]:.2f}",
         "steps": [],

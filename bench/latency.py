@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hdrh.histogram import HdrHistogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness import latency, loadgen, machine, peers, report, servers
 
@@ -191,11 +192,12 @@ def broker_counts(server: servers.Server) -> dict[float, float]:
     """Broky's `broky_broker_latency_seconds` from /metrics: cumulative count per bucket
     bound (seconds), every worker's summed."""
     out: dict[float, float] = {}
-    for line in server.http_get("/metrics").decode().splitlines():
-        if line.startswith("broky_broker_latency_seconds_bucket{"):
-            labels, value = line.rsplit(" ", 1)
-            le = float(labels.split('le="', 1)[1].split('"', 1)[0])
-            out[le] = out.get(le, 0.0) + float(value)
+    for family in text_string_to_metric_families(server.http_get("/metrics").decode()):
+        if family.name == "broky_broker_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    out[le] = out.get(le, 0.0) + sample.value
     return out
 
 
