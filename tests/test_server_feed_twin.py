@@ -40,6 +40,7 @@ from broky.server import fastpath
 from broky.server.config import ServerConfig
 from broky.server.connection import Connection
 from broky.server.fanout import Shard
+from broky.server.sequences import ENTRY_WORDS
 from tests.test_server_fanout_fuzz import Recorder, chunked
 
 if fastpath.compiled_scan is None and fastpath.pure_requested():
@@ -108,7 +109,7 @@ def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tupl
     config = ServerConfig(workers=2, node_id="twin", max_pending_bytes=pending)
     shard = Shard(config, 0, loop, compiled=compiled)
     for vb in range(1024):  # one epoch for both shards (each incarnation draws its own)
-        shard.seqs.view[2 * vb] = 0x5EED
+        shard.seqs.view[ENTRY_WORDS * vb] = 0x5EED
 
     def connection(i: int) -> Connection:
         c = Connection(shard, b"", i)
@@ -137,7 +138,7 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
     shard.replay.settle()  # each shard's own settle: the Python loop or its compiled twin
     return {
         "stats": snap,
-        "sequences": bytes(shard.seqs.state),  # every vbucket's epoch and next offset
+        "sequences": bytes(shard.seqs.state),  # every vbucket's epoch, next offset and last stamp
         "replay": [bytes(ix) for ix in shard.replay.index],  # where each retained message lies
         "segments": [(seg_id, bytes(seg)) for seg_id, seg, _, _ in shard.replay.segments],
         "conns": [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import select
 import threading
 import time
@@ -14,9 +15,11 @@ from broky.errors import ErrorCode
 from broky.protocol import (
     Error,
     LossNotice,
+    LossReason,
     Message,
     Ping,
     Pong,
+    PreviousConnection,
     Subscribe,
     Unsubscribe,
     encode_frame,
@@ -122,24 +125,32 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
         while debug_stats(server)["workers"][0]["slow_consumer_disconnects"] == 0:
             assert time.monotonic() < deadline, "the stalled subscriber was not disconnected"
             time.sleep(0.1)
-        # What was pending, then how many it lost, then the fatal error.
+        # What was pending, then the fatal error, which counts the drops. They came after
+        # everything it was sent (nothing is queued from a drop until it is told), so no
+        # LossNotice precedes the Error: a resume by positions would replay them.
         frames = slow.expect_closed(timeout=30)
         notices = [f for f in frames if isinstance(f, LossNotice)]
         seqs = [int.from_bytes(f.payload[-8:], "big") for f in frames if isinstance(f, Message)]
         got = len(seqs)
-        assert (
-            isinstance(frames[-1], Error) and frames[-1].code == ErrorCode.SLOW_CONSUMER and frames[-1].fatal
-        )
-        assert len(notices) == 1 and isinstance(frames[-2], LossNotice)
-        assert notices[0].dropped > 0
+        error = frames[-1]
+        assert isinstance(error, Error) and error.code == ErrorCode.SLOW_CONSUMER and error.fatal
+        assert notices == []
+        dropped = int(re.search(r"(\d+) deliveries dropped since the last LossNotice", error.message)[1])  # type: ignore[index]
+        assert dropped > 0
         assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
         assert seqs == sorted(set(seqs)) and seqs[-1] < n  # in order, no copies, nothing made up
-        # Each message routed to it was delivered or counted and told: exactly n.
-        assert got + notices[0].dropped == n
+        # The drops are one run after the last delivery: the sequence numbers it missed.
+        assert seqs == list(range(got)) and got + dropped == n
         stats = debug_stats(server)["workers"][0]
         assert stats["slow_consumer_disconnects"] == 1
-        assert stats["dropped"]["slow_consumer"] == notices[0].dropped
+        assert stats["dropped"]["slow_consumer"] == dropped
         assert stats["messages_delivered"] == n + got
+        # A client that reconnects without positions is told them, exactly, by the account.
+        assert slow.welcome is not None
+        previous = PreviousConnection(slow.welcome.connection_id, got, 0, slow.welcome.resume_token)
+        with Wire.hello(server.address, worker=0, previous=previous) as again:
+            told = again.expect(LossNotice)
+            assert (told.dropped, told.reason) == (dropped, LossReason.SLOW_CONSUMER)
 
 
 @pytest.mark.slow

@@ -148,6 +148,9 @@ DEFAULT_CONFIRM_INTERVAL = 0.005
 # (publishers resend their unconfirmed publishes once they reach a server again:
 # after a reconnect, or after the cluster moved a dead node's vbuckets).
 DUPLICATE_WINDOW = 60.0
+# Epochs of worker processes whose lost connections a client remembers as settled (a few per
+# worker restart): the oldest are forgotten past this many.
+SETTLED_EPOCHS = 4096
 
 
 class ServerInfo(NamedTuple):
@@ -257,6 +260,8 @@ class Client(Publisher):
         self._open = False  # connected and not closed: the publish fast path's one check
         # uids that may arrive twice (see `drop_duplicates`), read by Link.on_message
         self.duplicate_uids: set[bytes] | None = None
+        # Epochs of worker processes whose lost connections are settled (see `epochs_settled`).
+        self._settled_epochs: dict[int, None] = {}
         self._dupes_timer: asyncio.TimerHandle | None = None
         # group members' settlements, batched per loop iteration (broky.client.groups)
         self.acks = AckBatcher(self.stats)
@@ -990,6 +995,21 @@ class Client(Publisher):
             return
         label = f"deliveries from worker {ref.worker} of {ref.node_id} ({LossReason.name(reason)})"
         self._losses.add(("server", ref, reason), label, dropped)
+
+    def epochs_settled(self, epochs: Iterable[int]) -> None:
+        """For the Links and the Router (LinkOwner): what a lost connection delivered of these
+        epochs is settled: counted exactly by its account, or all delivered before a Goodbye,
+        or told once as UNACCOUNTED. A start told EPOCH_CHANGED for one of them tells no
+        further loss (schema/README.md 7.3): it is not reported again."""
+        settled = self._settled_epochs
+        for epoch in epochs:
+            settled[epoch] = None
+        while len(settled) > SETTLED_EPOCHS:
+            del settled[next(iter(settled))]
+
+    def epoch_settled(self, epoch: int) -> bool:
+        """For the Links (LinkOwner): see `epochs_settled`."""
+        return epoch in self._settled_epochs
 
     def loss_unaccounted(self, ref: WorkerRef) -> None:
         """For the Links and the Router (LinkOwner): a lost connection nobody accounts for."""

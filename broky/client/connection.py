@@ -359,6 +359,8 @@ class WorkerProtocol(asyncio.Protocol):
             self.announced = frame.messages
             self.announced_sid = frame.sid
             self.announced_attempt = 0
+            if handler is not None:  # a start's answer begins (its ts: where its live part starts)
+                handler.on_frame(frame)
             return
         if isinstance(frame, Delivery) and self._on_group is not None:
             self.announced = frame.messages

@@ -36,11 +36,17 @@ that worker still knows the positions (it gave the old connection's
 unsettled deliveries to other members, or kept them for this one, and an ack
 from any member settles a position the group holds). When it comes back
 to another process (the worker or the server restarted), or its node leaves
-the map, nobody holds those deliveries any more: their count is reported
-as lost (LossReason.UNACKED_LOST, through `on_loss`, `stats.unacked_lost`),
-and their settlements, now or later, are dropped (`stats.acks_dropped`).
-An unsubscribed member's ledgers are closed the same way, without a loss:
-its worker gives what it held to the others.
+the map, nobody holds those deliveries any more (`orphan`): an ACK of them,
+made while the Link was down or later, is dropped (`stats.acks_dropped`:
+the application has the message, nothing is lost), and so is IN_PROGRESS;
+a NACK asks for a redelivery nobody can make: each is reported lost then,
+once (LossReason.UNACKED_LOST, through `on_loss`, `stats.unacked_lost`).
+So UNACKED_LOST counts exactly the messages the application gave back and
+will never see again; a message it holds unsettled is not lost (it is in
+its hands). What the worker kept for the group and had given nobody yet is
+told by the worker's account instead (WORKER_RESTART, schema/README.md 5.4).
+An unsubscribed member's ledgers are closed without a loss: its worker
+gives what it held to the others.
 """
 
 from __future__ import annotations
@@ -253,6 +259,10 @@ class AckLink(Protocol):
     def send_control(self, frame: bytes) -> None:
         """Write a control frame now (nothing while down)."""
 
+    def unacked_lost(self, sid: int, lost: int) -> None:
+        """I/O thread: `lost` NACKs of subscription `sid` asked a worker process that is
+        gone for redeliveries: report them lost (UNACKED_LOST)."""
+
 
 class AckLedger:
     """The ack subscription `sid`'s deliveries through one Link from one worker process:
@@ -266,7 +276,10 @@ class AckLedger:
         self.sid = sid
         self.sub = sub
         self.open: set[Position] = set()
-        self.closed = False  # its deliveries are lost, or its subscription gone: settlements dropped
+        self.closed = False  # its subscription is gone here: settlements dropped
+        # Its worker process is gone (`orphan`): ACKs are dropped, each NACK is a loss.
+        self.orphaned = False
+        self.nacks_lost = 0  # NACKs of an orphaned ledger not yet reported (`send` reports them)
         self.pending: dict[tuple[int, int], list[Position]] = {}  # (kind, delay_ms) -> positions
 
     def __repr__(self) -> str:
@@ -302,6 +315,13 @@ class AckLedger:
             if kind != AckKind.IN_PROGRESS:
                 self.open.remove(position)
                 self.sub.in_flight -= 1
+            if self.orphaned:  # nobody holds it: an ACK changes nothing, a NACK loses it
+                if kind == AckKind.NACK:
+                    self.nacks_lost += 1
+                    self.batcher.request(self)  # reported on the I/O thread
+                else:
+                    self.batcher.stats.acks_dropped += 1
+                return
             key = (kind, delay_ms)
             waiting = self.pending.get(key)
             if waiting is None:
@@ -313,10 +333,14 @@ class AckLedger:
     def send(self) -> None:
         """I/O thread: write what waits, one Ack frame per (kind, delay) (more past
         ACK_POSITIONS), if the Link is up; else it waits for the Link to come back."""
+        if self.nacks_lost:
+            with self.lock:
+                lost, self.nacks_lost = self.nacks_lost, 0
+            self.link.unacked_lost(self.sid, lost)
         if not self.link.is_up:
             return
         with self.lock:
-            if self.closed or not self.pending:
+            if self.closed or self.orphaned or not self.pending:
                 return
             pending, self.pending = self.pending, {}
         stats = self.batcher.stats
@@ -331,10 +355,28 @@ class AckLedger:
             else:
                 stats.in_progress_sent += len(positions)
 
+    def orphan(self) -> int:
+        """The worker process that held these deliveries is gone: what waits to be sent is
+        settled for nobody (ACKs dropped); returns the NACKs among it (lost: nobody
+        redelivers them). The open ones stay the application's to settle (`settle`)."""
+        with self.lock:
+            if self.closed or self.orphaned:
+                return 0
+            self.orphaned = True
+            lost = self.nacks_lost + sum(
+                len(positions) for (kind, _), positions in self.pending.items() if kind == AckKind.NACK
+            )
+            self.nacks_lost = 0
+            dropped = sum(
+                len(positions) for (kind, _), positions in self.pending.items() if kind != AckKind.NACK
+            )
+            self.pending = {}
+            self.batcher.stats.acks_dropped += dropped
+            return lost
+
     def close(self) -> int:
-        """No worker holds these deliveries any more, or the subscription is gone here:
-        drop what waits and whatever is settled from now on. Returns how many were open
-        (no longer in the subscription's `in_flight`)."""
+        """The subscription is gone here: drop what waits and whatever is settled from
+        now on. Returns how many were open (no longer in the subscription's `in_flight`)."""
         with self.lock:
             if self.closed:
                 return 0

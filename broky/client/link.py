@@ -111,7 +111,7 @@ import collections
 import logging
 import random
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broky.client import pubpack
@@ -146,6 +146,7 @@ from broky.protocol import (
     Ping,
     Pong,
     PreviousConnection,
+    Replay,
     Subscribe,
     Unsubscribe,
     VBucketMap,
@@ -303,6 +304,12 @@ class LinkOwner(Protocol):
         """A connection that carried subscriptions was lost and no server can say what
         it lost (LossReason.UNACCOUNTED): `on_loss` with a count of 0, or the loss log."""
 
+    def epochs_settled(self, epochs: Iterable[int]) -> None:
+        """What lost connections delivered of these epochs is settled (told, or proven whole)."""
+
+    def epoch_settled(self, epoch: int) -> bool:
+        """Whether `epochs_settled` named this epoch."""
+
     def report_error(self, exc: BaseException) -> None:
         """Hand an error to `on_error`."""
 
@@ -375,6 +382,7 @@ class Link(_LinkState):
         self.previous: PreviousConnection | None = None  # the lost connection, named in the next Hello
         self.in_doubt: InDoubt | None = None  # its unconfirmed publishes, until `settle`
         self.goodbye_processed: int | None = None  # Goodbye.processed of the current connection
+        self.ended_clean = False  # the lost connection ended with a Goodbye: it lost nothing untold
         self.paused_by: set[int] = set()  # sids whose full queues paused this connection's deliveries
         self.tail: list[tuple[bytes, int]] = []  # the lost connection's last reads (see `connection`)
         self.fences = 0  # while > 0 nothing is written: a vbucket is moving here (broky.client.routing)
@@ -396,10 +404,15 @@ class Link(_LinkState):
         # sid -> {vbucket: the Link of the worker it moved here from}: subscriptions that
         # worker carried, until they start here (`carry_from`).
         self.carried: dict[int, dict[int, Link]] = {}
-        self.accounted = False  # the current connection resumed an account (exact loss counts)
         # sid -> the AckLedger of a group member with ack: its deliveries through this Link
         # from the current worker process (broky.client.groups)
         self.ledgers: dict[int, AckLedger] = {}
+        # sid -> the ts of the last Replay frame a start of it was answered with, on this Link
+        self.replay_ts: dict[int, int] = {}
+        # Plain subscriptions in the Matcher (they take bare deliveries), and those whose start
+        # waits for its Replay before they do (`subscribe_for`).
+        self.matched: set[int] = set()
+        self.awaiting: set[int] = set()
 
     def __repr__(self) -> str:
         state = "up" if self.proto is not None else "down"
@@ -427,7 +440,10 @@ class Link(_LinkState):
         ):
             resumed = None
         lost_one = self.previous is not None
-        self.accounted = resumed is not None
+        if lost_one and (resumed is not None or self.ended_clean):
+            # Its account said exactly what it lost, or its Goodbye came after every delivery
+            # (and notice): the epochs it delivered end with no further loss.
+            client.epochs_settled(self.epochs_held())
         self.previous = None
         self.settle(None if resumed is None else resumed.processed)
         if resumed is not None and resumed.refused > self.lost_refusals:
@@ -449,7 +465,7 @@ class Link(_LinkState):
         self.retained_bytes = 0
         self.goodbye_processed = None
         self.outstanding = 0
-        subscribes = [encode_subscribe(self.resume_subscribe(s)) for s in self.subs.values()]
+        subscribes = [encode_subscribe(self.subscribe_for(s)) for s in self.subs.values()]
         if subscribes:
             proto.write(b"".join(subscribes))  # first: a restarted worker waits for them (section 7.2)
         if self.paused_by:  # a subscriber's queue is still full: the new connection is paused too
@@ -627,6 +643,7 @@ class Link(_LinkState):
         report = isinstance(exc, BrokyError) and not isinstance(exc, ServerShutdownError)
         if exc is None:
             exc = BrokyConnectionError(f"connection to worker {self.ref.worker} closed")
+        self.ended_clean = self.goodbye_processed is not None
         if self.conn_id:
             self.previous = PreviousConnection(
                 self.conn_id, self.received, self.told_lost, self.resume_token, self.group_received
@@ -902,9 +919,28 @@ class Link(_LinkState):
     def add_sub(self, sub: Subscription[Any]) -> None:
         self.subs[sub.sid] = sub
         if sub.group is None:  # a member's deliveries are announced for it alone (on_group)
-            self.matcher.add(sub.pattern, sub)
             self.unstarted.append((self.next_ping, sub))
-        self.send_control(encode_subscribe(self.resume_subscribe(sub)))
+        self.send_control(encode_subscribe(self.subscribe_for(sub)))
+
+    def subscribe_for(self, sub: Subscription[Any]) -> Subscribe:
+        """`sub`'s Subscribe on this worker (`resume_subscribe`), and its place in the
+        Matcher: a plain subscription whose Subscribe names a start takes no bare delivery
+        until its Replay arrives (the seam, schema/README.md 5.1: what comes before it is
+        also in the replay); one without a start takes them from now on."""
+        subscribe = self.resume_subscribe(sub)
+        if sub.group is None:
+            sid = sub.sid
+            if subscribe.since or subscribe.since_time or subscribe.last:
+                if sid in self.matched:
+                    self.matched.discard(sid)
+                    self.matcher.remove(sub.pattern, sub)
+                self.awaiting.add(sid)
+            else:
+                self.awaiting.discard(sid)
+                if sid not in self.matched:
+                    self.matched.add(sid)
+                    self.matcher.add(sub.pattern, sub)
+        return subscribe
 
     def resume_subscribe(self, sub: Subscription[Any]) -> Subscribe:
         """The Subscribe for `sub` on this worker: where it asked to start, the first time;
@@ -966,6 +1002,8 @@ class Link(_LinkState):
 
     def remove_sub(self, sub: Subscription[Any], tell_server: bool = True) -> None:
         self.carried.pop(sub.sid, None)
+        self.replay_ts.pop(sub.sid, None)
+        self.awaiting.discard(sub.sid)
         if self.subs.pop(sub.sid, None) is None:
             return
         self.resume_for(sub.sid)
@@ -974,22 +1012,29 @@ class Link(_LinkState):
         if ledger is not None:  # what was settled goes before the Unsubscribe; later ones are dropped
             ledger.send()
             ledger.close()
-        if sub.group is None:
+        if sub.sid in self.matched:
+            self.matched.discard(sub.sid)
             self.matcher.remove(sub.pattern, sub)
         if tell_server:
             self.send_control(encode_unsubscribe(Unsubscribe(sub.sid)))
 
     def lose_unacked(self) -> None:
         """The worker process that holds this Link's group deliveries is gone (restarted,
-        or its node left the map): every ack member's unsettled ones are lost, told through
-        `on_loss` (LossReason.UNACKED_LOST), and what is settled of them is dropped."""
+        or its node left the map): its ack members' ledgers are orphaned (broky.client.groups).
+        The NACKs that waited to be sent are lost, told through `on_loss`
+        (LossReason.UNACKED_LOST); the deliveries the application still holds are its own
+        (an ACK of them is dropped, a NACK told lost then)."""
         ledgers, self.ledgers = self.ledgers, {}
-        client = self.client
-        for ledger in ledgers.values():
-            lost = ledger.close()
-            if lost:
-                client.stats.unacked_lost += lost
-                client.loss_told(self.ref, lost, LossReason.UNACKED_LOST)
+        for sid, ledger in ledgers.items():
+            self.unacked_lost(sid, ledger.orphan())
+
+    def unacked_lost(self, sid: int, lost: int) -> None:
+        """`lost` NACKs of ack subscription `sid` asked a worker process that is gone for a
+        redelivery: lost, told (UNACKED_LOST)."""
+        if lost:
+            client = self.client
+            client.stats.unacked_lost += lost
+            client.loss_told(self.ref, lost, LossReason.UNACKED_LOST)
 
     def pause_for(self, sid: int) -> None:
         """Subscription `sid`'s queue is full: the worker keeps this connection's
@@ -1108,18 +1153,33 @@ class Link(_LinkState):
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
             elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
                 client.report_error(err)
+        elif isinstance(frame, Replay):  # a start's answer begins: where its notices' positions stand
+            self.replay_ts[frame.sid] = frame.ts
+            if frame.sid in self.awaiting:  # its live deliveries follow: bare ones are its own now
+                self.awaiting.discard(frame.sid)
+                sub = self.subs.get(frame.sid)
+                if sub is not None:
+                    self.matcher.add(sub.pattern, sub)
+                    self.matched.add(frame.sid)
         elif isinstance(frame, LossNotice):
+            if frame.through is not None and frame.sid:
+                self.told_through(frame.sid, frame.through)
             if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops
                 self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
-            if frame.reason == LossReason.EPOCH_CHANGED and self.accounted:
-                # The worker restarted and its account told exactly what this connection
-                # lost (WORKER_RESTART): the old epoch's end is no further loss.
+            if frame.reason == LossReason.EPOCH_CHANGED:
                 client.stats.epochs_changed += 1
-                return
+                if frame.at is not None and client.epoch_settled(frame.at.epoch):
+                    # The connection that delivered that epoch was lost and its loss is told
+                    # (exactly, by its account; or once, UNACCOUNTED) or none (a Goodbye):
+                    # the epoch's end is no further loss, and is not told again.
+                    return
             if frame.reason == LossReason.UNACCOUNTED:
-                if self.subs:  # a connection that carried no subscription had no delivery to lose
+                # A connection that carried no subscription had no delivery to lose, and one
+                # that ended with a Goodbye was sent every delivery and notice before it.
+                if self.subs and not self.ended_clean:
                     client.loss_unaccounted(self.ref)
+                client.epochs_settled(self.epochs_held())
                 return
             told = self.subs.get(frame.sid) if frame.sid else None
             if told is not None and told.on_loss is not None:  # the subscription's own hook
@@ -1142,6 +1202,30 @@ class Link(_LinkState):
                     f"unexpected {type(frame).__name__} frame from the server"
                 )
                 self.proto.abort()
+
+    def epochs_held(self) -> set[int]:
+        """The epochs of the positions this Link received (live, or replayed to one of its
+        subscriptions): those of the worker processes its connections were served by."""
+        epochs = {e for e, t in zip(self.pos_epoch, self.pos_ts, strict=True) if t}
+        for sub in self.subs.values():
+            epochs.update(e for e, _, _ in sub.replayed.get(self.ref, {}).values() if e)
+        return epochs
+
+    def told_through(self, sid: int, through: Position) -> None:
+        """A start's LossNotice accounts for subscription `sid`'s messages of a vbucket up to
+        `through` (told lost, or replayed before it): its next start here goes on after
+        that, unless the start already replayed a later message of the vbucket. So what
+        was told is never asked for, and told, again."""
+        sub = self.subs.get(sid)
+        if sub is None:
+            return
+        vb = through.vbucket
+        mine = sub.replayed.setdefault(self.ref, {})
+        have = mine.get(vb)
+        if have is not None and have[0] == through.epoch and have[1] >= through.offset:
+            return
+        # The start's ts: every message it replayed is older, every live one after it newer.
+        mine[vb] = (through.epoch, through.offset, self.replay_ts.get(sid, 0))
 
     def started(self, ping_id: int, ts: int) -> None:
         """A Pong: the subscriptions whose Subscribe went before its Ping start at its ts."""

@@ -330,6 +330,7 @@ class Router:
         self.send_again(out)
         if carried and not clean:
             self.owner.loss_unaccounted(link.ref)
+        self.owner.epochs_settled(link.epochs_held())  # told once, or nothing lost (a Goodbye)
         if link.unconfirmed:
             self.retired.append(link)  # its possible losses, for the next flush
 

@@ -1628,7 +1628,8 @@ class LossNotice(object):
         return 0
 
     # With sid: the first position missing (EPOCH_CHANGED: the one after
-    # the position the client named, in its old epoch).
+    # the position the client named, in its old epoch; a count not known,
+    # dropped 0: the position right after the missing ones).
     # LossNotice
     def At(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
@@ -1639,11 +1640,27 @@ class LossNotice(object):
             return obj
         return None
 
-def LossNoticeStart(builder): builder.StartObject(4)
+    # With sid (appended within version 3): the last position this notice
+    # accounts for, in the vbucket's current epoch (EPOCH_CHANGED: offset 0
+    # of the current epoch). A client that starts this subscription again
+    # starts after it, unless it received a later message of the vbucket:
+    # what was told is not told again.
+    # LossNotice
+    def Through(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Position()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def LossNoticeStart(builder): builder.StartObject(5)
 def LossNoticeAddDropped(builder, dropped): builder.PrependUint64Slot(0, dropped, 0)
 def LossNoticeAddReason(builder, reason): builder.PrependUint8Slot(1, reason, 0)
 def LossNoticeAddSid(builder, sid): builder.PrependUint32Slot(2, sid, 0)
 def LossNoticeAddAt(builder, at): builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(at), 0)
+def LossNoticeAddThrough(builder, through): builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(through), 0)
 def LossNoticeEnd(builder): return builder.EndObject()
 
 

@@ -184,6 +184,7 @@ class LossNotice(NamedTuple):
     reason: int = LossReason.SLOW_CONSUMER
     sid: int = 0  # the subscription concerned (a start from positions), 0: the connection's deliveries
     at: Position | None = None  # with sid: the first position missing
+    through: Position | None = None  # with sid: the last position it accounts for (a start goes on after)
 
 
 class Replay(NamedTuple):
@@ -760,6 +761,9 @@ def encode_loss_notice(notice: LossNotice) -> bytes:
     if notice.at is not None:
         at = notice.at
         fbs.LossNoticeAddAt(b, fbs.CreatePosition(b, at.epoch, at.offset, at.vbucket))
+    if notice.through is not None:
+        through = notice.through
+        fbs.LossNoticeAddThrough(b, fbs.CreatePosition(b, through.epoch, through.offset, through.vbucket))
     return _finish(b, Body.LossNotice, fbs.LossNoticeEnd(b))
 
 
@@ -1004,12 +1008,15 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Error:
         return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4), t.byte_vector(5), t.u32(6))
     if kind == Body.LossNotice:
-        at = t.field(3, _position.size)
-        position = None
-        if at:
-            epoch, offset, vbucket = _position.unpack_from(t.buf, at)
-            position = Position(vbucket, epoch, offset)
-        return LossNotice(t.u64(0), t.u8(1), t.u32(2), position)
+        positions: list[Position | None] = []
+        for slot in (3, 4):  # at, through
+            found = t.field(slot, _position.size)
+            if found:
+                epoch, offset, vbucket = _position.unpack_from(t.buf, found)
+                positions.append(Position(vbucket, epoch, offset))
+            else:
+                positions.append(None)
+        return LossNotice(t.u64(0), t.u8(1), t.u32(2), positions[0], positions[1])
     if kind == Body.Goodbye:
         return Goodbye(t.string(0), t.u64(1))
     if kind == Body.MapUpdate:

@@ -6,7 +6,7 @@
  * check the frame's shape and the key's and payload's bounds, look the routing
  * bytes (key_partition and key vectors) up in the cache (a route is the
  * targets and the vbucket), give the message its vbucket's next offset (the
- * sequences: 1024 x (epoch, next offset), broky.server.sequences), count a
+ * sequences: 1024 x (epoch, next offset, last stamp), broky.server.sequences), count a
  * message that matches nobody, stamp ts_broker and the position into the copy
  * of the read, record it in the replay buffer when there is one
  * (broky.server.replay: its index entry and vbucket, 16 bytes appended to the
@@ -36,8 +36,9 @@
 
 #include "../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 5
+#define FEEDSCAN_VERSION 6
 #define VBUCKETS 1024
+#define SEQ_ENTRY 24 /* broky.server.sequences.ENTRY_BYTES: epoch, next offset, last stamp */
 
 static Layout layout;
 static int configured = 0;
@@ -126,7 +127,7 @@ PyDoc_STRVAR(scan_doc,
 "Shard.feed's Python loop would; stop at the first frame that loop must handle itself. buf\n"
 "is the bytearray copy of data that is stamped (None until a message has targets, or any\n"
 "accepted message when there is a log: then it is made). seqs is the bytearray of the\n"
-"sequences (epoch, next offset per vbucket): each message takes its vbucket's next offset.\n"
+"sequences (epoch, next offset, last stamp per vbucket): each message takes its vbucket's next offset.\n"
 "log (the replay buffer's bytearray, or None) gets (seg << 32 | position, vbucket) appended\n"
 "for each message, two u64; while the log is empty and the call's messages so far are all of\n"
 "one vbucket, the entry goes to index[vbucket] instead (index: the replay buffer's list of\n"
@@ -149,7 +150,7 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *seqs = args[7], *log = args[8], *index = args[9];
     if (!PyBytes_CheckExact(data) || !PyDict_CheckExact(routes) || !PyList_CheckExact(runs)
         || (buf != Py_None && !PyByteArray_CheckExact(buf)) || !PyByteArray_CheckExact(seqs)
-        || PyByteArray_GET_SIZE(seqs) != VBUCKETS * 16
+        || PyByteArray_GET_SIZE(seqs) != VBUCKETS * SEQ_ENTRY
         || (log != Py_None && (!PyByteArray_CheckExact(log) || log == buf))
         || (index != Py_None && (!PyList_CheckExact(index) || PyList_GET_SIZE(index) != VBUCKETS))
         || (log == Py_None) != (index == Py_None)) {
@@ -245,9 +246,10 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t end = pos + (Py_ssize_t)end_at;
         published++;
         /* Accepted: the next offset of its vbucket is its own. */
-        unsigned char *s = seq + 16 * vb;
+        unsigned char *s = seq + SEQ_ENTRY * vb;
         uint64_t epoch = u64_at(s), offset = u64_at(s + 8);
         put_u64(s + 8, offset + 1);
+        put_u64(s + 16, (uint64_t)t0); /* its last stamp */
         int nobody = PyTuple_GET_SIZE(targets) == 0 && PyTuple_CheckExact(targets);
         if (nobody) {
             unmatched++;

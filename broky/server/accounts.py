@@ -20,6 +20,16 @@ answer it exactly, someone must still know, for that connection:
   cut        the worker closed it to stay within its memory budget
              (broky.server.memory_budget): what it lost with the connection
              is then told as SLOW_CONSUMER, not CONNECTION_LOST.
+  owed       messages the consumer groups of this worker keep for nobody yet
+             (a backlog, a vbucket that drains, a redelivery that waits) and
+             whose loss this connection is to be told of if the worker dies
+             (it carries the groups' teller, broky.server.groups): told as
+             WORKER_RESTART to a claim of a dead worker's account, and nothing
+             to a live worker's (the group still has them);
+  group_lost messages its groups lost for good while it carried their teller
+             (kept for a member that did not come back within ack_wait, or
+             delivered max_deliveries times with no member left to tell):
+             told as CONNECTION_LOST to any claim.
 
 A worker keeps these counters per connection anyway (`msgs_in`, `msgs_out`,
 `dropped_total`, `refused` of broky.server.connection). To survive the
@@ -82,20 +92,22 @@ from broky.protocol import RESUME_TOKEN_BYTES
 ACCOUNT_TTL = 60.0  # seconds an account is kept after its connection closed (or its worker died)
 SLOTS = 65536  # connections with an account per worker (open, or closed within ACCOUNT_TTL)
 
-_MAGIC = 0x42524B5941434355  # "BRKYACCU": this layout (a worker of another layout reads as empty)
+_MAGIC = 0x42524B5941434356  # "BRKYACCV": this layout (a worker of another layout reads as empty)
 _HEADER = struct.Struct("<QQQQ")  # magic, committed sequence number, slots, slots ever used
 _COMMITTED = 1  # word index of the committed sequence number
 _HIGH_WATER = 3  # word index of the number of slots ever used
 HEADER_BYTES = 64
 # A slot: conn_id, state, subs, flags, the connection's secret (2 words), then two
-# versions of its counters, each seq, processed, delivered, dropped, refused, spare.
+# versions of its counters, each seq, processed, delivered, dropped, refused, owed,
+# group_lost, spare.
 _SLOT_HEAD = 6  # words before version A
-_VERSION_WORDS = 6
+_VERSION_WORDS = 8
 VERSION_BYTES = 8 * _VERSION_WORDS
-SLOT_BYTES = 8 * (_SLOT_HEAD + 2 * _VERSION_WORDS)  # 144
-_VERSION = struct.Struct("<QQQQQ")  # seq, processed, delivered, dropped, refused
+SLOT_BYTES = 8 * (_SLOT_HEAD + 2 * _VERSION_WORDS)  # 176
+_VERSION = struct.Struct("<QQQQQQQ")  # seq, processed, delivered, dropped, refused, owed, group_lost
 _SLOT = struct.Struct("<" + "Q" * (_SLOT_HEAD + 2 * _VERSION_WORDS))
-_ACCOUNT = struct.Struct("<QQQQQQ")  # conn_id, processed, delivered, dropped, refused, flags
+# conn_id, processed, delivered, dropped, refused, flags, owed, group_lost
+_ACCOUNT = struct.Struct("<QQQQQQQQ")
 _FLAGS = 3  # word index, in a slot, of its flags
 FREE, OPEN, CLOSED = 0, 1, 2
 CUT = 1  # flag: the worker cut the connection (memory budget)
@@ -124,22 +136,26 @@ class Account(NamedTuple):
     # client's claim, but a TLS client's secret is inside TLS, so its worker checks it.
     token: bytes = b""
     cut: bool = False  # the worker cut it to stay within its memory budget
+    owed: int = 0  # its groups' messages kept for nobody yet (told if the worker died)
+    group_lost: int = 0  # its groups' messages lost for good (told to any claim)
 
     def pack(self, secret: bool = False) -> bytes:
-        """The 48 bytes a hand-off carries (broky.server.handoff); `secret`: then the token."""
+        """The 64 bytes a hand-off carries (broky.server.handoff); `secret`: then the token."""
         flags = CUT if self.cut else 0
         packed = _ACCOUNT.pack(
-            self.conn_id, self.processed, self.delivered, self.dropped, self.refused, flags
-        )
+            self.conn_id, self.processed, self.delivered, self.dropped, self.refused, flags,
+            self.owed, self.group_lost,
+        )  # fmt: skip
         return packed + self.token if secret else packed
 
     @classmethod
     def unpack(cls, data: bytes) -> Account:
-        conn_id, processed, delivered, dropped, refused, flags = _ACCOUNT.unpack_from(data)
+        conn_id, processed, delivered, dropped, refused, flags, owed, group_lost = _ACCOUNT.unpack_from(data)
         token = bytes(data[_ACCOUNT.size :])
         return cls(
-            conn_id, processed, delivered, dropped, refused=refused, token=token, cut=bool(flags & CUT)
-        )
+            conn_id, processed, delivered, dropped, refused=refused, token=token, cut=bool(flags & CUT),
+            owed=owed, group_lost=group_lost,
+        )  # fmt: skip
 
 
 class Accounted(Protocol):
@@ -150,6 +166,8 @@ class Accounted(Protocol):
     msgs_out: int
     dropped_total: int
     refused: int
+    group_owed: int  # its groups' messages kept for nobody yet (broky.server.groups)
+    group_lost: int  # its groups' messages lost for good while it carried their teller
     token: bytes  # its secret, RESUME_TOKEN_BYTES random bytes (Welcome.resume_token)
     slot: int  # byte offset of its slot's first version, or -1: no account
     acct_ver: int  # 0 or 1: the version holding its latest committed counters
@@ -165,16 +183,17 @@ def new_table(slots: int = SLOTS) -> tuple[int, mmap.mmap]:
     return fd, table
 
 
-def _latest(words: memoryview, slot: int, committed: int) -> tuple[int, int, int, int]:
-    """(processed, delivered, dropped, refused) of the slot's newest committed version."""
+def _latest(words: memoryview, slot: int, committed: int) -> tuple[int, int, int, int, int, int]:
+    """(processed, delivered, dropped, refused, owed, group_lost) of the slot's newest
+    committed version."""
     base = (HEADER_BYTES + slot * SLOT_BYTES) // 8
     a, b = base + _SLOT_HEAD, base + _SLOT_HEAD + _VERSION_WORDS
     seq_a, seq_b = words[a], words[b]
     a_ok, b_ok = seq_a <= committed, seq_b <= committed
     at = a if a_ok and (not b_ok or seq_a >= seq_b) else b
     if not (a_ok or b_ok):  # pragma: no cover - the initial version has seq 0
-        return 0, 0, 0, 0
-    return words[at + 1], words[at + 2], words[at + 3], words[at + 4]
+        return 0, 0, 0, 0, 0, 0
+    return words[at + 1], words[at + 2], words[at + 3], words[at + 4], words[at + 5], words[at + 6]
 
 
 def _secret(words: memoryview, slot: int) -> bytes:
@@ -196,7 +215,7 @@ def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
             state = words[base + 1]
             if state == FREE:
                 continue
-            processed, delivered, dropped, refused = _latest(words, slot, committed)
+            processed, delivered, dropped, refused, owed, group_lost = _latest(words, slot, committed)
             out.append(
                 Account(
                     words[base],
@@ -208,6 +227,8 @@ def read_accounts(table: mmap.mmap | bytearray) -> list[Account]:
                     refused,
                     _secret(words, slot),
                     bool(words[base + _FLAGS] & CUT),
+                    owed,
+                    group_lost,
                 )
             )
         return out
@@ -303,7 +324,10 @@ class AccountBook:
             at = c.slot
             if at >= 0:
                 v = c.acct_ver ^ 1
-                pack(table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused)
+                pack(
+                    table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused,
+                    c.group_owed, c.group_lost,
+                )  # fmt: skip
                 c.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
 
@@ -316,15 +340,39 @@ class AccountBook:
         at = c.slot
         if at >= 0:
             v = c.acct_ver ^ 1
-            pack(table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused)
+            pack(
+                table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused,
+                c.group_owed, c.group_lost,
+            )  # fmt: skip
             c.acct_ver = v
         for t in touched:
             at = t.slot
             if at >= 0 and t is not c:
                 v = t.acct_ver ^ 1
-                pack(table, at + v * VERSION_BYTES, seq, t.msgs_in, t.msgs_out, t.dropped_total, t.refused)
+                pack(
+                    table, at + v * VERSION_BYTES, seq, t.msgs_in, t.msgs_out, t.dropped_total, t.refused,
+                    t.group_owed, t.group_lost,
+                )  # fmt: skip
                 t.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
+
+    def amend(self, c: Accounted) -> None:
+        """A closed connection's groups changed what its account owes (its `group_owed`,
+        `group_lost`; broky.server.groups): a new version of its kept account, if it is
+        still kept."""
+        entry = self.closed.get(c.conn_id)
+        if entry is None:
+            return
+        slot = entry[0]
+        processed, delivered, dropped, refused, _, _ = _latest(self.words, slot, self.seq)
+        base = HEADER_BYTES + slot * SLOT_BYTES + 8 * _SLOT_HEAD
+        a, b = self.words[base // 8], self.words[base // 8 + _VERSION_WORDS]
+        older = base if a <= b else base + VERSION_BYTES  # the version not holding the latest
+        self.seq = seq = self.seq + 1
+        _VERSION.pack_into(
+            self.table, older, seq, processed, delivered, dropped, refused, c.group_owed, c.group_lost
+        )
+        self.words[_COMMITTED] = seq
 
     def close(self, c: Accounted) -> None:
         """The connection closed: keep its (committed) account for a reconnecting client."""
@@ -349,11 +397,13 @@ class AccountBook:
             self.claims_refused += 1
             return None
         del self.closed[conn_id]
-        processed, delivered, dropped, refused = _latest(self.words, slot, self.seq)
+        processed, delivered, dropped, refused, owed, group_lost = _latest(self.words, slot, self.seq)
         cut = bool(self.words[(HEADER_BYTES + slot * SLOT_BYTES) // 8 + _FLAGS] & CUT)
         self._clear(slot)
         self.free.append(slot)
-        return Account(conn_id, processed, delivered, dropped, refused=refused, cut=cut)
+        return Account(
+            conn_id, processed, delivered, dropped, refused=refused, cut=cut, owed=owed, group_lost=group_lost
+        )
 
     def expire(self, now: float | None = None) -> int:
         """Free the accounts closed more than ACCOUNT_TTL seconds ago; return how many."""

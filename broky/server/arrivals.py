@@ -46,7 +46,7 @@ from broky.protocol import (
 )
 from broky.server.accounts import Account, same_secret
 from broky.server.connection import Connection
-from broky.server.stats import DROPPED_AS
+from broky.server.stats import DROPPED_AS, DropReason
 
 if TYPE_CHECKING:
     from broky.server.accounts import AccountBook
@@ -177,24 +177,37 @@ class Arrivals:
         stats.resumes[LossReason.name(reason)] += 1
         notices = []
         lost = account.delivered - prev.received
+        died = reason == LossReason.WORKER_RESTART
         if account.cut:  # this worker cut it for its memory budget: a slow consumer
             reason = LossReason.SLOW_CONSUMER
-        if lost > 0 and positions and reason != LossReason.WORKER_RESTART:
+        group_out, group_untold = (0, 0) if died else self.matcher.groups.closed_group_out.pop(old_id, (0, 0))
+        replayed = positions and not died  # the Subscribes that follow replay, or tell, what is after
+        if lost > 0 and replayed:
             stats.resumes_by_positions += 1
             # Replayed by the Subscribes that follow, or told by them (EVICTED); but not a group
             # member's deliveries (broky.server.groups): no replay gives those back.
-            group_out = self.matcher.groups.closed_group_out.pop(old_id, 0)
             lost = min(lost, group_out - prev.group_received)
         if lost > 0:
             stats.dropped[DROPPED_AS[reason]] += lost
             notices.append(encode_frame(LossNotice(lost, reason)))
         untold = account.dropped - prev.told_lost
+        if untold > 0 and replayed:
+            # Dropped after every delivery queued to it (broky.server.backpressure, `cap`): the
+            # Subscribes that follow replay them, or tell them; not a group member's.
+            untold = min(untold, group_untold)
         if untold > 0:  # dropped (and counted) as slow_consumer back then; the notice never arrived
             notices.append(encode_frame(LossNotice(untold, LossReason.SLOW_CONSUMER)))
+        if account.owed and died:  # its groups kept them for a member, in the process that died
+            stats.dropped[DropReason.WORKER_RESTART] += account.owed
+            notices.append(encode_frame(LossNotice(account.owed, LossReason.WORKER_RESTART)))
+        if account.group_lost:  # its groups lost them for good, each told once (broky.server.groups)
+            notices.append(encode_frame(LossNotice(account.group_lost, LossReason.CONNECTION_LOST)))
         if notices:
             log.info(
-                "connection %d from %s resumes %d: %d deliveries lost (%s), %d drops untold",
+                "connection %d from %s resumes %d: %d deliveries lost (%s), %d drops untold, "
+                "%d group messages lost",
                 c.conn_id, c.peer, old_id, max(lost, 0), LossReason.name(reason), max(untold, 0),
+                (account.owed if died else 0) + account.group_lost,
             )  # fmt: skip
         return Resumed(old_id, account.processed, account.refused), b"".join(notices)
 

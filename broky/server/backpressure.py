@@ -135,7 +135,8 @@ class Backpressure:
     def notify_loss(self, c: Connection) -> None:
         """Tell c how many deliveries it lost since the last notice; stop its clock."""
         frame = encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER))
-        c.dropped = 0
+        c.dropped = c.group_untold = 0
+        c.cap = c.limit  # deliveries again
         c.over_since = 0.0
         c.transport.write(frame)
         c.sent += len(frame)
@@ -212,15 +213,20 @@ class Backpressure:
             c.over_since = 0.0
 
     def slow_disconnect(self, c: Connection) -> None:
+        """Close c, over its bound for longer than the deadline. Its drops not yet told
+        are not told here: they came after every delivery queued to it (`cap`), so a
+        client that resumes by positions gets them again from the replay buffer (or is
+        told exactly what is gone), and one that does not is told them by the
+        connection's account when it reconnects (broky.server.arrivals); the Error's
+        message counts them for a client that does neither."""
         self.stats.slow_consumer_disconnects += 1
-        if c.dropped:
-            c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
-            c.dropped = 0
         deadline = self.config.slow_consumer_deadline
         if c.reads_stopped:
             why = f"over {self.config.max_reply_bytes} bytes of unread replies for more than {deadline:g} s"
         else:
             why = f"over {c.limit} pending bytes for more than {deadline:g} s"
+        if c.dropped:
+            why += f"; {c.dropped} deliveries dropped since the last LossNotice (told on a resume)"
         self.fatal(c, ErrorCode.SLOW_CONSUMER, why)
 
     def tick(self) -> None:

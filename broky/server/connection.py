@@ -71,7 +71,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms",
+        "perms", "cap", "group_owed", "group_lost", "group_untold",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -92,6 +92,10 @@ class Connection(asyncio.Protocol):
         self.base = 0
         self.charged = 0  # its pending bytes as counted in the worker's budget (broky.server.budget)
         self.limit = shard.config.max_pending_bytes
+        # What deliveries may take it to: `limit`, or -1 from its first drop until the
+        # LossNotice that tells it (broky.server.backpressure: the drops told by one notice
+        # come after every delivery queued before it, none are queued between them).
+        self.cap = self.limit
         self.paused = False  # the client sent Pause: deliveries stay in `out`
         self.write_paused = False  # the transport's buffer is over its high-water mark
         self.reads_stopped = False  # its unread replies are over the bound: reading is paused
@@ -132,6 +136,11 @@ class Connection(asyncio.Protocol):
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
         self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.reads)
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.groups)
+        self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
+        # Its groups' messages kept for nobody yet, and lost for good, while it carries their
+        # teller (broky.server.groups): in its account, for a claim after the worker died.
+        self.group_owed = 0
+        self.group_lost = 0
         # Its user (--users; None: none, or the server's token) and, when that user's
         # permissions are limited, what it may do (broky.server.users).
         self.user: str | None = None

@@ -275,7 +275,7 @@ class ControlFrames:
             if sub.member is not None:  # after the table no longer names it: its work goes elsewhere
                 self.leave_group(sub.member)
         if c.group_out:  # for its client's resume (broky.server.arrivals)
-            self.matcher.groups.closed(c.conn_id, c.group_out)
+            self.matcher.groups.closed(c.conn_id, c.group_out, c.group_untold)
         self.stats.subscriptions -= len(c.subs)
         self.stats.subscription_bytes -= c.sub_bytes
         self.budget.freed_sub_bytes += c.sub_bytes
@@ -294,7 +294,8 @@ class ControlFrames:
         if c.dropped:
             # After the kept deliveries, which this read's flush writes first.
             c.out.append(encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER)))
-            c.dropped = 0
+            c.dropped = c.group_untold = 0
+            c.cap = c.limit
             c.over_since = 0.0
             if not c.touched:
                 c.touched = True

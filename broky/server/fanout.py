@@ -319,7 +319,7 @@ class Shard(
         uid_shapes = self.uid_shapes
         plain_shapes = self.plain_shapes
         startswith = data.startswith
-        seq = seqs.view  # [2 vb] epoch, [2 vb + 1] next offset
+        seq = seqs.view  # [3 vb] epoch, [3 vb + 1] next offset, [3 vb + 2] last stamp (ENTRY_WORDS)
         replay = self.replay
         buf: bytearray | None = None
         seg = 0  # buf's segment id in the replay buffer
@@ -385,9 +385,10 @@ class Shard(
                     end = pos + same_len
                     if end > n:
                         break
-                    at = 2 * same_vb + 1
+                    at = 3 * same_vb + 1
                     offset = seq[at]
                     seq[at] = offset + 1
+                    seq[at + 1] = t0
                     pack_stamp_into(buf, pos + TS_BROKER_AT, t0, seq[at - 1], offset, same_vb)  # type: ignore[arg-type]
                     if replay is not None:
                         replay.record(same_vb, seg, pos)
@@ -501,9 +502,10 @@ class Shard(
                     continue
                 # Accepted: the next offset of its vbucket is its own (its position).
                 targets, vb = route
-                at = 2 * vb + 1
+                at = 3 * vb + 1
                 offset = seq[at]
                 seq[at] = offset + 1
+                seq[at + 1] = t0
                 if not targets:
                     unmatched += 1
                     if replay is None:  # nobody gets it, nobody can ask for it later
@@ -584,7 +586,7 @@ class Shard(
                 else:  # no ts_producer, a clock ahead of this one, or not comparable
                     self.producer_outlier(t0 - age, age, published)
         if self._touched:
-            self.flush()
+            self.flush(committed=published > 0)
             if delivered:  # one observation per delivered message (broky.server.histogram)
                 dt = _time_ns() - t0
                 stats.latency_ns_sum += dt * delivered
@@ -601,10 +603,10 @@ class Shard(
         touched = self._touched
         delivered = 0
         for t in targets:
-            if t.base + t.unflushed + size > t.limit:
+            if t.base + t.unflushed + size > t.cap:  # (its limit; -1 while it has drops untold)
                 c_base = t.transport.get_write_buffer_size()  # refresh: it only shrinks between flushes
                 t.base = c_base
-                if c_base + t.unflushed + size > t.limit:
+                if c_base + t.unflushed + size > t.cap:
                     delivered += self.squeeze(t, buf, start, end, count)
                     continue
             t.unflushed += size
@@ -680,9 +682,14 @@ class Shard(
         if self.users is not None:
             self.users.forget_routes()
 
-    def flush(self) -> None:
+    def flush(self, committed: bool = False) -> None:
         """Write once to every connection touched during this read; charge what each
-        has pending to the worker's budget, and enforce it (see "Memory budget")."""
+        has pending to the worker's budget, and enforce it (see "Memory budget").
+        Their accounts are committed first (broky.server.accounts), unless the read
+        did already (`committed`): whatever a client could receive is accounted first,
+        whatever queued it (a publish, an Ack, a group's timer, a reply)."""
+        if not committed:
+            self.book.commit(self._touched)
         sent = 0
         for t in self._touched:
             t.touched = False
@@ -718,10 +725,11 @@ class Shard(
 
     def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
         """c is at its pending bound: queue the leading messages of the run that fit,
-        drop and count the others; return how many were queued."""
+        drop and count the others; return how many were queued. From its first drop
+        nothing more is queued to it until it is told (`cap`, broky.server.backpressure)."""
         if c.state != OPEN:
             return 0
-        room = c.limit - c.base - c.unflushed
+        room = c.cap - c.base - c.unflushed
         cut = start
         fit = 0
         while cut < end:
@@ -741,6 +749,7 @@ class Shard(
         lost = count - fit
         c.dropped += lost
         c.dropped_total += lost
+        c.cap = -1
         self.stats.dropped[_SLOW_CONSUMER] += lost
         if not c.over_since:
             c.over_since = _monotonic()

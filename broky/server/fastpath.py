@@ -25,7 +25,7 @@ from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 5  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 6  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
 # scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg)
 #   -> (pos, buf, published, unmatched)

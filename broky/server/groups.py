@@ -103,6 +103,7 @@ from broky.server.stats import DropReason
 if TYPE_CHECKING:
     import asyncio
 
+    from broky.server.accounts import AccountBook
     from broky.server.budget import Budget
     from broky.server.config import ServerConfig
     from broky.server.replay import ReplayBuffer
@@ -110,6 +111,7 @@ if TYPE_CHECKING:
     from broky.server.stats import WorkerStats
 
 log = logging.getLogger("broky.worker")
+_monotonic = time.monotonic
 
 _u32 = struct.Struct("<I").unpack_from
 _position = struct.Struct(f"<{EPOCH_AT}xQQH").unpack_from  # epoch, offset, vbucket of a frame at 0
@@ -266,6 +268,16 @@ class Group:
         self.backlog_bytes = 0
         self.draining: dict[int, Drain] = {}
         self.orphan_gen = 0  # its last member left: the deadline's gen (see GroupDelivery.give_back)
+        # Its teller (see "Never untold" in the header): the connection of its first member (of
+        # its last one, once it has none), and the messages it keeps for nobody, as counted in
+        # that connection's `group_owed`.
+        self.teller: Connection | None = None
+        self.owed = 0
+
+    def keeps_for_nobody(self) -> int:
+        """With acks: its messages that no member holds now (waiting in a backlog or a drain,
+        or for a redelivery): each one is a Pending without a member."""
+        return len(self.pending) - sum(len(m.in_flight) for m in self.members)
 
     def settings(self) -> tuple[Any, ...]:
         """What every member of the group must agree on."""
@@ -286,7 +298,7 @@ class Group:
         if n == 1:
             m = members[0]
             c = m.conn
-            if ack and (m.paused or c.base + c.unflushed + size > c.limit):
+            if ack and (m.paused or c.base + c.unflushed + size > c.cap):
                 return None
             return m
         best = None
@@ -298,7 +310,7 @@ class Group:
             m = members[j if j < n else j - n]
             if ack:
                 c = m.conn
-                if m.paused or c.base + c.unflushed + size > c.limit:
+                if m.paused or c.base + c.unflushed + size > c.cap:
                     continue
             load = m.load(mark)
             if best is None or load < best_load:
@@ -343,19 +355,20 @@ class GroupTable:
         self.seq = itertools.count()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
-        # Closed connections' group deliveries (Connection.group_out), for a resume by positions
-        # (broky.server.arrivals): the oldest forgotten past CLOSED_KEPT.
-        self.closed_group_out: dict[int, int] = {}
+        # Closed connections' group deliveries and their drops not yet told (Connection.group_out,
+        # group_untold), for a resume by positions (broky.server.arrivals): the oldest forgotten
+        # past CLOSED_KEPT.
+        self.closed_group_out: dict[int, tuple[int, int]] = {}
         # Bytes of the messages ack groups keep (in flight or waiting), bounded by KEPT_SHARE of
         # the worker's share of --memory-budget: past it a group's new messages are dropped
         # and told as group_overflow, however many groups and members hostile clients make.
         self.kept = 0
 
-    def closed(self, conn_id: int, group_out: int) -> None:
+    def closed(self, conn_id: int, group_out: int, group_untold: int) -> None:
         kept = self.closed_group_out
         if len(kept) >= CLOSED_KEPT:
             del kept[next(iter(kept))]
-        kept[conn_id] = group_out
+        kept[conn_id] = (group_out, group_untold)
 
     def push(self, deadline: float, what: tuple[Group, Any, int]) -> None:
         heapq.heappush(self.heap, (deadline, next(self.seq), what))
@@ -375,6 +388,7 @@ class GroupDelivery:
     if TYPE_CHECKING:  # what it uses of the rest of the Shard
         config: ServerConfig
         loop: asyncio.AbstractEventLoop
+        book: AccountBook
         matcher: SubscriptionTable
         stats: WorkerStats
         seqs: Sequences
@@ -455,6 +469,8 @@ class GroupDelivery:
             g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
         if len(g.members) == 1 and (g.pending or g.backlog):
             self.revive(g)
+        if g.ack:
+            self.owe(g)
         return True
 
     def leave_group(self, m: Member) -> None:
@@ -467,6 +483,7 @@ class GroupDelivery:
         self.stats.group_members -= 1
         if g.ack:
             self.give_back(g, m)
+            self.owe(g)  # a new teller, or the same one (its connection's account) with no member
         elif g.key_shared:
             self.release_vbuckets(g, m)
         if not g.members and not g.pending and not g.backlog:
@@ -528,7 +545,10 @@ class GroupDelivery:
         """A member joined a group whose last member had left: what it kept goes out again."""
         now = self.loop.time()
         g.orphan_gen += 1  # its deadline no longer runs
-        for e in sorted((e for e in g.pending.values() if e.member is None), key=lambda e: e.key):
+        waiting = {id(h.entry) for h in g.backlog}  # these go out below, in the backlog's order
+        for e in sorted(
+            (e for e in g.pending.values() if e.member is None and id(e) not in waiting), key=lambda e: e.key
+        ):
             e.gen += 1
             self.redeliver(g, e, now)
         kept = list(g.backlog)
@@ -541,15 +561,16 @@ class GroupDelivery:
         """No member came back within ack_wait: what the group kept is lost, and counted."""
         if g.members:
             return
-        lost = len(g.pending) + len(g.backlog)
+        lost = len(g.pending)  # (what waits in its backlog is Pending too)
         self.matcher.groups.kept -= sum(len(e.frame) for e in g.pending.values())
-        self.matcher.groups.kept -= sum(len(h.frame) for h in g.backlog if h.entry is None)
         g.pending.clear()
         g.backlog.clear()
         g.backlog_bytes = 0
         if lost:
             self.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
             self.stats.group_lost_no_member += lost
+            self.tell_lost(g, LossReason.CONNECTION_LOST, None, count=lost)
+        self.owe(g)
         self.forget_group(g)
 
     def release_vbuckets(self, g: Group, m: Member) -> None:
@@ -687,14 +708,19 @@ class GroupDelivery:
             return 0
         header = m.header if n == 1 and attempt == 1 else encode_delivery(Delivery(m.sid, n, attempt))
         size = end - start + len(header)
-        if t.base + t.unflushed + size > t.limit:
+        if t.base + t.unflushed + size > t.cap:
             t.base = t.transport.get_write_buffer_size()
-            if t.base + t.unflushed + size > t.limit:
+            if t.base + t.unflushed + size > t.cap:
+                if m.group.ack:  # not lost: in flight all the same, delivered again at its deadline
+                    self.stats.group_deferred += n
+                    return 0
                 t.dropped += n
                 t.dropped_total += n
+                t.group_untold += n  # a member's: no replay gives them back (broky.server.arrivals)
+                t.cap = -1  # nothing more until it is told (broky.server.backpressure)
                 self.stats.dropped[DropReason.SLOW_CONSUMER] += n
                 if not t.over_since:
-                    t.over_since = self.loop.time()
+                    t.over_since = _monotonic()
                 if not t.touched:
                     t.touched = True
                     self._touched.append(t)
@@ -727,17 +753,23 @@ class GroupDelivery:
             self.rebalance(g)
         delivered = 0
         pos = start
+        pending = g.pending
         while pos < end:
             stop = pos + 4 + _u32(buf, pos)[0]
-            h = Held(bytes(buf[pos:stop]), _vbucket(buf, pos + VBUCKET_AT)[0])
+            frame = bytes(buf[pos:stop])
+            epoch, offset, vb = _position(frame, 0)
+            key = (vb, epoch, offset)
+            e = pending[key] = Pending(frame, key)  # the group keeps it from now on, until settled
+            h = Held(frame, vb, e)
             if counts is not None:
-                counts[h.vb] += 1
+                counts[vb] += 1
             table.kept += stop - pos
             if table.kept > limit:
                 self.overflow(g, h)
             else:
                 delivered += self.place(g, h, now)
             pos = stop
+        self.owe(g)
         return delivered
 
     def place(self, g: Group, h: Held, now: float) -> int:
@@ -768,10 +800,10 @@ class GroupDelivery:
     def has_room(self, m: Member, size: int) -> bool:
         """m's connection can take `size` more bytes within its pending bound."""
         t = m.conn
-        if t.base + t.unflushed + size <= t.limit:
+        if t.base + t.unflushed + size <= t.cap:
             return True
         t.base = t.transport.get_write_buffer_size()
-        return t.base + t.unflushed + size <= t.limit
+        return t.base + t.unflushed + size <= t.cap
 
     def hold(self, g: Group, m: Member | None, h: Held) -> int:
         """Every member (or h's member) is at its bound: h waits, within --group-backlog-bytes."""
@@ -788,26 +820,20 @@ class GroupDelivery:
         return 0
 
     def overflow(self, g: Group, h: Held) -> None:
-        """h finds the group's backlog full: dropped, counted, told to every member."""
+        """h finds the group's backlog full: dropped, counted, told once (to the teller)."""
         if h.entry is not None:
             g.pending.pop(h.entry.key, None)
         self.matcher.groups.kept -= len(h.frame)
         self.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
-        for m in g.members:
-            self.reply(m.conn, encode_frame(LossNotice(1, LossReason.GROUP_OVERFLOW, m.sid)))
+        self.tell_lost(g, LossReason.GROUP_OVERFLOW, None)
 
     def send(self, g: Group, m: Member, h: Held, now: float) -> int:
         """Deliver h to m and keep it pending (ack); 1 if queued."""
         frame = h.frame
         e = h.entry
-        if e is not None and g.pending.get(e.key) is not e:
-            return 0  # settled while it waited (acknowledged after a NACK)
-        if e is None:
-            epoch, offset, vb = _position(frame, 0)
-            key = (vb, epoch, offset)
-            e = g.pending.get(key)
-            if e is None:
-                e = g.pending[key] = Pending(frame, key)
+        assert e is not None  # (every message of an ack group is Pending from its arrival)
+        if g.pending.get(e.key) is not e:
+            return 0  # settled while it waited (acknowledged by a position before its delivery)
         e.attempt += 1
         e.member = m
         e.gen += 1
@@ -846,7 +872,7 @@ class GroupDelivery:
         touched: set[Member] = set()
         for key in keys:
             e = g.pending.get(key)
-            if e is None:
+            if e is None or not e.attempt:  # (not delivered yet: no member can be settling it)
                 stats.acks_unknown += 1
                 continue
             if kind == AckKind.IN_PROGRESS:
@@ -881,6 +907,53 @@ class GroupDelivery:
                 self.arm(e.deadline)
         for holder in touched:
             self.room(g, holder, now)
+        self.owe(g)
+
+    def owe(self, g: Group) -> None:
+        """Count what g keeps for nobody on its teller's account (see the header): the
+        connection of its first member, else that of its last one."""
+        if not g.ack:
+            return
+        teller = g.members[0].conn if g.members else g.teller
+        owed = g.keeps_for_nobody() if g.members else len(g.pending)
+        old = g.teller
+        if teller is not old:
+            if old is not None and g.owed:
+                old.group_owed -= g.owed
+                self.amend_account(old)
+            g.teller = teller
+            g.owed = 0
+        if teller is not None and owed != g.owed:
+            teller.group_owed += owed - g.owed
+            g.owed = owed
+            self.amend_account(teller)
+
+    def tell_lost(
+        self, g: Group, reason: int, member: Member | None, at: Position | None = None, count: int = 1
+    ) -> None:
+        """`count` messages of g are lost for good: told once, to `member` (the one it was
+        last delivered to), else to g's first member, else on its teller's account (told to
+        its client when it claims it: broky.server.arrivals)."""
+        told = member if member is not None and member in g.members else None
+        if told is None and g.members:
+            told = g.members[0]
+        if told is not None:
+            self.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at)))
+            return
+        t = g.teller
+        if t is not None:
+            t.group_lost += count
+            self.amend_account(t)
+
+    def amend_account(self, c: Connection) -> None:
+        """c's account changed outside a read's deliveries: committed with the next flush
+        (an open connection), or now (a closed one's, kept for its client)."""
+        if c.slot >= 0:
+            if not c.touched:
+                c.touched = True
+                self._touched.append(c)
+        else:
+            self.book.amend(c)
 
     def release(self, g: Group, m: Member, e: Pending) -> None:
         """e is no longer m's (settled, expired or NACKed)."""
@@ -900,6 +973,10 @@ class GroupDelivery:
 
     def room(self, g: Group, m: Member, now: float) -> None:
         """m may have room again: RESUMED, then what waits for it."""
+        self.room_for(g, m, now)
+        self.owe(g)
+
+    def room_for(self, g: Group, m: Member, now: float) -> None:
         if m.paused and not m.full() and m in g.members:
             m.paused = False
             self.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.RESUMED, len(m.in_flight))))
@@ -970,10 +1047,7 @@ class GroupDelivery:
         self.matcher.groups.kept -= len(e.frame)
         self.stats.dropped[DropReason.MAX_DELIVERIES] += 1
         vb, epoch, offset = e.key
-        told = last or (g.members[0] if g.members else None)
-        if told is not None:
-            notice = LossNotice(1, LossReason.MAX_DELIVERIES, told.sid, Position(vb, epoch, offset))
-            self.reply(told.conn, encode_frame(notice))
+        self.tell_lost(g, LossReason.MAX_DELIVERIES, last, Position(vb, epoch, offset))
         if g.dead_letter is not None:
             self.publish_dead_letter(g, e.frame)
 
@@ -991,13 +1065,10 @@ class GroupDelivery:
             self.stats.dead_letters_refused += 1  # the vbucket is leaving this worker
             return
         targets, vb = route
-        seq = self.seqs.view
-        at = 2 * vb + 1
-        offset = seq[at]
-        seq[at] = offset + 1
         t0 = max(time.time_ns(), self.seqs.last_ts)  # ts_broker never decreases
         self.seqs.last_ts = t0
-        pack_stamp_into(out, ts_at, t0, seq[at - 1], offset, vb)
+        offset = self.seqs.take(vb, t0)
+        pack_stamp_into(out, ts_at, t0, self.seqs.epoch_of(vb), offset, vb)
         replay = self.replay
         if replay is not None:
             replay.record(vb, replay.retain(out, t0), 0)
@@ -1026,8 +1097,10 @@ class GroupDelivery:
         table.timer = None
         heap = table.heap
         now = self.loop.time()
+        changed: dict[Group, None] = {}
         while heap and heap[0][0] <= now:
             _, _, (g, what, gen) = heapq.heappop(heap)
+            changed[g] = None
             if isinstance(what, int):  # a drain's deadline
                 d = g.draining.get(what)
                 if d is not None and d.gen == gen:
@@ -1049,6 +1122,8 @@ class GroupDelivery:
                 self.room(g, holder, now)
             else:  # a NACK's delay passed
                 self.redeliver(g, e, now)
+        for g in changed:
+            self.owe(g)
         if heap:
             self.arm(heap[0][0])
         if self._touched:

@@ -215,7 +215,7 @@ class Handover:
                 last_ts = replay.last_ts(vb) if replay is not None else 0
                 epoch, nxt = seqs.epoch_of(vb), seqs.next_of(vb)
                 if nxt > 1 and not last_ts:
-                    last_ts = seqs.last_ts  # this worker stamped nothing of vb later than that
+                    last_ts = seqs.last_ts_of(vb) or seqs.last_ts  # its last stamp here
                 handed.append((vb, epoch, nxt, last_ts))
                 # Former: its sequence stays (epoch, next) here, where the replay buffer counts
                 # its retained offsets from (broky.server.replay); it stamps nothing more.

@@ -35,29 +35,35 @@ waits for it, broky.server.handover):
   since_time T   the retained messages with ts_broker >= T (ts_broker never
                  decreases on a worker: broky.server.fanout takes the larger
                  of the clock and the last stamp). A message with ts_broker
-                 >= T was evicted (`gone_ts`): EVICTED, count unknown. (Not
-                 what an earlier epoch held: whether there was one, the
-                 worker does not know; a client that was connected to it is
-                 told by its connection's account, WORKER_RESTART or
-                 UNACCOUNTED.)
+                 >= T was evicted (`gone_ts`): EVICTED, exact when the whole
+                 sequence began here after T (every evicted offset came
+                 after T: broky.server.sequences `begun_ts`), else with its
+                 count unknown. (Not what an earlier epoch held: whether
+                 there was one, the worker does not know; a client that was
+                 connected to it is told by its connection's account,
+                 WORKER_RESTART or UNACCOUNTED.)
   last N         the last N retained messages that match.
 
 The answer is a Replay frame {sid, count, ts}, then `count` Message frames
-(stamped as they were when first delivered), then at most one LossNotice per
-reason carrying the sid, the summed count and the first missing position of
-the lowest vbucket concerned (dropped 0 when any count is unknown). The
-replay counts against the connection's pending bound like any delivery:
-what does not fit is not queued, and is told exactly (SLOW_CONSUMER, with
-the sid), so a resume never drowns the connection it resumes on.
+(stamped as they were when first delivered), then one LossNotice per vbucket
+and reason, in vbucket order, carrying the sid, that vbucket's count and its
+first missing position (for a count that is not known, dropped 0 and the
+position right after the missing ones): a vbucket whose count is not known
+never hides the exact counts of the others, and a client can move its
+position past what it was told (nothing is told twice). The replay counts
+against the connection's pending bound like any delivery: what does not fit
+is not queued, and is told exactly per vbucket (SLOW_CONSUMER, with the sid),
+so a resume never drowns the connection it resumes on.
 
 With the replay buffer off (--replay-bytes 0) nothing is retained, and the
 same rules answer with an empty Replay and what is gone: every offset after a
-`since` position (EVICTED, exact count), and for a `since_time` a notice
-without a count for each vbucket that accepted messages since (whether they
-came after the time is not known). `last` gets nothing. So a client resuming
-by positions is told exactly what a reconnect cost it even then (its
-connection's CONNECTION_LOST, suppressed for such a client, is among those
-offsets: broky.server.arrivals).
+`since` position (EVICTED, exact count), and for a `since_time` the vbuckets
+that stamped a message at or after the time (the last stamp of each is kept
+in the sequences): exact when the sequence began here after the time, else
+without a count (which of its offsets came after the time is not known).
+`last` gets nothing. So a client resuming by positions is told exactly what
+a reconnect cost it even then (its connection's CONNECTION_LOST, suppressed
+for such a client, is among those offsets: broky.server.arrivals).
 """
 
 from __future__ import annotations
@@ -85,27 +91,23 @@ Chosen = tuple["bytearray | bytes", int, int, int, int]
 
 
 class Losses:
-    """What one start found missing, per reason: the summed count, whether a count
-    is unknown, and the first missing position of the lowest vbucket."""
+    """What one start found missing, per vbucket and reason: the count (None: not known),
+    the first missing position (for a count not known, the position right after the
+    missing ones: the first retained offset, or the next one), and the last position
+    the notice accounts for (`through`: the client's start goes on after it)."""
 
     def __init__(self) -> None:
-        self.by_reason: dict[int, list[object]] = {}
+        self.by_vbucket: dict[tuple[int, int], tuple[int | None, Position, Position]] = {}
 
-    def add(self, reason: int, count: int | None, at: Position) -> None:
-        entry = self.by_reason.get(reason)
-        if entry is None:
-            self.by_reason[reason] = [count or 0, count is None, at]
-            return
-        entry[0] = int(entry[0]) + (count or 0)  # type: ignore[call-overload]
-        if count is None:
-            entry[1] = True
+    def add(self, reason: int, count: int | None, at: Position, through: Position) -> None:
+        self.by_vbucket[at.vbucket, reason] = (count, at, through)
 
     def notices(self, sid: int) -> list[bytes]:
-        out = []
-        for reason, (count, unknown, at) in sorted(self.by_reason.items()):
-            dropped = 0 if unknown else int(count)  # type: ignore[call-overload]
-            out.append(encode_frame(LossNotice(dropped, reason, sid, at)))  # type: ignore[arg-type]
-        return out
+        """One LossNotice per vbucket and reason, in vbucket order (dropped 0: not known)."""
+        return [
+            encode_frame(LossNotice(count or 0, reason, sid, at, through))
+            for (_, reason), (count, at, through) in sorted(self.by_vbucket.items())
+        ]
 
 
 class History:
@@ -174,27 +176,47 @@ class History:
                     start = p.offset + 1
                 else:
                     after = min(p.offset + 1, U64_MAX)  # (any offset of an epoch gone may be named)
-                    losses.add(LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, after))
+                    losses.add(
+                        LossReason.EPOCH_CHANGED, None, Position(vb, p.epoch, after), Position(vb, epoch, 0)
+                    )
                     start = 1
                 self.from_offset(replay, vb, epoch, start, nxt, losses)
                 if replay is not None:
                     self.pick(replay, vb, start, nxt, tokens, kp, chosen)
             elif sub.since_time:
-                t = sub.since_time
-                if replay is None:  # nothing retained: whether any of vb came after t is not known
-                    if nxt > 1 and seqs.last_ts >= t:
-                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, nxt))
-                    continue
-                else:
-                    if replay.gone_ts[vb] >= t:
-                        losses.add(LossReason.EVICTED, None, Position(vb, epoch, replay.first(vb) or nxt))
-                    found = replay.offset_at_time(vb, t)
-                    start = nxt if found is None else found
+                start = self.since_time(replay, vb, epoch, nxt, sub.since_time, losses)
                 if replay is not None:
                     self.pick(replay, vb, start, nxt, tokens, kp, chosen)
             elif sub.last and replay is not None:
                 self.pick_last(replay, vb, nxt, sub.last, tokens, kp, chosen)
         self.queue_replay(c, s.sid, t0, chosen, losses)
+
+    def since_time(
+        self, replay: ReplayBuffer | None, vb: int, epoch: int, nxt: int, t: int, losses: Losses
+    ) -> int:
+        """Note what of vb's current sequence stamped at or after t is no longer retained
+        (all of it without a replay buffer), exactly where it can be known; return the
+        first offset to replay."""
+        seqs = self.seqs
+        fresh = seqs.begun_offset[vb] == 1 and t <= seqs.begun_ts[vb]  # all of it came after t
+        if replay is None:
+            if seqs.last_ts_of(vb) >= t and nxt > seqs.begun_offset[vb]:
+                through = Position(vb, epoch, nxt - 1)
+                if fresh:
+                    losses.add(LossReason.EVICTED, nxt - 1, Position(vb, epoch, 1), through)
+                else:  # which of its offsets came after t is not known
+                    losses.add(LossReason.EVICTED, None, Position(vb, epoch, nxt), through)
+            return nxt
+        first = replay.first(vb)
+        oldest = nxt if first is None else first
+        if replay.gone_ts[vb] >= t and oldest > 1:
+            through = Position(vb, epoch, oldest - 1)
+            if fresh:
+                losses.add(LossReason.EVICTED, oldest - 1, Position(vb, epoch, 1), through)
+            else:
+                losses.add(LossReason.EVICTED, None, Position(vb, epoch, oldest), through)
+        found = replay.offset_at_time(vb, t)
+        return nxt if found is None else found
 
     @staticmethod
     def from_offset(
@@ -205,7 +227,12 @@ class History:
         first = None if replay is None else replay.first(vb)
         oldest = nxt if first is None else first
         if start < oldest:
-            losses.add(LossReason.EVICTED, oldest - start, Position(vb, epoch, start))
+            losses.add(
+                LossReason.EVICTED,
+                oldest - start,
+                Position(vb, epoch, start),
+                Position(vb, epoch, oldest - 1),
+            )
 
     @staticmethod
     def pick(
@@ -262,9 +289,19 @@ class History:
             kept += 1
         lost = len(chosen) - kept
         if lost:
-            _, _, _, vb, offset = chosen[kept]
             seqs = self.seqs
-            losses.add(LossReason.SLOW_CONSUMER, lost, Position(vb, seqs.epoch_of(vb), offset))
+            first: dict[int, int] = {}  # vbucket -> the first offset not sent
+            last: dict[int, int] = {}
+            count: dict[int, int] = {}
+            for _, _, _, vb, offset in chosen[kept:]:
+                first.setdefault(vb, offset)
+                last[vb] = offset
+                count[vb] = count.get(vb, 0) + 1
+            for vb, n in count.items():
+                epoch = seqs.epoch_of(vb)
+                losses.add(
+                    LossReason.SLOW_CONSUMER, n, Position(vb, epoch, first[vb]), Position(vb, epoch, last[vb])
+                )
             c.dropped_total += lost
             self.stats.dropped[DropReason.SLOW_CONSUMER] += lost
         out = c.out

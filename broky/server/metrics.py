@@ -167,6 +167,12 @@ COUNTERS = (
         "group_drain_expired",
         "Key-shared vbucket moves that went ahead at drain_timeout, before the old member was done.",
     ),
+    (
+        "broky_group_deferred_total",
+        "group_deferred",
+        "Deliveries of ack subscriptions not queued to a connection over its pending bound: "
+        "not lost, delivered again at their ack deadline.",
+    ),
     ("broky_acks_total", "acks", "Deliveries of ack subscriptions acknowledged (Ack ACK)."),
     ("broky_nacks_total", "nacks", "Deliveries of ack subscriptions negatively acknowledged (Ack NACK)."),
     ("broky_acks_in_progress_total", "acks_in_progress", "Ack IN_PROGRESS: ack deadlines started again."),

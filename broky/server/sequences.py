@@ -12,19 +12,29 @@ incarnation), and so does a vbucket taken over after a failure. A planned move
 in a cluster continues the sequence on the new owner: same epoch, the next
 offset (`resume`).
 
-The state lives in one bytearray of 1024 x 16 bytes (epoch, next offset; u64
-little-endian each), so that the compiled twin of the read path can take
-offsets from it without a Python call per message (broky.server._feedscan);
-`view` is the same memory as 2048 u64 for Python.
+The state lives in one bytearray of 1024 x 24 bytes (epoch, next offset, the
+ts_broker of the last message stamped; u64 little-endian each), so that the
+compiled twin of the read path can take offsets from it and note the stamp
+without a Python call per message (broky.server._feedscan); `view` is the
+same memory as 3072 u64 for Python.
+
+What a start from a time needs to count exactly (broky.server.history), per
+vbucket: the last stamp (a vbucket that took nothing at or after a time has
+lost nothing after it), and where its current sequence began here (`begun`:
+the clock and the first offset when the worker started it, restarted it or
+took it over in a planned move): every offset from the first one on was
+stamped at or after that clock, so a time before it covers them all.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from broky.protocol import VBUCKETS
 
-ENTRY_BYTES = 16  # epoch, next offset
+ENTRY_BYTES = 24  # epoch, next offset, last ts_broker
+ENTRY_WORDS = ENTRY_BYTES // 8
 
 
 def new_epoch() -> int:
@@ -44,37 +54,54 @@ class Sequences:
         self.view = memoryview(self.state).cast("Q")
         view = self.view
         for vb in range(VBUCKETS):
-            view[2 * vb] = self.epoch
-            view[2 * vb + 1] = 1
+            view[ENTRY_WORDS * vb] = self.epoch
+            view[ENTRY_WORDS * vb + 1] = 1
         # The last ts_broker stamped: the read path never stamps an earlier one, so
         # ts_broker never decreases on a worker (a start from a time is a binary search).
         self.last_ts = 0
+        # Per vbucket, where its current sequence began here: the clock then, and its first
+        # offset (1, or the next offset a planned move handed over).
+        self.begun_ts = [time.time_ns()] * VBUCKETS
+        self.begun_offset = [1] * VBUCKETS
 
     def epoch_of(self, vb: int) -> int:
-        return int(self.view[2 * vb])
+        return int(self.view[ENTRY_WORDS * vb])
 
     def next_of(self, vb: int) -> int:
         """The offset the next accepted message of vb gets."""
-        return int(self.view[2 * vb + 1])
+        return int(self.view[ENTRY_WORDS * vb + 1])
 
-    def take(self, vb: int) -> int:
-        """The offset of an accepted message of vb (the next, counted)."""
+    def last_ts_of(self, vb: int) -> int:
+        """The ts_broker of the last message of vb stamped here (0: none)."""
+        return int(self.view[ENTRY_WORDS * vb + 2])
+
+    def take(self, vb: int, ts: int = 0) -> int:
+        """The offset of an accepted message of vb (the next, counted), stamped `ts`
+        (0: its stamp is not noted)."""
         view = self.view
-        at = 2 * vb + 1
+        at = ENTRY_WORDS * vb + 1
         offset = view[at]
         view[at] = offset + 1
+        if ts:
+            view[at + 1] = ts
         return int(offset)
+
+    def begin(self, vb: int, epoch: int, next_offset: int) -> None:
+        self.view[ENTRY_WORDS * vb] = epoch
+        self.view[ENTRY_WORDS * vb + 1] = next_offset
+        self.view[ENTRY_WORDS * vb + 2] = 0
+        # Every offset from here on is stamped at or after this clock (never an earlier one).
+        self.last_ts = self.begun_ts[vb] = max(time.time_ns(), self.last_ts)
+        self.begun_offset[vb] = next_offset
 
     def restart(self, vb: int) -> None:
         """vb's sequence starts again here, under a new epoch (it was taken over
         without its history, e.g. after a failover)."""
-        self.view[2 * vb] = new_epoch()
-        self.view[2 * vb + 1] = 1
+        self.begin(vb, new_epoch(), 1)
 
     def resume(self, vb: int, epoch: int, next_offset: int) -> None:
         """vb's sequence continues here (a planned move handed it over)."""
-        self.view[2 * vb] = epoch
-        self.view[2 * vb + 1] = next_offset
+        self.begin(vb, epoch, next_offset)
 
 
-__all__ = ["ENTRY_BYTES", "Sequences", "new_epoch"]
+__all__ = ["ENTRY_BYTES", "ENTRY_WORDS", "Sequences", "new_epoch"]

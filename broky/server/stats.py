@@ -135,6 +135,9 @@ class WorkerStats:
         self.group_drain_expired = 0  # vbucket moves that went ahead at drain_timeout
         self.group_vbuckets_moved = 0  # key-shared: vbuckets moved between members to balance them
         self.group_lost_no_member = 0  # held or in flight when the group's last member left
+        # Ack deliveries not queued for a connection over its bound: not lost, in flight all the
+        # same and delivered again at their deadline.
+        self.group_deferred = 0
         self.acks = 0
         self.nacks = 0
         self.acks_in_progress = 0
