@@ -176,7 +176,7 @@ def test_copied_messages_respect_the_pending_bound(loop: asyncio.AbstractEventLo
     raw = overlap_frame()
     copy_size = len(encode_message(b"p1", b"a.b", b"hello", 7, 0, None))
     shard, publisher, subscriber = shard_with(loop)
-    subscriber.limit = 3 * copy_size
+    subscriber.limit = subscriber.cap = 3 * copy_size
     shard.feed(publisher, raw * 5)
     got = received(subscriber)
     assert [type(f) for f in got] == [Message, Message, Message, LossNotice]

@@ -227,7 +227,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.builds(
         Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300), u32
     ),
-    st.builds(LossNotice, u64, u8, u32, st.none() | positions),
+    st.builds(LossNotice, u64, u8, u32, st.none() | positions, st.none() | positions),
     st.builds(Replay, u32, u32, i64, u32),
     st.builds(Goodbye, st.none() | texts, u64),
     st.builds(MapApplied, u64),
@@ -442,11 +442,13 @@ def generated_read(frame: bytes) -> Frame:
     if kind == Body.LossNotice:
         n = body(fbs.LossNotice)
         at = n.At()
+        through = n.Through()
         return LossNotice(
             n.Dropped(),
             n.Reason(),
             n.Sid(),
             None if at is None else Position(at.Vbucket(), at.Epoch(), at.Offset()),
+            None if through is None else Position(through.Vbucket(), through.Epoch(), through.Offset()),
         )
     if kind == Body.Replay:
         r = body(fbs.Replay)
@@ -852,6 +854,21 @@ class Writer:
                         lambda: fbs.LossNoticeAddAt(
                             b,
                             fbs.CreatePosition(b, frame.at.epoch, frame.at.offset, frame.at.vbucket),  # type: ignore[union-attr]
+                        )
+                    ]
+                )
+                + (
+                    []
+                    if frame.through is None
+                    else [
+                        lambda: fbs.LossNoticeAddThrough(
+                            b,
+                            fbs.CreatePosition(
+                                b,
+                                frame.through.epoch,  # type: ignore[union-attr]
+                                frame.through.offset,  # type: ignore[union-attr]
+                                frame.through.vbucket,  # type: ignore[union-attr]
+                            ),
                         )
                     ]
                 ),

@@ -320,7 +320,7 @@ def test_a_read_in_progress_reads_on_when_its_vbucket_moves_away_and_not_when_it
     publish(x, pub, KP, 0, 20)
     epoch = x.shard.seqs.epoch_of(VB)
     slow = x.connection()
-    slow.limit = 300  # a message or two per batch
+    slow.limit = slow.cap = 300  # a message or two per batch
     x.shard.feed(slow, encode_frame(Read(1, b">", KP)))
     assert 0 < len(positions(slow)) < 20 and slow.bounded_read is not None
     x.shard.apply_map(PREPARE)
@@ -331,7 +331,7 @@ def test_a_read_in_progress_reads_on_when_its_vbucket_moves_away_and_not_when_it
     assert dones(slow) == [ReadDone(1, VB, epoch, 21, 0, False, 0, True)]
     # A read of the former vbucket when it comes back: the rest of its range is gone.
     again = x.connection()
-    again.limit = 300
+    again.limit = again.cap = 300
     x.shard.feed(again, encode_frame(Read(2, b">", vbuckets=(VB,))))
     got = len(positions(again))
     assert 0 < got < 20

@@ -131,6 +131,7 @@ def test_evicted_positions_are_told_with_their_count(start_server: Any) -> None:
                 LossReason.EVICTED,
                 1,
                 Position(VB, first.epoch, first.offset + 1),
+                Position(VB, first.epoch, oldest - 1),  # through: the last one gone
             )
             assert len(msgs) + notice.dropped == 199  # every message after the position: replayed or told
 
@@ -142,7 +143,10 @@ def test_another_epoch_is_told_and_the_current_one_replayed_from_its_start(start
         gone = Position(VB, 12345, 77)  # an epoch this worker never had
         _, msgs, others = start(sub, Subscribe(1, b"h.*", since=(gone,)))
         assert payloads(msgs) == list(range(5))
-        assert others == [LossNotice(0, LossReason.EPOCH_CHANGED, 1, Position(VB, 12345, 78))]
+        current = msgs[0].epoch  # through: the current epoch, from its start
+        assert others == [
+            LossNotice(0, LossReason.EPOCH_CHANGED, 1, Position(VB, 12345, 78), Position(VB, current, 0))
+        ]
 
 
 def test_a_position_ahead_is_refused_but_the_subscription_stands(start_server: Any) -> None:
@@ -178,7 +182,15 @@ def test_without_a_replay_buffer_a_start_replays_nothing_and_tells_what_is_gone(
         since = (Position(VB, got[1].epoch, got[1].offset),)
         head, msgs, others = start(sub, Subscribe(2, b"h.*", since=since))
         assert (head.messages, msgs) == (0, [])
-        assert others == [LossNotice(3, LossReason.EVICTED, 2, Position(VB, got[1].epoch, got[2].offset))]
+        assert others == [
+            LossNotice(
+                3,
+                LossReason.EVICTED,
+                2,
+                Position(VB, got[1].epoch, got[2].offset),
+                Position(VB, got[1].epoch, got[4].offset),
+            )
+        ]
         publish(pub, 5, 6)
         assert payloads(sub.messages()) == [5]
 
@@ -197,6 +209,7 @@ def test_a_replay_larger_than_the_pending_bound_is_cut_and_told_exactly(start_se
         assert notice.reason == LossReason.SLOW_CONSUMER and notice.sid == 1
         assert notice.dropped == 100 - len(msgs)
         assert notice.at is not None and notice.at.offset == msgs[-1].offset + 1
+        assert notice.through is not None and notice.through.offset == msgs[-1].offset + notice.dropped
 
 
 def payloads_prefix(msgs: list[Message]) -> list[int]:
@@ -252,4 +265,48 @@ def test_a_killed_worker_is_a_new_epoch_told_exactly(start_server: Any) -> None:
         _, msgs, others = start(again, Subscribe(1, b"k.>", since=since))
         assert payloads(msgs) == [10, 11, 12]  # the new epoch from its first offset
         assert {m.epoch for m in msgs} != {got[-1].epoch} and [m.offset for m in msgs] == [1, 2, 3]
-        assert others == [LossNotice(0, LossReason.EPOCH_CHANGED, 1, Position(VB, got[-1].epoch, 11))]
+        assert others == [
+            LossNotice(
+                0,
+                LossReason.EPOCH_CHANGED,
+                1,
+                Position(VB, got[-1].epoch, 11),
+                Position(VB, msgs[0].epoch, 0),
+            )
+        ]
+
+
+def test_a_start_from_a_time_counts_each_vbucket_on_its_own(start_server: Any) -> None:
+    """Without a replay buffer, a start from a time T is told per vbucket: nothing for one
+    that stamped nothing at or after T (before: any traffic of the worker after T made
+    it "unknown"), an exact count for one whose whole sequence came after T, and an
+    unknown count only for one with traffic on both sides of T; each in a notice of its
+    own, so the unknown one does not turn the exact one into "unknown" (before: summed
+    into one notice, dropped 0)."""
+    server: ServerProcess = start_server("--replay-bytes", "0", workers=1)
+    before, after, both = (kp_for_worker(0, 1, name) for name in ("early", "late", "both"))
+    assert len({vbucket_of(kp) for kp in (before, after, both)}) == 3
+    with Wire.hello(server.address) as pub:
+        for kp in (before, both):
+            for i in range(5):
+                pub.publish(kp, b"t.k", b"%d" % i)
+        assert pub.flush() == []
+        time.sleep(0.01)
+        t = time.time_ns()
+        time.sleep(0.01)
+        for kp in (after, both):
+            for i in range(7):
+                pub.publish(kp, b"t.k", b"%d" % i)
+        assert pub.flush() == []
+        with Wire.hello(server.address) as sub:
+            head, msgs, others = start(sub, Subscribe(1, b"t.k", since_time=t))
+    assert (head.messages, msgs) == (0, [])
+    told = {n.at.vbucket: n for n in others if isinstance(n, LossNotice) and n.at is not None}
+    assert len(told) == len(others) == 2 and vbucket_of(before) not in told
+    exact, unknown = told[vbucket_of(after)], told[vbucket_of(both)]
+    assert (exact.dropped, exact.reason, exact.sid) == (7, LossReason.EVICTED, 1)
+    assert exact.at is not None and exact.through is not None
+    assert (exact.at.offset, exact.through.offset) == (1, 7)
+    assert (unknown.dropped, unknown.reason) == (0, LossReason.EVICTED)  # which of its 12 came after t?
+    assert unknown.at is not None and unknown.through is not None
+    assert (unknown.at.offset, unknown.through.offset) == (13, 12)  # right after; through its last

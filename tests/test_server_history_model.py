@@ -129,8 +129,12 @@ def test_a_start_replays_exactly_what_the_rules_choose(
     assert len(head) == 1 and head[0].sid == 1
     replayed = [f for f in got if isinstance(f, Message)]
     assert head[0].messages == len(replayed)
-    notices = {f.reason: f for f in got if isinstance(f, LossNotice)}
-    assert all(f.sid == 1 for f in notices.values())
+    notices = [f for f in got if isinstance(f, LossNotice)]
+    assert all(f.sid == 1 and f.at is not None and f.through is not None for f in notices)
+    # One notice per vbucket and reason, in vbucket order; each names the last position it
+    # accounts for, in the vbucket's current epoch (a resume goes on after it).
+    keys = [(f.at.vbucket, f.reason) for f in notices]  # type: ignore[union-attr]
+    assert len(set(keys)) == len(keys) and [vb for vb, _ in keys] == sorted(vb for vb, _ in keys)
 
     # The model's answer, vbucket by vbucket (the replay buffer retains a suffix of each).
     tokens = parse_pattern(start.pattern)
@@ -181,6 +185,12 @@ def test_a_start_replays_exactly_what_the_rules_choose(
     assert len(errors) == bad + len(start.since) - len(named)
     assert all(e.code == ErrorCode.BAD_POSITION and not e.fatal and e.sid == 1 for e in errors)
     if start.since:
-        told = notices.get(LossReason.EVICTED)
-        assert (told.dropped if told is not None else 0) == evicted
-        assert (LossReason.EPOCH_CHANGED in notices) == bool(epoch_changed)
+        told = [f for f in notices if f.reason == LossReason.EVICTED]
+        assert sum(f.dropped for f in told) == evicted
+        for f in told:  # a start from a position: exact, offsets at .. through
+            assert f.dropped and f.through == Position(f.at.vbucket, f.at.epoch, f.at.offset + f.dropped - 1)  # type: ignore[union-attr]
+        changed = [f for f in notices if f.reason == LossReason.EPOCH_CHANGED]
+        assert len(changed) == epoch_changed
+        for f in changed:  # the old epoch's end is not known; the current epoch goes on from its start
+            current = by_vb[f.at.vbucket][0].epoch  # type: ignore[union-attr]
+            assert f.dropped == 0 and f.through == Position(f.at.vbucket, current, 0)  # type: ignore[union-attr]

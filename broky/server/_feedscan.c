@@ -6,7 +6,7 @@
  * check the frame's shape and the key's and payload's bounds, look the routing
  * bytes (key_partition and key vectors) up in the cache (a route is the
  * targets and the vbucket), give the message its vbucket's next offset (the
- * sequences: 1024 x (epoch, next offset, last stamp), broky.server.sequences), count a
+ * sequences: 1024 x (epoch, next offset, last and first stamp), broky.server.sequences), count a
  * message that matches nobody, stamp ts_broker and the position into the copy
  * of the read, record it in the replay buffer when there is one
  * (broky.server.replay: its index entry and vbucket, 16 bytes appended to the
@@ -38,7 +38,7 @@
 
 #define FEEDSCAN_VERSION 6
 #define VBUCKETS 1024
-#define SEQ_ENTRY 24 /* broky.server.sequences.ENTRY_BYTES: epoch, next offset, last stamp */
+#define SEQ_ENTRY 32 /* broky.server.sequences.ENTRY_BYTES: epoch, next offset, last and first stamp */
 
 static Layout layout;
 static int configured = 0;
@@ -127,7 +127,7 @@ PyDoc_STRVAR(scan_doc,
 "Shard.feed's Python loop would; stop at the first frame that loop must handle itself. buf\n"
 "is the bytearray copy of data that is stamped (None until a message has targets, or any\n"
 "accepted message when there is a log: then it is made). seqs is the bytearray of the\n"
-"sequences (epoch, next offset, last stamp per vbucket): each message takes its vbucket's next offset.\n"
+"sequences (epoch, next offset, last and first stamp per vbucket): each message takes its vbucket's next offset.\n"
 "log (the replay buffer's bytearray, or None) gets (seg << 32 | position, vbucket) appended\n"
 "for each message, two u64; while the log is empty and the call's messages so far are all of\n"
 "one vbucket, the entry goes to index[vbucket] instead (index: the replay buffer's list of\n"
@@ -249,7 +249,10 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         unsigned char *s = seq + SEQ_ENTRY * vb;
         uint64_t epoch = u64_at(s), offset = u64_at(s + 8);
         put_u64(s + 8, offset + 1);
-        put_u64(s + 16, (uint64_t)t0); /* its last stamp */
+        put_u64(s + 16, (uint64_t)t0); /* the sequence's last stamp, and its first */
+        if (u64_at(s + 24) == 0) {
+            put_u64(s + 24, (uint64_t)t0);
+        }
         int nobody = PyTuple_GET_SIZE(targets) == 0 && PyTuple_CheckExact(targets);
         if (nobody) {
             unmatched++;

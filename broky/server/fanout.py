@@ -319,7 +319,7 @@ class Shard(
         uid_shapes = self.uid_shapes
         plain_shapes = self.plain_shapes
         startswith = data.startswith
-        seq = seqs.view  # [3 vb] epoch, [3 vb + 1] next offset, [3 vb + 2] last stamp (ENTRY_WORDS)
+        seq = seqs.view  # [4 vb] epoch, [+1] next offset, [+2] last and [+3] first stamp (ENTRY_WORDS)
         replay = self.replay
         buf: bytearray | None = None
         seg = 0  # buf's segment id in the replay buffer
@@ -385,10 +385,12 @@ class Shard(
                     end = pos + same_len
                     if end > n:
                         break
-                    at = 3 * same_vb + 1
+                    at = 4 * same_vb + 1
                     offset = seq[at]
                     seq[at] = offset + 1
                     seq[at + 1] = t0
+                    if not seq[at + 2]:
+                        seq[at + 2] = t0
                     pack_stamp_into(buf, pos + TS_BROKER_AT, t0, seq[at - 1], offset, same_vb)  # type: ignore[arg-type]
                     if replay is not None:
                         replay.record(same_vb, seg, pos)
@@ -502,10 +504,12 @@ class Shard(
                     continue
                 # Accepted: the next offset of its vbucket is its own (its position).
                 targets, vb = route
-                at = 3 * vb + 1
+                at = 4 * vb + 1
                 offset = seq[at]
                 seq[at] = offset + 1
                 seq[at + 1] = t0
+                if not seq[at + 2]:
+                    seq[at + 2] = t0
                 if not targets:
                     unmatched += 1
                     if replay is None:  # nobody gets it, nobody can ask for it later

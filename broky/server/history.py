@@ -36,9 +36,8 @@ waits for it, broky.server.handover):
                  decreases on a worker: broky.server.fanout takes the larger
                  of the clock and the last stamp). A message with ts_broker
                  >= T was evicted (`gone_ts`): EVICTED, exact when the whole
-                 sequence began here after T (every evicted offset came
-                 after T: broky.server.sequences `begun_ts`), else with its
-                 count unknown. (Not what an earlier epoch held: whether
+                 sequence came after T (its first stamp is at or after T:
+                 broky.server.sequences), else with its count unknown. (Not what an earlier epoch held: whether
                  there was one, the worker does not know; a client that was
                  connected to it is told by its connection's account,
                  WORKER_RESTART or UNACCOUNTED.)
@@ -59,8 +58,9 @@ With the replay buffer off (--replay-bytes 0) nothing is retained, and the
 same rules answer with an empty Replay and what is gone: every offset after a
 `since` position (EVICTED, exact count), and for a `since_time` the vbuckets
 that stamped a message at or after the time (the last stamp of each is kept
-in the sequences): exact when the sequence began here after the time, else
-without a count (which of its offsets came after the time is not known).
+in the sequences): exact when the whole sequence came after the time (its
+first stamp too), else without a count (which of its offsets came after the
+time is not known).
 `last` gets nothing. So a client resuming by positions is told exactly what
 a reconnect cost it even then (its connection's CONNECTION_LOST, suppressed
 for such a client, is among those offsets: broky.server.arrivals).
@@ -198,7 +198,8 @@ class History:
         (all of it without a replay buffer), exactly where it can be known; return the
         first offset to replay."""
         seqs = self.seqs
-        fresh = seqs.begun_offset[vb] == 1 and t <= seqs.begun_ts[vb]  # all of it came after t
+        # All of the sequence came after t: its first offset here is 1 and its first stamp >= t.
+        fresh = seqs.begun_offset[vb] == 1 and seqs.first_ts_of(vb) >= t
         if replay is None:
             if seqs.last_ts_of(vb) >= t and nxt > seqs.begun_offset[vb]:
                 through = Position(vb, epoch, nxt - 1)

@@ -12,28 +12,27 @@ incarnation), and so does a vbucket taken over after a failure. A planned move
 in a cluster continues the sequence on the new owner: same epoch, the next
 offset (`resume`).
 
-The state lives in one bytearray of 1024 x 24 bytes (epoch, next offset, the
-ts_broker of the last message stamped; u64 little-endian each), so that the
-compiled twin of the read path can take offsets from it and note the stamp
-without a Python call per message (broky.server._feedscan); `view` is the
-same memory as 3072 u64 for Python.
+The state lives in one bytearray of 1024 x 32 bytes (epoch, next offset, and
+the ts_broker of the last and of the first message stamped in the sequence
+here; u64 little-endian each), so that the compiled twin of the read path can
+take offsets from it and note the stamps without a Python call per message
+(broky.server._feedscan); `view` is the same memory as 4096 u64 for Python.
 
 What a start from a time needs to count exactly (broky.server.history), per
 vbucket: the last stamp (a vbucket that took nothing at or after a time has
-lost nothing after it), and where its current sequence began here (`begun`:
-the clock and the first offset when the worker started it, restarted it or
-took it over in a planned move): every offset from the first one on was
-stamped at or after that clock, so a time before it covers them all.
+lost nothing after it), the first stamp and the first offset of its current
+sequence here (`begun_offset`: 1, or the offset a planned move handed over):
+when the first stamp is at or after the time, so is every offset from the
+first one on.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 from broky.protocol import VBUCKETS
 
-ENTRY_BYTES = 24  # epoch, next offset, last ts_broker
+ENTRY_BYTES = 32  # epoch, next offset, last ts_broker, first ts_broker
 ENTRY_WORDS = ENTRY_BYTES // 8
 
 
@@ -59,9 +58,8 @@ class Sequences:
         # The last ts_broker stamped: the read path never stamps an earlier one, so
         # ts_broker never decreases on a worker (a start from a time is a binary search).
         self.last_ts = 0
-        # Per vbucket, where its current sequence began here: the clock then, and its first
-        # offset (1, or the next offset a planned move handed over).
-        self.begun_ts = [time.time_ns()] * VBUCKETS
+        # Per vbucket, the first offset of its current sequence here (1, or the next offset a
+        # planned move handed over).
         self.begun_offset = [1] * VBUCKETS
 
     def epoch_of(self, vb: int) -> int:
@@ -72,8 +70,12 @@ class Sequences:
         return int(self.view[ENTRY_WORDS * vb + 1])
 
     def last_ts_of(self, vb: int) -> int:
-        """The ts_broker of the last message of vb stamped here (0: none)."""
+        """The ts_broker of the last message of vb's sequence stamped here (0: none)."""
         return int(self.view[ENTRY_WORDS * vb + 2])
+
+    def first_ts_of(self, vb: int) -> int:
+        """The ts_broker of the first message of vb's sequence stamped here (0: none)."""
+        return int(self.view[ENTRY_WORDS * vb + 3])
 
     def take(self, vb: int, ts: int = 0) -> int:
         """The offset of an accepted message of vb (the next, counted), stamped `ts`
@@ -84,14 +86,14 @@ class Sequences:
         view[at] = offset + 1
         if ts:
             view[at + 1] = ts
+            if not view[at + 2]:
+                view[at + 2] = ts
         return int(offset)
 
     def begin(self, vb: int, epoch: int, next_offset: int) -> None:
         self.view[ENTRY_WORDS * vb] = epoch
         self.view[ENTRY_WORDS * vb + 1] = next_offset
-        self.view[ENTRY_WORDS * vb + 2] = 0
-        # Every offset from here on is stamped at or after this clock (never an earlier one).
-        self.last_ts = self.begun_ts[vb] = max(time.time_ns(), self.last_ts)
+        self.view[ENTRY_WORDS * vb + 2] = self.view[ENTRY_WORDS * vb + 3] = 0
         self.begun_offset[vb] = next_offset
 
     def restart(self, vb: int) -> None:
