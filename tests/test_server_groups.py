@@ -384,6 +384,51 @@ def test_a_version_2_client_is_still_served(start_server: Any) -> None:
         assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]
 
 
+def test_a_version_2_connection_is_served_as_version_2(start_server: Any) -> None:
+    # The version is settled by the Hello (schema/README.md 11): a connection that said 2
+    # is never made a group member (it could not tell one from a plain subscription, and
+    # would be sent Delivery frames it does not know); the frames version 3 added are
+    # unknown body types on it.
+    from broky.protocol import Delivery, Hello, Welcome
+
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as member:
+        member.send(group_sub(1, ack=True))
+        assert member.flush() == []
+        with Wire(server.address) as old:
+            old.send(Hello(2, client_name="v2"))
+            assert old.expect(Welcome).protocol_version == 3
+            old.send(group_sub(1, ack=True))  # the member's group: refused, not joined
+            (err,) = old.flush()
+            assert isinstance(err, Error) and err.code == ErrorCode.BAD_GROUP and err.sid == 1
+            assert not err.fatal and "Hello said 2" in (err.message or "")
+            old.subscribe(2, b"o.>")  # a plain subscription, as version 2 has them
+            assert old.flush() == []
+            publish(pub, 5)
+            assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]  # bare
+            _, by_sid, _ = split(member.flush())
+            assert [int(m.payload) for m, _ in by_sid[1]] == list(range(5))  # the group's one member
+            member.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+            assert member.flush() == []
+            old.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+            (err,) = old.expect_closed()
+            assert isinstance(err, Error) and err.code == ErrorCode.UNKNOWN_FRAME and err.fatal
+            assert "body type 19" in (err.message or "")
+        for frame, code in (
+            (Delivery(1, 1), ErrorCode.UNKNOWN_FRAME),
+            (GroupNotice(1, GroupEvent.PAUSED), ErrorCode.UNKNOWN_FRAME),
+        ):
+            with Wire(server.address) as old:
+                old.send(Hello(2), frame)
+                old.expect(Welcome)
+                (err,) = old.expect_closed()
+                assert isinstance(err, Error) and err.code == code and err.fatal, err
+        with Wire.hello(server.address) as new:  # on version 3 they are frames only a server sends
+            new.send(Delivery(1, 1))
+            (err,) = new.expect_closed()
+            assert isinstance(err, Error) and err.code == ErrorCode.UNEXPECTED_FRAME and err.fatal
+
+
 def test_a_resume_by_positions_is_told_the_group_deliveries_it_lost(start_server: Any) -> None:
     # A replay gives a plain subscription's deliveries back, never a group member's: the
     # server tells those (Hello.previous.group_received), and only those.

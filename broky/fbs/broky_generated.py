@@ -15,7 +15,8 @@ class ErrorCode(object):
     MALFORMED_FRAME = 1
     # The size prefix exceeds max_frame_bytes.
     FRAME_TOO_LARGE = 2
-    # A FlatBuffer with an unknown body type.
+    # A FlatBuffer with a body type unknown in the connection's protocol version
+    # (above 20; or 18 to 20, version 3's, on a connection whose Hello said 2).
     UNKNOWN_FRAME = 3
     # The connection ended, or went silent, inside a frame.
     TRUNCATED_FRAME = 4
@@ -57,8 +58,10 @@ class ErrorCode(object):
     READ_REFUSED = 22
     # Version 3: a group Subscribe that cannot join its group: its settings
     # (key_shared, ack and the ack settings) differ from those of the group's
-    # members on this worker, or it also asks for since, since_time or last.
-    # Not fatal, sid set, no subscription created.
+    # members on this worker, it also asks for since, since_time or last, its
+    # dead_letter is not a valid key or is one its own pattern matches, or its
+    # connection's Hello said version 2. Not fatal, sid set, no subscription
+    # created.
     BAD_GROUP = 23
     # The handshake is refused: this server requires TLS and the Hello did not
     # ask for it (Hello.tls), or a Hello asking for TLS carried a secret.
@@ -535,7 +538,8 @@ class Hello(object):
         self._tab = flatbuffers.table.Table(buf, pos)
 
     # Protocol version the client speaks; this document describes version 3
-    # (a version-3 server also serves 2; absent: 1, which it refuses:
+    # (a version-3 server also serves 2, as version 2: no groups, and the frames
+    # version 3 added are unknown there; absent: 1, which it refuses:
     # schema/README.md section 11).
     # Hello
     def ProtocolVersion(self):
@@ -1145,7 +1149,8 @@ class Subscribe(object):
     # Version 3 (section 5.3). Set: this subscription is a member of the group
     # of that name for this pattern (and key_partition): each matching message
     # goes to one member only, announced by a Delivery frame. Not with
-    # since, since_time or last (a group starts live).
+    # since, since_time or last (a group starts live), nor on a connection whose
+    # Hello said version 2 (BAD_GROUP, section 11).
     # Subscribe
     def Group(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
