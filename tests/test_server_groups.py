@@ -275,6 +275,24 @@ def test_max_in_flight_pauses_a_member_with_a_notice_and_its_acks_resume_it(star
         assert debug_stats(server)["workers"][0]["group_paused"] >= 2
 
 
+def test_resumed_says_how_many_the_member_still_holds(start_server: Any) -> None:
+    # schema/README.md 5.4: RESUMED carries the messages the member still holds
+    # unacknowledged, and comes before what the backlog then sends it.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as m:
+        m.send(group_sub(1, ack=True, max_in_flight=10))
+        assert m.flush() == []
+        publish(pub, 25)
+        _, by_sid, others = split(m.flush())
+        assert len(by_sid[1]) == 10 and others == [GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1][:4])))
+        frames = m.flush()
+        assert frames[0] == GroupNotice(1, GroupEvent.RESUMED, 6, 0)  # 10 held, 4 acknowledged
+        _, by_sid, others = split(frames)
+        assert [int(msg.payload) for msg, _ in by_sid[1]] == [10, 11, 12, 13]  # the backlog, after it
+        assert others == [GroupNotice(1, GroupEvent.RESUMED, 6, 0), GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
+
+
 def test_a_moving_vbucket_waits_for_its_old_member_then_goes_on_in_order(start_server: Any) -> None:
     server: ServerProcess = start_server(workers=1)
     with Wire.hello(server.address) as pub, Wire.hello(server.address) as old:

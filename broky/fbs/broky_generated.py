@@ -49,8 +49,11 @@ class ErrorCode(object):
     TOO_MANY_CONNECTIONS = 20
     # A Subscribe or Read named a position this worker cannot use: an offset
     # past the last one it accepted in that epoch, or a vbucket named twice
-    # (in `since`, `start` or `stop`). Not fatal: that vbucket starts live
-    # (Subscribe), or is skipped, with no ReadDone (Read); sid or rid set.
+    # (in `since`, `start` or `stop`; for a Read also a `vbuckets` entry past
+    # 1023 or named twice, or a key_partition whose vbucket `vbuckets` leaves
+    # out). Not fatal: that vbucket starts live (Subscribe: the subscription
+    # stands), or the whole Read is refused, nothing of it done (Read); sid or
+    # rid set.
     BAD_POSITION = 21
     # A Read that is not started: another read is in progress on the
     # connection (one at a time), or its rid is 0. Not fatal, rid set; the
@@ -130,7 +133,8 @@ class GroupEvent(object):
     # The member holds max_in_flight (or max_in_flight_bytes) unacknowledged
     # messages: nothing more is delivered to it until it acknowledges.
     PAUSED = 0
-    # The member has room again.
+    # The member is under both bounds again (acknowledgements or expiries);
+    # what waits for it follows the notice.
     RESUMED = 1
     # A vbucket moved to this member before its old member had acknowledged
     # `messages` messages of it (drain_timeout): those may be redelivered after
@@ -1392,7 +1396,9 @@ def ResumeEnd(builder): return builder.EndObject()
 
 
 # Client -> server: ask for a Pong carrying the same id. The server answers
-# only after it processed every frame received before the Ping. (The server
+# only after it processed every frame received before the Ping; what the
+# Pong follows on the connection, and what may come after it (deliveries
+# kept by Pause, a Read's batches and ReadDones), is section 6.4. (The server
 # never sends a Ping.)
 class Ping(object):
     __slots__ = ['_tab']
@@ -1887,7 +1893,9 @@ class GroupNotice(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-    # PAUSED: messages in flight; DRAIN_EXPIRED: messages not acknowledged.
+    # PAUSED and RESUMED: the messages the member holds unacknowledged (in
+    # flight) at the notice; DRAIN_EXPIRED: the messages the old member had not
+    # acknowledged.
     # GroupNotice
     def Messages(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -1988,7 +1996,9 @@ def MapAppliedEnd(builder): return builder.EndObject()
 
 
 # Client -> server: read a closed range of retained messages, then stop
-# (section 5.2): nothing live. Per vbucket of this worker (or of the
+# (section 5.2): nothing live. Answered by one ReadDone per vbucket, or by
+# one non-fatal Error with the rid (READ_REFUSED, BAD_PATTERN, NOT_MY_VBUCKET,
+# BAD_POSITION) and nothing else of it. Per vbucket of this worker (or of the
 # key_partition): from after `start`'s position for it (its epoch's offset
 # 0: from offset 1; another epoch: from the current epoch's offset 1, with
 # epoch_changed), or from `start_time`, else from the oldest retained; up
@@ -2246,8 +2256,10 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # `start` named another epoch, or the epoch began after `start_time`:
-    # what came before the current epoch is lost, how much is not known.
+    # `start` named another epoch: what came after that position in its epoch
+    # is lost, how much is not known (the range starts at the current epoch's
+    # offset 1). Never set for a start_time: whether an earlier epoch held
+    # messages after it, the worker does not know (section 5.2).
     # ReadDone
     def EpochChanged(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
