@@ -293,6 +293,42 @@ def test_resumed_says_how_many_the_member_still_holds(start_server: Any) -> None
         assert others == [GroupNotice(1, GroupEvent.RESUMED, 6, 0), GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
 
 
+def test_a_dead_letter_keeps_the_uid_of_the_message_it_copies(start_server: Any) -> None:
+    # schema/README.md 5.4: same key_partition, payload, ts_producer and uid; a position
+    # (the vbucket's next offset) and a ts_broker of its own.
+    server: ServerProcess = start_server(workers=1)
+    uid = bytes(range(20))
+    with (
+        Wire.hello(server.address) as pub,
+        Wire.hello(server.address) as m,
+        Wire.hello(server.address) as dead,
+    ):
+        m.send(group_sub(1, ack=True, max_deliveries=1, dead_letter=b"x.dead"))
+        dead.subscribe(1, b"x.dead")
+        assert m.flush() == [] and dead.flush() == []
+        pub.publish(KPS[0], b"o.k", b"p", ts_producer=123, uid=uid)
+        assert pub.flush() == []
+        _, by_sid, _ = split(m.flush())
+        [(original, _)] = by_sid[1]
+        m.send(Ack(1, AckKind.NACK, positions(by_sid[1]), delay_ms=0))
+        [notice] = m.flush()
+        assert isinstance(notice, LossNotice) and notice.reason == LossReason.MAX_DELIVERIES
+        [copy] = dead.messages()
+        assert copy.uid == original.uid == uid
+        assert (copy.key_partition, copy.key, copy.payload, copy.ts_producer) == (
+            KPS[0],
+            b"x.dead",
+            b"p",
+            123,
+        )
+        assert (copy.vbucket, copy.epoch, copy.offset) == (
+            original.vbucket,
+            original.epoch,
+            original.offset + 1,
+        )
+        assert copy.ts_broker >= original.ts_broker
+
+
 def test_a_moving_vbucket_waits_for_its_old_member_then_goes_on_in_order(start_server: Any) -> None:
     server: ServerProcess = start_server(workers=1)
     with Wire.hello(server.address) as pub, Wire.hello(server.address) as old:

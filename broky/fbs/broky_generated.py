@@ -246,7 +246,9 @@ def CreateKsuid(builder, bytes):
 # A message's position in its vbucket's sequence (schema/README.md section 5.1):
 # `offset` counts the messages the vbucket's owner accepted, from 1, with no
 # gaps, while `epoch` stays the same; a new epoch means the sequence may have
-# restarted (a worker or node restart, a failover).
+# restarted (a worker or node restart, a failover). An epoch belongs to one
+# vbucket: compare it only with positions of the same vbucket (the vbuckets
+# of a worker need not share one).
 class Position(object):
     __slots__ = ['_tab']
 
@@ -782,9 +784,9 @@ class VBucketMap(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         return o == 0
 
-    # Absent, or exactly 1024 entries while vbuckets are moving: the owner each
-    # vbucket is moving to, {node: 65535, worker: 65535} for one that is not
-    # (schema/README.md section 6.3).
+    # Absent, or exactly 1024 entries in a map that prepares a move: the
+    # owner each vbucket is moving to, {node: 65535, worker: 65535} for one
+    # that is not (schema/README.md section 6.3).
     # VBucketMap
     def Incoming(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
@@ -859,9 +861,9 @@ class Resumed(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # How many of those processed publishes were refused with NOT_MY_VBUCKET
-    # (each answered by an Error carrying it back): a client that received
-    # fewer such Errors on that connection lost the others with it.
+    # How many of those processed publishes were refused with NOT_MY_VBUCKET or
+    # PERMISSION_DENIED (each answered by an Error carrying it back): a client
+    # that received fewer such Errors on that connection lost the others with it.
     # Resumed
     def Refused(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -1243,8 +1245,10 @@ class Subscribe(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # With ack: the key a message is published to (same key_partition and
-    # payload) once it has had max_deliveries deliveries. Absent: dropped.
+    # With ack: the key a message is published to (same key_partition, payload,
+    # uid and ts_producer; a position and ts_broker of its own) once it has had
+    # max_deliveries deliveries. Absent: dropped. A key the group's own pattern
+    # matches, or one that breaks the pattern rules, gets BAD_GROUP.
     # Subscribe
     def DeadLetter(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
@@ -1661,7 +1665,10 @@ def LossNoticeEnd(builder): return builder.EndObject()
 # Server -> client: the next `messages` Message frames on this connection are
 # retained messages for subscription `sid` only (section 5.1), or for read
 # `rid` (section 5.2: all of one vbucket), in offset order per vbucket.
-# Exactly one of sid and rid is set.
+# Exactly one of sid and rid is set. A subscription whose Subscribe named a
+# start takes no bare Message frame before its Replay (the seam, section
+# 5.1): those were sent for the connection's other subscriptions, and its
+# start replays them (or counts them as missing).
 class Replay(object):
     __slots__ = ['_tab']
 

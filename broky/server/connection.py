@@ -117,7 +117,7 @@ class Connection(asyncio.Protocol):
         self.msgs_in = 0  # messages published by this connection
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
-        self.refused = 0  # its publishes refused with NOT_MY_VBUCKET (counted as processed)
+        self.refused = 0  # its publishes refused (NOT_MY_VBUCKET, PERMISSION_DENIED), counted as processed
         # Its secret (Welcome.resume_token): a client claims this connection's account
         # with it (broky.server.accounts); never logged, never listed.
         self.token = b""
