@@ -8,7 +8,9 @@ publisher writing pre-encoded messages as fast as TCP takes them. Reads each
 server's CPU time (/proc/<pid>/stat utime+stime, master and worker for Broky)
 around the run and prints server CPU microseconds per delivered message,
 deliveries per second and the Broky/Redis ratio. On a shared machine the
-absolute figures drift; the ratio is the steadier one (DESIGN.md).
+absolute figures drift from run to run (other processes take the CPUs, the
+clock scales); both servers run in the same run on the same machine, so the
+ratio is the steadier figure: quote it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ from broky.protocol import (
 )
 from tests.test_protocol_generated import generated_read
 
-DOC = (Path(__file__).resolve().parent.parent / "schema" / "README.md").read_text()
+SCHEMA = Path(__file__).resolve().parent.parent / "schema"
+DOC = (SCHEMA / "README.md").read_text()
+FBS = (SCHEMA / "broky.fbs").read_text()
+SCALARS = {"bool", "byte", "ubyte", "short", "ushort", "int", "uint", "long", "ulong", "float", "double"}
 
 
 def hex_dumps() -> list[bytes]:
@@ -95,6 +98,40 @@ def test_the_frame_table_names_every_body_type() -> None:
     assert Delivery._fields == ("sid", "messages", "attempt")
     assert Ack._fields == ("sid", "kind", "positions", "delay_ms")
     assert GroupNotice._fields == ("sid", "event", "messages", "vbucket")
+
+
+def schema_fields() -> dict[str, list[str]]:
+    """Every table's and struct's fields, in their order in broky.fbs."""
+    return {
+        name: re.findall(r"^\s+(\w+):", body, re.MULTILINE)
+        for name, body in re.findall(
+            r"^(?:table|struct) (\w+) \{(\}|\n.*?^\})", FBS, re.MULTILINE | re.DOTALL
+        )
+    }
+
+
+def test_every_signature_in_the_document_is_the_whole_table() -> None:
+    # `Name { field: type, ... }` written with types lists every field of that table or
+    # struct, in the schema's order: an outside client is written from these lines (the
+    # VBucketMap line once left `incoming` out). Lines with values are examples: skipped.
+    fields = schema_fields()
+    types = set(fields) | set(re.findall(r"^(?:enum|union) (\w+)", FBS, re.MULTILINE)) | SCALARS | {"string"}
+    checked = set()
+    for name, inner in re.findall(r"\b([A-Z]\w*) \{ ([^{}`]*?);? \}", DOC):
+        if name not in fields:
+            continue
+        entries = [
+            re.fullmatch(r"(\w+): \[?(\w+)\]?(?: \(required\)| = -?\d+)?", e.strip())
+            for e in re.split(r"[,;]", inner)
+        ]
+        if not all(e is not None and e.group(2) in types for e in entries):
+            continue
+        assert [e.group(1) for e in entries if e] == fields[name], name
+        checked.add(name)
+    assert checked >= {
+        "Frame", "PreviousConnection", "Resumed", "VBucketMap", "Node", "VBucketOwner", "Position",
+        "Delivery", "Ack", "GroupNotice", "MapUpdate", "MapApplied", "Ping", "LossNotice", "Error",
+    }  # fmt: skip
 
 
 def test_the_error_table_names_every_error_code() -> None:

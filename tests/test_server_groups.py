@@ -275,6 +275,60 @@ def test_max_in_flight_pauses_a_member_with_a_notice_and_its_acks_resume_it(star
         assert debug_stats(server)["workers"][0]["group_paused"] >= 2
 
 
+def test_resumed_says_how_many_the_member_still_holds(start_server: Any) -> None:
+    # schema/README.md 5.4: RESUMED carries the messages the member still holds
+    # unacknowledged, and comes before what the backlog then sends it.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as m:
+        m.send(group_sub(1, ack=True, max_in_flight=10))
+        assert m.flush() == []
+        publish(pub, 25)
+        _, by_sid, others = split(m.flush())
+        assert len(by_sid[1]) == 10 and others == [GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
+        m.send(Ack(1, AckKind.ACK, positions(by_sid[1][:4])))
+        frames = m.flush()
+        assert frames[0] == GroupNotice(1, GroupEvent.RESUMED, 6, 0)  # 10 held, 4 acknowledged
+        _, by_sid, others = split(frames)
+        assert [int(msg.payload) for msg, _ in by_sid[1]] == [10, 11, 12, 13]  # the backlog, after it
+        assert others == [GroupNotice(1, GroupEvent.RESUMED, 6, 0), GroupNotice(1, GroupEvent.PAUSED, 10, 0)]
+
+
+def test_a_dead_letter_keeps_the_uid_of_the_message_it_copies(start_server: Any) -> None:
+    # schema/README.md 5.4: same key_partition, payload, ts_producer and uid; a position
+    # (the vbucket's next offset) and a ts_broker of its own.
+    server: ServerProcess = start_server(workers=1)
+    uid = bytes(range(20))
+    with (
+        Wire.hello(server.address) as pub,
+        Wire.hello(server.address) as m,
+        Wire.hello(server.address) as dead,
+    ):
+        m.send(group_sub(1, ack=True, max_deliveries=1, dead_letter=b"x.dead"))
+        dead.subscribe(1, b"x.dead")
+        assert m.flush() == [] and dead.flush() == []
+        pub.publish(KPS[0], b"o.k", b"p", ts_producer=123, uid=uid)
+        assert pub.flush() == []
+        _, by_sid, _ = split(m.flush())
+        [(original, _)] = by_sid[1]
+        m.send(Ack(1, AckKind.NACK, positions(by_sid[1]), delay_ms=0))
+        [notice] = m.flush()
+        assert isinstance(notice, LossNotice) and notice.reason == LossReason.MAX_DELIVERIES
+        [copy] = dead.messages()
+        assert copy.uid == original.uid == uid
+        assert (copy.key_partition, copy.key, copy.payload, copy.ts_producer) == (
+            KPS[0],
+            b"x.dead",
+            b"p",
+            123,
+        )
+        assert (copy.vbucket, copy.epoch, copy.offset) == (
+            original.vbucket,
+            original.epoch,
+            original.offset + 1,
+        )
+        assert copy.ts_broker >= original.ts_broker
+
+
 def test_a_moving_vbucket_waits_for_its_old_member_then_goes_on_in_order(start_server: Any) -> None:
     server: ServerProcess = start_server(workers=1)
     with Wire.hello(server.address) as pub, Wire.hello(server.address) as old:
@@ -382,6 +436,51 @@ def test_a_version_2_client_is_still_served(start_server: Any) -> None:
         assert old.flush() == []
         publish(pub, 5)
         assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]
+
+
+def test_a_version_2_connection_is_served_as_version_2(start_server: Any) -> None:
+    # The version is settled by the Hello (schema/README.md 11): a connection that said 2
+    # is never made a group member (it could not tell one from a plain subscription, and
+    # would be sent Delivery frames it does not know); the frames version 3 added are
+    # unknown body types on it.
+    from broky.protocol import Delivery, Hello, Welcome
+
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as member:
+        member.send(group_sub(1, ack=True))
+        assert member.flush() == []
+        with Wire(server.address) as old:
+            old.send(Hello(2, client_name="v2"))
+            assert old.expect(Welcome).protocol_version == 3
+            old.send(group_sub(1, ack=True))  # the member's group: refused, not joined
+            (err,) = old.flush()
+            assert isinstance(err, Error) and err.code == ErrorCode.BAD_GROUP and err.sid == 1
+            assert not err.fatal and "Hello said 2" in (err.message or "")
+            old.subscribe(2, b"o.>")  # a plain subscription, as version 2 has them
+            assert old.flush() == []
+            publish(pub, 5)
+            assert [m.payload for m in old.messages()] == [b"%d" % i for i in range(5)]  # bare
+            _, by_sid, _ = split(member.flush())
+            assert [int(m.payload) for m, _ in by_sid[1]] == list(range(5))  # the group's one member
+            member.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+            assert member.flush() == []
+            old.send(Ack(1, AckKind.ACK, positions(by_sid[1])))
+            (err,) = old.expect_closed()
+            assert isinstance(err, Error) and err.code == ErrorCode.UNKNOWN_FRAME and err.fatal
+            assert "body type 19" in (err.message or "")
+        for frame, code in (
+            (Delivery(1, 1), ErrorCode.UNKNOWN_FRAME),
+            (GroupNotice(1, GroupEvent.PAUSED), ErrorCode.UNKNOWN_FRAME),
+        ):
+            with Wire(server.address) as old:
+                old.send(Hello(2), frame)
+                old.expect(Welcome)
+                (err,) = old.expect_closed()
+                assert isinstance(err, Error) and err.code == code and err.fatal, err
+        with Wire.hello(server.address) as new:  # on version 3 they are frames only a server sends
+            new.send(Delivery(1, 1))
+            (err,) = new.expect_closed()
+            assert isinstance(err, Error) and err.code == ErrorCode.UNEXPECTED_FRAME and err.fatal
 
 
 def test_a_resume_by_positions_is_told_the_group_deliveries_it_lost(start_server: Any) -> None:

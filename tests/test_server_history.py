@@ -11,14 +11,17 @@ import time
 from typing import Any
 
 from broky.errors import ErrorCode
+from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import (
     Error,
     Frame,
     LossNotice,
     LossReason,
     Message,
+    Pause,
     PreviousConnection,
     Replay,
+    Resume,
     Subscribe,
     encode_message,
 )
@@ -81,6 +84,55 @@ def test_since_a_position_replays_the_rest_then_live_with_no_gap_or_duplicate(
             assert head.sid == 1 and head.ts > 0
             publish(pub, 50, 55)
             assert payloads(again.messages()) == list(range(50, 55))  # live, right after
+
+
+def dispatch(frames: list[Frame], patterns: dict[int, bytes], waiting: set[int]) -> dict[int, list[int]]:
+    """Each subscription's payloads, dispatched as schema/README.md 5 and 5.1 say: the
+    messages after a Replay to its sid alone; a bare one to every matching subscription,
+    except one in `waiting` (its Subscribe named a start) until its Replay has come."""
+    got: dict[int, list[int]] = {sid: [] for sid in patterns}
+    tokens = {sid: parse_pattern(p) for sid, p in patterns.items()}
+    i = 0
+    while i < len(frames):
+        f = frames[i]
+        if isinstance(f, Replay):
+            waiting.discard(f.sid)
+            got[f.sid] += payloads(frames[i + 1 : i + 1 + f.messages])  # type: ignore[arg-type]
+            i += 1 + f.messages
+            continue
+        if isinstance(f, Message):
+            for sid, t in tokens.items():
+                if sid not in waiting and pattern_matches(t, f.key):
+                    got[sid].append(int(f.payload))
+        i += 1
+    return got
+
+
+def test_the_seam_a_started_subscription_takes_no_bare_message_before_its_replay(
+    start_server: Any,
+) -> None:
+    # schema/README.md 5.1, "The seam, on the client": bare messages for the connection's
+    # other subscriptions that arrive before a start's Replay are in that replay too.
+    # Pause makes them certain: kept, they come out ahead of the Replay.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as c:
+        c.subscribe(1, b"h.*")
+        assert c.flush() == []
+        publish(pub, 0, 5)
+        got = c.messages()
+        c.send(Pause())
+        assert c.flush() == []  # the Pong is not kept
+        publish(pub, 5, 10)  # kept for sid 1
+        c.send(Subscribe(2, b"h.>", since=(Position(VB, got[-1].epoch, got[-1].offset),)), Resume())
+        frames = c.flush()
+        publish(pub, 10, 15)
+        frames += c.flush()
+        assert [type(f).__name__ for f in frames] == ["Message"] * 5 + ["Replay"] + ["Message"] * 10
+        patterns = {1: b"h.*", 2: b"h.>"}
+        by_rule = dispatch(frames, patterns, waiting={2})
+        assert by_rule == {1: list(range(5, 15)), 2: list(range(5, 15))}  # once each, in order
+        literal = dispatch(frames, patterns, waiting=set())  # §5's rule alone: twice, out of order
+        assert literal[2] == [*range(5, 10), *range(5, 15)]
 
 
 def test_since_time_and_last_n_choose_from_the_retained(start_server: Any) -> None:

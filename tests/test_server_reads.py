@@ -218,6 +218,44 @@ def test_another_epoch_starts_the_current_one_from_its_first_offset(start_server
         assert got.messages == [] and (got.done().next, got.done().epoch_changed) == (1, True)
 
 
+def test_a_start_time_never_says_epoch_changed(start_server: Any) -> None:
+    # schema/README.md 5.2: epoch_changed is for a `start` of another epoch only. On a fresh
+    # server every epoch began after a start_time of 1 ns past 1970: whether an earlier epoch
+    # held anything after it, the worker does not know, and does not say.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 5)
+        got = read(reader, Read(1, b">", start_time=1))
+        assert got.payloads() == list(range(5)) and len(got.dones) == VBUCKETS
+        assert not any(d.epoch_changed or d.evicted for d in got.dones.values())
+
+
+def test_a_pong_after_a_read_follows_its_refusal_and_fixed_ranges_not_its_answer(start_server: Any) -> None:
+    # schema/README.md 5.2 "A Read and the Pong of a later Ping", 6.4: the Pong follows a
+    # refused Read's Error; after an accepted one it says that the ranges are fixed, while
+    # the batches and ReadDones go out as the connection drains, before or after it.
+    server: ServerProcess = start_server(workers=1)
+    with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:
+        publish(pub, 0, 5)
+        reader.send(Read(1, b"a..b"))
+        [refusal] = reader.flush()
+        assert isinstance(refusal, Error) and refusal.code == ErrorCode.BAD_PATTERN and refusal.rid == 1
+        # Paused: nothing of the read goes out before Resume, and the Pong does.
+        reader.send(Pause(), Read(2, b">"))
+        assert reader.flush() == []  # no Error of rid 2: accepted
+        publish(pub, 5, 8)  # after the Pong: not in the read
+        reader.send(Resume())
+        got = take(reader, 2)
+        assert got.payloads() == list(range(5)) and got.done().next == 6 and len(got.dones) == VBUCKETS
+        # Not paused: every ReadDone comes, some before the Pong, the rest after it.
+        reader.send(Read(3, b">"))
+        before = reader.flush()
+        assert not [f for f in before if isinstance(f, Error)]
+        got = take(reader, 3, received=before)
+        assert got.payloads() == list(range(8)) and len(got.dones) == VBUCKETS
+        reader.expect_silence()
+
+
 def test_bad_reads_are_refused_and_the_connection_stays(start_server: Any) -> None:
     server: ServerProcess = start_server(workers=1)
     with Wire.hello(server.address) as pub, Wire.hello(server.address) as reader:

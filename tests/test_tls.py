@@ -294,6 +294,37 @@ def test_a_stalled_or_garbled_tls_handshake_is_closed_and_counted(
     assert metric(server, "broky_tls_handshake_failures_total", ctx, reason="protocol") == 1
 
 
+def test_handshake_refusals_come_in_the_documented_order(
+    start_server: Callable[..., ServerProcess], certs: Path
+) -> None:
+    # schema/README.md 2 and 2.1: when several refusals apply, the first in the order
+    # wins; TLS_UNAVAILABLE is checked before TLS_REQUIRED.
+    from broky.protocol import Error, Hello, decode_frame, encode_frame
+
+    def refusal(server: ServerProcess, hello: Hello) -> int:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(encode_frame(hello))
+            data = b""
+            while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+                chunk = s.recv(65536)
+                assert chunk, f"closed without an Error: {data!r}"
+                data += chunk
+        frame = decode_frame(data)
+        assert isinstance(frame, Error) and frame.fatal, frame
+        return frame.code
+
+    plain = start_server("--auth-token", "t0ken", workers=1)
+    tls = start_server(*tls_args(certs, "--auth-token", "t0ken"), workers=1)
+    # a Hello asking for TLS with a secret, of a worker that does not exist
+    assert refusal(plain, Hello(1, tls=True, auth_token="s")) == ErrorCode.UNSUPPORTED_VERSION
+    assert refusal(plain, Hello(worker=7, auth_token="s", tls=True)) == ErrorCode.TLS_UNAVAILABLE
+    assert refusal(tls, Hello(worker=7, auth_token="s", tls=True)) == ErrorCode.TLS_REQUIRED
+    # a plain Hello with a wrong token, of a worker that does not exist
+    assert refusal(tls, Hello(worker=7, auth_token="wrong")) == ErrorCode.TLS_REQUIRED
+    assert refusal(plain, Hello(worker=7, auth_token="wrong")) == ErrorCode.AUTH_FAILED
+    assert refusal(plain, Hello(worker=7, auth_token="t0ken")) == ErrorCode.NO_SUCH_WORKER
+
+
 def test_a_malformed_hello_inside_tls_is_refused_and_its_connection_closed(
     start_server: Callable[..., ServerProcess], certs: Path
 ) -> None:

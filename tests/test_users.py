@@ -244,3 +244,30 @@ def test_a_client_certificate_subject_stands_for_the_user(
             assert (await sub.next_msg(5)).payload == b"gw"
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_resume_counts_publishes_refused_for_permissions_in_refused(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    # schema/README.md 3, 7.1: Welcome.resumed.refused counts the processed publishes refused
+    # with PERMISSION_DENIED as it counts NOT_MY_VBUCKET's: an Error carried each back.
+    from broky.protocol import Error, PreviousConnection, Resumed
+    from tests.wire import Wire, kp_for_worker
+
+    server = start_server("--users", str(users_file(tmp_path / "users.toml", ["orders.>"])), workers=2)
+    mine, theirs = kp_for_worker(0, 2), kp_for_worker(1, 2)
+    with Wire.hello(server.address, worker=0, token="alice:apw") as first:
+        first.publish(mine, b"orders.secret.a")  # denied
+        first.publish(theirs, b"orders.a")  # worker 1's
+        first.publish(mine, b"orders.a")  # served
+        errors = first.flush()
+        assert [(e.code, e.fatal) for e in errors if isinstance(e, Error)] == [
+            (ErrorCode.PERMISSION_DENIED, False),
+            (ErrorCode.NOT_MY_VBUCKET, False),
+        ]
+        welcome = first.welcome
+    assert welcome is not None
+    prev = PreviousConnection(welcome.connection_id, 0, 0, welcome.resume_token)
+    with Wire.hello(server.address, worker=0, token="alice:apw", previous=prev) as again:
+        assert again.welcome is not None
+        assert again.welcome.resumed == Resumed(welcome.connection_id, 3, 2)

@@ -15,7 +15,8 @@ class ErrorCode(object):
     MALFORMED_FRAME = 1
     # The size prefix exceeds max_frame_bytes.
     FRAME_TOO_LARGE = 2
-    # A FlatBuffer with an unknown body type.
+    # A FlatBuffer with a body type unknown in the connection's protocol version
+    # (above 20; or 18 to 20, version 3's, on a connection whose Hello said 2).
     UNKNOWN_FRAME = 3
     # The connection ended, or went silent, inside a frame.
     TRUNCATED_FRAME = 4
@@ -48,8 +49,11 @@ class ErrorCode(object):
     TOO_MANY_CONNECTIONS = 20
     # A Subscribe or Read named a position this worker cannot use: an offset
     # past the last one it accepted in that epoch, or a vbucket named twice
-    # (in `since`, `start` or `stop`). Not fatal: that vbucket starts live
-    # (Subscribe), or is skipped, with no ReadDone (Read); sid or rid set.
+    # (in `since`, `start` or `stop`; for a Read also a `vbuckets` entry past
+    # 1023 or named twice, or a key_partition whose vbucket `vbuckets` leaves
+    # out). Not fatal: that vbucket starts live (Subscribe: the subscription
+    # stands), or the whole Read is refused, nothing of it done (Read); sid or
+    # rid set.
     BAD_POSITION = 21
     # A Read that is not started: another read is in progress on the
     # connection (one at a time), or its rid is 0. Not fatal, rid set; the
@@ -57,8 +61,10 @@ class ErrorCode(object):
     READ_REFUSED = 22
     # Version 3: a group Subscribe that cannot join its group: its settings
     # (key_shared, ack and the ack settings) differ from those of the group's
-    # members on this worker, or it also asks for since, since_time or last.
-    # Not fatal, sid set, no subscription created.
+    # members on this worker, it also asks for since, since_time or last, its
+    # dead_letter is not a valid key or is one its own pattern matches, or its
+    # connection's Hello said version 2. Not fatal, sid set, no subscription
+    # created.
     BAD_GROUP = 23
     # The handshake is refused: this server requires TLS and the Hello did not
     # ask for it (Hello.tls), or a Hello asking for TLS carried a secret.
@@ -127,7 +133,8 @@ class GroupEvent(object):
     # The member holds max_in_flight (or max_in_flight_bytes) unacknowledged
     # messages: nothing more is delivered to it until it acknowledges.
     PAUSED = 0
-    # The member has room again.
+    # The member is under both bounds again (acknowledgements or expiries);
+    # what waits for it follows the notice.
     RESUMED = 1
     # A vbucket moved to this member before its old member had acknowledged
     # `messages` messages of it (drain_timeout): those may be redelivered after
@@ -239,7 +246,9 @@ def CreateKsuid(builder, bytes):
 # A message's position in its vbucket's sequence (schema/README.md section 5.1):
 # `offset` counts the messages the vbucket's owner accepted, from 1, with no
 # gaps, while `epoch` stays the same; a new epoch means the sequence may have
-# restarted (a worker or node restart, a failover).
+# restarted (a worker or node restart, a failover). An epoch belongs to one
+# vbucket: compare it only with positions of the same vbucket (the vbuckets
+# of a worker need not share one).
 class Position(object):
     __slots__ = ['_tab']
 
@@ -535,7 +544,8 @@ class Hello(object):
         self._tab = flatbuffers.table.Table(buf, pos)
 
     # Protocol version the client speaks; this document describes version 3
-    # (a version-3 server also serves 2; absent: 1, which it refuses:
+    # (a version-3 server also serves 2, as version 2: no groups, and the frames
+    # version 3 added are unknown there; absent: 1, which it refuses:
     # schema/README.md section 11).
     # Hello
     def ProtocolVersion(self):
@@ -774,9 +784,9 @@ class VBucketMap(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
         return o == 0
 
-    # Absent, or exactly 1024 entries while vbuckets are moving: the owner each
-    # vbucket is moving to, {node: 65535, worker: 65535} for one that is not
-    # (schema/README.md section 6.3).
+    # Absent, or exactly 1024 entries in a map that prepares a move: the
+    # owner each vbucket is moving to, {node: 65535, worker: 65535} for one
+    # that is not (schema/README.md section 6.3).
     # VBucketMap
     def Incoming(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
@@ -851,9 +861,9 @@ class Resumed(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # How many of those processed publishes were refused with NOT_MY_VBUCKET
-    # (each answered by an Error carrying it back): a client that received
-    # fewer such Errors on that connection lost the others with it.
+    # How many of those processed publishes were refused with NOT_MY_VBUCKET or
+    # PERMISSION_DENIED (each answered by an Error carrying it back): a client
+    # that received fewer such Errors on that connection lost the others with it.
     # Resumed
     def Refused(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -1145,7 +1155,8 @@ class Subscribe(object):
     # Version 3 (section 5.3). Set: this subscription is a member of the group
     # of that name for this pattern (and key_partition): each matching message
     # goes to one member only, announced by a Delivery frame. Not with
-    # since, since_time or last (a group starts live).
+    # since, since_time or last (a group starts live), nor on a connection whose
+    # Hello said version 2 (BAD_GROUP, section 11).
     # Subscribe
     def Group(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
@@ -1234,8 +1245,10 @@ class Subscribe(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # With ack: the key a message is published to (same key_partition and
-    # payload) once it has had max_deliveries deliveries. Absent: dropped.
+    # With ack: the key a message is published to (same key_partition, payload,
+    # uid and ts_producer; a position and ts_broker of its own) once it has had
+    # max_deliveries deliveries. Absent: dropped. A key the group's own pattern
+    # matches, or one that breaks the pattern rules, gets BAD_GROUP.
     # Subscribe
     def DeadLetter(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
@@ -1387,7 +1400,9 @@ def ResumeEnd(builder): return builder.EndObject()
 
 
 # Client -> server: ask for a Pong carrying the same id. The server answers
-# only after it processed every frame received before the Ping. (The server
+# only after it processed every frame received before the Ping; what the
+# Pong follows on the connection, and what may come after it (deliveries
+# kept by Pause, a Read's batches and ReadDones), is section 6.4. (The server
 # never sends a Ping.)
 class Ping(object):
     __slots__ = ['_tab']
@@ -1667,7 +1682,10 @@ def LossNoticeEnd(builder): return builder.EndObject()
 # Server -> client: the next `messages` Message frames on this connection are
 # retained messages for subscription `sid` only (section 5.1), or for read
 # `rid` (section 5.2: all of one vbucket), in offset order per vbucket.
-# Exactly one of sid and rid is set.
+# Exactly one of sid and rid is set. A subscription whose Subscribe named a
+# start takes no bare Message frame before its Replay (the seam, section
+# 5.1): those were sent for the connection's other subscriptions, and its
+# start replays them (or counts them as missing).
 class Replay(object):
     __slots__ = ['_tab']
 
@@ -1899,7 +1917,9 @@ class GroupNotice(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-    # PAUSED: messages in flight; DRAIN_EXPIRED: messages not acknowledged.
+    # PAUSED and RESUMED: the messages the member holds unacknowledged (in
+    # flight) at the notice; DRAIN_EXPIRED: the messages the old member had not
+    # acknowledged.
     # GroupNotice
     def Messages(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
@@ -2000,7 +2020,9 @@ def MapAppliedEnd(builder): return builder.EndObject()
 
 
 # Client -> server: read a closed range of retained messages, then stop
-# (section 5.2): nothing live. Per vbucket of this worker (or of the
+# (section 5.2): nothing live. Answered by one ReadDone per vbucket, or by
+# one non-fatal Error with the rid (READ_REFUSED, BAD_PATTERN, NOT_MY_VBUCKET,
+# BAD_POSITION) and nothing else of it. Per vbucket of this worker (or of the
 # key_partition): from after `start`'s position for it (its epoch's offset
 # 0: from offset 1; another epoch: from the current epoch's offset 1, with
 # epoch_changed), or from `start_time`, else from the oldest retained; up
@@ -2258,8 +2280,10 @@ class ReadDone(object):
             return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
         return 0
 
-    # `start` named another epoch, or the epoch began after `start_time`:
-    # what came before the current epoch is lost, how much is not known.
+    # `start` named another epoch: what came after that position in its epoch
+    # is lost, how much is not known (the range starts at the current epoch's
+    # offset 1). Never set for a start_time: whether an earlier epoch held
+    # messages after it, the worker does not know (section 5.2).
     # ReadDone
     def EpochChanged(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))

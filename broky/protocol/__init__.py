@@ -6,9 +6,11 @@ socket, so every piece can be fuzzed and benchmarked alone.
 
 from broky.protocol.frames import (
     ANY_WORKER,
+    GROUPS_VERSION,
     PROTOCOL_VERSION,
     RESUME_TOKEN_BYTES,
     SERVED_VERSIONS,
+    VERSION_3_FRAMES,
     Ack,
     AckKind,
     Delivery,
@@ -47,12 +49,14 @@ from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap, vbu
 __all__ = [
     "ANY_WORKER",
     "DEFAULT_MAX_FRAME_BYTES",
+    "GROUPS_VERSION",
     "NEED_DATA",
     "NO_OWNER",
     "PROTOCOL_VERSION",
     "RESUME_TOKEN_BYTES",
     "SERVED_VERSIONS",
     "VBUCKETS",
+    "VERSION_3_FRAMES",
     "Ack",
     "AckKind",
     "Delivery",

@@ -34,8 +34,11 @@ from broky.protocol.routing import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap
 from broky.protocol.table import Buffer, Table, malformed, out_of_buffer, root
 
 PROTOCOL_VERSION = 3  # schema/README.md, section 11: what changed in versions 2 and 3
-# Versions a server serves (a version-2 client never sends nor receives a version-3 frame).
+# Versions a server serves. A connection speaks the one its Hello named: on a version-2
+# connection the frames version 3 added are unknown (VERSION_3_FRAMES) and a Subscribe's
+# group is refused (GROUPS_VERSION).
 SERVED_VERSIONS = frozenset((2, 3))
+GROUPS_VERSION = 3  # the version that added groups and acknowledgements (section 5.3, 5.4)
 ANY_WORKER = -1
 RESUME_TOKEN_BYTES = 16  # Welcome.resume_token, as the server issues it
 
@@ -236,8 +239,12 @@ class GroupNotice(NamedTuple):
 
     sid: int
     event: int
-    messages: int = 0  # PAUSED: in flight; DRAIN_EXPIRED: not acknowledged by the old member
+    messages: int = 0  # PAUSED, RESUMED: in flight; DRAIN_EXPIRED: not acknowledged by the old member
     vbucket: int = 0
+
+
+# The frames (body types 18 to 20) that version 3 added: unknown on a version-2 connection.
+VERSION_3_FRAMES: frozenset[type] = frozenset((Delivery, Ack, GroupNotice))
 
 
 class Goodbye(NamedTuple):
@@ -1120,8 +1127,10 @@ def error_frame(
 
 __all__ = [
     "ANY_WORKER",
+    "GROUPS_VERSION",
     "PROTOCOL_VERSION",
     "SERVED_VERSIONS",
+    "VERSION_3_FRAMES",
     "Ack",
     "AckKind",
     "Delivery",

@@ -14,9 +14,10 @@ answer it exactly, someone must still know, for that connection:
   dropped    deliveries the worker dropped for it (slow consumer); minus the
              LossNotice counts the client says it was told, that is what it was
              never told;
-  refused    of the processed publishes, those refused with NOT_MY_VBUCKET
-             (Welcome.resumed.refused): an Error carried each back, so a client
-             that received fewer of them lost the others with the connection.
+  refused    of the processed publishes, those refused with NOT_MY_VBUCKET or
+             PERMISSION_DENIED (Welcome.resumed.refused): an Error carried each
+             back, so a client that received fewer of them lost the others with
+             the connection.
   cut        the worker closed it to stay within its memory budget
              (broky.server.memory_budget): what it lost with the connection
              is then told as SLOW_CONSUMER, not CONNECTION_LOST.

@@ -117,6 +117,7 @@ class Arrivals:
             self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
             return
         c.client_name = hello.client_name
+        c.version = hello.protocol_version
         users = self.users
         if users is not None:  # (a TLS client's certificate may name its user: mutual TLS)
             cert = c.transport.get_extra_info("peercert")

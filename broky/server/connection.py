@@ -38,6 +38,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broky.matching import GT
+from broky.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from broky.server.accounts import Account
@@ -71,7 +72,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms", "cap", "group_owed", "group_lost", "group_untold",
+        "perms", "version", "cap", "group_owed", "group_lost", "group_untold",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -81,6 +82,9 @@ class Connection(asyncio.Protocol):
         self.conn_id = conn_id
         self.peer = "?"
         self.client_name: str | None = None
+        # The protocol version its Hello named (set when it is welcomed): a version-2
+        # connection is served as version 2 (broky.server.control, schema/README.md 11).
+        self.version = PROTOCOL_VERSION
         self.state = OPEN
         self.rest = b""  # start of an incomplete frame
         self.partial_since = 0.0  # monotonic time of the last read that left `rest`
@@ -117,7 +121,7 @@ class Connection(asyncio.Protocol):
         self.msgs_in = 0  # messages published by this connection
         self.msgs_out = 0  # messages delivered to it
         self.dropped_total = 0  # deliveries to it dropped (slow consumer)
-        self.refused = 0  # its publishes refused with NOT_MY_VBUCKET (counted as processed)
+        self.refused = 0  # its publishes refused (NOT_MY_VBUCKET, PERMISSION_DENIED), counted as processed
         # Its secret (Welcome.resume_token): a client claims this connection's account
         # with it (broky.server.accounts); never logged, never listed.
         self.token = b""

@@ -12,6 +12,13 @@ Resume restarts a read the Pause held up.
 
 Theory of operation
 -------------------
+Versions: a connection speaks the version its Hello named (Connection.version).
+On a version-2 connection the frames version 3 added (Delivery, Ack, GroupNotice)
+are unknown body types, a fatal UNKNOWN_FRAME, and a Subscribe that names a group
+is refused (BAD_GROUP, broky.server.groups): such a connection is served exactly
+as version 2 says, never made a group member that a version-2 client could not
+tell from a plain subscription (schema/README.md 11).
+
 Permissions (--users, broky.server.users): a Subscribe of a connection whose
 user may not subscribe to its pattern (or use groups) gets a non-fatal
 PERMISSION_DENIED and creates nothing (`deny`, counted per user);
@@ -36,6 +43,8 @@ from typing import TYPE_CHECKING
 from broky.errors import BadPatternError, ErrorCode
 from broky.matching import parse_pattern
 from broky.protocol import (
+    GROUPS_VERSION,
+    VERSION_3_FRAMES,
     Ack,
     LossNotice,
     LossReason,
@@ -50,6 +59,7 @@ from broky.protocol import (
     decode_frame,
     encode_frame,
 )
+from broky.protocol.message import body_type
 from broky.protocol.routing import vbucket_of
 from broky.server.connection import Connection, Subscription
 
@@ -116,6 +126,12 @@ class ControlFrames:
         read (a Pong carries it)."""
         frame = decode_frame(data, pos, end)
         kind = type(frame)
+        if kind in VERSION_3_FRAMES and c.version < GROUPS_VERSION:
+            self.fatal(
+                c, ErrorCode.UNKNOWN_FRAME, f"unknown frame body type {body_type(data, pos, end)} in "
+                f"protocol version {c.version} (this connection's Hello; {kind.__name__} is version 3's)",
+            )  # fmt: skip
+            return
         if kind is Subscribe:
             self.subscribe(c, frame, t0)  # type: ignore[arg-type]
         elif kind is Unsubscribe:

@@ -1,7 +1,8 @@
 """Consumer groups and acknowledgements: each message of a group goes to one member.
 
 A group Subscribe (schema/README.md 5.3) makes its subscription a `Member` of
-the `Group` named by (group name, pattern, key_partition) on this worker. The
+the `Group` named by (group name, pattern, key_partition) on this worker (one
+of a connection whose Hello said version 2 is refused: BAD_GROUP). The
 subscription stays in the worker's subscription table (broky.matching), and
 the table compiles the groups matching a key into the delivery plan beside the
 plain connections (broky.server.connection `compile_plan`); a route with
@@ -83,6 +84,7 @@ from typing import TYPE_CHECKING, Any
 from broky.errors import ErrorCode
 from broky.matching import Matcher, parse_pattern, pattern_matches
 from broky.protocol import (
+    GROUPS_VERSION,
     AckKind,
     Delivery,
     GroupEvent,
@@ -417,6 +419,12 @@ class GroupDelivery:
     def join_group(self, c: Connection, s: Subscription, sub: Subscribe) -> bool:
         """Make s a member of its group (created with the first); False: refused (BAD_GROUP)."""
         assert sub.group is not None
+        if c.version < GROUPS_VERSION:  # never a member a version-2 client cannot tell from a plain one
+            self.error(
+                c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: groups are protocol version "
+                f"{GROUPS_VERSION}'s; this connection's Hello said {c.version}", sub.sid,
+            )  # fmt: skip
+            return False
         if sub.since or sub.since_time or sub.last:
             self.error(
                 c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: a group member starts live "
