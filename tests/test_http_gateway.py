@@ -438,8 +438,127 @@ def test_an_id_the_server_cannot_use_resumes_its_vbucket_and_says_so(server: Ser
     # it never had (told to this stream alone: the subscription's own LossNotice).
     assert loss == [
         {"dropped": None, "reason": "resume_unknown", "scope": "stream"},
-        {"dropped": 0, "reason": "epoch_changed", "scope": "stream"},
+        {"dropped": None, "reason": "epoch_changed", "scope": "stream"},  # how many: not known
     ]
+
+
+@pytest.mark.timeout(90)
+def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable[..., ServerProcess]) -> None:
+    # Without a replay buffer a start from a time is told EVICTED without a count (the
+    # protocol's 0: schema/README.md 5.1); the stream must say null, not "0 lost". A resume
+    # with Last-Event-ID across a cut starts the vbuckets it reached from their positions
+    # (an exact count) and the others from a time (unknown): neither may read as 0.
+    s = start_server("--replay-bytes", "0")
+    url = f"{base(s)}/v1/sub/unk.>"
+    began = time.time()
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        async with broky.connect(s.url) as client:
+            for i in range(40):
+                await client.publish(PARTITIONS[i % 8], "unk.early", b"early")
+            await client.flush()
+            ndjson = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-m", "3", f"{url}?since_time={began:.6f}", stdout=subprocess.PIPE
+            )  # fmt: skip
+            out, _ = await ndjson.communicate()
+            told = [json.loads(x)["loss"] for x in out.split(b"\n") if x.startswith(b'{"loss"')]
+            first = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-H", "Accept: text/event-stream", url, stdout=subprocess.PIPE
+            )
+            await _warm_up(client, first, "unk.warm")
+            for i in range(80):
+                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+            lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"u-' in x) >= 40)
+            first.kill()
+            await first.wait()
+            got = sum(1 for x in lines if b'"u-' in x)
+            last_id = [e for e in _events(lines) if "id" in e][-1]["id"]
+            for i in range(80, 160):  # while it is away: gone (nothing is retained)
+                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+            await client.flush()
+            second = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-m", "3", "-H", "Accept: text/event-stream",
+                "-H", f"Last-Event-ID: {last_id}", url, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            more, _ = await second.communicate()
+            resumed = [json.loads(e["data"]) for e in _events(more.split(b"\n")) if e.get("event") == "loss"]
+            return told, resumed, 160 - got
+
+    told, resumed, lost = asyncio.run(main())
+    assert told and all(t == {"dropped": None, "reason": "evicted", "scope": "stream"} for t in told), told
+    assert resumed, "the resume was told nothing"
+    counts = [r["dropped"] for r in resumed]
+    assert all(n is None or n > 0 for n in counts), resumed  # never "0 lost"
+    assert sum(n for n in counts if n is not None) <= lost, (resumed, lost)
+
+
+def test_an_id_resolves_as_often_as_it_is_sent() -> None:
+    # A resume that dies before its first event is sent the same Last-Event-ID again (a
+    # browser keeps the last id it got): the ledger must still find it, with the same answer.
+    from broky.server.gateway import Ledger
+
+    ledger = Ledger(1, "secret", 0)
+    for offset in range(1, 11):
+        ledger.add((offset % 3, 7, offset))
+    first = ledger.resume_at(2, 7, 5)
+    assert first == {1: (7, 4), 2: (7, 5), 0: (7, 3)}
+    assert ledger.resume_at(2, 7, 5) == first  # sent again: the same positions
+    assert ledger.resume_at(1, 7, 4) == {1: (7, 4), 2: (7, 2), 0: (7, 3)}  # an earlier one too
+    assert ledger.resume_at(2, 7, 5) is None  # (forgotten: events after the one resumed are sent again)
+    ledger.add((2, 7, 5))
+    assert ledger.resume_at(2, 7, 5) == first
+
+
+@pytest.mark.timeout(60)
+def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/twice.>?format=sse&access_token={TOKEN}"
+
+    def sse(*args: str) -> Any:
+        return asyncio.create_subprocess_exec(program("curl"), "-sSN", *args, url, stdout=subprocess.PIPE)
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            first = await sse()
+            await _warm_up(client, first, "twice.warm")
+            sent = [(PARTITIONS[i % 8], b"t-%d" % i) for i in range(200)]
+            for part, payload in sent[:100]:
+                await client.publish(part, "twice.x", payload)
+            lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"t-' in x) >= 50)
+            first.kill()
+            await first.wait()
+            events = [e for e in _events(lines) if '"t-' in e.get("data", "")]
+            last_id = events[-1]["id"]
+            # The reconnect dies before its first event: nothing is published meanwhile.
+            second = await sse("-H", f"Last-Event-ID: {last_id}")
+            assert second.stdout is not None
+            async with asyncio.timeout(10):
+                assert (await second.stdout.readline()).startswith(b"retry:")
+            second.kill()
+            await second.wait()
+            for part, payload in sent[100:]:
+                await client.publish(part, "twice.x", payload)
+            third = await sse("-H", f"Last-Event-ID: {last_id}")
+            need = len(sent) - len(events)
+            try:
+                more = await _stream_until(
+                    third,
+                    lambda ls: sum(1 for e in _events(ls) if '"t-' in e.get("data", "")) >= need,
+                    20,
+                    True,
+                )
+            finally:
+                third.kill()
+                await third.wait()
+            resumed = _events(more)
+            assert not [e for e in resumed if e.get("event") == "loss"], resumed[:3]
+            got = [
+                json.loads(e["data"])["payload"].encode()
+                for e in [*events, *resumed]
+                if '"t-' in e.get("data", "")
+            ]
+            assert sorted(got) == sorted(p for _, p in sent)  # each once
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------- errors and refusals

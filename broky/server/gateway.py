@@ -43,9 +43,10 @@ a body, and the map names nodes' binary ports, not their HTTP ports, which
 a load balancer may hide anyway. Past the master that took the POST, no
 other process handles the messages on their way: they cross the network
 once, from that master to the owning worker, as an SDK client's would.
-(DESIGN.md's "no server-to-server data routes" is about the nodes' own
-data path; the gateway is a client of the cluster, as a program with the
-SDK is, and what it forwards is its HTTP clients' publishes alone.)
+This is no server-to-server data route (the nodes' own data path has
+none: a publish goes from its client straight to the owning worker): the
+gateway is a client of the cluster, as a program with the SDK is, and what
+it forwards is its HTTP clients' publishes alone.
 
 When the map moves under a POST. A worker refuses the messages of a
 vbucket it no longer owns (NOT_MY_VBUCKET carries each back, in order, and
@@ -116,7 +117,12 @@ that stream only; those of the gateway's connection to
 a worker (sid 0: SLOW_CONSUMER, CONNECTION_LOST, ...) go to every stream, as
 "scope": "gateway": they may include this stream's messages, and nobody can
 say which. ndjson shows a loss as a line {"loss": {...}}, SSE as `event:
-loss`; raw cannot (its lines are payloads): it is counted only.
+loss`; raw cannot (its lines are payloads): it is counted only. Its count,
+"dropped", is the LossNotice's as the SDK hands it over, with one
+translation (`told_count`): a LossNotice's `dropped` of 0 means "how many
+is not known" (schema/README.md 5.1 and 7: a notice is sent only for a loss,
+so 0 is never a count), and JSON says that as null. So an unknown count
+never reads as "none lost", and an exact count is never turned into null.
 
 SSE ids and resume (decided). An event's id is its position and its stream:
 "VB.EPOCH.OFFSET.N.SECRET" (numbers in base 36; N the stream's number, SECRET
@@ -130,7 +136,10 @@ last LEDGER_EVENTS events it sent, in order. A reconnect with Last-Event-ID
 (a resume is a capability: ids are never logged), finds the event in the
 ledger and subscribes again with `since` = every vbucket's position as of
 that event, and `since_time` = when the first stream started for vbuckets it
-had not reached; the worker replays the rest from its replay buffer. A
+had not reached; the worker replays the rest from its replay buffer. The
+ledger forgets the events after that one (they are sent again) and keeps the
+rest: a resume that dies before its first event is sent the same id again
+(a browser keeps the last id it got), and the id resolves again. A
 resume of a stream the server still writes to ends that stream first (its
 client went, unseen). Ledgers outlive their streams by RESUME_WINDOW
 seconds, at most MAX_LEDGERS of them (the oldest go first). Ledgers are
@@ -261,19 +270,32 @@ class Ledger:
             self.base[old_vb] = (old_epoch, old_offset)
         events.append(event)
 
-    def positions_at(self, vb: int, epoch: int, offset: int) -> dict[int, tuple[int, int]] | None:
-        """Every vbucket's position as of the event at (vb, epoch, offset), or None: not kept."""
-        for i, event in enumerate(self.events):
+    def resume_at(self, vb: int, epoch: int, offset: int) -> dict[int, tuple[int, int]] | None:
+        """Every vbucket's position as of the event at (vb, epoch, offset), or None: not kept.
+
+        The events after it are forgotten (the client says it did not get them: the resumed
+        stream sends them again, and they are added again as it does), the event itself and
+        those before it are kept: a resume that dies before its first event is sent the same
+        id again, and that id must resolve as often as it is sent."""
+        events = self.events
+        for i, event in enumerate(events):
             if event == (vb, epoch, offset):
                 at = dict(self.base)
-                for e_vb, e_epoch, e_offset in itertools.islice(self.events, i + 1):
+                for e_vb, e_epoch, e_offset in itertools.islice(events, i + 1):
                     at[e_vb] = (e_epoch, e_offset)
+                for _ in range(len(events) - i - 1):
+                    events.pop()
                 return at
         return None
 
-    def restart(self, at: dict[int, tuple[int, int]]) -> None:
-        self.base = at
-        self.events.clear()
+
+def told_count(dropped: int | None) -> int | None:
+    """A LossNotice's count as a stream tells it: None (JSON null) when it is not known.
+
+    The protocol says "not known" with a count of 0 (UNACCOUNTED, EPOCH_CHANGED, EVICTED
+    from a time: schema/README.md 5.1, 7); a notice is sent only for a loss, so 0 is never
+    an exact count. (None, should the SDK hand "unknown" over as None, stays None.)"""
+    return dropped or None
 
 
 def id_head(vb: int, epoch: int, offset: int) -> str:
@@ -730,7 +752,7 @@ class Gateway:
     def _connection_loss(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         name = LossReason.name(reason)
         for stream in list(self.streams):
-            stream.loss(dropped if reason != LossReason.UNACCOUNTED else None, name, "gateway")
+            stream.loss(told_count(dropped), name, "gateway")
 
     def _error(self, exc: BaseException) -> None:
         log.debug("gateway client: %s", exc)
