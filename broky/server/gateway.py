@@ -161,6 +161,7 @@ import datetime
 import itertools
 import json
 import logging
+import math
 import os
 import time
 import urllib.parse
@@ -211,6 +212,9 @@ PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be placed and process
 CONNECT_TIMEOUT = 5.0  # seconds to open a lane
 RETRY_INTERVAL = 0.2  # seconds between tries to find vbucket's new owner (a POST's second try)
 END_OF_TIME = (1 << 63) - 1  # a Read's start_time after every message: the vbucket's position only
+MAX_ULONG = (1 << 64) - 1  # an epoch or an offset (a Position's ulongs)
+MAX_UINT = (1 << 32) - 1  # Subscribe.last
+MAX_SINCE_SECONDS = 9_223_372_036  # Subscribe.since_time (ns, a long) holds times before this
 # What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
 # memory, which --memory-budget does not count, so smaller than a connection's bound.
 STREAM_MAX_PENDING = 1 << 20
@@ -313,7 +317,7 @@ def decode_id(text: str) -> tuple[int, int, int, int, str] | None:
         vb, epoch, offset, number = (int(p, 36) for p in parts[:4])
     except ValueError:
         return None
-    if not 0 <= vb < 1024:
+    if not (0 <= vb < 1024 and epoch <= MAX_ULONG and offset <= MAX_ULONG):  # (base 36 has no sign)
         return None
     return vb, epoch, offset, number, parts[4]
 
@@ -1029,7 +1033,9 @@ class Gateway:
                 since=since,
                 since_time=since_time,
                 last=last,
-                on_loss=lambda dropped, reason: stream.loss(dropped, LossReason.name(reason), "stream"),
+                on_loss=lambda dropped, reason: stream.loss(
+                    told_count(dropped), LossReason.name(reason), "stream"
+                ),
             )
         except BrokyError as exc:
             if ledger is not None:
@@ -1082,7 +1088,7 @@ class Gateway:
         if ledger is not None and hmac.compare_digest(secret.encode(), ledger.secret.encode()):
             if ledger.owner is not None:  # its stream is still open (its client's going went unseen)
                 ledger.owner.close()
-            at = ledger.positions_at(vb, epoch, offset)
+            at = ledger.resume_at(vb, epoch, offset)
         else:
             ledger = None
         if at is None:  # resume its own vbucket; the rest from now, told
@@ -1091,7 +1097,6 @@ class Gateway:
         assert ledger is not None
         self.counters.resumed += 1
         self.ledgers.move_to_end(number)
-        ledger.restart(at)
         return ledger, [Position(v, e, o) for v, (e, o) in sorted(at.items())], False
 
 
@@ -1114,31 +1119,38 @@ def raise_bad(message: str) -> NoReturn:
 
 
 def _count(query: dict[str, str], name: str) -> int:
+    """A count of the query (0 when absent): at most MAX_UINT, what Subscribe.last holds."""
     raw = query.get(name)
     if raw is None:
         return 0
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 12:
-        raise_bad(f"{name} must be a count (0 .. 999999999999), not {quote(raw)}")
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_UINT:
+        raise_bad(f"{name} must be a count (0 .. {MAX_UINT}), not {quote(raw)}")
     return int(raw)
 
 
 def _time(raw: str | None) -> int | None:
-    """?since_time=: seconds since the epoch (a number), or an ISO 8601 time with its zone; ns."""
+    """?since_time=: seconds since the epoch (a number), or an ISO 8601 time with its zone; ns,
+    from 1970 on and within Subscribe.since_time (a signed 64-bit count of ns: before 2262)."""
     if raw is None:
         return None
     try:
-        seconds = float(raw)
-        if seconds == seconds and 0 <= seconds < 1e11:
-            return int(seconds * 1e9)
+        seconds: float | None = float(raw)
     except ValueError:
         try:
             when = datetime.datetime.fromisoformat(raw)
         except ValueError:
-            pass
-        else:
-            if when.tzinfo is not None:
-                return int(when.timestamp() * 1e9)
-    raise_bad(f"since_time must be seconds since the epoch or an ISO 8601 time with a zone, not {quote(raw)}")
+            when = None
+        seconds = when.timestamp() if when is not None and when.tzinfo is not None else None
+    if seconds is None or not math.isfinite(seconds):
+        raise_bad(
+            f"since_time must be seconds since the epoch or an ISO 8601 time with a zone, not {quote(raw)}"
+        )
+    if not 0 <= seconds < MAX_SINCE_SECONDS:
+        raise_bad(
+            f"since_time {quote(raw)} is out of range: from 1970-01-01T00:00:00Z (0) to "
+            f"2262-04-11T23:47:16Z ({MAX_SINCE_SECONDS}: nanoseconds since the epoch in 64 bits)"
+        )
+    return int(seconds * 1e9)
 
 
 def install(master: Any) -> Gateway:
