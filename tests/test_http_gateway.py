@@ -672,6 +672,27 @@ def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: Server
 
 
 @pytest.mark.timeout(60)
+def test_connections_open_at_sigterm_end_without_an_error_logged(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # A refused connection lingers after its 503 until its client closes (or 1 s); one open
+    # at SIGTERM must end quietly, as must an idle one and a stream.
+    s = start_server("--http-max-connections", "2", workers=1)
+    stream, idle = _raw(s), _raw(s)
+    stream.sendall(b"GET /v1/sub/x.> HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+    assert stream.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    with _raw(s) as refused:
+        assert refused.recv(65536).startswith(b"HTTP/1.0 503 ")  # and it stays open
+        s.signal(signal.SIGTERM)
+        assert s.wait(15) == 0
+    stream.close()
+    idle.close()
+    log = s.log()
+    assert "stopped in" in log
+    assert "Traceback" not in log and " ERROR " not in log, log
+
+
+@pytest.mark.timeout(60)
 def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(small: ServerProcess) -> None:
     with _raw(small) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

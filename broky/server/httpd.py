@@ -18,7 +18,9 @@ MAX_REQUESTS_PER_CONNECTION of them, each head due within REQUEST_TIMEOUT of
 the previous answer (an idle connection is closed silently after that). A
 Stream is always the last answer of its connection. At most `max_connections`
 connections are served at once: one more is answered 503 and closed
-(`refused_busy`, counted).
+(`refused_busy`, counted). When the server closes, every connection still
+open (a stream, an idle one, one lingering after its last answer) is ended
+quietly.
 
 Every request takes the same steps, each of which may end it with a 4xx:
 
@@ -528,6 +530,7 @@ class HttpServer:
         self.refused: dict[str, int] = {}  # cause -> requests refused for their token (401)
         self.log_throttle = Throttle(LOG_INTERVAL)
         self.streams: set[Stream] = set()  # streams being written
+        self.tasks: set[asyncio.Task[None]] = set()  # one per connection, refused ones included
 
     def route(
         self,
@@ -560,26 +563,47 @@ class HttpServer:
         return int(self.server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        """Stop listening, end the streams, and end every connection still open (one that
+        lingers after its last answer, a refused one, an idle one) before the loop ends."""
         for stream in list(self.streams):
             stream.close()
         if self.server is not None:
             self.server.close()
+        await asyncio.sleep(0)  # the streams' writers take their ends
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=LINGER_SECONDS)
+        if self.server is not None:
             await self.server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection, from its accept to its close. Cancelled only by `close` (or by the
+        end of the loop): it then ends quietly, its connection closed. (It must not end
+        cancelled: Python 3.11's asyncio.start_server logs a cancelled handler as an error
+        with its traceback.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
         counters = self.counters
         counters.accepted += 1
-        if counters.connections >= self.max_connections:
-            counters.refused_busy += 1
-            busy = HttpError(503, f"the server serves {self.max_connections} HTTP connections already; "
-                             "try again later")  # fmt: skip
-            await _last_answer(reader, writer, busy.answer())
-            return
-        counters.connections += 1
         try:
-            await self._serve(reader, writer)
+            if counters.connections >= self.max_connections:
+                counters.refused_busy += 1
+                busy = HttpError(503, f"the server serves {self.max_connections} HTTP connections already; "
+                                 "try again later")  # fmt: skip
+                await _last_answer(reader, writer, busy.answer())
+                return
+            counters.connections += 1
+            try:
+                await self._serve(reader, writer)
+            finally:
+                counters.connections -= 1
+        except asyncio.CancelledError:
+            writer.close()  # (what it wrote still goes out, if the client takes it)
         finally:
-            counters.connections -= 1
+            self.tasks.discard(task)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         served = 0
