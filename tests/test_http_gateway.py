@@ -589,7 +589,7 @@ def test_4xx_answers_say_what_was_wrong_in_json(server: ServerProcess) -> None:
         ((f"{b}/v1/pub/a.b",), 405, "POST only"),
         (("-X", "POST", f"{b}/v1/sub/a"), 405, "GET, HEAD only"),
         ((f"{b}/v1/nothing",), 404, "no such path"),
-        (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST only"),
+        (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST, OPTIONS only"),
     ]
     too_big = b"x" * (1 << 20)  # --max-frame-bytes is 1 MiB: no room for the rest of the frame
     status, body = curl_json(*AUTH, "--data-binary", "@-", f"{b}/v1/pub/big.x?lines=0", data=too_big)
@@ -653,8 +653,18 @@ def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: Server
         with _raw(small) as extra:
             answer = _read_all(extra)
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.0 503 ")
+        assert head.startswith(b"HTTP/1.0 503 ") and b"\r\nRetry-After: 1\r\n" in head
         assert json.loads(body)["error"].startswith("the server serves 4 HTTP connections already")
+        # An event stream's request is asked to come back instead (an EventSource gives up on a 503).
+        with _raw(small) as extra:
+            extra.sendall(b"GET /v1/sub/x HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+            head, _, body = _read_all(extra).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Type: text/event-stream" in head
+        retry, event = body.split(b"\n\n")[:2]
+        assert retry == b"retry: 1000"
+        assert event.split(b"\n")[0] == b"event: unavailable"
+        told = json.loads(event.split(b"\n")[1].removeprefix(b"data: "))
+        assert told["status"] == 503 and told["error"].startswith("the server serves 4 HTTP connections")
         started = time.monotonic()
         for sock in held:  # each cut after REQUEST_TIMEOUT, told why
             head, _, body = _read_all(sock).partition(b"\r\n\r\n")
@@ -667,7 +677,7 @@ def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: Server
     status, body = curl("-o", "/dev/null", f"{base(small)}/healthz")
     assert status == 200  # served again once they are gone
     metrics = curl(f"{base(small)}/metrics")[1].decode()
-    assert "broky_http_refused_total 1" in metrics
+    assert "broky_http_refused_total 2" in metrics
     assert "broky_http_cut_slow_total 4" in metrics
 
 
@@ -883,5 +893,39 @@ def test_an_sse_stream_gets_a_keepalive_at_the_second_tick_without_a_write() -> 
         stream.keepalive()
         stream.keepalive()  # an ended stream gets none
         assert await stream.next() is None
+
+    asyncio.run(main())
+
+
+def test_an_event_stream_the_workers_cannot_serve_yet_is_asked_to_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A request waits up to READY_WAIT for the workers (a server that starts), then an event
+    # stream is answered 200 with `retry:` and why (a browser's EventSource would give up on
+    # a 503), and the other formats 503.
+    from broky.server import gateway
+    from broky.server.config import ServerConfig
+    from broky.server.httpd import HttpServer, Request
+
+    monkeypatch.setattr(gateway, "READY_WAIT", 0.2)
+
+    async def main() -> None:
+        gw = gateway.Gateway(HttpServer(), ServerConfig(), lambda: False, "127.0.0.1")
+        sse = Request("GET", "/v1/sub/a.>", {}, {"accept": "text/event-stream"})
+        started = time.monotonic()
+        status, ctype, body = await gw.subscribe(sse)  # type: ignore[misc]
+        assert time.monotonic() - started >= 0.2
+        assert (status, ctype) == (200, "text/event-stream; charset=utf-8")
+        assert body == (
+            b'retry: 1000\n\nevent: unavailable\ndata: {"error": "the workers are not ready after 0.2 s; '
+            b'try again in a moment", "status": 503}\n\n'
+        )
+        assert gw.counters.retry_later == 1
+        with pytest.raises(httpd.HttpError) as refused:
+            await gw.subscribe(Request("GET", "/v1/sub/a.>", {}, {}))
+        assert refused.value.status == 503
+        with pytest.raises(httpd.HttpError) as bad:  # bad input is still a 400, at once
+            await gw.subscribe(Request("GET", "/v1/sub/a.>", {"last": "x"}, {"accept": "text/event-stream"}))
+        assert bad.value.status == 400
 
     asyncio.run(main())

@@ -124,6 +124,15 @@ is not known" (schema/README.md 5.1 and 7: a notice is sent only for a loss,
 so 0 is never a count), and JSON says that as null. So an unknown count
 never reads as "none lost", and an exact count is never turned into null.
 
+Event streams come back (decided). A browser's EventSource reconnects by
+itself after a stream that ends or a connection that fails, but closes for
+good on any status but 200. So a request comes first while the workers
+start (a server that restarts): `sdk` waits for them, up to READY_WAIT; and
+an event stream that cannot be served (still not ready, a subscribe that
+failed, a server shutting down) is answered 200 with `retry:` and an
+`event: unavailable` saying why (`httpd.retry_later`), where another format
+gets the 503. The HTTP server does the same for a connection over its bound.
+
 SSE ids and resume (decided). An event's id is its position and its stream:
 "VB.EPOCH.OFFSET.N.SECRET" (numbers in base 36; N the stream's number, SECRET
 16 random bytes, base64url). One id can name one position only, yet a stream
@@ -184,7 +193,17 @@ from broky.protocol import (
 )
 from broky.protocol.frames import Position, encode_read
 from broky.protocol.routing import vbucket_of
-from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
+from broky.server.httpd import (
+    EVENT_STREAM,
+    SSE_RETRY_MS,
+    HttpError,
+    HttpServer,
+    Request,
+    Response,
+    Stream,
+    quote,
+    retry_later,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -204,13 +223,14 @@ MAX_LEDGERS = 10_000
 RESUME_WINDOW = 300.0  # seconds a ledger outlives its stream
 KEEPALIVE_SECONDS = 15.0  # an SSE comment (ndjson: nothing) at most this long after the last write
 KEEPALIVE = b": keepalive\n\n"
-SSE_RETRY_MS = 1000
 FORMATS = ("ndjson", "raw", "sse")
 PROBES = 4096  # Read frames a lane keeps encoded, one per key_partition (then it starts over)
 FRAME_OVERHEAD = 128  # bytes of a Message frame besides key, key_partition and payload (at most)
 PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be placed and processed (a retry included)
 CONNECT_TIMEOUT = 5.0  # seconds to open a lane
 RETRY_INTERVAL = 0.2  # seconds between tries to find vbucket's new owner (a POST's second try)
+READY_WAIT = 10.0  # seconds a request waits for the workers to be ready (a server that starts)
+READY_POLL = 0.05  # seconds between two looks at them meanwhile
 END_OF_TIME = (1 << 63) - 1  # a Read's start_time after every message: the vbucket's position only
 MAX_ULONG = (1 << 64) - 1  # an epoch or an offset (a Position's ulongs)
 MAX_UINT = (1 << 32) - 1  # Subscribe.last
@@ -237,6 +257,9 @@ class GatewayCounters:
     losses_told: int = 0  # loss events written (ndjson, SSE)
     resumed: int = 0  # SSE streams resumed from their ledger
     resume_unknown: int = 0  # Last-Event-IDs the server could not use whole
+    retry_later: int = (
+        0  # event streams asked to come back: the workers were not ready, or a subscribe failed
+    )
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -331,7 +354,7 @@ class SubStream:
         self.content_type = {
             "ndjson": "application/x-ndjson",
             "raw": "application/octet-stream",
-            "sse": "text/event-stream; charset=utf-8",
+            "sse": EVENT_STREAM,
         }[fmt]
         self.headers: tuple[tuple[str, str], ...] = ()
         self.max_pending = max_pending
@@ -687,18 +710,25 @@ class Gateway:
             log.debug("gateway task failed: %r", task.exception())
 
     async def sdk(self) -> Client:
-        """The master's client of its own workers (connected once).
+        """The master's client of its own workers (connected once, when they are ready: a
+        request that comes first, as when a server starts, waits up to READY_WAIT for them).
 
         Raises:
-            HttpError: 503 while the workers are not ready, or the connection fails.
+            HttpError: 503 when the workers are still not ready, or the connection fails.
         """
         client = self.client
         if client is not None and not client.is_closed:
             return client
-        if self.closing:
-            raise HttpError(503, "the server is shutting down")
-        if not self.ready():
-            raise HttpError(503, "the workers are not ready yet; try again in a moment")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_WAIT
+        while not self.ready() or self.closing:
+            if self.closing:
+                raise HttpError(503, "the server is shutting down")
+            if loop.time() >= deadline:
+                raise HttpError(
+                    503, f"the workers are not ready after {READY_WAIT:g} s; try again in a moment"
+                )
+            await asyncio.sleep(READY_POLL)
         async with self._connecting:
             if self.client is not None and not self.client.is_closed:
                 return self.client
@@ -1003,7 +1033,12 @@ class Gateway:
         last_id = request.headers.get("last-event-id") or query.get("last_event_id")
         if last_id is not None and fmt != "sse":
             raise_bad("Last-Event-ID (or ?last_event_id=) resumes an event stream (format=sse) only")
-        client = await self.sdk()
+        try:
+            client = await self.sdk()
+        except HttpError as exc:
+            if fmt == "sse" and exc.status == 503:  # a browser's EventSource must come back
+                return self._retry_later(exc.message)
+            raise
         started_ns = since_time if since_time is not None else time.time_ns()
         since: list[Position] = []
         ledger: Ledger | None = None
@@ -1040,6 +1075,8 @@ class Gateway:
         except BrokyError as exc:
             if ledger is not None:
                 ledger.live = False
+            if fmt == "sse":
+                return self._retry_later(f"subscribe failed: {exc}")
             raise HttpError(503, f"subscribe failed: {exc}") from None
         if ledger is not None:
             ledger.owner = stream
@@ -1050,6 +1087,13 @@ class Gateway:
         self.counters.streams += 1
         self.counters.streams_total += 1
         return stream
+
+    def _retry_later(self, why: str) -> Response:
+        """An event stream's request that cannot be served now (503 to other formats): a
+        stream that asks its client to come back (`retry_later`). Its Last-Event-ID, if any,
+        resolves again next time."""
+        self.counters.retry_later += 1
+        return 200, EVENT_STREAM, retry_later(why)
 
     def stream_closed(self, stream: SubStream) -> None:
         if stream in self.streams:

@@ -499,7 +499,7 @@ HTTP_METRICS = (
     (
         "broky_http_refused_total",
         "refused_busy",
-        "HTTP connections refused (503) over --http-max-connections.",
+        "HTTP connections refused over --http-max-connections (503; an event stream: told to come back).",
     ),
     (
         "broky_http_cut_slow_total",
@@ -541,6 +541,12 @@ HTTP_METRICS = (
         "broky_http_resume_unknown_total",
         "resume_unknown",
         "Last-Event-IDs the server could not use whole (told to the client as a loss).",
+    ),
+    (
+        "broky_http_retry_later_total",
+        "retry_later",
+        "Event streams told to come back (200, retry: and event: unavailable): the workers were not "
+        "ready, or the subscription failed.",
     ),
 )
 

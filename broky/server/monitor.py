@@ -334,6 +334,7 @@ def _http_view(master: Observed) -> dict[str, Any]:
             losses_told=g.losses_told,
             resumed=g.resumed,
             resume_unknown=g.resume_unknown,
+            retry_later=g.retry_later,
         )
     return view
 
