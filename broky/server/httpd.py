@@ -202,6 +202,7 @@ REFUSED_READS = 64  # connections over max_connections whose head is read at onc
 REFUSED_HEAD_TIMEOUT = 1.0  # seconds for such a head (a browser sends it at once)
 METHODS = ("GET", "HEAD", "POST", "OPTIONS")
 READ_METHODS = ("GET", "HEAD")
+_METHOD_BYTES = frozenset(m.encode() for m in METHODS)
 TOKEN_COOKIE = "broky_token"
 # Headers a request may carry once.
 _SINGLE = frozenset({"authorization", "host", "content-length", "transfer-encoding"})
@@ -288,7 +289,8 @@ class HttpCounters:
 
     connections: int = 0  # open now
     accepted: int = 0
-    requests: int = 0
+    requests: int = 0  # heads read
+    answered: dict[str, dict[str, int]] = field(default_factory=dict)  # method label -> status -> answers
     refused_busy: int = 0  # connections over max_connections, answered 503
     cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
     too_large: int = 0  # bodies over max_body (413)
@@ -648,6 +650,11 @@ class HttpServer:
         finally:
             self.tasks.discard(task)
 
+    def _answered(self, method: str, status: int) -> None:
+        answered = self.counters.answered.setdefault(method, {})
+        code = str(status)
+        answered[code] = answered.get(code, 0) + 1
+
     async def _busy(self, reader: asyncio.StreamReader) -> Answer:
         """The answer to a connection over max_connections: 503 with Retry-After, or to an
         event stream's request (up to REFUSED_READS of them read at once, each head within
@@ -682,6 +689,7 @@ class HttpServer:
         served = 0
         data = b""  # read beyond the previous request (pipelined)
         while True:
+            method = "other"
             try:
                 got = await _read_head(reader, data, idle=served > 0)
                 if got is None:
@@ -690,11 +698,13 @@ class HttpServer:
                 if isinstance(got, HttpError):
                     if got.status == 408:
                         self.counters.cut_slow += 1
+                    self._answered(method, got.status)
                     await _last_answer(reader, writer, got.answer())
                     return
                 head, data = got
                 served += 1
                 self.counters.requests += 1
+                method = _method_label(head)
                 answer, data = await self._answer_with_body(reader, writer, head, data)
             except (OSError, TimeoutError):  # the client reset or vanished
                 writer.close()
@@ -703,8 +713,10 @@ class HttpServer:
                 self._failed("(request)")
                 answer = Answer(500, "application/json", error_body(500, "internal error"))
             if not isinstance(answer, Answer):
+                self._answered(method, 200)
                 await self._write_stream(reader, writer, *answer)
                 return
+            self._answered(method, answer.status)
             if answer.keep_alive and served < MAX_REQUESTS_PER_CONNECTION:
                 try:
                     writer.write(answer.encode())
@@ -969,6 +981,13 @@ class HttpServer:
                 "HTTP handler for %s failed (%d failures so far, %d not logged since the last line)",
                 where, total, suppressed,
             )  # fmt: skip
+
+
+def _method_label(head: bytes) -> str:
+    """The method of a request head as a metrics label: one this server takes (lower case), or
+    "other" (any other, or none: a head that does not parse)."""
+    method = head.lstrip(b"\r\n").split(b" ", 1)[0]
+    return method.decode("ascii").lower() if method in _METHOD_BYTES else "other"
 
 
 def _versioned(answer: Answer, request: Request, keep: bool) -> Answer:
