@@ -134,6 +134,64 @@ def test_lines_0_publishes_the_body_as_one_message_and_chunked_bodies_are_taken(
     assert got == [b"a\nb\n", *[b"c", b"d"] * 5000]
 
 
+def test_lines_1_publishes_the_lines_of_a_text_file_empty_ones_included(server: ServerProcess) -> None:
+    # HTTP.md: every LF ends a line, what follows the last LF is one more line unless it is
+    # empty, and every line is a message (an empty line an empty message).
+    cases = [
+        (b"", []),
+        (b"\n", [b""]),
+        (b"a", [b"a"]),
+        (b"a\n", [b"a"]),
+        (b"a\n\n", [b"a", b""]),
+        (b"\n\na", [b"", b"", b"a"]),
+        (b"a\r\nb", [b"a\r", b"b"]),
+    ]
+
+    async def main() -> list[bytes]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            sub = await client.subscribe("lines.>")
+            url = f"{base(server)}/v1/pub/lines.x?partition=one"
+            for body, expected in cases:
+                status, answer = await asyncio.to_thread(
+                    curl_json, *AUTH, "--data-binary", "@-", url, data=body
+                )
+                assert (status, answer["published"]) == (200, len(expected)), body
+            status, answer = await asyncio.to_thread(
+                curl_json, *AUTH, "--data-binary", "@-", url + "&lines=0", data=b""
+            )
+            assert (status, answer["published"]) == (200, 1)  # lines=0: the body, empty or not
+            return [(await sub.next_msg(10)).payload for _ in range(sum(len(e) for _, e in cases) + 1)]
+
+    got = asyncio.run(main())
+    assert got == [*(line for _, expected in cases for line in expected), b""]
+
+
+def test_ts_broker_is_a_decimal_string_exact_where_javascript_would_round_a_number(
+    server: ServerProcess,
+) -> None:
+    async def main() -> tuple[broky.Message, list[Any]]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            proc = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, f"{base(server)}/v1/sub/stamp.>", stdout=subprocess.PIPE
+            )
+            try:
+                sub = await client.subscribe("stamp.>")
+                await _warm_up(client, proc, "stamp.warm")
+                await client.publish("s", "stamp.x", b"stamped")
+                msg = await sub.next_msg(10)
+                while msg.key != b"stamp.x":
+                    msg = await sub.next_msg(10)
+                lines = await _stream_until(proc, lambda ls: any(b"stamped" in x for x in ls))
+            finally:
+                proc.kill()
+                await proc.wait()
+            return msg, [json.loads(x) for x in lines if b"stamped" in x]
+
+    msg, (record,) = asyncio.run(main())
+    assert record["ts_broker"] == str(msg.ts_broker) and msg.ts_broker > 2**53  # exact, as "epoch"
+    assert record["epoch"] == str(msg.epoch)
+
+
 def test_keep_alive_carries_many_requests_on_one_connection(server: ServerProcess) -> None:
     url = f"{base(server)}/v1/pub/ka.x?partition=k"
     done = subprocess.run(

@@ -68,8 +68,10 @@ vbucket moving to it once the map prepares the move, before it owns it and
 answers Reads for it, so a gateway that follows the commit before that
 worker does gets its Reads refused and its messages taken.
 
-Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
-an empty last line dropped; `?lines=0` takes the whole body as one message.
+Publish. The body is split into lines as a text file is (every LF ends a
+line, a CR before it is kept: bytes are bytes; what follows the last LF is a
+last line unless it is empty), and each line is a message, an empty one
+too; `?lines=0` takes the whole body as one message, an empty one too.
 The key is the path after /v1/pub/, percent-decoded; `partition` defaults to
 the key. The answer: {"published": n, "first": [vb, epoch, offset], "last":
 [...], "exact": bool}. When the offsets moved by exactly n in one epoch
@@ -484,8 +486,10 @@ def _as_json(msg: Message) -> dict[str, Any]:
         out["payload"] = msg.payload.decode()
     except UnicodeDecodeError:
         out["payload_base64"] = base64.b64encode(msg.payload).decode()
+    # The epoch and ts_broker as decimal strings: 64-bit numbers past JavaScript's exact
+    # integers (2**53), which JSON.parse would round (ts_broker to about 256 ns).
     out["vbucket"], out["epoch"], out["offset"] = msg.vbucket, str(msg.epoch), msg.offset
-    out["ts_broker"] = msg.ts_broker
+    out["ts_broker"] = str(msg.ts_broker)
     if msg.uid is not None:
         out["uid"] = msg.uid_text
     return out
