@@ -9,9 +9,10 @@ HTTP connections are full (a browser's EventSource gives up for good on any stat
 200). And a page of another origin must not publish with the visitor's `broky_token`
 cookie, nor read a stream, unless the server allows that origin.
 
-The pages come from `Site`, a tiny server of another origin (127.0.0.1 and localhost on
-its port are two origins); the server lets it in with --http-allow-origin where a test
-needs it. A FaultProxy between the browser and the server cuts the browser's connections.
+The event streams are read by a page of the server itself (its /healthz), through a
+FaultProxy where a test cuts the browser's connections. The pages of other origins come
+from `Site`, a tiny server (127.0.0.1 and localhost on its port are two origins, and two
+sites); the server lets one in with --http-allow-origin.
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ def metric(server: ServerProcess, name: str) -> float:
     return float(line.split()[1])
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 20.0, every: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
         assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
-        time.sleep(0.1)
+        time.sleep(every)
     return value
 
 
@@ -128,19 +129,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def fill(server: ServerProcess) -> list[socket.socket]:
-    """ndjson streams that take every HTTP connection the server has left (until one is
-    refused: 503); the caller closes them."""
+def fill(server: ServerProcess, n: int) -> list[socket.socket]:
+    """n ndjson streams, each holding one of the server's HTTP connections (a refused one is
+    tried again while the server sees others go); the caller closes them."""
     held: list[socket.socket] = []
-    while True:
+    deadline = time.monotonic() + 10
+    while len(held) < n:
+        assert time.monotonic() < deadline, f"{len(held)} of {n} connections taken"
         sock = socket.create_connection((server.host, server.metrics_port), timeout=10)
         sock.sendall(b"GET /v1/sub/filler.x HTTP/1.1\r\nHost: x\r\n\r\n")
         head = sock.recv(65536)
-        if not head.startswith(b"HTTP/1.1 200 OK"):
-            assert head.startswith((b"HTTP/1.0 503 ", b"HTTP/1.1 503 ")), head
-            sock.close()
-            return held
-        held.append(sock)
+        if head.startswith(b"HTTP/1.1 200 OK"):
+            held.append(sock)
+            continue
+        assert head.startswith((b"HTTP/1.0 503 ", b"HTTP/1.1 503 ")), head
+        sock.close()
+        time.sleep(0.05)
+    return held
 
 
 @pytest.mark.timeout(90)
@@ -186,16 +191,17 @@ def test_an_event_stream_in_chromium_goes_on_across_a_server_restart(browser: Ch
         first.stop()
         starting = threading.Thread(target=second.start, kwargs={"timeout": 60.0})
         starting.start()
-        workers = wait_until(
-            "the new server's workers", lambda: second.proc is not None and len(second.worker_pids()) == 2
+        # Its HTTP port answers, its workers are not ready yet (they take far longer to be
+        # than the port to answer): hold them so.
+        ready = f"http://127.0.0.1:{ports[3]}/readyz"
+        wait_until(
+            "the new HTTP port", lambda: _status(ready) == 503 and len(second.worker_pids()) == 2, every=0.005
         )
-        assert workers
         stopped = second.worker_pids()
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         try:
-            ready = f"http://127.0.0.1:{ports[3]}/readyz"
-            wait_until("the new HTTP port", lambda: _status(ready) == 503)
+            assert _status(ready) == 503, "the workers were ready before they could be held"
             time.sleep(2.5)  # the browser's reconnects (a second apart) reach the new port meanwhile
         finally:
             for pid in stopped:
@@ -239,10 +245,9 @@ def test_an_event_stream_in_chromium_goes_on_while_the_http_connections_are_full
     tracking(page, f"http://{proxy.address}", "/v1/sub/full.>")
     sent = publish(s, "full.a", 60)
     page.wait_for(f"t.payloads.length >= {len(sent)}")
-    proxy.cut()  # the browser's connections go; other clients take their places at once
-    time.sleep(0.2)  # (the server sees them go; the browser comes back a second later)
-    held = fill(s)
-    assert held, "no connection was freed"
+    proxy.refuse(True)  # the browser's connections go, and it is kept out while
+    held = fill(s, 3)  # other clients take every place
+    proxy.refuse(False)
     try:
         sent += publish(s, "full.b", 60)
         page.wait_for("t.unavailable >= 1 || t.closed")  # its reconnect found the server full
