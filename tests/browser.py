@@ -14,8 +14,9 @@ fragmented frames in, pings answered). One page (a target attached in
         page.screenshot(tmp_path / "console.png")
 
 Everything the page reports (console calls, uncaught exceptions, log entries
-such as failed loads, the URL of every request) is kept on the page, for the
-tests to assert on. The browser and its children are one process group,
+such as failed loads, the URL of every request, the status of every response
+and the headers each request was sent with, cookies included) is kept on the
+page, for the tests to assert on. The browser and its children are one process group,
 ended by its id.
 """
 
@@ -128,6 +129,8 @@ class Page:
         self.console_errors: list[str] = []  # console.error/assert and uncaught exceptions
         self.log_errors: list[dict[str, Any]] = []  # Log.entryAdded, level error (e.g. a failed load)
         self.requests: list[str] = []  # the URL of every request the page made
+        self.responses: list[tuple[str, int]] = []  # (URL, status) of every response, opaque ones too
+        self.sent_headers: list[dict[str, str]] = []  # the headers each request went out with (Cookie too)
         self.loaded = False
 
     def call(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -145,6 +148,10 @@ class Page:
             self.log_errors.append(params["entry"])
         elif method == "Network.requestWillBeSent":
             self.requests.append(params["request"]["url"])
+        elif method == "Network.responseReceived":
+            self.responses.append((params["response"]["url"], params["response"]["status"]))
+        elif method == "Network.requestWillBeSentExtraInfo":
+            self.sent_headers.append({k.lower(): v for k, v in params["headers"].items()})
         elif method == "Page.loadEventFired":
             self.loaded = True
 
@@ -298,3 +305,41 @@ class Chromium:
         for domain in ("Page", "Runtime", "Log", "Network"):
             page.call(f"{domain}.enable")
         return page
+
+
+class Site:
+    """A page of another origin, for cross-origin tests: a tiny HTTP server on a free loopback
+    port that answers every GET with one empty HTML page (in a daemon thread; `stop` ends it)."""
+
+    PAGE = b"<!doctype html><meta charset=utf-8><title>another origin</title><body>another origin</body>"
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        page = self.PAGE
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, format: str, *args: Any) -> None:  # (quiet)
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="site", daemon=True)
+        self.thread.start()
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        """Its page, named by `host` (127.0.0.1 and localhost are two origins, and two sites)."""
+        return f"http://{host}:{self.port}/"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

@@ -134,6 +134,64 @@ def test_lines_0_publishes_the_body_as_one_message_and_chunked_bodies_are_taken(
     assert got == [b"a\nb\n", *[b"c", b"d"] * 5000]
 
 
+def test_lines_1_publishes_the_lines_of_a_text_file_empty_ones_included(server: ServerProcess) -> None:
+    # HTTP.md: every LF ends a line, what follows the last LF is one more line unless it is
+    # empty, and every line is a message (an empty line an empty message).
+    cases = [
+        (b"", []),
+        (b"\n", [b""]),
+        (b"a", [b"a"]),
+        (b"a\n", [b"a"]),
+        (b"a\n\n", [b"a", b""]),
+        (b"\n\na", [b"", b"", b"a"]),
+        (b"a\r\nb", [b"a\r", b"b"]),
+    ]
+
+    async def main() -> list[bytes]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            sub = await client.subscribe("lines.>")
+            url = f"{base(server)}/v1/pub/lines.x?partition=one"
+            for body, expected in cases:
+                status, answer = await asyncio.to_thread(
+                    curl_json, *AUTH, "--data-binary", "@-", url, data=body
+                )
+                assert (status, answer["published"]) == (200, len(expected)), body
+            status, answer = await asyncio.to_thread(
+                curl_json, *AUTH, "--data-binary", "@-", url + "&lines=0", data=b""
+            )
+            assert (status, answer["published"]) == (200, 1)  # lines=0: the body, empty or not
+            return [(await sub.next_msg(10)).payload for _ in range(sum(len(e) for _, e in cases) + 1)]
+
+    got = asyncio.run(main())
+    assert got == [*(line for _, expected in cases for line in expected), b""]
+
+
+def test_ts_broker_is_a_decimal_string_exact_where_javascript_would_round_a_number(
+    server: ServerProcess,
+) -> None:
+    async def main() -> tuple[broky.Message, list[Any]]:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            proc = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", *AUTH, f"{base(server)}/v1/sub/stamp.>", stdout=subprocess.PIPE
+            )
+            try:
+                sub = await client.subscribe("stamp.>")
+                await _warm_up(client, proc, "stamp.warm")
+                await client.publish("s", "stamp.x", b"stamped")
+                msg = await sub.next_msg(10)
+                while msg.key != b"stamp.x":
+                    msg = await sub.next_msg(10)
+                lines = await _stream_until(proc, lambda ls: any(b"stamped" in x for x in ls))
+            finally:
+                proc.kill()
+                await proc.wait()
+            return msg, [json.loads(x) for x in lines if b"stamped" in x]
+
+    msg, (record,) = asyncio.run(main())
+    assert record["ts_broker"] == str(msg.ts_broker) and msg.ts_broker > 2**53  # exact, as "epoch"
+    assert record["epoch"] == str(msg.epoch)
+
+
 def test_keep_alive_carries_many_requests_on_one_connection(server: ServerProcess) -> None:
     url = f"{base(server)}/v1/pub/ka.x?partition=k"
     done = subprocess.run(
@@ -438,8 +496,127 @@ def test_an_id_the_server_cannot_use_resumes_its_vbucket_and_says_so(server: Ser
     # it never had (told to this stream alone: the subscription's own LossNotice).
     assert loss == [
         {"dropped": None, "reason": "resume_unknown", "scope": "stream"},
-        {"dropped": 0, "reason": "epoch_changed", "scope": "stream"},
+        {"dropped": None, "reason": "epoch_changed", "scope": "stream"},  # how many: not known
     ]
+
+
+@pytest.mark.timeout(90)
+def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable[..., ServerProcess]) -> None:
+    # Without a replay buffer a start from a time is told EVICTED without a count (the
+    # protocol's 0: schema/README.md 5.1); the stream must say null, not "0 lost". A resume
+    # with Last-Event-ID across a cut starts the vbuckets it reached from their positions
+    # (an exact count) and the others from a time (unknown): neither may read as 0.
+    s = start_server("--replay-bytes", "0")
+    url = f"{base(s)}/v1/sub/unk.>"
+    began = time.time()
+
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+        async with broky.connect(s.url) as client:
+            for i in range(40):
+                await client.publish(PARTITIONS[i % 8], "unk.early", b"early")
+            await client.flush()
+            ndjson = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-m", "3", f"{url}?since_time={began:.6f}", stdout=subprocess.PIPE
+            )  # fmt: skip
+            out, _ = await ndjson.communicate()
+            told = [json.loads(x)["loss"] for x in out.split(b"\n") if x.startswith(b'{"loss"')]
+            first = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-H", "Accept: text/event-stream", url, stdout=subprocess.PIPE
+            )
+            await _warm_up(client, first, "unk.warm")
+            for i in range(80):
+                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+            lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"u-' in x) >= 40)
+            first.kill()
+            await first.wait()
+            got = sum(1 for x in lines if b'"u-' in x)
+            last_id = [e for e in _events(lines) if "id" in e][-1]["id"]
+            for i in range(80, 160):  # while it is away: gone (nothing is retained)
+                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+            await client.flush()
+            second = await asyncio.create_subprocess_exec(
+                program("curl"), "-sSN", "-m", "3", "-H", "Accept: text/event-stream",
+                "-H", f"Last-Event-ID: {last_id}", url, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            more, _ = await second.communicate()
+            resumed = [json.loads(e["data"]) for e in _events(more.split(b"\n")) if e.get("event") == "loss"]
+            return told, resumed, 160 - got
+
+    told, resumed, lost = asyncio.run(main())
+    assert told and all(t == {"dropped": None, "reason": "evicted", "scope": "stream"} for t in told), told
+    assert resumed, "the resume was told nothing"
+    counts = [r["dropped"] for r in resumed]
+    assert all(n is None or n > 0 for n in counts), resumed  # never "0 lost"
+    assert sum(n for n in counts if n is not None) <= lost, (resumed, lost)
+
+
+def test_an_id_resolves_as_often_as_it_is_sent() -> None:
+    # A resume that dies before its first event is sent the same Last-Event-ID again (a
+    # browser keeps the last id it got): the ledger must still find it, with the same answer.
+    from broky.server.gateway import Ledger
+
+    ledger = Ledger(1, "secret", 0)
+    for offset in range(1, 11):
+        ledger.add((offset % 3, 7, offset))
+    first = ledger.resume_at(2, 7, 5)
+    assert first == {1: (7, 4), 2: (7, 5), 0: (7, 3)}
+    assert ledger.resume_at(2, 7, 5) == first  # sent again: the same positions
+    assert ledger.resume_at(1, 7, 4) == {1: (7, 4), 2: (7, 2), 0: (7, 3)}  # an earlier one too
+    assert ledger.resume_at(2, 7, 5) is None  # (forgotten: events after the one resumed are sent again)
+    ledger.add((2, 7, 5))
+    assert ledger.resume_at(2, 7, 5) == first
+
+
+@pytest.mark.timeout(60)
+def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) -> None:
+    url = f"{base(server)}/v1/sub/twice.>?format=sse&access_token={TOKEN}"
+
+    def sse(*args: str) -> Any:
+        return asyncio.create_subprocess_exec(program("curl"), "-sSN", *args, url, stdout=subprocess.PIPE)
+
+    async def main() -> None:
+        async with broky.connect(server.url, auth_token=TOKEN) as client:
+            first = await sse()
+            await _warm_up(client, first, "twice.warm")
+            sent = [(PARTITIONS[i % 8], b"t-%d" % i) for i in range(200)]
+            for part, payload in sent[:100]:
+                await client.publish(part, "twice.x", payload)
+            lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"t-' in x) >= 50)
+            first.kill()
+            await first.wait()
+            events = [e for e in _events(lines) if '"t-' in e.get("data", "")]
+            last_id = events[-1]["id"]
+            # The reconnect dies before its first event: nothing is published meanwhile.
+            second = await sse("-H", f"Last-Event-ID: {last_id}")
+            assert second.stdout is not None
+            async with asyncio.timeout(10):
+                assert (await second.stdout.readline()).startswith(b"retry:")
+            second.kill()
+            await second.wait()
+            for part, payload in sent[100:]:
+                await client.publish(part, "twice.x", payload)
+            third = await sse("-H", f"Last-Event-ID: {last_id}")
+            need = len(sent) - len(events)
+            try:
+                more = await _stream_until(
+                    third,
+                    lambda ls: sum(1 for e in _events(ls) if '"t-' in e.get("data", "")) >= need,
+                    20,
+                    True,
+                )
+            finally:
+                third.kill()
+                await third.wait()
+            resumed = _events(more)
+            assert not [e for e in resumed if e.get("event") == "loss"], resumed[:3]
+            got = [
+                json.loads(e["data"])["payload"].encode()
+                for e in [*events, *resumed]
+                if '"t-' in e.get("data", "")
+            ]
+            assert sorted(got) == sorted(p for _, p in sent)  # each once
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------- errors and refusals
@@ -459,10 +636,18 @@ def test_4xx_answers_say_what_was_wrong_in_json(server: ServerProcess) -> None:
         ((f"{b}/v1/sub/a?since_time=yesterday",), 400, "since_time must be"),
         ((f"{b}/v1/sub/a?format=ndjson&last_event_id=x",), 400, "resumes an event stream"),
         ((f"{b}/v1/sub/a?format=sse&last_event_id=x",), 400, "is not an id this server gave"),
+        ((f"{b}/v1/sub/a?since_time=-1",), 400, "since_time '-1' is out of range: from 1970"),
+        ((f"{b}/v1/sub/a?since_time=1969-12-31T23:59:59Z",), 400, "since_time '1969-12-31T23:59:59Z' is out"),
+        ((f"{b}/v1/sub/a?since_time=9223372037",), 400, "since_time '9223372037' is out of range"),
+        ((f"{b}/v1/sub/a?since_time=9999-01-01T00:00:00%2B00:00",), 400, "is out of range"),
+        ((f"{b}/v1/sub/a?since_time=nan",), 400, "since_time must be seconds"),
+        ((f"{b}/v1/sub/a?last=4294967296",), 400, "last must be a count (0 .. 4294967295)"),
+        ((f"{b}/v1/sub/a?format=sse&last_event_id=1.{'1' + '0' * 13}.1.1.x",), 400, "not an id this server"),
+        ((f"{b}/v1/sub/a?format=sse&last_event_id=1.1.{'1' + '0' * 13}.1.x",), 400, "not an id this server"),
         ((f"{b}/v1/pub/a.b",), 405, "POST only"),
         (("-X", "POST", f"{b}/v1/sub/a"), 405, "GET, HEAD only"),
         ((f"{b}/v1/nothing",), 404, "no such path"),
-        (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST only"),
+        (("-X", "PUT", f"{b}/v1/pub/a"), 405, "GET, HEAD, POST, OPTIONS only"),
     ]
     too_big = b"x" * (1 << 20)  # --max-frame-bytes is 1 MiB: no room for the rest of the frame
     status, body = curl_json(*AUTH, "--data-binary", "@-", f"{b}/v1/pub/big.x?lines=0", data=too_big)
@@ -526,8 +711,18 @@ def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: Server
         with _raw(small) as extra:
             answer = _read_all(extra)
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.0 503 ")
+        assert head.startswith(b"HTTP/1.0 503 ") and b"\r\nRetry-After: 1\r\n" in head
         assert json.loads(body)["error"].startswith("the server serves 4 HTTP connections already")
+        # An event stream's request is asked to come back instead (an EventSource gives up on a 503).
+        with _raw(small) as extra:
+            extra.sendall(b"GET /v1/sub/x HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+            head, _, body = _read_all(extra).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Content-Type: text/event-stream" in head
+        retry, event = body.split(b"\n\n")[:2]
+        assert retry == b"retry: 1000"
+        assert event.split(b"\n")[0] == b"event: unavailable"
+        told = json.loads(event.split(b"\n")[1].removeprefix(b"data: "))
+        assert told["status"] == 503 and told["error"].startswith("the server serves 4 HTTP connections")
         started = time.monotonic()
         for sock in held:  # each cut after REQUEST_TIMEOUT, told why
             head, _, body = _read_all(sock).partition(b"\r\n\r\n")
@@ -540,8 +735,29 @@ def test_connections_past_the_bound_get_503_and_slow_heads_are_cut(small: Server
     status, body = curl("-o", "/dev/null", f"{base(small)}/healthz")
     assert status == 200  # served again once they are gone
     metrics = curl(f"{base(small)}/metrics")[1].decode()
-    assert "broky_http_refused_total 1" in metrics
+    assert "broky_http_refused_total 2" in metrics
     assert "broky_http_cut_slow_total 4" in metrics
+
+
+@pytest.mark.timeout(60)
+def test_connections_open_at_sigterm_end_without_an_error_logged(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # A refused connection lingers after its 503 until its client closes (or 1 s); one open
+    # at SIGTERM must end quietly, as must an idle one and a stream.
+    s = start_server("--http-max-connections", "2", workers=1)
+    stream, idle = _raw(s), _raw(s)
+    stream.sendall(b"GET /v1/sub/x.> HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+    assert stream.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    with _raw(s) as refused:
+        assert refused.recv(65536).startswith(b"HTTP/1.0 503 ")  # and it stays open
+        s.signal(signal.SIGTERM)
+        assert s.wait(15) == 0
+    stream.close()
+    idle.close()
+    log = s.log()
+    assert "stopped in" in log
+    assert "Traceback" not in log and " ERROR " not in log, log
 
 
 @pytest.mark.timeout(60)
@@ -735,5 +951,39 @@ def test_an_sse_stream_gets_a_keepalive_at_the_second_tick_without_a_write() -> 
         stream.keepalive()
         stream.keepalive()  # an ended stream gets none
         assert await stream.next() is None
+
+    asyncio.run(main())
+
+
+def test_an_event_stream_the_workers_cannot_serve_yet_is_asked_to_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A request waits up to READY_WAIT for the workers (a server that starts), then an event
+    # stream is answered 200 with `retry:` and why (a browser's EventSource would give up on
+    # a 503), and the other formats 503.
+    from broky.server import gateway
+    from broky.server.config import ServerConfig
+    from broky.server.httpd import HttpServer, Request
+
+    monkeypatch.setattr(gateway, "READY_WAIT", 0.2)
+
+    async def main() -> None:
+        gw = gateway.Gateway(HttpServer(), ServerConfig(), lambda: False, "127.0.0.1")
+        sse = Request("GET", "/v1/sub/a.>", {}, {"accept": "text/event-stream"})
+        started = time.monotonic()
+        status, ctype, body = await gw.subscribe(sse)  # type: ignore[misc]
+        assert time.monotonic() - started >= 0.2
+        assert (status, ctype) == (200, "text/event-stream; charset=utf-8")
+        assert body == (
+            b'retry: 1000\n\nevent: unavailable\ndata: {"error": "the workers are not ready after 0.2 s; '
+            b'try again in a moment", "status": 503}\n\n'
+        )
+        assert gw.counters.retry_later == 1
+        with pytest.raises(httpd.HttpError) as refused:
+            await gw.subscribe(Request("GET", "/v1/sub/a.>", {}, {}))
+        assert refused.value.status == 503
+        with pytest.raises(httpd.HttpError) as bad:  # bad input is still a 400, at once
+            await gw.subscribe(Request("GET", "/v1/sub/a.>", {"last": "x"}, {"accept": "text/event-stream"}))
+        assert bad.value.status == 400
 
     asyncio.run(main())

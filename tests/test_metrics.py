@@ -113,8 +113,49 @@ def test_every_required_metric_has_its_type_and_a_worker_label(server: ServerPro
     )
     assert 5e-6 < bounds[0][0] < 5e-5 and bounds[-1][0] == float("inf") and len(bounds) >= 10
     # No label anywhere carries a key: only these label names exist.
-    allowed = {"worker", "reason", "code", "le", "version", "result"}
+    allowed = {"worker", "reason", "code", "le", "version", "result", "process", "method"}
     assert {k for _, labels in samples for k, _ in labels} <= allowed
+
+
+def test_every_error_code_process_figure_and_answered_request_has_a_series(server: ServerProcess) -> None:
+    from broky.errors import ErrorCode
+
+    # Every code is there at 0 before its first event, as the drop reasons are: a dashboard
+    # panel on them shows 0, not "No data".
+    _, samples = scrape(server)
+    codes = [code.name.lower() for code in ErrorCode if code is not ErrorCode.NONE]
+    for code in codes:
+        assert value(samples, "broky_handshakes_refused_total", code=code) == 0.0
+        for worker in ("0", "1"):
+            assert value(samples, "broky_errors_sent_total", worker=worker, code=code) == 0.0
+    # Prometheus' process metrics, for the master and each worker (read from /proc by the master).
+    stats = get_json(server, "/stats")
+    started = stats["master"]["processes"]
+    pids = {p["process"]: p["pid"] for p in started}
+    assert pids == {
+        "master": server.pid,
+        **{f"worker-{i}": pid for i, pid in enumerate(stats["master"]["worker_pids"])},
+    }
+    for process in ("master", "worker-0", "worker-1"):
+        assert value(samples, "process_cpu_seconds_total", process=process) > 0
+        rss = value(samples, "process_resident_memory_bytes", process=process)
+        assert 10 << 20 < rss < value(samples, "process_virtual_memory_bytes", process=process)
+        assert (
+            3
+            <= value(samples, "process_open_fds", process=process)
+            <= value(samples, "process_max_fds", process=process)
+        )
+        assert abs(value(samples, "process_start_time_seconds", process=process) - time.time()) < 600
+    assert value(samples, "process_start_time_seconds", process="master") <= value(
+        samples, "process_start_time_seconds", process="worker-0"
+    )
+    # HTTP requests by method and status (the scrapes above are answered requests too).
+    assert get(server, "/nope")[0] == 404
+    assert get(server, "/metrics", "POST")[0] == 405
+    _, samples = scrape(server)
+    assert value(samples, "broky_http_requests_total", method="get", code="404") == 1.0
+    assert value(samples, "broky_http_requests_total", method="post", code="405") == 1.0
+    assert value(samples, "broky_http_requests_total", method="get", code="200") >= 2.0
 
 
 def test_health_ready_and_errors(server: ServerProcess) -> None:

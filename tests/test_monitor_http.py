@@ -44,7 +44,7 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9]) [A-Za-z ]*\r\n")
 # ---------------------------------------------------------------- strategies
 
 TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-methods_ok = st.sampled_from(["GET", "HEAD"])
+methods_ok = st.sampled_from(["GET", "HEAD", "GET", "HEAD", "OPTIONS"])
 methods_any = st.one_of(
     methods_ok,
     st.sampled_from(["POST", "PUT", "DELETE", "OPTIONS", "get", "head", "PRI", "CONNECT", "TRACE"]),
@@ -85,6 +85,7 @@ class Generated:
     path: str
     query: dict[str, str]
     auth: str  # "none", "right", "wrong", "malformed"
+    origin: str = "none"  # of a page: "none" (a program), "own" (the server's), "other" (refused: 403)
 
 
 @st.composite
@@ -107,8 +108,14 @@ def requests(draw: st.DrawFn, token: str = TOKEN) -> Generated:
     )
     auth = draw(st.sampled_from(["none", "right", "right", "right", "wrong", "malformed"]))
     headers: list[str] = []
-    if draw(st.booleans()):
+    host = draw(st.booleans())
+    if host:
         headers.append("Host: localhost")
+    origin = draw(
+        st.sampled_from(["none", "none", "own", "other"]) if host else st.sampled_from(["none", "other"])
+    )
+    if origin != "none":
+        headers.append(f"Origin: http://{'localhost' if origin == 'own' else 'localhost:8080'}")
     headers.append(
         {
             "none": "",
@@ -169,13 +176,17 @@ def requests(draw: st.DrawFn, token: str = TOKEN) -> Generated:
     if valid and draw(st.booleans()):
         raw += draw(st.binary(max_size=64))  # a body or pipelined junk after the head
     decoded = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
-    return Generated(raw, valid, method, path, decoded, auth)
+    return Generated(raw, valid, method, path, decoded, auth, origin)
 
 
 def expected_status(g: Generated, limits_ok: bool) -> set[int]:
     """What the server must answer a valid request (see httpd's theory of operation)."""
+    if g.origin == "other":
+        return {403}
     if g.path not in ROUTES:
         return {404}
+    if g.method == "OPTIONS":
+        return {204}
     if g.path in PRIVATE and g.auth != "right":
         return {401}
     if g.path == "/readyz":
@@ -272,11 +283,10 @@ def test_the_answer_to_a_generated_request_is_its_expected_status(g: Generated) 
     http = _in_process_server()
     end = head_length(g.raw)
     answer = asyncio.run(http.answer(g.raw[:end]))
-    assert answer.status in PARSE_STATUSES | {200, 401, 404, 431}
+    assert answer.status in PARSE_STATUSES | {200, 204, 401, 403, 404, 431}
     if g.valid and end <= httpd.MAX_REQUEST_BYTES:
-        expected = 401 if g.path in PRIVATE and g.auth != "right" else 200 if g.path in ROUTES else 404
-        assert answer.status == expected
-        assert answer.send_body == (g.method == "GET")
+        assert answer.status in expected_status(g, True) - {503}
+        assert answer.send_body == (g.method != "HEAD" and answer.status != 204)
         if answer.status == 401:
             assert dict(answer.headers)["WWW-Authenticate"].startswith("Bearer")
     _check_response(answer.encode(), head_only=not answer.send_body)
@@ -347,13 +357,18 @@ def _check_response(data: bytes, head_only: bool | None) -> tuple[int, dict[str,
         name, colon, value = line.partition(b": ")
         assert colon and re.fullmatch(rb"[A-Za-z-]+", name), line
         headers[name.decode().lower()] = value.decode("ascii")
-    assert headers["connection"] in ("close", "keep-alive") and headers["content-type"]
+    assert headers["connection"] in ("close", "keep-alive")
+    status = int(match.group(1))
+    if status == 204:  # no content: neither a Content-Length nor a Content-Type (RFC 9110 8.6)
+        assert "content-length" not in headers and "content-type" not in headers, headers
+        assert "allow" in headers, headers
+        return status, headers, b""
+    assert headers["content-type"]
     length = int(headers["content-length"])
     if headers["connection"] == "keep-alive":  # what follows is the answer to what followed
         body = body[: 0 if head_only else length]
     sizes = {0, length} if head_only is None else {0 if head_only else length}
     assert len(body) in sizes, (len(body), length, data[:300])
-    status = int(match.group(1))
     if status >= 400:  # every error is JSON, {"error": ..., "status": N}
         assert headers["content-type"] == "application/json", (status, headers)
         if body:
@@ -410,7 +425,7 @@ def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
     too_long = end > httpd.MAX_REQUEST_BYTES  # 431 before the method is read: with a body
     head_only = g.method == "HEAD" and not too_long if g.valid else None
     status, headers, body = _check_response(answer, head_only)
-    assert status in {200, 400, 401, 404, 405, 431, 503, 505}, (status, g.raw[:300])
+    assert status in {200, 204, 400, 401, 403, 404, 405, 431, 503, 505}, (status, g.raw[:300])
     event(f"{'valid' if g.valid else 'invalid'} request: {status}")
     if g.valid:
         expected = {431} if too_long else expected_status(g, limit_ok(g.query))
@@ -422,7 +437,7 @@ def test_fuzzed_requests_to_a_real_server_get_well_formed_answers_never_a_500(
     if status == 401:
         assert headers["www-authenticate"].startswith("Bearer")
     if status == 405:
-        assert headers["allow"] in ("GET, HEAD", "GET, HEAD, POST")
+        assert headers["allow"] in ("GET, HEAD, OPTIONS", "GET, HEAD, POST, OPTIONS")
 
 
 def test_after_the_fuzz_the_server_answers_and_logged_no_traceback(token_server: ServerProcess) -> None:
@@ -445,8 +460,20 @@ def test_request_parsing_edge_cases(token_server: ServerProcess) -> None:
     status, headers, body = http(s, "/metrics", "POST")
     assert (status, headers["allow"], json.loads(body)) == (
         405,
-        "GET, HEAD",
+        "GET, HEAD, OPTIONS",
         {"error": "GET, HEAD only", "status": 405},
+    )
+    # OPTIONS says what a path takes, in the request's version; an unknown method is a 405 in it.
+    for version in (b"1.1", b"1.0"):
+        answer = exchange(s, b"OPTIONS /v1/pub/a.b HTTP/%s\r\nHost: x\r\n\r\n" % version)
+        assert answer.startswith(b"HTTP/%s 204 No Content\r\n" % version), answer
+        assert _check_response(answer, True)[1]["allow"] == "POST, OPTIONS"
+        answer = exchange(s, b"PUT /metrics HTTP/%s\r\nHost: x\r\n\r\n" % version)
+        assert answer.startswith(b"HTTP/%s 405 Method Not Allowed\r\n" % version), answer
+        assert _check_response(answer, False)[1]["allow"] == "GET, HEAD, POST, OPTIONS"
+    assert http(s, "/stats", "OPTIONS", auth=None)[:2] == (
+        204,
+        {"allow": "GET, HEAD, OPTIONS", "connection": "keep-alive"},
     )
     assert _check_response(exchange(s, b"GET /healthz HTTP/2.0\r\n\r\n"), False)[0] == 505
     for bad in (

@@ -73,6 +73,7 @@ class ServerConfig:
     http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.httpd)
     http_body_memory: int = 64 << 20  # request bodies the HTTP port holds at once, by all connections
     http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
+    http_allow_origin: tuple[str, ...] = ()  # other origins whose pages may call the HTTP port
     auth_token: str | None = None
     users: str | None = None  # a users file (TOML; broky.server.users), read again at SIGHUP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -134,7 +135,9 @@ class ServerConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServerConfig:
-        return cls(**data)
+        return cls(
+            **{**data, "http_allow_origin": tuple(data.get("http_allow_origin", ()))}
+        )  # (JSON: a list)
 
 
 def _invalid(message: str) -> Exception:
@@ -261,6 +264,15 @@ def _readable_file(text: str) -> str:
     return text
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    from broky.server.origins import parse_list
+
+    try:
+        return parse_list(text)
+    except ValueError as exc:
+        raise _invalid(str(exc)) from None
+
+
 def _size_or_zero(text: str) -> int:
     """A size in bytes (`_size`), or 0."""
     if text.strip() == "0":
@@ -298,6 +310,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "http_max_connections",
         _positive_int,
         "HTTP connections served at once (streams included); more are answered 503 (default %(default)s)",
+    ),
+    (
+        "--http-allow-origin",
+        "http_allow_origin",
+        _origins,
+        "comma-separated origins (http[s]://host[:port]) of other sites whose pages may call the "
+        "HTTP port, with credentials; a request from any other page's origin is refused 403 "
+        "(default: none: the port's own pages only)",
     ),
     (
         "--auth-token",

@@ -43,9 +43,10 @@ a body, and the map names nodes' binary ports, not their HTTP ports, which
 a load balancer may hide anyway. Past the master that took the POST, no
 other process handles the messages on their way: they cross the network
 once, from that master to the owning worker, as an SDK client's would.
-(DESIGN.md's "no server-to-server data routes" is about the nodes' own
-data path; the gateway is a client of the cluster, as a program with the
-SDK is, and what it forwards is its HTTP clients' publishes alone.)
+This is no server-to-server data route (the nodes' own data path has
+none: a publish goes from its client straight to the owning worker): the
+gateway is a client of the cluster, as a program with the SDK is, and what
+it forwards is its HTTP clients' publishes alone.
 
 When the map moves under a POST. A worker refuses the messages of a
 vbucket it no longer owns (NOT_MY_VBUCKET carries each back, in order, and
@@ -67,8 +68,10 @@ vbucket moving to it once the map prepares the move, before it owns it and
 answers Reads for it, so a gateway that follows the commit before that
 worker does gets its Reads refused and its messages taken.
 
-Publish. The body is split on LF (a CR before it is kept: bytes are bytes),
-an empty last line dropped; `?lines=0` takes the whole body as one message.
+Publish. The body is split into lines as a text file is (every LF ends a
+line, a CR before it is kept: bytes are bytes; what follows the last LF is a
+last line unless it is empty), and each line is a message, an empty one
+too; `?lines=0` takes the whole body as one message, an empty one too.
 The key is the path after /v1/pub/, percent-decoded; `partition` defaults to
 the key. The answer: {"published": n, "first": [vb, epoch, offset], "last":
 [...], "exact": bool}. When the offsets moved by exactly n in one epoch
@@ -116,7 +119,21 @@ that stream only; those of the gateway's connection to
 a worker (sid 0: SLOW_CONSUMER, CONNECTION_LOST, ...) go to every stream, as
 "scope": "gateway": they may include this stream's messages, and nobody can
 say which. ndjson shows a loss as a line {"loss": {...}}, SSE as `event:
-loss`; raw cannot (its lines are payloads): it is counted only.
+loss`; raw cannot (its lines are payloads): it is counted only. Its count,
+"dropped", is the LossNotice's as the SDK hands it over, with one
+translation (`told_count`): a LossNotice's `dropped` of 0 means "how many
+is not known" (schema/README.md 5.1 and 7: a notice is sent only for a loss,
+so 0 is never a count), and JSON says that as null. So an unknown count
+never reads as "none lost", and an exact count is never turned into null.
+
+Event streams come back (decided). A browser's EventSource reconnects by
+itself after a stream that ends or a connection that fails, but closes for
+good on any status but 200. So a request comes first while the workers
+start (a server that restarts): `sdk` waits for them, up to READY_WAIT; and
+an event stream that cannot be served (still not ready, a subscribe that
+failed, a server shutting down) is answered 200 with `retry:` and an
+`event: unavailable` saying why (`httpd.retry_later`), where another format
+gets the 503. The HTTP server does the same for a connection over its bound.
 
 SSE ids and resume (decided). An event's id is its position and its stream:
 "VB.EPOCH.OFFSET.N.SECRET" (numbers in base 36; N the stream's number, SECRET
@@ -130,7 +147,10 @@ last LEDGER_EVENTS events it sent, in order. A reconnect with Last-Event-ID
 (a resume is a capability: ids are never logged), finds the event in the
 ledger and subscribes again with `since` = every vbucket's position as of
 that event, and `since_time` = when the first stream started for vbuckets it
-had not reached; the worker replays the rest from its replay buffer. A
+had not reached; the worker replays the rest from its replay buffer. The
+ledger forgets the events after that one (they are sent again) and keeps the
+rest: a resume that dies before its first event is sent the same id again
+(a browser keeps the last id it got), and the id resolves again. A
 resume of a stream the server still writes to ends that stream first (its
 client went, unseen). Ledgers outlive their streams by RESUME_WINDOW
 seconds, at most MAX_LEDGERS of them (the oldest go first). Ledgers are
@@ -152,6 +172,7 @@ import datetime
 import itertools
 import json
 import logging
+import math
 import os
 import time
 import urllib.parse
@@ -174,7 +195,17 @@ from broky.protocol import (
 )
 from broky.protocol.frames import Position, encode_read
 from broky.protocol.routing import vbucket_of
-from broky.server.httpd import HttpError, HttpServer, Request, Response, Stream, quote
+from broky.server.httpd import (
+    EVENT_STREAM,
+    SSE_RETRY_MS,
+    HttpError,
+    HttpServer,
+    Request,
+    Response,
+    Stream,
+    quote,
+    retry_later,
+)
 
 if TYPE_CHECKING:
     import ssl
@@ -194,14 +225,18 @@ MAX_LEDGERS = 10_000
 RESUME_WINDOW = 300.0  # seconds a ledger outlives its stream
 KEEPALIVE_SECONDS = 15.0  # an SSE comment (ndjson: nothing) at most this long after the last write
 KEEPALIVE = b": keepalive\n\n"
-SSE_RETRY_MS = 1000
 FORMATS = ("ndjson", "raw", "sse")
 PROBES = 4096  # Read frames a lane keeps encoded, one per key_partition (then it starts over)
 FRAME_OVERHEAD = 128  # bytes of a Message frame besides key, key_partition and payload (at most)
 PUBLISH_TIMEOUT = 30.0  # seconds for a POST's messages to be placed and processed (a retry included)
 CONNECT_TIMEOUT = 5.0  # seconds to open a lane
 RETRY_INTERVAL = 0.2  # seconds between tries to find vbucket's new owner (a POST's second try)
+READY_WAIT = 10.0  # seconds a request waits for the workers to be ready (a server that starts)
+READY_POLL = 0.05  # seconds between two looks at them meanwhile
 END_OF_TIME = (1 << 63) - 1  # a Read's start_time after every message: the vbucket's position only
+MAX_ULONG = (1 << 64) - 1  # an epoch or an offset (a Position's ulongs)
+MAX_UINT = (1 << 32) - 1  # Subscribe.last
+MAX_SINCE_SECONDS = 9_223_372_036  # Subscribe.since_time (ns, a long) holds times before this
 # What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
 # memory, which --memory-budget does not count, so smaller than a connection's bound.
 STREAM_MAX_PENDING = 1 << 20
@@ -224,6 +259,9 @@ class GatewayCounters:
     losses_told: int = 0  # loss events written (ndjson, SSE)
     resumed: int = 0  # SSE streams resumed from their ledger
     resume_unknown: int = 0  # Last-Event-IDs the server could not use whole
+    retry_later: int = (
+        0  # event streams asked to come back: the workers were not ready, or a subscribe failed
+    )
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -261,19 +299,32 @@ class Ledger:
             self.base[old_vb] = (old_epoch, old_offset)
         events.append(event)
 
-    def positions_at(self, vb: int, epoch: int, offset: int) -> dict[int, tuple[int, int]] | None:
-        """Every vbucket's position as of the event at (vb, epoch, offset), or None: not kept."""
-        for i, event in enumerate(self.events):
+    def resume_at(self, vb: int, epoch: int, offset: int) -> dict[int, tuple[int, int]] | None:
+        """Every vbucket's position as of the event at (vb, epoch, offset), or None: not kept.
+
+        The events after it are forgotten (the client says it did not get them: the resumed
+        stream sends them again, and they are added again as it does), the event itself and
+        those before it are kept: a resume that dies before its first event is sent the same
+        id again, and that id must resolve as often as it is sent."""
+        events = self.events
+        for i, event in enumerate(events):
             if event == (vb, epoch, offset):
                 at = dict(self.base)
-                for e_vb, e_epoch, e_offset in itertools.islice(self.events, i + 1):
+                for e_vb, e_epoch, e_offset in itertools.islice(events, i + 1):
                     at[e_vb] = (e_epoch, e_offset)
+                for _ in range(len(events) - i - 1):
+                    events.pop()
                 return at
         return None
 
-    def restart(self, at: dict[int, tuple[int, int]]) -> None:
-        self.base = at
-        self.events.clear()
+
+def told_count(dropped: int | None) -> int | None:
+    """A LossNotice's count as a stream tells it: None (JSON null) when it is not known.
+
+    The protocol says "not known" with a count of 0 (UNACCOUNTED, EPOCH_CHANGED, EVICTED
+    from a time: schema/README.md 5.1, 7); a notice is sent only for a loss, so 0 is never
+    an exact count. (None, should the SDK hand "unknown" over as None, stays None.)"""
+    return dropped or None
 
 
 def id_head(vb: int, epoch: int, offset: int) -> str:
@@ -291,7 +342,7 @@ def decode_id(text: str) -> tuple[int, int, int, int, str] | None:
         vb, epoch, offset, number = (int(p, 36) for p in parts[:4])
     except ValueError:
         return None
-    if not 0 <= vb < 1024:
+    if not (0 <= vb < 1024 and epoch <= MAX_ULONG and offset <= MAX_ULONG):  # (base 36 has no sign)
         return None
     return vb, epoch, offset, number, parts[4]
 
@@ -305,7 +356,7 @@ class SubStream:
         self.content_type = {
             "ndjson": "application/x-ndjson",
             "raw": "application/octet-stream",
-            "sse": "text/event-stream; charset=utf-8",
+            "sse": EVENT_STREAM,
         }[fmt]
         self.headers: tuple[tuple[str, str], ...] = ()
         self.max_pending = max_pending
@@ -435,8 +486,10 @@ def _as_json(msg: Message) -> dict[str, Any]:
         out["payload"] = msg.payload.decode()
     except UnicodeDecodeError:
         out["payload_base64"] = base64.b64encode(msg.payload).decode()
+    # The epoch and ts_broker as decimal strings: 64-bit numbers past JavaScript's exact
+    # integers (2**53), which JSON.parse would round (ts_broker to about 256 ns).
     out["vbucket"], out["epoch"], out["offset"] = msg.vbucket, str(msg.epoch), msg.offset
-    out["ts_broker"] = msg.ts_broker
+    out["ts_broker"] = str(msg.ts_broker)
     if msg.uid is not None:
         out["uid"] = msg.uid_text
     return out
@@ -661,18 +714,25 @@ class Gateway:
             log.debug("gateway task failed: %r", task.exception())
 
     async def sdk(self) -> Client:
-        """The master's client of its own workers (connected once).
+        """The master's client of its own workers (connected once, when they are ready: a
+        request that comes first, as when a server starts, waits up to READY_WAIT for them).
 
         Raises:
-            HttpError: 503 while the workers are not ready, or the connection fails.
+            HttpError: 503 when the workers are still not ready, or the connection fails.
         """
         client = self.client
         if client is not None and not client.is_closed:
             return client
-        if self.closing:
-            raise HttpError(503, "the server is shutting down")
-        if not self.ready():
-            raise HttpError(503, "the workers are not ready yet; try again in a moment")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_WAIT
+        while not self.ready() or self.closing:
+            if self.closing:
+                raise HttpError(503, "the server is shutting down")
+            if loop.time() >= deadline:
+                raise HttpError(
+                    503, f"the workers are not ready after {READY_WAIT:g} s; try again in a moment"
+                )
+            await asyncio.sleep(READY_POLL)
         async with self._connecting:
             if self.client is not None and not self.client.is_closed:
                 return self.client
@@ -730,7 +790,7 @@ class Gateway:
     def _connection_loss(self, ref: WorkerRef, dropped: int, reason: int) -> None:
         name = LossReason.name(reason)
         for stream in list(self.streams):
-            stream.loss(dropped if reason != LossReason.UNACCOUNTED else None, name, "gateway")
+            stream.loss(told_count(dropped), name, "gateway")
 
     def _error(self, exc: BaseException) -> None:
         log.debug("gateway client: %s", exc)
@@ -977,7 +1037,12 @@ class Gateway:
         last_id = request.headers.get("last-event-id") or query.get("last_event_id")
         if last_id is not None and fmt != "sse":
             raise_bad("Last-Event-ID (or ?last_event_id=) resumes an event stream (format=sse) only")
-        client = await self.sdk()
+        try:
+            client = await self.sdk()
+        except HttpError as exc:
+            if fmt == "sse" and exc.status == 503:  # a browser's EventSource must come back
+                return self._retry_later(exc.message)
+            raise
         started_ns = since_time if since_time is not None else time.time_ns()
         since: list[Position] = []
         ledger: Ledger | None = None
@@ -1007,11 +1072,15 @@ class Gateway:
                 since=since,
                 since_time=since_time,
                 last=last,
-                on_loss=lambda dropped, reason: stream.loss(dropped, LossReason.name(reason), "stream"),
+                on_loss=lambda dropped, reason: stream.loss(
+                    told_count(dropped), LossReason.name(reason), "stream"
+                ),
             )
         except BrokyError as exc:
             if ledger is not None:
                 ledger.live = False
+            if fmt == "sse":
+                return self._retry_later(f"subscribe failed: {exc}")
             raise HttpError(503, f"subscribe failed: {exc}") from None
         if ledger is not None:
             ledger.owner = stream
@@ -1022,6 +1091,13 @@ class Gateway:
         self.counters.streams += 1
         self.counters.streams_total += 1
         return stream
+
+    def _retry_later(self, why: str) -> Response:
+        """An event stream's request that cannot be served now (503 to other formats): a
+        stream that asks its client to come back (`retry_later`). Its Last-Event-ID, if any,
+        resolves again next time."""
+        self.counters.retry_later += 1
+        return 200, EVENT_STREAM, retry_later(why)
 
     def stream_closed(self, stream: SubStream) -> None:
         if stream in self.streams:
@@ -1060,7 +1136,7 @@ class Gateway:
         if ledger is not None and hmac.compare_digest(secret.encode(), ledger.secret.encode()):
             if ledger.owner is not None:  # its stream is still open (its client's going went unseen)
                 ledger.owner.close()
-            at = ledger.positions_at(vb, epoch, offset)
+            at = ledger.resume_at(vb, epoch, offset)
         else:
             ledger = None
         if at is None:  # resume its own vbucket; the rest from now, told
@@ -1069,7 +1145,6 @@ class Gateway:
         assert ledger is not None
         self.counters.resumed += 1
         self.ledgers.move_to_end(number)
-        ledger.restart(at)
         return ledger, [Position(v, e, o) for v, (e, o) in sorted(at.items())], False
 
 
@@ -1092,31 +1167,38 @@ def raise_bad(message: str) -> NoReturn:
 
 
 def _count(query: dict[str, str], name: str) -> int:
+    """A count of the query (0 when absent): at most MAX_UINT, what Subscribe.last holds."""
     raw = query.get(name)
     if raw is None:
         return 0
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 12:
-        raise_bad(f"{name} must be a count (0 .. 999999999999), not {quote(raw)}")
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 10 or int(raw) > MAX_UINT:
+        raise_bad(f"{name} must be a count (0 .. {MAX_UINT}), not {quote(raw)}")
     return int(raw)
 
 
 def _time(raw: str | None) -> int | None:
-    """?since_time=: seconds since the epoch (a number), or an ISO 8601 time with its zone; ns."""
+    """?since_time=: seconds since the epoch (a number), or an ISO 8601 time with its zone; ns,
+    from 1970 on and within Subscribe.since_time (a signed 64-bit count of ns: before 2262)."""
     if raw is None:
         return None
     try:
-        seconds = float(raw)
-        if seconds == seconds and 0 <= seconds < 1e11:
-            return int(seconds * 1e9)
+        seconds: float | None = float(raw)
     except ValueError:
         try:
             when = datetime.datetime.fromisoformat(raw)
         except ValueError:
-            pass
-        else:
-            if when.tzinfo is not None:
-                return int(when.timestamp() * 1e9)
-    raise_bad(f"since_time must be seconds since the epoch or an ISO 8601 time with a zone, not {quote(raw)}")
+            when = None
+        seconds = when.timestamp() if when is not None and when.tzinfo is not None else None
+    if seconds is None or not math.isfinite(seconds):
+        raise_bad(
+            f"since_time must be seconds since the epoch or an ISO 8601 time with a zone, not {quote(raw)}"
+        )
+    if not 0 <= seconds < MAX_SINCE_SECONDS:
+        raise_bad(
+            f"since_time {quote(raw)} is out of range: from 1970-01-01T00:00:00Z (0) to "
+            f"2262-04-11T23:47:16Z ({MAX_SINCE_SECONDS}: nanoseconds since the epoch in 64 bits)"
+        )
+    return int(seconds * 1e9)
 
 
 def install(master: Any) -> Gateway:

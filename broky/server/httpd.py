@@ -18,7 +18,13 @@ MAX_REQUESTS_PER_CONNECTION of them, each head due within REQUEST_TIMEOUT of
 the previous answer (an idle connection is closed silently after that). A
 Stream is always the last answer of its connection. At most `max_connections`
 connections are served at once: one more is answered 503 and closed
-(`refused_busy`, counted).
+(`refused_busy`, counted), but for an event stream's request (one that
+accepts text/event-stream, as every EventSource's does: its head read within
+REFUSED_HEAD_TIMEOUT, REFUSED_READS of them at once), which gets a 200 that
+asks it to come back (`retry_later`): a browser's EventSource closes for
+good on any status but 200, and reconnects after a stream that ends. When
+the server closes, every connection still open (a stream, an idle one, one
+lingering after its last answer) is ended quietly.
 
 Every request takes the same steps, each of which may end it with a 4xx:
 
@@ -30,8 +36,8 @@ Every request takes the same steps, each of which may end it with a 4xx:
               before anything but empty lines)
     parse     `parse_head`, sans-IO (bytes in, a Request out or HttpError
               raised): "METHOD SP TARGET SP HTTP/1.x" (400; another major
-              version 505; a method other than GET, HEAD and POST 405 with
-              Allow), a target of visible ASCII that is a path or an
+              version 505; a method other than GET, HEAD, POST and OPTIONS
+              405 with Allow, in the request's version), a target of visible ASCII that is a path or an
               absolute http(s) URL (400), header lines "name: value" with a
               token name and no control character (400; obsolete line
               folding too; a second Authorization, Host, Content-Length or
@@ -41,8 +47,12 @@ Every request takes the same steps, each of which may end it with a 4xx:
               undecoded (unknown: 404; a method the route does not take: 405
               with Allow)
     admit     from the head alone, before any of the body is read (`admit`):
-              the path is routed (unknown: 404; a method the route does not
-              take: 405 with Allow), and a route registered `private`
+              a page of another origin (its Origin header) that the server
+              does not allow is refused (403; broky.server.origins, which
+              also gives the CORS headers of an allowed one's answers); the
+              path is routed (unknown: 404; OPTIONS: 204 with Allow, and a
+              preflight's CORS headers; a method the route does not take:
+              405 with Allow), and a route registered `private`
               needs, when the server has an auth token, the token
               (`Authorization: Bearer <token>`, or for a route registered
               `browser` also the "broky_token" cookie or ?access_token=;
@@ -112,6 +122,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from broky.errors import BrokyError
 from broky.server.logs import Throttle
+from broky.server.origins import OriginPolicy
 from broky.server.users import Users, admits
 
 if TYPE_CHECKING:
@@ -131,6 +142,7 @@ class Request:
     version: int = 1  # the minor version: HTTP/1.0 or HTTP/1.1
     body: bytes = b""
     user: str | None = None  # the user its Basic credentials named (--users), once authorized
+    cors: tuple[tuple[str, str], ...] = ()  # the CORS headers of its answers (broky.server.origins)
 
     @property
     def keep_alive(self) -> bool:
@@ -156,8 +168,10 @@ Handler = Callable[[Request], Awaitable[Response | Stream]]
 
 _REASONS = {
     200: "OK",
+    204: "No Content",
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -182,8 +196,13 @@ LINGER_SECONDS = 1.0
 SKIPPED_BODY = 65536  # a body refused from its head (or for a route that takes none) read past up to this
 LOG_INTERVAL = 10.0  # seconds between two log lines about one route's failures (or one refusal cause)
 QUOTED_CHARS = 40  # of the input quoted in an error body
-METHODS = ("GET", "HEAD", "POST")
+SSE_RETRY_MS = 1000  # how long an event stream's client waits before it reconnects (its `retry:`)
+EVENT_STREAM = "text/event-stream; charset=utf-8"
+REFUSED_READS = 64  # connections over max_connections whose head is read at once (`_busy`)
+REFUSED_HEAD_TIMEOUT = 1.0  # seconds for such a head (a browser sends it at once)
+METHODS = ("GET", "HEAD", "POST", "OPTIONS")
 READ_METHODS = ("GET", "HEAD")
+_METHOD_BYTES = frozenset(m.encode() for m in METHODS)
 TOKEN_COOKIE = "broky_token"
 # Headers a request may carry once.
 _SINGLE = frozenset({"authorization", "host", "content-length", "transfer-encoding"})
@@ -213,6 +232,7 @@ class HttpError(BrokyError):
         self.headers = headers
         self.fields = fields or {}  # more members of the JSON body
         self.send_body = True  # False once the method is known to be HEAD
+        self.version = 0  # the minor version of the answer's status line, once the request's is known
 
     def answer_for(self, send_body: bool) -> Answer:
         self.send_body = send_body
@@ -220,7 +240,9 @@ class HttpError(BrokyError):
 
     def answer(self) -> Answer:
         body = error_body(self.status, self.message, **self.fields)
-        return Answer(self.status, "application/json", body, self.headers, self.send_body)
+        return Answer(
+            self.status, "application/json", body, self.headers, self.send_body, version=self.version
+        )
 
 
 def error_body(status: int, message: str, **more: object) -> bytes:
@@ -241,8 +263,11 @@ class Answer:
     def encode(self) -> bytes:
         lines = [
             f"HTTP/1.{self.version} {self.status} {_REASONS.get(self.status, '')}",
-            f"Content-Type: {self.content_type}",
-            f"Content-Length: {len(self.body)}",
+            *(
+                ()
+                if self.status == 204  # no content, and no Content-Length (RFC 9110 8.6)
+                else (f"Content-Type: {self.content_type}", f"Content-Length: {len(self.body)}")
+            ),
             *(f"{name}: {value}" for name, value in self.headers),
             "Connection: keep-alive" if self.keep_alive else "Connection: close",
         ]
@@ -264,7 +289,8 @@ class HttpCounters:
 
     connections: int = 0  # open now
     accepted: int = 0
-    requests: int = 0
+    requests: int = 0  # heads read
+    answered: dict[str, dict[str, int]] = field(default_factory=dict)  # method label -> status -> answers
     refused_busy: int = 0  # connections over max_connections, answered 503
     cut_slow: int = 0  # heads or bodies not sent in time, streams not read in time
     too_large: int = 0  # bodies over max_body (413)
@@ -306,18 +332,23 @@ def parse_head(head: bytes) -> Request:
         raise HttpError(400, f"malformed HTTP version {quote(version)}")
     if major.group(1) != b"1":
         raise HttpError(505, "this server speaks HTTP/1.0 and HTTP/1.1 only")
-    if _TOKEN.fullmatch(method_bytes) is None:
-        raise HttpError(400, f"malformed method {quote(method_bytes)}")
-    method = method_bytes.decode("ascii")
-    if method not in METHODS:
-        raise HttpError(405, f"{', '.join(METHODS)} only", (("Allow", ", ".join(METHODS)),))
+    minor = 0 if major.group(2) == b"0" else 1
     try:
-        path, query = _parse_target(target_bytes)
-        headers = _parse_headers(header_lines)
+        if _TOKEN.fullmatch(method_bytes) is None:
+            raise HttpError(400, f"malformed method {quote(method_bytes)}")
+        method = method_bytes.decode("ascii")
+        if method not in METHODS:
+            raise HttpError(405, f"{', '.join(METHODS)} only", (("Allow", ", ".join(METHODS)),))
+        try:
+            path, query = _parse_target(target_bytes)
+            headers = _parse_headers(header_lines)
+        except HttpError as exc:
+            exc.send_body = method != "HEAD"
+            raise
     except HttpError as exc:
-        exc.send_body = method != "HEAD"
+        exc.version = minor  # answered in the request's version
         raise
-    return Request(method, path, query, headers, 0 if major.group(2) == b"0" else 1)
+    return Request(method, path, query, headers, minor)
 
 
 def body_framing(request: Request) -> int | None:
@@ -450,6 +481,20 @@ def quote(data: bytes | str) -> str:
     return shown[:QUOTED_CHARS] + f"... ({len(text)} characters)"
 
 
+def wants_event_stream(request: Request) -> bool:
+    """A GET that accepts an event stream (every EventSource's does)."""
+    return request.method == "GET" and "text/event-stream" in request.headers.get("accept", "")
+
+
+def retry_later(message: str, status: int = 503) -> bytes:
+    """An event stream that tells its client to come back in SSE_RETRY_MS, and why (with the
+    status it would have been answered otherwise): the answer that keeps a browser's
+    EventSource reconnecting, where any status but 200 would close it for good (the HTML
+    standard, "Server-sent events": a 200 whose stream ends is retried, a 503 is not)."""
+    data = json.dumps({"error": message, "status": status})
+    return f"retry: {SSE_RETRY_MS}\n\nevent: unavailable\ndata: {data}\n\n".encode()
+
+
 def cookie(request: Request, name: str) -> str | None:
     """The value of cookie `name` in the request, if any (the first wins)."""
     for part in request.headers.get("cookie", "").split(";"):
@@ -514,7 +559,9 @@ class HttpServer:
         max_body: int = DEFAULT_MAX_BODY,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         body_memory: int = DEFAULT_BODY_MEMORY,
+        allow_origins: tuple[str, ...] = (),
     ) -> None:
+        self.origins = OriginPolicy(allow_origins)  # --http-allow-origin (broky.server.origins)
         self.routes: dict[str, Route] = {}
         self.prefixes: dict[str, Route] = {}  # path prefix -> route (the longest that matches wins)
         self.server: asyncio.AbstractServer | None = None
@@ -528,6 +575,8 @@ class HttpServer:
         self.refused: dict[str, int] = {}  # cause -> requests refused for their token (401)
         self.log_throttle = Throttle(LOG_INTERVAL)
         self.streams: set[Stream] = set()  # streams being written
+        self.tasks: set[asyncio.Task[None]] = set()  # one per connection, refused ones included
+        self.refused_reading = 0  # refused connections whose head is being read (`_busy`)
 
     def route(
         self,
@@ -554,37 +603,93 @@ class HttpServer:
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         """Listen (https with the context `tls`); return the bound port."""
+        self.origins.scheme = "https" if tls is not None else "http"
         self.server = await asyncio.start_server(
             self._handle, host, port, reuse_address=True, limit=MAX_REQUEST_BYTES, ssl=tls
         )
         return int(self.server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
+        """Stop listening, end the streams, and end every connection still open (one that
+        lingers after its last answer, a refused one, an idle one) before the loop ends."""
         for stream in list(self.streams):
             stream.close()
         if self.server is not None:
             self.server.close()
+        await asyncio.sleep(0)  # the streams' writers take their ends
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=LINGER_SECONDS)
+        if self.server is not None:
             await self.server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection, from its accept to its close. Cancelled only by `close` (or by the
+        end of the loop): it then ends quietly, its connection closed. (It must not end
+        cancelled: Python 3.11's asyncio.start_server logs a cancelled handler as an error
+        with its traceback.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
         counters = self.counters
         counters.accepted += 1
-        if counters.connections >= self.max_connections:
-            counters.refused_busy += 1
-            busy = HttpError(503, f"the server serves {self.max_connections} HTTP connections already; "
-                             "try again later")  # fmt: skip
-            await _last_answer(reader, writer, busy.answer())
-            return
-        counters.connections += 1
         try:
-            await self._serve(reader, writer)
+            if counters.connections >= self.max_connections:
+                counters.refused_busy += 1
+                await _last_answer(reader, writer, await self._busy(reader))
+                return
+            counters.connections += 1
+            try:
+                await self._serve(reader, writer)
+            finally:
+                counters.connections -= 1
+        except asyncio.CancelledError:
+            writer.close()  # (what it wrote still goes out, if the client takes it)
         finally:
-            counters.connections -= 1
+            self.tasks.discard(task)
+
+    def _answered(self, method: str, status: int) -> None:
+        answered = self.counters.answered.setdefault(method, {})
+        code = str(status)
+        answered[code] = answered.get(code, 0) + 1
+
+    async def _busy(self, reader: asyncio.StreamReader) -> Answer:
+        """The answer to a connection over max_connections: 503 with Retry-After, or to an
+        event stream's request (up to REFUSED_READS of them read at once, each head within
+        REFUSED_HEAD_TIMEOUT), a stream that asks to be retried (`retry_later`): a browser's
+        EventSource gives up for good on a 503."""
+        why = f"the server serves {self.max_connections} HTTP connections already; try again later"
+        busy = HttpError(503, why, (("Retry-After", "1"),))
+        if self.refused_reading >= REFUSED_READS:
+            return busy.answer()
+        self.refused_reading += 1
+        try:
+            got = await _read_head(reader, timeout=REFUSED_HEAD_TIMEOUT)
+        finally:
+            self.refused_reading -= 1
+        if not isinstance(got, tuple):
+            return busy.answer()
+        try:
+            request = parse_head(got[0])
+        except HttpError as exc:
+            busy.version = exc.version
+            return busy.answer()
+        busy.version = request.version
+        headers = request.headers
+        served, cors = self.origins.verdict(headers.get("origin"), headers.get("host"))
+        if not served or not wants_event_stream(request):
+            busy.send_body = request.method != "HEAD"
+            return busy.answer()
+        return Answer(200, EVENT_STREAM, retry_later(why), (("Cache-Control", "no-cache"), *cors),
+                      version=request.version)  # fmt: skip
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         served = 0
         data = b""  # read beyond the previous request (pipelined)
         while True:
+            method = "other"
             try:
                 got = await _read_head(reader, data, idle=served > 0)
                 if got is None:
@@ -593,11 +698,13 @@ class HttpServer:
                 if isinstance(got, HttpError):
                     if got.status == 408:
                         self.counters.cut_slow += 1
+                    self._answered(method, got.status)
                     await _last_answer(reader, writer, got.answer())
                     return
                 head, data = got
                 served += 1
                 self.counters.requests += 1
+                method = _method_label(head)
                 answer, data = await self._answer_with_body(reader, writer, head, data)
             except (OSError, TimeoutError):  # the client reset or vanished
                 writer.close()
@@ -606,8 +713,10 @@ class HttpServer:
                 self._failed("(request)")
                 answer = Answer(500, "application/json", error_body(500, "internal error"))
             if not isinstance(answer, Answer):
+                self._answered(method, 200)
                 await self._write_stream(reader, writer, *answer)
                 return
+            self._answered(method, answer.status)
             if answer.keep_alive and served < MAX_REQUESTS_PER_CONNECTION:
                 try:
                     writer.write(answer.encode())
@@ -698,30 +807,49 @@ class HttpServer:
             request = parse_head(head)
         except HttpError as exc:
             return exc.answer()
-        got = await self.respond(request)
+        got, request = await self.respond(request)
         if isinstance(got, Answer):
-            return got
+            return _with_cors(got, request)
         got.close()
-        return Answer(200, got.content_type, b"", got.headers, send_body=False)
+        return Answer(200, got.content_type, b"", (*got.headers, *request.cors), send_body=False)
 
-    async def respond(self, request: Request) -> Answer | Stream:
-        """Route, authorize and handle a parsed request (its body, if any, already in it)."""
+    async def respond(self, request: Request) -> tuple[Answer | Stream, Request]:
+        """Route, authorize and handle a parsed request (its body, if any, already in it); and
+        the request as admitted (its user, its CORS headers)."""
         route = self.find(request.path)
         refused, request = await self.admit(request, route)
         if refused is not None:
-            return refused
+            return refused, request
         assert route is not None
-        return await self.handle(request, route)
+        return await self.handle(request, route), request
 
     async def admit(self, request: Request, route: Route | None) -> tuple[Answer | None, Request]:
-        """The answer that ends `request` from its head alone (404, 405, 401), or None; and the
-        request, with its user once Basic credentials admitted it."""
+        """The answer that ends `request` from its head alone (403, 404, 204 to an OPTIONS,
+        405, 401), or None; and the request, with the CORS headers of its answers, and its
+        user once Basic credentials admitted it."""
         send_body = request.method != "HEAD"
+        headers = request.headers
+        served, cors = self.origins.verdict(headers.get("origin"), headers.get("host"))
+        if cors:
+            request = dataclasses.replace(request, cors=cors)
+        if not served:
+            why = (
+                f"a request from a page of another origin ({quote(headers['origin'])}): refused unless "
+                "the server allows it (--http-allow-origin)"
+            )
+            return HttpError(403, why).answer_for(send_body), request
         if route is None:
             return HttpError(404, f"no such path: {quote(request.path)}").answer_for(send_body), request
+        if request.method == "OPTIONS":
+            allow = ", ".join((*route.methods, "OPTIONS"))
+            extra: tuple[tuple[str, str], ...] = (("Allow", allow),)
+            if cors and "access-control-request-method" in headers:  # an allowed origin's preflight
+                extra += self.origins.preflight(headers, route.methods)
+            return Answer(204, "", b"", extra, send_body=False), request
         if request.method not in route.methods:
             allow = ", ".join(route.methods)
-            return HttpError(405, f"{allow} only", (("Allow", allow),)).answer_for(send_body), request
+            allowed = (("Allow", f"{allow}, OPTIONS"),)
+            return HttpError(405, f"{allow} only", allowed).answer_for(send_body), request
         if route.private and self._token is not None:
             users = self.users()
             if users is not None and request.headers.get("authorization", "")[:6].lower() == "basic ":
@@ -760,7 +888,7 @@ class HttpServer:
         lines = [
             f"HTTP/1.{request.version} 200 OK",
             f"Content-Type: {stream.content_type}",
-            *(f"{name}: {value}" for name, value in stream.headers),
+            *(f"{name}: {value}" for name, value in (*stream.headers, *request.cors)),
             "Cache-Control: no-cache",
             "X-Accel-Buffering: no",
             *(["Transfer-Encoding: chunked"] if chunked else []),
@@ -855,9 +983,21 @@ class HttpServer:
             )  # fmt: skip
 
 
+def _method_label(head: bytes) -> str:
+    """The method of a request head as a metrics label: one this server takes (lower case), or
+    "other" (any other, or none: a head that does not parse)."""
+    method = head.lstrip(b"\r\n").split(b" ", 1)[0]
+    return method.decode("ascii").lower() if method in _METHOD_BYTES else "other"
+
+
 def _versioned(answer: Answer, request: Request, keep: bool) -> Answer:
-    return Answer(answer.status, answer.content_type, answer.body, answer.headers, answer.send_body,
-                  keep, request.version)  # fmt: skip
+    """The answer to `request`: in its version, with its CORS headers."""
+    return Answer(answer.status, answer.content_type, answer.body, (*answer.headers, *request.cors),
+                  answer.send_body, keep, request.version)  # fmt: skip
+
+
+def _with_cors(answer: Answer, request: Request) -> Answer:
+    return dataclasses.replace(answer, headers=(*answer.headers, *request.cors)) if request.cors else answer
 
 
 def _closing(answer: Answer) -> Answer:
@@ -880,12 +1020,12 @@ async def _last_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 
 async def _read_head(
-    reader: asyncio.StreamReader, data: bytes = b"", idle: bool = False
+    reader: asyncio.StreamReader, data: bytes = b"", idle: bool = False, timeout: float = REQUEST_TIMEOUT
 ) -> tuple[bytes, bytes] | HttpError | None:
     """The request head and the bytes read after it, the error that ends the request instead,
     or None: nothing to answer. `idle`: a kept-alive connection, whose silence is no error."""
     try:
-        async with asyncio.timeout(REQUEST_TIMEOUT):
+        async with asyncio.timeout(timeout):
             while (end := head_length(data)) < 0:
                 if len(data) > MAX_REQUEST_BYTES:
                     break
@@ -898,7 +1038,7 @@ async def _read_head(
     except TimeoutError:
         if not data.strip(b"\r\n") and (idle or not data):
             return None
-        return HttpError(408, f"no complete request head within {REQUEST_TIMEOUT:g} s")
+        return HttpError(408, f"no complete request head within {timeout:g} s")
     if end < 0 or end > MAX_REQUEST_BYTES:
         return HttpError(431, f"request head over {MAX_REQUEST_BYTES} bytes")
     return data[:end], data[end:]

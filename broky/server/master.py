@@ -212,7 +212,11 @@ class Master:
         self.loop = asyncio.get_running_loop()
         self.listener: socket.socket | None = None
         self.http = HttpServer(
-            config.auth_token, config.http_max_body, config.http_max_connections, config.http_body_memory
+            config.auth_token,
+            config.http_max_body,
+            config.http_max_connections,
+            config.http_body_memory,
+            config.http_allow_origin,
         )
         self.http.users = lambda: self.users
         self.supervisor: Supervisor | None = None

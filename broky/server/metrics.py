@@ -23,7 +23,15 @@ Names follow the Prometheus conventions: `broky_` prefix, base units
 of series is bounded by workers x reasons. A worker that restarted starts its
 counters from zero again, which Prometheus' rate() treats as a counter reset;
 `broky_worker_restarts_total` says when that happened. A worker that did not
-answer the scrape has `broky_worker_up 0` and no other series in that scrape.
+answer the scrape has `broky_worker_up 0` and no other series in that scrape,
+but for Prometheus' standard `process_*` metrics, which the master reads from
+/proc for itself and every live worker (broky.server.procstat), one series per
+process with a `process` label (`master`, `worker-0`, ..., as the JSON log
+names them). Counters by a closed set of labels (drop reasons, error codes,
+resume results, refusal limits, TLS failures) have every series from the
+start, at 0 until it happens, so that alerts and dashboards need no `or
+vector(0)` and show 0, not "No data"; `broky_http_requests_total{method,
+code}` has a series per combination answered.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from broky import __version__
+from broky.errors import ErrorCode
 from broky.server import histogram
 from broky.server.stats import DropReason
 
@@ -228,6 +237,9 @@ GAUGES = (
 )
 # Whose account answered a reconnecting client (Hello.previous): see broky.server.accounts.
 RESUME_RESULTS = ("connection_lost", "worker_restart", "unknown", "refused")
+# Every error code, at 0 until it is sent (broky_errors_sent_total) or refuses a handshake
+# (broky_handshakes_refused_total), as the drop reasons: a dashboard has a series to show.
+ERROR_CODES = tuple(code.name for code in ErrorCode if code is not ErrorCode.NONE)
 REFUSAL_REASONS = ("count", "bytes")  # the per-connection limit a refused Subscribe was over
 
 
@@ -364,8 +376,7 @@ class SnapshotCollector:
             labels=["worker"],
         )
         for w, s in snaps:
-            # Every DropReason is exported, at 0 until it happens, so that alerts and
-            # dashboards need no `or vector(0)`.
+            # Every DropReason (and ErrorCode, ...) is exported, at 0 until it happens.
             reasons = dict.fromkeys(DropReason, 0) | s.get("dropped", {})
             for reason, n in sorted(reasons.items()):
                 dropped.add_metric([w, reason], float(n))
@@ -374,7 +385,7 @@ class SnapshotCollector:
                 refused.add_metric([w, reason], float(n))
             for user, n in sorted(s.get("permission_denied", {}).items()):
                 denied.add_metric([w, user], float(n))
-            for code, n in sorted(s.get("errors", {}).items()):
+            for code, n in sorted((dict.fromkeys(ERROR_CODES, 0) | s.get("errors", {})).items()):
                 errors.add_metric([w, code.lower()], float(n))
             for reason, n in sorted(
                 (dict.fromkeys(TLS_FAILURE_REASONS, 0) | s.get("tls_failures", {})).items()
@@ -422,7 +433,7 @@ class SnapshotCollector:
             "Connections refused at the handshake, by code.",
             labels=["code"],
         )
-        for code, n in sorted(m.get("handshakes_refused", {}).items()):
+        for code, n in sorted((dict.fromkeys(ERROR_CODES, 0) | m.get("handshakes_refused", {})).items()):
             refused.add_metric([code.lower()], float(n))
         yield refused
         handoffs = _counter(
@@ -457,6 +468,7 @@ class SnapshotCollector:
             owned.add_metric([str(i)], float(n))
         yield owned
         yield from _http_metrics(m.get("http", {}))
+        yield from _process_metrics(m.get("processes", []))
         yield from self._cluster_metrics()
 
     def _cluster_metrics(self) -> Iterator[Family]:
@@ -501,11 +513,10 @@ class SnapshotCollector:
 # view, help); a name ending in _total is a counter, else a gauge.
 HTTP_METRICS = (
     ("broky_http_connections", "connections", "HTTP connections open now."),
-    ("broky_http_requests_total", "requests", "HTTP requests read."),
     (
         "broky_http_refused_total",
         "refused_busy",
-        "HTTP connections refused (503) over --http-max-connections.",
+        "HTTP connections refused over --http-max-connections (503; an event stream: told to come back).",
     ),
     (
         "broky_http_cut_slow_total",
@@ -548,13 +559,60 @@ HTTP_METRICS = (
         "resume_unknown",
         "Last-Event-IDs the server could not use whole (told to the client as a loss).",
     ),
+    (
+        "broky_http_retry_later_total",
+        "retry_later",
+        "Event streams told to come back (200, retry: and event: unavailable): the workers were not "
+        "ready, or the subscription failed.",
+    ),
 )
 
 
 def _http_metrics(view: dict[str, Any]) -> Iterator[Family]:
+    requests = _counter(
+        "broky_http_requests_total",
+        "HTTP requests answered, by method (get, head, post, options; other: any other method, or a "
+        "request that did not parse) and status code (a stream: 200).",
+        labels=["method", "code"],
+    )
+    for method, codes in sorted(view.get("answered", {}).items()):
+        for code, n in sorted(codes.items()):
+            requests.add_metric([method, code], float(n))
+    yield requests
     for name, key, doc in HTTP_METRICS:
         family = _counter(name, doc) if name.endswith("_total") else _gauge(name, doc)
         family.add_metric([], float(view.get(key, 0)))
+        yield family
+
+
+# Prometheus' standard process metrics (broky.server.procstat): (name, figure, type, help).
+PROCESS_METRICS = (
+    (
+        "process_cpu_seconds_total",
+        "cpu_seconds",
+        "counter",
+        "Total user and system CPU time spent in seconds.",
+    ),
+    ("process_resident_memory_bytes", "resident_bytes", "gauge", "Resident memory size in bytes."),
+    ("process_virtual_memory_bytes", "virtual_bytes", "gauge", "Virtual memory size in bytes."),
+    ("process_open_fds", "open_fds", "gauge", "Number of open file descriptors."),
+    ("process_max_fds", "max_fds", "gauge", "Maximum number of open file descriptors."),
+    (
+        "process_start_time_seconds",
+        "start_time_seconds",
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+    ),
+)
+
+
+def _process_metrics(processes: Sequence[dict[str, Any]]) -> Iterator[Family]:
+    """One series per process of the server, labelled `process` (master, worker-0, ...)."""
+    for name, key, kind, doc in PROCESS_METRICS:
+        family = Family(name, kind, doc + " Per process of the server: master, worker-N.", ["process"])
+        for proc in processes:
+            if proc.get(key) is not None:
+                family.add_metric([proc["process"]], float(proc[key]))
         yield family
 
 

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from broky import __version__
 from broky.protocol.routing import VBucketMap, to_ranges
-from broky.server import handoff, histogram
+from broky.server import handoff, histogram, procstat
 from broky.server.config import ServerConfig
 from broky.server.httpd import HttpError, HttpServer, Request, Response, quote
 from broky.server.metrics import Exporter
@@ -299,6 +299,7 @@ class Monitor:
             "connections_refused": dict(m.limits_refused),
             "vbuckets_owned": _owned(m),
             "http": _http_view(m),
+            "processes": _processes(sup),
         }
 
     def _cluster_view(self) -> dict[str, Any] | None:
@@ -312,6 +313,7 @@ def _http_view(master: Observed) -> dict[str, Any]:
     view: dict[str, Any] = {
         "connections": c.connections,
         "requests": c.requests,
+        "answered": {method: dict(codes) for method, codes in c.answered.items()},  # method -> status -> n
         "refused_busy": c.refused_busy,
         "cut_slow": c.cut_slow,
         "too_large": c.too_large,
@@ -334,8 +336,21 @@ def _http_view(master: Observed) -> dict[str, Any]:
             losses_told=g.losses_told,
             resumed=g.resumed,
             resume_unknown=g.resume_unknown,
+            retry_later=g.retry_later,
         )
     return view
+
+
+def _processes(sup: Supervisor) -> list[dict[str, Any]]:
+    """The master's and each live worker's CPU, memory and descriptors (broky.server.procstat)."""
+    named = [("master", os.getpid())]
+    named += [(f"worker-{wp.index}", wp.pid) for wp in sup.workers if wp is not None]
+    listed = []
+    for name, pid in named:
+        figures = procstat.read(pid)
+        if figures is not None:
+            listed.append({"process": name, "pid": pid, **figures})
+    return listed
 
 
 def _owned(master: Observed) -> list[int]:
