@@ -135,7 +135,9 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
         error = frames[-1]
         assert isinstance(error, Error) and error.code == ErrorCode.SLOW_CONSUMER and error.fatal
         assert notices == []
-        dropped = int(re.search(r"(\d+) deliveries dropped since the last LossNotice", error.message)[1])  # type: ignore[index]
+        found = re.search(r"(\d+) deliveries dropped since the last LossNotice", error.message or "")
+        assert found is not None, error.message
+        dropped = int(found[1])
         assert dropped > 0
         assert got * len(frame) <= (4 << 20) + (4 << 20)  # the bound plus what the kernel buffers held
         assert seqs == sorted(set(seqs)) and seqs[-1] < n  # in order, no copies, nothing made up

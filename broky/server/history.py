@@ -37,9 +37,10 @@ waits for it, broky.server.handover):
                  of the clock and the last stamp). A message with ts_broker
                  >= T was evicted (`gone_ts`): EVICTED, exact when the whole
                  sequence came after T (its first stamp is at or after T:
-                 broky.server.sequences), else with its count unknown. (Not what an earlier epoch held: whether
-                 there was one, the worker does not know; a client that was
-                 connected to it is told by its connection's account,
+                 broky.server.sequences), else with its count unknown.
+                 (Not what an earlier epoch held: whether there was one, the
+                 worker does not know; a client that was connected to it is
+                 told by its connection's account,
                  WORKER_RESTART or UNACCOUNTED.)
   last N         the last N retained messages that match.
 
