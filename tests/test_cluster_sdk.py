@@ -16,13 +16,16 @@ server that delivered twice would otherwise pass as "no duplicates".
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from bench.chaos import Cluster
-from bench.cluster_drain import MapWatch, drain_once
+from bench.cluster_drain import MapWatch, drain_once, full_log
 from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
 from bench.harness.cluster import agreed
 from broky.protocol import VBucketMap
@@ -279,3 +282,47 @@ def test_the_leader_drains_like_any_node_in_a_rolling_restart_no_notice_nothing_
     assert leader.whole_s < other.whole_s + 3.0, summary  # type: ignore[operator]
     assert_versions_grow(history)
     assert_every_move_prepared(history)
+
+
+@pytest.mark.timeout(150)
+def test_an_incoming_owner_back_after_the_prepare_the_move_commits_without_its_timeout() -> None:
+    """A worker of c dies just as b drains, so the subscriber's connection to it is down
+    when the prepare that moves b's vbuckets to c (and a) arrives. Once it is connected
+    again and its subscriptions are in place, the subscriber says MapApplied on every
+    connection (schema/README.md section 6.3): every node counts it ready, the leader
+    commits without waiting for the move timeout, and the subscriber is told no loss.
+    (It said it to the worker that came back only: the other nodes never counted it
+    ready, the commit came after the move timeout, and having adopted it without its
+    MapApplied the subscriber was told UNACCOUNTED for every new owner: four notices,
+    nothing lost.)"""
+    requires.program("etcd")
+    cluster = Cluster(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0")
+    load: Load | None = None
+    try:
+        for node_id in ("a", "b", "c"):
+            cluster.start(node_id)
+        cluster.wait_settled()
+        assert cluster.leader() == "a"
+        load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=300, partitions=100)
+        time.sleep(1.0)
+        leader_node = cluster.nodes["a"]
+        seen = len(full_log(leader_node))
+        os.kill(cluster.pids("c")[1], signal.SIGKILL)  # a worker of c; its master starts it again
+        assert cluster.leave("b") == 0  # SIGTERM at once: b drains to a and c
+        cluster.wait_settled()
+        time.sleep(1.0)
+        result = finish(load, 100)
+        log = full_log(leader_node)[seen:]
+    finally:
+        if load is not None:
+            load.kill()
+        cluster.stop()
+    summary = f"{result}\n{log}"
+    assert re.search(r"prepared: \d+ vbuckets to move \(serving: a, c; draining: b\)", log), summary
+    assert re.search(r"committed: \d+ vbuckets moved, every member ready after", log), summary
+    assert "after the move timeout" not in log, summary
+    assert result.subscriber_unaccounted == [], summary
+    # the worker's death is told exactly (its account, WORKER_RESTART), if it lost anything
+    assert result.lost == result.told and result.received == result.published - result.told, summary
+    assert result.received == result.subscriber_sdk_delivered, summary
+    assert result.duplicates == 0 and result.out_of_order == 0, summary
