@@ -1,6 +1,6 @@
 """Cluster drain loop: what a node's drain (SIGTERM) costs SDK users, the leader's and the others'.
 
-    python -m bench.cluster_drain [--drains 10] [--rate 300] [--partitions 100] [--down 0]
+    python -m bench.cluster_drain [--drains 15] [--rate 300] [--partitions 100] [--down 0]
                                   [--node-arg=--drain-linger=0 ...] [--name cluster_drain]
                                   [--logs DIR]
 
@@ -201,7 +201,7 @@ def full_log(node: Server) -> str:
 
 
 def run(
-    drains: int = 10,
+    drains: int = 15,
     rate: int = 300,
     partitions: int = 100,
     down: float = 0.0,
@@ -326,7 +326,7 @@ def report(drains: list[Drain], outcome: Outcome, args: argparse.Namespace, info
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cluster_drain", description=__doc__.split("\n")[0])
-    parser.add_argument("--drains", type=int, default=10)
+    parser.add_argument("--drains", type=int, default=15)
     parser.add_argument("--rate", type=int, default=300, help="msgs/s published")
     parser.add_argument("--partitions", type=int, default=100)
     parser.add_argument(
