@@ -57,10 +57,11 @@ no two different maps ever carry one version, even when two nodes believe
 they lead for a moment. A new leader waits LEADER_SETTLE seconds before its
 first write, so that members coming back after an etcd outage re-register
 before it plans without them; but not when the leader before it is still a
-member and drains (a planned handover: nobody is coming back). For longer, up to REJOIN_GRACE (at least one
-lease TTL) after this node's session began, it does not plan away the
-vbuckets of a node that the map names as an owner but that is no member
-(yet): after an etcd outage that outlived the leases, every node registers
+member and drains (a planned handover: nobody is coming back). For longer,
+up to REJOIN_GRACE (at least one lease TTL) after this node's session
+began, it does not plan away the vbuckets of a node that the map names as
+an owner but that is no member (yet): after an etcd outage that outlived
+the leases, every node registers
 again after its own backoff, and the leader would otherwise move a slower
 node's vbuckets and back, for nothing. It plans as soon as every such node is
 back; a node that died during the outage loses its vbuckets once the grace
