@@ -94,6 +94,12 @@ def steps(latency_duration: float | None) -> list[Step]:
             "cluster_failover", ("bench.cluster_failover",), "cluster_failover.md", "a node of three killed"
         ),
         Step(
+            "cluster_drain",
+            ("bench.cluster_drain",),
+            "cluster_drain.md",
+            "rolling restarts, the leader's too",
+        ),
+        Step(
             "cluster_cpu", ("bench.cluster_cpu", "--runs", "5"), "cluster_cpu.md", "cluster CPU per delivery"
         ),
         Step("micro", ("bench.micro_report",), "micro.md", "codec micro-benchmarks"),

@@ -250,3 +250,8 @@ def test_keys_records_and_leader() -> None:
     assert decode_ready(encode_ready(7)) == 7 and decode_ready(b"junk") == 0
     members = [Member(record("b"), 5, 1), Member(record("a"), 9, 2)]
     assert leader_of(members) == "b" and leader_of([]) is None
+    # a draining member does not lead while another serves (the oldest serving one does);
+    # while none serves, the oldest draining one does
+    draining = [Member(record("b", state="draining"), 5, 1), Member(record("c"), 12, 3), *members[1:]]
+    assert leader_of(draining) == "a"
+    assert leader_of([draining[0], Member(record("a", state="draining"), 9, 2)]) == "b"

@@ -16,11 +16,16 @@ server that delivered twice would otherwise pass as "no duplicates".
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from bench.chaos import Cluster
+from bench.cluster_drain import MapWatch, drain_once, full_log
 from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
 from bench.harness.cluster import agreed
 from broky.protocol import VBucketMap
@@ -223,3 +228,101 @@ def test_etcd_wiped_under_load_the_map_is_restored_nothing_moves_nothing_lost(cl
     assert_every_move_prepared(history)
     assert after[0].version == before[-1].version + 1  # the running map, restored
     assert all(owners_by_id(m) == owners_by_id(before[-1]) for m in after)  # nothing moved
+
+
+@pytest.mark.timeout(150)
+def test_the_leader_drains_like_any_node_in_a_rolling_restart_no_notice_nothing_lost() -> None:
+    """A rolling restart under SDK load: another node, then the leader, drained (SIGTERM)
+    and started again at its address as soon as it exited. The leader's drain hands the
+    leadership over with the record that says it drains, so the member that stays
+    prepares, commits and drops it at once, as for any node: the map no longer names it
+    before it is back, so nobody's connection to its old process resumes at the new one,
+    and the move back to it is prepared and committed as usual, without its timeout.
+    (A draining leader that led on was dropped only by its successor, after that one's
+    LEADER_SETTLE: the node restarted meanwhile was still in the map; the subscriber was
+    told UNACCOUNTED twice or four times and the move back waited its timeout.)"""
+    requires.program("etcd")
+    cluster = Cluster(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0")
+    load: Load | None = None
+    watch: MapWatch | None = None
+    try:
+        for node_id in ("a", "b", "c"):
+            cluster.start(node_id)
+        cluster.wait_settled()
+        assert cluster.leader() == "a"
+        watch = MapWatch(cluster)
+        load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=300, partitions=100)
+        time.sleep(1.0)
+        other = drain_once(cluster, watch, "c", False, down=0.0, timeout=60.0)
+        time.sleep(0.5)
+        leader = drain_once(cluster, watch, "a", True, down=0.0, timeout=60.0)
+        time.sleep(1.0)
+        result = finish(load, 100)
+        history = map_history(cluster.etcd.endpoint)
+    finally:
+        if load is not None:
+            load.kill()
+        if watch is not None:
+            watch.stop()
+        cluster.stop()
+    summary = f"{result}\nanother node's drain: {other}\nthe leader's drain: {leader}"
+    print(f"\nrolling restart: another node's drain {other}\nthe leader's {leader}")
+    assert_nothing_lost(result)
+    assert result.subscriber_unaccounted == [] and result.told_by_reason == {}, summary  # no notice
+    for drain in (other, leader):
+        assert drain.exit_code == 0 and drain.prepared and drain.move_timeouts == 0, summary
+        # committed, then a map without it, before it was back (whole_s: None if it never left)
+        assert drain.committed_s is not None and drain.whole_s is not None, summary
+        assert drain.committed_s <= drain.whole_s <= drain.rejoined_s, summary  # type: ignore[operator]
+    # how: the draining leader handed over at once, the next oldest member planned its drain
+    assert "the leader is 'b': this node drains and handed the leadership over" in leader.leadership, summary
+    assert "this node ('b') is the leader: 'a' drains and handed it over" in leader.leadership, summary
+    # comparable to another node's drain (generous: a busy machine; the move timeout is 4 s, the
+    # successor's settle 1 s, and what they would add is asserted above by mechanism)
+    assert leader.whole_s < other.whole_s + 3.0, summary  # type: ignore[operator]
+    assert_versions_grow(history)
+    assert_every_move_prepared(history)
+
+
+@pytest.mark.timeout(150)
+def test_an_incoming_owner_back_after_the_prepare_the_move_commits_without_its_timeout() -> None:
+    """A worker of c dies just as b drains, so the subscriber's connection to it is down
+    when the prepare that moves b's vbuckets to c (and a) arrives. Once it is connected
+    again and its subscriptions are in place, the subscriber says MapApplied on every
+    connection (schema/README.md section 6.3): every node counts it ready, the leader
+    commits without waiting for the move timeout, and the subscriber is told no loss.
+    (It said it to the worker that came back only: the other nodes never counted it
+    ready, the commit came after the move timeout, and having adopted it without its
+    MapApplied the subscriber was told UNACCOUNTED for every new owner: four notices,
+    nothing lost.)"""
+    requires.program("etcd")
+    cluster = Cluster(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0")
+    load: Load | None = None
+    try:
+        for node_id in ("a", "b", "c"):
+            cluster.start(node_id)
+        cluster.wait_settled()
+        assert cluster.leader() == "a"
+        load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=300, partitions=100)
+        time.sleep(1.0)
+        leader_node = cluster.nodes["a"]
+        seen = len(full_log(leader_node))
+        os.kill(cluster.pids("c")[1], signal.SIGKILL)  # a worker of c; its master starts it again
+        assert cluster.leave("b") == 0  # SIGTERM at once: b drains to a and c
+        cluster.wait_settled()
+        time.sleep(1.0)
+        result = finish(load, 100)
+        log = full_log(leader_node)[seen:]
+    finally:
+        if load is not None:
+            load.kill()
+        cluster.stop()
+    summary = f"{result}\n{log}"
+    assert re.search(r"prepared: \d+ vbuckets to move \(serving: a, c; draining: b\)", log), summary
+    assert re.search(r"committed: \d+ vbuckets moved, every member ready after", log), summary
+    assert "after the move timeout" not in log, summary
+    assert result.subscriber_unaccounted == [], summary
+    # the worker's death is told exactly (its account, WORKER_RESTART), if it lost anything
+    assert result.lost == result.told and result.received == result.published - result.told, summary
+    assert result.received == result.subscriber_sdk_delivered, summary
+    assert result.duplicates == 0 and result.out_of_order == 0, summary

@@ -919,6 +919,11 @@ class Client(Publisher):
         vmap = self.router.map
         if link.subs and vmap is not None:  # after its Subscribes, on the same connection
             link.send_control(encode_map_applied(MapApplied(vmap.version)))
+            if self.router.applied < vmap.version and link.ref in _incoming_refs(vmap):
+                # `_acknowledge` gave up on this map while this incoming owner was down: the
+                # other nodes' connections must hear MapApplied too, or the move they
+                # prepared waits for its timeout and its commit finds this client unready.
+                self.map_applied(vmap.version)
 
     def map_applied(self, version: int) -> None:
         """For the Router (RouterOwner): map `version` is in place; say MapApplied once confirmed."""
@@ -945,7 +950,8 @@ class Client(Publisher):
         if self._closed or vmap is None or vmap.version != version:
             return  # superseded: the newer map says it
         # An incoming owner that is down gets its subscriptions and a MapApplied when it
-        # reconnects (`link_reconnected`): not before, since they must be in place first.
+        # reconnects (`link_reconnected`, which then asks again): not before, since they
+        # must be in place first.
         if any(link.proto is None and link.failed is None for link in carrying):
             return
         frame = encode_map_applied(MapApplied(version))

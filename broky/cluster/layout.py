@@ -14,8 +14,9 @@ etcd). Under the prefix:
                                 runs (kept current: what a leader restores
                                 from when etcd lost the map, see
                                 broky.cluster.planner). The key's
-                                create_revision orders the members: the lowest
-                                is the leader.
+                                create_revision orders the members: the
+                                serving member with the lowest is the leader
+                                (a draining one only while none serves).
     <prefix>/map                the vbucket map (VBucketMap.to_json); only the
                                 leader writes it, and its version only grows.
     <prefix>/ready/<node_id>    leased by the node: {"version": v}, the last map
@@ -180,10 +181,13 @@ class Member(NamedTuple):
 
 
 def leader_of(members: Any) -> str | None:
-    """The node id of the member with the lowest create_revision (None: no member)."""
+    """The node id of the serving member with the lowest create_revision; while none
+    serves, of the draining member with the lowest (None: no member). A draining
+    leader so hands the leadership over as soon as its record says it drains: the
+    member that stays plans its departure like any other's (broky.cluster.node)."""
     best: Member | None = None
     for m in members:
-        if best is None or m.create_revision < best.create_revision:
+        if best is None or (m.serving, -m.create_revision) > (best.serving, -best.create_revision):
             best = m
     return None if best is None else best.node_id
 

@@ -47,18 +47,21 @@ watch, is applied if newer than the one it runs (Master.apply_map), whatever
 happened meanwhile: a node whose vbuckets were given away while it was cut
 off stops owning them as soon as it reads that map.
 
-Leader. The member with the lowest create_revision leads (Gazette's rule);
-every node computes it from its copy, and each logs when it changes. Only the
+Leader. The serving member with the lowest create_revision leads (Gazette's
+rule; a draining member only while none serves: layout.leader_of); every
+node computes it from its copy, and each logs when it changes. Only the
 leader writes the map, in a transaction that holds only if its own member key
 still has the create_revision it registered with and the map still has the
 mod_revision the leader last read (0: no map yet). So versions only grow and
 no two different maps ever carry one version, even when two nodes believe
 they lead for a moment. A new leader waits LEADER_SETTLE seconds before its
 first write, so that members coming back after an etcd outage re-register
-before it plans without them. For longer, up to REJOIN_GRACE (at least one
-lease TTL) after this node's session began, it does not plan away the
-vbuckets of a node that the map names as an owner but that is no member
-(yet): after an etcd outage that outlived the leases, every node registers
+before it plans without them; but not when the leader before it is still a
+member and drains (a planned handover: nobody is coming back). For longer,
+up to REJOIN_GRACE (at least one lease TTL) after this node's session
+began, it does not plan away the vbuckets of a node that the map names as
+an owner but that is no member (yet): after an etcd outage that outlived
+the leases, every node registers
 again after its own backoff, and the leader would otherwise move a slower
 node's vbuckets and back, for nothing. It plans as soon as every such node is
 back; a node that died during the outage loses its vbuckets once the grace
@@ -82,12 +85,23 @@ newest map leads and restores that.
 
 Drain (SIGTERM, see broky.server.master). `drain` marks the member key
 "draining"; the leader plans without the node (it stays in `nodes` while it
-owns something), prepares and commits the move; once the node has applied a
+is a member), prepares and commits the move; once the node has applied a
 map in which it owns no vbucket and receives none, every worker runs it and
 the handover records they reported are written, `drain` returns and the
 master stops as usual (Goodbye to every connection), then `leave` revokes the
-lease, which deletes its keys. With no other serving member there is nowhere
-to hand over to, and the drain ends at once. It is bounded by --drain-timeout.
+lease, which deletes its keys, and the leader writes a map without the node
+at once. With no other serving member there is nowhere to hand over to, and
+the drain ends at once. It is bounded by --drain-timeout.
+
+A draining node does not lead, so the leader's drain is the same: the
+record that says it drains hands the leadership to the oldest serving
+member, which plans at once (no LEADER_SETTLE: a planned handover). Were the
+draining leader to lead on, it would prepare and commit its own move, but
+the map that drops it could only come from its successor, once it had left
+and after LEADER_SETTLE: a node restarted at its address within that second
+(a rolling restart) would still be in the map, and its clients would resume
+their connections to the old process at the new one, which has no account
+of them (UNACCOUNTED, though the old one said Goodbye).
 """
 
 from __future__ import annotations
@@ -476,10 +490,18 @@ class ClusterNode:
             log.info("ready for map version %d: every worker and subscriber follows it", version)
         leader = leader_of(self.members.values())
         if leader != self.leader:
+            before = self.members.get(self.leader) if self.leader is not None else None
+            # the leader before it drains and is still a member: a planned handover
+            handing = before.node_id if before is not None and not before.serving else None
             self.leader = leader
             if leader == self.node_id:
-                self.leading_since = time.monotonic()
-                log.info("this node (%r) is the leader", leader)
+                self.leading_since = time.monotonic() - (LEADER_SETTLE if handing else 0.0)
+                if handing:
+                    log.info("this node (%r) is the leader: %r drains and handed it over", leader, handing)
+                else:
+                    log.info("this node (%r) is the leader", leader)
+            elif handing == self.node_id:
+                log.info("the leader is %r: this node drains and handed the leadership over", leader)
             else:
                 log.info("the leader is %r", leader)
         if self.is_leader:
