@@ -51,24 +51,37 @@ from the values it has in hand). A subscription's start on this
 worker is the `ts` of the first Pong after its Subscribe. On a reconnect the
 Hello says `positions` and each Subscribe is sent again `since` the Link's
 positions received after that start (and the subscription's own from a
-replay, where newer), with `since_time` = the start for the vbuckets it
-received nothing of since (schema/README.md 5.1): the worker replays what
-was in flight, as a Replay frame followed by the messages for that sid alone,
-which the WorkerProtocol hands to the Link's `on_replayed` for that
-subscription only; or it tells what is gone
-(EVICTED, EPOCH_CHANGED). A worker without a replay buffer answers nothing
-and tells the loss as before (CONNECTION_LOST). A group member is sent again
-as it was first (a group starts live; what was in flight to the lost
-connection the worker gives to the other members, or to this one again).
+replay, or from a notice's `through`, where newer), with `since_time` = the
+start for the vbuckets it received nothing of since (schema/README.md 5.1):
+the worker replays what was in flight, as a Replay frame followed by the
+messages for that sid alone, which the WorkerProtocol hands to the Link's
+`on_replayed` for that subscription only; and it tells what is gone
+(EVICTED, EPOCH_CHANGED, SLOW_CONSUMER), one notice per vbucket, each naming
+the last position it accounts for (`through`): the subscription's next start
+goes on after it (`told_through`), so what was told is never told again. A
+worker without a replay buffer replays nothing and tells all of it. A group
+member is sent again as it was first (a group starts live; what was in
+flight to the lost connection the worker gives to the other members, or to
+this one again).
+
+The seam: a plain subscription whose Subscribe names a start takes no bare
+delivery until its Replay arrives (what comes before it is in the replay);
+it is out of the Matcher until then (`subscribe_for`, `awaiting`).
+
+Told once: the loss of a lost connection is settled by its account (exact),
+by its Goodbye (none), or by one UNACCOUNTED; the client remembers the epochs
+it had delivered (`epochs_held`, LinkOwner.epochs_settled), and an
+EPOCH_CHANGED for one of them (the same loss, from a start) is not told again.
 
 Group members with ack, across reconnects: the high half of a Welcome's
 connection_id names the worker process (schema/README.md 3, 5.4). Back to the
 same process, the settlements made while down are sent after the
 Subscribes (the worker still knows those positions). Back to another one (the
-worker or the server restarted), or retired with its node, the Link closes
-its AckLedgers: their unsettled deliveries are reported lost
-(LossReason.UNACKED_LOST, `stats.unacked_lost`) and their settlements
-dropped (broky.client.groups).
+worker or the server restarted), or retired with its node, the Link orphans
+its AckLedgers (broky.client.groups): their ACKs are dropped (the application
+has those messages: nothing is lost), and each NACK, which asks for a
+redelivery nobody can make, is reported lost (LossReason.UNACKED_LOST,
+`stats.unacked_lost`), once.
 
 A vbucket that moves (broky.client.routing) keeps its sequence: same epoch,
 the next offset, at its new owner. A subscription that another worker
@@ -1163,7 +1176,7 @@ class Link(_LinkState):
                     self.matched.add(frame.sid)
         elif isinstance(frame, LossNotice):
             if frame.through is not None and frame.sid:
-                self.told_through(frame.sid, frame.through)
+                self.told_through(frame.sid, frame.through, frame.dropped)
             if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops
                 self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
@@ -1211,7 +1224,7 @@ class Link(_LinkState):
             epochs.update(e for e, _, _ in sub.replayed.get(self.ref, {}).values() if e)
         return epochs
 
-    def told_through(self, sid: int, through: Position) -> None:
+    def told_through(self, sid: int, through: Position, dropped: int) -> None:
         """A start's LossNotice accounts for subscription `sid`'s messages of a vbucket up to
         `through` (told lost, or replayed before it): its next start here goes on after
         that, unless the start already replayed a later message of the vbucket. So what
@@ -1220,6 +1233,8 @@ class Link(_LinkState):
         if sub is None:
             return
         vb = through.vbucket
+        if dropped:
+            sub.lost_by_vbucket[vb] = sub.lost_by_vbucket.get(vb, 0) + dropped
         mine = sub.replayed.setdefault(self.ref, {})
         have = mine.get(vb)
         if have is not None and have[0] == through.epoch and have[1] >= through.offset:

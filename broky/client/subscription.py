@@ -89,8 +89,11 @@ class Subscription(Inbox[M]):
     Created by `Client.subscribe`; not constructed directly. Attributes
     `delivered` (messages handed to the consumer), `dropped` (messages lost
     because the local queue was full), `pending` and, for a group member with
-    ack, `in_flight` are plain counters. Its messages are Messages, a group
-    member's GroupMessages (a `Subscription[GroupMessage]`).
+    ack, `in_flight` are plain counters; `lost_by_vbucket` maps a vbucket to
+    the messages a start of this subscription (its first, or a resume's) was
+    told it lost there (EVICTED, SLOW_CONSUMER; not the unknown counts). Its
+    messages are Messages, a group member's GroupMessages (a
+    `Subscription[GroupMessage]`).
     """
 
     # (dropped, reason) of the LossNotices naming it (`Client.subscribe`'s on_loss); a class
@@ -128,6 +131,7 @@ class Subscription(Inbox[M]):
         # messages replayed to it alone: vbucket -> (epoch, offset, ts_broker).
         self.starts: dict[object, int] = {}
         self.replayed: dict[object, dict[int, tuple[int, int, int]]] = {}
+        self.lost_by_vbucket: dict[int, int] = {}  # what its starts were told it lost, per vbucket
         # A group member's settings; its unsettled deliveries (ack: the sum of its Links'
         # AckLedgers' `open`, under the client's AckBatcher lock); the workers (WorkerRef)
         # that paused it (GroupNotice PAUSED, until RESUMED or the connection is lost).

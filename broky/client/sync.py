@@ -145,6 +145,11 @@ class SyncSubscription(Inbox[M]):
         see `Subscription.paused_by_server`."""
         return self._sub is not None and self._sub.paused_by_server
 
+    @property
+    def lost_by_vbucket(self) -> dict[int, int]:
+        """What its starts were told it lost, per vbucket (see `Subscription`)."""
+        return {} if self._sub is None else dict(self._sub.lost_by_vbucket)
+
     def attach(self, sub: Subscription[Any]) -> None:
         """For `SyncClient.subscribe`: the asyncio Subscription whose callback is `push`."""
         self._sub = sub

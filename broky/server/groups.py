@@ -49,7 +49,10 @@ bytes; reaching either bound sends it a GroupNotice PAUSED (and RESUMED once it
 has room). When every member is at its bound, messages wait in a backlog
 (per member for key-shared, to keep each vbucket's order; per group
 otherwise), bounded by --group-backlog-bytes per group; past it they are
-dropped, counted and told (LossNotice GROUP_OVERFLOW to every member).
+dropped, counted and told once (LossNotice GROUP_OVERFLOW to the group's
+first member: one message, one member, so the told counts add up). Every
+message of an ack group is Pending from its arrival (member None while it
+waits), so `pending` holds everything the group keeps.
 
 Moves (key-shared with acks). When a join or a leave gives a vbucket to
 another member while its old member still holds unacknowledged messages of
@@ -64,6 +67,22 @@ A member that leaves (Unsubscribe, connection lost) gives back at once what
 it held: with acks, its pending messages go to the other members (their
 delivery count goes up: they were delivered once); its backlog goes to the
 vbuckets' new members; the last member's are dropped and counted.
+
+Never untold. What an ack group keeps for nobody (a backlog, a drain's held
+messages, a redelivery that waits: the Pendings without a member) was never
+queued to a connection, so no connection's account counts it, and a worker
+that dies would lose it untold. So each group keeps it on the account of one
+member's connection, its teller (its first member's; once it has none, its
+last one's): `owe` moves the count (`Connection.group_owed`) whenever it
+changes, and the account is committed before anything of the read leaves
+(broky.server.accounts). A client that claims that connection after the
+worker died is told it, WORKER_RESTART (broky.server.arrivals). What the group
+loses for good with no member to tell (an orphan's ack_wait passed, a dead
+message) goes on the same account (`group_lost`), told to any claim. A
+delivery of an ack group that finds its member's connection over its bound is
+not lost: it stays in flight and is delivered again at its deadline
+(`group_deferred`); only a group without ack loses such deliveries (counted
+and told as the connection's drops, never replayed: `group_untold`).
 
 Cluster: every worker balances among the members connected to it. A client's
 all-partition subscription is sent to every worker, so each member of a
@@ -270,7 +289,7 @@ class Group:
         self.backlog_bytes = 0
         self.draining: dict[int, Drain] = {}
         self.orphan_gen = 0  # its last member left: the deadline's gen (see GroupDelivery.give_back)
-        # Its teller (see "Never untold" in the header): the connection of its first member (of
+        # Its teller (see "Never untold" in the module's header): the connection of its first member (of
         # its last one, once it has none), and the messages it keeps for nobody, as counted in
         # that connection's `group_owed`.
         self.teller: Connection | None = None
