@@ -506,12 +506,19 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
     # protocol's 0: schema/README.md 5.1); the stream must say null, not "0 lost". A resume
     # with Last-Event-ID across a cut starts the vbuckets it reached from their positions
     # (an exact count) and the others from a time (unknown): neither may read as 0.
+    # (Each vbucket takes messages before the time too: the server cannot know which of its
+    # offsets came after it. A vbucket whose whole sequence came after it is told exactly.)
     s = start_server("--replay-bytes", "0")
     url = f"{base(s)}/v1/sub/unk.>"
-    began = time.time()
 
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         async with broky.connect(s.url) as client:
+            for i in range(8):
+                await client.publish(PARTITIONS[i % 8], "unk.before", b"before")
+            await client.flush()
+            await asyncio.sleep(0.01)
+            began = time.time()
+            await asyncio.sleep(0.01)
             for i in range(40):
                 await client.publish(PARTITIONS[i % 8], "unk.early", b"early")
             await client.flush()
