@@ -582,3 +582,35 @@ def test_a_subscription_over_the_server_limit_is_reported_once_and_not_resent(st
         proxy.stop()
     for worker in debug_stats(server)["workers"]:
         assert worker["errors"]["SUBSCRIPTION_LIMIT"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_round_trip_waiting_on_a_worker_whose_node_left_the_map_ends_at_once() -> None:
+    # Issue 37: a retired Link's `up` is set for good and it has no connection; its round
+    # trip went round that loop without ever yielding (a core at 100 %, no timeout could
+    # fire, `flush` never returned). It must end at once, naming the node's fate; and so
+    # must one waiting when the client closes.
+    from broky.client.client import Client
+    from broky.client.link import Link
+
+    async def main() -> None:
+        client = Client("127.0.0.1:1")
+        client.loop = asyncio.get_running_loop()
+        link = Link(client, "n", 0)  # never connected: down
+        trip = asyncio.ensure_future(link.round_trip())
+        await asyncio.sleep(0.05)
+        assert not trip.done()  # waits for the connection
+        link.retire()  # its node is no longer in the map
+        with pytest.raises(broky.BrokyConnectionError, match="n left the cluster"):
+            async with asyncio.timeout(5):
+                await trip
+        other = Link(client, "n", 1)
+        trip = asyncio.ensure_future(other.round_trip())
+        await asyncio.sleep(0.05)
+        client._closed = True
+        other.close()
+        with pytest.raises(broky.ClientClosedError):
+            async with asyncio.timeout(5):
+                await trip
+
+    asyncio.run(main())

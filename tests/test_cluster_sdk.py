@@ -223,3 +223,29 @@ def test_etcd_wiped_under_load_the_map_is_restored_nothing_moves_nothing_lost(cl
     assert_every_move_prepared(history)
     assert after[0].version == before[-1].version + 1  # the running map, restored
     assert all(owners_by_id(m) == owners_by_id(before[-1]) for m in after)  # nothing moved
+
+
+@pytest.mark.timeout(240)
+def test_a_flush_pending_on_a_node_that_dies_ends_without_spinning() -> None:
+    """Issue 37: a flush waiting for a worker whose node died spun in Link.round_trip once
+    the node left the map (the retired Link's event was set, the loop never yielded), at a
+    whole core, and never returned; the subscriber in the process stopped receiving. Two
+    nodes, one SIGKILLed and started again 6 s later (past its 2 s lease: it leaves the
+    map); an asyncio and a blocking client publish and flush every second
+    (bench.kill_loop_flush, short)."""
+    from bench import kill_loop_flush
+
+    requires.program("etcd")
+    out = kill_loop_flush.run(
+        minutes=0.3, nodes=2, clients=2, every=15.0, down=(6.0, 6.0), lease_ttl=LEASE_TTL
+    )
+    summary = "\n".join(kill_loop_flush.lines(out))
+    assert len(out.kills) == 1, summary
+    for c in out.clients:
+        assert not c.hung, summary  # it answered "stop" (a spinning client never does)
+        assert c.spinning_seconds() == 0, summary  # no second at over half a core
+        assert c.flushes and out.late_flushes(c) == 0, summary  # each ended within its timeout
+        # the flush after the kill waited for the dead node until it left the map, then ended
+        assert c.longest_flush() >= 1.0, summary
+        assert set(c.outcomes()) == {"ok"}, summary  # what it carried went to the new owners
+        assert c.received > 0 and c.longest_gap_s < 10.0, summary  # its subscriber kept receiving

@@ -57,7 +57,11 @@ answers only after processing every frame received before the Ping. It also
 waits for a map refresh under way and the resend of the publishes refused
 with NOT_MY_VBUCKET. A connection that dropped with publishes written to it
 but not confirmed by a Pong makes the next `flush` raise
-BrokyConnectionError (see `Link`).
+BrokyConnectionError (see `Link`). A Link that is down is waited for until
+it reconnects or is retired (its node left the map): then what it carried
+went to the new owners or was counted (`Router.retire`), and the round
+trips start again on the current map's Links, as they do whenever the map
+changed or a move settled while they ran.
 """
 
 from __future__ import annotations
@@ -429,10 +433,14 @@ class Client(Publisher):
         """Wait until every worker has processed everything published (and acknowledged) so far.
 
         A worker that is disconnected is waited for (it reconnects first, and
-        a connection that drops during the flush is waited for again). The
-        flush fails if a publish may have been lost: publishes written to a
-        connection that dropped before the server confirmed them (a Pong) are
-        reported by the next flush, once (see `stats.unconfirmed_lost`).
+        a connection that drops during the flush is waited for again), until
+        `timeout`; in a cluster, until its node leaves the map: what was sent
+        to it then goes to the new owners (if it carries a uid, else it is
+        counted as possibly lost: schema/README.md 7.1), and the flush waits
+        for them. The flush fails if a publish may have been lost: publishes
+        written to a connection that dropped before the server confirmed them
+        (a Pong) are reported by the next flush, once (see
+        `stats.unconfirmed_lost`).
 
         Args:
             timeout: seconds; default `flush_timeout`.
@@ -450,20 +458,23 @@ class Client(Publisher):
         self.acks.flush()  # group members' settlements so far: before the Pings
         try:
             async with asyncio.timeout(timeout):
-                links, results = await self._round_trips()
-                # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
-                # the Pongs: once the map is fresh they are sent again; wait for those too.
                 router = self.router
-                while (
-                    router.to_resend
-                    or router.settling
-                    or (router.refreshing is not None and not router.refreshing.done())
-                ):
-                    if router.refreshing is not None:
-                        await asyncio.shield(router.refreshing)
-                    if router.settling:  # vbuckets moving: their new owners write once settled
-                        await asyncio.wait(list(router.settling))
+                while True:
+                    changes = router.changes
                     links, results = await self._round_trips()
+                    # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
+                    # the Pongs: once the map is fresh they are sent again; wait for those
+                    # too (a refused publish waits in `to_resend` only while a refresh or
+                    # a move's settling is under way: both resend it when they end).
+                    if router.refreshing is not None and not router.refreshing.done():
+                        await asyncio.shield(router.refreshing)
+                    elif router.settling:  # vbuckets moving: their new owners write once settled
+                        await asyncio.wait(list(router.settling))
+                    elif router.changes == changes and not any(link.retired for link in links):
+                        break
+                    # Else the map changed, or a move settled, during the round trips: what
+                    # was kept back, or sent again to the new owners (a node that left:
+                    # `Router.retire`), may have been written after their Pings. Again.
         except TimeoutError:
             down = [link.ref.worker for link in self.router.links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
@@ -490,7 +501,12 @@ class Client(Publisher):
             raise BrokyConnectionError("flush: " + "; ".join(problems))
 
     async def _round_trips(self) -> tuple[list[Link], list[BaseException | None]]:
-        """A round trip on every Link that is up, has something queued, gave up or lost publishes."""
+        """A round trip on every Link that is up, has something queued, gave up or lost publishes.
+
+        A Link retired meanwhile (its node left the map) ends its round trip at once; its
+        publishes were settled by the rule of schema/README.md 7.1 (sent again to their
+        new owners, or counted for `flush` to report: `Router.retire`), and `flush`
+        starts again on the Links of the current map."""
         links = [
             link
             for link in self.router.links.values()

@@ -382,6 +382,8 @@ class Link(_LinkState):
         self.retired = False  # its node left the map: no more reconnects
         self.outstanding = 0  # keepalive Pings sent since the last Pong
         self.keepalive: asyncio.TimerHandle | None = None
+        # Set while connected, and for good once the Link has ended (given up, retired,
+        # closed): a waiter that finds it set and no connection must not wait again.
         self.up = asyncio.Event()
         self.tried = asyncio.Event()  # set once the first connection attempt has ended
         self.task: asyncio.Task[None] | None = None
@@ -663,6 +665,8 @@ class Link(_LinkState):
             self.keepalive = None
 
     def close(self) -> None:
+        self.up.set()  # wake round trips waiting for a reconnect: they see the client closed
+        self.tried.set()
         if self.task is not None:
             self.task.cancel()
         self._stop_timers()
@@ -824,7 +828,8 @@ class Link(_LinkState):
                     BrokyConnectionError(f"worker {self.ref.worker} of {self.ref.node_id} left")
                 )
         self.pings.clear()
-        self.up.set()
+        self.up.set()  # wake round trips and waiters: they see `retired`
+        self.tried.set()
         return (
             [f for f in frames_in(out) if f[HEADER_AT:HEADER_END] in (HEADER_UID, HEADER_NO_UID)],
             doubt,
@@ -875,11 +880,18 @@ class Link(_LinkState):
 
         Waits for the connection if it is down. If it drops before the Pong:
         with `retry`, waits for the reconnect and pings again (what the dropped
-        connection carried unconfirmed is in `unconfirmed`); else raises.
+        connection carried unconfirmed is in `unconfirmed`); else raises. A Link
+        retired meanwhile (its node left the map) ends the round trip at once:
+        what it carried went to the new owners or was counted (`retire`), and
+        the caller confirms it there (broky.client.client `flush`).
+
+        Every turn of the loop waits for the Pong or for `up`, which is set only
+        when the Link is connected or has ended (given up, retired, closed):
+        the loop never turns without yielding to the event loop.
 
         Raises:
-            BrokyConnectionError: reconnecting was given up; or, without `retry`,
-                the connection dropped.
+            BrokyConnectionError: reconnecting was given up; the Link was retired;
+                or, without `retry`, the connection dropped.
             ClientClosedError: the client was closed.
         """
         while True:
@@ -887,8 +899,13 @@ class Link(_LinkState):
                 raise self.gave_up_error()
             if self.client.is_closed:
                 raise ClientClosedError("the client is closed")
-            await self.up.wait()
+            if self.retired:
+                raise BrokyConnectionError(
+                    f"worker {self.ref.worker} of {self.ref.node_id} left the cluster (its node is "
+                    "no longer in the map)"
+                )
             if self.proto is None:
+                await self.up.wait()  # set once connected again, given up, retired or closed
                 continue
             try:
                 await self.ping()

@@ -128,6 +128,9 @@ class Router:
         self.refreshing: asyncio.Task[None] | None = None
         self.settling: set[asyncio.Task[None]] = set()  # moves waiting for old owners (`apply`)
         self.retired: list[Link] = []  # retired Links with publishes possibly lost, until a flush
+        # +1 per map adopted and per move settled: a flush whose round trips saw it change
+        # does them again (what a fence kept back may have been written after its Pings)
+        self.changes = 0
         # publishes refused with NOT_MY_VBUCKET, to resend once the map is fresh: (refused by, frame)
         self.to_resend: list[tuple[Link, bytes]] = []
 
@@ -198,6 +201,7 @@ class Router:
     def apply(self, vmap: VBucketMap) -> None:
         """Adopt a newer map (see the module's header)."""
         old, self.map = self.map, vmap
+        self.changes += 1
         self.route = [None] * VBUCKETS
         self.owner.forget_routes()
         self.owner.stats.map_refreshes += 1
@@ -286,6 +290,7 @@ class Router:
                 self.resend_refused()
         finally:
             new_link.lift_fence()
+            self.changes += 1
 
     @staticmethod
     async def _answered(old: Link) -> None:
