@@ -60,6 +60,7 @@ from bench.chaos import Cluster  # noqa: E402
 from bench.harness import children, procstat  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
 from bench.harness.report import write_results  # noqa: E402
+from broky.protocol import LossReason  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 KEY = b"w.k"
@@ -70,6 +71,7 @@ SAMPLE_SECONDS = 1.0
 SPIN_SHARE = 0.5
 # A flush may end this long after its timeout (the loop turn that raises it, a busy machine).
 FLUSH_SLACK = 2.0
+DRAIN_SECONDS = 1.0  # a client that stopped publishing takes the last deliveries for this long
 APIS = ("asyncio", "blocking")
 
 
@@ -94,7 +96,7 @@ class Tally:
 
 def _report(
     api: str, tally: Tally, flushes: list[tuple[float, float, str]], published: int, refused: int,
-    errors: Counter[str], stats: broky.ClientStats,
+    errors: Counter[str], losses: Counter[str], stats: broky.ClientStats,
 ) -> dict[str, Any]:  # fmt: skip
     return {
         "api": api,
@@ -104,6 +106,7 @@ def _report(
         "longest_gap_s": round(tally.longest_gap, 3),
         "flushes": flushes,
         "errors": dict(errors),
+        "losses": dict(losses),
         "stats": {
             name: getattr(stats, name)
             for name in ("reconnects", "map_refreshes", "unconfirmed_lost", "resent_after_loss", "refused")
@@ -115,12 +118,11 @@ async def asyncio_client(seeds: str, rate: int, partitions: int, flush_timeout: 
     """The asyncio client's loop: subscribe, publish at `rate`, flush every second, until stdin says stop."""
     tally = Tally()
     errors: Counter[str] = Counter()
+    losses: Counter[str] = Counter()
     flushes: list[tuple[float, float, str]] = []
     kps = [b"tenant-%d" % i for i in range(partitions)]
     published = refused = 0
-    async with broky.connect(
-        seeds, flush_timeout=flush_timeout, on_error=lambda e: errors.update([type(e).__name__])
-    ) as client:
+    async with broky.connect(seeds, flush_timeout=flush_timeout, **_callbacks(errors, losses)) as client:
         await client.subscribe("w.>", callback=lambda msg: tally.add())
         loop = asyncio.get_running_loop()
         stop = loop.run_in_executor(None, sys.stdin.readline)
@@ -151,29 +153,31 @@ async def asyncio_client(seeds: str, rate: int, partitions: int, flush_timeout: 
 
         print("ready", flush=True)
         await asyncio.gather(publishing(), flushing())
+        await asyncio.sleep(DRAIN_SECONDS)  # the last deliveries
         stats = client.stats
-    return _report("asyncio", tally, flushes, published, refused, errors, stats)
+    return _report("asyncio", tally, flushes, published, refused, errors, losses, stats)
 
 
 def blocking_client(seeds: str, rate: int, partitions: int, flush_timeout: float) -> dict[str, Any]:
     """The same with the blocking client: a thread publishes, one reads, this one flushes."""
     tally = Tally()
     errors: Counter[str] = Counter()
+    losses: Counter[str] = Counter()
     flushes: list[tuple[float, float, str]] = []
     kps = [b"tenant-%d" % i for i in range(partitions)]
     counts = [0, 0]  # published, refused
     stop = threading.Event()
-    client = broky.connect_sync(
-        seeds, flush_timeout=flush_timeout, on_error=lambda e: errors.update([type(e).__name__])
-    )
+    client = broky.connect_sync(seeds, flush_timeout=flush_timeout, **_callbacks(errors, losses))
     try:
         sub = client.subscribe("w.>")
 
-        def reading() -> None:
-            while not stop.is_set():
+        def reading() -> None:  # until DRAIN_SECONDS without a delivery once stopped
+            while True:
                 try:
-                    sub.next(timeout=0.2)
+                    sub.next(timeout=DRAIN_SECONDS)
                 except broky.BrokyTimeoutError:
+                    if stop.is_set():
+                        return
                     continue
                 except broky.ClientClosedError:
                     return
@@ -209,10 +213,20 @@ def blocking_client(seeds: str, rate: int, partitions: int, flush_timeout: float
             flushes.append((began, round(time.monotonic() - t0, 3), outcome))
             stop.wait(max(0.0, SAMPLE_SECONDS - (time.monotonic() - t0)))
         threads[1].join(10)
+        threads[0].join(10 + DRAIN_SECONDS)
         stats = client.stats
     finally:
         client.close()
-    return _report("blocking", tally, flushes, counts[0], counts[1], errors, stats)
+    return _report("blocking", tally, flushes, counts[0], counts[1], errors, losses, stats)
+
+
+def _callbacks(errors: Counter[str], losses: Counter[str]) -> dict[str, Any]:
+    """on_error and on_loss counting, by class and by reason (no lines on stderr)."""
+
+    def told(ref: broky.WorkerRef, dropped: int, reason: int) -> None:
+        losses[LossReason.name(reason)] += dropped or 1  # (UNACCOUNTED, a gap of unknown size: 1)
+
+    return {"on_error": lambda e: errors.update([type(e).__name__]), "on_loss": told}
 
 
 def _spawn(api: str, seeds: str, rate: int, partitions: int, flush_timeout: float) -> subprocess.Popen[str]:
@@ -241,6 +255,7 @@ class ClientOutcome:
     received: int = 0
     longest_gap_s: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    losses: dict[str, int] = field(default_factory=dict)  # told, by reason (notices without a count: 1)
     stats: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -267,6 +282,11 @@ class Outcome:
     flush_timeout: float = 0.0
     kills: list[dict[str, Any]] = field(default_factory=list)  # node, at (s into the run), down_s
     clients: list[ClientOutcome] = field(default_factory=list)
+
+    @property
+    def published(self) -> int:
+        """By every client: what each subscriber would receive if nothing was lost."""
+        return sum(c.published for c in self.clients)
 
     def late_flushes(self, client: ClientOutcome) -> int:
         return sum(1 for _, s, _ in client.flushes if s > self.flush_timeout + FLUSH_SLACK)
@@ -333,9 +353,9 @@ def run(
         start = time.time()
         end = start + minutes * 60
         time.sleep(1.0)
-        for victim in itertools.cycle(names):
+        for victim in itertools.cycle(names):  # a kill while the node can be back before the end
             t0 = time.time()
-            if out.kills and t0 + every > end:
+            if out.kills and t0 + down[1] > end:
                 break
             killed_at = cluster.kill(victim)
             time.sleep(random.uniform(*down))
@@ -347,7 +367,8 @@ def run(
                     "down_s": round(time.time() - killed_at, 3),
                 }
             )
-            time.sleep(max(0.0, every - (time.time() - t0)))
+            time.sleep(max(0.0, min(every - (time.time() - t0), end - time.time())))
+        time.sleep(max(0.0, end - time.time()))
         cluster.wait_settled(90.0)
         time.sleep(2.0)
         out.seconds = round(time.time() - start, 1)
@@ -369,7 +390,15 @@ def run(
             c = ClientOutcome(APIS[i % len(APIS)], hung=said is None, cpu_shares=sampler.shares[i])
             if said is not None:
                 c.flushes = [(round(b - start, 3), s, o) for b, s, o in said["flushes"]]
-                for name in ("published", "refused", "received", "longest_gap_s", "errors", "stats"):
+                for name in (
+                    "published",
+                    "refused",
+                    "received",
+                    "longest_gap_s",
+                    "errors",
+                    "losses",
+                    "stats",
+                ):
                     setattr(c, name, said[name])
             out.clients.append(c)
     finally:
@@ -395,9 +424,10 @@ def lines(out: Outcome) -> list[str]:
             f"seconds above {SPIN_SHARE:.0%}: {c.spinning_seconds()} of {len(c.cpu_shares)}",
             f"  flushes {len(c.flushes)}: {c.outcomes()}; longest {c.longest_flush():.2f} s; "
             f"past the timeout: {out.late_flushes(c)}",
-            f"  published {c.published} (refused {c.refused}), received {c.received}, "
-            f"longest time without a delivery {c.longest_gap_s:.2f} s",
-            f"  stats {c.stats}; errors reported {c.errors}",
+            f"  published {c.published} (refused {c.refused}), received {c.received} of the "
+            f"{out.published} every client published, longest time without a delivery "
+            f"{c.longest_gap_s:.2f} s",
+            f"  told lost {c.losses}; stats {c.stats}; errors reported {c.errors}",
         ]
     text.append("promise kept (no spin, no hang, every flush ended in time): " + str(out.promise_kept))
     return text
@@ -436,7 +466,8 @@ def report(out: Outcome, args: argparse.Namespace, info: dict[str, Any]) -> str:
             "issue 37, a flush pending on a node that died spun in `Link.round_trip` and never returned).",
             "",
             f"| client | API | hung | CPU mean | CPU max (1 s) | seconds > {SPIN_SHARE:.0%} | flushes "
-            "| ended | longest flush (s) | received | longest without a delivery (s) |",
+            f"| ended | longest flush (s) | received (of {out.published:,}) "
+            "| longest without a delivery (s) |",
             "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
             *rows,
             "",
