@@ -675,9 +675,11 @@ class Client(Publisher):
                 or ack without a group, or a group with since, since_time or last.
             ServerError: a worker refused it with SUBSCRIPTION_LIMIT (this connection
                 holds as many subscriptions, or subscription bytes, as the server
-                allows) or BAD_GROUP (the group's members on that worker have other
-                key_shared or ack settings); it is then unsubscribed everywhere, and
-                not retried.
+                allows), BAD_GROUP (the group's members on that worker have other
+                key_shared or ack settings) or PERMISSION_DENIED (`user` may not
+                read it); it is then unsubscribed everywhere, and not retried. Raised
+                once, not also reported to `on_error` (a worker that refuses it later,
+                e.g. on a reconnect, is reported there, once per reason).
             ClientClosedError: the client is closed.
         """
         self._check_open()
@@ -727,7 +729,9 @@ class Client(Publisher):
         else:  # its owner, and the worker its vbucket is moving to (schema/README.md 6.3)
             owner, incoming = router.owner_link(part), router.incoming_link(part)
             links = [owner] if incoming is None or incoming is owner else [owner, incoming]
-        self._subscriptions.add(sub, links)
+        table = self._subscriptions
+        table.add(sub, links)
+        table.confirming.add(sid)  # a refusal meanwhile is raised here, not also told to on_error
         try:
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in links))
@@ -738,7 +742,9 @@ class Client(Publisher):
                     "it is restored on reconnect"
                 )
             )
-        limited = self._subscriptions.limited.get(sub.sid)
+        finally:
+            table.confirming.discard(sid)
+        limited = table.limited.get(sub.sid)
         if limited is not None:
             await self.remove_subscription(sub)
             raise limited[0]
@@ -910,7 +916,8 @@ class Client(Publisher):
 
     def subscription_refused(self, link: Link, err: ServerError) -> None:
         """For the Links (LinkOwner): `link`'s worker refused err.sid for good
-        (SUBSCRIPTION_LIMIT, BAD_GROUP)."""
+        (SUBSCRIPTION_LIMIT, BAD_GROUP, PERMISSION_DENIED): raised by `subscribe`, or
+        told to `on_error` once (broky.client.subscription_table)."""
         self._subscriptions.limited_by(link, err)
 
     def map_updated(self, link: Link, vmap: VBucketMap) -> None:

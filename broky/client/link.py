@@ -1110,20 +1110,25 @@ class Link(_LinkState):
                 self.started(frame.id, frame.ts)
         elif isinstance(frame, Error):
             err = server_error(frame)
+            handled = False  # else reported below
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 if not err.sid:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
                 client.not_my_vbucket(self, err, frame.refused)
+                handled = True  # resent, or reported if lost
             elif err.code in (ErrorCode.SUBSCRIPTION_LIMIT, ErrorCode.BAD_GROUP) and err.sid:
                 client.subscription_refused(self, err)
+                handled = True  # raised by `subscribe`, or reported once
             elif err.code == ErrorCode.PERMISSION_DENIED:  # (--users) the connection stays
                 if err.sid:  # refused, or ended by a reload of the users: ended here too
                     client.subscription_refused(self, err)
+                    handled = True
                 else:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
+                    client.stats.denied += 1
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
-            elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
+            elif not handled:
                 client.report_error(err)
         elif isinstance(frame, LossNotice):
             if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops

@@ -73,7 +73,15 @@ from broky.client.connection import open_connection
 from broky.client.link import Link, LinkOwner, WorkerRef, frames_in
 from broky.client.subscription_table import SubscriptionTable
 from broky.client.url import ServerAddress
-from broky.errors import BrokyConnectionError, BrokyError, ProtocolError, RemoteProtocolError, ServerError
+from broky.errors import (
+    BrokyConnectionError,
+    BrokyError,
+    ErrorCode,
+    NotMyVBucketError,
+    ProtocolError,
+    RemoteProtocolError,
+    ServerError,
+)
 from broky.protocol import NO_OWNER, VBUCKETS, Hello, VBucketMap, route_message, vbucket_of
 
 
@@ -427,9 +435,10 @@ class Router:
                 stats.misrouted += 1
                 why = "the map could not be refreshed" if link is None else "it owns it per the map"
                 report(
-                    BrokyError(
+                    NotMyVBucketError(
+                        ErrorCode.NOT_MY_VBUCKET,
                         f"worker {refused_by.ref.worker} refused a publish to key_partition {kp!r} "
-                        f"and {why}: the message is dropped"
+                        f"and {why}: the message is dropped",
                     )
                 )
                 continue
