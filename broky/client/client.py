@@ -92,7 +92,7 @@ from broky.client.inbox import GROUP_MAX_PENDING_MSGS
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
-from broky.client.reader import END_OF_TIME, Reading, ReadVia, as_positions, as_vbuckets
+from broky.client.reader import END_OF_TIME, PositionLike, Reading, ReadVia, as_positions, as_vbuckets
 from broky.client.routing import Router
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
@@ -528,7 +528,7 @@ class Client(Publisher):
         callback: Callable[[Message], Any] | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: None = None,
@@ -565,7 +565,7 @@ class Client(Publisher):
         callback: Callback | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -589,7 +589,7 @@ class Client(Publisher):
         callback: Callable[[Any], Any] | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -622,7 +622,10 @@ class Client(Publisher):
                 close to its speed (bench/results/groups.md).
             since: positions to go on from (a previous subscription's `positions()`):
                 per vbucket, the retained messages after that position are delivered
-                first, then live ones (schema/README.md 5.1).
+                first, then live ones (schema/README.md 5.1). Positions, or what JSON
+                gives back of them: [vbucket, epoch, offset] lists, or objects with
+                those keys, numbers as ints or decimal strings (reader.PositionLike);
+                anything else, or a vbucket named twice, is a ValueError naming `since`.
             since_time: for the vbuckets `since` does not name, start with the
                 retained messages published at or after this time (ns since the epoch
                 as an int, seconds as a float, or an aware datetime).
@@ -688,7 +691,7 @@ class Client(Publisher):
         part = partition.encode() if isinstance(partition, str) else partition
         if last < 0:
             raise ValueError(f"last must be >= 0, not {last!r}")
-        since = tuple(since)
+        since = as_positions(since, "since")
         start_time = time_ns(since_time)
         spec = group_spec(
             group,
@@ -793,9 +796,9 @@ class Client(Publisher):
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        start: Iterable[Position | tuple[int, int, int]] | None = None,
+        start: Iterable[PositionLike] | None = None,
         start_time: int = 0,
-        stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        stop: Iterable[PositionLike] | None = None,
         vbuckets: Iterable[int] | None = None,
         via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
@@ -816,7 +819,8 @@ class Client(Publisher):
             pattern: the keys to read (`>`: all).
             partition: only this key_partition (read from its owner only).
             start, stop: positions (vbucket, epoch, offset), e.g. an earlier
-                read's `positions` or `client.positions()`.
+                read's `positions` or `client.positions()`, or what JSON gives back
+                of them (as `subscribe`'s `since`).
             start_time: ns since the epoch, for the vbuckets `start` does not name.
             vbuckets: only these vbuckets (ints 0 .. 1023, none twice), each
                 read from its owner; with `partition`, its vbucket must be
