@@ -93,7 +93,7 @@ from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
 from broky.client.reader import END_OF_TIME, PositionLike, Reading, ReadVia, as_positions, as_vbuckets
-from broky.client.routing import Router
+from broky.client.routing import Router, listed, one_cluster
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
@@ -110,6 +110,7 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     NoServerError,
+    SeedsDisagreeError,
     ServerError,
     SlowConsumerError,
 )
@@ -121,6 +122,14 @@ if TYPE_CHECKING:
     import ssl
 
 log = logging.getLogger("broky.client")
+
+
+def _describe(welcome: Welcome) -> str:
+    """A Welcome's node and map in a few words: "node 'a' of a map of 3 nodes (a, b, c)"."""
+    names = [n.node_id for n in welcome.map.nodes]
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"node {welcome.node_id!r} of a map of {len(names)} node{'s' * (len(names) != 1)} ({shown})"
+
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 TLS_CLOSE_TIMEOUT = 1.0  # close waits this long for the server's close_notify, then aborts
@@ -276,7 +285,10 @@ class Client(Publisher):
         """Make the first connection (retrying until connect_timeout) and read the map.
 
         With several seeds (a cluster's nodes), they are tried in turn, each
-        attempt bounded by a share of connect_timeout, until one answers.
+        attempt bounded by a share of connect_timeout, until one answers; the
+        others that its map does not list are then asked for a Welcome (at the
+        same time, a share at most): they must be nodes of the same server or
+        cluster (`_check_seeds`).
         A refused connection is retried too (a server may be starting), unless
         wait_for_server is False: then a round in which every seed refused
         raises NoServerError at once.
@@ -291,6 +303,9 @@ class Client(Publisher):
                 wait_for_server, else for connect_timeout).
             AuthenticationError: the server refused the auth token.
             ServerError: the server refused the Hello for another reason.
+            SeedsDisagreeError: a seed answered as a node of another server or
+                cluster than the first one that answered (the other seeds that the
+                first one's map does not list are asked for a Welcome too).
             ClientClosedError: the client was closed.
         """
         self._check_open()
@@ -348,6 +363,17 @@ class Client(Publisher):
             await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
             delay = min(delay * 2, self.reconnect_max_delay)
         self.address, proto, welcome = found
+        others = [
+            (seed, hosts)
+            for seed, hosts in resolved
+            if seed != self.address and not listed(welcome.map, seed.port, [seed.host, *hosts])
+        ]
+        if others:
+            try:
+                await self._check_seeds(self.address, welcome, others, share)
+            except BaseException:
+                proto.close()
+                raise
         self.router.set_seed(welcome.node_id, welcome.map)
         self.take_welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
@@ -356,6 +382,40 @@ class Client(Publisher):
         self._connected = True
         self._open = True
         return self
+
+    async def _check_seeds(
+        self,
+        first: ServerAddress,
+        welcome: Welcome,
+        others: list[tuple[ServerAddress, list[str]]],
+        bound: float,
+    ) -> None:
+        """The seeds the first one's map does not list (by address) must be one server or
+        cluster with it (`routing.one_cluster`): each is asked for a Welcome (a Hello on a
+        connection closed at once, all at the same time, `bound` seconds at most). One that
+        does not answer, or refuses, is not judged: a cluster's seeds may name a dead node.
+
+        Raises:
+            SeedsDisagreeError: one answered as a node of another server or cluster.
+        """
+        hello = Hello(client_name=self.name, auth_token=self.auth_token)
+
+        async def ask(seed: ServerAddress, hosts: list[str]) -> tuple[ServerAddress, Welcome] | None:
+            try:
+                proto, answer = await open_connection(seed.host, seed.port, hello, bound, hosts, self.tls)
+            except BrokyError:
+                return None
+            proto.close()
+            return seed, answer
+
+        mine = (welcome.node_id, welcome.map)
+        for answer in await asyncio.gather(*(ask(seed, hosts) for seed, hosts in others)):
+            if answer is not None and not one_cluster(mine, (answer[1].node_id, answer[1].map)):
+                raise SeedsDisagreeError(
+                    f"the seeds are not one server or cluster: {first} is {_describe(welcome)}, "
+                    f"{answer[0]} is {_describe(answer[1])}; give the address of one server, or "
+                    "addresses of nodes of one cluster"
+                )
 
     async def close(self) -> None:
         """Flush what can be flushed (up to flush_timeout), close every connection.

@@ -114,6 +114,21 @@ def _address_in(vmap: VBucketMap, node_id: str) -> tuple[str, int] | None:
     return None
 
 
+def one_cluster(a: tuple[str, VBucketMap], b: tuple[str, VBucketMap]) -> bool:
+    """Two Welcomes' (node_id, map) come from one server or cluster: either map names the
+    other's node; or both are the same node, at the address its maps give (a standalone
+    server's node id is its host name: two servers on one host share it)."""
+    (node_a, map_a), (node_b, map_b) = a, b
+    if node_a == node_b:
+        return _address_in(map_a, node_a) == _address_in(map_b, node_b)
+    return _address_in(map_a, node_b) is not None or _address_in(map_b, node_a) is not None
+
+
+def listed(vmap: VBucketMap, port: int, hosts: list[str]) -> bool:
+    """Some node of `vmap` listens at `port` of one of `hosts` (a seed's name and addresses)."""
+    return any(node.port == port and node.host in hosts for node in vmap.nodes)
+
+
 def _kp(frame: bytes) -> bytes | None:
     try:
         return route_message(frame, 0, len(frame))[0]
@@ -467,4 +482,4 @@ class Router:
         self.to_resend.clear()
 
 
-__all__ = ["Router", "RouterOwner"]
+__all__ = ["Router", "RouterOwner", "listed", "one_cluster"]
