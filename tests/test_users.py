@@ -43,6 +43,7 @@ password = "{hash_password("bpw", FAST)}"
 
 [users.client]
 cert_subject = "CN=client"
+password = "{hash_password("cpw", FAST)}"
 publish = {{ allow = ["m.>"] }}
 """
     )
@@ -284,3 +285,15 @@ def test_a_client_certificate_subject_stands_for_the_user(
             assert (await sub.next_msg(5)).payload == b"gw"
 
     asyncio.run(asyncio.wait_for(main(), 60))
+    # A token sent beside the certificate must be right, and name its user (issue 37: a
+    # wrong password was overridden by the certificate without a word).
+    ctx = client_context(certs, cert="client")
+    url = tls_url(server)
+    for user, password in (("client", "wrong"), ("nobody", "x"), ("bob", "bpw")):  # bob's is right
+        with pytest.raises(ServerError) as refused:
+            broky.connect_sync(url, ssl_context=ctx, user=user, password=password, connect_timeout=5)
+        assert refused.value.code == ErrorCode.AUTH_FAILED, (user, refused.value)
+    with broky.connect_sync(url, ssl_context=ctx, user="client", password="cpw", connect_timeout=5) as client:
+        client.publish("kp", "m.ok", b"ok")
+        client.flush()
+        assert client.stats.denied == 0
