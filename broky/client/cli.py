@@ -4,7 +4,8 @@ Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777),
 `--auth-token` (default $BROKY_AUTH_TOKEN), `--user` (default $BROKY_USER; the
 password from $BROKY_PASSWORD, else a prompt) and, for TLS, `--tls-ca`,
 `--tls-cert` and `--tls-key` (or a broky+tls:// server: the system's CAs). Errors are one line on stderr
-and a non-zero exit status: 1 for a failure (no server, refused token, ...),
+and a non-zero exit status: 1 for a failure (no server, refused token, a refused
+subscription, messages the server refused to `broky pub`, ...),
 2 for bad arguments (checked by argparse `type` functions before anything
 connects; see broky.cli.Parser for the one-line form).
 
@@ -172,7 +173,8 @@ def register(subparsers: Any) -> None:
         "pub",
         help="publish messages",
         description="Publish PAYLOAD under KEY; without PAYLOAD every line of stdin is one message "
-        "(newline removed), published in order.",
+        "(newline removed), published in order. Exit status 1 when the server refused any of them "
+        "(one line says how many, and why).",
     )
     p.add_argument(
         "key",
