@@ -83,6 +83,12 @@ def steps(latency_duration: float | None) -> list[Step]:
         ),
         Step("memory_budget", ("bench.memory_budget",), "memory_budget.md", "100 stalled subscribers"),
         Step("chaos", ("bench.chaos",), "chaos.md", "servers, nodes and etcd killed, frozen, wiped"),
+        Step(
+            "kill_loop_flush",
+            ("bench.kill_loop_flush",),
+            "kill_loop_flush.md",
+            "a node kill loop under clients that flush every second: their CPU",
+        ),
         Step("worker_kill", ("bench.worker_kill",), "worker_kill.md", "a worker SIGKILLed 10 times"),
         Step(
             "worker_kill_stalled",

@@ -179,6 +179,13 @@ class NoServerError(BrokyConnectionError):
     """
 
 
+class SeedsDisagreeError(BrokyError, ValueError):
+    """The seeds given to `connect` are not one server or cluster: one answered as a node
+    that another's map does not know, and neither map names the other (a standalone
+    server among a cluster's nodes, say). Going on with whichever answered first would
+    serve only part of what was meant, without a word."""
+
+
 class ServerShutdownError(BrokyConnectionError):
     """The server said Goodbye (it is shutting down) and closes the connection.
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import broky
 from broky.client.client import Client, Link
-from broky.client.link import frames_in
+from broky.client.link import frames_in, publishes_in
 from broky.protocol import VBUCKETS, decode_message, encode_message
 from broky.protocol.ksuid import EPOCH, KsuidSequence, ksuid_time
 from broky.protocol.routing import NodeInfo, VBucketMap
@@ -28,6 +28,9 @@ class FakeProto:
 
     def write(self, data: bytes) -> None:
         self.written.append(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.written.append(b"".join(parts))
 
     def close(self) -> None:
         pass
@@ -218,6 +221,43 @@ def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
         assert client.stats.resent == 1 and client.stats.misrouted == 3
         await asyncio.sleep(0)
         assert len(errors) == 3 and client.router.to_resend == []
+
+    run(main)
+
+
+def test_a_publish_waiting_for_room_on_a_worker_whose_node_left_goes_to_the_new_owner() -> None:
+    # Issue 37: `publish` waits for room while the owner's Link is down with a full buffer;
+    # when the Link is retired meanwhile (its node left the map), the fast path put the
+    # frame in the retired Link, which nobody sends: lost untold. It goes to the new owner.
+    async def main() -> None:
+        client, link = _client()
+        client.max_reconnect_buffer_bytes = 400
+        router = client.router
+        router.map = VBucketMap(1, (NodeInfo("n", "h", 1, 1),), ((0, 0),) * VBUCKETS)
+        router.links[link.ref] = link
+        for _ in range(2):  # the shape seen twice: the fast path from now on
+            await client.publish(b"p", b"k", b"v" * 100)
+        frame = link.out[0]
+        link.proto = None  # down (its node died)
+        while link.out_bytes + len(frame) <= 400:  # its buffer fills
+            link.out.append(frame)
+            link.out_bytes += len(frame)
+        queued = len(link.out)
+        waiting = asyncio.ensure_future(client.publish(b"p", b"k", b"v" * 100))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # waits for room
+        new = Link(client, "m", 0)
+        fake = FakeProto()
+        new.proto = fake  # type: ignore[assignment]
+        router.links[new.ref] = new
+        router.apply(VBucketMap(2, (NodeInfo("m", "h", 2, 1),), ((0, 0),) * VBUCKETS))  # n left
+        async with asyncio.timeout(5):
+            await waiting
+        await asyncio.sleep(0.05)  # the move settles (the old owner is not waited for)
+        assert link.retired and link.out == []
+        written = [f for chunk in fake.written for f in publishes_in(chunk)]
+        assert len(written) == queued + 1, (len(written), queued)  # the buffered ones, then this one
+        assert client.stats.published == 3 and client.stats.refused == 0
 
     run(main)
 

@@ -75,7 +75,11 @@ def test_a_read_across_two_workers_returns_a_known_range_twice(
             assert [m.uid for m in again.messages] == [m.uid for m in first.messages]
             assert {m.vbucket for m in first.messages} == {vbucket_of(kp) for kp in kps}
             # From where it ended, up to now: the 50 after the range.
-            rest = await client.read(">", start=first.positions)
+            # (given as `broky sub --json` writes a position: issue 37)
+            start = [
+                {"vbucket": p.vbucket, "epoch": str(p.epoch), "offset": p.offset} for p in first.positions
+            ]
+            rest = await client.read(">", start=start)
             for n, kp in enumerate(kps):
                 assert numbers(rest.messages, kp) == list(range(200 + n, 250, 4))
             assert rest.positions == await client.positions()

@@ -557,19 +557,22 @@ def test_a_subscription_over_the_server_limit_is_reported_once_and_not_resent(st
             await until(lambda: sorted(ev.disconnects) == [0, 1])
             over = await subscriber.subscribe("over")  # sent when the links come back
             proxy.refuse(False)
-            await until(lambda: len(refusals()) == 2)  # one per worker, reported to on_error
+            await until(lambda: len(ev.reconnects) == 2)
+            await subscriber.flush(timeout=10)  # both workers refused it (before their Pongs)
+            assert len(refusals()) == 1, refusals()  # reported to on_error once, not once per worker
             assert {e.sid for e in refusals()} == {over.sid}
             assert subscriber._subscriptions.links[over.sid] == []
             # Not sent again by the next reconnect.
             proxy.cut()
             await until(lambda: len(ev.reconnects) == 4)
             await subscriber.flush(timeout=10)
-            assert len(refusals()) == 2
-            # Refused while connected: subscribe raises, and nothing of it stays.
+            assert len(refusals()) == 1
+            # Refused while connected: subscribe raises (not also on_error), and nothing of it stays.
             with pytest.raises(broky.ServerError) as info:
                 await subscriber.subscribe("third")
             assert info.value.code == broky.ErrorCode.SUBSCRIPTION_LIMIT
-            assert info.value.sid not in subscriber._subscriptions.subs and len(refusals()) == 4
+            await subscriber.flush(timeout=10)
+            assert info.value.sid not in subscriber._subscriptions.subs and len(refusals()) == 1
             # The connections keep working.
             await publisher.publish(kp, b"warm", b"still")
             await publisher.flush()
@@ -582,3 +585,35 @@ def test_a_subscription_over_the_server_limit_is_reported_once_and_not_resent(st
         proxy.stop()
     for worker in debug_stats(server)["workers"]:
         assert worker["errors"]["SUBSCRIPTION_LIMIT"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_round_trip_waiting_on_a_worker_whose_node_left_the_map_ends_at_once() -> None:
+    # Issue 37: a retired Link's `up` is set for good and it has no connection; its round
+    # trip went round that loop without ever yielding (a core at 100 %, no timeout could
+    # fire, `flush` never returned). It must end at once, naming the node's fate; and so
+    # must one waiting when the client closes.
+    from broky.client.client import Client
+    from broky.client.link import Link
+
+    async def main() -> None:
+        client = Client("127.0.0.1:1")
+        client.loop = asyncio.get_running_loop()
+        link = Link(client, "n", 0)  # never connected: down
+        trip = asyncio.ensure_future(link.round_trip())
+        await asyncio.sleep(0.05)
+        assert not trip.done()  # waits for the connection
+        link.retire()  # its node is no longer in the map
+        with pytest.raises(broky.BrokyConnectionError, match="n left the cluster"):
+            async with asyncio.timeout(5):
+                await trip
+        other = Link(client, "n", 1)
+        trip = asyncio.ensure_future(other.round_trip())
+        await asyncio.sleep(0.05)
+        client._closed = True
+        other.close()
+        with pytest.raises(broky.ClientClosedError):
+            async with asyncio.timeout(5):
+                await trip
+
+    asyncio.run(main())

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,6 +179,34 @@ def test_a_killed_leader_is_replaced_once_its_lease_expires(cluster: Cluster) ->
     assert prepared and sum(moving(prepared[0]).values()) == 342
     assert_versions_grow(history)
     assert cluster.status_json()["leader"] == "b"
+
+
+@pytest.mark.timeout(120)
+def test_seeds_that_are_not_one_cluster_are_refused(cluster: Cluster, start_server: Any) -> None:
+    """Issue 37: seeds mixing a standalone server and a cluster's nodes subscribed to
+    whichever answered first (the standalone one: nothing of the cluster arrived)."""
+    solo = start_server(workers=1)
+    a, b = cluster.start("a"), cluster.start("b")
+    cluster.wait_settled()
+    one = f"{solo.address[0]}:{solo.address[1]}"
+    node_a, node_b = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+    for seeds in (f"{one},{node_a}", f"{node_a},{one}", f"{node_a},{node_b},{one}"):
+        with pytest.raises(broky.SeedsDisagreeError) as refused:
+            broky.connect_sync(seeds, connect_timeout=5)
+        assert "not one server or cluster" in str(refused.value), refused.value
+        assert "of a map of 1 node" in str(refused.value) and "of a map of 2 nodes (a, b)" in str(
+            refused.value
+        )
+    done = subprocess.run(
+        [sys.executable, "-m", "broky", "sub", "k", "--server", f"{one},{node_a}"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done
+    assert done.stderr.startswith("broky sub: error: the seeds are not one server or cluster"), done.stderr
+    # nodes of one cluster, by another name too, and a seed nothing listens at: not judged
+    dead = f"127.0.0.1:{free_port()}"
+    with broky.connect_sync(f"localhost:{a.port},{node_b},{dead}", connect_timeout=5) as client:
+        assert client.server_info is not None and len(client.server_info.map.nodes) == 2
 
 
 def not_ready(cluster: Cluster, node_id: str) -> str | None:

@@ -326,3 +326,29 @@ def test_an_incoming_owner_back_after_the_prepare_the_move_commits_without_its_t
     assert result.lost == result.told and result.received == result.published - result.told, summary
     assert result.received == result.subscriber_sdk_delivered, summary
     assert result.duplicates == 0 and result.out_of_order == 0, summary
+
+
+@pytest.mark.timeout(240)
+def test_a_flush_pending_on_a_node_that_dies_ends_without_spinning() -> None:
+    """Issue 37: a flush waiting for a worker whose node died spun in Link.round_trip once
+    the node left the map (the retired Link's event was set, the loop never yielded), at a
+    whole core, and never returned; the subscriber in the process stopped receiving. Two
+    nodes, one SIGKILLed and started again 6 s later (past its 2 s lease: it leaves the
+    map); an asyncio and a blocking client publish and flush every second
+    (bench.kill_loop_flush, short)."""
+    from bench import kill_loop_flush
+
+    requires.program("etcd")
+    out = kill_loop_flush.run(
+        minutes=0.3, nodes=2, clients=2, every=15.0, down=(6.0, 6.0), lease_ttl=LEASE_TTL
+    )
+    summary = "\n".join(kill_loop_flush.lines(out))
+    assert len(out.kills) == 1, summary
+    for c in out.clients:
+        assert not c.hung, summary  # it answered "stop" (a spinning client never does)
+        assert c.spinning_seconds() == 0, summary  # no second at over half a core
+        assert c.flushes and out.late_flushes(c) == 0, summary  # each ended within its timeout
+        # the flush after the kill waited for the dead node until it left the map, then ended
+        assert c.longest_flush() >= 1.0, summary
+        assert set(c.outcomes()) == {"ok"}, summary  # what it carried went to the new owners
+        assert c.received > 0 and c.longest_gap_s < 10.0, summary  # its subscriber kept receiving

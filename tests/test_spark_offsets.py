@@ -26,6 +26,8 @@ def test_the_checkpoint_json_groups_by_epoch_and_keeps_u64_epochs_exact() -> Non
     assert off.from_json(text) == offsets == off.from_json(doc)
     # deterministic: the same offsets give the same text, whatever the order they came in
     assert json.dumps(off.to_json(dict(reversed(list(offsets.items()))))) == text
+    # positions as JSON writes them (json.dumps(client.positions())) are taken too
+    assert off.from_json(json.dumps(list(offsets.values())), "startingOffsets") == offsets
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,8 @@ def test_the_checkpoint_json_groups_by_epoch_and_keeps_u64_epochs_exact() -> Non
         ('{"epochs": {"12": {"1": true}}}', "offset True"),
         ('{"epochs": {"12": {"1": 1}, "13": {"1": 2}}}', "vbucket 1 is named twice"),
         ('{"epochs": {"12": [1]}}', "object of vbucket"),
+        ("[[1, 12]]", "[1, 12] is not a position"),
+        ("[[1, 12, 3], [1, 13, 4]]", "vbucket 1 is named twice"),
     ],
 )
 def test_a_bad_offset_json_is_refused_naming_what_is_wrong(value: str, says: str) -> None:

@@ -43,6 +43,7 @@ password = "{hash_password("bpw", FAST)}"
 
 [users.client]
 cert_subject = "CN=client"
+password = "{hash_password("cpw", FAST)}"
 publish = {{ allow = ["m.>"] }}
 """
     )
@@ -130,7 +131,7 @@ def test_allowed_denied_reload_and_the_http_gateway(
             with pytest.raises(ServerError, match="groups"):
                 await alice.subscribe("orders.g", group="g")
             await asyncio.sleep(0.1)
-            errors.clear()  # (each worker's refusal of those Subscribes was reported too)
+            assert errors == []  # each refusal raised by `subscribe`, once: not told again to on_error
             await alice.publish("kp", "orders.secret.a", b"no")  # refused: the connection stays
             await alice.publish("kp", "prices.a", b"no")
             await alice.publish("kp", "orders.a", b"yes")
@@ -143,6 +144,7 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 await asyncio.sleep(0.05)
             codes = [getattr(e, "code", None) for e in errors]
             assert codes.count(ErrorCode.PERMISSION_DENIED) == 2, errors
+            assert alice.stats.denied == 2
             assert "orders.secret.>" in str(errors[0]) and "prices.a" in str(errors[1])
             assert denied(server, "alice") >= 5
             with urllib.request.urlopen(_request(server, "/connections", "bob", "bpw")) as r:
@@ -185,7 +187,10 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 if errors:
                     break
                 await asyncio.sleep(0.05)
-            assert errors and getattr(errors[0], "code", None) == ErrorCode.PERMISSION_DENIED, errors
+            await alice.flush()  # every worker ended it (one Error each): told once
+            assert len(errors) == 1 and getattr(errors[0], "code", None) == ErrorCode.PERMISSION_DENIED, (
+                errors
+            )
             assert "ended by a reload" in str(errors[0])
             path.write_text("[users.alice\n")  # a file that does not read: the users in force stay
             server.signal(signal.SIGHUP)
@@ -202,6 +207,42 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 await mine.next_msg(0.3)  # ended: nothing more arrives there
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_the_cli_fails_on_a_refusal_and_says_it_once(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Issue 37: `broky pub` exited 0 after PERMISSION_DENIED (the refusal only a warning
+    line), and a refused `broky sub` was printed three times (each worker's refusal, then
+    the error)."""
+    server = start_server("--users", str(users_file(tmp_path / "users.toml", ["orders.>"])))
+    env = {**os.environ, "BROKY_PASSWORD": "apw"}
+    cli = [sys.executable, "-m", "broky"]
+    common = ["--server", server.url, "--user", "alice"]
+
+    def broky_(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*cli, *args, *common], input=stdin.decode(), env=env, capture_output=True, text=True, timeout=30
+        )
+
+    done = broky_("pub", "orders.secret.x", "no")
+    assert done.returncode == 1, done
+    assert done.stderr.splitlines() == [
+        "broky pub: error: 1 of 1 message refused, not published: PERMISSION_DENIED: user 'alice': "
+        "publish to 'orders.secret.x' refused: denied by the pattern 'orders.secret.>'"
+    ], done.stderr
+    done = broky_("pub", "prices.x", stdin=b"a\nb\nc\n")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done
+    assert done.stderr.startswith("broky pub: error: 3 of 3 messages refused, not published: "), done.stderr
+    assert "publish to 'prices.x' refused: matched by no allowed pattern ('orders.>')" in done.stderr
+    done = broky_("pub", "orders.ok", "yes")
+    assert done.returncode == 0 and done.stderr == "", done
+    done = broky_("sub", "prices.>", "--count", "1")
+    assert done.returncode == 1, done
+    assert done.stderr.splitlines() == [
+        "broky sub: error: PERMISSION_DENIED: user 'alice': subscription 1 to 'prices.>' refused: "
+        "covered by no allowed pattern ('orders.>')"
+    ], done.stderr
 
 
 def test_a_client_certificate_subject_stands_for_the_user(
@@ -244,6 +285,18 @@ def test_a_client_certificate_subject_stands_for_the_user(
             assert (await sub.next_msg(5)).payload == b"gw"
 
     asyncio.run(asyncio.wait_for(main(), 60))
+    # A token sent beside the certificate must be right, and name its user (issue 37: a
+    # wrong password was overridden by the certificate without a word).
+    ctx = client_context(certs, cert="client")
+    url = tls_url(server)
+    for user, password in (("client", "wrong"), ("nobody", "x"), ("bob", "bpw")):  # bob's is right
+        with pytest.raises(ServerError) as refused:
+            broky.connect_sync(url, ssl_context=ctx, user=user, password=password, connect_timeout=5)
+        assert refused.value.code == ErrorCode.AUTH_FAILED, (user, refused.value)
+    with broky.connect_sync(url, ssl_context=ctx, user="client", password="cpw", connect_timeout=5) as client:
+        client.publish("kp", "m.ok", b"ok")
+        client.flush()
+        assert client.stats.denied == 0
 
 
 def test_a_resume_counts_publishes_refused_for_permissions_in_refused(

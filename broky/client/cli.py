@@ -4,7 +4,8 @@ Every command takes `--server` (default $BROKY_SERVER, else 127.0.0.1:4777),
 `--auth-token` (default $BROKY_AUTH_TOKEN), `--user` (default $BROKY_USER; the
 password from $BROKY_PASSWORD, else a prompt) and, for TLS, `--tls-ca`,
 `--tls-cert` and `--tls-key` (or a broky+tls:// server: the system's CAs). Errors are one line on stderr
-and a non-zero exit status: 1 for a failure (no server, refused token, ...),
+and a non-zero exit status: 1 for a failure (no server, refused token, a refused
+subscription, messages the server refused to `broky pub`, ...),
 2 for bad arguments (checked by argparse `type` functions before anything
 connects; see broky.cli.Parser for the one-line form).
 
@@ -41,7 +42,7 @@ from broky.client.groups import GroupMessage
 from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
 from broky.client.url import parse_servers
-from broky.errors import BrokyError
+from broky.errors import BrokyError, ErrorCode, ServerError
 from broky.matching import parse_pattern
 from broky.protocol import LossReason, Message
 
@@ -172,7 +173,8 @@ def register(subparsers: Any) -> None:
         "pub",
         help="publish messages",
         description="Publish PAYLOAD under KEY; without PAYLOAD every line of stdin is one message "
-        "(newline removed), published in order.",
+        "(newline removed), published in order. Exit status 1 when the server refused any of them "
+        "(one line says how many, and why).",
     )
     p.add_argument(
         "key",
@@ -304,20 +306,45 @@ def _since_time(text: str) -> int:
 # ---------------------------------------------------------------- pub
 
 
+def _refused_publish(exc: BaseException) -> bool:
+    """A publish the server refused (PERMISSION_DENIED, or NOT_MY_VBUCKET that could not
+    be sent to another owner), as the SDK reports it to on_error."""
+    refusals = (ErrorCode.PERMISSION_DENIED, ErrorCode.NOT_MY_VBUCKET)
+    return isinstance(exc, ServerError) and exc.code in refusals and not exc.sid
+
+
 def cmd_pub(args: argparse.Namespace) -> int:
+    """Publish, flush; a publish the server refused makes the exit status 1, told in one
+    line with the count and the first refusal (the others, to the same KEY, say the same)."""
     key: bytes = args.key
     partition: bytes = args.partition if args.partition is not None else key
+    refusals: list[BaseException] = []  # (appended by the client's I/O thread)
+
+    def on_error(exc: BaseException) -> None:
+        if _refused_publish(exc):
+            refusals.append(exc)
+        else:  # what the SDK would log (a worker lost and reconnected, ...)
+            print(f"broky pub: {exc}", file=sys.stderr, flush=True)
+
+    sent = 0
     try:
         parse_servers(args.server)  # $BROKY_SERVER
-        with connect_sync(args.server, **_options(args, "broky-pub")) as client:
+        with connect_sync(args.server, **_options(args, "broky-pub"), on_error=on_error) as client:
             if args.payload is not None:
                 client.publish(partition, key, os.fsencode(args.payload))
+                sent = 1
             else:
                 for line in sys.stdin.buffer:
                     client.publish(partition, key, line[:-1] if line.endswith(b"\n") else line)
-            client.flush()
+                    sent += 1
+            client.flush()  # every refusal came before its Pong
+            refused = client.stats.denied + client.stats.misrouted
     except (BrokyError, ValueError) as exc:
         return _fail("pub", exc)
+    if refused:
+        why = refusals[0] if refusals else "refused by the server"
+        messages = "message" if sent == 1 else "messages"
+        return _fail("pub", f"{refused} of {sent} {messages} refused, not published: {why}")
     return 0
 
 

@@ -57,7 +57,11 @@ answers only after processing every frame received before the Ping. It also
 waits for a map refresh under way and the resend of the publishes refused
 with NOT_MY_VBUCKET. A connection that dropped with publishes written to it
 but not confirmed by a Pong makes the next `flush` raise
-BrokyConnectionError (see `Link`).
+BrokyConnectionError (see `Link`). A Link that is down is waited for until
+it reconnects or is retired (its node left the map): then what it carried
+went to the new owners or was counted (`Router.retire`), and the round
+trips start again on the current map's Links, as they do whenever the map
+changed or a move settled while they ran.
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ from broky.client.inbox import GROUP_MAX_PENDING_MSGS
 from broky.client.link import Link, WorkerRef, uids_in
 from broky.client.losses import LossLog
 from broky.client.publisher import Publisher
-from broky.client.reader import END_OF_TIME, Reading, ReadVia, as_positions, as_vbuckets
-from broky.client.routing import Router
+from broky.client.reader import END_OF_TIME, PositionLike, Reading, ReadVia, as_positions, as_vbuckets
+from broky.client.routing import Router, listed, one_cluster
 from broky.client.stats import ClientStats
 from broky.client.subscription import (
     DEFAULT_MAX_PENDING_BYTES,
@@ -106,6 +110,7 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     NoServerError,
+    SeedsDisagreeError,
     ServerError,
     SlowConsumerError,
 )
@@ -117,6 +122,14 @@ if TYPE_CHECKING:
     import ssl
 
 log = logging.getLogger("broky.client")
+
+
+def _describe(welcome: Welcome) -> str:
+    """A Welcome's node and map in a few words: "node 'a' of a map of 3 nodes (a, b, c)"."""
+    names = [n.node_id for n in welcome.map.nodes]
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"node {welcome.node_id!r} of a map of {len(names)} node{'s' * (len(names) != 1)} ({shown})"
+
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 TLS_CLOSE_TIMEOUT = 1.0  # close waits this long for the server's close_notify, then aborts
@@ -277,7 +290,10 @@ class Client(Publisher):
         """Make the first connection (retrying until connect_timeout) and read the map.
 
         With several seeds (a cluster's nodes), they are tried in turn, each
-        attempt bounded by a share of connect_timeout, until one answers.
+        attempt bounded by a share of connect_timeout, until one answers; the
+        others that its map does not list are then asked for a Welcome (at the
+        same time, a share at most): they must be nodes of the same server or
+        cluster (`_check_seeds`).
         A refused connection is retried too (a server may be starting), unless
         wait_for_server is False: then a round in which every seed refused
         raises NoServerError at once.
@@ -292,6 +308,9 @@ class Client(Publisher):
                 wait_for_server, else for connect_timeout).
             AuthenticationError: the server refused the auth token.
             ServerError: the server refused the Hello for another reason.
+            SeedsDisagreeError: a seed answered as a node of another server or
+                cluster than the first one that answered (the other seeds that the
+                first one's map does not list are asked for a Welcome too).
             ClientClosedError: the client was closed.
         """
         self._check_open()
@@ -349,6 +368,17 @@ class Client(Publisher):
             await asyncio.sleep(min(random.uniform(delay / 2, delay), left))
             delay = min(delay * 2, self.reconnect_max_delay)
         self.address, proto, welcome = found
+        others = [
+            (seed, hosts)
+            for seed, hosts in resolved
+            if seed != self.address and not listed(welcome.map, seed.port, [seed.host, *hosts])
+        ]
+        if others:
+            try:
+                await self._check_seeds(self.address, welcome, others, share)
+            except BaseException:
+                proto.close()
+                raise
         self.router.set_seed(welcome.node_id, welcome.map)
         self.take_welcome(welcome)
         link = Link(self, welcome.node_id, welcome.worker)
@@ -357,6 +387,40 @@ class Client(Publisher):
         self._connected = True
         self._open = True
         return self
+
+    async def _check_seeds(
+        self,
+        first: ServerAddress,
+        welcome: Welcome,
+        others: list[tuple[ServerAddress, list[str]]],
+        bound: float,
+    ) -> None:
+        """The seeds the first one's map does not list (by address) must be one server or
+        cluster with it (`routing.one_cluster`): each is asked for a Welcome (a Hello on a
+        connection closed at once, all at the same time, `bound` seconds at most). One that
+        does not answer, or refuses, is not judged: a cluster's seeds may name a dead node.
+
+        Raises:
+            SeedsDisagreeError: one answered as a node of another server or cluster.
+        """
+        hello = Hello(client_name=self.name, auth_token=self.auth_token)
+
+        async def ask(seed: ServerAddress, hosts: list[str]) -> tuple[ServerAddress, Welcome] | None:
+            try:
+                proto, answer = await open_connection(seed.host, seed.port, hello, bound, hosts, self.tls)
+            except BrokyError:
+                return None
+            proto.close()
+            return seed, answer
+
+        mine = (welcome.node_id, welcome.map)
+        for answer in await asyncio.gather(*(ask(seed, hosts) for seed, hosts in others)):
+            if answer is not None and not one_cluster(mine, (answer[1].node_id, answer[1].map)):
+                raise SeedsDisagreeError(
+                    f"the seeds are not one server or cluster: {first} is {_describe(welcome)}, "
+                    f"{answer[0]} is {_describe(answer[1])}; give the address of one server, or "
+                    "addresses of nodes of one cluster"
+                )
 
     async def close(self) -> None:
         """Flush what can be flushed (up to flush_timeout), close every connection.
@@ -434,10 +498,14 @@ class Client(Publisher):
         """Wait until every worker has processed everything published (and acknowledged) so far.
 
         A worker that is disconnected is waited for (it reconnects first, and
-        a connection that drops during the flush is waited for again). The
-        flush fails if a publish may have been lost: publishes written to a
-        connection that dropped before the server confirmed them (a Pong) are
-        reported by the next flush, once (see `stats.unconfirmed_lost`).
+        a connection that drops during the flush is waited for again), until
+        `timeout`; in a cluster, until its node leaves the map: what was sent
+        to it then goes to the new owners (if it carries a uid, else it is
+        counted as possibly lost: schema/README.md 7.1), and the flush waits
+        for them. The flush fails if a publish may have been lost: publishes
+        written to a connection that dropped before the server confirmed them
+        (a Pong) are reported by the next flush, once (see
+        `stats.unconfirmed_lost`).
 
         Args:
             timeout: seconds; default `flush_timeout`.
@@ -455,20 +523,23 @@ class Client(Publisher):
         self.acks.flush()  # group members' settlements so far: before the Pings
         try:
             async with asyncio.timeout(timeout):
-                links, results = await self._round_trips()
-                # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
-                # the Pongs: once the map is fresh they are sent again; wait for those too.
                 router = self.router
-                while (
-                    router.to_resend
-                    or router.settling
-                    or (router.refreshing is not None and not router.refreshing.done())
-                ):
-                    if router.refreshing is not None:
-                        await asyncio.shield(router.refreshing)
-                    if router.settling:  # vbuckets moving: their new owners write once settled
-                        await asyncio.wait(list(router.settling))
+                while True:
+                    changes = router.changes
                     links, results = await self._round_trips()
+                    # Publishes refused with NOT_MY_VBUCKET came back in the Errors, before
+                    # the Pongs: once the map is fresh they are sent again; wait for those
+                    # too (a refused publish waits in `to_resend` only while a refresh or
+                    # a move's settling is under way: both resend it when they end).
+                    if router.refreshing is not None and not router.refreshing.done():
+                        await asyncio.shield(router.refreshing)
+                    elif router.settling:  # vbuckets moving: their new owners write once settled
+                        await asyncio.wait(list(router.settling))
+                    elif router.changes == changes and not any(link.retired for link in links):
+                        break
+                    # Else the map changed, or a move settled, during the round trips: what
+                    # was kept back, or sent again to the new owners (a node that left:
+                    # `Router.retire`), may have been written after their Pings. Again.
         except TimeoutError:
             down = [link.ref.worker for link in self.router.links.values() if link.proto is None]
             why = f" (down: workers {down})" if down else ""
@@ -495,7 +566,12 @@ class Client(Publisher):
             raise BrokyConnectionError("flush: " + "; ".join(problems))
 
     async def _round_trips(self) -> tuple[list[Link], list[BaseException | None]]:
-        """A round trip on every Link that is up, has something queued, gave up or lost publishes."""
+        """A round trip on every Link that is up, has something queued, gave up or lost publishes.
+
+        A Link retired meanwhile (its node left the map) ends its round trip at once; its
+        publishes were settled by the rule of schema/README.md 7.1 (sent again to their
+        new owners, or counted for `flush` to report: `Router.retire`), and `flush`
+        starts again on the Links of the current map."""
         links = [
             link
             for link in self.router.links.values()
@@ -517,7 +593,7 @@ class Client(Publisher):
         callback: Callable[[Message], Any] | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: None = None,
@@ -554,7 +630,7 @@ class Client(Publisher):
         callback: Callback | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -578,7 +654,7 @@ class Client(Publisher):
         callback: Callable[[Any], Any] | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -611,7 +687,10 @@ class Client(Publisher):
                 close to its speed (bench/results/groups.md).
             since: positions to go on from (a previous subscription's `positions()`):
                 per vbucket, the retained messages after that position are delivered
-                first, then live ones (schema/README.md 5.1).
+                first, then live ones (schema/README.md 5.1). Positions, or what JSON
+                gives back of them: [vbucket, epoch, offset] lists, or objects with
+                those keys, numbers as ints or decimal strings (reader.PositionLike);
+                anything else, or a vbucket named twice, is a ValueError naming `since`.
             since_time: for the vbuckets `since` does not name, start with the
                 retained messages published at or after this time (ns since the epoch
                 as an int, seconds as a float, or an aware datetime).
@@ -664,9 +743,11 @@ class Client(Publisher):
                 or ack without a group, or a group with since, since_time or last.
             ServerError: a worker refused it with SUBSCRIPTION_LIMIT (this connection
                 holds as many subscriptions, or subscription bytes, as the server
-                allows) or BAD_GROUP (the group's members on that worker have other
-                key_shared or ack settings); it is then unsubscribed everywhere, and
-                not retried.
+                allows), BAD_GROUP (the group's members on that worker have other
+                key_shared or ack settings) or PERMISSION_DENIED (`user` may not
+                read it); it is then unsubscribed everywhere, and not retried. Raised
+                once, not also reported to `on_error` (a worker that refuses it later,
+                e.g. on a reconnect, is reported there, once per reason).
             ClientClosedError: the client is closed.
         """
         self._check_open()
@@ -675,7 +756,7 @@ class Client(Publisher):
         part = partition.encode() if isinstance(partition, str) else partition
         if last < 0:
             raise ValueError(f"last must be >= 0, not {last!r}")
-        since = tuple(since)
+        since = as_positions(since, "since")
         start_time = time_ns(since_time)
         spec = group_spec(
             group,
@@ -716,7 +797,9 @@ class Client(Publisher):
         else:  # its owner, and the worker its vbucket is moving to (schema/README.md 6.3)
             owner, incoming = router.owner_link(part), router.incoming_link(part)
             links = [owner] if incoming is None or incoming is owner else [owner, incoming]
-        self._subscriptions.add(sub, links)
+        table = self._subscriptions
+        table.add(sub, links)
+        table.confirming.add(sid)  # a refusal meanwhile is raised here, not also told to on_error
         try:
             async with asyncio.timeout(self.flush_timeout):
                 await asyncio.gather(*(self._confirm(link) for link in links))
@@ -727,7 +810,9 @@ class Client(Publisher):
                     "it is restored on reconnect"
                 )
             )
-        limited = self._subscriptions.limited.get(sub.sid)
+        finally:
+            table.confirming.discard(sid)
+        limited = table.limited.get(sub.sid)
         if limited is not None:
             await self.remove_subscription(sub)
             raise limited[0]
@@ -776,9 +861,9 @@ class Client(Publisher):
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        start: Iterable[Position | tuple[int, int, int]] | None = None,
+        start: Iterable[PositionLike] | None = None,
         start_time: int = 0,
-        stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        stop: Iterable[PositionLike] | None = None,
         vbuckets: Iterable[int] | None = None,
         via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,
@@ -799,7 +884,8 @@ class Client(Publisher):
             pattern: the keys to read (`>`: all).
             partition: only this key_partition (read from its owner only).
             start, stop: positions (vbucket, epoch, offset), e.g. an earlier
-                read's `positions` or `client.positions()`.
+                read's `positions` or `client.positions()`, or what JSON gives back
+                of them (as `subscribe`'s `since`).
             start_time: ns since the epoch, for the vbuckets `start` does not name.
             vbuckets: only these vbuckets (ints 0 .. 1023, none twice), each
                 read from its owner; with `partition`, its vbucket must be
@@ -899,7 +985,8 @@ class Client(Publisher):
 
     def subscription_refused(self, link: Link, err: ServerError) -> None:
         """For the Links (LinkOwner): `link`'s worker refused err.sid for good
-        (SUBSCRIPTION_LIMIT, BAD_GROUP)."""
+        (SUBSCRIPTION_LIMIT, BAD_GROUP, PERMISSION_DENIED): raised by `subscribe`, or
+        told to `on_error` once (broky.client.subscription_table)."""
         self._subscriptions.limited_by(link, err)
 
     def map_updated(self, link: Link, vmap: VBucketMap) -> None:

@@ -403,6 +403,8 @@ class Link(_LinkState):
         self.retired = False  # its node left the map: no more reconnects
         self.outstanding = 0  # keepalive Pings sent since the last Pong
         self.keepalive: asyncio.TimerHandle | None = None
+        # Set while connected, and for good once the Link has ended (given up, retired,
+        # closed): a waiter that finds it set and no connection must not wait again.
         self.up = asyncio.Event()
         self.tried = asyncio.Event()  # set once the first connection attempt has ended
         self.task: asyncio.Task[None] | None = None
@@ -693,6 +695,8 @@ class Link(_LinkState):
             self.keepalive = None
 
     def close(self) -> None:
+        self.up.set()  # wake round trips waiting for a reconnect: they see the client closed
+        self.tried.set()
         if self.task is not None:
             self.task.cancel()
         self._stop_timers()
@@ -854,7 +858,8 @@ class Link(_LinkState):
                     BrokyConnectionError(f"worker {self.ref.worker} of {self.ref.node_id} left")
                 )
         self.pings.clear()
-        self.up.set()
+        self.up.set()  # wake round trips and waiters: they see `retired`
+        self.tried.set()
         return (
             [f for f in frames_in(out) if f[HEADER_AT:HEADER_END] in (HEADER_UID, HEADER_NO_UID)],
             doubt,
@@ -905,11 +910,18 @@ class Link(_LinkState):
 
         Waits for the connection if it is down. If it drops before the Pong:
         with `retry`, waits for the reconnect and pings again (what the dropped
-        connection carried unconfirmed is in `unconfirmed`); else raises.
+        connection carried unconfirmed is in `unconfirmed`); else raises. A Link
+        retired meanwhile (its node left the map) ends the round trip at once:
+        what it carried went to the new owners or was counted (`retire`), and
+        the caller confirms it there (broky.client.client `flush`).
+
+        Every turn of the loop waits for the Pong or for `up`, which is set only
+        when the Link is connected or has ended (given up, retired, closed):
+        the loop never turns without yielding to the event loop.
 
         Raises:
-            BrokyConnectionError: reconnecting was given up; or, without `retry`,
-                the connection dropped.
+            BrokyConnectionError: reconnecting was given up; the Link was retired;
+                or, without `retry`, the connection dropped.
             ClientClosedError: the client was closed.
         """
         while True:
@@ -917,8 +929,13 @@ class Link(_LinkState):
                 raise self.gave_up_error()
             if self.client.is_closed:
                 raise ClientClosedError("the client is closed")
-            await self.up.wait()
+            if self.retired:
+                raise BrokyConnectionError(
+                    f"worker {self.ref.worker} of {self.ref.node_id} left the cluster (its node is "
+                    "no longer in the map)"
+                )
             if self.proto is None:
+                await self.up.wait()  # set once connected again, given up, retired or closed
                 continue
             try:
                 await self.ping()
@@ -1151,20 +1168,25 @@ class Link(_LinkState):
                 self.started(frame.id, frame.ts)
         elif isinstance(frame, Error):
             err = server_error(frame)
+            handled = False  # else reported below
             if err.code == ErrorCode.NOT_MY_VBUCKET:
                 if not err.sid:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
                 client.not_my_vbucket(self, err, frame.refused)
+                handled = True  # resent, or reported if lost
             elif err.code in (ErrorCode.SUBSCRIPTION_LIMIT, ErrorCode.BAD_GROUP) and err.sid:
                 client.subscription_refused(self, err)
+                handled = True  # raised by `subscribe`, or reported once
             elif err.code == ErrorCode.PERMISSION_DENIED:  # (--users) the connection stays
                 if err.sid:  # refused, or ended by a reload of the users: ended here too
                     client.subscription_refused(self, err)
+                    handled = True
                 else:
                     self.refusals += 1  # a publish (Welcome.resumed.refused counts them too)
+                    client.stats.denied += 1
             if frame.fatal and self.proto is not None and self.proto.failure is None:
                 self.proto.failure = err  # the reason the server closes: on_disconnect's
-            elif err.code != ErrorCode.NOT_MY_VBUCKET:  # handled: resent, or reported if lost
+            elif not handled:
                 client.report_error(err)
         elif isinstance(frame, Replay):  # a start's answer begins: where its notices' positions stand
             self.replay_ts[frame.sid] = frame.ts

@@ -218,6 +218,8 @@ class Publisher:
         if proto is None:
             if link.out_bytes + len(frame) > link.client.max_reconnect_buffer_bytes and not self._nowait:
                 await self._wait_up(link)  # then published below, or refused if still full
+                if link.retired:  # its node left the map meanwhile: to the new owner
+                    link = self.router.owner_link(as_bytes(key_partition, "key_partition"))
             try:
                 link.send(frame)
             except BrokyError:  # buffer full, or given up: not published, counted as refused
@@ -479,7 +481,8 @@ class Publisher:
 
     async def _wait_up(self, link: Link) -> None:
         """Wait until `link` is up (its first connection is being opened, or it reconnects),
-        reconnecting is given up, or flush_timeout seconds passed."""
+        reconnecting is given up, its node left the map (`link.retired`: the caller
+        publishes to the new owner), or flush_timeout seconds passed."""
         if link.proto is not None or link.failed is not None:
             return
         with contextlib.suppress(TimeoutError):

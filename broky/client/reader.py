@@ -77,7 +77,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Generator, Iterable
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from operator import attrgetter, index
 from typing import Any, NamedTuple, Protocol
 
@@ -185,21 +185,75 @@ class ReadOwner(Protocol):
         """Where node `node_id` listens (as a Link connects to it)."""
 
 
-def as_positions(
-    positions: Iterable[Position | tuple[int, int, int]] | None, what: str
-) -> tuple[Position, ...]:
-    """`positions` as Position values, checked.
+# A position as a caller may give one: a Position; (vbucket, epoch, offset) as any sequence,
+# which is what json.loads gives back of json.dumps(sub.positions()); or a mapping with those
+# keys (others are ignored: a `broky sub --json` line has them). Each number an int, or a
+# string of decimal digits (how JSON for readers without 64-bit integers writes an epoch).
+PositionLike = Position | Sequence[int | str] | Mapping[str, Any]
+
+
+def as_positions(positions: Iterable[PositionLike] | None, what: str) -> tuple[Position, ...]:
+    """`positions` (`subscribe`'s since, `read`'s start and stop) as Position values, checked.
 
     Raises:
-        ValueError: one is not (vbucket < 1024, epoch and offset in 0 .. 2**64 - 1).
+        ValueError: naming `what`: not a list of positions (a str, a dict, not iterable),
+            one that is not a position (see PositionLike; vbucket 0 .. 1023, epoch and
+            offset 0 .. 2**64 - 1), or a vbucket named twice.
     """
-    out = []
-    for p in positions or ():
-        vb, epoch, offset = p
-        if not (0 <= vb < VBUCKETS and 0 <= epoch <= _U64 and 0 <= offset <= _U64):
-            raise ValueError(f"{what}: {p!r} is not a position (vbucket, epoch, offset)")
+    if positions is None:
+        return ()
+    wanted = "a list of positions (vbucket, epoch, offset)"
+    if isinstance(positions, (str, bytes, bytearray, Mapping)):
+        hint = " (json.loads the text first)" if isinstance(positions, str) else ""
+        raise ValueError(f"{what}: expected {wanted}, not a {type(positions).__name__}{hint}")
+    try:
+        items = list(positions)
+    except TypeError:
+        raise ValueError(f"{what}: expected {wanted}, not {positions!r}") from None
+    out: list[Position] = []
+    seen: set[int] = set()
+    for p in items:
+        fields = _position_fields(p)
+        numbers = None if fields is None else [_u64_of(x) for x in fields]
+        if numbers is None or None in numbers:
+            raise ValueError(
+                f"{what}: {p!r} is not a position: (vbucket, epoch, offset), or a mapping with those "
+                "keys, each an integer 0 .. 2**64 - 1 (or a string of its decimal digits)"
+            )
+        vb, epoch, offset = numbers
+        assert vb is not None and epoch is not None and offset is not None
+        if vb >= VBUCKETS:
+            raise ValueError(f"{what}: {p!r}: {vb} is not a vbucket (0 .. {VBUCKETS - 1})")
+        if vb in seen:
+            raise ValueError(f"{what}: vbucket {vb} is named twice")
+        seen.add(vb)
         out.append(Position(vb, epoch, offset))
     return tuple(out)
+
+
+def _position_fields(p: Any) -> tuple[Any, ...] | None:
+    """(vbucket, epoch, offset) of one PositionLike, unchecked; None if it has no such shape."""
+    if isinstance(p, Mapping):
+        try:
+            return p["vbucket"], p["epoch"], p["offset"]
+        except KeyError:
+            return None
+    if isinstance(p, (str, bytes, bytearray)):
+        return None
+    try:
+        fields = tuple(p)
+    except TypeError:
+        return None
+    return fields if len(fields) == 3 else None
+
+
+def _u64_of(x: Any) -> int | None:
+    """An unsigned 64-bit integer given as an int or as its decimal digits; else None."""
+    if isinstance(x, str) and x.isascii() and x.isdigit():
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= _U64:
+        return None
+    return x
 
 
 def as_vbuckets(vbuckets: Iterable[int] | None) -> frozenset[int] | None:
@@ -510,6 +564,7 @@ __all__ = [
     "RangeEnd",
     "ReadOwner",
     "ReadResult",
+    "PositionLike",
     "ReadVia",
     "Reading",
     "as_positions",

@@ -73,7 +73,15 @@ from broky.client.connection import open_connection
 from broky.client.link import Link, LinkOwner, WorkerRef, frames_in
 from broky.client.subscription_table import SubscriptionTable
 from broky.client.url import ServerAddress
-from broky.errors import BrokyConnectionError, BrokyError, ProtocolError, RemoteProtocolError, ServerError
+from broky.errors import (
+    BrokyConnectionError,
+    BrokyError,
+    ErrorCode,
+    NotMyVBucketError,
+    ProtocolError,
+    RemoteProtocolError,
+    ServerError,
+)
 from broky.protocol import NO_OWNER, VBUCKETS, Hello, VBucketMap, route_message, vbucket_of
 
 
@@ -106,6 +114,21 @@ def _address_in(vmap: VBucketMap, node_id: str) -> tuple[str, int] | None:
     return None
 
 
+def one_cluster(a: tuple[str, VBucketMap], b: tuple[str, VBucketMap]) -> bool:
+    """Two Welcomes' (node_id, map) come from one server or cluster: either map names the
+    other's node; or both are the same node, at the address its maps give (a standalone
+    server's node id is its host name: two servers on one host share it)."""
+    (node_a, map_a), (node_b, map_b) = a, b
+    if node_a == node_b:
+        return _address_in(map_a, node_a) == _address_in(map_b, node_b)
+    return _address_in(map_a, node_b) is not None or _address_in(map_b, node_a) is not None
+
+
+def listed(vmap: VBucketMap, port: int, hosts: list[str]) -> bool:
+    """Some node of `vmap` listens at `port` of one of `hosts` (a seed's name and addresses)."""
+    return any(node.port == port and node.host in hosts for node in vmap.nodes)
+
+
 def _kp(frame: bytes) -> bytes | None:
     try:
         return route_message(frame, 0, len(frame))[0]
@@ -128,6 +151,9 @@ class Router:
         self.refreshing: asyncio.Task[None] | None = None
         self.settling: set[asyncio.Task[None]] = set()  # moves waiting for old owners (`apply`)
         self.retired: list[Link] = []  # retired Links with publishes possibly lost, until a flush
+        # +1 per map adopted and per move settled: a flush whose round trips saw it change
+        # does them again (what a fence kept back may have been written after its Pings)
+        self.changes = 0
         # publishes refused with NOT_MY_VBUCKET, to resend once the map is fresh: (refused by, frame)
         self.to_resend: list[tuple[Link, bytes]] = []
 
@@ -198,6 +224,7 @@ class Router:
     def apply(self, vmap: VBucketMap) -> None:
         """Adopt a newer map (see the module's header)."""
         old, self.map = self.map, vmap
+        self.changes += 1
         self.route = [None] * VBUCKETS
         self.owner.forget_routes()
         self.owner.stats.map_refreshes += 1
@@ -286,6 +313,7 @@ class Router:
                 self.resend_refused()
         finally:
             new_link.lift_fence()
+            self.changes += 1
 
     @staticmethod
     async def _answered(old: Link) -> None:
@@ -423,9 +451,10 @@ class Router:
                 stats.misrouted += 1
                 why = "the map could not be refreshed" if link is None else "it owns it per the map"
                 report(
-                    BrokyError(
+                    NotMyVBucketError(
+                        ErrorCode.NOT_MY_VBUCKET,
                         f"worker {refused_by.ref.worker} refused a publish to key_partition {kp!r} "
-                        f"and {why}: the message is dropped"
+                        f"and {why}: the message is dropped",
                     )
                 )
                 continue
@@ -454,4 +483,4 @@ class Router:
         self.to_resend.clear()
 
 
-__all__ = ["Router", "RouterOwner"]
+__all__ = ["Router", "RouterOwner", "listed", "one_cluster"]

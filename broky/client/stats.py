@@ -24,6 +24,7 @@ class ClientStats:
     pauses: int = 0  # times a connection was paused (Pause) because a subscription's queue was full
     server_lost: int = 0  # deliveries the server reported lost (LossNotice)
     misrouted: int = 0  # publishes refused with NOT_MY_VBUCKET and not resent (lost)
+    denied: int = 0  # publishes refused with PERMISSION_DENIED (--users): not published
     resent: int = 0  # publishes refused with NOT_MY_VBUCKET, then sent to the owner of a fresh map
     refused: int = 0  # publishes refused: reconnect buffer full, or reconnecting given up
     # publishes written to a connection that dropped before a Pong confirmed them, whose

@@ -174,7 +174,8 @@ class Subscription(Inbox[M]):
     def positions(self) -> list[Position]:
         """Per vbucket, the position of the last message handed to the consumer (by
         `next_msg`, iteration or the callback), in vbucket order: persist them and pass
-        them as `since` to a later `subscribe` to go on from there."""
+        them as `since` to a later `subscribe` to go on from there (`json.dumps` writes
+        each as [vbucket, epoch, offset], and `since` takes `json.loads`'s lists back)."""
         return super().positions()
 
     # ---------------------------------------------------------------- reader side

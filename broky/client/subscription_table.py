@@ -22,8 +22,12 @@ owner, or reports it when the fresh map still names the refusing worker. A
 worker that refuses it with SUBSCRIPTION_LIMIT (`limited`: that connection
 holds as many subscriptions, or subscription bytes, as the server allows) or
 BAD_GROUP (a group member whose settings differ from those of its group's
-members there) drops it for good: it is never sent to that Link again, not
-on a reconnect nor on a new map.
+members there) or PERMISSION_DENIED (its user may not read it) drops it for
+good: it is never sent to that Link again, not on a reconnect nor on a new
+map. A refusal is told once: while `subscribe` waits for the subscription's
+confirmations (`confirming`) it is what `subscribe` raises; after that it goes
+to `on_error`, once per subscription and reason, however many workers refuse
+it alike.
 
 The table knows the map only through the two lookups `follow_map` is given,
 so it opens no Link of its own.
@@ -47,8 +51,11 @@ class SubscriptionTable:
         self.subs: dict[int, Subscription[Any]] = {}
         self.links: dict[int, list[Link]] = {}  # sid -> the Links that carry it
         self.rejected: dict[int, Link] = {}  # sid -> the Link whose worker refused it (NOT_MY_VBUCKET)
-        # sid -> (the last SUBSCRIPTION_LIMIT or BAD_GROUP Error, the Links whose worker refused it)
+        # sid -> (the last SUBSCRIPTION_LIMIT, BAD_GROUP or PERMISSION_DENIED Error, the Links
+        # whose worker refused it)
         self.limited: dict[int, tuple[ServerError, list[Link]]] = {}
+        self.confirming: set[int] = set()  # sids `subscribe` waits for: it raises their refusals
+        self.told: dict[int, set[str]] = {}  # sid -> the refusals reported to on_error (their text)
         self.paused: dict[int, set[Link]] = {}  # sid -> the Links it paused (its queue is full)
         self.last_sid = 0
 
@@ -68,6 +75,7 @@ class SubscriptionTable:
         self.subs.pop(sub.sid, None)
         self.rejected.pop(sub.sid, None)
         self.limited.pop(sub.sid, None)
+        self.told.pop(sub.sid, None)
         self.resume(sub)
         for link in self.links.pop(sub.sid, []):
             link.remove_sub(sub)
@@ -95,10 +103,11 @@ class SubscriptionTable:
             self.rejected[sub.sid] = link
 
     def limited_by(self, link: Link, err: ServerError) -> None:
-        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT or BAD_GROUP:
-        forget it on that Link, so that neither a reconnect nor a new map sends it there again."""
+        """`link`'s worker refused subscription err.sid with SUBSCRIPTION_LIMIT, BAD_GROUP or
+        PERMISSION_DENIED: forget it on that Link, so that neither a reconnect nor a new map
+        sends it there again; and tell it, once (see the module's header)."""
         sub = self.subs.get(err.sid)
-        if sub is None:
+        if sub is None:  # unsubscribed, or refused while `subscribe` waited: it raised
             return
         link.remove_sub(sub, tell_server=False)
         links = self.links.get(sub.sid, [])
@@ -108,6 +117,12 @@ class SubscriptionTable:
         if link not in refused_by:
             refused_by.append(link)
         self.limited[sub.sid] = (err, refused_by)
+        if sub.sid in self.confirming:  # `subscribe` raises it
+            return
+        told = self.told.setdefault(sub.sid, set())
+        if str(err) not in told:  # every worker refuses alike: once
+            told.add(str(err))
+            self.report(err)
 
     def _limited_on(self, sub: Subscription[Any], link: Link) -> bool:
         limited = self.limited.get(sub.sid)

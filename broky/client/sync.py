@@ -69,7 +69,7 @@ from broky.client.inbox import (
     Inbox,
     M,
 )
-from broky.client.reader import ReadResult, ReadVia
+from broky.client.reader import PositionLike, ReadResult, ReadVia
 from broky.client.subscription import Subscription
 from broky.errors import (
     BrokyError,
@@ -470,7 +470,7 @@ class SyncClient:
         partition: bytes | str | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: None = None,
@@ -504,7 +504,7 @@ class SyncClient:
         partition: bytes | str | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -526,7 +526,7 @@ class SyncClient:
         partition: bytes | str | None = None,
         max_pending_msgs: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        since: Iterable[Position] = (),
+        since: Iterable[PositionLike] = (),
         since_time: int | float | datetime.datetime | None = None,
         last: int = 0,
         group: str | None = None,
@@ -586,9 +586,9 @@ class SyncClient:
         pattern: bytes | str,
         *,
         partition: bytes | str | None = None,
-        start: Iterable[Position | tuple[int, int, int]] | None = None,
+        start: Iterable[PositionLike] | None = None,
         start_time: int = 0,
-        stop: Iterable[Position | tuple[int, int, int]] | None = None,
+        stop: Iterable[PositionLike] | None = None,
         vbuckets: Iterable[int] | None = None,
         via: Mapping[int, ReadVia] | None = None,
         timeout: float | None = None,

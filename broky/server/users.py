@@ -11,6 +11,7 @@ A users file (TOML) names each user, its credential and what it may do:
 
     [users.reporting]
     cert_subject = "CN=reporting"   # under mutual TLS, the client certificate stands for the password
+                                    # (a token sent beside it must be this user's, and right)
 
 Theory of operation
 -------------------
@@ -372,7 +373,12 @@ async def admits(
 ) -> bool:
     """Whether a Hello's auth_token (or, under mutual TLS, the client certificate's
     subject) admits the client: the server's token, or a user's `name:password` (the
-    PBKDF2 runs in a thread when that password was not verified before)."""
+    PBKDF2 runs in a thread when that password was not verified before), or a
+    certificate whose subject stands for a user, with no token. A token sent beside
+    such a certificate must be right too, and name that user: a wrong password, or
+    another user's, is refused (AUTH_FAILED) rather than overridden by the certificate
+    without a word. (The server's own token beside it admits, as that user: the
+    narrower of the two.)"""
     if server_token is None and users is None:
         return True
     import asyncio
@@ -382,7 +388,8 @@ async def admits(
         return True
     if users is None:
         return False
-    if subject and subject in users.by_subject:
+    by_cert = users.by_subject.get(subject) if subject else None
+    if by_cert is not None and not given:
         return True
     found = users.split(given)
     loop = asyncio.get_running_loop()
@@ -390,9 +397,10 @@ async def admits(
         await loop.run_in_executor(_slow_check(), verify_password, _dummy(), given or "")
         return False
     user, password = found
-    if users.remembered(user, password):
-        return True
-    return await loop.run_in_executor(_slow_check(), users.verify, user, password)
+    verified = users.remembered(user, password) or await loop.run_in_executor(
+        _slow_check(), users.verify, user, password
+    )
+    return verified and (by_cert is None or user is by_cert)
 
 
 _SLOW_CHECK: list[ThreadPoolExecutor] = []

@@ -12,7 +12,9 @@ Epochs are written as decimal strings (they are unsigned 64-bit numbers, which
 JSON readers such as the JVM's do not all keep exact); offsets are numbers.
 The same JSON is what option ``startingOffsets`` (and the batch read's
 ``endingOffsets``) takes: copy a checkpoint's offset, or build it from
-`broky.Client.positions`. A vbucket it does not name starts at the oldest
+`broky.Client.positions`; they also take those positions as JSON writes them
+(``json.dumps(await client.positions())``: a list of [vbucket, epoch, offset],
+read as the SDK reads `since`). A vbucket it does not name starts at the oldest
 message retained (as Kafka's source starts a partition it discovers later):
 nothing of it was read yet, so nothing is skipped.
 
@@ -49,8 +51,8 @@ def to_json(offsets: Mapping[int, Position]) -> dict[str, Any]:
     return {"epochs": {e: epochs[e] for e in sorted(epochs, key=int)}}
 
 
-def from_json(value: Mapping[str, Any] | str, what: str = "offset") -> Offsets:
-    """Parse the checkpoint form (a dict, or its JSON text).
+def from_json(value: Mapping[str, Any] | list[Any] | str, what: str = "offset") -> Offsets:
+    """Parse the checkpoint form (a dict, or its JSON text), or a list of positions.
 
     Raises:
         OffsetError: not valid JSON, not of the form above, a vbucket outside
@@ -62,6 +64,13 @@ def from_json(value: Mapping[str, Any] | str, what: str = "offset") -> Offsets:
             value = json.loads(value)
         except ValueError as exc:
             raise OffsetError(f"{what}: not JSON ({exc})") from None
+    if isinstance(value, list):  # json.dumps(client.positions()): read as the SDK reads `since`
+        from broky.client.reader import as_positions
+
+        try:
+            return {p.vbucket: p for p in as_positions(value, what)}
+        except ValueError as exc:
+            raise OffsetError(str(exc)) from None
     if not isinstance(value, Mapping) or set(value) != {"epochs"} or not isinstance(value["epochs"], Mapping):
         raise OffsetError(f'{what}: expected {{"epochs": {{"<epoch>": {{"<vbucket>": <offset>, ...}}}}}}')
     out: Offsets = {}
