@@ -37,30 +37,15 @@ from broky.protocol.routing import vbucket_of
 from tests.faultproxy import FaultProxy
 from tests.serverproc import ServerProcess
 from tests.test_client import partitions_by_worker, run
+from tests.test_client_resume import Received
 from tests.test_server_pubsub import http_get
 from tests.test_server_resume import kill_worker
 
 _seq = struct.Struct(">II")  # key_partition index, sequence number within it
 
 
-class Tally:
+class Tally(Received):
     """What a subscriber received (per key_partition) and was told it lost."""
-
-    def __init__(self) -> None:
-        self.by_kp: dict[int, list[int]] = {}
-        self.count = 0
-        self.told: list[tuple[int, int]] = []  # (dropped, reason)
-
-    def take(self, msg: broky.Message) -> None:
-        kp, n = _seq.unpack_from(msg.payload)
-        self.by_kp.setdefault(kp, []).append(n)
-        self.count += 1
-
-    def on_loss(self, ref: Any, dropped: int, reason: int) -> None:
-        self.told.append((dropped, reason))
-
-    def told_count(self) -> int:
-        return sum(d for d, _ in self.told)
 
     def lost(self, sent: list[int]) -> int:
         return sum(n - len(set(self.by_kp.get(k, []))) for k, n in enumerate(sent))
