@@ -1474,8 +1474,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role:
         return exact_role(args.role)
-    exact = [name for name in args.scenario if name in EXACT]
-    args.scenario = [name for name in args.scenario if name in SCENARIOS]
+    chosen = args.scenario
+    args.scenario = [name for name in chosen if name in SCENARIOS]  # (chaos.json's settings)
     info = machine_info()
     outcomes = []
     for name in args.scenario:
@@ -1485,7 +1485,8 @@ def main(argv: list[str] | None = None) -> int:
     data = {o.scenario: asdict(o) for o in outcomes}
     if outcomes:
         write_results(args.out, "chaos", report(outcomes, args.scenario, info), info, args, **data)
-    kept = run_exact(exact, args.out, info, args) if exact else True
+    args.scenario = [name for name in chosen if name in EXACT]  # (chaos_exact.json's)
+    kept = run_exact(args.scenario, args.out, info, args) if args.scenario else True
     return 0 if all(o.promise_kept for o in outcomes) and kept else 1
 
 
