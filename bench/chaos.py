@@ -654,13 +654,20 @@ def count_subscriber_told(out: Exact, subscribed: dict[str, Any]) -> Exact:
 # -------------------------------- sockets: who is connected, and cutting them
 
 
-def client_ports(pid: int, server_port: int) -> set[int]:
-    """The local ports of process `pid`'s established TCP connections to `server_port`."""
+def client_sockets(pid: int, server_port: int) -> set[tuple[int, int]]:
+    """Process `pid`'s established TCP connections to `server_port`: (local port, socket
+    inode) each (the inode tells a new connection from an old one on a port used again)."""
     out = subprocess.run(
-        ["ss", "-tnpH", "state", "established", "dport", "=", f":{server_port}"],
+        ["ss", "-tnpeH", "state", "established", "dport", "=", f":{server_port}"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    return {int(line.split()[2].rsplit(":", 1)[1]) for line in out.splitlines() if f"pid={pid}," in line}
+    found = set()
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            fields = line.split()
+            ino = next(f for f in fields if f.startswith("ino:"))
+            found.add((int(fields[2].rsplit(":", 1)[1]), int(ino[4:])))
+    return found
 
 
 def cut_ports(ports: set[int], server_port: int) -> None:
@@ -702,12 +709,15 @@ def can_cut() -> bool:
         return False
 
 
-def wait_reconnected(pid: int, server_port: int, old: set[int], count: int, timeout: float = 30.0) -> float:
-    """Wait until process `pid` has `count` connections to `server_port`, none of `old`;
-    then a moment for its Subscribes' answers. Returns the seconds it took."""
+def wait_reconnected(
+    pid: int, server_port: int, old: set[tuple[int, int]], count: int, timeout: float = 30.0
+) -> float:
+    """Wait until process `pid` has `count` connections to `server_port`, none of `old`
+    (client_sockets); then a moment for its Subscribes' answers. Returns the seconds it
+    took."""
     t0 = time.monotonic()
     while True:
-        now = client_ports(pid, server_port)
+        now = client_sockets(pid, server_port)
         if len(now) >= count and not now & old:
             break
         if time.monotonic() - t0 > timeout:
@@ -730,12 +740,12 @@ def cut_process(
     (what the server sends meanwhile waits in the sockets' buffers), its sockets
     destroyed, `during()` run and `down` seconds gone by, continued. Returns the seconds
     from then until it was connected again to every worker."""
-    old = client_ports(proc.pid, server_port)
+    old = client_sockets(proc.pid, server_port)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         time.sleep(stall)
         t0 = time.monotonic()
-        cut_ports(old, server_port)
+        cut_ports({port for port, _ in old}, server_port)
         if during is not None:
             during()
         time.sleep(max(0.0, down - (time.monotonic() - t0)))

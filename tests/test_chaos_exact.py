@@ -71,8 +71,10 @@ def test_cuts_with_nothing_new_tell_the_loss_once() -> None:
 @pytest.mark.timeout(120)
 def test_an_sse_reader_resuming_without_replay_is_told_exactly() -> None:
     cuts_or_skip()
-    out = chaos.sse_replay_off(cuts=3, interval=1.2, down=0.3, rate=1500, partitions=100, foreign=5000)
-    assert out.lost > 300, summary(out)
+    # (at 800 msgs/s a reader must fall 1.3 s behind to leave the gateway's ledger of its
+    # last 1,024 events: a busy machine does not make it do so; chaos_exact_stalled.md)
+    out = chaos.sse_replay_off(cuts=3, interval=1.2, down=0.3, rate=800, partitions=100, foreign=5000)
+    assert out.lost > 200, summary(out)
     assert not out.unknown, summary(out)  # no "dropped": null where the server knows
     assert out.lost == out.told, summary(out)
     assert out.exact, summary(out)
