@@ -46,7 +46,8 @@ both ways (`lost - told = 0`: nothing lost untold; `told - lost = 0`: nothing
 told that was not lost, nothing told twice), per vbucket where the notices
 name one (per worker for a group's, in total for an SSE stream's), with no
 count left unknown. Cuts are `ss -K` of the client's sockets (root, or
-CAP_NET_ADMIN), with the client process stopped for the outage.
+CAP_NET_ADMIN), the SDK client's process stopped (SIGSTOP) for the outage,
+the SSE reader waiting it out before it reconnects.
 
 - group-worker-kill: three SDK members of a load-balanced ack group
   (max_in_flight 20) hold what they get under the publisher's load, so the
