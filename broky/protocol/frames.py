@@ -759,6 +759,8 @@ def encode_error(error: Error) -> bytes:
 
 @_encoder
 def encode_loss_notice(notice: LossNotice) -> bytes:
+    if notice.at is None and notice.through is None:  # a connection's: a patched copy (_LOSS)
+        return _LOSS.encode((notice.dropped, notice.reason, notice.sid))
     b = flatbuffers.Builder(32)
     fbs.LossNoticeStart(b)
     fbs.LossNoticeAddDropped(b, notice.dropped)
@@ -829,6 +831,14 @@ _READ_DONE_MOVED = _Scalars(
 )
 
 
+# A LossNotice without positions: a slow consumer's, told each time deliveries resume after
+# drops (broky.server.backpressure), so not Builder output.
+_LOSS = _Scalars(
+    Body.LossNotice,
+    fbs.LossNoticeStart,
+    fbs.LossNoticeEnd,
+    [(fbs.LossNoticeAddDropped, "Q"), (fbs.LossNoticeAddReason, "B"), (fbs.LossNoticeAddSid, "I")],
+)
 _DELIVERY = _Scalars(
     Body.Delivery,
     fbs.DeliveryStart,

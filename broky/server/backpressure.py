@@ -7,16 +7,21 @@ control replies it leaves unread, and runs the worker's periodic `tick`.
 
 Theory of operation
 -------------------
-Slow consumers: the first drop starts a clock (`over_since`). When the
-connection's pending bytes are down to the low-water mark (a quarter of the
-bound: seen after a write, on resume_writing, or by `tick` when the buffer
-drained without ever reaching the high-water mark) or, for a paused
-connection, when it resumes, it gets LossNotice{dropped} and the clock stops.
-A quarter rather than "below the bound" leaves the subscriber room, so the
-notices do not flap and each carries a useful count. The periodic `tick`
-closes a connection whose clock ran past --slow-consumer-deadline with a
-fatal SLOW_CONSUMER error (preceded by a LossNotice). A paused connection
-keeps its deliveries in `out` under the same bound.
+Slow consumers: the first drop starts a clock (`over_since`), and from a drop
+on nothing is queued to the connection before the LossNotice that tells it
+(`cap` is -1 meanwhile): the drops one notice counts come after every
+delivery queued before it, so the ones a connection lost untold are always
+after its last delivery (a resume by positions replays them:
+broky.server.arrivals). The notice goes ahead of the next delivery that fits
+under the bound again (`reopen`: the subscriber loses no more than without
+it), or, if none comes, once the pending bytes are down to the low-water mark
+(a quarter of the bound: seen after a write, on resume_writing, or by `tick`
+when the buffer drained without ever reaching the high-water mark), or, for a
+paused connection, when it resumes. The clock stops when the pending bytes
+are down to a quarter. The periodic `tick` closes a connection whose clock
+ran past --slow-consumer-deadline with a fatal SLOW_CONSUMER error (no
+LossNotice before it: `slow_disconnect`). A paused connection keeps its
+deliveries in `out` under the same bound.
 
 Replies: control replies (Pong, Error) count in the pending bytes but are
 never dropped, and they have a bound of their own, --max-reply-bytes (at most
@@ -142,6 +147,22 @@ class Backpressure:
         c.sent += len(frame)
         self.stats.bytes_sent += len(frame)
 
+    def reopen(self, c: Connection, need: int) -> bool:
+        """c has drops not yet told, and `need` more bytes would fit under its bound: tell
+        them now, ahead of what comes next (the drops come after every delivery queued
+        before them), and queue to it again; False while it has no room yet."""
+        notice = encode_frame(LossNotice(c.dropped, LossReason.SLOW_CONSUMER))
+        if c.base + c.unflushed + len(notice) + need > c.limit:
+            return False
+        c.out.append(notice)
+        c.unflushed += len(notice)
+        c.dropped = c.group_untold = 0
+        c.cap = c.limit
+        if not c.touched:
+            c.touched = True
+            self._touched.append(c)
+        return True
+
     def drained(self, c: Connection) -> None:
         """c's write buffer fell to its low-water mark (a quarter of the bound)."""
         if c.state != OPEN:
@@ -151,6 +172,8 @@ class Backpressure:
         if c.dropped and not c.paused:
             c.base = c.transport.get_write_buffer_size()
             self.notify_loss(c)
+        elif not c.paused and not c.reads_stopped:
+            c.over_since = 0.0  # told already (`reopen`): its clock stops here
         if c.bounded_read is not None:  # a bounded read waits for room (broky.server.reads)
             self.continue_read(c)
         for s in c.subs.values():  # an ack group's messages may wait for room (broky.server.groups)
@@ -253,6 +276,14 @@ class Backpressure:
             ):  # drained without ever reaching the high-water mark (no resume_writing)
                 c.base = c.transport.get_write_buffer_size()
                 self.notify_loss(c)
+            elif (
+                c.over_since
+                and not c.dropped
+                and not c.paused
+                and not c.reads_stopped
+                and c.transport.get_write_buffer_size() <= c.limit >> 2
+            ):  # told already (`reopen`), and drained: its clock stops
+                c.over_since = 0.0
             elif c.over_since and now - c.over_since > deadline:
                 self.slow_disconnect(c)
             elif c.rest and not c.held and now - c.partial_since > frame_timeout:

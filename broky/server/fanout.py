@@ -729,10 +729,13 @@ class Shard(
 
     def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
         """c is at its pending bound: queue the leading messages of the run that fit,
-        drop and count the others; return how many were queued. From its first drop
-        nothing more is queued to it until it is told (`cap`, broky.server.backpressure)."""
+        drop and count the others; return how many were queued. After a drop, nothing
+        more is queued to it before the LossNotice that tells it (`cap`, `reopen`:
+        broky.server.backpressure)."""
         if c.state != OPEN:
             return 0
+        if c.cap < 0:
+            self.reopen(c, 4 + _u32(buf, start)[0])
         room = c.cap - c.base - c.unflushed
         cut = start
         fit = 0

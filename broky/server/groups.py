@@ -418,6 +418,7 @@ class GroupDelivery:
         budget: Budget
 
         def reply(self, c: Connection, frame: bytes) -> None: ...
+        def reopen(self, c: Connection, need: int) -> bool: ...
         def error(
             self,
             c: Connection,
@@ -737,7 +738,7 @@ class GroupDelivery:
         size = end - start + len(header)
         if t.base + t.unflushed + size > t.cap:
             t.base = t.transport.get_write_buffer_size()
-            if t.base + t.unflushed + size > t.cap:
+            if t.base + t.unflushed + size > t.cap and not (t.cap < 0 and self.reopen(t, size)):
                 if m.group.ack:  # not lost: in flight all the same, delivered again at its deadline
                     self.stats.group_deferred += n
                     return 0
