@@ -249,9 +249,11 @@ scan(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         unsigned char *s = seq + SEQ_ENTRY * vb;
         uint64_t epoch = u64_at(s), offset = u64_at(s + 8);
         put_u64(s + 8, offset + 1);
-        put_u64(s + 16, (uint64_t)t0); /* the sequence's last stamp, and its first */
-        if (u64_at(s + 24) == 0) {
-            put_u64(s + 24, (uint64_t)t0);
+        if (log == Py_None) {
+            put_u64(s + 16, (uint64_t)t0); /* its last stamp (without a replay buffer) */
+        }
+        if (offset == 1) {
+            put_u64(s + 24, (uint64_t)t0); /* the sequence's first stamp */
         }
         int nobody = PyTuple_GET_SIZE(targets) == 0 && PyTuple_CheckExact(targets);
         if (nobody) {

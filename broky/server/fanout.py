@@ -388,8 +388,9 @@ class Shard(
                     at = 4 * same_vb + 1
                     offset = seq[at]
                     seq[at] = offset + 1
-                    seq[at + 1] = t0
-                    if not seq[at + 2]:
+                    if replay is None:
+                        seq[at + 1] = t0
+                    if offset == 1:
                         seq[at + 2] = t0
                     pack_stamp_into(buf, pos + TS_BROKER_AT, t0, seq[at - 1], offset, same_vb)  # type: ignore[arg-type]
                     if replay is not None:
@@ -507,8 +508,9 @@ class Shard(
                 at = 4 * vb + 1
                 offset = seq[at]
                 seq[at] = offset + 1
-                seq[at + 1] = t0
-                if not seq[at + 2]:
+                if replay is None:  # (with one, the replay buffer knows its last stamp)
+                    seq[at + 1] = t0
+                if offset == 1:
                     seq[at + 2] = t0
                 if not targets:
                     unmatched += 1

@@ -12,10 +12,11 @@ incarnation), and so does a vbucket taken over after a failure. A planned move
 in a cluster continues the sequence on the new owner: same epoch, the next
 offset (`resume`).
 
-The state lives in one bytearray of 1024 x 32 bytes (epoch, next offset, and
-the ts_broker of the last and of the first message stamped in the sequence
-here; u64 little-endian each), so that the compiled twin of the read path can
-take offsets from it and note the stamps without a Python call per message
+The state lives in one bytearray of 1024 x 32 bytes (epoch, next offset, the
+ts_broker of the last message stamped here when the worker has no replay
+buffer (with one, the buffer knows it), and of offset 1 of the sequence;
+u64 little-endian each), so that the compiled twin of the read path can take
+offsets from it and note the stamps without a Python call per message
 (broky.server._feedscan); `view` is the same memory as 4096 u64 for Python.
 
 What a start from a time needs to count exactly (broky.server.history), per
@@ -70,11 +71,12 @@ class Sequences:
         return int(self.view[ENTRY_WORDS * vb + 1])
 
     def last_ts_of(self, vb: int) -> int:
-        """The ts_broker of the last message of vb's sequence stamped here (0: none)."""
+        """The ts_broker of the last message of vb's sequence stamped here (0: none), kept
+        by the read path only when the worker has no replay buffer."""
         return int(self.view[ENTRY_WORDS * vb + 2])
 
     def first_ts_of(self, vb: int) -> int:
-        """The ts_broker of the first message of vb's sequence stamped here (0: none)."""
+        """The ts_broker of offset 1 of vb's sequence (0: not stamped here)."""
         return int(self.view[ENTRY_WORDS * vb + 3])
 
     def take(self, vb: int, ts: int = 0) -> int:
@@ -86,7 +88,7 @@ class Sequences:
         view[at] = offset + 1
         if ts:
             view[at + 1] = ts
-            if not view[at + 2]:
+            if offset == 1:
                 view[at + 2] = ts
         return int(offset)
 
