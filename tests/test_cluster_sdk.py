@@ -340,7 +340,7 @@ def test_a_flush_pending_on_a_node_that_dies_ends_without_spinning() -> None:
 
     requires.program("etcd")
     out = kill_loop_flush.run(
-        minutes=0.3, nodes=2, clients=2, every=15.0, down=(6.0, 6.0), lease_ttl=LEASE_TTL
+        minutes=0.16, nodes=2, clients=2, every=15.0, down=(6.0, 6.0), lease_ttl=LEASE_TTL
     )
     summary = "\n".join(kill_loop_flush.lines(out))
     assert len(out.kills) == 1, summary
