@@ -3,7 +3,7 @@
 # Where no registry of base images is reachable, `scripts/build-image` builds it with
 # podman on a minimal Debian base of its own (mmdebstrap) passed as BASE.
 #
-# The build stage compiles the wheel (the fan-out's fast path, broky/server/_feedscan.c,
+# The build stage compiles the wheel (the fan-out's fast path, broky/server/shard/_feedscan.c,
 # and the SDK's publish encoding, broky/client/_pubpack.c) and installs it with its
 # dependencies into a virtual environment, /opt/broky; the image that runs it gets that
 # environment alone: no compiler, no pip.
@@ -31,7 +31,7 @@ COPY broky ./broky
 # The wheel must hold both compiled modules (a missing compiler or Python.h would leave the
 # pure-Python fallbacks in, silently). Then pip and setuptools leave the environment.
 RUN /opt/broky/bin/pip wheel --no-deps --no-build-isolation --disable-pip-version-check -w /wheels . \
-    && python3 -c "import glob, sys, zipfile; n = [n for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()]; sys.exit(not all(any(x.startswith(m) and x.endswith('.so') for x in n) for m in ('broky/server/_feedscan', 'broky/client/_pubpack')))" \
+    && python3 -c "import glob, sys, zipfile; n = [n for w in glob.glob('/wheels/*.whl') for n in zipfile.ZipFile(w).namelist()]; sys.exit(not all(any(x.startswith(m) and x.endswith('.so') for x in n) for m in ('broky/server/shard/_feedscan', 'broky/client/_pubpack')))" \
     && /opt/broky/bin/pip install --no-deps --no-cache-dir --disable-pip-version-check /wheels/broky-*.whl \
     && /opt/broky/bin/pip uninstall -q -y pip setuptools
 

@@ -3,7 +3,7 @@ of the SDK's publish encoding (client).
 
 Everything else is in pyproject.toml. Both extensions are optional: without a
 C compiler the install still succeeds and the pure-Python reference runs (the
-server says so when it starts, see broky/server/fastpath.py; the client in
+server says so when it starts, see broky/server/shard/fastpath.py; the client in
 broky.client.pubpack.description). Both read the canonical Message layout's
 positions from broky.protocol.layout when they are configured at import
 (broky/protocol/_layout.h).
@@ -14,8 +14,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "broky.server._feedscan",
-            ["broky/server/_feedscan.c"],
+            "broky.server.shard._feedscan",
+            ["broky/server/shard/_feedscan.c"],
             depends=["broky/protocol/_layout.h"],
             optional=True,
             extra_compile_args=["-O2"],

@@ -1351,7 +1351,7 @@ STALLED = ("cuts-replay-off", "sse-replay-off")  # the scenarios `--stall` appli
 def exact_report(
     outcomes: list[Exact], scenarios: list[str], info: dict[str, Any], stall: float = 0.0
 ) -> str:
-    from broky.server.gateway import LEDGER_EVENTS, STREAM_MAX_PENDING
+    from broky.server.http.gateway import LEDGER_EVENTS, STREAM_MAX_PENDING
 
     command = f"python -m bench.chaos --scenario {' '.join(scenarios)}" + (
         f" --stall {stall:g}" if stall else ""
@@ -1400,7 +1400,7 @@ def exact_report(
                 f'Why {o.scenario} is not exact here: each `resume_unknown` (`"dropped": null`) '
                 f"answered a Last-Event-ID older than the last {LEDGER_EVENTS:,} events the gateway "
                 f"had given the stream: its ledger keeps the positions of those only "
-                '(broky/server/gateway.py `Ledger`, LEDGER_EVENTS; schema/HTTP.md "Event ids and '
+                '(broky/server/http/gateway.py `Ledger`, LEDGER_EVENTS; schema/HTTP.md "Event ids and '
                 'resuming"). A reader that has read nothing for a while is that far behind: '
                 f"what the stream was given waits in its buffer (up to {STREAM_MAX_PENDING:,} bytes "
                 "before it is cut as slow) and in both kernels' socket buffers, and is lost with the "

@@ -816,7 +816,7 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             target(f"key-shared, {BY_ID[sid].title}: each member's key_partitions in offset order, "
                    "none moved more than once, nothing lost or taken twice", bad, bad == 0)  # fmt: skip
             # Without acks the worker weighs the vbuckets once, a second after the members joined,
-            # and moves what must move (broky.server.groups): a key_partition moved then has had
+            # and moves what must move (broky.server.shard.groups): a key_partition moved then has had
             # two members, one after the other. Reported, no target.
             target(f"key-shared, {BY_ID[sid].title}: key_partitions moved by the rebalance after "
                    "the members joined (had two members, one after the other)", x["partitions_split"],

@@ -137,8 +137,8 @@ def one_round(config: str, workers: int, settle: float, fill: int) -> dict[str, 
 def segment_costs() -> list[dict[str, Any]]:
     """The Python heap a retained segment takes beyond its bytes, by messages per segment."""
     from broky.client.encoder import PublishEncoder
-    from broky.server.replay import ReplayBuffer
-    from broky.server.sequences import Sequences
+    from broky.server.shard.replay import ReplayBuffer
+    from broky.server.shard.sequences import Sequences
 
     frame = PublishEncoder(1 << 20).encode(b"tenant-1", b"cpu.k", b"x" * 100, None)[0]
     out = []

@@ -118,7 +118,7 @@ def _users_file() -> str:
     """A users file whose one user may publish under cpu.> only (not cpu.secret.>)."""
     import tempfile
 
-    from broky.server.users import hash_password
+    from broky.server.security.users import hash_password
 
     f = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)  # noqa: SIM115
     user, password = USERS_AUTH.split(":")

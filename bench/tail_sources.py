@@ -4,7 +4,7 @@
                                  [--reads 0] [--read-every 0.5] [--serve-args "..."]
                                  [--env NAME=VALUE ...] [--json FILE]
 
-Starts `broky serve` with BROKY_LOOP_PROBE set (broky.server.loopprobe: each
+Starts `broky serve` with BROKY_LOOP_PROBE set (broky.server.worker.loopprobe: each
 worker times its own jobs: reads, the garbage collector by generation, the
 tick and what it does, control messages, bounded reads), then for
 `--seconds`:

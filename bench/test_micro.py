@@ -401,8 +401,8 @@ def _shard_and_read(subscribe: bool, loop: object) -> tuple[object, object, byte
     from broky.client.encoder import PublishEncoder
     from broky.protocol import Subscribe
     from broky.server.config import ServerConfig
-    from broky.server.connection import Connection
-    from broky.server.fanout import Shard
+    from broky.server.shard.connection import Connection
+    from broky.server.shard.core import Shard
 
     shard = Shard(ServerConfig(workers=1), 0, loop)  # type: ignore[arg-type]
     conn = Connection(shard, b"", 1)
@@ -421,7 +421,7 @@ def _shard_and_read(subscribe: bool, loop: object) -> tuple[object, object, byte
 
 @pytest.mark.parametrize("subscribe", [False, True], ids=["no-subscriber", "one-subscriber"])
 def test_shard_feed_1mib(benchmark, subscribe) -> None:  # type: ignore[no-untyped-def]
-    # The server's real per-read path (broky.server.fanout.Shard.feed): framing,
+    # The server's real per-read path (broky.server.shard.core.Shard.feed): framing,
     # the canonical routing read with every bound checked, the route cache,
     # stamping and queueing. Runs of one route are broken at every message here.
     import asyncio
@@ -446,11 +446,11 @@ def test_shard_feed_1mib(benchmark, subscribe) -> None:  # type: ignore[no-untyp
 
 def test_shard_feed_1mib_limited_user(benchmark) -> None:  # type: ignore[no-untyped-def]
     # test_shard_feed_1mib[one-subscriber] for a publisher whose user (--users) may publish
-    # some keys only (broky.server.users): its publishes go through its own route cache,
+    # some keys only (broky.server.security.users): its publishes go through its own route cache,
     # so once a key is checked it costs what it costs anyone. Compare the two.
     import asyncio
 
-    from broky.server.users import Users, WorkerUsers
+    from broky.server.security.users import Users, WorkerUsers
 
     loop = asyncio.new_event_loop()
     try:
@@ -490,7 +490,7 @@ def test_shard_feed_one_message(benchmark) -> None:  # type: ignore[no-untyped-d
     import asyncio
 
     from broky.client.encoder import PublishEncoder
-    from broky.server.connection import Connection
+    from broky.server.shard.connection import Connection
 
     loop = asyncio.new_event_loop()
     try:
@@ -533,8 +533,8 @@ def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: 
     from broky.client.encoder import PublishEncoder
     from broky.protocol import Subscribe
     from broky.server.config import ServerConfig
-    from broky.server.connection import Connection
-    from broky.server.fanout import Shard
+    from broky.server.shard.connection import Connection
+    from broky.server.shard.core import Shard
 
     loop = asyncio.new_event_loop()
     try:

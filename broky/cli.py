@@ -1,7 +1,7 @@
 """The `broky` command: serve, pub, sub, info, cluster status.
 
 Each subcommand lives with its concern and registers itself here:
-broky.server.cli (serve), broky.client.cli (pub, sub, info),
+broky.server.master.cli (serve), broky.client.cli (pub, sub, info),
 broky.cluster.cli (cluster status). The benchmark
 harness is `python -m bench` in a source checkout.
 """
@@ -23,8 +23,8 @@ from broky import __version__
 # never uses (3.9 MB resident); `broky`, `broky --help` or an unknown command
 # load them all (tests/test_cli.py checks that this table names what they add).
 COMMANDS = {
-    "serve": "broky.server.cli",
-    "passwd": "broky.server.cli",
+    "serve": "broky.server.master.cli",
+    "passwd": "broky.server.master.cli",
     "pub": "broky.client.cli",
     "sub": "broky.client.cli",
     "info": "broky.client.cli",

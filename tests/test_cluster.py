@@ -331,7 +331,8 @@ def test_cluster_status_without_etcd_is_one_line() -> None:
 
 def test_a_single_node_never_loads_grpc(start_server: object) -> None:
     code = (
-        "import sys, broky.cli, broky.server.master, broky.server.monitor, broky.cluster.layout; "
+        "import sys, broky.cli, broky.server.master.process, broky.server.http.monitor, "
+        "broky.cluster.layout; "
         "broky.cli.build_parser(); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'aetcd')))"
     )

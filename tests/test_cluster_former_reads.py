@@ -2,7 +2,7 @@
 
 Real etcd, real nodes (tests/cluster.py), one worker each. Node a takes
 publishes over many key_partitions alone; node b joins and half the
-vbuckets move to it (same epoch, the next offset: broky.server.handover);
+vbuckets move to it (same epoch, the next offset: broky.server.shard.moves);
 more publishes follow. Message data never crosses nodes, so a moved
 vbucket's offsets up to the handover H - 1 stay at a, whose worker keeps
 them (a *former* vbucket) and answers a bounded Read that names it, with

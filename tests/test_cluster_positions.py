@@ -2,7 +2,7 @@
 
 A planned move (a node joins, a node drains) keeps each vbucket's sequence:
 its new owner goes on with the same epoch and the next offset, which the old
-owner hands over through etcd (broky.server.handover). A node that dies
+owner hands over through etcd (broky.server.shard.moves). A node that dies
 cannot: its vbuckets start new epochs at their new owners. What a subscriber
 sees of both, with an SDK publisher over many key_partitions (a sequence
 number per key_partition in every payload) and an SDK subscriber on `w.>`:

@@ -114,7 +114,7 @@ def test_a_node_joins_and_one_leaves_under_load_nothing_lost_nothing_twice(clust
     # Every hand-over is accounted for (MapApplied, round trips, the Goodbye's count of what
     # was processed), but for one race: the leaving node's workers exit once every final
     # byte was handed to the kernel and their clients closed (at most GOODBYE_LINGER later,
-    # broky.server.worker), and a publish that reached one of them after its last read
+    # broky.server.worker.process), and a publish that reached one of them after its last read
     # makes the exit reset that connection, which can destroy the Goodbye on its way.
     # Then the client settles it without an account: publishes not confirmed are sent again
     # with their uids, and the subscriber drops the copies (seen once in ~20 runs under load

@@ -1,4 +1,4 @@
-"""The live console (broky.server.console) in a real headless Chromium against a real `broky serve`.
+"""The live console (broky.server.http.console) in a real headless Chromium against a real `broky serve`.
 
 The page must load with no console error and fetch nothing but its own
 server's endpoints, show the server's workers, and show traffic that starts
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import broky
-from broky.server import console
+from broky.server.http import console
 from tests import requires
 from tests.browser import Chromium, Page
 from tests.cluster import Cluster, EtcdServer, wait_for

@@ -46,7 +46,7 @@ def test_every_exception_class_of_broky_is_a_broky_error() -> None:
     assert {
         "broky.errors.SlowConsumerError",
         "broky.server.master.Refused",
-        "broky.server.httpd.HttpError",
+        "broky.server.http.server.HttpError",
         "broky.cluster.etcd.EtcdError",
         "broky.cluster.node.NodeIdInUse",
         "broky.spark.offsets.OffsetError",

@@ -1,4 +1,4 @@
-"""The HTTP way in (broky.server.gateway over broky.server.httpd), with real `curl` processes
+"""The HTTP way in (broky.server.http.gateway over broky.server.http.server), with real `curl` processes
 against a real `broky serve`: a POST of 100,000 lines arrives intact and in order at an SDK
 subscriber, `curl -N` streams what the SDK publishes, an event-stream client that is cut and
 reconnects with Last-Event-ID misses nothing and gets nothing twice, errors and refusals say
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import broky
-from broky.server import httpd
+from broky.server.http import server as httpd
 from tests.requires import program
 from tests.serverproc import ServerProcess
 
@@ -210,7 +210,7 @@ def test_a_lane_gets_what_a_worker_refuses_back_in_order_and_carries_on(server: 
     exact."""
     from broky.client.connection import open_connection
     from broky.protocol import Error, Hello, ReadDone, encode_message, new_ksuid, vbucket_of
-    from broky.server.gateway import Lane, _answer
+    from broky.server.http.gateway import Lane, _answer
 
     async def lane(worker: int) -> Lane:
         lane = Lane("node", worker)
@@ -261,9 +261,9 @@ def test_a_post_that_cannot_be_placed_is_a_503_that_says_why(
     tried again until its deadline (1 s here, 30 s in the server), then refused with a 503
     naming the worker it could not reach and how many messages were published (none)."""
     from broky.protocol import new_ksuid, vbucket_of
-    from broky.server import gateway
     from broky.server.config import ServerConfig
-    from broky.server.httpd import HttpError
+    from broky.server.http import gateway
+    from broky.server.http.server import HttpError
 
     server = start_server()
     monkeypatch.setattr(gateway, "PUBLISH_TIMEOUT", 1.0)
@@ -560,7 +560,7 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
 def test_an_id_resolves_as_often_as_it_is_sent() -> None:
     # A resume that dies before its first event is sent the same Last-Event-ID again (a
     # browser keeps the last id it got): the ledger must still find it, with the same answer.
-    from broky.server.gateway import Ledger
+    from broky.server.http.gateway import Ledger
 
     ledger = Ledger(1, "secret", 0)
     for offset in range(1, 11):
@@ -940,7 +940,7 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
 def test_an_sse_stream_gets_a_keepalive_at_the_second_tick_without_a_write() -> None:
     # The gateway ticks every KEEPALIVE_SECONDS / 2 (one task for all streams, gateway.py
     # "Keepalives"): a comment goes to a stream that wrote nothing since the tick before.
-    from broky.server.gateway import KEEPALIVE, SubStream
+    from broky.server.http.gateway import KEEPALIVE, SubStream
 
     async def main() -> None:
         stream = SubStream(None, "sse", 1 << 20, None)  # type: ignore[arg-type]  # no gateway: none used
@@ -968,9 +968,9 @@ def test_an_event_stream_the_workers_cannot_serve_yet_is_asked_to_come_back(
     # A request waits up to READY_WAIT for the workers (a server that starts), then an event
     # stream is answered 200 with `retry:` and why (a browser's EventSource would give up on
     # a 503), and the other formats 503.
-    from broky.server import gateway
     from broky.server.config import ServerConfig
-    from broky.server.httpd import HttpServer, Request
+    from broky.server.http import gateway
+    from broky.server.http.server import HttpServer, Request
 
     monkeypatch.setattr(gateway, "READY_WAIT", 0.2)
 

@@ -64,7 +64,7 @@ def test_no_import_cycle_in_the_package() -> None:
     graph = import_graph()
     # the graph is real: edges that exist are seen
     assert "broky.client.routing" in graph["broky.client.client"]
-    assert "broky.server.monitor" in graph["broky.server.master"]
+    assert "broky.server.http.monitor" in graph["broky.server.master.process"]
     assert "broky.cluster.planner" in graph["broky.cluster.node"]
     assert find_cycle(graph) is None
 

@@ -1,6 +1,6 @@
-"""The workers' debug probe (broky.server.loopprobe, BROKY_LOOP_PROBE) against a real
+"""The workers' debug probe (broky.server.worker.loopprobe, BROKY_LOOP_PROBE) against a real
 server: each worker writes what held its loop when it stops, and start-up's objects are
-out of the collector's sight (gc.freeze, broky.server.worker)."""
+out of the collector's sight (gc.freeze, broky.server.worker.process)."""
 
 from __future__ import annotations
 

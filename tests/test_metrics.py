@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from broky.errors import ErrorCode
 from broky.protocol import Error, Goodbye, LossNotice, Message, Pause, Resume, encode_message
 from broky.server import handoff
-from broky.server import master as master_module
 from broky.server.config import ServerConfig
+from broky.server.master import process as master_module
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 

@@ -1,6 +1,6 @@
 """The server's own rendering of Prometheus' text format, read back by prometheus_client's parser.
 
-broky.server.metrics renders /metrics itself (see its header for why). Any
+broky.server.http.metrics renders /metrics itself (see its header for why). Any
 snapshot, whatever the counts and label values, must parse back to exactly
 the families, types, labels and values it was rendered from.
 """
@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broky.protocol import LossReason
 from broky.server import histogram
-from broky.server.metrics import COUNTERS, GAUGES, Exporter, Family
-from broky.server.stats import DROPPED_AS, DropReason
+from broky.server.http.metrics import COUNTERS, GAUGES, Exporter, Family
+from broky.server.shard.stats import DROPPED_AS, DropReason
 
 counts = st.integers(min_value=0, max_value=2**53)
 snapshots = st.fixed_dictionaries(

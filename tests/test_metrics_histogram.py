@@ -6,12 +6,12 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from broky.server import histogram
-from broky.server.stats import WorkerStats
+from broky.server.shard.stats import WorkerStats
 
 
 @given(st.integers(min_value=0, max_value=1 << 50))
 def test_bucket_of_agrees_with_the_inline_update_of_the_worker(ns: int) -> None:
-    # broky.server.fanout updates its histogram inline with this expression.
+    # broky.server.shard.core updates its histogram inline with this expression.
     inline = min(ns >> 10, 1 << 30).bit_length()
     assert histogram.bucket_of(ns) == inline
     assert inline < len(WorkerStats().latency_us) == histogram.BUCKETS
@@ -66,7 +66,7 @@ def test_quantile_and_merge() -> None:
 
 
 def test_producer_ages_are_comparable_from_one_second_ahead_to_a_minute_behind() -> None:
-    # broky.server.fanout's inline update of the producer histogram follows this reference
+    # broky.server.shard.core's inline update of the producer histogram follows this reference
     # (tests/test_metrics.py checks it against a real server).
     assert histogram.producer_bucket(20_000_000) == histogram.bucket_of(20_000_000)
     assert histogram.producer_bucket(histogram.PRODUCER_BEHIND_NS) == histogram.bucket_of(60 * 10**9)

@@ -29,13 +29,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from broky.protocol import LossNotice, Message, PreviousConnection
-from broky.server import httpd, monitor
-from broky.server.httpd import HttpError, HttpServer, Request, Response, head_length, parse_head
+from broky.server.http import monitor
+from broky.server.http import server as httpd
+from broky.server.http.server import HttpError, HttpServer, Request, Response, head_length, parse_head
+from broky.server.worker import views
 from tests.serverproc import ServerProcess
 from tests.wire import Wire, kp_for_worker
 
 TOKEN = "t0ken-f7"
-OPEN = ("/", "/healthz", "/readyz", "/metrics")  # "/": the console (broky.server.console)
+OPEN = ("/", "/healthz", "/readyz", "/metrics")  # "/": the console (broky.server.http.console)
 PRIVATE = ("/stats", "/connections", "/topics")
 ROUTES = OPEN + PRIVATE
 PARSE_STATUSES = {400, 405, 505}
@@ -263,7 +265,7 @@ def test_limit_is_a_clamped_positive_integer_or_a_400(raw: str) -> None:
         assert exc.status == 400 and exc.message.startswith("limit must be a positive integer")
         assert len(exc.message) < 200 and not positive
     else:
-        assert positive and limit == min(Decimal(raw), monitor.MAX_LIMIT)
+        assert positive and limit == min(Decimal(raw), views.MAX_LIMIT)
 
 
 def _in_process_server() -> HttpServer:

@@ -1,6 +1,6 @@
 """What a subscriber receives is what was published, with only its stamps set.
 
-The worker's read handler (a real broky.server.fanout.Shard, with in-memory
+The worker's read handler (a real broky.server.shard.core.Shard, with in-memory
 transports as in tests/test_server_fanout_fuzz.py) stamps canonical Message
 frames in place and forwards a canonical copy of any other layout. For every
 Message frame it accepts, in any layout (the codec's, flatbuffers.Builder's
@@ -33,9 +33,9 @@ from broky.protocol import (
 )
 from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
-from broky.server.connection import OPEN, Connection
-from broky.server.fanout import Shard
-from broky.server.stats import DropReason
+from broky.server.shard.connection import OPEN, Connection
+from broky.server.shard.core import Shard
+from broky.server.shard.stats import DropReason
 from tests.test_protocol_fuzz import mutate, mutation
 from tests.test_protocol_generated import builder_frames, messages
 from tests.test_protocol_route import OVERLAP_MESSAGE, overlap_frame

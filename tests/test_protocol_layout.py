@@ -44,8 +44,8 @@ from broky.protocol.layout import (
     shape,
     struct_at,
 )
-from broky.server import fastpath
-from broky.server.sequences import Sequences
+from broky.server.shard import fastpath
+from broky.server.shard.sequences import Sequences
 
 lengths = st.integers(0, 300)
 
@@ -119,7 +119,7 @@ def _twins() -> dict[str, Any]:
     if fastpath.pure_requested():
         pytest.skip(f"{fastpath.ENV_PURE} is set: no compiled twins")
     from broky.client import _pubpack
-    from broky.server import _feedscan
+    from broky.server.shard import _feedscan
 
     assert fastpath.compiled_scan is not None, fastpath.description
     assert pubpack.compiled is not None, pubpack.description

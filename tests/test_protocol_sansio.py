@@ -98,7 +98,7 @@ def test_no_io_in_the_codec(module: Path) -> None:
         "from selectors import DefaultSelector",
         "def f():\n    import threading",
         "import concurrent.futures",
-        "from broky.server.fanout import Shard",
+        "from broky.server.shard.core import Shard",
         "import broky.client",
         "data = open('x').read()",
         "import importlib",

@@ -1,4 +1,4 @@
-"""A worker's share of the memory budget (broky.server.budget): what each kind may take."""
+"""A worker's share of the memory budget (broky.server.shard.budget): what each kind may take."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from broky.server.budget import LOW_MARK, Budget
 from broky.server.config import ServerConfig
-from broky.server.fanout import SHARD_ATTRIBUTES, Shard
+from broky.server.shard.budget import LOW_MARK, Budget
+from broky.server.shard.core import SHARD_ATTRIBUTES, Shard
 
 
 def test_other_kinds_take_only_what_is_free_and_leave_the_pending_bytes_less_room() -> None:

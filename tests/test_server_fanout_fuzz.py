@@ -1,14 +1,14 @@
 """Fuzzing the worker's read handler, `Shard.feed`, which parses publishes by hand.
 
-The Shard is the real one (broky.server.fanout); only its transports are
+The Shard is the real one (broky.server.shard.core); only its transports are
 in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
 feed raises nothing, every frame a subscriber receives decodes as a valid
 Message (or a LossNotice), and a publisher either stays open or receives one
 fatal Error and is closed. Unmutated streams are delivered exactly, and read
-back exactly by a bounded read (broky.server.reads), which mutated streams
+back exactly by a bounded read (broky.server.shard.reads), which mutated streams
 may carry too. Every
 test runs on both implementations of the fast path: the pure-Python reference
-and its compiled twin (broky.server.fastpath; tests/test_server_feed_twin.py
+and its compiled twin (broky.server.shard.fastpath; tests/test_server_feed_twin.py
 holds the two to each other).
 """
 
@@ -43,10 +43,10 @@ from broky.protocol import (
     vbucket_of,
 )
 from broky.protocol.frames import Position
-from broky.server import fastpath
 from broky.server.config import ServerConfig
-from broky.server.connection import CLOSING, OPEN, Connection
-from broky.server.fanout import Shard
+from broky.server.shard import fastpath
+from broky.server.shard.connection import CLOSING, OPEN, Connection
+from broky.server.shard.core import Shard
 
 
 class Recorder:
@@ -203,7 +203,7 @@ def test_mutated_streams_never_escape_the_protocol(
         data[at % len(data)] = value
     for chunk in chunked(bytes(data), cuts):
         shard.feed(publisher, chunk)  # must not raise
-    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.reads)
+    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.reads)
         loop.run_until_complete(asyncio.sleep(0))
     try:
         check_outputs(subs, publisher)
@@ -278,7 +278,7 @@ def test_the_shape_cache_is_bounded_and_every_shape_routes(
 ) -> None:
     # Shapes (size, offsets, key_partition length) are cached per worker; a publisher
     # cycling through more shapes than the cache holds only costs it refills.
-    import broky.server.fanout as fanout
+    import broky.server.shard.core as fanout
 
     monkeypatch.setattr(fanout, "SHAPE_CACHE_SIZE", 16)
     shard, publisher, subs = shard_with(loop)
@@ -333,7 +333,7 @@ def test_starts_from_any_position_never_escape_the_protocol(
         data[at % len(data)] = value
     for chunk in chunked(bytes(data), cuts):
         shard.feed(publisher, chunk)  # must not raise
-    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.reads)
+    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.reads)
         loop.run_until_complete(asyncio.sleep(0))
     try:
         check_outputs(subs, publisher)

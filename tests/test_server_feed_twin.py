@@ -1,7 +1,7 @@
 """The compiled twin of the fan-out fast path is held to the pure-Python reference.
 
 `Shard.feed` runs the canonical Messages with a cached route through
-`broky.server._feedscan` when it is built (broky.server.fastpath) and through
+`broky.server.shard._feedscan` when it is built (broky.server.shard.fastpath) and through
 its own Python loop otherwise. Two Shards, one of each, get the same reads
 (valid and mutated publishes in both layouts, Pings, subscription changes
 between reads, vbuckets this worker does not own, pending bounds small enough
@@ -36,11 +36,11 @@ from broky.protocol import (
 )
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
-from broky.server import fastpath
 from broky.server.config import ServerConfig
-from broky.server.connection import Connection
-from broky.server.fanout import Shard
-from broky.server.sequences import ENTRY_WORDS
+from broky.server.shard import fastpath
+from broky.server.shard.connection import Connection
+from broky.server.shard.core import Shard
+from broky.server.shard.sequences import ENTRY_WORDS
 from tests.test_server_fanout_fuzz import Recorder, chunked
 
 if fastpath.compiled_scan is None and fastpath.pure_requested():
@@ -79,7 +79,7 @@ control = st.one_of(
     st.builds(lambda i: encode_frame(Ping(i)), st.integers(0, 1 << 32)),
     st.builds(lambda i: encode_frame(Subscribe(100 + i, *PATTERNS[i])), st.integers(0, len(PATTERNS) - 1)),
     st.builds(lambda i: encode_frame(Unsubscribe(100 + i)), st.integers(0, len(PATTERNS) - 1)),
-    # Consumer groups (broky.server.groups): their routes take the Python loop, which both run.
+    # Consumer groups (broky.server.shard.groups): their routes take the Python loop, which both run.
     st.builds(
         lambda i, shared: encode_frame(Subscribe(200 + i, *PATTERNS[i], group="g", key_shared=shared)),
         st.integers(0, len(PATTERNS) - 1),
@@ -158,7 +158,7 @@ def outcome(shard: Shard, conns: list[Connection]) -> dict[str, Any]:
 def run_both(
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, reads: list[bytes], pending: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    import broky.server.fanout as fanout
+    import broky.server.shard.core as fanout
 
     monkeypatch.setattr(fanout, "_time_ns", lambda: 1_700_000_000_123_456_789)
     monkeypatch.setattr(fanout, "_monotonic", lambda: 1000.0)
@@ -235,7 +235,9 @@ def test_the_pure_python_choice_is_honoured() -> None:
     import subprocess
     import sys
 
-    probe = "from broky.server import fastpath; print(fastpath.compiled_scan is None, fastpath.description)"
+    probe = (
+        "from broky.server.shard import fastpath; print(fastpath.compiled_scan is None, fastpath.description)"
+    )
     env = {**os.environ, fastpath.ENV_PURE: "1"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"True pure Python ({fastpath.ENV_PURE} is set)"
@@ -253,7 +255,7 @@ def test_every_accepted_message_gets_the_next_offset_of_its_vbucket_and_is_retai
     """Per vbucket, the offsets a worker stamps count its accepted messages from 1, with
     no gap, under one epoch; a subscriber on everything receives them in that order; and
     the replay buffer holds exactly those messages, stamped as delivered."""
-    import broky.server.fanout as fanout
+    import broky.server.shard.core as fanout
 
     monkeypatch.setattr(fanout, "_time_ns", lambda: 1_700_000_000_123_456_789)
     shard, conns = build(loop, compiled, 64 << 20)
@@ -286,7 +288,7 @@ def vbucket_of_all(msgs: list[Message], vb: int) -> bool:
 def test_a_read_of_one_key_partition_goes_straight_to_the_index_and_a_mixed_one_to_the_log(
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    # The compiled path's shortcut (broky.server.replay, "log"): while nothing waits in the log,
+    # The compiled path's shortcut (broky.server.shard.replay, "log"): while nothing waits in the log,
     # the messages of one vbucket go straight to its index; any other vbucket sends the rest of
     # the read to the log. Either way the index holds every message, in offset order.
     shard, conns = build(loop, True, 64 << 20)  # ("other": no group's key, the compiled path's)

@@ -1,5 +1,5 @@
 """Consumer groups and acknowledgements against a real server, on the wire
-(broky.server.groups, schema/README.md 5.3 and 5.4): each message of a group goes
+(broky.server.shard.groups, schema/README.md 5.3 and 5.4): each message of a group goes
 to one member, announced by a Delivery frame; key-shared groups keep a
 key_partition on one member in offset order; ack groups keep what is not
 acknowledged and deliver it again, on the server's clock."""

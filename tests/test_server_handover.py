@@ -1,4 +1,4 @@
-"""A vbucket's sequence across a planned move, worker to worker (broky.server.handover).
+"""A vbucket's sequence across a planned move, worker to worker (broky.server.shard.moves).
 
 Two real Shards stand for the old owner (node x) and the new one (node w),
 each with in-memory transports; the maps and the handover record travel
@@ -33,11 +33,11 @@ from broky.protocol import (
 )
 from broky.protocol.frames import Position
 from broky.protocol.routing import NO_OWNER
-from broky.server import fastpath
 from broky.server.config import ServerConfig
-from broky.server.connection import Connection
-from broky.server.fanout import Shard
-from broky.server.handover import Handed
+from broky.server.shard import fastpath
+from broky.server.shard.connection import Connection
+from broky.server.shard.core import Shard
+from broky.server.shard.moves import Handed
 from tests.test_server_fanout_fuzz import Recorder
 
 X, W = NodeInfo("x", "127.0.0.1", 1, 1), NodeInfo("w", "127.0.0.1", 2, 1)

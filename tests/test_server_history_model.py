@@ -1,4 +1,4 @@
-"""Starts from positions against a model (broky.server.history, in process).
+"""Starts from positions against a model (broky.server.shard.history, in process).
 
 A Shard gets random reads of publishes (some key_partitions, keys that match or
 not, a replay buffer small enough to evict) while a watcher subscribed to `>`
@@ -36,8 +36,8 @@ from broky.protocol import (
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
-from broky.server.connection import Connection
-from broky.server.fanout import Shard
+from broky.server.shard.connection import Connection
+from broky.server.shard.core import Shard
 from tests.test_server_fanout_fuzz import Recorder
 
 PARTS = [b"a", b"b", b"tenant-7", b"tenant-8", b"z" * 30]

@@ -36,12 +36,15 @@ def loaded(code: str, names: list[str]) -> list[str]:
 
 @pytest.mark.timeout(60)
 def test_a_worker_loads_nothing_it_does_not_use() -> None:
-    assert loaded("import broky.server.worker", [*HEAVY, *WORKER_ONLY]) == []
+    assert loaded("import broky.server.worker.process", [*HEAVY, *WORKER_ONLY]) == []
 
 
 @pytest.mark.timeout(60)
 def test_the_master_of_broky_serve_loads_nothing_it_does_not_use() -> None:
-    code = "import broky.cli, broky.server.master, broky.server.monitor; broky.cli.build_parser('serve')"
+    code = (
+        "import broky.cli, broky.server.master.process, broky.server.http.monitor; "
+        "broky.cli.build_parser('serve')"
+    )
     assert loaded(code, list(HEAVY)) == []
 
 
@@ -50,3 +53,15 @@ def test_numpy_stays_usable_after_the_server_loaded_flatbuffers() -> None:
     pytest.importorskip("numpy")
     code = "import broky.server, numpy; assert numpy.zeros(3).sum() == 0"
     assert loaded(code, ["numpy"]) == ["numpy"]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_loads_nothing_of_the_http_side_nor_of_the_master() -> None:
+    probe = (
+        "import sys, broky.server.worker.process; "
+        "print(' '.join(m for m in sys.modules "
+        "if m.startswith(('broky.server.http', 'broky.server.master'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == []

@@ -217,7 +217,7 @@ def test_repeated_boot_failure_stops_the_master(tmp_path: Path) -> None:
     # sitecustomize runs first in every interpreter: make only the workers fail.
     (tmp_path / "sitecustomize.py").write_text(
         "import os, sys\n"
-        "if 'broky.server.worker' in sys.orig_argv:\n"
+        "if 'broky.server.worker.process' in sys.orig_argv:\n"
         "    sys.stderr.write('injected boot failure\\n')\n"
         "    os._exit(3)\n"
     )
@@ -367,7 +367,7 @@ def test_the_supervisor_polls_fast_only_while_a_worker_boots_or_dies() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from broky.server import supervisor
+    from broky.server.master import supervisor
 
     async def poll_seconds() -> list[float]:
         sup = supervisor.Supervisor(ServerConfig(workers=2), lambda wp, kind, payload: None)

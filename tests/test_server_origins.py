@@ -1,4 +1,4 @@
-"""The Origin check and CORS of the HTTP port (broky.server.origins), sans-IO; the browser's
+"""The Origin check and CORS of the HTTP port (broky.server.http.origins), sans-IO; the browser's
 view of it is tests/test_http_browser.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from broky.server import config
-from broky.server.origins import OriginPolicy, normalize, parse_list
+from broky.server.http.origins import OriginPolicy, normalize, parse_list
 
 
 def test_origins_are_compared_without_case_and_without_a_default_port() -> None:

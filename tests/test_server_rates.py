@@ -1,11 +1,11 @@
-"""The per-address token buckets of broky.server.rates (in-process: pure arithmetic)."""
+"""The per-address token buckets of broky.server.master.rates (in-process: pure arithmetic)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broky.server.rates import AddressRate
+from broky.server.master.rates import AddressRate
 
 
 def test_a_burst_at_once_then_the_rate() -> None:

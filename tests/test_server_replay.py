@@ -1,4 +1,4 @@
-"""The replay buffer (broky.server.replay) against a plain model: what is retained,
+"""The replay buffer (broky.server.shard.replay) against a plain model: what is retained,
 in which order, what eviction and the age bound drop, lookups by offset and time."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from broky.protocol import encode_message
 from broky.protocol.layout import TS_BROKER_AT
-from broky.server import fastpath
-from broky.server.replay import LOG_BYTES, ReplayBuffer, Settle
-from broky.server.sequences import Sequences
+from broky.server.shard import fastpath
+from broky.server.shard.replay import LOG_BYTES, ReplayBuffer, Settle
+from broky.server.shard.sequences import Sequences
 
 # Both settles: the Python loop and its compiled twin (when built).
 SETTLES = [
@@ -129,7 +129,7 @@ def test_a_zero_limit_keeps_only_the_newest_segment_until_the_next() -> None:
 
 
 def test_sequences_count_per_vbucket_from_one_under_one_epoch() -> None:
-    from broky.server.sequences import Sequences
+    from broky.server.shard.sequences import Sequences
 
     seqs = Sequences(epoch=42)
     assert [seqs.take(5) for _ in range(3)] == [1, 2, 3]
@@ -154,7 +154,7 @@ def test_the_buffer_draws_on_the_memory_budget_and_gives_it_back(
     # Segment sizes arrive while the connections' pending bytes move: the buffer's bytes are
     # always what it took from the share, never more than the share leaves to it, and a
     # segment it could not keep is evicted at once (its messages counted, not found).
-    from broky.server.budget import Budget
+    from broky.server.shard.budget import Budget
 
     seqs = Sequences()
     budget = Budget(share)
@@ -237,7 +237,7 @@ def test_the_tick_trims_a_quarter_of_the_vbuckets_at_a_time_and_all_in_a_sweep()
     # `trim_some` (the tick) cuts the stale entries of every TRIM_PHASES-th vbucket per call;
     # after TRIM_PHASES calls every evicted message is counted, as `trim_all` counts them, and
     # the dropped segments' times are forgotten (their entries are all gone).
-    from broky.server.replay import TRIM_PHASES
+    from broky.server.shard.replay import TRIM_PHASES
 
     seqs = Sequences()
     rb = ReplayBuffer(4000, seqs)

@@ -1,4 +1,4 @@
-"""TLS against a real `broky serve` (broky.server.tls; schema/README.md 2.1).
+"""TLS against a real `broky serve` (broky.server.security.tls; schema/README.md 2.1).
 
 Certificates are made here with the `openssl` command (a CA, a server certificate
 for 127.0.0.1, client certificates of that CA and of a stranger's CA).

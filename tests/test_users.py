@@ -1,4 +1,4 @@
-"""Users and permissions against a real `broky serve --users` (broky.server.users)."""
+"""Users and permissions against a real `broky serve --users` (broky.server.security.users)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import pytest
 import broky
 from broky.errors import ErrorCode, ServerError
 from broky.matching import parse_pattern
-from broky.server import users as users_module
-from broky.server.users import covers, hash_password, meets, verify_password
+from broky.server.security import users as users_module
+from broky.server.security.users import covers, hash_password, meets, verify_password
 from tests.serverproc import ServerProcess
 from tests.test_tls import certs, client_context, tls_args, tls_url  # noqa: F401  (certs: a fixture)
 

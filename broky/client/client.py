@@ -233,7 +233,7 @@ class Client(Publisher):
         self.address: ServerAddress = self.seeds[0]  # the seed that answered the first Hello
         self.name = name
         # A user of the server's users file (--users) goes in the Hello's auth_token as
-        # USER:PASSWORD (inside TLS when the connection has it; broky.server.users).
+        # USER:PASSWORD (inside TLS when the connection has it; broky.server.security.users).
         self.auth_token = auth_token if user is None else f"{user}:{password or ''}"
         # TLS (broky+tls://, or an ssl_context): every connection of this client, to any
         # node of the map, upgrades to TLS with this context (schema/README.md 2.1).

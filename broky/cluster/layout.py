@@ -24,7 +24,7 @@ etcd). Under the prefix:
                                 and every subscriber of it has applied.
     <prefix>/handover/<node_id>/<worker>
                                 leased by the node: the last handover record of
-                                that worker (broky.server.handover `Handed`, JSON):
+                                that worker (broky.server.shard.moves `Handed`, JSON):
                                 the epoch and next offset of every vbucket it
                                 stopped accepting when it applied map `version`,
                                 for their new owners to continue the sequences.

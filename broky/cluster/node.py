@@ -30,7 +30,7 @@ Session. `run` loops over sessions, one gRPC channel each
      or the version of the map it runs);
    - writes the handover records its workers reported (HANDED): the epoch and
      next offset of each vbucket a worker stopped accepting, for its new owner
-     to continue the sequence (broky.server.handover). Every handover record
+     to continue the sequence (broky.server.shard.moves). Every handover record
      the watch shows (this node's too) goes to the workers (`sequences`);
    - for an applied map with vbuckets moving (`incoming`), asks the master
      whether every worker runs it and every subscriber follows it
@@ -83,7 +83,7 @@ revokes its lease and registers again, so that it becomes the youngest
 member, and the next oldest decides the same way, until a node with the
 newest map leads and restores that.
 
-Drain (SIGTERM, see broky.server.master). `drain` marks the member key
+Drain (SIGTERM, see broky.server.master.process). `drain` marks the member key
 "draining"; the leader plans without the node (it stays in `nodes` while it
 is a member), prepares and commits the move; once the node has applied a
 map in which it owns no vbucket and receives none, every worker runs it and

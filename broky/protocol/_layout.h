@@ -1,9 +1,9 @@
 /* The canonical Message layout on the C side, for the compiled twins
- * (broky/server/_feedscan.c, broky/client/_pubpack.c).
+ * (broky/server/shard/_feedscan.c, broky/client/_pubpack.c).
  *
  * Nothing here spells a byte position: layout_load reads each one the twins
  * use by name from broky.protocol.layout, the layout's one owner, when a twin
- * is configured at import (broky.server.fastpath, broky.client.pubpack), into
+ * is configured at import (broky.server.shard.fastpath, broky.client.pubpack), into
  * a Layout the twin keeps in a static variable. What a twin does with a frame
  * (the fixed header compared, ts_broker stamped, the uoffsets and the uid
  * read or written, the vectors laid out one after the other as

@@ -832,7 +832,7 @@ _READ_DONE_MOVED = _Scalars(
 
 
 # A LossNotice without positions: a slow consumer's, told each time deliveries resume after
-# drops (broky.server.backpressure), so not Builder output.
+# drops (broky.server.shard.backpressure), so not Builder output.
 _LOSS = _Scalars(
     Body.LossNotice,
     fbs.LossNoticeStart,

@@ -18,8 +18,8 @@ down; everything else asks it:
 - `struct_at`, which builds a struct format from (position, code) pairs, so
   that no struct format that reads or writes this layout spells an offset.
 
-The two C twins (broky/server/_feedscan.c, broky/client/_pubpack.c) are
-handed this module by their configure call at import (broky.server.fastpath,
+The two C twins (broky/server/shard/_feedscan.c, broky/client/_pubpack.c) are
+handed this module by their configure call at import (broky.server.shard.fastpath,
 broky.client.pubpack) and read the names they use from it; each gives them
 back through its `layout()`, and a test holds those to this module.
 

@@ -19,12 +19,12 @@ answer it exactly, someone must still know, for that connection:
              back, so a client that received fewer of them lost the others with
              the connection.
   cut        the worker closed it to stay within its memory budget
-             (broky.server.memory_budget): what it lost with the connection
+             (broky.server.shard.budget): what it lost with the connection
              is then told as SLOW_CONSUMER, not CONNECTION_LOST.
   owed       messages the consumer groups of this worker keep for nobody yet
              (a backlog, a vbucket that drains, a redelivery that waits) and
              whose loss this connection is to be told of if the worker dies
-             (it carries the groups' teller, broky.server.groups): told as
+             (it carries the groups' teller, broky.server.shard.groups): told as
              WORKER_RESTART to a claim of a dead worker's account, and nothing
              to a live worker's (the group still has them);
   group_lost messages its groups lost for good while it carried their teller
@@ -33,7 +33,7 @@ answer it exactly, someone must still know, for that connection:
              told as CONNECTION_LOST to any claim.
 
 A worker keeps these counters per connection anyway (`msgs_in`, `msgs_out`,
-`dropped_total`, `refused` of broky.server.connection). To survive the
+`dropped_total`, `refused` of broky.server.shard.connection). To survive the
 worker, it mirrors them into an `AccountBook`: a shared-memory table (a
 memfd the master creates, maps and passes to the worker at spawn) of one slot
 per connection. Only the worker writes it and only the master reads it, and
@@ -52,7 +52,7 @@ its latest state, then stores the new sequence number in the header (one
 aligned 8-byte store: the commit point). A reader takes, per slot, the
 version with the highest sequence number not above the committed one. The
 worker commits after routing a read and before writing anything to a socket
-(broky.server.fanout `Shard.feed`), so whatever a client could have received
+(broky.server.shard.core `Shard.feed`), so whatever a client could have received
 is already accounted.
 
 Claims. An account is a capability: only the client that made the connection
@@ -61,7 +61,7 @@ may claim it. Every connection has a secret of RESUME_TOKEN_BYTES random bytes
 a claim (Hello.previous) must carry it, and it is compared in constant time
 (`same_secret`). A claim without the right secret is refused as unknown and
 leaves the account where it was, for its owner. The secret is never logged
-and never listed (broky.server.monitor lists connection ids, which alone
+and never listed (broky.server.http.monitor lists connection ids, which alone
 claim nothing).
 
 Lifetime. A slot is taken when a connection opens and kept ACCOUNT_TTL seconds
@@ -160,14 +160,14 @@ class Account(NamedTuple):
 
 
 class Accounted(Protocol):
-    """What the book needs of a connection (broky.server.connection.Connection)."""
+    """What the book needs of a connection (broky.server.shard.connection.Connection)."""
 
     conn_id: int
     msgs_in: int
     msgs_out: int
     dropped_total: int
     refused: int
-    group_owed: int  # its groups' messages kept for nobody yet (broky.server.groups)
+    group_owed: int  # its groups' messages kept for nobody yet (broky.server.shard.groups)
     group_lost: int  # its groups' messages lost for good while it carried their teller
     token: bytes  # its secret, RESUME_TOKEN_BYTES random bytes (Welcome.resume_token)
     slot: int  # byte offset of its slot's first version, or -1: no account
@@ -359,7 +359,7 @@ class AccountBook:
 
     def amend(self, c: Accounted) -> None:
         """A closed connection's groups changed what its account owes (its `group_owed`,
-        `group_lost`; broky.server.groups): a new version of its kept account, if it is
+        `group_lost`; broky.server.shard.groups): a new version of its kept account, if it is
         still kept."""
         entry = self.closed.get(c.conn_id)
         if entry is None:
@@ -452,7 +452,7 @@ class DeadAccounts:
     def lookup(self, conn_id: int, worker: int) -> Account | None:
         """The account of a connection of a dead incarnation of `worker`, unproven: for a
         TLS client, whose secret only its worker reads (inside TLS), and checks against
-        the account's before using it (broky.server.worker)."""
+        the account's before using it (broky.server.worker.process)."""
         entry = self._accounts.get(conn_id)
         return entry[1] if entry is not None and entry[0] == worker else None
 

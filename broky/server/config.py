@@ -32,7 +32,7 @@ DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 # Per-connection limits on subscriptions. Measured on CPython 3.11 (see
-# broky.server.control, "Limits"): a subscription with a short pattern costs a
+# broky.server.shard.control, "Limits"): a subscription with a short pattern costs a
 # worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
 # copy in its tokens), and each token that needs a trie node of its own about
 # 420 bytes; at these limits one connection holds at most about 13 MB of a
@@ -43,12 +43,12 @@ DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
 # Defaults a 2-core, 4 GiB host can afford (the arithmetic: README, "Limits on a
 # small host"; schema/README.md section 8). The memory budget bounds every worker's
-# pending outbound bytes together (broky.server.budget): 1 GiB, a quarter of the
+# pending outbound bytes together (broky.server.shard.budget): 1 GiB, a quarter of the
 # host. An idle connection costs about 2 KB of a worker's memory and 5 KB of the
 # kernel's (measured), so 10,000 per worker cost about 140 MB on two workers.
 DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 10_000  # per worker
-# The replay buffer (broky.server.replay), per worker: the most recent messages of its
+# The replay buffer (broky.server.shard.replay), per worker: the most recent messages of its
 # vbuckets, for subscribers that resume or start from a position, a time or the last N.
 # 64 MiB of stamped reads is about 262,000 messages of 100 B (256-byte frames, as the
 # SDK sends them) or 57,000 of 1 KiB: 26 s and 5.7 s at 10,000 msgs/s per worker, a
@@ -70,12 +70,12 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     workers: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
     metrics_port: int = DEFAULT_METRICS_PORT
-    http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.httpd)
+    http_max_body: int = 16 << 20  # largest request body the HTTP port takes (broky.server.http.server)
     http_body_memory: int = 64 << 20  # request bodies the HTTP port holds at once, by all connections
-    http_max_connections: int = 1024  # HTTP connections served at once (broky.server.httpd)
+    http_max_connections: int = 1024  # HTTP connections served at once (broky.server.http.server)
     http_allow_origin: tuple[str, ...] = ()  # other origins whose pages may call the HTTP port
     auth_token: str | None = None
-    users: str | None = None  # a users file (TOML; broky.server.users), read again at SIGHUP
+    users: str | None = None  # a users file (TOML; broky.server.security.users), read again at SIGHUP
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES  # at most max_pending_bytes (see from_args)
@@ -85,7 +85,7 @@ class ServerConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # per worker; 0 = no limit
     max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS  # 0 = no limit
     handshake_rate: float = 500.0  # handshakes per second from one client address; 0 = no limit
-    handshake_burst: int = 1_000  # ... and at once (broky.server.rates)
+    handshake_burst: int = 1_000  # ... and at once (broky.server.master.rates)
     replay_bytes: int = DEFAULT_REPLAY_BYTES  # per worker; 0 = no replay buffer
     replay_max_age: float = 0.0  # seconds a retained message is kept at most; 0 = no age bound
     # Per consumer group and worker: bytes of its messages waiting for a member with room.
@@ -107,9 +107,9 @@ class ServerConfig:
     # shutdown's own 5 s it fits in the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL.
     drain_timeout: float = 20.0
     # After a drain, seconds the node serves on while it retains messages of vbuckets it handed
-    # over, so that readers behind the handover can fetch them (broky.server.master); 0: none.
+    # over, so that readers behind the handover can fetch them (broky.server.master.process); 0: none.
     drain_linger: float = 5.0
-    # TLS (broky.server.tls): the server's certificate chain and key (PEM); with them every
+    # TLS (broky.server.security.tls): the server's certificate chain and key (PEM); with them every
     # client connection must ask for TLS (unless tls_allow_plain) and the HTTP port serves https.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -265,7 +265,7 @@ def _readable_file(text: str) -> str:
 
 
 def _origins(text: str) -> tuple[str, ...]:
-    from broky.server.origins import parse_list
+    from broky.server.http.origins import parse_list
 
     try:
         return parse_list(text)

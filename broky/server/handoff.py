@@ -12,10 +12,10 @@ master -> worker
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
              messages that follow, "users": the users file (--users) as read, or null}
     MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
-             to apply (the cluster's; broky.server.ownership `Shard.apply_map`)
+             to apply (the cluster's; broky.server.shard.ownership `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
              dead one): the dead worker's connections that had subscriptions
-             (broky.server.grace `Shard.start_grace`)
+             (broky.server.shard.grace `Shard.start_grace`)
     CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
              read from the client: its Hello frame, and for a client resuming
              a connection of a dead worker, that connection's account:
@@ -23,20 +23,20 @@ master -> worker
              client asked for TLS (its worker checks the claim, the master
              cannot: the secret is inside TLS); then flags: TLS_FLAG when the
              Hello asked for TLS, so the worker runs the TLS handshake and
-             reads the real Hello inside it, broky.server.tls), with the client
+             reads the real Hello inside it, broky.server.security.tls), with the client
              socket's fd attached
     STATS    uint32 request id + what: ask for a stats snapshot (what = b""),
-             or another view (broky.server.monitor.answer)
+             or another view (broky.server.worker.views.answer)
     GRACE    uint32 milliseconds: this server (or node) restarted, as a
              reconnecting client just showed: hold publishes that long so
              that the previous process's subscribers can subscribe again
-             (broky.server.grace `Shard.start_node_grace`)
-    SEQUENCES  a handover record read from etcd (JSON, broky.server.handover
+             (broky.server.shard.grace `Shard.start_node_grace`)
+    SEQUENCES  a handover record read from etcd (JSON, broky.server.shard.moves
              `Handed`): the sequences a worker of the cluster handed over;
              the new owners continue them (`Shard.take_handed`)
     RELOAD   (no payload) SIGHUP: load the TLS certificates again; handshakes
-             that start later use them (broky.server.tls `Certificates`)
-    USERS    JSON: the users file, read again at SIGHUP (broky.server.users): the worker
+             that start later use them (broky.server.security.tls `Certificates`)
+    USERS    JSON: the users file, read again at SIGHUP (broky.server.security.users): the worker
              applies its rules at once (`Shard.apply_users`); CONFIG carries it at boot
 worker -> master
     READY    the worker serves (sent once after boot)
@@ -65,7 +65,7 @@ master keeps its own copy of the client socket until then, so a refused
 hand-off can still be answered on the wire (SERVER_BUSY) instead of being
 dropped without a word. The master's view of a worker's load is exact: the
 open connections it last reported plus the hand-offs sent to it and not
-answered yet (broky.server.master).
+answered yet (broky.server.master.process).
 
 CONN's payload is a fixed header (hand-off id, number of fields) followed by
 the length of each field, then the fields: the Hello bytes are field 0, the
@@ -87,6 +87,9 @@ EXPECT = b"E"
 MAP = b"M"
 CONN = b"C"
 STATS = b"S"
+# A STATS view's list (connections, topics): its length by default, and at most.
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
 GRACE = b"G"
 SEQUENCES = b"Q"
 HANDED = b"H"
@@ -123,7 +126,7 @@ class Conn(NamedTuple):
     handoff_id: int
     hello: bytes
     account: bytes = b""  # broky.server.accounts Account.pack, or b"": none
-    tls: bool = False  # the Hello asked for TLS: the worker runs the handshake (broky.server.tls)
+    tls: bool = False  # the Hello asked for TLS: the worker runs the handshake (broky.server.security.tls)
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:

@@ -18,7 +18,7 @@ The bucket of a duration of `ns` nanoseconds is `(ns >> 10).bit_length()`
 and `ns >= 2 ** (i + 9)` (bucket 0: under 1.024 us). No float, no bisect, no
 lock: the counts are a plain list of ints that the worker sends to the master
 when it is scraped (`observe` is the reference implementation of the inline
-update in broky.server.fanout, and the tests prove they agree).
+update in broky.server.shard.core, and the tests prove they agree).
 
 The producer latency is a second histogram of the same layout: the time
 from ts_producer (the publisher's clock, set by the SDK when the message is

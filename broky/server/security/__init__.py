@@ -1,0 +1,1 @@
+"""Users, their permissions, and TLS (see broky.server)."""

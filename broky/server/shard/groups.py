@@ -1,0 +1,1198 @@
+"""Consumer groups and acknowledgements: each message of a group goes to one member.
+
+A group Subscribe (schema/README.md 5.3) makes its subscription a `Member` of
+the `Group` named by (group name, pattern, key_partition) on this worker (one
+of a connection whose Hello said version 2 is refused: BAD_GROUP). The
+subscription stays in the worker's subscription table (broky.matching), and
+the table compiles the groups matching a key into the delivery plan beside the
+plain connections (broky.server.shard.connection `compile_plan`); a route with
+groups carries them in its targets tuple (`GroupTargets`), which the compiled
+fast path does not take (it hands such messages to the Python loop), so a
+route without groups runs exactly the code it ran before groups existed.
+
+Theory of operation
+-------------------
+Delivery. `Shard.emit` queues a run of messages to the plain targets, then
+gives it to `emit_groups`, which picks a member per message (or per chunk of
+GROUP_CHUNK messages) and queues, to that member's connection, a Delivery
+frame {sid, messages, attempt} followed by the messages: the client hands
+them to that subscription alone. Nothing is copied for a group without acks
+(the Delivery frame is a cached 28-byte frame); with acks each message's
+bytes are kept (one copy) until it is acknowledged.
+
+Choosing a member. Load-balanced: the member whose connection has the fewest
+pending bytes (write buffer + queued this read, kept while paused) plus, with
+acks, the fewest bytes in flight; ties go round the members in turn. A client
+whose local queue is full pauses its connection (Pause), so its deliveries
+stay queued here and count as its load: a member that reads slowly gets
+less. Key-shared: each vbucket has one member, sticky, weighed by traffic:
+a vbucket's first message gives it to the member whose vbuckets weigh least
+(`Group.claim`; a vbucket weighs its recent messages). `rebalance` moves
+vbuckets from the heaviest member to the lightest while one carries more
+than BALANCE_SLACK times the other: at once when a member joins, and a
+second after any join or leave (with acks, every second: those moves
+drain); a member that leaves gives back only its own. Without acks a group
+thus settles a second after its last membership change. Every message of a
+key_partition (one vbucket) goes to its member in offset order.
+
+Acknowledgements. A delivered message of an ack group is `Pending` in the
+group's in-flight table, keyed by its position (vbucket, epoch, offset), until
+an Ack settles it. NACK schedules it again after a delay (the backoff by
+default); IN_PROGRESS restarts its ack_wait; no answer within ack_wait
+redelivers it. Deadlines are kept in one heap per worker, served by one
+loop.call_at on the earliest (`GroupTable.arm`): the server redelivers on its
+own clock, never on a client's poll. A message delivered max_deliveries times
+is dropped, counted, told (LossNotice MAX_DELIVERIES) and published to the
+group's dead_letter key (same key_partition, hence the same vbucket of this
+worker). A member holds at most max_in_flight messages and max_in_flight_bytes
+bytes; reaching either bound sends it a GroupNotice PAUSED (and RESUMED once it
+has room). When every member is at its bound, messages wait in a backlog
+(per member for key-shared, to keep each vbucket's order; per group
+otherwise), bounded by --group-backlog-bytes per group; past it they are
+dropped, counted and told once (LossNotice GROUP_OVERFLOW to the group's
+first member: one message, one member, so the told counts add up). Every
+message of an ack group is Pending from its arrival (member None while it
+waits), so `pending` holds everything the group keeps.
+
+Moves (key-shared with acks). When a join or a leave gives a vbucket to
+another member while its old member still holds unacknowledged messages of
+it, the vbucket drains: its new messages are held (`Drain.held`) until the
+old member has settled them all, or is gone, or drain_timeout passed; then
+the held messages go to the new member in order. At the deadline the new
+member gets a GroupNotice DRAIN_EXPIRED naming the vbucket and how many
+messages the old member still held (they may be redelivered after newer
+ones), counted in group_drain_expired. Nothing stalls for longer.
+
+A member that leaves (Unsubscribe, connection lost) gives back at once what
+it held: with acks, its pending messages go to the other members (their
+delivery count goes up: they were delivered once); its backlog goes to the
+vbuckets' new members; the last member's are dropped and counted.
+
+Never untold. What an ack group keeps for nobody (a backlog, a drain's held
+messages, a redelivery that waits: the Pendings without a member) was never
+queued to a connection, so no connection's account counts it, and a worker
+that dies would lose it untold. So each group keeps it on the account of one
+member's connection, its teller (its first member's; once it has none, its
+last one's): `owe` moves the count (`Connection.group_owed`) whenever it
+changes, and the account is committed before anything of the read leaves
+(broky.server.accounts). A client that claims that connection after the
+worker died is told it, WORKER_RESTART (broky.server.shard.arrivals). What the group
+loses for good with no member to tell (an orphan's ack_wait passed, a dead
+message) goes on the same account (`group_lost`), told to any claim. A
+delivery of an ack group that finds its member's connection over its bound is
+not lost: it stays in flight and is delivered again at its deadline
+(`group_deferred`); only a group without ack loses such deliveries (counted
+and told as the connection's drops, never replayed: `group_untold`).
+
+Cluster: every worker balances among the members connected to it. A client's
+all-partition subscription is sent to every worker, so each member of a
+group is a member on every worker, and each worker's share is balanced.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from broky.errors import ErrorCode
+from broky.matching import Matcher, parse_pattern, pattern_matches
+from broky.protocol import (
+    GROUPS_VERSION,
+    AckKind,
+    Delivery,
+    GroupEvent,
+    GroupNotice,
+    LossNotice,
+    LossReason,
+    Position,
+    Subscribe,
+    encode_frame,
+)
+from broky.protocol.frames import encode_delivery
+from broky.protocol.layout import EPOCH_AT, VBUCKET_AT
+from broky.protocol.message import decode_message, encode_message, pack_stamp_into, route_message
+from broky.protocol.routing import VBUCKETS
+from broky.server.shard.connection import OPEN, Connection, Plan, Subscription
+from broky.server.shard.stats import DropReason
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from broky.server.accounts import AccountBook
+    from broky.server.config import ServerConfig
+    from broky.server.shard.budget import Budget
+    from broky.server.shard.replay import ReplayBuffer
+    from broky.server.shard.sequences import Sequences
+    from broky.server.shard.stats import WorkerStats
+
+log = logging.getLogger("broky.worker")
+_monotonic = time.monotonic
+
+_u32 = struct.Struct("<I").unpack_from
+_position = struct.Struct(f"<{EPOCH_AT}xQQH").unpack_from  # epoch, offset, vbucket of a frame at 0
+_vbucket = struct.Struct("<H").unpack_from
+
+# Messages of a load-balanced group without acks given to one member at a time (one
+# Delivery frame): the choice by load is made per chunk, not per message.
+GROUP_CHUNK = 8
+# Key-shared: how often the vbuckets are weighed again (ns of the read clock), how uneven two
+# members may be before vbuckets move, and how many move at a time.
+BALANCE_NS = 1_000_000_000
+BALANCE_SLACK = 1.1
+BALANCE_MOVES = 64
+DEFAULT_ACK_WAIT = 30.0
+DEFAULT_MAX_DELIVERIES = 5
+DEFAULT_BACKOFF = (1.0, 5.0, 30.0)
+DEFAULT_MAX_IN_FLIGHT = 1000
+DEFAULT_MAX_IN_FLIGHT_BYTES = 16 << 20
+DEFAULT_DRAIN_TIMEOUT = 10.0
+
+Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
+KEPT_SHARE = 0.5  # of the worker's share of --memory-budget, for what ack groups keep
+CLOSED_KEPT = 65536  # as many as a worker's account table holds (broky.server.accounts)
+ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
+
+
+class GroupTargets(tuple):  # type: ignore[type-arg]
+    """A route's targets when groups match: the plain connections (the tuple) and the
+    groups (`groups`). Always true, even without plain connections."""
+
+    groups: tuple[Group, ...]
+
+    def __new__(cls, conns: tuple[Connection, ...], groups: tuple[Group, ...]) -> GroupTargets:
+        self = super().__new__(cls, conns)
+        self.groups = groups
+        return self
+
+    def __bool__(self) -> bool:
+        return True
+
+
+class Member:
+    """One subscription's place in its group."""
+
+    __slots__ = (
+        "group", "sub", "conn", "sid", "header", "max_msgs", "max_bytes", "in_flight", "in_flight_bytes",
+        "paused", "delivered", "backlog", "backlog_bytes", "vb_count", "recent", "mark", "weight",
+    )  # fmt: skip
+
+    def __init__(self, group: Group, sub: Subscription, max_msgs: int, max_bytes: int) -> None:
+        self.group = group
+        self.sub = sub
+        self.conn = sub.conn
+        self.sid = sub.sid
+        self.header = encode_delivery(Delivery(sub.sid, 1, 1))  # the usual Delivery frame
+        self.max_msgs = max_msgs
+        self.max_bytes = max_bytes
+        self.in_flight: dict[Key, None] = {}  # ack: positions of its pending messages
+        self.in_flight_bytes = 0
+        self.paused = False  # ack: at its bound (told PAUSED)
+        self.delivered = 0
+        # Key-shared with acks: messages of its vbuckets waiting for room, in order.
+        self.backlog: deque[Held] = deque()
+        self.backlog_bytes = 0
+        self.vb_count: dict[int, int] = {}  # ack, key-shared: its pending messages per vbucket
+        # Bytes queued to it during the read `mark` (GroupTable.reads): its share of what its
+        # connection has queued, which may also carry other subscriptions' deliveries.
+        self.recent = 0
+        self.mark = 0
+        self.weight = 0.0  # key-shared: what its vbuckets weigh (Group.weights)
+
+    def full(self) -> bool:
+        return len(self.in_flight) >= self.max_msgs or self.in_flight_bytes >= self.max_bytes
+
+    def load(self, mark: int) -> int:
+        """What it has not yet taken: its connection's write buffer, plus what was queued to
+        it this read (all that its connection keeps, while paused), plus its bytes in flight."""
+        c = self.conn
+        if c.paused:
+            queued = c.unflushed
+        elif self.mark == mark:
+            queued = self.recent
+        else:
+            queued = 0
+        return c.base + queued + self.in_flight_bytes
+
+
+class Pending:
+    """A delivered message of an ack group, until it is settled."""
+
+    __slots__ = ("frame", "key", "member", "attempt", "deadline", "gen")
+
+    def __init__(self, frame: bytes, key: Key) -> None:
+        self.frame = frame
+        self.key = key
+        self.member: Member | None = None  # None: waiting for its redelivery (NACK)
+        self.attempt = 0  # deliveries so far
+        self.deadline = 0.0
+        self.gen = 0  # its heap entries with another gen are stale
+
+
+class Held:
+    """A message waiting for a member (backlog, or a draining vbucket)."""
+
+    __slots__ = ("frame", "vb", "entry")
+
+    def __init__(self, frame: bytes, vb: int, entry: Pending | None = None) -> None:
+        self.frame = frame
+        self.vb = vb
+        self.entry = entry  # a redelivery: its Pending (attempt so far); None: a first delivery
+
+
+class Drain:
+    """A vbucket moving between members of a key-shared ack group."""
+
+    __slots__ = ("old", "deadline", "held", "gen")
+
+    def __init__(self, old: Member, deadline: float, gen: int) -> None:
+        self.old = old
+        self.deadline = deadline
+        self.held: deque[Held] = deque()
+        self.gen = gen
+
+
+class Group:
+    """The members on this worker of one group, and with acks its messages in flight."""
+
+    def __init__(self, name: str, pattern: bytes, kp: bytes | None, sub: Subscribe) -> None:
+        self.name = name
+        self.pattern = pattern
+        self.kp = kp
+        self.key_shared = sub.key_shared
+        self.ack = sub.ack
+        self.ack_wait = (sub.ack_wait_ms or DEFAULT_ACK_WAIT * 1000) / 1000
+        self.max_deliveries = sub.max_deliveries or DEFAULT_MAX_DELIVERIES
+        self.backoff = tuple(ms / 1000 for ms in sub.backoff_ms) or DEFAULT_BACKOFF
+        self.dead_letter = sub.dead_letter or None  # empty: none
+        self.drain_timeout = (sub.drain_timeout_ms or DEFAULT_DRAIN_TIMEOUT * 1000) / 1000
+        self.members: list[Member] = []
+        self.turn = 0  # where the next tie-break starts
+        # Key-shared: each vbucket's member (None: none yet, claimed by its next message), what
+        # each vbucket weighs (its messages, halved at every rebalance: recent traffic counts
+        # most), and when the next rebalance is due (the read clock, ns).
+        self.owners: list[Member | None] = [None] * VBUCKETS
+        self.counts = [0] * VBUCKETS
+        self.weights = [0.0] * VBUCKETS
+        self.next_balance = 0
+        # Without acks a move is not drained (nothing tells when a member is done), so vbuckets
+        # move only to settle a membership change: one rebalance BALANCE_NS after it, then none
+        # until the next. With acks moves drain, and the group is rebalanced every BALANCE_NS.
+        self.settling = True
+        self.pending: dict[Key, Pending] = {}
+        self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
+        self.backlog_bytes = 0
+        self.draining: dict[int, Drain] = {}
+        self.orphan_gen = 0  # its last member left: the deadline's gen (see GroupDelivery.give_back)
+        # Its teller (see "Never untold" in the module's header): the connection of its first member (of
+        # its last one, once it has none), and the messages it keeps for nobody, as counted in
+        # that connection's `group_owed`.
+        self.teller: Connection | None = None
+        self.owed = 0
+
+    def keeps_for_nobody(self) -> int:
+        """With acks: its messages that no member holds now (waiting in a backlog or a drain,
+        or for a redelivery): each one is a Pending without a member."""
+        return len(self.pending) - sum(len(m.in_flight) for m in self.members)
+
+    def settings(self) -> tuple[Any, ...]:
+        """What every member of the group must agree on."""
+        if not self.ack:
+            return (self.key_shared, False)
+        return (
+            self.key_shared, True, self.ack_wait, self.max_deliveries, self.backoff, self.dead_letter,
+            self.drain_timeout if self.key_shared else None,  # only a key-shared group drains
+        )  # fmt: skip
+
+    def pick(self, mark: int, size: int = 0) -> Member | None:
+        """The least loaded member (`Member.load`; ties in turn). With acks, only members with
+        room (within max_in_flight, and `size` bytes free under their connection's pending
+        bound); None: every one is at its bound."""
+        members = self.members
+        n = len(members)
+        ack = self.ack
+        if n == 1:
+            m = members[0]
+            c = m.conn
+            if ack and (m.paused or c.base + c.unflushed + size > c.cap):
+                return None
+            return m
+        best = None
+        best_load = -1
+        start = self.turn
+        self.turn = start + 1 if start + 1 < n else 0
+        for i in range(n):
+            j = start + i
+            m = members[j if j < n else j - n]
+            if ack:
+                c = m.conn
+                if m.paused or c.base + c.unflushed + size > c.cap:
+                    continue
+            load = m.load(mark)
+            if best is None or load < best_load:
+                best = m
+                best_load = load
+        return best
+
+    def lightest(self) -> Member:
+        """Key-shared: the member whose vbuckets weigh least (ties in turn)."""
+        members = self.members
+        n = len(members)
+        start = self.turn
+        self.turn = start + 1 if start + 1 < n else 0
+        best = members[start]
+        for i in range(1, n):
+            j = start + i
+            m = members[j if j < n else j - n]
+            if m.weight < best.weight:
+                best = m
+        return best
+
+    def claim(self, vb: int) -> Member:
+        """Key-shared: a vbucket with no member yet (its first message, or its member left)
+        goes to the lightest member, weighed as the average vbucket until it is measured."""
+        m = self.lightest()
+        owners = self.owners
+        owners[vb] = m
+        taken = VBUCKETS - owners.count(None)
+        measured = sum(self.weights)
+        m.weight += measured / taken if measured and taken else 1.0
+        return m
+
+
+class GroupTable:
+    """Every group of one worker, and the ack deadlines' heap and timer."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[str, bytes, bytes | None], Group] = {}
+        # (deadline, sequence, what): what is (group, key, gen) of a Pending, or (group, vb, gen)
+        # of a Drain (vb an int: told apart from a key, a tuple).
+        self.heap: list[tuple[float, int, tuple[Group, Any, int]]] = []
+        self.seq = itertools.count()
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0
+        # Closed connections' group deliveries and their drops not yet told (Connection.group_out,
+        # group_untold), for a resume by positions (broky.server.shard.arrivals): the oldest forgotten
+        # past CLOSED_KEPT.
+        self.closed_group_out: dict[int, tuple[int, int]] = {}
+        # Bytes of the messages ack groups keep (in flight or waiting), bounded by KEPT_SHARE of
+        # the worker's share of --memory-budget: past it a group's new messages are dropped
+        # and told as group_overflow, however many groups and members hostile clients make.
+        self.kept = 0
+
+    def closed(self, conn_id: int, group_out: int, group_untold: int) -> None:
+        kept = self.closed_group_out
+        if len(kept) >= CLOSED_KEPT:
+            del kept[next(iter(kept))]
+        kept[conn_id] = (group_out, group_untold)
+
+    def push(self, deadline: float, what: tuple[Group, Any, int]) -> None:
+        heapq.heappush(self.heap, (deadline, next(self.seq), what))
+
+
+class SubscriptionTable(Matcher[Subscription, Plan]):
+    """The worker's subscription table (a Matcher), with its consumer groups."""
+
+    def __init__(self, compile: Callable[[list[Subscription]], Plan]) -> None:
+        super().__init__(compile)
+        self.groups = GroupTable()
+
+
+class GroupDelivery:
+    """The Shard's part that serves consumer groups (a mixin of broky.server.shard.core.Shard)."""
+
+    if TYPE_CHECKING:  # what it uses of the rest of the Shard
+        config: ServerConfig
+        loop: asyncio.AbstractEventLoop
+        book: AccountBook
+        matcher: SubscriptionTable
+        stats: WorkerStats
+        seqs: Sequences
+        replay: ReplayBuffer | None
+        _touched: list[Connection]
+        budget: Budget
+
+        def reply(self, c: Connection, frame: bytes) -> None: ...
+        def reopen(self, c: Connection, need: int) -> bool: ...
+        def error(
+            self,
+            c: Connection,
+            code: ErrorCode,
+            message: str,
+            sid: int = 0,
+            refused: bytes | None = None,
+            rid: int = 0,
+        ) -> None: ...
+        def flush(self) -> None: ...
+        def emit(
+            self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int
+        ) -> int: ...
+        def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[tuple[Connection, ...], int] | None: ...
+
+    # ------------------------------------------------------------ joining and leaving
+
+    def join_group(self, c: Connection, s: Subscription, sub: Subscribe) -> bool:
+        """Make s a member of its group (created with the first); False: refused (BAD_GROUP)."""
+        assert sub.group is not None
+        if c.version < GROUPS_VERSION:  # never a member a version-2 client cannot tell from a plain one
+            self.error(
+                c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: groups are protocol version "
+                f"{GROUPS_VERSION}'s; this connection's Hello said {c.version}", sub.sid,
+            )  # fmt: skip
+            return False
+        if sub.since or sub.since_time or sub.last:
+            self.error(
+                c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: a group member starts live "
+                "(since, since_time and last are not for groups)", sub.sid,
+            )  # fmt: skip
+            return False
+        if sub.ack and sub.dead_letter:
+            try:
+                tokens = parse_pattern(sub.pattern)
+                parse_pattern(sub.dead_letter)
+            except Exception as exc:  # BadPatternError: the key is not a valid key
+                self.error(c, ErrorCode.BAD_GROUP, f"dead_letter {sub.dead_letter!r}: {exc}", sub.sid)
+                return False
+            if pattern_matches(tokens, sub.dead_letter):
+                self.error(
+                    c, ErrorCode.BAD_GROUP, f"dead_letter {sub.dead_letter!r} matches the group's own "
+                    f"pattern {sub.pattern!r}: a dead message would come back to the group", sub.sid,
+                )  # fmt: skip
+                return False
+        table = self.matcher.groups
+        gkey = (sub.group, sub.pattern, sub.key_partition)
+        g = table.groups.get(gkey)
+        new = Group(sub.group, sub.pattern, sub.key_partition, sub)
+        if g is not None and not g.members and g.settings() != new.settings():
+            self.orphan_expired(g)  # kept for a member with the old settings: lost, counted
+            g = None
+        if g is None:
+            g = table.groups[gkey] = new
+            self.stats.groups += 1
+        elif g.settings() != new.settings():
+            self.error(
+                c, ErrorCode.BAD_GROUP, f"group {sub.group!r} on {sub.pattern!r}: its members here have "
+                f"other settings (key_shared, ack, ack_wait, max_deliveries, backoff, dead_letter, "
+                f"drain_timeout: {g.settings()} != {new.settings()})", sub.sid,
+            )  # fmt: skip
+            return False
+        m = Member(
+            g,
+            s,
+            sub.max_in_flight or DEFAULT_MAX_IN_FLIGHT,
+            sub.max_in_flight_bytes or DEFAULT_MAX_IN_FLIGHT_BYTES,
+        )
+        s.member = m
+        g.members.append(m)
+        self.stats.group_members += 1
+        if g.key_shared:
+            if len(g.members) > 1:
+                self.rebalance(g, decay=False)  # it takes a share of what the others carry
+            g.settling = True  # and a second later, weighed again
+            g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
+        if len(g.members) == 1 and (g.pending or g.backlog):
+            self.revive(g)
+        if g.ack:
+            self.owe(g)
+        return True
+
+    def leave_group(self, m: Member) -> None:
+        """m's subscription ended (Unsubscribe or its connection's end)."""
+        g = m.group
+        if m not in g.members:
+            return
+        g.members.remove(m)
+        m.sub.member = None
+        self.stats.group_members -= 1
+        if g.ack:
+            self.give_back(g, m)
+            self.owe(g)  # a new teller, or the same one (its connection's account) with no member
+        elif g.key_shared:
+            self.release_vbuckets(g, m)
+        if not g.members and not g.pending and not g.backlog:
+            self.forget_group(g)
+        self.flush_soon()
+
+    def forget_group(self, g: Group) -> None:
+        table = self.matcher.groups.groups
+        gkey = (g.name, g.pattern, g.kp)
+        if table.get(gkey) is g:
+            del table[gkey]
+            self.stats.groups -= 1
+
+    def give_back(self, g: Group, m: Member) -> None:
+        """A departed member's pending messages and backlog go to the others, in offset order
+        per vbucket before anything newer; with no member left the group keeps them for
+        ack_wait, for a member that comes back (a client reconnecting)."""
+        now = self.loop.time()
+        entries = sorted((g.pending[k] for k in m.in_flight if k in g.pending), key=lambda e: e.key)
+        for e in entries:
+            e.member = None
+            e.gen += 1  # its ack deadline no longer runs
+        m.in_flight.clear()
+        m.in_flight_bytes = 0
+        m.vb_count.clear()
+        backlog = list(m.backlog)
+        m.backlog.clear()
+        g.backlog_bytes -= m.backlog_bytes
+        m.backlog_bytes = 0
+        # Drains that waited for m: what they hold is newer than m's messages, so it goes after.
+        newer: list[Held] = []
+        for vb in [vb for vb, d in g.draining.items() if d.old is m]:
+            d = g.draining.pop(vb)
+            newer.extend(d.held)
+            g.backlog_bytes -= sum(len(h.frame) for h in d.held)
+        if not g.members:
+            if g.key_shared:
+                self.release_vbuckets(g, m)
+            for d in g.draining.values():
+                newer.extend(d.held)
+                g.backlog_bytes -= sum(len(h.frame) for h in d.held)
+            g.draining.clear()
+            kept = backlog + list(g.backlog) + newer
+            g.backlog = deque(kept)
+            g.backlog_bytes = sum(len(h.frame) for h in kept)
+            if g.pending or kept:
+                g.orphan_gen += 1
+                self.matcher.groups.push(now + g.ack_wait, (g, ORPHAN, g.orphan_gen))
+                self.arm(now + g.ack_wait)
+            return
+        if g.key_shared:
+            self.release_vbuckets(g, m)  # claimed by the others as their messages come
+        for e in entries:
+            self.redeliver(g, e, now)
+        for h in backlog + newer:
+            self.place(g, h, now)
+
+    def revive(self, g: Group) -> None:
+        """A member joined a group whose last member had left: what it kept goes out again."""
+        now = self.loop.time()
+        g.orphan_gen += 1  # its deadline no longer runs
+        waiting = {id(h.entry) for h in g.backlog}  # these go out below, in the backlog's order
+        for e in sorted(
+            (e for e in g.pending.values() if e.member is None and id(e) not in waiting), key=lambda e: e.key
+        ):
+            e.gen += 1
+            self.redeliver(g, e, now)
+        kept = list(g.backlog)
+        g.backlog.clear()
+        g.backlog_bytes = 0
+        for h in kept:
+            self.place(g, h, now)
+
+    def orphan_expired(self, g: Group) -> None:
+        """No member came back within ack_wait: what the group kept is lost, and counted."""
+        if g.members:
+            return
+        lost = len(g.pending)  # (what waits in its backlog is Pending too)
+        self.matcher.groups.kept -= sum(len(e.frame) for e in g.pending.values())
+        g.pending.clear()
+        g.backlog.clear()
+        g.backlog_bytes = 0
+        if lost:
+            self.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
+            self.stats.group_lost_no_member += lost
+            self.tell_lost(g, LossReason.CONNECTION_LOST, None, count=lost)
+        self.owe(g)
+        self.forget_group(g)
+
+    def release_vbuckets(self, g: Group, m: Member) -> None:
+        """Key-shared: m left; its vbuckets are claimed again by their next messages (and
+        weighed again a second later)."""
+        owners = g.owners
+        for vb, owner in enumerate(owners):
+            if owner is m:
+                owners[vb] = None
+        m.weight = 0.0
+        g.settling = True
+        g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
+
+    def rebalance(self, g: Group, decay: bool = True) -> None:
+        """Key-shared: move vbuckets from the heaviest member to the lightest while one weighs
+        more than BALANCE_SLACK times the other, at most BALANCE_MOVES at a time, each the
+        vbucket that best halves their gap: only what must move moves. Periodic (every
+        BALANCE_NS of the read clock, with the weights' decay) and when a member joins."""
+        weights = g.weights
+        counts = g.counts
+        if decay:
+            g.next_balance = self.seqs.last_ts + BALANCE_NS
+            g.settling = g.ack
+            for vb in range(VBUCKETS):
+                weights[vb] = weights[vb] * 0.5 + counts[vb]
+                counts[vb] = 0
+            weight = weights
+        else:
+            weight = [w + c for w, c in zip(weights, counts, strict=True)]
+        members = g.members
+        owned: dict[Member, list[int]] = {m: [] for m in members}
+        for m in members:
+            m.weight = 0.0
+        for vb, owner in enumerate(g.owners):
+            if owner is not None:
+                owner.weight += weight[vb]
+                owned[owner].append(vb)
+        for _ in range(BALANCE_MOVES):
+            hi = max(members, key=lambda m: m.weight)
+            lo = min(members, key=lambda m: m.weight)
+            gap = hi.weight - lo.weight
+            if gap <= 0 or hi.weight <= BALANCE_SLACK * lo.weight:
+                break
+            best = -1
+            best_miss = gap
+            for vb in owned[hi]:
+                w = weight[vb]
+                if 0 < w < gap and abs(gap / 2 - w) < best_miss:
+                    best, best_miss = vb, abs(gap / 2 - w)
+            if best < 0:
+                break  # only vbuckets heavier than the gap: moving one would not help
+            owned[hi].remove(best)
+            owned[lo].append(best)
+            hi.weight -= weight[best]
+            lo.weight += weight[best]
+            self.move(g, best, hi, lo)
+            self.stats.group_vbuckets_moved += 1
+
+    def move(self, g: Group, vb: int, old: Member, new: Member) -> None:
+        """Key-shared: vb goes from old to new; with acks it drains first when old still holds
+        messages of it (see the theory of operation)."""
+        g.owners[vb] = new
+        if not g.ack or vb in g.draining:  # (a drain under way ends at the vbucket's new owner)
+            return
+        now = self.loop.time()
+        moving = [h for h in old.backlog if h.vb == vb]
+        if moving:
+            old.backlog = deque(h for h in old.backlog if h.vb != vb)
+            size = sum(len(h.frame) for h in moving)
+            old.backlog_bytes -= size
+            g.backlog_bytes -= size
+        if old.vb_count.get(vb):
+            table = self.matcher.groups
+            d = Drain(old, now + g.drain_timeout, next(table.seq))  # a gen of its own: see `expire`
+            d.held.extend(moving)
+            g.backlog_bytes += sum(len(h.frame) for h in moving)
+            g.draining[vb] = d
+            table.push(d.deadline, (g, vb, d.gen))
+            self.arm(d.deadline)
+        else:
+            for h in moving:
+                self.place(g, h, now)
+
+    # ------------------------------------------------------------ delivery
+
+    def emit_groups(self, buf: bytearray, groups: tuple[Group, ...], start: int, end: int) -> int:
+        """Queue the run buf[start:end] to one member of each group; the deliveries queued."""
+        delivered = 0
+        for g in groups:
+            if not g.members:
+                continue
+            if g.ack:
+                delivered += self.emit_acked(g, buf, start, end)
+            elif g.key_shared:
+                if g.settling and self.seqs.last_ts >= g.next_balance:
+                    self.rebalance(g)
+                owners = g.owners
+                counts = g.counts
+                pos = start
+                run_m: Member | None = None
+                run_start = run_n = 0
+                while pos < end:
+                    vb = _vbucket(buf, pos + VBUCKET_AT)[0]
+                    counts[vb] += 1
+                    m = owners[vb] or g.claim(vb)
+                    if m is not run_m:
+                        if run_m is not None:
+                            delivered += self.queue_to(run_m, buf, run_start, pos, run_n, 1)
+                        run_m = m
+                        run_start = pos
+                        run_n = 0
+                    run_n += 1
+                    pos += 4 + _u32(buf, pos)[0]
+                if run_m is not None:
+                    delivered += self.queue_to(run_m, buf, run_start, end, run_n, 1)
+            else:
+                pos = start
+                while pos < end:
+                    stop = pos
+                    n = 0
+                    while stop < end and n < GROUP_CHUNK:
+                        stop += 4 + _u32(buf, stop)[0]
+                        n += 1
+                    m = g.pick(self.seqs.last_ts)
+                    assert m is not None  # without acks nobody is at a bound
+                    delivered += self.queue_to(m, buf, pos, stop, n, 1)
+                    pos = stop
+        return delivered
+
+    def queue_to(self, m: Member, buf: bytes | bytearray, start: int, end: int, n: int, attempt: int) -> int:
+        """Queue n messages buf[start:end] to member m behind a Delivery frame; the number queued
+        (0: its connection is over its pending bound: they are dropped as to a slow consumer)."""
+        t = m.conn
+        if t.state != OPEN:
+            return 0
+        header = m.header if n == 1 and attempt == 1 else encode_delivery(Delivery(m.sid, n, attempt))
+        size = end - start + len(header)
+        if t.base + t.unflushed + size > t.cap:
+            t.base = t.transport.get_write_buffer_size()
+            if t.base + t.unflushed + size > t.cap and not (t.cap < 0 and self.reopen(t, size)):
+                if m.group.ack:  # not lost: in flight all the same, delivered again at its deadline
+                    self.stats.group_deferred += n
+                    return 0
+                t.dropped += n
+                t.dropped_total += n
+                t.group_untold += n  # a member's: no replay gives them back (broky.server.shard.arrivals)
+                t.cap = -1  # nothing more until it is told (broky.server.shard.backpressure)
+                self.stats.dropped[DropReason.SLOW_CONSUMER] += n
+                if not t.over_since:
+                    t.over_since = _monotonic()
+                if not t.touched:
+                    t.touched = True
+                    self._touched.append(t)
+                return 0
+        t.out.append(header)
+        t.out.append(buf[start:end] if start or end != len(buf) else buf)
+        t.unflushed += size
+        if not t.touched:
+            t.touched = True
+            self._touched.append(t)
+        t.msgs_out += n
+        t.group_out += n
+        m.delivered += n
+        mark = self.seqs.last_ts  # the read's clock: the same for every message of one read
+        if m.mark != mark:
+            m.mark = mark
+            m.recent = size
+        else:
+            m.recent += size
+        self.stats.group_delivered += n
+        return n
+
+    def emit_acked(self, g: Group, buf: bytearray, start: int, end: int) -> int:
+        """An ack group: each message is kept until acknowledged."""
+        now = self.loop.time()
+        table = self.matcher.groups
+        limit = int(self.budget.share * KEPT_SHARE)
+        counts = g.counts if g.key_shared else None
+        if counts is not None and self.seqs.last_ts >= g.next_balance:
+            self.rebalance(g)
+        delivered = 0
+        pos = start
+        pending = g.pending
+        while pos < end:
+            stop = pos + 4 + _u32(buf, pos)[0]
+            frame = bytes(buf[pos:stop])
+            epoch, offset, vb = _position(frame, 0)
+            key = (vb, epoch, offset)
+            e = pending[key] = Pending(frame, key)  # the group keeps it from now on, until settled
+            h = Held(frame, vb, e)
+            if counts is not None:
+                counts[vb] += 1
+            table.kept += stop - pos
+            if table.kept > limit:
+                self.overflow(g, h)
+            else:
+                delivered += self.place(g, h, now)
+            pos = stop
+        self.owe(g)
+        return delivered
+
+    def place(self, g: Group, h: Held, now: float) -> int:
+        """Deliver h to the member it goes to, or hold it (a drain, a backlog); 1 if delivered."""
+        if not g.members:  # kept for a member that comes back (give_back)
+            g.backlog.append(h)
+            g.backlog_bytes += len(h.frame)
+            return 0
+        if g.key_shared:
+            d = g.draining.get(h.vb)
+            if d is not None:
+                if g.backlog_bytes + len(h.frame) > self.config.group_backlog_bytes:
+                    self.overflow(g, h)
+                    return 0
+                g.backlog_bytes += len(h.frame)
+                d.held.append(h)
+                return 0
+            m: Member | None = g.owners[h.vb] or g.claim(h.vb)
+            assert m is not None
+            if m.paused or m.backlog or not self.has_room(m, len(h.frame)):
+                return self.hold(g, m, h)
+        else:
+            m = g.pick(self.seqs.last_ts, len(h.frame))
+            if m is None:
+                return self.hold(g, None, h)
+        return self.send(g, m, h, now)
+
+    def has_room(self, m: Member, size: int) -> bool:
+        """m's connection can take `size` more bytes within its pending bound."""
+        t = m.conn
+        if t.base + t.unflushed + size <= t.cap:
+            return True
+        t.base = t.transport.get_write_buffer_size()
+        return t.base + t.unflushed + size <= t.cap
+
+    def hold(self, g: Group, m: Member | None, h: Held) -> int:
+        """Every member (or h's member) is at its bound: h waits, within --group-backlog-bytes."""
+        size = len(h.frame)
+        if g.backlog_bytes + size > self.config.group_backlog_bytes:
+            self.overflow(g, h)
+            return 0
+        g.backlog_bytes += size  # the group's bound counts every member's backlog
+        if m is None:
+            g.backlog.append(h)
+        else:
+            m.backlog.append(h)
+            m.backlog_bytes += size
+        return 0
+
+    def overflow(self, g: Group, h: Held) -> None:
+        """h finds the group's backlog full: dropped, counted, told once (to the teller)."""
+        if h.entry is not None:
+            g.pending.pop(h.entry.key, None)
+        self.matcher.groups.kept -= len(h.frame)
+        self.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
+        self.tell_lost(g, LossReason.GROUP_OVERFLOW, None)
+
+    def send(self, g: Group, m: Member, h: Held, now: float) -> int:
+        """Deliver h to m and keep it pending (ack); 1 if queued."""
+        frame = h.frame
+        e = h.entry
+        assert e is not None  # (every message of an ack group is Pending from its arrival)
+        if g.pending.get(e.key) is not e:
+            return 0  # settled while it waited (acknowledged by a position before its delivery)
+        e.attempt += 1
+        e.member = m
+        e.gen += 1
+        e.deadline = now + g.ack_wait
+        self.matcher.groups.push(e.deadline, (g, e.key, e.gen))
+        self.arm(e.deadline)
+        m.in_flight[e.key] = None
+        m.in_flight_bytes += len(frame)
+        if g.key_shared:
+            vb = e.key[0]
+            m.vb_count[vb] = m.vb_count.get(vb, 0) + 1
+        if e.attempt > 1:
+            self.stats.redelivered += 1
+        queued = self.queue_to(m, frame, 0, len(frame), 1, e.attempt)
+        if not m.paused and m.full():
+            m.paused = True
+            self.stats.group_paused += 1
+            self.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.PAUSED, len(m.in_flight))))
+        return queued
+
+    # ------------------------------------------------------------ acknowledgements
+
+    def ack(self, c: Connection, sid: int, kind: int, keys: list[Key], delay_ms: int) -> None:
+        """An Ack frame of c (schema/README.md 5.4)."""
+        s = c.subs.get(sid)
+        m = s.member if s is not None else None
+        if m is None or not m.group.ack:
+            self.error(c, ErrorCode.UNKNOWN_SID, f"no ack subscription with sid {sid}", sid)
+            return
+        g = m.group
+        if kind not in (AckKind.ACK, AckKind.NACK, AckKind.IN_PROGRESS):
+            self.stats.acks_unknown += len(keys)  # a kind of a later version: ignored
+            return
+        now = self.loop.time()
+        stats = self.stats
+        touched: set[Member] = set()
+        for key in keys:
+            e = g.pending.get(key)
+            if e is None or not e.attempt:  # (not delivered yet: no member can be settling it)
+                stats.acks_unknown += 1
+                continue
+            if kind == AckKind.IN_PROGRESS:
+                if e.member is not None:
+                    e.gen += 1
+                    e.deadline = now + g.ack_wait
+                    self.matcher.groups.push(e.deadline, (g, key, e.gen))
+                    self.arm(e.deadline)
+                stats.acks_in_progress += 1
+                continue
+            holder = e.member
+            if holder is not None:
+                self.release(g, holder, e)
+                touched.add(holder)
+            if kind == AckKind.ACK:
+                stats.acks += 1
+                del g.pending[key]
+                self.matcher.groups.kept -= len(e.frame)
+            else:
+                stats.nacks += 1
+                if e.attempt >= g.max_deliveries:
+                    self.dead(g, e, holder)
+                    continue
+                delay = delay_ms / 1000 if delay_ms >= 0 else g.backoff[min(e.attempt, len(g.backoff)) - 1]
+                e.member = None
+                if delay <= 0:  # again at once, in this read
+                    self.redeliver(g, e, now)
+                    continue
+                e.gen += 1
+                e.deadline = now + delay
+                self.matcher.groups.push(e.deadline, (g, key, e.gen))
+                self.arm(e.deadline)
+        for holder in touched:
+            self.room(g, holder, now)
+        self.owe(g)
+
+    def owe(self, g: Group) -> None:
+        """Count what g keeps for nobody on its teller's account (see the header): the
+        connection of its first member, else that of its last one."""
+        if not g.ack:
+            return
+        teller = g.members[0].conn if g.members else g.teller
+        owed = g.keeps_for_nobody() if g.members else len(g.pending)
+        old = g.teller
+        if teller is not old:
+            if old is not None and g.owed:
+                old.group_owed -= g.owed
+                self.amend_account(old)
+            g.teller = teller
+            g.owed = 0
+        if teller is not None and owed != g.owed:
+            teller.group_owed += owed - g.owed
+            g.owed = owed
+            self.amend_account(teller)
+
+    def tell_lost(
+        self, g: Group, reason: int, member: Member | None, at: Position | None = None, count: int = 1
+    ) -> None:
+        """`count` messages of g are lost for good: told once, to `member` (the one it was
+        last delivered to), else to g's first member, else on its teller's account (told to
+        its client when it claims it: broky.server.shard.arrivals)."""
+        told = member if member is not None and member in g.members else None
+        if told is None and g.members:
+            told = g.members[0]
+        if told is not None:
+            self.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at)))
+            return
+        t = g.teller
+        if t is not None:
+            t.group_lost += count
+            self.amend_account(t)
+
+    def amend_account(self, c: Connection) -> None:
+        """c's account changed outside a read's deliveries: committed with the next flush
+        (an open connection), or now (a closed one's, kept for its client)."""
+        if c.slot >= 0:
+            if not c.touched:
+                c.touched = True
+                self._touched.append(c)
+        else:
+            self.book.amend(c)
+
+    def release(self, g: Group, m: Member, e: Pending) -> None:
+        """e is no longer m's (settled, expired or NACKed)."""
+        if e.key in m.in_flight:
+            del m.in_flight[e.key]
+            m.in_flight_bytes -= len(e.frame)
+        if g.key_shared:
+            vb = e.key[0]
+            left = m.vb_count.get(vb, 0) - 1
+            if left > 0:
+                m.vb_count[vb] = left
+            else:
+                m.vb_count.pop(vb, None)
+                d = g.draining.get(vb)
+                if d is not None and d.old is m:
+                    self.end_drain(g, vb, expired=False)
+
+    def room(self, g: Group, m: Member, now: float) -> None:
+        """m may have room again: RESUMED, then what waits for it."""
+        self.room_for(g, m, now)
+        self.owe(g)
+
+    def room_for(self, g: Group, m: Member, now: float) -> None:
+        if m.paused and not m.full() and m in g.members:
+            m.paused = False
+            self.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.RESUMED, len(m.in_flight))))
+        if g.key_shared:
+            while m.backlog and not m.paused and self.has_room(m, len(m.backlog[0].frame)):
+                h = m.backlog.popleft()
+                m.backlog_bytes -= len(h.frame)
+                g.backlog_bytes -= len(h.frame)
+                self.send(g, m, h, now)
+        else:
+            while g.backlog:
+                target = g.pick(self.seqs.last_ts, len(g.backlog[0].frame))
+                if target is None:
+                    break
+                h = g.backlog.popleft()
+                g.backlog_bytes -= len(h.frame)
+                self.send(g, target, h, now)
+
+    def end_drain(self, g: Group, vb: int, expired: bool) -> None:
+        """The vbucket's move is done (or its deadline passed): its held messages go on."""
+        d = g.draining.pop(vb, None)
+        if d is None:
+            return
+        now = self.loop.time()
+        new = g.owners[vb] or g.claim(vb)
+        if expired:
+            left = d.old.vb_count.get(vb, 0)
+            self.stats.group_drain_expired += 1
+            self.reply(new.conn, encode_frame(GroupNotice(new.sid, GroupEvent.DRAIN_EXPIRED, left, vb)))
+        for h in d.held:
+            g.backlog_bytes -= len(h.frame)
+            self.place(g, h, now)
+
+    def redeliver(self, g: Group, e: Pending, now: float) -> None:
+        """e goes out again (after a NACK's delay, an expiry, or its member's departure)."""
+        if e.attempt >= g.max_deliveries:
+            self.dead(g, e, None)
+            return
+        vb = e.key[0]
+        h = Held(e.frame, vb, e)
+        if not g.members:
+            self.place(g, h, now)
+            return
+        if g.key_shared:
+            m = g.owners[vb] or g.claim(vb)
+            d = g.draining.get(vb)
+            if d is not None:
+                d.held.appendleft(h)  # older than what the drain holds
+                g.backlog_bytes += len(h.frame)
+                return
+            if m.paused or not self.has_room(m, len(h.frame)):
+                m.backlog.appendleft(h)
+                m.backlog_bytes += len(h.frame)
+                g.backlog_bytes += len(h.frame)
+                return
+            self.send(g, m, h, now)
+            return
+        target = g.pick(self.seqs.last_ts, len(h.frame))
+        if target is None:
+            g.backlog.appendleft(h)
+            g.backlog_bytes += len(h.frame)
+            return
+        self.send(g, target, h, now)
+
+    def dead(self, g: Group, e: Pending, last: Member | None) -> None:
+        """e was delivered max_deliveries times: dropped, counted, told, dead-lettered."""
+        g.pending.pop(e.key, None)
+        self.matcher.groups.kept -= len(e.frame)
+        self.stats.dropped[DropReason.MAX_DELIVERIES] += 1
+        vb, epoch, offset = e.key
+        self.tell_lost(g, LossReason.MAX_DELIVERIES, last, Position(vb, epoch, offset))
+        if g.dead_letter is not None:
+            self.publish_dead_letter(g, e.frame)
+
+    def publish_dead_letter(self, g: Group, frame: bytes) -> None:
+        """Publish a dead message again to the group's dead_letter key: same key_partition
+        and payload (so the same vbucket, owned here), a new offset, delivered like any publish."""
+        msg = decode_message(frame)
+        assert g.dead_letter is not None
+        out = bytearray(
+            encode_message(msg.key_partition, g.dead_letter, msg.payload, msg.ts_producer, 0, msg.uid)
+        )
+        kp, key, ts_at = route_message(bytes(out), 0, len(out))
+        route = self.route((kp, key), kp, key)
+        if route is None or route[1] < 0 or ts_at is None:
+            self.stats.dead_letters_refused += 1  # the vbucket is leaving this worker
+            return
+        targets, vb = route
+        t0 = max(time.time_ns(), self.seqs.last_ts)  # ts_broker never decreases
+        self.seqs.last_ts = t0
+        offset = self.seqs.take(vb, t0)
+        pack_stamp_into(out, ts_at, t0, self.seqs.epoch_of(vb), offset, vb)
+        replay = self.replay
+        if replay is not None:
+            replay.record(vb, replay.retain(out, t0), 0)
+        self.stats.dead_lettered += 1
+        self.stats.messages_published += 1
+        if targets:
+            self.stats.messages_delivered += self.emit(out, targets, 0, len(out), 1)
+        else:
+            self.stats.dropped[DropReason.NO_SUBSCRIBERS] += 1
+
+    # ------------------------------------------------------------ the clock
+
+    def arm(self, deadline: float) -> None:
+        """Have `expire` run by `deadline`."""
+        table = self.matcher.groups
+        if table.timer is not None and table.timer_at <= deadline:
+            return
+        if table.timer is not None:
+            table.timer.cancel()
+        table.timer = self.loop.call_at(deadline, self.expire)
+        table.timer_at = deadline
+
+    def expire(self) -> None:
+        """Deadlines passed: redeliver what was not acknowledged in time, end drains."""
+        table = self.matcher.groups
+        table.timer = None
+        heap = table.heap
+        now = self.loop.time()
+        changed: dict[Group, None] = {}
+        while heap and heap[0][0] <= now:
+            _, _, (g, what, gen) = heapq.heappop(heap)
+            changed[g] = None
+            if isinstance(what, int):  # a drain's deadline
+                d = g.draining.get(what)
+                if d is not None and d.gen == gen:
+                    self.end_drain(g, what, expired=True)
+                continue
+            if what == ORPHAN:
+                if gen == g.orphan_gen:
+                    self.orphan_expired(g)
+                continue
+            e = g.pending.get(what)
+            if e is None or e.gen != gen:
+                continue  # settled, or its deadline moved
+            holder = e.member
+            if holder is not None:  # no answer within ack_wait
+                self.stats.ack_expired += 1
+                self.release(g, holder, e)
+                e.member = None
+                self.redeliver(g, e, now)
+                self.room(g, holder, now)
+            else:  # a NACK's delay passed
+                self.redeliver(g, e, now)
+        for g in changed:
+            self.owe(g)
+        if heap:
+            self.arm(heap[0][0])
+        if self._touched:
+            self.flush()
+
+    def flush_soon(self) -> None:
+        """Writes queued outside a read (a member's departure) go out on the next turn."""
+        if self._touched:
+            self.loop.call_soon(self.flush_if_touched)
+
+    def flush_if_touched(self) -> None:
+        if self._touched:
+            self.flush()
+
+    def group_snapshot(self) -> dict[str, Any]:
+        """/stats: every group of this worker."""
+        out = []
+        for g in self.matcher.groups.groups.values():
+            out.append(
+                {
+                    "group": g.name,
+                    "pattern": g.pattern.decode(errors="replace"),
+                    "key_shared": g.key_shared,
+                    "ack": g.ack,
+                    "members": [
+                        {
+                            "conn": m.conn.conn_id,
+                            "sid": m.sid,
+                            "delivered": m.delivered,
+                            "in_flight": len(m.in_flight),
+                            "paused": m.paused,
+                        }
+                        for m in g.members
+                    ],
+                    "pending": len(g.pending),
+                    "backlog_bytes": g.backlog_bytes,
+                    "draining": len(g.draining),
+                }
+            )
+        return {
+            "groups_detail": out,
+            "in_flight": sum(len(g.pending) for g in self.matcher.groups.groups.values()),
+            "group_kept_bytes": self.matcher.groups.kept,
+        }

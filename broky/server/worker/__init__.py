@@ -1,0 +1,1 @@
+"""A worker process: the event loop around its shard (see broky.server)."""
