@@ -45,7 +45,7 @@ def test_every_exception_class_of_broky_is_a_broky_error() -> None:
     # the walk reaches every part of the package: SDK, server, cluster, Spark
     assert {
         "broky.errors.SlowConsumerError",
-        "broky.server.master.Refused",
+        "broky.server.master.process.Refused",
         "broky.server.http.server.HttpError",
         "broky.cluster.etcd.EtcdError",
         "broky.cluster.node.NodeIdInUse",

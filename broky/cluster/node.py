@@ -143,7 +143,7 @@ REVOKE_TIMEOUT = 1.0
 
 
 class MapHost(Protocol):
-    """What the node needs of the master (broky.server.master.Master)."""
+    """What the node needs of the master (broky.server.master.process.Master)."""
 
     vmap: VBucketMap
 

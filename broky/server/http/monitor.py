@@ -88,7 +88,7 @@ class ClusterView(Protocol):
 
 
 class Observed(Protocol):
-    """What the endpoints read from the master (broky.server.master.Master is one; the
+    """What the endpoints read from the master (broky.server.master.process.Master is one; the
     master installs them, so this module does not import it back)."""
 
     config: ServerConfig
