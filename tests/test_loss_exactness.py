@@ -400,3 +400,87 @@ def test_a_started_subscription_beside_a_live_one_takes_no_copy_at_the_seam(star
     finally:
         publisher.kill()
         publisher.wait()
+
+
+@pytest.mark.timeout(120)
+def test_the_group_account_moves_to_the_next_member_when_the_first_leaves(server: ServerProcess) -> None:
+    """The group's backlog is counted on its first member's account (its teller); when that
+    member leaves, the count moves to the next one, whose client is told it when the worker
+    dies: the backlog, and what the member that left held unacknowledged (the group kept
+    those for a redelivery it can no longer make), WORKER_RESTART, once."""
+
+    async def main() -> None:
+        async with broky.connect(server.url) as pub_client:
+            assert pub_client.server_info is not None
+            kps = partitions_by_worker(pub_client.server_info.map, 8)[0]  # worker 0's
+            first_told, second_told = Tally(), Tally()
+            opts: dict[str, Any] = {"reconnect_min_delay": 0.05}
+            first = await broky.connect(server.url, on_loss=first_told.on_loss, **opts).__aenter__()
+            second = await broky.connect(server.url, on_loss=second_told.on_loss, **opts).__aenter__()
+            try:
+                sub1 = await first.subscribe("gt.>", group="g", ack=True, max_in_flight=5)
+                sub2 = await second.subscribe("gt.>", group="g", ack=True, max_in_flight=5)
+                publisher = Publisher(pub_client, b"", 0)
+                publisher.kps, publisher.sent, publisher.key = list(kps), [0] * len(kps), b"gt.x"
+                await publisher.burst(100)
+                held1 = [await sub1.next_msg(5) for _ in range(5)]
+                held2 = [await sub2.next_msg(5) for _ in range(5)]
+                assert len({(m.vbucket, m.offset) for m in held1 + held2}) == 10
+                await first.close()  # the teller leaves: its 5 go back to the group, which keeps 95
+                await second.flush()
+                await asyncio.to_thread(kill_worker, server, 0)
+                deadline = time.monotonic() + 20
+                while second_told.told_count() < 95 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # anything told twice would arrive now
+                assert second_told.told == [(95, LossReason.WORKER_RESTART)], second_told.told
+                assert first_told.told == [] and second.stats.unacked_lost == 0
+            finally:
+                await first.close()
+                await second.close()
+
+    run(main, timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_what_a_group_keeps_in_vain_for_its_last_member_is_told_when_it_comes_back(
+    server: ServerProcess,
+) -> None:
+    """The group's last member is cut off longer than ack_wait: the group keeps what it held
+    and its backlog for ack_wait, for the member to come back, then drops them. They are
+    lost for good with no member to tell: counted on the member's connection's account and
+    told to its client when it comes back (CONNECTION_LOST), once (before: told nobody)."""
+    proxy = FaultProxy(server.address).start()
+    try:
+
+        async def main() -> None:
+            got = Tally()
+            opts: dict[str, Any] = {"on_loss": got.on_loss, "reconnect_min_delay": 0.05}
+            async with (
+                broky.connect(server.url) as pub_client,
+                broky.connect(proxy.address, **opts) as member,
+            ):
+                assert pub_client.server_info is not None
+                kps = partitions_by_worker(pub_client.server_info.map, 8)[0]
+                sub = await member.subscribe("go.>", group="g", ack=True, max_in_flight=5, ack_wait=1.0)
+                publisher = Publisher(pub_client, b"", 0)
+                publisher.kps, publisher.sent, publisher.key = list(kps), [0] * len(kps), b"go.x"
+                await publisher.burst(25)
+                held = [await sub.next_msg(5) for _ in range(5)]  # the other 20 wait in the backlog
+                reconnects = member.stats.reconnects
+                proxy.refuse(True)
+                proxy.cut()
+                await asyncio.sleep(2.5)  # past ack_wait: the group drops what it kept
+                proxy.refuse(False)
+                deadline = time.monotonic() + 20
+                while member.stats.reconnects < reconnects + 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                while got.told_count() < 25 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                assert got.told == [(25, LossReason.CONNECTION_LOST)], got.told
+                assert len(held) == 5 and member.stats.unacked_lost == 0
+
+        run(main, timeout=100)
+    finally:
+        proxy.stop()
