@@ -6,15 +6,17 @@ stay with the benchmarks that write them. `on_files` adds each to the site at it
 in the repository, so their own relative links (`broky.fbs`, `results/chaos.md`) work
 as they do on disk.
 
-The pages under docs/ link to those files as the repository sees them
-(`../schema/README.md` from docs/http.md), which is right when browsing the
-repository; `on_page_markdown` rewrites each such link to where the file is in the
-site. A link to a file that is neither under docs/ nor added here is left as written,
-and `mkdocs build --strict` fails on it.
+Every page links to other files as the repository sees them (`../schema/README.md`
+from docs/http.md, `../docs/operations/monitoring.md` from schema/HTTP.md), which is
+right when browsing the repository; `on_page_markdown` rewrites each link that crosses
+between docs/ and the files added here to where its target is in the site. A link to a
+file that is neither under docs/ nor added here is left as written, and
+`mkdocs build --strict` fails on it.
 """
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from pathlib import Path
@@ -39,9 +41,12 @@ BESIDE_THE_CODE = (
 LINK = re.compile(r"(\]\()(?![a-z][a-z0-9+.-]*:|#|/)([^)\s#]+)(#[^)\s]*)?(\s+\"[^\"]*\")?\)")
 
 
-def published() -> set[str]:
+@functools.cache
+def published() -> frozenset[str]:
     """The repository paths `on_files` adds to the site."""
-    return {p.relative_to(ROOT).as_posix() for pattern in BESIDE_THE_CODE for p in ROOT.glob(pattern)}
+    return frozenset(
+        p.relative_to(ROOT).as_posix() for pattern in BESIDE_THE_CODE for p in ROOT.glob(pattern)
+    )
 
 
 def on_files(files: Files, config: Any, **_: Any) -> Files:
@@ -51,20 +56,22 @@ def on_files(files: Files, config: Any, **_: Any) -> Files:
 
 
 def site_uri(target: Path) -> str | None:
-    """Where a file of the repository outside docs/ is in the site, or None."""
+    """Where a file of the repository is in the site, or None when it is not there."""
+    if target.is_relative_to(DOCS):
+        return target.relative_to(DOCS).as_posix()
     if target.is_relative_to(ROOT) and target.relative_to(ROOT).as_posix() in published():
         return target.relative_to(ROOT).as_posix()
     return None
 
 
 def rewrite_links(markdown: str, source: Path, src_uri: str) -> str:
-    """`markdown` with each link that leaves docs/ pointed at the file's place in the site."""
+    """`markdown` (of the file at `source`, `src_uri` in the site) with each link to a
+    file of the repository pointed at that file's place in the site."""
 
     def point(match: re.Match[str]) -> str:
-        target = (source.parent / match.group(2)).resolve()
-        uri = None if target.is_relative_to(DOCS) else site_uri(target)
+        uri = site_uri((source.parent / match.group(2)).resolve())
         if uri is None:
-            return match.group(0)  # inside docs/ (mkdocs checks it), or not in the site: as written
+            return match.group(0)  # not in the site: as written (mkdocs says so)
         link = posixpath.relpath(uri, posixpath.dirname(src_uri) or ".")
         return f"{match.group(1)}{link}{match.group(3) or ''}{match.group(4) or ''})"
 
@@ -73,6 +80,4 @@ def rewrite_links(markdown: str, source: Path, src_uri: str) -> str:
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     source = page.file.abs_src_path
-    if source is None or not Path(source).resolve().is_relative_to(DOCS):
-        return markdown  # a file beside the code: its links are relative to the same layout
-    return rewrite_links(markdown, Path(source).resolve(), page.file.src_uri)
+    return markdown if source is None else rewrite_links(markdown, Path(source).resolve(), page.file.src_uri)

@@ -12,6 +12,7 @@ exist), or is not run (then it is still compiled, or parsed by `bash -n`).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -221,6 +222,21 @@ def test_every_page_is_in_the_navigation() -> None:
     assert on_disk <= listed, sorted(on_disk - listed)
     beside = listed - on_disk
     assert all((ROOT / path).exists() for path in beside), sorted(beside)
+
+
+def test_links_between_docs_and_the_files_beside_the_code_are_pointed_at_the_site() -> None:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page = "[p](../schema/README.md#51-x) [i](../bench/results/sdk_cpu.png) [s](sdk/index.md) [n](../run)"
+    assert hooks.rewrite_links(page, DOCS / "http.md", "http.md") == (
+        "[p](schema/README.md#51-x) [i](bench/results/sdk_cpu.png) [s](sdk/index.md) [n](../run)"
+    )
+    back = "[m](../docs/operations/monitoring.md) [f](broky.fbs) [u](https://example.org/a.md)"
+    assert hooks.rewrite_links(back, ROOT / "schema" / "HTTP.md", "schema/HTTP.md") == (
+        "[m](../operations/monitoring.md) [f](broky.fbs) [u](https://example.org/a.md)"
+    )
 
 
 # ---------------------------------------------------------------- the examples, run
