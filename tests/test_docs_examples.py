@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import requires
 from tests.serverproc import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,6 +294,9 @@ def test_a_spark_program_runs_as_written(example: Example, spark: Any, server: S
 def test_a_shell_example_runs_as_written(
     example: Example, start_server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
+    for name in sorted(requires.PACKAGES):  # the programs the tests need that a line calls
+        if re.search(rf"(^|[|;&]\s*){name}\s", example.code, re.M):
+            requires.program(name)
     server = start_server()
     env = environment(server, tmp_path)
     for line in rewritten(example.code, server).splitlines():
