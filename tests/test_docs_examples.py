@@ -17,6 +17,7 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -350,6 +351,137 @@ def test_the_quick_start_prints_what_it_says(
         assert read_lines(sub, len(shown), 30) == shown
     finally:
         stop(sub)
+
+
+def examples_run_by(name: str) -> list[Example]:
+    """The examples whose comment says this module's test `name` runs them, in page order."""
+    return [e for e in EXAMPLES if e.mark == f"tested by tests/test_docs_examples.py::{name}"]
+
+
+def commands(example: Example) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments and blank lines left out."""
+    lines = example.code.replace("\\\n", " ").splitlines()
+    return [line.split("  #", 1)[0].strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def serve_args(command: str, tmp_path: Path) -> list[str]:
+    """The options of a documented `broky serve` command line, its files found in tmp_path."""
+    words = shlex.split(command)
+    assert words[:2] == ["broky", "serve"], command
+    return [str(tmp_path / w) if (tmp_path / w).exists() else w for w in words[2:]]
+
+
+def run_line(line: str, tmp_path: Path, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        ["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, timeout=RUN_TIMEOUT
+    )
+    assert done.returncode == 0, f"{line}\n{done.stderr.decode()}"
+    return done.stdout.decode()
+
+
+def run_program(example: Example, server: ServerProcess, tmp_path: Path, env: dict[str, str]) -> str:
+    """Run a documented program against `server`, the host name it names (a TLS
+    certificate's) being `localhost`, whose certificate tmp_path's CA signed."""
+    code = rewritten(example.code, server).replace("broky.example.com:4777", f"localhost:{server.port}")
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, timeout=RUN_TIMEOUT
+    )
+    assert done.returncode == 0, f"{example}:\n{done.stderr.decode()}"
+    assert done.stdout.strip(), f"{example} printed nothing"
+    return done.stdout.decode()
+
+
+def openssl(tmp_path: Path, *args: str) -> None:
+    subprocess.run(
+        [requires.program("openssl"), *args], cwd=tmp_path, check=True, capture_output=True, timeout=60
+    )
+
+
+def make_certificates(tmp_path: Path) -> None:
+    """What the TLS examples name: ca.pem signed server.pem (for localhost),
+    clients-ca.pem signed client.pem (CN=reporting)."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    for name, ca, cn, ext in (
+        ("server", "ca", "localhost", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "clients-ca", "reporting", "extendedKeyUsage=clientAuth"),
+    ):
+        if not (tmp_path / f"{ca}.pem").exists():
+            openssl(tmp_path, "req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.pem",
+                    "-days", "2", "-subj", f"/CN={ca}")  # fmt: skip
+        (tmp_path / f"{name}.ext").write_text(ext + "\n")
+        openssl(tmp_path, "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}")
+        openssl(tmp_path, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                "-extfile", f"{name}.ext")  # fmt: skip
+
+
+PASSWORD = "correct-horse-battery"  # as the page's curl line takes it: no space
+
+
+def write_users(tmp_path: Path, env: dict[str, str]) -> str:
+    """users.toml as the page shows it, every password hash that of PASSWORD made by the
+    page's own `broky passwd < password.txt`; returns the remaining commands of its block."""
+    (toml,) = [e for e in EXAMPLES if e.page == "docs/operations/production.md" and e.lang == "toml"]
+    shell = next(e for e in examples_run_by("test_the_users_examples_run_as_written") if e.lang == "sh")
+    passwd, *rest = commands(shell)
+    (tmp_path / "password.txt").write_text(PASSWORD + "\n")
+    digest = run_line(passwd, tmp_path, env).strip()
+    assert digest.startswith("pbkdf2-sha256$"), digest
+    (tmp_path / "users.toml").write_text(re.sub(r'password = "[^"]*"', f'password = "{digest}"', toml.code))
+    return "\n".join(rest)
+
+
+@pytest.mark.timeout(120)
+def test_the_tls_examples_run_as_written(start_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
+    make_certificates(tmp_path)
+    shell, program = examples_run_by("test_the_tls_examples_run_as_written")
+    tls_only, mutual, reload = commands(shell)
+    assert reload.startswith("kill -HUP MASTER_PID")
+    for line in (tls_only, mutual):
+        server = start_server(*serve_args(line, tmp_path))
+        env = environment(server, tmp_path)
+        if line == mutual:  # the program presents client.pem, which only mutual TLS asks for
+            assert "published over TLS" in run_program(program, server, tmp_path, env)
+        run_line(reload.replace("MASTER_PID", str(server.pid)), tmp_path, env)
+        server.wait_log("SIGHUP received: TLS certificates reloaded")
+        assert server.proc is not None and server.proc.poll() is None
+
+
+@pytest.mark.timeout(120)
+def test_the_users_examples_run_as_written(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    make_certificates(tmp_path)
+    rest = write_users(tmp_path, dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+    serve, reload, sub, curl = rest.splitlines()
+    server = start_server(*serve_args(serve, tmp_path))
+    env = environment(server, tmp_path)
+    run_line(reload.replace("MASTER_PID", str(server.pid)), tmp_path, env)
+    server.wait_log("SIGHUP received: 3 users reloaded")
+    assert sub.startswith("BROKY_PASSWORD=... ")
+    subscriber = subprocess.Popen(
+        ["bash", "-c", sub.replace("BROKY_PASSWORD=...", f"BROKY_PASSWORD='{PASSWORD}'")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while metric_sum(server, "broky_subscriptions") < server.workers:
+            assert subscriber.poll() is None and time.monotonic() < deadline, "broky sub did not subscribe"
+            time.sleep(0.05)
+        answer = run_line(rewritten(curl.replace("PASSWORD", PASSWORD), server), tmp_path, env)
+        assert json.loads(answer).get("published") == 1, answer
+        assert read_lines(subscriber, 1, 30) == ["hi"]
+    finally:
+        stop(subscriber)
+    (program,) = [e for e in examples_run_by("test_the_users_examples_run_as_written") if e.lang == "python"]
+    tls_only = commands(examples_run_by("test_the_tls_examples_run_as_written")[0])[0]
+    over_tls = start_server(*serve_args(tls_only, tmp_path), *serve_args(serve, tmp_path))
+    env = {**environment(over_tls, tmp_path), "BROKY_PASSWORD": PASSWORD}
+    assert "published as orders-service" in run_program(program, over_tls, tmp_path, env)
 
 
 # ---------------------------------------------------------------- tables that name the code
