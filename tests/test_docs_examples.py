@@ -35,7 +35,9 @@ import yaml
 from tests import requires
 from tests.serverproc import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(
+    p for p in Path(__file__).resolve().parents if (p / "mkdocs.yml").exists()
+)  # wherever tests/ puts this
 DOCS = ROOT / "docs"
 PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 LANGUAGES = {"python", "sh", "json", "toml", "yaml", "text", "js"}
@@ -515,6 +517,16 @@ def test_the_counters_table_names_every_counter_of_client_stats() -> None:
     rows = table("docs/sdk/asyncio.md", "## The client's counters", "counter")
     named = [c for row in rows for c in re.findall(r"`(\w+)`", row[0])]
     assert sorted(named) == sorted(f.name for f in fields(ClientStats))
+
+
+def test_the_options_table_names_every_option_of_connect() -> None:
+    import inspect
+
+    from broky.client.client import Client
+
+    rows = table("docs/sdk/options.md", "## Options of `connect` / `connect_sync`", "option")
+    named = {o for row in rows for o in re.findall(r"`(\w+)", row[0])}
+    assert named == set(inspect.signature(Client.__init__).parameters) - {"self", "server"}
 
 
 def test_the_layout_page_draws_the_import_rule_the_architecture_test_holds() -> None:
