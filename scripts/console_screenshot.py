@@ -1,4 +1,4 @@
-"""Take the README's screenshot of the live console (docs/console.png) against a busy server.
+"""Take the docs' screenshot of the live console (docs/console.png) against a busy server.
 
     .venv/bin/python scripts/console_screenshot.py [--out docs/console.png] [--seconds 45] [--light]
 

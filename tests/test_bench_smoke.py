@@ -260,7 +260,7 @@ def test_report_targets_tables_and_plots(tmp_path: Path) -> None:
 
 
 def test_only_a_full_run_writes_into_the_committed_results() -> None:
-    """A quick or partial run must not replace bench/results (the README quotes those)."""
+    """A quick or partial run must not replace bench/results (the docs quote those)."""
     from bench.__main__ import _full_run, _scratch
 
     assert _full_run([])

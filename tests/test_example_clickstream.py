@@ -1,4 +1,4 @@
-"""The README's example pipeline, examples/clickstream.py, end to end and small."""
+"""The docs' example pipeline (docs/spark/sink.md), examples/clickstream.py, end to end and small."""
 
 from __future__ import annotations
 

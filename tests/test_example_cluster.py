@@ -3,8 +3,8 @@ docker-compose.yml is checked for what can be checked without starting container
 (its settings parse as `broky serve` settings, its etcd flags are the flags of
 Debian's etcd that its etcd image runs, its Prometheus configuration passes promtool,
 its images are the ones `scripts/build-image --cluster` builds). Running it with
-podman-compose takes half a minute: it was run by hand (README, "The container image");
-tests/test_image.py builds and runs Broky's image."""
+podman-compose takes half a minute: it was run by hand (docs/operations/container.md,
+"A cluster in containers"); tests/test_image.py builds and runs Broky's image."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ READY = re.compile(r"cluster ready: 3 nodes, map version \d+, leader node\d, see
 SHARES = re.compile(r"  vbuckets per node: node1 (\d+), node2 (\d+), node3 (\d+)$")
 PID = re.compile(r"pid (\d+)")
 WORKDIR = re.compile(r"data and logs (?:kept )?in (\S+?)\)?$")
-QUICK_START = (4777, 9477)  # what `./run serve` holds while the README's reader tries the example
+QUICK_START = (4777, 9477)  # what `./run serve` holds while the docs' reader tries the example
 
 
 @pytest.fixture

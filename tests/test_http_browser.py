@@ -1,7 +1,7 @@
 """The HTTP side as a browser uses it: headless Chromium's own EventSource and fetch against a
 real `broky serve` (tests/browser.py drives it over the DevTools protocol).
 
-An event stream must keep going whatever happens to its connection, as the README says
+An event stream must keep going whatever happens to its connection, as docs/http.md says
 ("reconnects by itself"), and end with every message or a told loss: resumed twice with
 the same Last-Event-ID (a reconnect that died before its first event), across a server
 restart (its HTTP port answers before its workers are ready), and while the server's

@@ -793,13 +793,12 @@ def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(sma
     assert "broky_http_streams_cut_total 1" in metrics
 
 
-# ---------------------------------------------------------------- the README's examples
+# ---------------------------------------------------------------- the docs' examples
 
 
-def _readme_http() -> tuple[list[str], list[str]]:
-    """The README's HTTP section: its shell command lines, and its JSON examples."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("\n## HTTP\n", 1)[1].split("\n## ", 1)[0]
+def _docs_http() -> tuple[list[str], list[str]]:
+    """docs/http.md: its shell command lines, and its JSON examples."""
+    section = (Path(__file__).parent.parent / "docs" / "http.md").read_text()
     commands = [
         line
         for block in re.findall(r"```sh\n(.*?)```", section, re.S)
@@ -816,11 +815,11 @@ def _gauge(server: ServerProcess, name: str) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_the_readme_curl_examples_work_as_written(
+def test_the_docs_curl_examples_work_as_written(
     start_server: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:
     s = start_server()
-    commands, examples = _readme_http()
+    commands, examples = _docs_http()
     here = f"{s.host}:{s.metrics_port}"
     env = {**os.environ, "BROKY_AUTH_TOKEN": "unused: this server has no token"}
     streams = [c for c in commands if "curl -N" in c]

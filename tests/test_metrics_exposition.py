@@ -110,13 +110,13 @@ def test_a_family_without_labels_has_no_braces() -> None:
     assert family.render().splitlines()[-1] == "broky_workers_ready 2.0"
 
 
-def test_the_drop_reasons_are_the_labels_of_the_dropped_counter_and_the_readme_names_each() -> None:
+def test_the_drop_reasons_are_the_labels_of_the_dropped_counter_and_the_docs_name_each() -> None:
     _, samples = parse(Exporter().render([{}, {"dropped": {}}], {}))["broky_messages_dropped"]
     for worker in ("0", "1"):
         labels = {dict(pairs)["reason"] for _, pairs in samples if dict(pairs)["worker"] == worker}
         assert labels == {str(r) for r in DropReason}
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    (row,) = [line for line in readme.splitlines() if line.startswith("| `broky_messages_dropped_total{")]
+    page = (Path(__file__).parent.parent / "docs" / "operations" / "monitoring.md").read_text()
+    (row,) = [line for line in page.splitlines() if line.startswith("| `broky_messages_dropped_total{")]
     named = set(re.findall(r"`(\w+)`", row.split("|")[3]))
     assert named == {str(r) for r in DropReason}
 

@@ -1,5 +1,5 @@
-"""`./run`, the README's two commands: what the README says `./run test` installs is
-what it installs, and it installs every program the tests require."""
+"""`./run`, the README's two commands: what the docs say `./run test` installs
+(docs/getting-started.md) is what it installs, and it installs every program the tests require."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ def apt_installs() -> dict[str, str]:
     return dict(re.findall(r"command -v (\S+) >/dev/null \|\| missing\+=\((\S+)\)", run))
 
 
-def test_the_readme_names_every_package_run_test_installs() -> None:
+def test_the_docs_name_every_package_run_test_installs() -> None:
     installs = apt_installs()
     assert {"flatc", "etcd", "java"} <= set(installs), installs
-    readme = " ".join((ROOT / "README.md").read_text().split())  # one line: the sentence wraps
-    listed = re.search(r"`\./run test` also installs the Debian packages the tests start \(([^)]*)\)", readme)
+    page = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())  # one line: it wraps
+    listed = re.search(r"`\./run test` also installs the Debian packages the tests start \(([^)]*)\)", page)
     assert listed is not None
     named = [name.strip() for name in listed.group(1).split(",")]
     assert sorted(named) == sorted("a Java runtime for Spark" if p == "java" else p for p in installs), named

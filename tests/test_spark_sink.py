@@ -37,7 +37,7 @@ from tests.spark_fixtures import SparkLog
 pytestmark = pytest.mark.spark
 
 EVENTS = ("view", "click", "buy")
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "spark" / "sink.md"
 
 
 @contextmanager
@@ -269,16 +269,15 @@ def test_streaming_write_from_the_rate_source_is_received(spark: Any, server: Se
         assert m.ts_producer is not None and abs(m.ts_producer - time.time_ns()) < 300e9
 
 
-def readme_example() -> str:
-    """The README's Spark sink example: the first Python block of its section."""
-    section = README.read_text().split("\n## Spark sink\n", 1)[1]
-    return section.split("```python\n", 1)[1].split("```\n", 1)[0]
+def docs_example() -> str:
+    """The Spark sink's example in the docs: the first Python block of its page."""
+    return PAGE.read_text().split("```python\n", 1)[1].split("```\n", 1)[0]
 
 
-def test_the_readme_example_runs_as_written_and_removes_its_checkpoint(
+def test_the_docs_example_runs_as_written_and_removes_its_checkpoint(
     spark: Any, server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    code = readme_example()
+    code = docs_example()
     assert code.count('"127.0.0.1:4777"') == 2 and "query.awaitTermination(10)" in code
     code = code.replace('"127.0.0.1:4777"', f'"{servers(server)}"')
     made: list[str] = []
@@ -290,9 +289,7 @@ def test_the_readme_example_runs_as_written_and_removes_its_checkpoint(
 
     monkeypatch.setattr(tempfile, "TemporaryDirectory", Recorded)
     with subscriber(server) as sub:
-        exec(
-            compile(code, "README.md, Spark sink", "exec"), {}
-        )  # its own session is the tests' (getOrCreate)
+        exec(compile(code, "docs/spark/sink.md", "exec"), {})  # its own session is the tests' (getOrCreate)
         got = drain(sub, 3)
     assert sorted(m.payload for m in got if m.key.startswith(b"orders.")) == [b'{"id": 1}', b'{"id": 2}']
     assert any(m.key == b"rate.tick" for m in got), got  # the streaming query ran

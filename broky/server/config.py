@@ -41,8 +41,8 @@ DEFAULT_MAX_PENDING_BYTES = 64 << 20
 DEFAULT_MAX_SUBSCRIPTIONS = 10_000
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 2 << 20
 DEFAULT_MAX_REPLY_BYTES = 1 << 20
-# Defaults a 2-core, 4 GiB host can afford (the arithmetic: README, "Limits on a
-# small host"; schema/README.md section 8). The memory budget bounds every worker's
+# Defaults a 2-core, 4 GiB host can afford (the arithmetic: docs/operations/limits.md,
+# "Limits on a small host"; schema/README.md section 8). The memory budget bounds every worker's
 # pending outbound bytes together (broky.server.shard.budget): 1 GiB, a quarter of the
 # host. An idle connection costs about 2 KB of a worker's memory and 5 KB of the
 # kernel's (measured), so 10,000 per worker cost about 140 MB on two workers.
