@@ -499,7 +499,7 @@ def test_shard_feed_one_message(benchmark) -> None:  # type: ignore[no-untyped-d
         frames = [encoder.encode(b"tenant-%d" % i, KEY, PAYLOAD, None)[0] for i in range(64)]
         publisher = Connection(shard, b"", 2)  # type: ignore[arg-type]
         publisher.transport = _NullTransport()  # type: ignore[assignment]
-        for c in (publisher, conn):  # each has its secret (Shard.new_connection gives one)
+        for c in (publisher, conn):  # each has its secret (Arrivals.new_connection gives one)
             c.token = bytes(RESUME_TOKEN_BYTES)  # type: ignore[attr-defined]
         shard.book.open(publisher)  # type: ignore[attr-defined]
         shard.book.open(conn)  # type: ignore[attr-defined]

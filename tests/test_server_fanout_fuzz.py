@@ -5,7 +5,7 @@ in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
 feed raises nothing, every frame a subscriber receives decodes as a valid
 Message (or a LossNotice), and a publisher either stays open or receives one
 fatal Error and is closed. Unmutated streams are delivered exactly, and read
-back exactly by a bounded read (broky.server.shard.reads), which mutated streams
+back exactly by a bounded read (broky.server.shard.positions), which mutated streams
 may carry too. Every
 test runs on both implementations of the fast path: the pure-Python reference
 and its compiled twin (broky.server.shard.fastpath; tests/test_server_feed_twin.py
@@ -203,7 +203,7 @@ def test_mutated_streams_never_escape_the_protocol(
         data[at % len(data)] = value
     for chunk in chunked(bytes(data), cuts):
         shard.feed(publisher, chunk)  # must not raise
-    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.reads)
+    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.positions)
         loop.run_until_complete(asyncio.sleep(0))
     try:
         check_outputs(subs, publisher)
@@ -287,7 +287,7 @@ def test_the_shape_cache_is_bounded_and_every_shape_routes(
         for n in range(100)
     ]
     shard.feed(publisher, b"".join(sent) * 2)
-    assert len(shard.uid_shapes) <= 16 and len(shard.plain_shapes) <= 16
+    assert all(len(shapes) <= 16 for shapes in shard.shapes)
     got = check_outputs(subs, publisher)
     assert publisher.state == OPEN
     want = [decode_frame(f) for f in sent] * 2
@@ -333,7 +333,7 @@ def test_starts_from_any_position_never_escape_the_protocol(
         data[at % len(data)] = value
     for chunk in chunked(bytes(data), cuts):
         shard.feed(publisher, chunk)  # must not raise
-    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.reads)
+    for _ in range(3):  # what follows a Read waits for a turn of the loop (broky.server.shard.positions)
         loop.run_until_complete(asyncio.sleep(0))
     try:
         check_outputs(subs, publisher)

@@ -114,7 +114,7 @@ def build(loop: asyncio.AbstractEventLoop, compiled: bool, pending: int) -> tupl
     def connection(i: int) -> Connection:
         c = Connection(shard, b"", i)
         c.transport = Recorder()  # type: ignore[assignment]
-        c.token = bytes(RESUME_TOKEN_BYTES)  # its secret (Shard.new_connection gives a random one)
+        c.token = bytes(RESUME_TOKEN_BYTES)  # its secret (Arrivals.new_connection gives a random one)
         shard.conns[i] = c
         shard.book.open(c)
         return c

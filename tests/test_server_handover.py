@@ -84,7 +84,7 @@ class Node:
         config = ServerConfig(workers=1, node_id=info.node_id, move_timeout=move_timeout)
         self.shard = Shard(config, 0, asyncio.get_event_loop(), vmap=BEFORE, compiled=compiled)
         self.reported: list[bytes] = []
-        self.shard.handover.report = self.reported.append
+        self.shard.moves.report = self.reported.append
         self.next_id = 0
 
     def connection(self) -> Connection:
@@ -160,12 +160,12 @@ def test_a_planned_move_continues_the_sequence_and_holds_what_needs_it(compiled:
     # A Read waits only when it covers the vbucket: one narrowed to others is answered now.
     w_other, w_read = w.connection(), w.connection()
     w.shard.feed(w_other, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY),))))
-    assert w_other not in w.shard.handover.held
+    assert w_other not in w.shard.moves.held
     assert [(d.vbucket, d.next) for d in dones(w_other)] == [(vbucket_of(STAY), 2)]
     w.shard.feed(w_read, encode_frame(Read(1, b">", vbuckets=(vbucket_of(STAY), VB))))
     assert w_read.held and frames(w_read) == []
-    w.shard.take_handed(record)  # through etcd, from x's agent to w's
-    assert not w_pub.held and not w_new.held and not w.shard.handover.held and not w.shard.handover.awaiting
+    w.shard.moves.take_handed(record)  # through etcd, from x's agent to w's
+    assert not w_pub.held and not w_new.held and not w.shard.moves.held and not w.shard.moves.awaiting
     assert sorted((d.vbucket, d.next) for d in dones(w_read)) == sorted([(vbucket_of(STAY), 2), (VB, 10)])
     assert positions(w_sub) == [(epoch, 8, 7), (epoch, 9, 8)]  # the sequence goes on, in order
     answer = frames(w_new)
@@ -191,14 +191,14 @@ def test_a_record_of_another_worker_or_an_earlier_move_is_not_taken(compiled: bo
     stale = Handed("x", 0, PREPARE.version, [(VB, 42, 100, 0)])  # not after the prepare
     other = Handed("y", 0, COMMIT.version, [(VB, 43, 200, 0)])  # not the owner it waits for
     for record in (stale, other):
-        w.shard.take_handed(record.encode())
+        w.shard.moves.take_handed(record.encode())
     w.shard.apply_map(COMMIT)
-    assert VB in w.shard.handover.awaiting
+    assert VB in w.shard.moves.awaiting
     # Known early (an etcd resync reads the handover keys before the map): used once awaited.
     w2 = Node(W, compiled)
-    w2.shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 44, 300, 0)]).encode())
+    w2.shard.moves.take_handed(Handed("x", 0, COMMIT.version, [(VB, 44, 300, 0)]).encode())
     w2.shard.apply_map(PREPARE)
-    assert not w2.shard.handover.awaiting
+    assert not w2.shard.moves.awaiting
     assert (w2.shard.seqs.epoch_of(VB), w2.shard.seqs.next_of(VB)) == (44, 300)
 
 
@@ -218,7 +218,7 @@ def test_past_the_deadline_or_without_the_old_owner_the_sequence_starts_a_new_ep
     alone = Node(W, compiled)
     alone.shard.apply_map(PREPARE)
     alone.shard.apply_map(VBucketMap(3, (W,), tuple((0, 0) for _ in range(VBUCKETS))))
-    assert not alone.shard.handover.awaiting and alone.shard.stats.vbuckets_restarted == HALF
+    assert not alone.shard.moves.awaiting and alone.shard.stats.vbuckets_restarted == HALF
 
 
 def test_a_cancelled_move_releases_what_it_held(compiled: bool) -> None:
@@ -228,7 +228,7 @@ def test_a_cancelled_move_releases_what_it_held(compiled: bool) -> None:
     publish(w, pub, KP, 0, 1)
     assert pub.held
     w.shard.apply_map(VBucketMap(3, (X, W), OWNERS))  # cancelled: x keeps it
-    assert not pub.held and not w.shard.handover.awaiting
+    assert not pub.held and not w.shard.moves.awaiting
     assert errors(pub) == [ErrorCode.NOT_MY_VBUCKET]
     assert w.reported == []  # it never had the sequence: nothing to hand over
 
@@ -238,10 +238,10 @@ def test_a_worker_that_starts_with_a_prepared_map_awaits_what_moves_to_it(compil
     # starts with that map: its own vbuckets start new epochs, the incoming ones wait.
     config = ServerConfig(workers=1, node_id="w")
     shard = Shard(config, 0, asyncio.get_event_loop(), vmap=PREPARE, compiled=compiled)
-    assert list(shard.handover.awaiting) == [VB]
-    waited = shard.handover.awaiting[VB]
+    assert list(shard.moves.awaiting) == [VB]
+    waited = shard.moves.awaiting[VB]
     assert (waited.node, waited.worker, waited.since) == ("x", 0, PREPARE.version)
-    shard.take_handed(Handed("x", 0, COMMIT.version, [(VB, 45, 400, 0)]).encode())
+    shard.moves.take_handed(Handed("x", 0, COMMIT.version, [(VB, 45, 400, 0)]).encode())
     assert (shard.seqs.epoch_of(VB), shard.seqs.next_of(VB)) == (45, 400)
 
 
@@ -268,7 +268,7 @@ def test_the_old_owner_serves_what_it_retained_of_a_vbucket_it_handed_over(compi
     epoch = x.shard.seqs.epoch_of(VB)
     x.shard.apply_map(PREPARE)
     x.shard.apply_map(COMMIT)  # handed over: VB is former here, its 7 messages stay
-    assert x.shard.handover.former == {VB: (epoch, 8)}
+    assert x.shard.seqs.former == {VB: (epoch, 8)}
     snap = x.shard.snapshot()
     assert (snap["former_vbuckets"], snap["former_messages"], snap["replay_dropped_messages"]) == (1, 7, 0)
     # Named in `vbuckets`: its range up to the handover, and ReadDone.moved.
@@ -300,7 +300,7 @@ def test_the_old_owner_serves_what_it_retained_of_a_vbucket_it_handed_over(compi
     )
     # It comes back: what x retained of it goes (counted), before it awaits its sequence.
     x.shard.apply_map(BACK)
-    assert x.shard.handover.former == {} and x.shard.stats.replay_dropped_messages == 7
+    assert x.shard.seqs.former == {} and x.shard.stats.replay_dropped_messages == 7
     assert x.shard.replay is not None and x.shard.replay.count(VB) == 0
     assert x.shard.seqs.epoch_of(VB) != epoch
 

@@ -1,4 +1,4 @@
-"""Starts from positions against a real server (broky.server.shard.history): a known
+"""Starts from positions against a real server (broky.server.shard.positions): a known
 sequence is published, then subscriptions start `since` positions, `since_time`,
 `last` N, and are answered with the retained messages, the live ones after them,
 and exact notices of what is missing."""

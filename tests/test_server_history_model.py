@@ -1,4 +1,4 @@
-"""Starts from positions against a model (broky.server.shard.history, in process).
+"""Starts from positions against a model (broky.server.shard.positions, in process).
 
 A Shard gets random reads of publishes (some key_partitions, keys that match or
 not, a replay buffer small enough to evict) while a watcher subscribed to `>`

@@ -1,4 +1,4 @@
-"""Bounded reads against a real server (broky.server.shard.reads): a known sequence is
+"""Bounded reads against a real server (broky.server.shard.positions): a known sequence is
 published, then read back with raw Read frames: ranges from positions, times and
 the oldest retained, up to positions or to the Read; what was evicted counted
 exactly; the read paced by the connection's drain."""
@@ -299,7 +299,7 @@ def test_one_read_at_a_time_per_connection(start_server: Any) -> None:
 
 def test_reads_in_one_write_are_served_on_turns_of_their_own_in_order(start_server: Any) -> None:
     # A Read is handled over turns of the worker's loop, and the input after it waits for
-    # the next turn (broky.server.shard.reads, "Turns of the loop"): each Read of one write is
+    # the next turn (broky.server.shard.positions, "Turns of the loop"): each Read of one write is
     # handled by a read of its own, whose clock reading its Replay carries (`ts`), and the
     # answers keep the order of the Reads, the Pong after them.
     server: ServerProcess = start_server(workers=1)

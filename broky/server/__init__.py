@@ -9,9 +9,11 @@ draws it; tests/test_architecture.py holds the rules):
              `serve` and `passwd` subcommands
   worker/    a worker process: the event loop around its shard, the views it
              answers the master's STATS requests with, the loop probe
-  shard/     the shard inside a worker: the fan-out fast path and its compiled
-             twin, connections, subscriptions and groups, positions (the
-             replay buffer, starts and reads), moves, budgets, counters
+  shard/     the shard inside a worker: a core, the fan-out fast path and its
+             compiled twin, and its parts (connections' arrivals, groups,
+             positions: the replay buffer, starts and reads; moves, the
+             restart grace, budgets, counters), which know the core through
+             one Protocol and never each other
   http/      the HTTP port, served by the master: the server, the monitoring
              endpoints and metrics, the console, the gateway (/v1/)
   security/  users and their permissions, TLS

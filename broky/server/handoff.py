@@ -12,10 +12,10 @@ master -> worker
              "grace": restart grace seconds (0: none), "expect": number of EXPECT
              messages that follow, "users": the users file (--users) as read, or null}
     MAP      JSON vbucket map (broky.protocol.VBucketMap.to_json): a newer map
-             to apply (the cluster's; broky.server.shard.ownership `Shard.apply_map`)
+             to apply (the cluster's; broky.server.shard.core `Shard.apply_map`)
     EXPECT   uint64 connection ids (follows CONFIG when the worker replaces a
              dead one): the dead worker's connections that had subscriptions
-             (broky.server.shard.grace `Shard.start_grace`)
+             (broky.server.shard.grace `Grace.start`)
     CONN     a hand-off: `pack_conn` (uint32 hand-off id, then the bytes already
              read from the client: its Hello frame, and for a client resuming
              a connection of a dead worker, that connection's account:
@@ -30,10 +30,10 @@ master -> worker
     GRACE    uint32 milliseconds: this server (or node) restarted, as a
              reconnecting client just showed: hold publishes that long so
              that the previous process's subscribers can subscribe again
-             (broky.server.shard.grace `Shard.start_node_grace`)
+             (broky.server.shard.grace `Grace.start_node`)
     SEQUENCES  a handover record read from etcd (JSON, broky.server.shard.moves
              `Handed`): the sequences a worker of the cluster handed over;
-             the new owners continue them (`Shard.take_handed`)
+             the new owners continue them (`Moves.take_handed`)
     RELOAD   (no payload) SIGHUP: load the TLS certificates again; handshakes
              that start later use them (broky.server.security.tls `Certificates`)
     USERS    JSON: the users file, read again at SIGHUP (broky.server.security.users): the worker

@@ -18,7 +18,7 @@ and a shared table for its connection accounts (broky.server.accounts). When a
 worker is reaped, its accounts are read into `dead` for resuming clients, and
 its successor is told which of the dead worker's connections had
 subscriptions, so that it holds publishes until they are back (the restart
-grace, broky.server.shard.grace `Shard.start_grace`).
+grace, broky.server.shard.grace `Grace.start`).
 
 The supervisor also counts every worker's connections by client address
 (`by_address`, for --max-connections-per-address): a hand-off counts from

@@ -6,8 +6,10 @@ The master reads a client's Hello and hands the socket to a worker with
 those bytes (broky.server.handoff); the worker makes a Connection of it
 (`new_connection`: an id made of this worker incarnation's `epoch` and a
 counter, and a secret of its own, the resume token) and answers the Hello
-with a Welcome once the transport holds the socket (`opened`), or with a
-Goodbye if it is shutting down.
+with a Welcome once the transport holds the socket (`opened`; the core
+answers with a Goodbye instead if it is shutting down). The Welcome of a map
+is encoded once (`template`: milliseconds for the 1024-entry map), for the
+first connection after the map changed.
 
 A client that reconnects names the connection it replaces (Hello.previous:
 its id, its resume token, what it received and what it was told it lost).
@@ -20,9 +22,18 @@ nothing and closes nothing (`refuse_claim`). The Welcome says how many of
 the old connection's publishes were processed (Welcome.resumed), and
 LossNotices follow it: deliveries queued to the old connection that the
 client did not receive, and drops it was never told of; without an account,
-one LossNotice UNACCOUNTED. A subscriber of a dead worker that comes back
-during the restart grace is marked (`resuming`), so that the grace ends once
-they are all back (broky.server.shard.grace).
+one LossNotice UNACCOUNTED. What a claim resumed goes back to the core,
+which tells the restart grace (broky.server.shard.grace): a subscriber of a
+dead worker that comes back is marked (`resuming`), so that the grace ends
+once they are all back.
+
+A client that resumes by positions is not told the deliveries its Subscribes
+replay, except its group members' (no replay gives those back): so this part
+keeps what each closed connection's group members were queued and lost
+untold (`left`, `closed_groups`), for the claim.
+
+The part is an object the core builds (`Shard.arrivals`, broky.server.shard.part);
+the worker makes its connections with it (`new_connection`).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from broky import __version__
 from broky.errors import ErrorCode, RemoteProtocolError
 from broky.protocol import (
     RESUME_TOKEN_BYTES,
@@ -40,100 +52,116 @@ from broky.protocol import (
     LossReason,
     PreviousConnection,
     Resumed,
+    Welcome,
     WelcomeTemplate,
     decode_frame,
     encode_frame,
 )
 from broky.server.accounts import Account, same_secret
+from broky.server.security.users import subject_of
 from broky.server.shard.connection import Connection
 from broky.server.shard.stats import DROPPED_AS, DropReason
 
 if TYPE_CHECKING:
-    from broky.server.accounts import AccountBook
-    from broky.server.config import ServerConfig
-    from broky.server.logs import Throttle
-    from broky.server.security.users import WorkerUsers
-    from broky.server.shard.grace import Grace
-    from broky.server.shard.groups import SubscriptionTable
-    from broky.server.shard.stats import WorkerStats
-
-from broky.server.security.users import subject_of
+    from broky.protocol import VBucketMap
+    from broky.server.shard.part import ShardCore
 
 log = logging.getLogger("broky.worker")
 
+CLOSED_KEPT = 65536  # closed connections' group deliveries kept: as many as the account table's slots
+
 
 class Arrivals:
-    """The Shard's part that welcomes connections (a mixin of broky.server.shard.core.Shard)."""
+    """The Shard's part that welcomes connections (`Shard.arrivals`), built with the core
+    (broky.server.shard.part)."""
 
-    if TYPE_CHECKING:  # what it uses of the rest of the Shard (a Connection's too: connection.Shard)
-        config: ServerConfig
-        users: WorkerUsers | None
-        book: AccountBook
-        epoch: int
-        welcome: WelcomeTemplate
-        stats: WorkerStats
-        conns: dict[int, Connection]
-        _next_id: int
-        closing: bool
-        warnings: Throttle
-        holding: bool
-        grace: Grace
-        matcher: SubscriptionTable
+    __slots__ = ("core", "epoch", "next_id", "welcome", "welcome_map", "closed_groups")
 
-        def feed(self, c: Connection, data: bytes) -> None: ...
-        def eof(self, c: Connection) -> bool: ...
-        def drained(self, c: Connection) -> None: ...
-        def goodbye(self, c: Connection, reason: str) -> None: ...
-        def fatal(self, c: Connection, code: ErrorCode, message: str) -> None: ...
-        def lost(self, c: Connection, exc: Exception | None) -> None: ...
+    def __init__(self, core: ShardCore, epoch: int) -> None:
+        self.core = core
+        self.epoch = epoch  # this worker incarnation's part of every connection id
+        self.next_id = 0
+        # The Welcome of the core's map, made again for the first connection after the map changed.
+        self.welcome: WelcomeTemplate | None = None
+        self.welcome_map: VBucketMap | None = None
+        # Closed connections' group deliveries and their drops not yet told (Connection.group_out,
+        # group_untold), for a resume by positions (`take_over`): the oldest forgotten past
+        # CLOSED_KEPT.
+        self.closed_groups: dict[int, tuple[int, int]] = {}
 
     def new_connection(self, initial: bytes, account: Account | None = None) -> Connection:
         """A connection handed over with its Hello (and, for a client resuming a
         connection of a dead worker, that connection's account)."""
-        self._next_id += 1
-        c = Connection(self, initial, (self.epoch << 32) | self._next_id)
+        self.next_id += 1
+        c = Connection(self.core, initial, (self.epoch << 32) | self.next_id)
         c.token = os.urandom(RESUME_TOKEN_BYTES)
         c.account = account
         return c
 
-    def opened(self, c: Connection) -> None:
-        """A handed-over socket is adopted: answer its Hello with a Welcome."""
-        self.conns[c.conn_id] = c
-        self.stats.connections += 1
-        self.stats.connections_total += 1
-        if self.closing:
-            self.goodbye(c, "server shutting down")
-            return
+    def opened(self, c: Connection) -> Resumed | None:
+        """A handed-over socket is adopted (the core has it among its connections): answer its
+        Hello with a Welcome; what it resumed (Welcome.resumed: the connection it claimed, with
+        that connection's account), if anything."""
+        core = self.core
         try:
             hello = decode_frame(c.initial) if c.initial else None
         except RemoteProtocolError as exc:
-            self.fatal(c, exc.code, str(exc))
-            return
+            core.fatal(c, exc.code, str(exc))
+            return None
         c.initial = b""
         if not isinstance(hello, Hello):
-            self.fatal(c, ErrorCode.EXPECTED_HELLO, "the first frame must be a Hello")
-            return
+            core.fatal(c, ErrorCode.EXPECTED_HELLO, "the first frame must be a Hello")
+            return None
         if hello.protocol_version not in SERVED_VERSIONS:
-            self.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
-            return
+            core.fatal(c, ErrorCode.UNSUPPORTED_VERSION, f"protocol version {hello.protocol_version}")
+            return None
         c.client_name = hello.client_name
         c.version = hello.protocol_version
-        users = self.users
+        users = core.users
         if users is not None:  # (a TLS client's certificate may name its user: mutual TLS)
             cert = c.transport.get_extra_info("peercert")
             c.user = name = users.identify(hello.auth_token, subject_of(cert) if cert else None)
             if name is not None:
                 c.perms = users.permissions(name)
-        self.book.open(c)
+        core.book.open(c)
         resumed, notices = (
             (None, b"") if hello.previous is None else self.take_over(c, hello.previous, hello.positions)
         )
-        welcome = self.welcome.for_connection(c.conn_id, c.token, resumed)
+        welcome = self.template().for_connection(c.conn_id, c.token, resumed)
         if notices:
             welcome += notices
         c.transport.write(welcome)
         c.sent = len(welcome)
         log.debug("connection %d from %s (%s) welcomed", c.conn_id, c.peer, c.client_name)
+        return resumed
+
+    def template(self) -> WelcomeTemplate:
+        """The Welcome of the core's map (made once per map)."""
+        welcome = self.welcome
+        core = self.core
+        vmap = core.map
+        if welcome is None or self.welcome_map is not vmap:
+            config = core.config
+            self.welcome_map = vmap
+            welcome = self.welcome = WelcomeTemplate(
+                Welcome(
+                    node_id=config.node_id,
+                    worker=core.index,
+                    map=vmap,
+                    max_frame_bytes=config.max_frame_bytes,
+                    max_pending_bytes=config.max_pending_bytes,
+                    server_version=__version__,
+                )
+            )
+        return welcome
+
+    def left(self, c: Connection) -> None:
+        """c's subscriptions are gone: keep its group deliveries for its client's resume."""
+        if c.group_out:
+            kept = self.closed_groups
+            if len(kept) >= CLOSED_KEPT:
+                del kept[next(iter(kept))]
+            kept[c.conn_id] = (c.group_out, c.group_untold)
 
     def take_over(
         self, c: Connection, prev: PreviousConnection, positions: bool = False
@@ -148,40 +176,40 @@ class Arrivals:
         drops it was never told of. A client that resumes by positions (Hello.positions)
         is not told the deliveries it did not receive from this worker incarnation: its
         Subscribes `since` its positions replay them, or tell exactly what is gone
-        (broky.server.shard.history; with no replay buffer, all of it).
+        (broky.server.shard.positions; with no replay buffer, all of it).
         """
         old_id = prev.connection_id
         proof = prev.resume_token
         account, reason = c.account, LossReason.WORKER_RESTART  # the master checked its proof
         c.account = None
-        stats = self.stats
+        core = self.core
+        stats = core.stats
+        book = core.book
         if account is None or account.conn_id != old_id:
             account, reason = None, LossReason.CONNECTION_LOST
             if old_id >> 32 == self.epoch:
-                old = self.conns.get(old_id)
+                old = core.conns.get(old_id)
                 if old is not None and old is not c:
                     if same_secret(proof, old.token):
                         self.supersede(old)
                     else:  # never close a live connection for a claim that cannot prove itself
                         self.refuse_claim(c, old_id)
                         old = None
-                refused_before = self.book.claims_refused
-                account = self.book.claim(old_id, proof)
-                if self.book.claims_refused != refused_before:
+                refused_before = book.claims_refused
+                account = book.claim(old_id, proof)
+                if book.claims_refused != refused_before:
                     self.refuse_claim(c, old_id)
         if account is None:
             stats.resumes["unknown"] += 1
             # It may have had deliveries queued that never arrived: how many, nobody alive knows.
             return None, encode_frame(LossNotice(0, LossReason.UNACCOUNTED))
-        if self.holding and old_id in self.grace.expected:
-            c.resuming = old_id  # back once its subscriptions are in (`feed_held`)
         stats.resumes[LossReason.name(reason)] += 1
         notices = []
         lost = account.delivered - prev.received
         died = reason == LossReason.WORKER_RESTART
         if account.cut:  # this worker cut it for its memory budget: a slow consumer
             reason = LossReason.SLOW_CONSUMER
-        group_out, group_untold = (0, 0) if died else self.matcher.groups.closed_group_out.pop(old_id, (0, 0))
+        group_out, group_untold = (0, 0) if died else self.closed_groups.pop(old_id, (0, 0))
         replayed = positions and not died  # the Subscribes that follow replay, or tell, what is after
         if lost > 0 and replayed:
             stats.resumes_by_positions += 1
@@ -215,8 +243,8 @@ class Arrivals:
     def refuse_claim(self, c: Connection, old_id: int) -> None:
         """A Hello.previous named a connection of this worker without its secret: the
         claim gets nothing (no account, no supersede); counted, logged throttled."""
-        self.stats.resumes["refused"] += 1
-        suppressed = self.warnings.allow(("claim", old_id >> 32))
+        self.core.stats.resumes["refused"] += 1
+        suppressed = self.core.warnings.allow(("claim", old_id >> 32))
         if suppressed is not None:
             more = f" ({suppressed} more since the last warning)" if suppressed else ""
             log.warning(
@@ -229,4 +257,4 @@ class Arrivals:
         (a half-open connection): close it now, so that its account is final."""
         log.info("connection %d from %s is replaced by a reconnect; closing it", old.conn_id, old.peer)
         old.transport.abort()
-        self.lost(old, None)
+        self.core.lost(old, None)

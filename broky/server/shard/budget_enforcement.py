@@ -1,8 +1,12 @@
 """The memory budget kept: pending bytes charged, the worst connections cut, the heap trimmed.
 
 broky.server.shard.budget keeps the numbers of a worker's share (what each kind
-uses, the room left for the pending bytes); this module is the Shard's part
-that keeps its connections within it, and gives memory back afterwards.
+uses, the room left for the pending bytes). The core charges each connection
+as it writes (`Shard.charge`) and notices a new peak once per read
+(`Shard.new_peak`): that is the write path's edge. This part keeps the
+connections within the share when a peak goes over it, and gives memory back
+afterwards; it keeps no state beyond the Budget, and is a module of functions
+the core calls with itself (broky.server.shard.part).
 
 Theory of operation
 -------------------
@@ -40,10 +44,10 @@ subscription flood (50,000 Subscribes of 4 KB, limits raised: 44 MB before,
 stalled subscribers. Once closed connections or Unsubscribes freed
 TRIM_AFTER_BYTES subscription bytes, or the pending bytes fell from a peak
 over TRIM_AFTER_PEAK (or a quarter of the budget's room, if less) to under a
-quarter of it, `tick` shrinks the matcher's tables that had an entry per
-pattern (`Matcher.compact`) and calls malloc_trim(0) (broky.server.shard.heap),
-at most once per TRIM_INTERVAL seconds: 53-64 MB after the same flood, for
-20-40 ms of the worker's time.
+quarter of it, the tick (`trim_due`, `trim_heap`) shrinks the matcher's
+tables that had an entry per pattern (`Matcher.compact`) and calls
+malloc_trim(0) (broky.server.shard.heap), at most once per TRIM_INTERVAL
+seconds: 53-64 MB after the same flood, for 20-40 ms of the worker's time.
 """
 
 from __future__ import annotations
@@ -58,12 +62,8 @@ from broky.server.shard.budget import LOW_MARK
 from broky.server.shard.connection import Connection
 
 if TYPE_CHECKING:
-    from broky.server.accounts import AccountBook
-    from broky.server.logs import Throttle
     from broky.server.shard.budget import Budget
-    from broky.server.shard.groups import SubscriptionTable
-    from broky.server.shard.replay import ReplayBuffer
-    from broky.server.shard.stats import WorkerStats
+    from broky.server.shard.part import ShardCore
 
 
 log = logging.getLogger("broky.worker")
@@ -78,119 +78,100 @@ def _charged(c: Connection) -> int:
     return c.charged
 
 
-class BudgetEnforcement:
-    """The Shard's part that keeps it within its memory budget (a mixin of
-    broky.server.shard.core.Shard)."""
+def refresh_pending(core: ShardCore, attention: list[Connection] | None = None) -> int:
+    """Make every connection's charge, and their total, exact; return the total.
+    `attention` (the tick's): gets the connections the tick has more to check of
+    (stopped reads, losses to tell, over their bound, a frame in pieces), in the same
+    pass (a second pass over every connection cost the tick 0.03 us a connection)."""
+    total = 0
+    for c in core.conns.values():
+        c.base = buffered = c.transport.get_write_buffer_size()
+        c.charged = pending = buffered + c.unflushed
+        total += pending
+        if attention is not None and (c.reads_stopped or c.dropped or c.over_since or c.rest):
+            attention.append(c)
+    core.budget.pending = total
+    return total
 
-    if TYPE_CHECKING:  # what it uses of the rest of the Shard
-        index: int
-        book: AccountBook
-        matcher: SubscriptionTable
-        stats: WorkerStats
-        conns: dict[int, Connection]
-        warnings: Throttle
-        budget: Budget
-        replay: ReplayBuffer | None
 
-        def lost(self, c: Connection, exc: Exception | None) -> None: ...
-
-    def charge(self, c: Connection, pending: int) -> None:
-        """c has `pending` bytes pending now: the budget's running total follows."""
-        budget = self.budget
-        budget.pending += pending - c.charged
-        c.charged = pending
-        if budget.pending > budget.peak:
-            budget.peaked = True  # `flush` calls new_peak once the read is written
-
-    def new_peak(self) -> None:
-        """The pending bytes reached a new peak: over the room, enforce the budget."""
-        budget = self.budget
-        budget.peaked = False
-        if budget.pending > budget.room:
-            budget.peak = budget.room  # at most the room: every read past it checks again
-            self.enforce_budget()
-        else:
-            budget.peak = budget.pending
-
-    def refresh_pending(self, attention: list[Connection] | None = None) -> int:
-        """Make every connection's charge, and their total, exact; return the total.
-        `attention` (the tick's): gets the connections the tick has more to check of
-        (stopped reads, losses to tell, over their bound, a frame in pieces), in the same
-        pass (a second pass over every connection cost the tick 0.03 us a connection)."""
-        total = 0
-        for c in self.conns.values():
-            c.base = buffered = c.transport.get_write_buffer_size()
-            c.charged = pending = buffered + c.unflushed
-            total += pending
-            if attention is not None and (c.reads_stopped or c.dropped or c.over_since or c.rest):
-                attention.append(c)
-        self.budget.pending = total
-        return total
-
-    def enforce_budget(self) -> None:
-        """Over the budget's room (maybe: the total may be stale): made exact, and if
-        still over, the connections with the most pending bytes are cut, worst first,
-        until the total is under the low mark."""
-        budget = self.budget
-        total = self.refresh_pending()
+def enforce_budget(core: ShardCore) -> None:
+    """Over the budget's room (maybe: the total may be stale): made exact, and if
+    still over, the connections with the most pending bytes are cut, worst first,
+    until the total is under the low mark."""
+    budget = core.budget
+    total = refresh_pending(core)
+    if total <= budget.room:
+        return
+    replay = core.replay
+    if replay is not None and replay.bytes:
+        # Owed bytes before an extra: the replay buffer makes room (down to the low mark).
+        wanted = math.ceil(total / LOW_MARK) - budget.room
+        replay.shrink(max(0, replay.bytes - wanted))
+        core.stats.replay_shrinks += 1
         if total <= budget.room:
             return
-        replay = self.replay
-        if replay is not None and replay.bytes:
-            # Owed bytes before an extra: the replay buffer makes room (down to the low mark).
-            wanted = math.ceil(total / LOW_MARK) - budget.room
-            replay.shrink(max(0, replay.bytes - wanted))
-            self.stats.replay_shrinks += 1
-            if total <= budget.room:
-                return
-        low = budget.low
-        worst = sorted(self.conns.values(), key=_charged, reverse=True)
-        cut = freed = 0
-        largest = worst[0]
-        largest_bytes = largest.charged
-        for c in worst:
-            if total <= low or not c.charged:
-                break
-            total -= c.charged
-            freed += c.charged
-            cut += 1
-            self.cut(c)
-        suppressed = self.warnings.allow("budget cuts")
-        if suppressed is not None:
-            more = f"; {suppressed} more cut since the last line" if suppressed else ""
-            log.warning(
-                "worker %d over its memory budget (%d bytes for pending bytes): cut %d connections "
-                "with %d bytes pending, the most pending first (connection %d from %s: %d bytes); "
-                "%d cut so far%s",
-                self.index, budget.room, cut, freed, largest.conn_id, largest.peer, largest_bytes,
-                self.stats.budget_cuts, more,
-            )  # fmt: skip
+    low = budget.low
+    worst = sorted(core.conns.values(), key=_charged, reverse=True)
+    cut_n = freed = 0
+    largest = worst[0]
+    largest_bytes = largest.charged
+    for c in worst:
+        if total <= low or not c.charged:
+            break
+        total -= c.charged
+        freed += c.charged
+        cut_n += 1
+        cut(core, c)
+    suppressed = core.warnings.allow("budget cuts")
+    if suppressed is not None:
+        more = f"; {suppressed} more cut since the last line" if suppressed else ""
+        log.warning(
+            "worker %d over its memory budget (%d bytes for pending bytes): cut %d connections "
+            "with %d bytes pending, the most pending first (connection %d from %s: %d bytes); "
+            "%d cut so far%s",
+            core.index, budget.room, cut_n, freed, largest.conn_id, largest.peer, largest_bytes,
+            core.stats.budget_cuts, more,
+        )  # fmt: skip
 
-    def cut(self, c: Connection) -> None:
-        """Close c at once, its buffers freed, to keep the worker within its budget. Its
-        account says so: a client reconnecting in its place is told exactly what it
-        lost, as SLOW_CONSUMER (`take_over`)."""
-        stats = self.stats
-        stats.budget_cuts += 1
-        stats.budget_cut_bytes += c.charged
-        self.book.mark_cut(c)
-        c.transport.abort()
-        self.lost(c, None)
 
-    def trim_heap(self, now: float) -> None:
-        """Give the heap that freed subscriptions or pending bytes left behind back to the OS."""
-        budget = self.budget
-        freed, peak = budget.freed_sub_bytes, budget.peak
-        budget.freed_sub_bytes = 0
-        budget.peak = budget.pending
-        budget.trimmed_at = now
-        before = heap.rss_bytes()
-        self.matcher.compact()
-        if heap.trim():
-            self.stats.memory_trims += 1
-            after = heap.rss_bytes()
-            log.debug(
-                "heap trimmed (%d subscription bytes freed, pending bytes %d after a peak of %d): "
-                "RSS %d -> %d bytes (%.1f ms)",
-                freed, budget.pending, peak, before, after, (_monotonic() - now) * 1000,
-            )  # fmt: skip
+def cut(core: ShardCore, c: Connection) -> None:
+    """Close c at once, its buffers freed, to keep the worker within its budget. Its
+    account says so: a client reconnecting in its place is told exactly what it
+    lost, as SLOW_CONSUMER (broky.server.shard.arrivals `take_over`)."""
+    stats = core.stats
+    stats.budget_cuts += 1
+    stats.budget_cut_bytes += c.charged
+    core.book.mark_cut(c)
+    c.transport.abort()
+    core.lost(c, None)
+
+
+def trim_due(budget: Budget, now: float) -> bool:
+    """The tick asks: freed subscriptions or a fallen peak of pending bytes left heap
+    behind (see "Memory" in the header), and the last trim was TRIM_INTERVAL ago."""
+    return (
+        budget.freed_sub_bytes >= TRIM_AFTER_BYTES
+        or (budget.peak >= min(TRIM_AFTER_PEAK, budget.share >> 2) and budget.pending < budget.peak >> 2)
+    ) and now - budget.trimmed_at >= TRIM_INTERVAL
+
+
+def trim_heap(core: ShardCore, now: float) -> None:
+    """Give the heap that freed subscriptions or pending bytes left behind back to the OS."""
+    budget = core.budget
+    freed, peak = budget.freed_sub_bytes, budget.peak
+    budget.freed_sub_bytes = 0
+    budget.peak = budget.pending
+    budget.trimmed_at = now
+    before = heap.rss_bytes()
+    core.matcher.compact()
+    if heap.trim():
+        core.stats.memory_trims += 1
+        after = heap.rss_bytes()
+        log.debug(
+            "heap trimmed (%d subscription bytes freed, pending bytes %d after a peak of %d): "
+            "RSS %d -> %d bytes (%.1f ms)",
+            freed, budget.pending, peak, before, after, (_monotonic() - now) * 1000,
+        )  # fmt: skip
+
+
+__all__ = ["cut", "enforce_budget", "refresh_pending", "trim_due", "trim_heap"]

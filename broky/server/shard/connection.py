@@ -23,9 +23,9 @@ is `charged`: its pending bytes as of the last flush that touched it, or of
 the last exact refresh (every tick, and before the worker cuts anyone).
 
 A connection's subscriptions are `Subscription`s; the subscription table
-(broky.server.shard.control) compiles those matching a key into a `Plan`, the
-distinct connections a message with that key goes to. Its bounded read in
-progress is a `ReadCursor` (broky.server.shard.reads serves it).
+(broky.server.shard.core, "Control frames") compiles those matching a key into
+a `Plan`, the distinct connections a message with that key goes to. Its
+bounded read in progress is a `ReadCursor` (broky.server.shard.positions serves it).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 
 class Shard(Protocol):
-    """What a Connection tells its worker's shard (broky.server.shard.core.Shard is one):
+    """What a Connection tells its worker's shard (broky.server.shard.core.Shard is one; the
+    shard's parts know it as broky.server.shard.part.ShardCore, which says this and more):
     this module knows the shard through this, so that nothing imports back."""
 
     config: ServerConfig
@@ -62,6 +63,12 @@ class Shard(Protocol):
 OPEN = 1
 CLOSING = 2  # a final frame was written; waiting for the peer's EOF or the linger deadline
 CLOSED = 3
+
+# What holds a connection's input (`Connection.held`; "": nothing): it waits, reads paused,
+# in `rest`, and is fed again in order by whoever held it.
+HELD_BY_GRACE = "grace"  # its first publish during the restart grace (broky.server.shard.grace)
+HELD_FOR_SEQUENCE = "sequence"  # a frame that needs a sequence on its way here (broky.server.shard.moves)
+HELD_FOR_TURN = "turn"  # what follows a Read, until the loop's next turn (broky.server.shard.positions)
 
 
 class Connection(asyncio.Protocol):
@@ -136,9 +143,11 @@ class Connection(asyncio.Protocol):
         self.acct_ver = 0
         self.account: Account | None = None  # a dead worker's account of Hello.previous (hand-off)
         self.resuming = 0  # id of the dead worker's connection it replaces, until it is back
-        self.held = False  # its input waits (reads paused) in `rest`: restart grace, a sequence, a Read
+        self.held = ""  # what holds its input (HELD_*), or "": restart grace, a sequence, a Read
         self.map_applied = 0  # the latest map version its client said it follows (MapApplied)
-        self.bounded_read: ReadCursor | None = None  # its bounded read in progress (broky.server.shard.reads)
+        self.bounded_read: ReadCursor | None = (
+            None  # its bounded read in progress (broky.server.shard.positions)
+        )
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.shard.groups)
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
         # Its groups' messages kept for nobody yet, and lost for good, while it carries their
@@ -260,7 +269,7 @@ class ReadRange:
 
 
 class ReadCursor:
-    """A bounded read in progress on one connection (broky.server.shard.reads)."""
+    """A bounded read in progress on one connection (broky.server.shard.positions)."""
 
     __slots__ = ("rid", "tokens", "kp", "ts", "ranges", "done", "scheduled", "matches")
 

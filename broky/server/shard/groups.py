@@ -13,7 +13,7 @@ route without groups runs exactly the code it ran before groups existed.
 Theory of operation
 -------------------
 Delivery. `Shard.emit` queues a run of messages to the plain targets, then
-gives it to `emit_groups`, which picks a member per message (or per chunk of
+gives it to this part (`Groups.emit`), which picks a member per message (or per chunk of
 GROUP_CHUNK messages) and queues, to that member's connection, a Delivery
 frame {sid, messages, attempt} followed by the messages: the client hands
 them to that subscription alone. Nothing is copied for a group without acks
@@ -40,7 +40,7 @@ group's in-flight table, keyed by its position (vbucket, epoch, offset), until
 an Ack settles it. NACK schedules it again after a delay (the backoff by
 default); IN_PROGRESS restarts its ack_wait; no answer within ack_wait
 redelivers it. Deadlines are kept in one heap per worker, served by one
-loop.call_at on the earliest (`GroupTable.arm`): the server redelivers on its
+loop.call_at on the earliest (`Groups.arm`): the server redelivers on its
 own clock, never on a client's poll. A message delivered max_deliveries times
 is dropped, counted, told (LossNotice MAX_DELIVERIES) and published to the
 group's dead_letter key (same key_partition, hence the same vbucket of this
@@ -84,6 +84,12 @@ not lost: it stays in flight and is delivered again at its deadline
 (`group_deferred`); only a group without ack loses such deliveries (counted
 and told as the connection's drops, never replayed: `group_untold`).
 
+The part is an object the core builds (`Shard.groups`, broky.server.shard.part),
+and keeps the worker's groups, their deadlines' heap and timer, and the bytes
+they keep; the core hands it a group Subscribe (`join`), the end of a member's
+subscription (`leave`), a run of a route with groups (`emit`), an Ack
+(`ack`), and a connection that drained (`drained`).
+
 Cluster: every worker balances among the members connected to it. A client's
 all-partition subscription is sent to every worker, so each member of a
 group is a member on every worker, and each worker's share is balanced.
@@ -97,11 +103,10 @@ import logging
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from broky.errors import ErrorCode
-from broky.matching import Matcher, parse_pattern, pattern_matches
+from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import (
     GROUPS_VERSION,
     AckKind,
@@ -118,18 +123,13 @@ from broky.protocol.frames import encode_delivery
 from broky.protocol.layout import EPOCH_AT, VBUCKET_AT
 from broky.protocol.message import decode_message, encode_message, pack_stamp_into, route_message
 from broky.protocol.routing import VBUCKETS
-from broky.server.shard.connection import OPEN, Connection, Plan, Subscription
+from broky.server.shard.connection import OPEN, Connection, Subscription
 from broky.server.shard.stats import DropReason
 
 if TYPE_CHECKING:
     import asyncio
 
-    from broky.server.accounts import AccountBook
-    from broky.server.config import ServerConfig
-    from broky.server.shard.budget import Budget
-    from broky.server.shard.replay import ReplayBuffer
-    from broky.server.shard.sequences import Sequences
-    from broky.server.shard.stats import WorkerStats
+    from broky.server.shard.part import ShardCore
 
 log = logging.getLogger("broky.worker")
 _monotonic = time.monotonic
@@ -155,7 +155,6 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 
 Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
 KEPT_SHARE = 0.5  # of the worker's share of --memory-budget, for what ack groups keep
-CLOSED_KEPT = 65536  # as many as a worker's account table holds (broky.server.accounts)
 ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
 
 
@@ -198,8 +197,9 @@ class Member:
         self.backlog: deque[Held] = deque()
         self.backlog_bytes = 0
         self.vb_count: dict[int, int] = {}  # ack, key-shared: its pending messages per vbucket
-        # Bytes queued to it during the read `mark` (GroupTable.reads): its share of what its
-        # connection has queued, which may also carry other subscriptions' deliveries.
+        # Bytes queued to it during the read `mark` (the read's clock, `Sequences.last_ts`): its
+        # share of what its connection has queued, which may also carry other subscriptions'
+        # deliveries.
         self.recent = 0
         self.mark = 0
         self.weight = 0.0  # key-shared: what its vbuckets weigh (Group.weights)
@@ -288,7 +288,7 @@ class Group:
         self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
         self.backlog_bytes = 0
         self.draining: dict[int, Drain] = {}
-        self.orphan_gen = 0  # its last member left: the deadline's gen (see GroupDelivery.give_back)
+        self.orphan_gen = 0  # its last member left: the deadline's gen (see Groups.give_back)
         # Its teller (see "Never untold" in the module's header): the connection of its first member (of
         # its last one, once it has none), and the messages it keeps for nobody, as counted in
         # that connection's `group_owed`.
@@ -365,10 +365,12 @@ class Group:
         return m
 
 
-class GroupTable:
-    """Every group of one worker, and the ack deadlines' heap and timer."""
+class Groups:
+    """The Shard's part that serves consumer groups (`Shard.groups`), built with the core
+    (broky.server.shard.part): every group of the worker, and the ack deadlines' heap and timer."""
 
-    def __init__(self) -> None:
+    def __init__(self, core: ShardCore) -> None:
+        self.core = core
         self.groups: dict[tuple[str, bytes, bytes | None], Group] = {}
         # (deadline, sequence, what): what is (group, key, gen) of a Pending, or (group, vb, gen)
         # of a Drain (vb an int: told apart from a key, a tuple).
@@ -376,77 +378,27 @@ class GroupTable:
         self.seq = itertools.count()
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at = 0.0
-        # Closed connections' group deliveries and their drops not yet told (Connection.group_out,
-        # group_untold), for a resume by positions (broky.server.shard.arrivals): the oldest forgotten
-        # past CLOSED_KEPT.
-        self.closed_group_out: dict[int, tuple[int, int]] = {}
         # Bytes of the messages ack groups keep (in flight or waiting), bounded by KEPT_SHARE of
         # the worker's share of --memory-budget: past it a group's new messages are dropped
         # and told as group_overflow, however many groups and members hostile clients make.
         self.kept = 0
 
-    def closed(self, conn_id: int, group_out: int, group_untold: int) -> None:
-        kept = self.closed_group_out
-        if len(kept) >= CLOSED_KEPT:
-            del kept[next(iter(kept))]
-        kept[conn_id] = (group_out, group_untold)
-
     def push(self, deadline: float, what: tuple[Group, Any, int]) -> None:
         heapq.heappush(self.heap, (deadline, next(self.seq), what))
 
-
-class SubscriptionTable(Matcher[Subscription, Plan]):
-    """The worker's subscription table (a Matcher), with its consumer groups."""
-
-    def __init__(self, compile: Callable[[list[Subscription]], Plan]) -> None:
-        super().__init__(compile)
-        self.groups = GroupTable()
-
-
-class GroupDelivery:
-    """The Shard's part that serves consumer groups (a mixin of broky.server.shard.core.Shard)."""
-
-    if TYPE_CHECKING:  # what it uses of the rest of the Shard
-        config: ServerConfig
-        loop: asyncio.AbstractEventLoop
-        book: AccountBook
-        matcher: SubscriptionTable
-        stats: WorkerStats
-        seqs: Sequences
-        replay: ReplayBuffer | None
-        _touched: list[Connection]
-        budget: Budget
-
-        def reply(self, c: Connection, frame: bytes) -> None: ...
-        def reopen(self, c: Connection, need: int) -> bool: ...
-        def error(
-            self,
-            c: Connection,
-            code: ErrorCode,
-            message: str,
-            sid: int = 0,
-            refused: bytes | None = None,
-            rid: int = 0,
-        ) -> None: ...
-        def flush(self) -> None: ...
-        def emit(
-            self, buf: bytearray, targets: tuple[Connection, ...], start: int, end: int, count: int
-        ) -> int: ...
-        def route(self, rkey: object, kp: bytes, key: bytes) -> tuple[tuple[Connection, ...], int] | None: ...
-
     # ------------------------------------------------------------ joining and leaving
 
-    def join_group(self, c: Connection, s: Subscription, sub: Subscribe) -> bool:
+    def join(self, c: Connection, s: Subscription, sub: Subscribe) -> bool:
         """Make s a member of its group (created with the first); False: refused (BAD_GROUP)."""
         assert sub.group is not None
         if c.version < GROUPS_VERSION:  # never a member a version-2 client cannot tell from a plain one
-            self.error(
+            self.core.error(
                 c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: groups are protocol version "
                 f"{GROUPS_VERSION}'s; this connection's Hello said {c.version}", sub.sid,
             )  # fmt: skip
             return False
         if sub.since or sub.since_time or sub.last:
-            self.error(
+            self.core.error(
                 c, ErrorCode.BAD_GROUP, f"group {sub.group!r}: a group member starts live "
                 "(since, since_time and last are not for groups)", sub.sid,
             )  # fmt: skip
@@ -456,26 +408,25 @@ class GroupDelivery:
                 tokens = parse_pattern(sub.pattern)
                 parse_pattern(sub.dead_letter)
             except Exception as exc:  # BadPatternError: the key is not a valid key
-                self.error(c, ErrorCode.BAD_GROUP, f"dead_letter {sub.dead_letter!r}: {exc}", sub.sid)
+                self.core.error(c, ErrorCode.BAD_GROUP, f"dead_letter {sub.dead_letter!r}: {exc}", sub.sid)
                 return False
             if pattern_matches(tokens, sub.dead_letter):
-                self.error(
+                self.core.error(
                     c, ErrorCode.BAD_GROUP, f"dead_letter {sub.dead_letter!r} matches the group's own "
                     f"pattern {sub.pattern!r}: a dead message would come back to the group", sub.sid,
                 )  # fmt: skip
                 return False
-        table = self.matcher.groups
         gkey = (sub.group, sub.pattern, sub.key_partition)
-        g = table.groups.get(gkey)
+        g = self.groups.get(gkey)
         new = Group(sub.group, sub.pattern, sub.key_partition, sub)
         if g is not None and not g.members and g.settings() != new.settings():
             self.orphan_expired(g)  # kept for a member with the old settings: lost, counted
             g = None
         if g is None:
-            g = table.groups[gkey] = new
-            self.stats.groups += 1
+            g = self.groups[gkey] = new
+            self.core.stats.groups += 1
         elif g.settings() != new.settings():
-            self.error(
+            self.core.error(
                 c, ErrorCode.BAD_GROUP, f"group {sub.group!r} on {sub.pattern!r}: its members here have "
                 f"other settings (key_shared, ack, ack_wait, max_deliveries, backoff, dead_letter, "
                 f"drain_timeout: {g.settings()} != {new.settings()})", sub.sid,
@@ -489,26 +440,26 @@ class GroupDelivery:
         )
         s.member = m
         g.members.append(m)
-        self.stats.group_members += 1
+        self.core.stats.group_members += 1
         if g.key_shared:
             if len(g.members) > 1:
                 self.rebalance(g, decay=False)  # it takes a share of what the others carry
             g.settling = True  # and a second later, weighed again
-            g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
+            g.next_balance = max(self.core.seqs.last_ts, time.time_ns()) + BALANCE_NS
         if len(g.members) == 1 and (g.pending or g.backlog):
             self.revive(g)
         if g.ack:
             self.owe(g)
         return True
 
-    def leave_group(self, m: Member) -> None:
+    def leave(self, m: Member) -> None:
         """m's subscription ended (Unsubscribe or its connection's end)."""
         g = m.group
         if m not in g.members:
             return
         g.members.remove(m)
         m.sub.member = None
-        self.stats.group_members -= 1
+        self.core.stats.group_members -= 1
         if g.ack:
             self.give_back(g, m)
             self.owe(g)  # a new teller, or the same one (its connection's account) with no member
@@ -519,17 +470,17 @@ class GroupDelivery:
         self.flush_soon()
 
     def forget_group(self, g: Group) -> None:
-        table = self.matcher.groups.groups
+        groups = self.groups
         gkey = (g.name, g.pattern, g.kp)
-        if table.get(gkey) is g:
-            del table[gkey]
-            self.stats.groups -= 1
+        if groups.get(gkey) is g:
+            del groups[gkey]
+            self.core.stats.groups -= 1
 
     def give_back(self, g: Group, m: Member) -> None:
         """A departed member's pending messages and backlog go to the others, in offset order
         per vbucket before anything newer; with no member left the group keeps them for
         ack_wait, for a member that comes back (a client reconnecting)."""
-        now = self.loop.time()
+        now = self.core.loop.time()
         entries = sorted((g.pending[k] for k in m.in_flight if k in g.pending), key=lambda e: e.key)
         for e in entries:
             e.member = None
@@ -559,7 +510,7 @@ class GroupDelivery:
             g.backlog_bytes = sum(len(h.frame) for h in kept)
             if g.pending or kept:
                 g.orphan_gen += 1
-                self.matcher.groups.push(now + g.ack_wait, (g, ORPHAN, g.orphan_gen))
+                self.push(now + g.ack_wait, (g, ORPHAN, g.orphan_gen))
                 self.arm(now + g.ack_wait)
             return
         if g.key_shared:
@@ -571,7 +522,7 @@ class GroupDelivery:
 
     def revive(self, g: Group) -> None:
         """A member joined a group whose last member had left: what it kept goes out again."""
-        now = self.loop.time()
+        now = self.core.loop.time()
         g.orphan_gen += 1  # its deadline no longer runs
         waiting = {id(h.entry) for h in g.backlog}  # these go out below, in the backlog's order
         for e in sorted(
@@ -590,13 +541,13 @@ class GroupDelivery:
         if g.members:
             return
         lost = len(g.pending)  # (what waits in its backlog is Pending too)
-        self.matcher.groups.kept -= sum(len(e.frame) for e in g.pending.values())
+        self.kept -= sum(len(e.frame) for e in g.pending.values())
         g.pending.clear()
         g.backlog.clear()
         g.backlog_bytes = 0
         if lost:
-            self.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
-            self.stats.group_lost_no_member += lost
+            self.core.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
+            self.core.stats.group_lost_no_member += lost
             self.tell_lost(g, LossReason.CONNECTION_LOST, None, count=lost)
         self.owe(g)
         self.forget_group(g)
@@ -610,7 +561,7 @@ class GroupDelivery:
                 owners[vb] = None
         m.weight = 0.0
         g.settling = True
-        g.next_balance = max(self.seqs.last_ts, time.time_ns()) + BALANCE_NS
+        g.next_balance = max(self.core.seqs.last_ts, time.time_ns()) + BALANCE_NS
 
     def rebalance(self, g: Group, decay: bool = True) -> None:
         """Key-shared: move vbuckets from the heaviest member to the lightest while one weighs
@@ -620,7 +571,7 @@ class GroupDelivery:
         weights = g.weights
         counts = g.counts
         if decay:
-            g.next_balance = self.seqs.last_ts + BALANCE_NS
+            g.next_balance = self.core.seqs.last_ts + BALANCE_NS
             g.settling = g.ack
             for vb in range(VBUCKETS):
                 weights[vb] = weights[vb] * 0.5 + counts[vb]
@@ -655,7 +606,7 @@ class GroupDelivery:
             hi.weight -= weight[best]
             lo.weight += weight[best]
             self.move(g, best, hi, lo)
-            self.stats.group_vbuckets_moved += 1
+            self.core.stats.group_vbuckets_moved += 1
 
     def move(self, g: Group, vb: int, old: Member, new: Member) -> None:
         """Key-shared: vb goes from old to new; with acks it drains first when old still holds
@@ -663,7 +614,7 @@ class GroupDelivery:
         g.owners[vb] = new
         if not g.ack or vb in g.draining:  # (a drain under way ends at the vbucket's new owner)
             return
-        now = self.loop.time()
+        now = self.core.loop.time()
         moving = [h for h in old.backlog if h.vb == vb]
         if moving:
             old.backlog = deque(h for h in old.backlog if h.vb != vb)
@@ -671,12 +622,11 @@ class GroupDelivery:
             old.backlog_bytes -= size
             g.backlog_bytes -= size
         if old.vb_count.get(vb):
-            table = self.matcher.groups
-            d = Drain(old, now + g.drain_timeout, next(table.seq))  # a gen of its own: see `expire`
+            d = Drain(old, now + g.drain_timeout, next(self.seq))  # a gen of its own: see `expire`
             d.held.extend(moving)
             g.backlog_bytes += sum(len(h.frame) for h in moving)
             g.draining[vb] = d
-            table.push(d.deadline, (g, vb, d.gen))
+            self.push(d.deadline, (g, vb, d.gen))
             self.arm(d.deadline)
         else:
             for h in moving:
@@ -684,8 +634,10 @@ class GroupDelivery:
 
     # ------------------------------------------------------------ delivery
 
-    def emit_groups(self, buf: bytearray, groups: tuple[Group, ...], start: int, end: int) -> int:
-        """Queue the run buf[start:end] to one member of each group; the deliveries queued."""
+    def emit(self, buf: bytearray, groups: tuple[Group, ...], start: int, end: int) -> int:
+        """Queue the run buf[start:end] to one member of each group; the deliveries queued
+        (`Shard.emit`, for a route with groups)."""
+        seqs = self.core.seqs
         delivered = 0
         for g in groups:
             if not g.members:
@@ -693,7 +645,7 @@ class GroupDelivery:
             if g.ack:
                 delivered += self.emit_acked(g, buf, start, end)
             elif g.key_shared:
-                if g.settling and self.seqs.last_ts >= g.next_balance:
+                if g.settling and seqs.last_ts >= g.next_balance:
                     self.rebalance(g)
                 owners = g.owners
                 counts = g.counts
@@ -722,7 +674,7 @@ class GroupDelivery:
                     while stop < end and n < GROUP_CHUNK:
                         stop += 4 + _u32(buf, stop)[0]
                         n += 1
-                    m = g.pick(self.seqs.last_ts)
+                    m = g.pick(seqs.last_ts)
                     assert m is not None  # without acks nobody is at a bound
                     delivered += self.queue_to(m, buf, pos, stop, n, 1)
                     pos = stop
@@ -734,50 +686,51 @@ class GroupDelivery:
         t = m.conn
         if t.state != OPEN:
             return 0
+        core = self.core
         header = m.header if n == 1 and attempt == 1 else encode_delivery(Delivery(m.sid, n, attempt))
         size = end - start + len(header)
         if t.base + t.unflushed + size > t.cap:
             t.base = t.transport.get_write_buffer_size()
-            if t.base + t.unflushed + size > t.cap and not (t.cap < 0 and self.reopen(t, size)):
+            if t.base + t.unflushed + size > t.cap and not (t.cap < 0 and core.reopen(t, size)):
                 if m.group.ack:  # not lost: in flight all the same, delivered again at its deadline
-                    self.stats.group_deferred += n
+                    core.stats.group_deferred += n
                     return 0
                 t.dropped += n
                 t.dropped_total += n
                 t.group_untold += n  # a member's: no replay gives them back (broky.server.shard.arrivals)
-                t.cap = -1  # nothing more until it is told (broky.server.shard.backpressure)
-                self.stats.dropped[DropReason.SLOW_CONSUMER] += n
+                t.cap = -1  # nothing more until it is told (broky.server.shard.core `Shard.reopen`)
+                core.stats.dropped[DropReason.SLOW_CONSUMER] += n
                 if not t.over_since:
                     t.over_since = _monotonic()
                 if not t.touched:
                     t.touched = True
-                    self._touched.append(t)
+                    core.touched.append(t)
                 return 0
         t.out.append(header)
         t.out.append(buf[start:end] if start or end != len(buf) else buf)
         t.unflushed += size
         if not t.touched:
             t.touched = True
-            self._touched.append(t)
+            core.touched.append(t)
         t.msgs_out += n
         t.group_out += n
         m.delivered += n
-        mark = self.seqs.last_ts  # the read's clock: the same for every message of one read
+        mark = core.seqs.last_ts  # the read's clock: the same for every message of one read
         if m.mark != mark:
             m.mark = mark
             m.recent = size
         else:
             m.recent += size
-        self.stats.group_delivered += n
+        core.stats.group_delivered += n
         return n
 
     def emit_acked(self, g: Group, buf: bytearray, start: int, end: int) -> int:
         """An ack group: each message is kept until acknowledged."""
-        now = self.loop.time()
-        table = self.matcher.groups
-        limit = int(self.budget.share * KEPT_SHARE)
+        core = self.core
+        now = core.loop.time()
+        limit = int(core.budget.share * KEPT_SHARE)
         counts = g.counts if g.key_shared else None
-        if counts is not None and self.seqs.last_ts >= g.next_balance:
+        if counts is not None and core.seqs.last_ts >= g.next_balance:
             self.rebalance(g)
         delivered = 0
         pos = start
@@ -791,8 +744,8 @@ class GroupDelivery:
             h = Held(frame, vb, e)
             if counts is not None:
                 counts[vb] += 1
-            table.kept += stop - pos
-            if table.kept > limit:
+            self.kept += stop - pos
+            if self.kept > limit:
                 self.overflow(g, h)
             else:
                 delivered += self.place(g, h, now)
@@ -809,7 +762,7 @@ class GroupDelivery:
         if g.key_shared:
             d = g.draining.get(h.vb)
             if d is not None:
-                if g.backlog_bytes + len(h.frame) > self.config.group_backlog_bytes:
+                if g.backlog_bytes + len(h.frame) > self.core.config.group_backlog_bytes:
                     self.overflow(g, h)
                     return 0
                 g.backlog_bytes += len(h.frame)
@@ -820,7 +773,7 @@ class GroupDelivery:
             if m.paused or m.backlog or not self.has_room(m, len(h.frame)):
                 return self.hold(g, m, h)
         else:
-            m = g.pick(self.seqs.last_ts, len(h.frame))
+            m = g.pick(self.core.seqs.last_ts, len(h.frame))
             if m is None:
                 return self.hold(g, None, h)
         return self.send(g, m, h, now)
@@ -836,7 +789,7 @@ class GroupDelivery:
     def hold(self, g: Group, m: Member | None, h: Held) -> int:
         """Every member (or h's member) is at its bound: h waits, within --group-backlog-bytes."""
         size = len(h.frame)
-        if g.backlog_bytes + size > self.config.group_backlog_bytes:
+        if g.backlog_bytes + size > self.core.config.group_backlog_bytes:
             self.overflow(g, h)
             return 0
         g.backlog_bytes += size  # the group's bound counts every member's backlog
@@ -851,8 +804,8 @@ class GroupDelivery:
         """h finds the group's backlog full: dropped, counted, told once (to the teller)."""
         if h.entry is not None:
             g.pending.pop(h.entry.key, None)
-        self.matcher.groups.kept -= len(h.frame)
-        self.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
+        self.kept -= len(h.frame)
+        self.core.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
         self.tell_lost(g, LossReason.GROUP_OVERFLOW, None)
 
     def send(self, g: Group, m: Member, h: Held, now: float) -> int:
@@ -866,7 +819,7 @@ class GroupDelivery:
         e.member = m
         e.gen += 1
         e.deadline = now + g.ack_wait
-        self.matcher.groups.push(e.deadline, (g, e.key, e.gen))
+        self.push(e.deadline, (g, e.key, e.gen))
         self.arm(e.deadline)
         m.in_flight[e.key] = None
         m.in_flight_bytes += len(frame)
@@ -874,12 +827,12 @@ class GroupDelivery:
             vb = e.key[0]
             m.vb_count[vb] = m.vb_count.get(vb, 0) + 1
         if e.attempt > 1:
-            self.stats.redelivered += 1
+            self.core.stats.redelivered += 1
         queued = self.queue_to(m, frame, 0, len(frame), 1, e.attempt)
         if not m.paused and m.full():
             m.paused = True
-            self.stats.group_paused += 1
-            self.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.PAUSED, len(m.in_flight))))
+            self.core.stats.group_paused += 1
+            self.core.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.PAUSED, len(m.in_flight))))
         return queued
 
     # ------------------------------------------------------------ acknowledgements
@@ -889,14 +842,14 @@ class GroupDelivery:
         s = c.subs.get(sid)
         m = s.member if s is not None else None
         if m is None or not m.group.ack:
-            self.error(c, ErrorCode.UNKNOWN_SID, f"no ack subscription with sid {sid}", sid)
+            self.core.error(c, ErrorCode.UNKNOWN_SID, f"no ack subscription with sid {sid}", sid)
             return
         g = m.group
         if kind not in (AckKind.ACK, AckKind.NACK, AckKind.IN_PROGRESS):
-            self.stats.acks_unknown += len(keys)  # a kind of a later version: ignored
+            self.core.stats.acks_unknown += len(keys)  # a kind of a later version: ignored
             return
-        now = self.loop.time()
-        stats = self.stats
+        now = self.core.loop.time()
+        stats = self.core.stats
         touched: set[Member] = set()
         for key in keys:
             e = g.pending.get(key)
@@ -907,7 +860,7 @@ class GroupDelivery:
                 if e.member is not None:
                     e.gen += 1
                     e.deadline = now + g.ack_wait
-                    self.matcher.groups.push(e.deadline, (g, key, e.gen))
+                    self.push(e.deadline, (g, key, e.gen))
                     self.arm(e.deadline)
                 stats.acks_in_progress += 1
                 continue
@@ -918,7 +871,7 @@ class GroupDelivery:
             if kind == AckKind.ACK:
                 stats.acks += 1
                 del g.pending[key]
-                self.matcher.groups.kept -= len(e.frame)
+                self.kept -= len(e.frame)
             else:
                 stats.nacks += 1
                 if e.attempt >= g.max_deliveries:
@@ -931,7 +884,7 @@ class GroupDelivery:
                     continue
                 e.gen += 1
                 e.deadline = now + delay
-                self.matcher.groups.push(e.deadline, (g, key, e.gen))
+                self.push(e.deadline, (g, key, e.gen))
                 self.arm(e.deadline)
         for holder in touched:
             self.room(g, holder, now)
@@ -966,7 +919,7 @@ class GroupDelivery:
         if told is None and g.members:
             told = g.members[0]
         if told is not None:
-            self.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at)))
+            self.core.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at)))
             return
         t = g.teller
         if t is not None:
@@ -979,9 +932,9 @@ class GroupDelivery:
         if c.slot >= 0:
             if not c.touched:
                 c.touched = True
-                self._touched.append(c)
+                self.core.touched.append(c)
         else:
-            self.book.amend(c)
+            self.core.book.amend(c)
 
     def release(self, g: Group, m: Member, e: Pending) -> None:
         """e is no longer m's (settled, expired or NACKed)."""
@@ -1004,10 +957,19 @@ class GroupDelivery:
         self.room_for(g, m, now)
         self.owe(g)
 
+    def drained(self, c: Connection) -> None:
+        """c's write buffer drained (`Shard.drained`): its ack members' messages may have
+        room now."""
+        now = self.core.loop.time()
+        for s in c.subs.values():
+            m = s.member
+            if m is not None and m.group.ack:
+                self.room(m.group, m, now)
+
     def room_for(self, g: Group, m: Member, now: float) -> None:
         if m.paused and not m.full() and m in g.members:
             m.paused = False
-            self.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.RESUMED, len(m.in_flight))))
+            self.core.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.RESUMED, len(m.in_flight))))
         if g.key_shared:
             while m.backlog and not m.paused and self.has_room(m, len(m.backlog[0].frame)):
                 h = m.backlog.popleft()
@@ -1016,7 +978,7 @@ class GroupDelivery:
                 self.send(g, m, h, now)
         else:
             while g.backlog:
-                target = g.pick(self.seqs.last_ts, len(g.backlog[0].frame))
+                target = g.pick(self.core.seqs.last_ts, len(g.backlog[0].frame))
                 if target is None:
                     break
                 h = g.backlog.popleft()
@@ -1028,12 +990,12 @@ class GroupDelivery:
         d = g.draining.pop(vb, None)
         if d is None:
             return
-        now = self.loop.time()
+        now = self.core.loop.time()
         new = g.owners[vb] or g.claim(vb)
         if expired:
             left = d.old.vb_count.get(vb, 0)
-            self.stats.group_drain_expired += 1
-            self.reply(new.conn, encode_frame(GroupNotice(new.sid, GroupEvent.DRAIN_EXPIRED, left, vb)))
+            self.core.stats.group_drain_expired += 1
+            self.core.reply(new.conn, encode_frame(GroupNotice(new.sid, GroupEvent.DRAIN_EXPIRED, left, vb)))
         for h in d.held:
             g.backlog_bytes -= len(h.frame)
             self.place(g, h, now)
@@ -1062,7 +1024,7 @@ class GroupDelivery:
                 return
             self.send(g, m, h, now)
             return
-        target = g.pick(self.seqs.last_ts, len(h.frame))
+        target = g.pick(self.core.seqs.last_ts, len(h.frame))
         if target is None:
             g.backlog.appendleft(h)
             g.backlog_bytes += len(h.frame)
@@ -1072,8 +1034,8 @@ class GroupDelivery:
     def dead(self, g: Group, e: Pending, last: Member | None) -> None:
         """e was delivered max_deliveries times: dropped, counted, told, dead-lettered."""
         g.pending.pop(e.key, None)
-        self.matcher.groups.kept -= len(e.frame)
-        self.stats.dropped[DropReason.MAX_DELIVERIES] += 1
+        self.kept -= len(e.frame)
+        self.core.stats.dropped[DropReason.MAX_DELIVERIES] += 1
         vb, epoch, offset = e.key
         self.tell_lost(g, LossReason.MAX_DELIVERIES, last, Position(vb, epoch, offset))
         if g.dead_letter is not None:
@@ -1088,43 +1050,41 @@ class GroupDelivery:
             encode_message(msg.key_partition, g.dead_letter, msg.payload, msg.ts_producer, 0, msg.uid)
         )
         kp, key, ts_at = route_message(bytes(out), 0, len(out))
-        route = self.route((kp, key), kp, key)
+        route = self.core.route((kp, key), kp, key)
         if route is None or route[1] < 0 or ts_at is None:
-            self.stats.dead_letters_refused += 1  # the vbucket is leaving this worker
+            self.core.stats.dead_letters_refused += 1  # the vbucket is leaving this worker
             return
         targets, vb = route
-        t0 = max(time.time_ns(), self.seqs.last_ts)  # ts_broker never decreases
-        self.seqs.last_ts = t0
-        offset = self.seqs.take(vb, t0)
-        pack_stamp_into(out, ts_at, t0, self.seqs.epoch_of(vb), offset, vb)
-        replay = self.replay
+        t0 = max(time.time_ns(), self.core.seqs.last_ts)  # ts_broker never decreases
+        self.core.seqs.last_ts = t0
+        offset = self.core.seqs.take(vb, t0)
+        pack_stamp_into(out, ts_at, t0, self.core.seqs.epoch_of(vb), offset, vb)
+        replay = self.core.replay
         if replay is not None:
             replay.record(vb, replay.retain(out, t0), 0)
-        self.stats.dead_lettered += 1
-        self.stats.messages_published += 1
+        self.core.stats.dead_lettered += 1
+        self.core.stats.messages_published += 1
         if targets:
-            self.stats.messages_delivered += self.emit(out, targets, 0, len(out), 1)
+            self.core.stats.messages_delivered += self.core.emit(out, targets, 0, len(out), 1)
         else:
-            self.stats.dropped[DropReason.NO_SUBSCRIBERS] += 1
+            self.core.stats.dropped[DropReason.NO_SUBSCRIBERS] += 1
 
     # ------------------------------------------------------------ the clock
 
     def arm(self, deadline: float) -> None:
         """Have `expire` run by `deadline`."""
-        table = self.matcher.groups
-        if table.timer is not None and table.timer_at <= deadline:
+        if self.timer is not None and self.timer_at <= deadline:
             return
-        if table.timer is not None:
-            table.timer.cancel()
-        table.timer = self.loop.call_at(deadline, self.expire)
-        table.timer_at = deadline
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = self.core.loop.call_at(deadline, self.expire)
+        self.timer_at = deadline
 
     def expire(self) -> None:
         """Deadlines passed: redeliver what was not acknowledged in time, end drains."""
-        table = self.matcher.groups
-        table.timer = None
-        heap = table.heap
-        now = self.loop.time()
+        self.timer = None
+        heap = self.heap
+        now = self.core.loop.time()
         changed: dict[Group, None] = {}
         while heap and heap[0][0] <= now:
             _, _, (g, what, gen) = heapq.heappop(heap)
@@ -1143,7 +1103,7 @@ class GroupDelivery:
                 continue  # settled, or its deadline moved
             holder = e.member
             if holder is not None:  # no answer within ack_wait
-                self.stats.ack_expired += 1
+                self.core.stats.ack_expired += 1
                 self.release(g, holder, e)
                 e.member = None
                 self.redeliver(g, e, now)
@@ -1154,22 +1114,22 @@ class GroupDelivery:
             self.owe(g)
         if heap:
             self.arm(heap[0][0])
-        if self._touched:
-            self.flush()
+        if self.core.touched:
+            self.core.flush()
 
     def flush_soon(self) -> None:
         """Writes queued outside a read (a member's departure) go out on the next turn."""
-        if self._touched:
-            self.loop.call_soon(self.flush_if_touched)
+        if self.core.touched:
+            self.core.loop.call_soon(self.flush_if_touched)
 
     def flush_if_touched(self) -> None:
-        if self._touched:
-            self.flush()
+        if self.core.touched:
+            self.core.flush()
 
-    def group_snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """/stats: every group of this worker."""
         out = []
-        for g in self.matcher.groups.groups.values():
+        for g in self.groups.values():
             out.append(
                 {
                     "group": g.name,
@@ -1193,6 +1153,6 @@ class GroupDelivery:
             )
         return {
             "groups_detail": out,
-            "in_flight": sum(len(g.pending) for g in self.matcher.groups.groups.values()),
-            "group_kept_bytes": self.matcher.groups.kept,
+            "in_flight": sum(len(g.pending) for g in self.groups.values()),
+            "group_kept_bytes": self.kept,
         }

@@ -13,7 +13,7 @@ vbucket's next offset, travels through etcd with the map:
    map that gives it to the new owner); from then on a publish for it is
    refused (NOT_MY_VBUCKET). At that moment it knows its last offset, and
    says, once per move and worker, what it handed over
-   (`follow_sequences`): a `Handed` record (its node and worker, the map
+   (`Moves.follow`): a `Handed` record (its node and worker, the map
    version, and per vbucket the epoch, the next offset and the ts_broker of
    its last message). The worker sends it to its master (HANDED on the
    control channel), whose cluster agent writes it to etcd under
@@ -57,19 +57,25 @@ answers AWAITING, uncached), and the compiled twin leaves uncached routes to
 Python.
 
 The old owner keeps what it retained of a vbucket it handed over: the
-vbucket becomes *former* here (`Handovers.former`: the epoch and next offset
+vbucket becomes *former* here (`Sequences.former`: the epoch and next offset
 H it was handed over with, the numbers of its Handed record) and its
 Sequences entry keeps them, since the replay buffer counts a vbucket's
 retained offsets back from its next offset (broky.server.shard.replay). Message
 data never crosses nodes, so a reader whose position is before H reads
 offsets up to H - 1 here, with a bounded Read that names the vbucket
-(broky.server.shard.reads; ReadDone.moved), and the rest at the new owner. A
+(broky.server.shard.positions; ReadDone.moved), and the rest at the new owner. A
 former vbucket is never accepted or awaited here: its retained messages go
 like any others when evicted, and all at once (`forget_former`, counted in
 `replay_dropped_messages`) when it comes back, before it awaits its
 sequence again; then its sequence starts again here (until another comes).
 A draining node lingers a little while it retains messages of former
 vbuckets (--drain-linger, broky.server.master.process).
+
+The part is an object the core builds (`Shard.moves`, broky.server.shard.part):
+the core calls `follow` when it takes a map, `awaited` on a route cache miss,
+`waits` and `hold` for a control frame while a sequence is awaited, and
+`deadlines` from its tick; the worker gives it the records (`take_handed`)
+and the channel they are reported on (`report`).
 
 Records are kept per vbucket as they come (`known`, the latest of each), so
 one that arrives before this worker applied the map it belongs to (an etcd
@@ -88,18 +94,16 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from broky import fbs
-from broky.protocol import VBUCKETS, Read, Subscribe, VBucketMap, decode_frame
+from broky.protocol import VBUCKETS, Read, Subscribe, decode_frame
 from broky.protocol.message import body_type
 from broky.protocol.routing import to_ranges, vbucket_of
-from broky.server.shard.connection import OPEN, Connection
+from broky.server.shard.connection import HELD_FOR_SEQUENCE, OPEN, Connection
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from broky.server.config import ServerConfig
-    from broky.server.shard.replay import ReplayBuffer
-    from broky.server.shard.sequences import Sequences
-    from broky.server.shard.stats import WorkerStats
+    from broky.protocol import VBucketMap
+    from broky.server.shard.part import ShardCore
 
 log = logging.getLogger("broky.worker")
 
@@ -153,63 +157,48 @@ class Awaited:
         self.deadline = 0.0
 
 
-class Handovers:
-    """The state of the sequences moving to and from this worker (`Shard.handover`)."""
+class Moves:
+    """The Shard's part that hands sequences over, and awaits them (`Shard.moves`), built with
+    the core (broky.server.shard.part); the read path tests `awaiting` on a route cache miss."""
 
-    __slots__ = ("awaiting", "known", "former", "held", "report", "timeout")
+    __slots__ = ("core", "awaiting", "known", "held", "report", "timeout")
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, core: ShardCore, timeout: float) -> None:
+        self.core = core
         self.awaiting: dict[int, Awaited] = {}
-        # vbucket -> (epoch, next offset) it was handed over with: a *former* vbucket, whose
-        # retained messages this worker keeps serving to bounded reads that name it
-        self.former: dict[int, tuple[int, int]] = {}
         # vbucket -> (node, worker, version, epoch, next offset, ts) of the latest record naming it
         self.known: dict[int, tuple[str, int, int, int, int, int]] = {}
         self.held: list[Connection] = []  # connections held until a sequence arrives
         self.report: Callable[[bytes], object] | None = None  # sends a Handed record to the master
         self.timeout = timeout  # --move-timeout
 
-
-class Handover:
-    """The Shard's part that hands sequences over (a mixin of broky.server.shard.core.Shard)."""
-
-    if TYPE_CHECKING:  # what it uses of the rest of the Shard
-        config: ServerConfig
-        index: int
-        map: VBucketMap
-        owned: bytes
-        stats: WorkerStats
-        seqs: Sequences
-        replay: ReplayBuffer | None
-        handover: Handovers
-
-        def feed(self, c: Connection, data: bytes) -> None: ...
-
-    def follow_sequences(self, old: VBucketMap, before: bytes, after: bytes) -> None:
-        """The map changed from `old` to `self.map`; `before` and `after` say which
+    def follow(self, old: VBucketMap, before: bytes, after: bytes) -> None:
+        """The map changed from `old` to the core's; `before` and `after` say which
         vbuckets this worker accepted (see the header). A vbucket that went is handed
         over (it becomes a former vbucket: its retained messages stay); one that came
         awaits its sequence (at the start, `before` is what the first map gives this
         worker: a prepared move to it, a node that joins in the middle of its own move,
         comes)."""
-        vmap = self.map
-        seqs, replay, h = self.seqs, self.replay, self.handover
-        mine = (vmap.node_index(self.config.node_id), self.index)
+        core = self.core
+        vmap = core.map
+        seqs, replay = core.seqs, core.replay
+        former = seqs.former
+        mine = (vmap.node_index(core.config.node_id), core.index)
         handed: list[tuple[int, int, int, int]] = []
         released = False
         for vb in range(VBUCKETS):
             if before[vb] == after[vb]:
                 continue
             if after[vb]:  # came: from the worker that owns it now (or did, if this map is a commit)
-                if vb in h.former:  # back: what it retained of its earlier stay goes
+                if vb in former:  # back: what it retained of its earlier stay goes
                     self.forget_former(vb)
                 source, node, worker = vmap, *vmap.owners[vb]
                 if (node, worker) == mine:
                     source, node, worker = old, *old.owners[vb]
-                h.awaiting[vb] = Awaited(source.nodes[node].node_id, worker, vmap.version)
+                self.awaiting[vb] = Awaited(source.nodes[node].node_id, worker, vmap.version)
                 self.take_known(vb)
                 continue
-            if h.awaiting.pop(vb, None) is not None:  # went before its sequence came: nothing to hand
+            if self.awaiting.pop(vb, None) is not None:  # went before its sequence came: nothing to hand
                 released = True
             else:
                 last_ts = replay.last_ts(vb) if replay is not None else 0
@@ -219,21 +208,22 @@ class Handover:
                 handed.append((vb, epoch, nxt, last_ts))
                 # Former: its sequence stays (epoch, next) here, where the replay buffer counts
                 # its retained offsets from (broky.server.shard.replay); it stamps nothing more.
-                h.former[vb] = (epoch, nxt)
+                former[vb] = (epoch, nxt)
                 continue
             seqs.restart(vb)  # should it come back, it awaits its sequence again
-        self.stats.vbuckets_handed_over += len(handed)
-        if handed and h.report is not None:
-            h.report(Handed(self.config.node_id, self.index, vmap.version, handed).encode())
-        if h.awaiting:
+        core.stats.vbuckets_handed_over += len(handed)
+        if handed and self.report is not None:
+            self.report(Handed(core.config.node_id, core.index, vmap.version, handed).encode())
+        if self.awaiting:
             listed = {n.node_id for n in vmap.nodes}
             now = _monotonic()
             orphans = []
-            for vb, w in h.awaiting.items():
+            owned = core.owned
+            for vb, w in self.awaiting.items():
                 if w.node not in listed:  # its owner died: nobody will hand it over
                     orphans.append(vb)
-                elif self.owned[vb] and not w.deadline:
-                    w.deadline = now + h.timeout
+                elif owned[vb] and not w.deadline:
+                    w.deadline = now + self.timeout
             if orphans:
                 self.restart_sequences(orphans, "their node left the map: a failover")
                 released = True
@@ -243,103 +233,96 @@ class Handover:
     def take_handed(self, data: bytes) -> None:
         """A handover record from etcd (the master's SEQUENCES): continue the sequences
         this worker awaits from that worker; keep the others in case they are awaited later."""
+        index = self.core.index
         try:
             handed = Handed.decode(data)
         except ValueError as exc:
-            log.error("worker %d: ignoring a handover record: %s", self.index, exc)
+            log.error("worker %d: ignoring a handover record: %s", index, exc)
             return
-        known = self.handover.known
+        known = self.known
         resumed = 0
         for vb, epoch, nxt, ts in handed.sequences:
             entry = known.get(vb)
             if entry is None or entry[2] < handed.version:
                 known[vb] = (handed.node, handed.worker, handed.version, epoch, nxt, ts)
-            if vb in self.handover.awaiting and self.take_known(vb):
+            if vb in self.awaiting and self.take_known(vb):
                 resumed += 1
         if resumed:
             log.info(
                 "worker %d continues the sequences of %d vbuckets handed over by worker %d of node %s "
-                "(map version %d)", self.index, resumed, handed.worker, handed.node, handed.version,
+                "(map version %d)", index, resumed, handed.worker, handed.node, handed.version,
             )  # fmt: skip
             self.release_held()
 
     def take_known(self, vb: int) -> bool:
         """Continue vb's sequence if the latest record naming it is the one it awaits."""
-        w = self.handover.awaiting[vb]
-        entry = self.handover.known.get(vb)
+        w = self.awaiting[vb]
+        entry = self.known.get(vb)
         if entry is None:
             return False
         node, worker, version, epoch, nxt, ts = entry
         if node != w.node or worker != w.worker or version <= w.since:
             return False
-        del self.handover.awaiting[vb]
-        self.seqs.resume(vb, epoch, nxt)
-        if ts > self.seqs.last_ts:  # ts_broker of vb never goes back (broky.server.shard.core)
-            self.seqs.last_ts = ts
-        if self.replay is not None:
-            self.replay.gone_ts[vb] = ts  # a message of vb up to ts is not retained here
-        self.stats.vbuckets_continued += 1
+        del self.awaiting[vb]
+        core = self.core
+        seqs = core.seqs
+        seqs.resume(vb, epoch, nxt)
+        if ts > seqs.last_ts:  # ts_broker of vb never goes back (broky.server.shard.core)
+            seqs.last_ts = ts
+        if core.replay is not None:
+            core.replay.gone_ts[vb] = ts  # a message of vb up to ts is not retained here
+        core.stats.vbuckets_continued += 1
         return True
 
     def restart_sequences(self, vbs: list[int], why: str) -> None:
         """`vbs` stop awaiting: their sequences start again here, under new epochs (one log line)."""
         if not vbs:
             return
-        awaiting = self.handover.awaiting
+        awaiting = self.awaiting
+        core = self.core
         sources = sorted({f"worker {awaiting[vb].worker} of node {awaiting[vb].node}" for vb in vbs})
         for vb in vbs:
             del awaiting[vb]
-            self.seqs.restart(vb)
-        self.stats.vbuckets_restarted += len(vbs)
+            core.seqs.restart(vb)
+        core.stats.vbuckets_restarted += len(vbs)
         log.warning(
             "worker %d: %d vbuckets start a new epoch here (vbuckets %s): their sequences did not "
-            "come from %s (%s)", self.index, len(vbs), _ranges(vbs), ", ".join(sources), why,
+            "come from %s (%s)", core.index, len(vbs), _ranges(vbs), ", ".join(sources), why,
         )  # fmt: skip
 
     def forget_former(self, vb: int) -> None:
         """vb is no longer a former vbucket: its retained messages are dropped (counted in
         `replay_dropped_messages`) and its sequence starts again (a new epoch, until another
         comes)."""
-        del self.handover.former[vb]
-        if self.replay is not None:
-            self.stats.replay_dropped_messages += self.replay.drop_vbucket(vb)
-        self.seqs.restart(vb)
-
-    def former_vbuckets(self) -> int:
-        """How many vbuckets this worker handed over and keeps as former ones (for /stats)."""
-        return len(self.handover.former)
-
-    def former_messages(self) -> int:
-        """The retained messages of the former vbuckets (for /stats: a draining node lingers
-        while there are some, broky.server.master.process)."""
-        replay = self.replay
-        if replay is None:
-            return 0
-        return sum(replay.count(vb) for vb in self.handover.former)
+        core = self.core
+        del core.seqs.former[vb]
+        if core.replay is not None:
+            core.stats.replay_dropped_messages += core.replay.drop_vbucket(vb)
+        core.seqs.restart(vb)
 
     def awaited(self, vb: int) -> bool:
         """Route cache miss (broky.server.shard.core `Shard.route`): vb awaits its sequence
         (its publishes are held); starts counting the deadline."""
-        w = self.handover.awaiting.get(vb)
+        w = self.awaiting.get(vb)
         if w is None:
             return False
         if not w.deadline:
-            w.deadline = _monotonic() + self.handover.timeout
+            w.deadline = _monotonic() + self.timeout
         return True
 
-    def hold_for_sequence(self, c: Connection) -> None:
+    def hold(self, c: Connection) -> None:
         """c's next frame needs a sequence this worker awaits: read nothing more of it
         until one arrives (its input waits in `rest`, see the header)."""
-        c.held = True
-        self.handover.held.append(c)
+        c.held = HELD_FOR_SEQUENCE
+        self.held.append(c)
         c.transport.pause_reading()
 
-    def subscribe_waits(self, data: bytes, pos: int, end: int) -> bool:
+    def waits(self, data: bytes, pos: int, end: int) -> bool:
         """The frame data[pos:end] is a Subscribe whose start (since, since_time, last), or
         a Read, concerns a vbucket owned here that awaits its sequence: it must wait for it."""
         kind = body_type(data, pos, end)
-        owned = self.owned
-        awaiting = self.handover.awaiting
+        owned = self.core.owned
+        awaiting = self.awaiting
         if kind == fbs.Body.Subscribe:
             sub = decode_frame(data, pos, end)
             assert isinstance(sub, Subscribe)
@@ -359,30 +342,36 @@ class Handover:
             return bool(owned[vb]) and vb in awaiting
         return any(owned[vb] for vb in awaiting)
 
-    def handover_deadlines(self) -> None:
+    def deadlines(self) -> None:
         """The tick: vbuckets whose sequence did not come in time start again here."""
         now = _monotonic()
-        late = [vb for vb, w in self.handover.awaiting.items() if w.deadline and now > w.deadline]
+        late = [vb for vb, w in self.awaiting.items() if w.deadline and now > w.deadline]
         if late:
-            self.restart_sequences(late, f"not within --move-timeout, {self.handover.timeout:g} s")
+            self.restart_sequences(late, f"not within --move-timeout, {self.timeout:g} s")
             self.release_held()
 
-    def end_handovers(self, why: str) -> None:
+    def end(self, why: str) -> None:
         """Shutdown: nothing awaits any more; what was held is routed first."""
-        self.restart_sequences(list(self.handover.awaiting), why)
+        self.restart_sequences(list(self.awaiting), why)
         self.release_held()
+
+    def forget(self, c: Connection) -> None:
+        """c is gone: no longer held here."""
+        if c in self.held:
+            self.held.remove(c)
 
     def release_held(self) -> None:
         """Feed the held connections again, in the order they were held (each is held
         again at its first frame that still needs an awaited sequence)."""
-        held, self.handover.held = self.handover.held, []
+        held, self.held = self.held, []
+        feed = self.core.feed
         for c in held:
-            c.held = False
+            c.held = ""
             if c.state != OPEN:
                 continue
             if not c.reads_stopped:
                 c.transport.resume_reading()
-            self.feed(c, b"")
+            feed(c, b"")
 
 
 def _ranges(vbs: list[int], most: int = 8) -> str:
@@ -392,4 +381,4 @@ def _ranges(vbs: list[int], most: int = 8) -> str:
     return text + (", ..." if len(ranges) > most else "")
 
 
-__all__ = ["Awaited", "Handed", "Handover", "Handovers"]
+__all__ = ["Awaited", "Handed", "Moves"]

@@ -19,12 +19,19 @@ u64 little-endian each), so that the compiled twin of the read path can take
 offsets from it and note the stamps without a Python call per message
 (broky.server.shard._feedscan); `view` is the same memory as 4096 u64 for Python.
 
-What a start from a time needs to count exactly (broky.server.shard.history), per
+What a start from a time needs to count exactly (broky.server.shard.positions), per
 vbucket: the last stamp (a vbucket that took nothing at or after a time has
 lost nothing after it), the first stamp and the first offset of its current
 sequence here (`begun_offset`: 1, or the offset a planned move handed over):
 when the first stamp is at or after the time, so is every offset from the
 first one on.
+
+A vbucket this worker handed over in a planned move (broky.server.shard.moves)
+keeps its entry (the epoch and the next offset it was handed over with: the
+replay buffer counts its retained offsets back from there) and is *former*
+(`former`) until it comes back: its retained messages are still read by
+bounded reads that name it (broky.server.shard.positions), and nothing is
+stamped in it here.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class Sequences:
         # Per vbucket, the first offset of its current sequence here (1, or the next offset a
         # planned move handed over).
         self.begun_offset = [1] * VBUCKETS
+        # vbucket -> (epoch, next offset) it was handed over with: a former vbucket (see the header)
+        self.former: dict[int, tuple[int, int]] = {}
 
     def epoch_of(self, vb: int) -> int:
         return int(self.view[ENTRY_WORDS * vb])

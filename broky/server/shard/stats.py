@@ -6,9 +6,8 @@ Every counter is a plain attribute of `WorkerStats`, bumped where the thing
 happens (the read path adds up its counts and bumps them once per read) and
 never locked: a worker is one thread. For /stats and /metrics the master
 asks each worker over the control channel (a STATS request, answered by
-broky.server.http.monitor `answer`); `snapshot` copies the counters and adds what
-is read only then (the matcher's sizes, RSS, the memory budget's use, the
-replay buffer's).
+broky.server.worker.views `answer`); broky.server.shard.monitoring copies the
+counters and adds what is read only then.
 
 Drops are counted by `DropReason`, the one list of why a worker dropped a
 message or a delivery: the keys of `WorkerStats.dropped`, of /stats
@@ -21,32 +20,12 @@ other lacks (see `DropReason`).
 from __future__ import annotations
 
 import enum
-import os
-from typing import TYPE_CHECKING, Any
 
 from broky.errors import ErrorCode
 from broky.protocol import LossReason
 from broky.server import histogram
-from broky.server.shard import heap
-
-if TYPE_CHECKING:
-    from broky.matching import Matcher
-    from broky.protocol import VBucketMap
-    from broky.server.accounts import AccountBook
-    from broky.server.shard.budget import Budget
-    from broky.server.shard.connection import Plan, Subscription
-    from broky.server.shard.replay import ReplayBuffer
 
 _LATENCY_BUCKETS = 32  # log2 buckets of microseconds
-# The replay buffer's fields of a snapshot when there is none (--replay-bytes 0).
-REPLAY_OFF = {
-    "replay_bytes": 0,
-    "replay_limit": 0,
-    "replay_segments": 0,
-    "replay_messages": 0,
-    "replay_evicted_messages": 0,
-    "replay_segments_refused": 0,
-}
 
 
 class DropReason(enum.StrEnum):
@@ -98,12 +77,12 @@ class WorkerStats:
         # this worker's own (connection_lost), a dead worker's (worker_restart), none.
         # "refused": claims that did not carry the connection's secret (they count as unknown too).
         self.resumes: dict[str, int] = {"connection_lost": 0, "worker_restart": 0, "unknown": 0, "refused": 0}
-        # The restart grace of a worker that replaced a dead one (see Shard.start_grace).
+        # The restart grace of a worker that replaced a dead one (broky.server.shard.grace).
         self.restart_subscribers_expected = 0
         self.restart_subscribers_missing = 0
         self.restart_connections_held = 0
         self.restart_grace_seconds = 0.0
-        self.node_restart_graces = 0  # graces given because the whole server restarted (start_node_grace)
+        self.node_restart_graces = 0  # graces given because the whole server restarted (`Grace.start_node`)
         self.bytes_received = 0
         self.bytes_sent = 0
         self.connections = 0  # open now
@@ -117,8 +96,8 @@ class WorkerStats:
         self.budget_cuts = 0  # connections cut to keep the worker within its memory budget
         self.budget_cut_bytes = 0  # their pending bytes, freed by cutting them
         self.resumes_by_positions = 0  # resumes whose undelivered queue is replayed, not told lost
-        self.messages_replayed = 0  # queued to a start from positions (broky.server.shard.history)
-        self.bounded_reads = 0  # Read frames served (broky.server.shard.reads)
+        self.messages_replayed = 0  # queued to a start from positions (broky.server.shard.positions)
+        self.bounded_reads = 0  # Read frames served (broky.server.shard.positions)
         self.bounded_read_messages = 0  # messages queued to them
         self.replay_shrinks = 0  # times the replay buffer gave room back to pending bytes
         self.replay_dropped_messages = 0  # retained messages of former vbuckets, dropped when they came back
@@ -166,28 +145,6 @@ class WorkerStats:
     def count_error(self, code: ErrorCode) -> None:
         self.errors[code.name] = self.errors.get(code.name, 0) + 1
 
-
-class Monitoring:
-    """The Shard's part that reports its counters (a mixin of broky.server.shard.core.Shard)."""
-
-    if TYPE_CHECKING:  # what it uses of the rest of the Shard
-        index: int
-        book: AccountBook
-        map: VBucketMap
-
-        @property
-        def matcher(self) -> Matcher[Subscription, Plan]: ...  # (read-only here: a subclass may be given)
-
-        stats: WorkerStats
-        budget: Budget
-        replay: ReplayBuffer | None
-
-        def former_vbuckets(self) -> int: ...
-
-        def former_messages(self) -> int: ...
-
-        def group_snapshot(self) -> dict[str, Any]: ...
-
     def producer_outlier(self, ts_producer: int, age: int, count: int) -> None:
         """The rare path of the read path's producer histogram (broky.server.histogram):
         `count` messages whose read began with a ts_producer `age` ns old that is not
@@ -196,40 +153,6 @@ class Monitoring:
             return  # the publisher did not set one
         bucket = histogram.producer_bucket(age)
         if bucket is None:
-            self.stats.producer_not_comparable += count
+            self.producer_not_comparable += count
         else:  # a producer clock a little ahead of this one: counted as 0
-            self.stats.producer_us[bucket] += count
-
-    def snapshot(self) -> dict[str, Any]:
-        """Every counter, for the master's /stats and the metrics exporter."""
-        s = self.stats
-        data = dict(vars(s))
-        data["dropped"] = dict(s.dropped)
-        data["resumes"] = dict(s.resumes)
-        data["errors"] = dict(s.errors)
-        data["tls_failures"] = dict(s.tls_failures)
-        data["subscriptions_refused"] = dict(s.subscriptions_refused)
-        data["permission_denied"] = dict(s.permission_denied)
-        data["latency_us"] = list(s.latency_us)
-        data["producer_us"] = list(s.producer_us)
-        data.update(
-            worker=self.index,
-            pid=os.getpid(),
-            topics=len(self.matcher.patterns),
-            match_cache_entries=self.matcher.cache_len,
-            match_cache_hits=self.matcher.cache_hits,
-            match_cache_misses=self.matcher.cache_misses,
-            matcher_empty=self.matcher.is_empty(),
-            rss_bytes=heap.rss_bytes(),
-            map_version=self.map.version,
-            accounts_unavailable=self.book.unavailable,
-            accounts_closed_kept=len(self.book.closed),
-            pending_bytes=self.budget.pending,
-            memory_budget=self.budget.share,
-            budget=self.budget.snapshot(),
-            **(self.replay.snapshot() if self.replay is not None else REPLAY_OFF),
-            former_vbuckets=self.former_vbuckets(),
-            former_messages=self.former_messages(),
-            **self.group_snapshot(),
-        )
-        return data
+            self.producer_us[bucket] += count

@@ -7,22 +7,22 @@ the variable nothing here is imported: the worker checks it once, at start
 (broky.server.worker.process `main`). bench/tail_sources.py drives it; its figures
 are in bench/README.md, "Tail sources".
 
-What is timed (the probe wraps these methods on their classes, in this
-process only):
+What is timed (the probe wraps these methods on their classes, and a
+function where the shard's core calls it, in this process only):
   read            Shard.feed: one socket read, from its arrival to its writes
   gc0, gc1, gc2   the cyclic garbage collector, by generation (gc.callbacks)
   accounts_commit AccountBook.commit_read: a read's counters to the accounts (inside read)
   flush           Shard.flush: a read's writes, one per touched connection (inside read)
-  tick            Shard.tick: the periodic sweep (broky.server.shard.backpressure)
+  tick            Shard.tick: the periodic sweep (broky.server.shard.core)
   accounts_expire AccountBook.expire (every tick)
   replay_expire   ReplayBuffer.expire (inside tick)
   replay_trim     ReplayBuffer.trim_all (inside tick, before it was spread: a scrape now)
   replay_trim_some ReplayBuffer.trim_some (inside tick)
   replay_settle   ReplayBuffer.settle: the log into the indexes (in trim_some, lookups, a full log)
-  heap_trim       Shard.trim_heap (inside tick, when due)
+  heap_trim       budget_enforcement.trim_heap, as the core calls it (inside tick, when due)
   control         Worker._on_channel: messages from the master
-  bounded_read    Shard.bounded_read: a Read frame and its first batch
-  read_batch      Shard.continue_read: a later batch of a bounded read
+  bounded_read    Positions.bounded_read: a Read frame and its first batch
+  read_batch      Positions.continue_read: a later batch of a bounded read
 Each is reported as count, total, p50, p99 and max of the wall time, and p99
 and max of the thread's CPU time (a job the kernel preempted takes longer
 than its CPU time), in microseconds; the collector also says what each
@@ -68,8 +68,10 @@ class Probe:
             got.append(ns)
             self.cpu[name].append(cpu_ns)
 
-    def wrap(self, cls: type, method: str, name: str) -> None:
-        inner: Callable[..., Any] = getattr(cls, method)
+    def wrap(self, owner: object, method: str, name: str) -> None:
+        """Time every call of `owner`'s attribute `method` (a class's method, or a
+        module's function as that module calls it)."""
+        inner: Callable[..., Any] = getattr(owner, method)
         add = self.add
 
         @functools.wraps(inner)
@@ -81,7 +83,7 @@ class Probe:
             finally:
                 add(name, _clock() - t, _cpu() - c)
 
-        setattr(cls, method, timed)
+        setattr(owner, method, timed)
 
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -133,7 +135,9 @@ def install(index: int, prefix: str, worker: type) -> Probe:
     """Time this worker's jobs (see the header); the report is written at exit. `worker`:
     broky.server.worker.process's Worker class (passed in: the worker imports this module)."""
     from broky.server.accounts import AccountBook
+    from broky.server.shard import core
     from broky.server.shard.core import Shard
+    from broky.server.shard.positions import Positions
     from broky.server.shard.replay import ReplayBuffer
 
     probe = Probe(f"{prefix}-worker-{index}.json")
@@ -146,10 +150,10 @@ def install(index: int, prefix: str, worker: type) -> Probe:
     probe.wrap(ReplayBuffer, "trim_all", "replay_trim")
     probe.wrap(ReplayBuffer, "trim_some", "replay_trim_some")
     probe.wrap(ReplayBuffer, "settle", "replay_settle")
-    probe.wrap(Shard, "trim_heap", "heap_trim")
+    probe.wrap(core, "trim_heap", "heap_trim")  # (Shard.tick calls it by that name)
     probe.wrap(worker, "_on_channel", "control")
-    probe.wrap(Shard, "bounded_read", "bounded_read")
-    probe.wrap(Shard, "continue_read", "read_batch")
+    probe.wrap(Positions, "bounded_read", "bounded_read")
+    probe.wrap(Positions, "continue_read", "read_batch")
     gc.callbacks.append(probe.on_gc)
     atexit.register(probe.write)
     return probe

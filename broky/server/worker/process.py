@@ -26,7 +26,7 @@ sends READY; every tick it reports its LOAD. Before READY it freezes what
 start-up made (`gc.freeze`): the cyclic collector's full collections then
 look at what came after only (BROKY_GC_FREEZE=0 leaves it, to compare). A
 worker that replaces a dead one starts in the restart grace
-(broky.server.shard.grace `Shard.start_grace`).
+(broky.server.shard.grace `Grace.start`).
 
 Hand-offs. Every CONN is answered. The worker adopts the socket with
 `loop.connect_accepted_socket` and answers ADOPTED (with its number of open
@@ -134,7 +134,7 @@ class Worker:
         self.shard.on_closed = self._closed
         if users is not None:
             self.shard.users = WorkerUsers(Users(users))
-        self.shard.handover.report = self._handed
+        self.shard.moves.report = self._handed
         self.tls: Handshakes | None = None  # --tls-cert: this worker runs its clients' TLS handshakes
         if config.tls_cert:
             from broky.server.security.tls import Handshakes
@@ -157,7 +157,7 @@ class Worker:
             gc.freeze()
         handoff.send(self.chan, handoff.READY)
         log.info("worker %d ready, pid %d", self.index, os.getpid())
-        self.shard.start_grace(self.expected, self.grace)
+        self.shard.grace.start(self.expected, self.grace)
         try:
             await self.done
         finally:
@@ -183,7 +183,7 @@ class Worker:
                 else:
                     self.shard.apply_map(vmap)
             elif kind == handoff.SEQUENCES:
-                self.shard.take_handed(payload)
+                self.shard.moves.take_handed(payload)
             elif kind == handoff.RELOAD:
                 if self.tls is not None and self.tls.certificates.reload():
                     log.info("worker %d reloaded its TLS certificates", self.index)
@@ -191,7 +191,7 @@ class Worker:
                 self.shard.apply_users(Users(json.loads(payload)))
                 log.info("worker %d applied the reloaded users", self.index)
             elif kind == handoff.GRACE:
-                self.shard.start_node_grace(handoff.split_u32(payload) / 1000)
+                self.shard.grace.start_node(handoff.split_u32(payload) / 1000)
             elif kind == handoff.STATS:
                 request_id, what = handoff.split_id(payload)
                 with contextlib.suppress(OSError):
@@ -240,7 +240,7 @@ class Worker:
                     sock.send(START_TLS)  # go ahead (broky.server.security.tls)
                 await self._connect_tls(sock, handed.handoff_id, account)
                 return
-            conn = self.shard.new_connection(handed.hello, account)
+            conn = self.shard.arrivals.new_connection(handed.hello, account)
             conn.handoff_id = handed.handoff_id
             conn.on_adopted = answer_adopted
             await self.loop.connect_accepted_socket(lambda: conn, sock=sock)
@@ -279,7 +279,7 @@ class Worker:
             self.shard.stats.resumes["refused"] += 1  # a claim without the secret: answered as unknown
             account = None
         try:
-            conn = self.shard.new_connection(frame, account)
+            conn = self.shard.arrivals.new_connection(frame, account)
         except Exception as exc:  # a bug: that connection goes, the worker stays
             log.error("TLS connection from %s failed: %r", peer, exc)
             transport.abort()
