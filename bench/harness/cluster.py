@@ -86,7 +86,7 @@ class EtcdServer:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr",
             ],
-            stdout=self.log, stderr=self.log, start_new_session=True,
+            stdout=self.log, stderr=self.log, cwd=self.dir, start_new_session=True,
         )  # fmt: skip
         wait_for(self._healthy, timeout, f"etcd answering on {client}")
         return self

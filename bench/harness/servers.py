@@ -8,6 +8,13 @@ Each server runs in its own session (process group), is stopped with SIGTERM
 and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
 Broky worker can outlive the run. `pids()` lists every process whose CPU and
 memory count as the server's: Broky's master and all its workers.
+
+Each server also runs in a directory of its own (`Server.dir`, its working
+directory, which holds its log), removed when it stops: whatever a server
+writes stays there. The Redis-protocol peer is told not to persist at all
+(`--save ""`, `--appendonly no`) and to keep its files in that directory
+(`--dir`): a dump it were asked for (SAVE, SHUTDOWN SAVE) would die with the
+run, never land in the checkout (tests/test_bench_peers.py holds it).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ class Server:
         self.metrics_port = 0  # Broky's HTTP port (/stats, /metrics), from its ready line
         self.workers = 1
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self.dir = tempfile.mkdtemp(prefix=f"bench-{name}-")  # its working directory, removed at stop
+        self._log = open(os.path.join(self.dir, "log"), "ab")  # noqa: SIM115
 
     @property
     def address(self) -> tuple[str, int]:
@@ -70,8 +78,16 @@ class Server:
             return []
         return [self.pid, *procstat.children(self.pid)]
 
+    def full_log(self) -> str:
+        """Everything the server wrote to stderr (its log) so far."""
+        try:
+            return Path(self._log.name).read_text(errors="replace")
+        except FileNotFoundError:  # stopped: its directory is gone
+            return ""
+
     def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-4000:]
+        """The log's last 4,000 characters."""
+        return self.full_log()[-4000:]
 
     @property
     def tls(self) -> bool:
@@ -94,10 +110,12 @@ class Server:
 
     def _spawn(self, stdout: int) -> subprocess.Popen[bytes]:
         if shutil.which(self.args[0]) is None:
+            self.stop()
             raise ServerError(f"{self.args[0]} is not installed")
         self.proc = subprocess.Popen(
-            self.args, stdout=stdout, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+            self.args, stdout=stdout, stderr=self._log, stdin=subprocess.DEVNULL, cwd=self.dir,
+            start_new_session=True,
+        )  # fmt: skip
         return self.proc
 
     def _wait_port(self, timeout: float) -> None:
@@ -129,8 +147,7 @@ class Server:
             if proc.stdout is not None:
                 proc.stdout.close()
         self._log.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._log.name)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 30.0) -> Server:
@@ -200,7 +217,8 @@ def start_nats(
 
 def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
     """The Redis-protocol server (default: `peers.redis_binary()`, Valkey where installed;
-    `binary`: any server of redis-server's command line) on a free port."""
+    `binary`: any server of redis-server's command line) on a free port; it persists
+    nothing, and its files would go to its own directory (see the module's header)."""
     port = free_port()
     args = [
         binary or peers.redis_binary(),
@@ -220,6 +238,7 @@ def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
         "",
     ]
     server = Server("redis", args, port)
+    server.args += ["--dir", server.dir]
     server._spawn(subprocess.DEVNULL)
     server._wait_port(timeout)
     return server
