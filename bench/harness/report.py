@@ -1,8 +1,16 @@
-"""Results of a run: the Markdown table with ratios, the JSON file and the plots.
+"""Reports: every benchmark's Markdown tables and result files, and `python -m bench`'s own.
 
-Every file names the machine and the versions (machine.describe). Ratios are
-Broky / peer: above 1 is better for Broky in deliveries per second, below 1
-is better in CPU per delivery, latency and memory.
+Every benchmark program renders its report with `heading` (the title, the
+machine and versions: machine.describe, the command) and `table` (a Markdown
+table from its head, its rows and each column's alignment), and writes it
+with `write_results`: NAME.md (the report) and NAME.json (the machine, the
+command's settings and the program's figures) in its output directory, paths
+inside the checkout written relative to it (no machine's directories in
+committed files).
+
+The rest is `python -m bench`'s report (`write`): bench.md with the ratios
+Broky / peer (above 1 is better for Broky in deliveries per second, below 1
+is better in CPU per delivery, latency and memory), bench.json and the plots.
 """
 
 from __future__ import annotations
@@ -10,10 +18,35 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.harness.machine import describe
+
+
+def row(cells: Iterable[Any]) -> str:
+    """One line of a Markdown table (an empty cell stays one space wide)."""
+    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+
+def table(head: Sequence[Any], rows: Iterable[Iterable[Any]], align: str = "") -> list[str]:
+    """A Markdown table as lines: `head`, the alignment line (`align`: a letter per column,
+    "l" left, "r" right; by default the first column left and the others right), a line
+    per row of `rows` (any value, as str() gives it)."""
+    align = align or "l" + "r" * (len(head) - 1)
+    if len(align) != len(head):
+        raise ValueError(f"{len(align)} alignments for {len(head)} columns")
+    return [row(head), "|" + "".join("---|" if a == "l" else "---:|" for a in align), *map(row, rows)]
+
+
+def heading(
+    title: str, info: dict[str, Any], command: str | None = None, with_peers: bool = True
+) -> list[str]:
+    """A report's first lines: its title, the machine and versions, the command that ran it."""
+    lines = [f"# {title}", "", f"Machine: {describe(info, with_peers)}.", ""]
+    return lines + ([f"Command: `{command}`", ""] if command is not None else [])
+
 
 SYSTEMS = ("broky", "nats", "redis")
 TITLES = {"broky": "Broky", "nats": "NATS", "redis": "Redis", "broky_sdk": "Broky (SDK publisher)"}
@@ -548,13 +581,16 @@ def _path(path: Path) -> str:
 
 
 def write_results(
-    out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace, **data: Any
+    out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace | None, **data: Any
 ) -> None:
     """A benchmark program's results: `name`.md (the report `text`) and `name`.json (the
-    machine, the command's settings and `data`) in directory `out`; the report on stdout."""
+    machine, the command's settings `args`, if any, and `data`) in directory `out`; the
+    report on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
-    settings = {k: _path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    document = {"machine": info, "args": settings, **data}
+    document: dict[str, Any] = {"machine": info}
+    if args is not None:
+        document["args"] = {k: _path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    document.update(data)
     (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     print(text)

@@ -19,7 +19,9 @@ run, never land in the checkout (tests/test_bench_peers.py holds it).
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -32,6 +34,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.harness import peers, procstat
 
@@ -59,6 +62,7 @@ class Server:
         self.port = port
         self.metrics_port = 0  # Broky's HTTP port (/stats, /metrics), from its ready line
         self.workers = 1
+        self.auth: str | None = None  # "user:password" its HTTP port wants (Broky with --users)
         self.proc: subprocess.Popen[bytes] | None = None
         self.dir = tempfile.mkdtemp(prefix=f"bench-{name}-")  # its working directory, removed at stop
         self._log = open(os.path.join(self.dir, "log"), "ab")  # noqa: SIM115
@@ -95,18 +99,52 @@ class Server:
         return "--tls-cert" in self.args
 
     def http_get(self, path: str, timeout: float = 10.0) -> bytes:
-        """GET `path` on Broky's HTTP port (https, trusting tls_files()'s CA, when `tls`)."""
+        """GET `path` on the HTTP port (Broky's /stats, /metrics; nats-server's monitoring
+        port): https, trusting tls_files()'s CA, when `tls`; with `auth`'s credentials."""
         context = None
         if self.tls:
             import ssl
 
             context = ssl.create_default_context(cafile=tls_files()[0])
         scheme = "https" if self.tls else "http"
-        with urllib.request.urlopen(
-            f"{scheme}://{self.host}:{self.metrics_port}{path}", timeout=timeout, context=context
-        ) as resp:
+        headers = {}
+        if self.auth is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(self.auth.encode()).decode()
+        request = urllib.request.Request(f"{scheme}://{self.host}:{self.metrics_port}{path}", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             body: bytes = resp.read()
             return body
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Broky's /stats (the master's and every worker's figures)."""
+        result: dict[str, Any] = json.loads(self.http_get("/stats", timeout))
+        return result
+
+    def workers_sum(self, *keys: str) -> dict[str, int]:
+        """Figures of /stats's workers, each summed over the workers (0 where a worker has none)."""
+        workers = self.stats()["workers"]
+        return {k: sum(w.get(k, 0) for w in workers) for k in keys}
+
+    def worker_pids(self) -> list[int]:
+        """Broky's worker processes, by worker (0: one being restarted), from /stats."""
+        return [pid or 0 for pid in self.stats(5)["master"]["worker_pids"]]
+
+    def wait_worker_restarted(self, old: list[int], timeout: float = 15.0) -> None:
+        """Wait until every worker runs and their pids are no longer `old` (a killed one is back)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pids = self.worker_pids()
+            except OSError:
+                pids = []
+            if pids and all(pids) and pids != old:
+                return
+            time.sleep(0.02)
+        raise ServerError("the killed worker did not come back")
+
+    def rss_bytes(self) -> int:
+        """The resident memory of every process of the server, summed."""
+        return procstat.total_rss_bytes(self.pids())
 
     def _spawn(self, stdout: int) -> subprocess.Popen[bytes]:
         if shutil.which(self.args[0]) is None:
