@@ -204,18 +204,15 @@ def markdown(results: dict[str, Any]) -> str:
         *_sdk_to_sdk(results.get("sdk_to_sdk")),
         "## Deliveries per second (higher is better)",
         "",
-        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    rows: list[list[Any]] = []
     for s in results["throughput"]:
         r = s["results"]
         cells = [_cell_error(r.get(n)) or _fmt_rate(_get(r.get(n), "deliveries_per_s")) for n in SYSTEMS]
         b = _get(r.get("broky"), "deliveries_per_s")
-        lines.append(
-            f"| {s['title']} | {' | '.join(cells)} | "
-            f"{_fmt_ratio(ratio(b, _get(r.get('nats'), 'deliveries_per_s')))} | "
-            f"{_fmt_ratio(ratio(b, _get(r.get('redis'), 'deliveries_per_s')))} |"
-        )
+        to = [_fmt_ratio(ratio(b, _get(r.get(p), "deliveries_per_s"))) for p in ("nats", "redis")]
+        rows.append([s["title"], *cells, *to])
+    lines += table(("Scenario", "Broky", "NATS", "Redis", "Broky/NATS", "Broky/Redis"), rows)
     lines += [
         "",
         "## Server CPU µs per delivered message (lower is better)",
@@ -223,32 +220,29 @@ def markdown(results: dict[str, Any]) -> str:
         "From `/proc/<pid>/stat` utime+stime of every server process (Broky: master and all workers). "
         "Last column: the load generator's own CPU per delivery (Broky / NATS / Redis runs).",
         "",
-        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis | generator B / N / R |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     key = "server_cpu_us_per_delivery"
+    rows = []
     for s in results["throughput"]:
         r = s["results"]
         cells = [_cell_error(r.get(n)) or _fmt_num(_get(r.get(n), key)) for n in SYSTEMS]
         gen = " / ".join(_fmt_num(_get(r.get(n), "generator_cpu_us_per_delivery")) for n in SYSTEMS)
         b = _get(r.get("broky"), key)
-        to_nats = _fmt_ratio(ratio(b, _get(r.get("nats"), key)))
-        to_redis = _fmt_ratio(ratio(b, _get(r.get("redis"), key)))
-        lines.append(f"| {s['title']} | {' | '.join(cells)} | {to_nats} | {to_redis} | {gen} |")
-    lines += [
-        "",
-        "## Server peak RSS, MiB (all server processes, peak during the scenario)",
-        "",
-        "| Scenario | Broky | NATS | Redis |",
-        "|---|---:|---:|---:|",
-    ]
+        to = [_fmt_ratio(ratio(b, _get(r.get(p), key))) for p in ("nats", "redis")]
+        rows.append([s["title"], *cells, *to, gen])
+    lines += table(
+        ("Scenario", "Broky", "NATS", "Redis", "Broky/NATS", "Broky/Redis", "generator B / N / R"), rows
+    )
+    lines += ["", "## Server peak RSS, MiB (all server processes, peak during the scenario)", ""]
+    rows = []
     for s in results["throughput"]:
         r = s["results"]
         cells = []
         for n in SYSTEMS:
             v = _get(r.get(n), "server_peak_rss_bytes")
             cells.append(_cell_error(r.get(n)) or _fmt_num(None if v is None else v / 2**20, 1))
-        lines.append(f"| {s['title']} | {' | '.join(cells)} |")
+        rows.append([s["title"], *cells])
+    lines += table(("Scenario", "Broky", "NATS", "Redis"), rows)
     sdk_rows = [s for s in results["throughput"] if "broky_sdk" in s["results"]]
     if sdk_rows:
         lines += [
@@ -258,21 +252,25 @@ def markdown(results: dict[str, Any]) -> str:
             "The same runs with the raw publisher replaced by the asyncio SDK (`await client.publish(...)` "
             "per message, a KSUID and ts_producer each); subscribers stay raw and counting.",
             "",
-            "| Scenario | deliveries/s | server CPU µs/delivery | generator CPU µs/delivery "
-            "| vs raw publisher |",
-            "|---|---:|---:|---:|---:|",
         ]
+        rows = []
         for s in sdk_rows:
             sdk, raw = s["results"]["broky_sdk"], s["results"].get("broky")
             if _cell_error(sdk):
-                lines.append(f"| {s['title']} | {_cell_error(sdk)} | | | |")
+                rows.append([s["title"], _cell_error(sdk), "", "", ""])
                 continue
             rate = _get(sdk, "deliveries_per_s")
-            lines.append(
-                f"| {s['title']} | {_fmt_rate(rate)} | {_fmt_num(_get(sdk, 'server_cpu_us_per_delivery'))} | "
-                f"{_fmt_num(_get(sdk, 'generator_cpu_us_per_delivery'))} | "
-                f"{_fmt_ratio(ratio(rate, _get(raw, 'deliveries_per_s')))} |"
-            )
+            rows.append([s["title"], _fmt_rate(rate), _fmt_num(_get(sdk, "server_cpu_us_per_delivery")),
+                         _fmt_num(_get(sdk, "generator_cpu_us_per_delivery")),
+                         _fmt_ratio(ratio(rate, _get(raw, "deliveries_per_s")))])  # fmt: skip
+        head = (
+            "Scenario",
+            "deliveries/s",
+            "server CPU µs/delivery",
+            "generator CPU µs/delivery",
+            "vs raw publisher",
+        )
+        lines += table(head, rows)
     lat = results.get("latency")
     if lat:
         lines += [
@@ -283,26 +281,32 @@ def markdown(results: dict[str, Any]) -> str:
             f"{lat['duration_s']} s measured after {lat['warmup_s']} s warm-up; latency from the intended "
             "send time (HdrHistogram), generator delay included and equal for all systems.",
             "",
-            "| System | p50 | p90 | p99 | p99.9 | max | samples |",
-            "|---|---:|---:|---:|---:|---:|---:|",
         ]
+        rows = []
         for n in SYSTEMS:
             res = lat["results"].get(n)
             err = _cell_error(res)
             if err or res is None:
-                lines.append(f"| {TITLES[n]} | {err} | | | | | |")
+                rows.append([TITLES[n], err, "", "", "", "", ""])
                 continue
             p = res["percentiles_us"]
-            row = " | ".join(f"{p[q]:.0f}" for q in ("p50", "p90", "p99", "p99.9"))
-            lines.append(f"| {TITLES[n]} | {row} | {res['max_us']:.0f} | {res['samples']} |")
+            rows.append([TITLES[n], *(f"{p[q]:.0f}" for q in ("p50", "p90", "p99", "p99.9")),
+                         f"{res['max_us']:.0f}", res["samples"]])  # fmt: skip
         for peer in ("nats", "redis"):
             cells = [
                 _fmt_ratio(ratio(_p(lat["results"].get("broky"), q), _p(lat["results"].get(peer), q)))
                 for q in ("p50", "p90", "p99", "p99.9")
             ]
             ours, theirs = lat["results"].get("broky") or {}, lat["results"].get(peer) or {}
-            mx = _fmt_ratio(ratio(ours.get("max_us"), theirs.get("max_us")))
-            lines.append(f"| Broky/{TITLES[peer]} | {' | '.join(cells)} | {mx} | |")
+            rows.append(
+                [
+                    f"Broky/{TITLES[peer]}",
+                    *cells,
+                    _fmt_ratio(ratio(ours.get("max_us"), theirs.get("max_us"))),
+                    "",
+                ]
+            )
+        lines += table(("System", "p50", "p90", "p99", "p99.9", "max", "samples"), rows)
     sdk = results.get("sdk") or {}
     lines += ["", "## Client side: SDK publish rate (100 B, one process)", ""]
     if "skipped" in sdk or "error" in sdk:
@@ -312,18 +316,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"{sdk.get('messages', 0):,} messages per run, median of {sdk.get('runs')} alternating runs; "
             "Broky SDK and nats.py cases from `bench/sdk_bench.py` (publish, then flush).",
             "",
-            "| Client | msgs/s | Broky SDK / this |",
-            "|---|---:|---:|",
         ]
         rates = sdk.get("rates", {})
-        for name, value in rates.items():
-            lines.append(
-                f"| {name} | {_fmt_rate(value)} | {_fmt_ratio(ratio(rates.get('broky SDK'), value))} |"
-            )
-    lines += ["", "## Targets", "", "| Target | Broky / peer | Met |", "|---|---:|---|"]
-    for t in results["targets"]:
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {_fmt_ratio(t['ratio'])} | {met} |")
+        rows = [
+            [name, _fmt_rate(v), _fmt_ratio(ratio(rates.get("broky SDK"), v))] for name, v in rates.items()
+        ]
+        lines += table(("Client", "msgs/s", "Broky SDK / this"), rows)
+    rows = [
+        [t["target"], _fmt_ratio(t["ratio"]), "-" if t["met"] is None else ("yes" if t["met"] else "**no**")]
+        for t in results["targets"]
+    ]
+    lines += ["", "## Targets", "", *table(("Target", "Broky / peer", "Met"), rows, "lrl")]
     runs = [(s["title"], s["results"]) for s in results["throughput"]]
     if lat:
         runs.append(("latency", lat["results"]))
@@ -376,9 +379,12 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
         ("Server peak RSS, MB (every server process)", "server_peak_rss_mb", 1, True),
     )
     for title, key, digits, with_ratios in tables:
-        head = "| Scenario | " + " | ".join(SDK_TITLES[n] for n in SYSTEMS)
-        head += " | Broky/NATS | Broky/Redis |" if with_ratios else " |"
-        lines += [f"### {title}", "", head, "|---|" + "---:|" * (len(SYSTEMS) + (2 if with_ratios else 0))]
+        head = [
+            "Scenario",
+            *(SDK_TITLES[n] for n in SYSTEMS),
+            *(("Broky/NATS", "Broky/Redis") if with_ratios else ()),
+        ]
+        cells_of_rows = []
         for row in rows:
             summary = row["summary"]
             cells = []
@@ -388,15 +394,11 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
                 cell = _cell_error(res) or (f"{v:,.{digits}f}" if v is not None else "-")
                 untold = _get(res, "untold_worst") if key == "lost_worst" else None
                 cells.append(cell if untold is None else f"{cell} (untold: {untold:,.0f})")
-            line = f"| {row['title']} | {' | '.join(cells)} |"
             if with_ratios:
                 b = _get(summary.get("broky"), key)
-                line += " " + " | ".join(
-                    _fmt_ratio(ratio(b, _get(summary.get(p), key))) for p in ("nats", "redis")
-                )
-                line += " |"
-            lines.append(line)
-        lines.append("")
+                cells += [_fmt_ratio(ratio(b, _get(summary.get(p), key))) for p in ("nats", "redis")]
+            cells_of_rows.append([row["title"], *cells])
+        lines += [f"### {title}", "", *table(head, cells_of_rows), ""]
     return lines
 
 
