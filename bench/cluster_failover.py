@@ -39,9 +39,10 @@ Measured, from the subscriber's sequences against what was published:
 The promise checked: on the killed nodes' key_partitions, lost == told by
 their workers + the publisher's `unconfirmed_lost` (the SDK's count is what
 the subscriber missed); elsewhere, lost == told; no duplicate delivered, no
-more copies dropped than were sent again, no reordering. Results: bench/results/cluster_failover.md and
-.json with the machine. `ClusterRun`, `Load` and `run` are also what
-tests/test_cluster_sdk.py uses, with short leases and fewer kills.
+more copies dropped than were sent again, no reordering. Results:
+bench/results/cluster_failover.md and .json with the machine. `run` is also
+what tests/test_cluster_sdk.py uses (with bench.harness.cluster's ClusterRun
+and bench.worker_kill's Load), with short leases and fewer kills.
 """
 
 from __future__ import annotations

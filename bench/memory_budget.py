@@ -162,15 +162,7 @@ class Stalled:
         self.closed = False
 
     def _next(self) -> Any:
-        while True:
-            raw = self.reader.next_frame()
-            if raw is not NEED_DATA:
-                assert isinstance(raw, bytes)
-                return decode_frame(raw)
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("closed")
-            self.reader.feed(data)
+        return decode_frame(tlsclient.next_frame(self.sock, self.reader))
 
     def subscribe(self) -> None:
         self.sock.sendall(encode_frame(Subscribe(1, b">")) + encode_frame(Ping(1)))

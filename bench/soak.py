@@ -186,13 +186,7 @@ def start_server(transport: Transport, extra: list[str]) -> servers.Server:
 
 
 def read_frame(sock: socket.socket, reader: FrameReader) -> Any:
-    while (raw := reader.next_frame()) is NEED_DATA:
-        data = sock.recv(65536)
-        if not data:
-            raise EOFError("closed")
-        reader.feed(data)
-    assert isinstance(raw, bytes)
-    return decode_frame(raw)
+    return decode_frame(tlsclient.next_frame(sock, reader))
 
 
 # ---------------------------------------------------------------- connections

@@ -43,8 +43,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import options, procstat, roles, servers
-from broky.protocol import NEED_DATA, FrameReader, Hello, Ping, Pong, Read, decode_frame, encode_frame
+from bench.harness import options, procstat, roles, servers, tlsclient
+from broky.protocol import FrameReader, Hello, Ping, Pong, Read, decode_frame, encode_frame
 from broky.protocol.message import BODY_MESSAGE, body_type
 
 PARTS = 256
@@ -116,13 +116,7 @@ class Raw:
 
     def next_raw(self) -> bytes:
         """The next whole frame's bytes, reading as needed."""
-        while (raw := self.reader.next_frame()) is NEED_DATA:
-            data = self.sock.recv(1 << 20)
-            if not data:
-                raise ConnectionError("broky closed the connection")
-            self.reader.feed(data)
-        assert isinstance(raw, bytes)
-        return raw
+        return tlsclient.next_frame(self.sock, self.reader)
 
     def next(self) -> Any:
         return decode_frame(self.next_raw())

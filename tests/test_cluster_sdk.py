@@ -1,6 +1,6 @@
 """The cluster as SDK users see it: real etcd, real nodes, SDK publisher and subscriber processes.
 
-The load is bench.cluster_failover's (bench.worker_kill's client processes):
+The load is bench.worker_kill's (its Load: its client processes):
 an SDK publisher at a steady rate over many key_partitions, a sequence number
 per key_partition in every payload, and an SDK subscriber on `w.>`, each
 given a different node as its seed. Leases of 2 s and moves committed after
