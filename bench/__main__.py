@@ -32,10 +32,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.harness import latency, loadgen, machine, report, servers
+from bench.harness import latency, loadgen, machine, options, report, servers
 from bench.harness.loadgen import Load
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # scenarios also run with Broky's publisher going through the SDK
 SDK_SCENARIOS = ("1to1_100", "1to4_16")
 
@@ -191,25 +190,10 @@ def _safe(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}".strip()[:2000]}
 
 
-def _command(argv: list[str]) -> str:
-    """The command line to reproduce the run, without the (machine-specific) output path."""
-    kept: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip or arg.startswith("--out="):
-            skip = False
-            continue
-        if arg == "--out":
-            skip = True
-            continue
-        kept.append(arg)
-    return " ".join(["python -m bench", *kept])
-
-
 def _full_run(argv: Sequence[str] | None) -> bool:
     """Whether this run is the whole benchmark with its default settings (what bench/results
     holds): no --quick, nothing left out, no duration, rate or size shortened."""
-    given = sys.argv[1:] if argv is None else list(argv)
+    given = options.given(argv)
     changes = {
         *("--quick", "--only", "--systems", "--warmup", "--duration", "--rate", "--latency-duration"),
         *("--sdk-messages", "--workers", "--no-latency", "--no-sdk", "--no-sdk-to-sdk", "--no-plots"),
@@ -225,19 +209,13 @@ def _scratch(mode: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short runs for CI (under a minute)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        help="output directory (default: bench/results for a full run, else a temporary directory)",
-    )
-    parser.add_argument(
-        "--systems", default="broky,nats,redis", help="comma-separated subset of broky,nats,redis"
-    )
-    parser.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="Broky workers (default: cores)"
-    )
+    parser = options.parser(
+        "bench", __doc__, out=None, systems=",".join(report.SYSTEMS), workers=os.cpu_count() or 1, quick=True,
+        helps={"quick": "short runs for CI (under a minute)",
+               "out": "output directory (default: bench/results for a full run, else a temporary directory)",
+               "systems": "comma-separated subset of broky,nats,redis",
+               "workers": "Broky workers (default: cores)"},
+    )  # fmt: skip
     parser.add_argument("--warmup", type=float, help="seconds before measuring each run")
     parser.add_argument("--duration", type=float, help="measured seconds of each throughput run")
     parser.add_argument("--rate", type=float, default=5000.0, help="latency run publish rate (msgs/s)")
@@ -257,16 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (0.3 if quick else 1.0)
     duration = args.duration if args.duration is not None else (0.6 if quick else 4.0)
     lat_duration = args.latency_duration if args.latency_duration is not None else (1.0 if quick else 10.0)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(report.SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    systems = options.systems(parser, args.systems, report.SYSTEMS)
     chosen = scenarios(quick)
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in chosen if s.id in wanted]
     if args.out is None:
-        args.out = RESULTS if _full_run(argv) else _scratch("quick" if quick else "partial")
+        args.out = options.RESULTS if _full_run(argv) else _scratch("quick" if quick else "partial")
 
     # SIGTERM (e.g. a test timeout) unwinds through the finally below: no server outlives us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -283,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed: dict[str, str] = {}
     results: dict[str, Any] = {
         "mode": "quick" if quick else "full",
-        "command": _command(sys.argv[1:] if argv is None else list(argv)),
+        "command": options.command("bench", argv),
         "started": started.strftime("%Y-%m-%d %H:%M UTC"),
         "machine": info,
         "settings": {

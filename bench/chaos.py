@@ -94,7 +94,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,14 +105,14 @@ if str(ROOT) not in sys.path:
 
 import broky  # noqa: E402
 from bench import worker_kill  # noqa: E402
-from bench.cluster_failover import ClusterRun, Load, owned_partitions  # noqa: E402
-from bench.harness import children, servers  # noqa: E402
-from bench.harness.cluster import agreed, start_node, wait_for  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.cluster_failover import owned_partitions  # noqa: E402
+from bench.harness import options, roles, servers  # noqa: E402
+from bench.harness.cluster import ClusterRun, agreed, wait_for  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
+from bench.worker_kill import Load  # noqa: E402
 from broky.protocol import LossReason, vbucket_of  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 # An UNACCOUNTED notice covers the lost messages published at most this long before it
 # arrived: the notice comes once the lost connection is replaced (a reconnect, a move).
 COVER_SECONDS = 30.0
@@ -272,21 +272,10 @@ def server_restart(
     args = ["--port", str(port), *server_args]
     server = servers.start_broky(workers, args)
     url = f"{server.host}:{port}"
-    procs: list[subprocess.Popen[str]] = []
+    load: Load | None = None
     faults: list[dict[str, Any]] = []
     try:
-        sub = worker_kill._spawn("subscriber", url)
-        procs.append(sub)
-        assert sub.stdout is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
-        pub = worker_kill._spawn(
-            "publisher", url, "--rate", str(rate), "--duration", "0", "--partitions", str(partitions)
-        )
-        procs.append(pub)
-        assert pub.stdout is not None
-        if pub.stdout.readline().strip() != "publishing":
-            raise RuntimeError("the publisher did not start")
+        load = Load(url, url, rate, partitions)
         time.sleep(1.0)
         for _ in range(restarts):
             killed_at = time.time()
@@ -298,40 +287,15 @@ def server_restart(
                 {"what": "server restart", "time": killed_at, "down_s": round(time.time() - killed_at, 3)}
             )
             time.sleep(max(0.0, interval - (time.time() - killed_at)))
-        pub_out, _ = pub.communicate("stop\n", timeout=90)
-        sub_out, _ = sub.communicate("stop\n", timeout=60)
-        published, subscribed = children.last_json(pub_out), children.last_json(sub_out)
+        published, subscribed = load.finish()
     finally:
-        children.kill_all(procs)
+        if load is not None:
+            load.kill()
         server.stop()
     return analyse("server-restart", published, subscribed, partitions, rate, faults)
 
 
 # ---------------------------------------------------------------- the cluster
-
-
-class Cluster(ClusterRun):
-    """bench.cluster_failover's cluster, each node on ports of its own that it keeps
-    when it is started again (a node restarted under its old id, at its old address)."""
-
-    def __init__(self, workers: int = 2, lease_ttl: int | None = None, *node_args: str) -> None:
-        super().__init__(workers, lease_ttl, *node_args)
-        self.ports: dict[str, tuple[int, int]] = {}
-
-    def start(self, node_id: str) -> servers.Server:
-        port, metrics = self.ports.setdefault(node_id, (servers.free_port(), servers.free_port()))
-        node = start_node(
-            self.url, node_id, self.workers, self.lease_ttl, *self.node_args,
-            "--port", str(port), "--metrics-port", str(metrics),
-        )  # fmt: skip
-        self.nodes[node_id] = node
-        return node
-
-    def pids(self, node_id: str) -> list[int]:
-        """The node's master and workers."""
-        node = self.nodes[node_id]
-        children = Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()
-        return [node.pid, *map(int, children)]
 
 
 def _cluster_run(
@@ -345,7 +309,7 @@ def _cluster_run(
     node_args: tuple[str, ...] = (),
 ) -> Outcome:
     """A settled cluster under load; `faults_of(cluster)` injects the faults (returns them)."""
-    cluster = Cluster(workers, lease_ttl, *node_args)
+    cluster = ClusterRun(workers, lease_ttl, *node_args, keep_ports=True)
     load: Load | None = None
     try:
         for n in range(nodes):
@@ -398,7 +362,7 @@ def node_kill_loop(
     at its address after `down` (3-5) s; for `minutes`."""
     import random
 
-    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+    def faults(cluster: ClusterRun, partitions: int) -> list[dict[str, Any]]:
         done: list[dict[str, Any]] = []
         names = sorted(cluster.nodes)
         end = time.time() + minutes * 60
@@ -424,7 +388,7 @@ def frozen_node(
     """A node (not the leader) SIGSTOPped for each of `freezes` seconds, then SIGCONTed
     and left to rejoin."""
 
-    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+    def faults(cluster: ClusterRun, partitions: int) -> list[dict[str, Any]]:
         done: list[dict[str, Any]] = []
         for seconds in freezes:
             leader = cluster.leader()
@@ -449,7 +413,7 @@ def frozen_node(
 def etcd_outage(seconds: float = 30.0) -> Outcome:
     """etcd SIGKILLed for `seconds`, then started again on its data."""
 
-    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+    def faults(cluster: ClusterRun, partitions: int) -> list[dict[str, Any]]:
         at = time.time()
         cluster.etcd.kill()
         time.sleep(seconds)
@@ -464,7 +428,7 @@ def etcd_wipe(down: float = 2.0) -> Outcome:
     etcd started on the same ports `down` seconds later. Also records whether any map
     the nodes applied moved vbuckets without a prepare (there should be none)."""
 
-    def faults(cluster: Cluster, partitions: int) -> list[dict[str, Any]]:
+    def faults(cluster: ClusterRun, partitions: int) -> list[dict[str, Any]]:
         before = cluster.map()
         wiped_at, back_at = cluster.etcd.wipe(down)
         vmap = wait_for(lambda: agreed(cluster.etcd, cluster.nodes), 90.0, "the map restored")
@@ -730,7 +694,7 @@ def wait_reconnected(
 
 
 def cut_process(
-    proc: subprocess.Popen[str],
+    proc: roles.Role,
     server_port: int,
     workers: int,
     down: float,
@@ -758,35 +722,10 @@ def cut_process(
 # -------------------------------- the client processes
 
 
-def _spawn_role(role: str, url: str, **options: Any) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.chaos", "--role", role, url, json.dumps(options)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    if proc.stdout.readline().strip() != "ready":
-        proc.kill()
-        proc.wait(5)
-        raise RuntimeError(f"the {role} did not start")
-    return proc
-
-
-def _say(proc: subprocess.Popen[str], line: str) -> str:
-    """Send a command to a role's process; its one-line answer."""
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-    return proc.stdout.readline().strip()
-
-
-async def _lines() -> AsyncIterator[str]:
-    """The lines on stdin, as they come (EOF: "stop")."""
-    loop = asyncio.get_running_loop()
-    while True:
-        line = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
-        yield line or "stop"
-        if not line or line == "stop":
-            return
+def _start_role(procs: list[roles.Role], role: str, url: str, **settings: Any) -> roles.Role:
+    """One of this module's role processes (`exact_role`), ready."""
+    argv = ("--role", role, "--server", url, "--settings", json.dumps(settings))
+    return roles.start(procs, "bench.chaos", *argv, what=f"the {role}")
 
 
 async def exact_subscriber(url: str) -> dict[str, Any]:
@@ -803,10 +742,10 @@ async def exact_subscriber(url: str) -> dict[str, Any]:
         on_loss=lambda ref, n, reason: losses.append((ref.worker, n, reason)),
     ) as client:
         sub = await client.subscribe(EXACT_PATTERN, callback=lambda m: received.append(unpack(m.payload)))
-        print("ready", flush=True)
-        async for line in _lines():
+        roles.ready()
+        async for line in roles.lines():
             if line == "told":  # what on_loss was told so far
-                print(json.dumps([sum(n for _, n, _ in losses), len(losses)]), flush=True)
+                roles.answer([sum(n for _, n, _ in losses), len(losses)])
         await asyncio.sleep(0.5)  # the last deliveries
         return {
             "received": received,
@@ -851,35 +790,30 @@ async def group_members(url: str, members: int, max_in_flight: int, key_shared: 
                 ack_wait=300.0, callback=functools.partial(take, m),
             )  # fmt: skip
             clients.append(client)
-        print("ready", flush=True)
-        async for line in _lines():
+        roles.ready()
+        async for line in roles.lines():
             if line == "held":
-                print(json.dumps([msg.vbucket for msg in held]), flush=True)
+                roles.answer([msg.vbucket for msg in held])
             elif line == "ack":
                 acking[0] = True
                 for msg in held:
                     msg.ack()
-                print(len(held), flush=True)
+                roles.answer(len(held))
                 held.clear()
             elif line == "hold":
                 acking[0] = False
-                print("holding", flush=True)
+                roles.answer("holding")
         await asyncio.sleep(0.5)
         stats = [asdict(c.stats) for c in clients]
     return {"received": received, "losses": losses, "stats": stats}
 
 
-def exact_role(role: list[str]) -> int:
-    """`python -m bench.chaos --role NAME URL OPTIONS-JSON`: a client process of a scenario."""
-    name, url, options = role[0], role[1], json.loads(role[2]) if len(role) > 2 else {}
-    if name == "subscriber":
-        out = asyncio.run(exact_subscriber(url))
-    elif name == "members":
-        out = asyncio.run(group_members(url, **options))
-    else:
-        raise SystemExit(f"unknown role {name!r}")
-    print(json.dumps(out), flush=True)
-    return 0
+def exact_role(args: argparse.Namespace) -> int:
+    """`python -m bench.chaos --role NAME --server URL --settings JSON`: a scenario's client process."""
+    settings = json.loads(args.settings or "{}")
+    if args.role == "subscriber":
+        return roles.done(asyncio.run(exact_subscriber(args.server)))
+    return roles.done(asyncio.run(group_members(args.server, **settings)))
 
 
 # -------------------------------- the scenarios
@@ -900,16 +834,6 @@ def foreign_traffic(url: str, partitions: int, messages: int, kps: int = 64) -> 
             client.publish(foreign[n % kps], FOREIGN_KEY, b"f" * 100)
         client.flush()
     return len({vbucket_of(kp) for kp in foreign})
-
-
-def _publisher(url: str, rate: int, partitions: int) -> subprocess.Popen[str]:
-    pub = worker_kill._spawn(
-        "publisher", url, "--rate", str(rate), "--duration", "0", "--partitions", str(partitions)
-    )
-    assert pub.stdout is not None
-    if pub.stdout.readline().strip() != "publishing":
-        raise RuntimeError("the publisher did not start")
-    return pub
 
 
 class Bursts:
@@ -972,29 +896,26 @@ def cuts_replay_off(
     server = servers.start_broky(workers, ["--replay-bytes", "0"])
     url = f"{server.host}:{server.port}"
     out = Exact("cuts-replay-off", "vbucket", cuts)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     back: list[float] = []
     try:
         vbuckets = foreign_traffic(url, partitions, foreign)
         out.figures["foreign traffic first"] = (
             f"{foreign} messages to key other.k on {vbuckets} other vbuckets"
         )
-        sub = _spawn_role("subscriber", url)
-        procs.append(sub)
-        pub = _publisher(url, rate, partitions)
-        procs.append(pub)
+        sub = _start_role(procs, "subscriber", url)
+        pub = worker_kill.start_publisher(procs, url, rate, partitions)
         time.sleep(1.0)
         for _ in range(cuts):
             t0 = time.monotonic()
             back.append(cut_process(sub, server.port, workers, down, stall=stall))
             time.sleep(max(0.0, interval - (time.monotonic() - t0)))
-        pub_out, _ = pub.communicate("stop\n", timeout=90)
+        published = pub.finish(timeout=90)
         time.sleep(0.5)
-        sub_out, _ = sub.communicate("stop\n", timeout=60)
+        subscribed = sub.finish()
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
-    published, subscribed = children.last_json(pub_out), children.last_json(sub_out)
     count_lost(out, published, [(i, s) for i, s in subscribed["received"]], partitions, _vbucket_key)
     count_subscriber_told(out, subscribed)
     out.figures[
@@ -1023,11 +944,10 @@ def cuts_idle(
     server = servers.start_broky(workers, ["--replay-bytes", "0"])
     url = f"{server.host}:{server.port}"
     out = Exact("cuts-idle", "vbucket", 1 + idle_cuts)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     told_after: list[int] = []
     try:
-        sub = _spawn_role("subscriber", url)
-        procs.append(sub)
+        sub = _start_role(procs, "subscriber", url)
         with broky.connect_sync(url) as client:
             pub = Bursts(client, partitions)
             pub.burst(before)
@@ -1040,11 +960,10 @@ def cuts_idle(
             pub.burst(after)
             published = pub.report()
         time.sleep(0.5)
-        sub_out, _ = sub.communicate("stop\n", timeout=60)
+        subscribed = sub.finish()
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
-    subscribed = children.last_json(sub_out)
     count_lost(out, published, [(i, s) for i, s in subscribed["received"]], partitions, _vbucket_key)
     count_subscriber_told(out, subscribed)
     out.figures["published before, during the first cut, after the idle cuts"] = f"{before}, {lost}, {after}"
@@ -1054,13 +973,13 @@ def cuts_idle(
     return out
 
 
-def _told_settled(sub: subprocess.Popen[str], quiet: float = 0.5, timeout: float = 15.0) -> int:
+def _told_settled(sub: roles.Role, quiet: float = 0.5, timeout: float = 15.0) -> int:
     """What a subscriber process was told so far, once it stays the same for `quiet` s."""
-    told = json.loads(_say(sub, "told"))
+    told = json.loads(sub.ask("told"))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(quiet)
-        again = json.loads(_say(sub, "told"))
+        again = json.loads(sub.ask("told"))
         if again == told:
             break
         told = again
@@ -1090,36 +1009,33 @@ def group_worker_kill(
     url = f"{server.host}:{server.port}"
     name = "group-worker-kill" + ("-key-shared" if key_shared else "")
     out = Exact(name, "worker", kills)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     held: list[str] = []
     try:
-        group = _spawn_role(
-            "members", url, members=members, max_in_flight=max_in_flight, key_shared=key_shared
+        group = _start_role(
+            procs, "members", url, members=members, max_in_flight=max_in_flight, key_shared=key_shared
         )
-        procs.append(group)
-        pub = _publisher(url, rate, partitions)
-        procs.append(pub)
+        pub = worker_kill.start_publisher(procs, url, rate, partitions)
         for k in range(kills):
             worker = k % workers
             if k:
-                _say(group, "hold")
+                group.ask("hold")
             time.sleep(hold)
-            vbuckets = json.loads(_say(group, "held"))  # at max_in_flight: nothing more comes
+            vbuckets = json.loads(group.ask("held"))  # at max_in_flight: nothing more comes
             theirs = sum(1 for vb in vbuckets if vb * workers // 1024 == worker)
             held.append(f"{len(vbuckets)} ({theirs} of worker {worker})")
-            pids = worker_kill._worker_pids(server)
+            pids = server.worker_pids()
             os.kill(pids[worker], signal.SIGKILL)
-            worker_kill._wait_restarted(server, pids)
+            server.wait_worker_restarted(pids)
             time.sleep(0.5)  # the members are back
-            _say(group, "ack")
+            group.ask("ack")
             time.sleep(settle)
-        pub_out, _ = pub.communicate("stop\n", timeout=90)
+        published = pub.finish(timeout=90)
         time.sleep(1.0)  # what the groups still hold goes to members that ack
-        group_out, _ = group.communicate("stop\n", timeout=60)
+        acked = group.finish()
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
-    published, acked = children.last_json(pub_out), children.last_json(group_out)
 
     def worker_of(i: int) -> str:
         return str(vbucket_of(worker_kill.partition(i)) * workers // 1024)
@@ -1275,7 +1191,7 @@ def sse_replay_off(
     server = servers.start_broky(workers, ["--replay-bytes", "0"])
     url = f"{server.host}:{server.port}"
     out = Exact("sse-replay-off", "total", cuts)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     reader = SseReader(server.host, server.metrics_port, EXACT_PATTERN, down)
     back: list[float] = []
     try:
@@ -1284,9 +1200,8 @@ def sse_replay_off(
             f"{foreign} messages to key other.k on {vbuckets} other vbuckets"
         )
         reader.start()
-        _wait(lambda: reader.connects == 1, 30.0, "the SSE reader's first stream")
-        pub = _publisher(url, rate, partitions)
-        procs.append(pub)
+        wait_for(lambda: reader.connects == 1, 30.0, "the SSE reader's first stream", 0.01)
+        pub = worker_kill.start_publisher(procs, url, rate, partitions)
         time.sleep(1.0)
         for n in range(cuts):
             if stall:
@@ -1295,19 +1210,18 @@ def sse_replay_off(
             t0 = time.monotonic()
             cut_ports({reader.local_port}, server.metrics_port)
             reader.stalled.clear()
-            _wait(lambda n=n: reader.connects == n + 2, 30.0, "the SSE reader's resume")  # type: ignore[misc]
+            wait_for(lambda n=n: reader.connects == n + 2, 30.0, "the SSE reader's resume", 0.01)  # type: ignore[misc]
             back.append(time.monotonic() - t0)
             time.sleep(max(0.0, interval - (time.monotonic() - t0)))
-        pub_out, _ = pub.communicate("stop\n", timeout=90)
+        published = pub.finish(timeout=90)
         count = -1
         while count != len(reader.received):  # until what is still coming has come
             count = len(reader.received)
             time.sleep(1.0)
     finally:
         reader.stop()
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
-    published = children.last_json(pub_out)
     count_lost(out, published, reader.received, partitions, None)
     # (a "dropped" of 0 says "none lost" where it means a loss: named apart from null)
     count_told(
@@ -1330,14 +1244,6 @@ def sse_replay_off(
     return out
 
 
-def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come within {timeout:g} s")
-        time.sleep(0.01)
-
-
 EXACT: dict[str, Callable[..., Exact]] = {
     "group-worker-kill": group_worker_kill,
     "group-worker-kill-key-shared": group_worker_kill_key_shared,
@@ -1356,13 +1262,18 @@ def exact_report(
     command = f"python -m bench.chaos --scenario {' '.join(scenarios)}" + (
         f" --stall {stall:g}" if stall else ""
     )
+    rows = [
+        (
+            o.scenario, o.faults, f"{o.published:,}", f"{o.lost:,}",
+            f"{o.told:,} ({', '.join(f'{k} {v:,}' for k, v in o.told_by_reason.items()) or '0'})",
+            sum(o.unknown.values()), o.lost_minus_told, o.told_minus_lost, "yes" if o.exact else "NO",
+        )
+        for o in outcomes
+    ]  # fmt: skip
+    head = ("scenario", "faults", "published", "lost", "told (by reason)", "without a count",
+            "lost - told", "told - lost", "exact")  # fmt: skip
     lines = [
-        "# Chaos, counted exactly: lost and told per vbucket (issue 37, items 1-4)",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *heading("Chaos, counted exactly: lost and told per vbucket (issue 37, items 1-4)", info, command),
         "One `broky serve --workers 2` per scenario; bench.worker_kill's SDK publisher (2,000 msgs/s "
         "over 300 key_partitions, a sequence number per key_partition in every payload) unless "
         "said otherwise; cuts are `ss -K` of the client's sockets. Lost: published, received by "
@@ -1381,18 +1292,9 @@ def exact_report(
             else []
         ),
         "",
-        "| scenario | faults | published | lost | told (by reason) | without a count | "
-        "lost - told | told - lost | exact |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---|",
+        *table(head, rows, "lrrrlrrrl"),
+        "",
     ]
-    for o in outcomes:
-        told = ", ".join(f"{k} {v:,}" for k, v in o.told_by_reason.items()) or "0"
-        lines.append(
-            f"| {o.scenario} | {o.faults} | {o.published:,} | {o.lost:,} | {o.told:,} ({told}) | "
-            f"{sum(o.unknown.values())} | {o.lost_minus_told} | {o.told_minus_lost} | "
-            f"{'yes' if o.exact else 'NO'} |"
-        )
-    lines.append("")
     for o in outcomes:
         lines += [f"## {o.scenario}", "", *(f"- {line}" for line in o.lines()), ""]
         if "resume_unknown" in o.unknown:
@@ -1442,49 +1344,47 @@ SCENARIOS: dict[str, Callable[[], Outcome]] = {
 
 
 def report(outcomes: list[Outcome], scenarios: list[str], info: dict[str, Any]) -> str:
+    rows = [
+        (
+            o.scenario, f"{o.published:,}", o.lost, o.told, o.unaccounted_notices,
+            f"{o.duplicates} ({o.duplicates_dropped})", o.out_of_order,
+            ", ".join(f"{r:.1f}" for r in o.recoveries()) or "-", max(o.untold, 0),
+        )
+        for o in outcomes
+    ]  # fmt: skip
+    head = ("scenario", "published", "lost", "told (counted)", "UNACCOUNTED notices",
+            "duplicates delivered (copies dropped)", "out of order", "recovery (s)",
+            "lost - told")  # fmt: skip
+    command = f"python -m bench.chaos --scenario {' '.join(scenarios)}"
     lines = [
-        "# Chaos: restarts, kills, freezes and etcd faults under SDK load",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.chaos --scenario {' '.join(scenarios)}`",
-        "",
+        *heading("Chaos: restarts, kills, freezes and etcd faults under SDK load", info, command),
         "An SDK publisher at 2,000 msgs/s over 300 key_partitions (a sequence number per "
         "key_partition in every payload), an SDK subscriber on `w.>`; the scenarios are in "
         "bench/chaos.py's header. Recovery: until every key_partition a fault struck flowed "
         "again (for a fault that struck none: until a message published after it arrived).",
         "",
-        "| scenario | published | lost | told (counted) | UNACCOUNTED notices | duplicates delivered "
-        "(copies dropped) | out of order | recovery (s) | lost - told |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        *table(head, rows, "lrrrrrrlr"),
+        "",
     ]
-    for o in outcomes:
-        rec = ", ".join(f"{r:.1f}" for r in o.recoveries()) or "-"
-        lines.append(
-            f"| {o.scenario} | {o.published:,} | {o.lost} | {o.told} | {o.unaccounted_notices} | "
-            f"{o.duplicates} ({o.duplicates_dropped}) | {o.out_of_order} | {rec} | {max(o.untold, 0)} |"
-        )
-    lines.append("")
     for out in outcomes:
         lines += [f"## {out.scenario}", "", *(f"- {line}" for line in out.lines()), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.chaos", __doc__, out=options.RESULTS, role=("subscriber", "members"))
     every = sorted(SCENARIOS) + sorted(EXACT)
     parser.add_argument("--scenario", nargs="+", choices=every, default=every)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--stall",
         type=float,
         default=0.0,
         help=f"seconds the client reads nothing before each cut ({', '.join(STALLED)})",
     )
-    parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # a scenario's client process
+    options.role_options(parser, "server", "settings")  # a scenario's client process
     args = parser.parse_args(argv)
     if args.role:
-        return exact_role(args.role)
+        return exact_role(args)
     chosen = args.scenario
     args.scenario = [name for name in chosen if name in SCENARIOS]  # (chaos.json's settings)
     info = machine_info()

@@ -43,12 +43,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import worker_kill  # noqa: E402
-from bench.cluster_failover import ClusterRun  # noqa: E402
-from bench.harness import children, procstat, servers  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options, procstat, roles, servers  # noqa: E402
+from bench.harness.cluster import ClusterRun  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 SETUPS = {  # name -> (nodes, workers per node, in a cluster)
     "1 node x 3 workers": (1, 3, False),
     "1-node cluster x 3 workers": (1, 3, True),
@@ -57,6 +56,10 @@ SETUPS = {  # name -> (nodes, workers per node, in a cluster)
     "1 node x 6 workers": (1, 6, False),
 }
 IDLE_SECONDS = 3.0  # the servers' idle CPU is measured over this long before the load
+MEDIANS = ("Setup", "Delivered", "Server CPU per delivery", "vs one node", "Idle server CPU",
+           "Data-path CPU per delivery", "vs one node", "etcd CPU (s)")  # fmt: skip
+EVERY = ("Setup", "Run", "Published", "Delivered", "Time (s)", "Server CPU (s)", "of it, masters (s)",
+         "Idle (ms/s)", "µs per delivery", "data path")  # fmt: skip
 
 
 def one_run(
@@ -65,7 +68,7 @@ def one_run(
     """Start the setup, run the load, stop everything: the figures of this run."""
     cluster: ClusterRun | None = None
     single: servers.Server | None = None
-    procs = []
+    procs: list[roles.Role] = []
     try:
         if not clustered:
             single = servers.start_broky(workers)
@@ -88,11 +91,7 @@ def one_run(
             master_pids = [node.pid for node in cluster.nodes.values()]
             assert cluster.etcd.proc is not None
             etcd_pids = [cluster.etcd.proc.pid]
-        sub = worker_kill._spawn("subscriber", seeds_sub)
-        procs.append(sub)
-        assert sub.stdout is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
+        sub = worker_kill.start_subscriber(procs, seeds_sub)
         time.sleep(0.5)
         idle0 = procstat.total_cpu_seconds(server_pids())
         time.sleep(IDLE_SECONDS)
@@ -100,20 +99,16 @@ def one_run(
         cpu0, etcd0 = procstat.total_cpu_seconds(server_pids()), procstat.total_cpu_seconds(etcd_pids)
         masters0 = procstat.total_cpu_seconds(master_pids)
         t0 = time.monotonic()
-        pub = worker_kill._spawn("publisher", seeds_pub, "--rate", str(rate), "--duration", str(seconds),
-                                 "--partitions", str(partitions), "--payload-bytes", "100")  # fmt: skip
-        procs.append(pub)
-        pub_out, _ = pub.communicate(timeout=seconds + 120)
+        pub = worker_kill.start_publisher(procs, seeds_pub, rate, partitions, seconds)
+        published = pub.finish(None, timeout=seconds + 120)
         time.sleep(0.3)  # the last deliveries (the subscriber keeps up at this rate)
         cpu = procstat.total_cpu_seconds(server_pids()) - cpu0
         elapsed = time.monotonic() - t0
         masters_cpu = procstat.total_cpu_seconds(master_pids) - masters0
         etcd_cpu = procstat.total_cpu_seconds(etcd_pids) - etcd0
-        sub_out, _ = sub.communicate("stop\n", timeout=120)
-        published = children.last_json(pub_out)
-        subscribed = children.last_json(sub_out)
+        subscribed = sub.finish(timeout=120)
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         if single is not None:
             single.stop()
         if cluster is not None:
@@ -136,8 +131,7 @@ def one_run(
 def run(runs: int, rate: int, seconds: float, partitions: int) -> dict[str, list[dict[str, Any]]]:
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
     for r in range(runs):
-        order = list(SETUPS) if r % 2 == 0 else list(reversed(SETUPS))
-        for name in order:
+        for name in options.alternating(list(SETUPS), r):
             nodes, workers, clustered = SETUPS[name]
             got = one_run(nodes, workers, clustered, rate, seconds, partitions)
             results[name].append(got)
@@ -151,14 +145,28 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
 
     base = median("1 node x 3 workers", "server_cpu_us_per_delivery")
     base_data = median("1 node x 3 workers", "data_path_cpu_us_per_delivery")
+    command = (
+        f"python -m bench.cluster_cpu --runs {args.runs} --rate {args.rate} "
+        f"--seconds {args.seconds:g} --partitions {args.partitions}"
+    )
+    medians = []
+    for name in SETUPS:
+        per = median(name, "server_cpu_us_per_delivery")
+        data = median(name, "data_path_cpu_us_per_delivery")
+        medians.append((
+            name, f"{median(name, 'delivered'):,.0f}", f"{per:.2f} µs", f"{per / base:.2f}x",
+            f"{median(name, 'idle_server_cpu_per_s') * 1000:.1f} ms/s", f"{data:.2f} µs",
+            f"{data / base_data:.2f}x", f"{median(name, 'etcd_cpu_s'):.2f}",
+        ))  # fmt: skip
+    every = [
+        (name, i + 1, x["published"], x["delivered"], x["elapsed_s"], x["server_cpu_s"], x["masters_cpu_s"],
+         f"{x['idle_server_cpu_per_s'] * 1000:.1f}", x["server_cpu_us_per_delivery"],
+         x["data_path_cpu_us_per_delivery"])
+        for name in SETUPS
+        for i, x in enumerate(results[name])
+    ]  # fmt: skip
     lines = [
-        "# Server CPU per delivered message: a three-node cluster against one node",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.cluster_cpu --runs {args.runs} --rate {args.rate} "
-        f"--seconds {args.seconds:g} --partitions {args.partitions}`",
-        "",
+        *heading("Server CPU per delivered message: a three-node cluster against one node", info, command),
         f"Each setup gets the same load, {args.runs} times, the setups alternating within every round: an "
         f"SDK publisher process at {args.rate} msgs/s over {args.partitions} key_partitions (100-byte "
         f"payloads) for {args.seconds:g} s, an SDK subscriber process on `w.>`, their seeds on different "
@@ -167,44 +175,21 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
         f"second over {IDLE_SECONDS:g} s before the load, subscriber connected. Data path: server CPU minus "
         "idle CPU over the same time. Medians of the runs.",
         "",
-        "| Setup | Delivered | Server CPU per delivery | vs one node | Idle server CPU | "
-        "Data-path CPU per delivery | vs one node | etcd CPU (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in SETUPS:
-        per = median(name, "server_cpu_us_per_delivery")
-        data = median(name, "data_path_cpu_us_per_delivery")
-        lines.append(
-            f"| {name} | {median(name, 'delivered'):,.0f} | {per:.2f} µs | {per / base:.2f}x | "
-            f"{median(name, 'idle_server_cpu_per_s') * 1000:.1f} ms/s | {data:.2f} µs | "
-            f"{data / base_data:.2f}x | {median(name, 'etcd_cpu_s'):.2f} |"
-        )
-    lines += [
+        *table(MEDIANS, medians),
         "",
         "Every run:",
         "",
-        "| Setup | Run | Published | Delivered | Time (s) | Server CPU (s) | of it, masters (s) | "
-        "Idle (ms/s) | µs per delivery | data path |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table(EVERY, every),
+        "",
     ]
-    for name in SETUPS:
-        for i, x in enumerate(results[name]):
-            lines.append(
-                f"| {name} | {i + 1} | {x['published']} | {x['delivered']} | {x['elapsed_s']} | "
-                f"{x['server_cpu_s']} | {x['masters_cpu_s']} | {x['idle_server_cpu_per_s'] * 1000:.1f} | "
-                f"{x['server_cpu_us_per_delivery']} | {x['data_path_cpu_us_per_delivery']} |"
-            )
-    lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster_cpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser = options.parser("bench.cluster_cpu", __doc__, out=options.RESULTS, runs=3)
     parser.add_argument("--rate", type=int, default=20000, help="msgs/s published")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--partitions", type=int, default=256)
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     info = machine_info()
     results = run(args.runs, args.rate, args.seconds, args.partitions)

@@ -6,7 +6,8 @@
 
 A real etcd and three `broky serve --cluster` nodes (a, b, c) with 2 workers
 each on loopback, default settings (plus `--node-arg`s), each on ports of its
-own that it keeps when it is started again (bench.chaos.Cluster). Under
+own that it keeps when it is started again (bench.harness.cluster.ClusterRun
+with keep_ports). Under
 bench.worker_kill's SDK publisher (`--rate` msgs/s round-robin over
 `--partitions` key_partitions, a sequence number per key_partition; seed: c)
 and SDK subscriber on `w.>` (seed: a), every round drains a node (SIGTERM:
@@ -60,21 +61,21 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.chaos import Cluster, Outcome, analyse  # noqa: E402
-from bench.cluster_failover import Load  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
-from bench.harness.servers import Server  # noqa: E402
+from bench.chaos import Outcome, analyse  # noqa: E402
+from bench.harness import options  # noqa: E402
+from bench.harness.cluster import ClusterRun  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
+from bench.worker_kill import Load  # noqa: E402
 from broky.protocol import NO_OWNER, LossReason, VBucketMap  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 NAMES = ("a", "b", "c")
 
 
 class MapWatch:
     """A thread that watches <prefix>/map in etcd: (time written, map) of every version."""
 
-    def __init__(self, cluster: Cluster, prefix: str = "/broky") -> None:
+    def __init__(self, cluster: ClusterRun, prefix: str = "/broky") -> None:
         self.endpoint = ("127.0.0.1", cluster.etcd.client_port)
         self.key = f"{prefix}/map"
         self.maps: list[tuple[float, VBucketMap]] = []
@@ -149,7 +150,7 @@ class Drain:
 
 
 def drain_once(
-    cluster: Cluster,
+    cluster: ClusterRun,
     watch: MapWatch,
     victim: str,
     leader: bool,
@@ -161,12 +162,12 @@ def drain_once(
     (`logs`: a directory to keep the victim's whole log in)."""
     node = cluster.nodes[victim]
     assert node.proc is not None
-    logs_before = {n: full_log(s) for n, s in cluster.nodes.items()}
+    logs_before = {n: s.full_log() for n, s in cluster.nodes.items()}
     drain = Drain(victim, leader, time.time())
     node.proc.send_signal(signal.SIGTERM)
     drain.exit_code = node.proc.wait(timeout)
     drain.exited_s = round(time.time() - drain.time, 3)
-    whole_log = full_log(node)
+    whole_log = node.full_log()
     victim_log = whole_log[len(logs_before.pop(victim)) :]
     if logs is not None:
         (logs / f"{victim}-until-{time.strftime('%H%M%S')}.log").write_text(whole_log)
@@ -185,7 +186,7 @@ def drain_once(
     drain.whole_s = None if gone is None else round(gone - drain.time, 3)
     texts = [
         victim_log,
-        *(full_log(s)[len(logs_before.get(n, "")) :] for n, s in cluster.nodes.items() if n != victim),
+        *(s.full_log()[len(logs_before.get(n, "")) :] for n, s in cluster.nodes.items() if n != victim),
     ]
     for text in texts:
         drain.move_timeouts += text.count("after the move timeout")
@@ -193,11 +194,6 @@ def drain_once(
             line.split("broky.cluster: ", 1)[-1] for line in text.splitlines() if "leader" in line
         ]
     return drain
-
-
-def full_log(node: Server) -> str:
-    """The node's whole log (Server.log() keeps only its tail)."""
-    return Path(node._log.name).read_text(errors="replace")
 
 
 def run(
@@ -210,7 +206,7 @@ def run(
     logs: Path | None = None,
 ) -> tuple[list[Drain], Outcome]:
     """`drains` rounds of drain and restart under SDK load (see the header)."""
-    cluster = Cluster(2, None, *node_args)
+    cluster = ClusterRun(2, None, *node_args, keep_ports=True)
     load: Load | None = None
     watch: MapWatch | None = None
     done: list[Drain] = []
@@ -233,7 +229,7 @@ def run(
     finally:
         if logs is not None:
             for name, node in cluster.nodes.items():
-                (logs / f"{name}-last.log").write_text(full_log(node))
+                (logs / f"{name}-last.log").write_text(node.full_log())
         if load is not None:
             load.kill()
         if watch is not None:
@@ -249,13 +245,17 @@ def run(
     return done, outcome
 
 
-def _row(d: Drain, n: int) -> str:
+GROUPS = ("drains", "n", "committed (s): min / median / max", "exited (s)", "whole (s)", "rejoined (s)",
+          "prepared first", "move timeouts", "loss notices")  # fmt: skip
+ROUNDS = ("round", "node", "leader", "committed (s)", "exited (s)", "whole (s)", "rejoined (s)",
+          "prepared first", "move timeouts", "loss notices")  # fmt: skip
+
+
+def _row(d: Drain, n: int) -> tuple[Any, ...]:
     notices = ", ".join(f"{v} {k}" for k, v in sorted(d.notices.items())) or "none"
     whole = "never (back first)" if d.whole_s is None else d.whole_s
-    return (
-        f"| {n} | {d.node} | {'yes' if d.leader else 'no'} | {d.committed_s} | {d.exited_s} | {whole} | "
-        f"{d.rejoined_s} | {'yes' if d.prepared else 'NO'} | {d.move_timeouts} | {notices} |"
-    )
+    return (n, d.node, "yes" if d.leader else "no", d.committed_s, d.exited_s, whole, d.rejoined_s,
+            "yes" if d.prepared else "NO", d.move_timeouts, notices)  # fmt: skip
 
 
 def _spread(values: list[float | None]) -> str:
@@ -274,13 +274,17 @@ def report(drains: list[Drain], outcome: Outcome, args: argparse.Namespace, info
     )
     leader = [d for d in drains if d.leader]
     other = [d for d in drains if not d.leader]
+    groups = [
+        (
+            label, len(group), _spread([d.committed_s for d in group]), _spread([d.exited_s for d in group]),
+            _spread([d.whole_s for d in group]), _spread([d.rejoined_s for d in group]),
+            f"{sum(d.prepared for d in group)} of {len(group)}", sum(d.move_timeouts for d in group),
+            sum(sum(d.notices.values()) for d in group),
+        )
+        for label, group in (("the leader", leader), ("another node", other))
+    ]  # fmt: skip
     lines = [
-        "# Cluster drain loop: the leader's drain and the others'",
-        "",
-        f"Machine: {describe(info, with_peers=False)}.",
-        "",
-        f"Command: `{command}`",
-        "",
+        *heading("Cluster drain loop: the leader's drain and the others'", info, command, with_peers=False),
         "etcd and three `broky serve --cluster` nodes with 2 workers each, default settings"
         + (f" but `{' '.join(args.node_arg)}`" if args.node_arg else "")
         + f"; an SDK publisher at {args.rate} msgs/s over {args.partitions} key_partitions (seed: c), "
@@ -292,24 +296,9 @@ def report(drains: list[Drain], outcome: Outcome, args: argparse.Namespace, info
         "is written: the drain is over; never, when the node was back before such a map), rejoined "
         "(started again, the three settled on one balanced map).",
         "",
-        "| drains | n | committed (s): min / median / max | exited (s) | whole (s) | rejoined (s) | "
-        "prepared first | move timeouts | loss notices |",
-        "|---|---:|---|---|---|---|---|---:|---:|",
-    ]
-    for label, group in (("the leader", leader), ("another node", other)):
-        notices = sum(sum(d.notices.values()) for d in group)
-        lines.append(
-            f"| {label} | {len(group)} | {_spread([d.committed_s for d in group])} | "
-            f"{_spread([d.exited_s for d in group])} | {_spread([d.whole_s for d in group])} | "
-            f"{_spread([d.rejoined_s for d in group])} | {sum(d.prepared for d in group)} of {len(group)} | "
-            f"{sum(d.move_timeouts for d in group)} | {notices} |"
-        )
-    lines += [
+        *table(GROUPS, groups, "lrlllllrr"),
         "",
-        "| round | node | leader | committed (s) | exited (s) | whole (s) | rejoined (s) | prepared first | "
-        "move timeouts | loss notices |",
-        "|---:|---|---|---:|---:|---:|---:|---|---:|---|",
-        *(_row(d, n + 1) for n, d in enumerate(drains)),
+        *table(ROUNDS, [_row(d, n + 1) for n, d in enumerate(drains)], "rllrrrrlrl"),
         "",
         f"Over the run: published {outcome.published:,}, received {outcome.received:,}, lost {outcome.lost}, "
         f"told {outcome.told}, UNACCOUNTED notices {outcome.unaccounted_notices}, duplicates delivered "
@@ -325,7 +314,7 @@ def report(drains: list[Drain], outcome: Outcome, args: argparse.Namespace, info
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cluster_drain", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.cluster_drain", __doc__, out=options.RESULTS, name="cluster_drain")
     parser.add_argument("--drains", type=int, default=15)
     parser.add_argument("--rate", type=int, default=300, help="msgs/s published")
     parser.add_argument("--partitions", type=int, default=100)
@@ -338,8 +327,6 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="an argument for every node (repeat; e.g. --drain-linger=0)",
     )
-    parser.add_argument("--name", default="cluster_drain", help="the results' file name, without .md/.json")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--logs", type=Path, default=None, help="keep every node's log in this directory")
     args = parser.parse_args(argv)
     if args.logs is not None:

@@ -39,19 +39,17 @@ Measured, from the subscriber's sequences against what was published:
 The promise checked: on the killed nodes' key_partitions, lost == told by
 their workers + the publisher's `unconfirmed_lost` (the SDK's count is what
 the subscriber missed); elsewhere, lost == told; no duplicate delivered, no
-more copies dropped than were sent again, no reordering. Results: bench/results/cluster_failover.md and
-.json with the machine. `ClusterRun`, `Load` and `run` are also what
-tests/test_cluster_sdk.py uses, with short leases and fewer kills.
+more copies dropped than were sent again, no reordering. Results:
+bench/results/cluster_failover.md and .json with the machine. `run` is also
+what tests/test_cluster_sdk.py uses (with bench.harness.cluster's ClusterRun
+and bench.worker_kill's Load), with short leases and fewer kills.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,113 +61,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import worker_kill  # noqa: E402
-from bench.harness import children  # noqa: E402
-from bench.harness.cluster import EtcdServer, current_map, settled, start_node, wait_for  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
-from bench.harness.servers import Server  # noqa: E402
+from bench.harness import options  # noqa: E402
+from bench.harness.cluster import ClusterRun  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
+from bench.worker_kill import Load  # noqa: E402
 from broky.protocol import LossReason, VBucketMap, vbucket_of  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-
-
-class ClusterRun:
-    """etcd and named nodes; every process stopped by pid at `stop`."""
-
-    def __init__(self, workers: int = 2, lease_ttl: int | None = None, *node_args: str) -> None:
-        self.etcd = EtcdServer().start()
-        self.url = self.etcd.url()
-        self.workers = workers
-        self.lease_ttl = lease_ttl
-        self.node_args = node_args
-        self.nodes: dict[str, Server] = {}
-
-    def start(self, node_id: str) -> Server:
-        node = start_node(self.url, node_id, self.workers, self.lease_ttl, *self.node_args)
-        self.nodes[node_id] = node
-        return node
-
-    def seeds(self, *node_ids: str) -> str:
-        return ",".join(f"{self.nodes[n].host}:{self.nodes[n].port}" for n in node_ids or self.nodes)
-
-    def kill(self, node_id: str) -> float:
-        """SIGKILL the node's master and workers (its process group); the time of the kill."""
-        node = self.nodes.pop(node_id)
-        killed_at = time.time()
-        os.killpg(node.pid, signal.SIGKILL)
-        assert node.proc is not None
-        node.proc.wait(10)
-        node.stop()
-        return killed_at
-
-    def leave(self, node_id: str, timeout: float = 60.0) -> int:
-        """SIGTERM: the node drains (hands its vbuckets over), says Goodbye and exits."""
-        node = self.nodes.pop(node_id)
-        assert node.proc is not None
-        node.proc.send_signal(signal.SIGTERM)
-        code = node.proc.wait(timeout)
-        node.stop()
-        return code
-
-    def wait_settled(self, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
-        return wait_for(
-            lambda: settled(self.nodes), timeout, f"nodes {sorted(self.nodes)} settled on one map"
-        )
-
-    def leader(self) -> str:
-        views = self.wait_settled()
-        leaders = {v["leader"] for v in views.values()}
-        assert len(leaders) == 1, views
-        return str(leaders.pop())
-
-    def map(self) -> VBucketMap:
-        return current_map(self.etcd)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {n}\n{node.log()}" for n, node in self.nodes.items())
-
-    def stop(self) -> None:
-        for node_id in list(self.nodes):
-            node = self.nodes.pop(node_id)
-            if node.proc is not None and node.proc.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)  # a SIGTERM would drain into nodes stopping too
-            node.stop()
-        self.etcd.stop()
-
-
-class Load:
-    """bench.worker_kill's SDK subscriber (on `w.>`) and publisher, as processes, until `finish`."""
-
-    def __init__(self, sub_seeds: str, pub_seeds: str, rate: int, partitions: int, payload_bytes: int = 100):
-        self.partitions = partitions
-        self.procs: list[subprocess.Popen[str]] = []
-        self.sub = worker_kill._spawn("subscriber", sub_seeds)
-        self.procs.append(self.sub)
-        assert self.sub.stdout is not None
-        if self.sub.stdout.readline().strip() != "ready":
-            self.kill()
-            raise RuntimeError("the subscriber did not start")
-        self.pub = worker_kill._spawn(
-            "publisher", pub_seeds, "--rate", str(rate), "--duration", "0",
-            "--partitions", str(partitions), "--payload-bytes", str(payload_bytes),
-        )  # fmt: skip
-        self.procs.append(self.pub)
-        assert self.pub.stdout is not None
-        if self.pub.stdout.readline().strip() != "publishing":
-            self.kill()
-            raise RuntimeError("the publisher did not start")
-
-    def finish(self, timeout: float = 90.0) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Stop publishing, flush, then stop the subscriber: what each reported."""
-        try:
-            pub_out, _ = self.pub.communicate("stop\n", timeout=timeout)
-            sub_out, _ = self.sub.communicate("stop\n", timeout=timeout)
-            return children.last_json(pub_out), children.last_json(sub_out)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        children.kill_all(self.procs)
 
 
 @dataclass
@@ -341,71 +238,62 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
     every, first = result.recovery("every"), result.recovery("first")
     flush = f"raised: {result.publisher_flush_error}" if result.publisher_flush_error else "succeeded"
     kills = [e for e in result.events if e["what"] == "kill"]
-    lines = [
-        "# Cluster failover: a node SIGKILLed under SDK load",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.cluster_failover --kills {args.kills} --nodes {args.nodes} "
+    joins = [e for e in result.events if e["what"] == "join"]
+    command = (
+        f"python -m bench.cluster_failover --kills {args.kills} --nodes {args.nodes} "
         f"--workers {args.workers} --rate {args.rate} --partitions {args.partitions} "
-        f"--lease-ttl {args.lease_ttl}`",
-        "",
+        f"--lease-ttl {args.lease_ttl}"
+    )
+    figures: list[tuple[str, Any]] = [
+        ("messages published", result.published),
+        ("received by the subscriber", result.received),
+        ("lost (published, never received)", result.lost),
+        ("told lost (LossNotice counts)", f"{result.told} {result.told_by_reason or ''}"),
+        ("lost / told, key_partitions and workers of the killed nodes",
+         f"{result.lost_on_killed} / {result.told_by_killed}"),
+        ("lost / told, elsewhere", f"{result.lost_elsewhere} / {result.told_elsewhere}"),
+        ("subscriber: connections lost with no account (UNACCOUNTED)", len(result.subscriber_unaccounted)),
+        ("publisher: `unconfirmed_lost` (may not have reached a server)", result.publisher_unconfirmed_lost),
+        ("publisher: `resent_after_loss` (sent again to the new owners)", result.publisher_resent_after_loss),
+        ("subscriber: copies dropped by uid", result.subscriber_duplicates_dropped),
+        ("duplicates delivered", result.duplicates),
+        ("out of order within a key_partition", result.out_of_order),
+        ("never published, or corrupt", f"{result.stray} / {result.corrupt}"),
+        ("publisher: final flush", flush),
+        ("publishes refused (reconnect buffer full)", result.refused),
+    ]  # fmt: skip
+    if every:
+        figures.append((
+            "recovery, every key_partition of the dead node: min / median / max",
+            f"{min(every):.2f} / {statistics.median(every):.2f} / {max(every):.2f} s",
+        ))  # fmt: skip
+    if first:
+        figures.append((
+            "recovery, its first key_partition: min / median / max",
+            f"{min(first):.2f} / {statistics.median(first):.2f} / {max(first):.2f} s",
+        ))  # fmt: skip
+    rounds = [
+        (n + 1, k["node"], "yes" if k["leader"] else "no", k.get("every"), k.get("first"),
+         k.get("failover_s"), joins[n]["join_s"] if n < len(joins) else None)
+        for n, k in enumerate(kills)
+    ]  # fmt: skip
+    head = ("Round", "Node", "Leader", "Recovery, every (s)", "first (s)", "Failover (s)", "Join (s)")
+    lines = [
+        *heading("Cluster failover: a node SIGKILLed under SDK load", info, command),
         f"etcd and {args.nodes} `broky serve --cluster` nodes with {args.workers} workers each, "
         f"`--lease-ttl {args.lease_ttl}`, other settings default; an SDK publisher at {args.rate} msgs/s "
         f"over {args.partitions} key_partitions (seed: the last node), an SDK subscriber on `w.>` "
         f"(seed: the first node). {len(kills)} rounds: SIGKILL of a node (alternately another node and "
         "the leader), failover, the node started again under the same id (a planned join).",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| messages published | {result.published} |",
-        f"| received by the subscriber | {result.received} |",
-        f"| lost (published, never received) | {result.lost} |",
-        f"| told lost (LossNotice counts) | {result.told} {result.told_by_reason or ''} |",
-        f"| lost / told, key_partitions and workers of the killed nodes | {result.lost_on_killed} / "
-        f"{result.told_by_killed} |",
-        f"| lost / told, elsewhere | {result.lost_elsewhere} / {result.told_elsewhere} |",
-        f"| subscriber: connections lost with no account (UNACCOUNTED) | "
-        f"{len(result.subscriber_unaccounted)} |",
-        f"| publisher: `unconfirmed_lost` (may not have reached a server) | "
-        f"{result.publisher_unconfirmed_lost} |",
-        f"| publisher: `resent_after_loss` (sent again to the new owners) | "
-        f"{result.publisher_resent_after_loss} |",
-        f"| subscriber: copies dropped by uid | {result.subscriber_duplicates_dropped} |",
-        f"| duplicates delivered | {result.duplicates} |",
-        f"| out of order within a key_partition | {result.out_of_order} |",
-        f"| never published, or corrupt | {result.stray} / {result.corrupt} |",
-        f"| publisher: final flush | {flush} |",
-        f"| publishes refused (reconnect buffer full) | {result.refused} |",
-    ]
-    if every:
-        lines.append(
-            f"| recovery, every key_partition of the dead node: min / median / max | "
-            f"{min(every):.2f} / {statistics.median(every):.2f} / {max(every):.2f} s |"
-        )
-    if first:
-        lines.append(
-            f"| recovery, its first key_partition: min / median / max | "
-            f"{min(first):.2f} / {statistics.median(first):.2f} / {max(first):.2f} s |"
-        )
-    lines += [
+        *table(("Figure", "Value"), figures),
         "",
         "Recovery: from the SIGKILL until the subscriber received a message published after it, to every "
         "key_partition the dead node owned (and to the first of them). Failover: until every surviving "
         "node runs the committed map without it. Join: from then until the node, started again, has its "
         "share back (prepared, followed by the subscriber, committed).",
         "",
-        "| Round | Node | Leader | Recovery, every (s) | first (s) | Failover (s) | Join (s) |",
-        "|---:|---|---|---:|---:|---:|---:|",
-    ]
-    joins = [e for e in result.events if e["what"] == "join"]
-    for n, k in enumerate(kills):
-        join = joins[n]["join_s"] if n < len(joins) else None
-        lines.append(
-            f"| {n + 1} | {k['node']} | {'yes' if k['leader'] else 'no'} | {k.get('every')} | "
-            f"{k.get('first')} | {k.get('failover_s')} | {join} |"
-        )
-    lines += [
+        *table(head, rounds, "rllrrrr"),
         "",
         f"Verdict: {'met' if result.promise_kept else 'NOT met'} (on the killed nodes' key_partitions "
         "lost == told + the publisher's unconfirmed_lost, elsewhere lost == told; no duplicate, no more "
@@ -416,16 +304,12 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.cluster_failover", description=__doc__.split("\n")[0]
-    )
+    parser = options.parser("bench.cluster_failover", __doc__, out=options.RESULTS, workers=2)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rate", type=int, default=5000, help="msgs/s published")
     parser.add_argument("--partitions", type=int, default=500)
     parser.add_argument("--lease-ttl", type=int, default=5, help="seconds (broky serve's default: 5)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     info = machine_info()
     result = run(args.kills, args.rate, args.partitions, args.nodes, args.workers, args.lease_ttl)

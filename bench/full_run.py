@@ -22,9 +22,7 @@ matrix's runs (its default is 10 s, about 56 minutes).
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -35,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import machine
+from bench.harness import machine, options
+from bench.harness.report import table, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 
 
 @dataclass(frozen=True)
@@ -156,14 +154,13 @@ def markdown(run: dict[str, Any]) -> str:
         "",
         "Each step ran alone, in this order, and wrote the result files named beside it.",
         "",
-        "| Step | Command | Started | Minutes | Exit | Results |",
-        "|---|---|---|---:|---:|---|",
-    ]
-    for s in run["steps"]:
-        lines.append(
-            f"| {s['name']}: {s['what']} | `{s['command']}` | {s['started']} | {s['elapsed_s'] / 60:.1f} | "
-            f"{s['exit']} | {s['results']} |"
-        )
+        *table(
+            ("Step", "Command", "Started", "Minutes", "Exit", "Results"),
+            [(f"{s['name']}: {s['what']}", f"`{s['command']}`", s["started"], f"{s['elapsed_s'] / 60:.1f}",
+              s["exit"], s["results"]) for s in run["steps"]],
+            "lllrrl",
+        ),
+    ]  # fmt: skip
     failed = [s for s in run["steps"] if s["exit"] != 0]
     for s in failed:
         lines += ["", f"**{s['name']} failed** (exit {s['exit']}); the end of its output:", "", "```"]
@@ -172,7 +169,7 @@ def markdown(run: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.full_run", description=__doc__.split("\n\n")[0])
+    parser = options.parser("bench.full_run", __doc__)
     parser.add_argument("--only", help="comma-separated step names (see --list)")
     parser.add_argument("--skip", help="comma-separated step names")
     parser.add_argument(
@@ -181,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-dirty", action="store_true", help="run on a tree with uncommitted changes")
     parser.add_argument("--list", action="store_true", help="print the steps and exit")
     args = parser.parse_args(argv)
-    given = sys.argv[1:] if argv is None else list(argv)
+    given = options.given(argv)
     plan = steps(args.latency_duration)
     names = [s.name for s in plan]
     only = [n for n in (args.only or "").split(",") if n]
@@ -201,11 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="broky-full-run-"))
     print(f"logs in {logs}", file=sys.stderr)
     started = time.monotonic()
+    info = machine.machine_info()
     run: dict[str, Any] = {
-        "command": " ".join(["python -m bench.full_run", *given]),
+        "command": options.command("bench.full_run", given),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": revision,
-        "machine": machine.machine_info(),
+        "machine": info,
         "load_start": f"{os.getloadavg()[0]:.2f}",
         "steps": [],
     }
@@ -214,9 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run["elapsed_s"] = round(time.monotonic() - started, 1)
     text = markdown(run)
     if len(chosen) == len(plan):
-        (RESULTS / "full_run.md").write_text(text)
-        (RESULTS / "full_run.json").write_text(json.dumps(run, indent=1) + "\n")
-        print(f"wrote {RESULTS / 'full_run.md'}", file=sys.stderr)
+        del run["machine"]
+        write_results(options.RESULTS, "full_run", text, info, None, **run)
+        print(f"wrote {options.RESULTS / 'full_run.md'}", file=sys.stderr)
     else:
         print(text)
     return 1 if any(s["exit"] != 0 for s in run["steps"]) else 0

@@ -84,13 +84,11 @@ import base64
 import contextlib
 import json
 import random
-import resource
 import statistics
 import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -101,11 +99,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import children, procstat, servers  # noqa: E402
+from bench.harness import options, procstat, roles, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 KEY = b"g.k"  # Broky's key; NATS subjects are g.k.tenant-i
 PATTERN = "g.>"
 GROUP = "g"
@@ -342,18 +339,6 @@ class Work:
             await asyncio.sleep(ahead)
 
 
-async def _control(tally: Tally) -> None:
-    """The orchestrator's lines on stdin: "count" (answered with the count) until "stop"."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while True:
-        line = await reader.readline()
-        if not line or line.strip() == b"stop":
-            return
-        print(tally.count, flush=True)
-
-
 async def _take_until_stopped(
     it: AsyncIterator[Any], take: Callable[[Tally, Any], None], n: int, parts: int, service: float
 ) -> dict[str, Any]:
@@ -368,8 +353,9 @@ async def _take_until_stopped(
             await work.done()
 
     serving = asyncio.create_task(serve())
-    print("ready", flush=True)
-    await _control(tally)
+    roles.ready()
+    async for _ in roles.lines():  # "count", until "stop"
+        roles.answer(tally.count)
     error = None
     if serving.done() and serving.exception() is not None:  # the subscription ended under it
         error = repr(serving.exception())[:300]
@@ -468,22 +454,12 @@ def _payloads(n: int, parts: int, skew: float) -> tuple[list[int], Callable[[int
     return order, payload
 
 
-async def _go() -> None:
-    """Print "ready", then wait for a line on stdin."""
-    print("ready", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _published(n: int, started: float, cpu0: float) -> dict[str, Any]:
     """The publisher's report: its time and rate, and its CPU from "go" on."""
     seconds = time.time() - started
     return {"published": n, "started_at": started, "seconds": round(seconds, 3),
-            "rate": round(n / seconds) if seconds else None, "cpu_s": round(_cpu_s() - cpu0, 3)}  # fmt: skip
+            "rate": round(n / seconds) if seconds else None,
+            "cpu_s": round(procstat.own_cpu_seconds() - cpu0, 3)}  # fmt: skip
 
 
 async def broky_publisher(address: str, n: int, parts: int, rate: int, skew: float) -> dict[str, Any]:
@@ -492,8 +468,8 @@ async def broky_publisher(address: str, n: int, parts: int, rate: int, skew: flo
     order, payload = _payloads(n, parts, skew)
     names = [b"tenant-%d" % i for i in range(parts)]
     async with broky.connect(address) as client:
-        await _go()
-        started, cpu0 = time.time(), _cpu_s()
+        await roles.ready_then_go()
+        started, cpu0 = time.time(), procstat.own_cpu_seconds()
         await _paced(lambda k: client.publish(names[order[k]], KEY, payload(k)), n, rate)
         await client.flush()
         return _published(n, started, cpu0)
@@ -505,8 +481,8 @@ async def nats_publisher(address: str, n: int, parts: int, rate: int, skew: floa
     order, payload = _payloads(n, parts, skew)
     names = [nats_subject(i) for i in range(parts)]
     nc = await nats.connect(f"nats://{address}")
-    await _go()
-    started, cpu0 = time.time(), _cpu_s()
+    await roles.ready_then_go()
+    started, cpu0 = time.time(), procstat.own_cpu_seconds()
     await _paced(lambda k: nc.publish(names[order[k]], payload(k)), n, rate)
     await nc.flush()
     result = _published(n, started, cpu0)
@@ -517,47 +493,18 @@ async def nats_publisher(address: str, n: int, parts: int, rate: int, skew: floa
 # ---------------------------------------------------------------- one run
 
 
-def _spawn(*argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.groups", *argv],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+def _start(procs: list[roles.Role], what: str, *argv: str) -> roles.Role:
+    """One of this program's role processes (`_role`); `Role.ready` waits for it."""
+    role = roles.spawn("bench.groups", *argv, what=what)
+    procs.append(role)
+    return role
 
 
-def _ready(proc: subprocess.Popen[str], what: str) -> None:
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if line != "ready":
-        raise RuntimeError(f"{what} did not start (said {line!r})")
-
-
-def _say(proc: subprocess.Popen[str], line: str) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-
-
-def _counts(members: Sequence[subprocess.Popen[str]]) -> list[int]:
+def _counts(members: Sequence[roles.Role]) -> list[int]:
+    """Every member's count so far (asked of all of them first, then read)."""
     for m in members:
-        _say(m, "count")
-    out = []
-    for m in members:
-        assert m.stdout is not None
-        out.append(int(m.stdout.readline()))
-    return out
-
-
-def _final(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    _say(proc, "stop")
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.wait(30)
-    return children.last_json(out)
-
-
-def _fetch(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
+        m.say("count")
+    return [int(m.read()) for m in members]
 
 
 # Broky /stats counters kept per run, summed over the workers (those the server has).
@@ -572,9 +519,9 @@ def server_counters(server: servers.Server) -> dict[str, Any]:
     """Broky: STAT_KEYS and the drops by reason (non-zero), summed over the workers (/stats);
     NATS: /varz's slow_consumers, in_msgs, out_msgs."""
     if server.name == "nats":
-        varz = _fetch(f"http://{server.host}:{server.metrics_port}/varz")
+        varz = json.loads(server.http_get("/varz"))
         return {k: varz.get(k, 0) for k in ("slow_consumers", "in_msgs", "out_msgs")}
-    workers = _fetch(f"http://{server.host}:{server.metrics_port}/stats")["workers"]
+    workers = server.stats()["workers"]
     out: dict[str, Any] = {k: sum(w.get(k, 0) for w in workers) for k in STAT_KEYS if k in workers[0]}
     dropped: dict[str, int] = {}
     for w in workers:
@@ -589,39 +536,34 @@ def one_run(sc: Scenario, n: int, rate: int, parts: int, workers: int) -> dict[s
     """Start the server, the members and the publisher; publish; count; stop everything."""
     fast, slow = service_times(rate) if sc.slow else (0.0, 0.0)
     server = servers.start_broky(workers) if sc.system == "broky" else servers.start_nats(monitor=True)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     idle_taken = None
     try:
         address = f"{server.host}:{server.port}"
         common = ("--address", address, "--messages", str(n), "--partitions", str(parts))
         if sc.idle_group:
-            idle = _spawn("--role", "member", "--system", "broky", "--mode", "lb", "--pattern", IDLE_PATTERN,
-                          *common)  # fmt: skip
-            procs.append(idle)
-            _ready(idle, "the idle group's member")
+            idle = _start(procs, "the idle group's member", "--role", "member", "--system", "broky",
+                          "--mode", "lb", "--pattern", IDLE_PATTERN, *common).ready()  # fmt: skip
         members = []
-        for m in range(sc.members):
+        for m in range(sc.members):  # they all start at once
             service = slow if sc.slow and m == sc.members - 1 else fast
             argv = ["--role", "member", "--system", sc.system, "--mode", sc.mode, "--service", repr(service)]
             argv += ["--queue", str(sc.queue), *(["--ack"] if sc.ack else [])]
-            members.append(_spawn(*argv, *common))
-        procs += members
-        for m, p in enumerate(members):
-            _ready(p, f"member {m}")
+            members.append(_start(procs, f"member {m}", *argv, *common))
+        for member in members:
+            member.ready()
         pace = str(0 if sc.burst else rate)
-        publisher = _spawn("--role", "publisher", "--system", sc.system, "--rate", pace,
-                           "--skew", str(sc.skew), *common)  # fmt: skip
-        procs.append(publisher)
-        _ready(publisher, "the publisher")
+        argv = ["--role", "publisher", "--system", sc.system, "--rate", pace, "--skew", str(sc.skew)]
+        publisher = _start(procs, "the publisher", *argv, *common).ready()
         time.sleep(0.3)  # every subscription in place everywhere
         expected = n * (1 if sc.mode != "plain" else sc.members)
         pids = server.pids()
         busy0, all0, _ = procstat.machine_cpu()
         cpu0 = procstat.total_exact_cpu_seconds(pids)
-        members0 = sum(procstat.cpu_seconds(p.pid) for p in members)
+        members0 = roles.total_cpu_seconds(members)
         mine0 = time.process_time()
         t0 = time.monotonic()
-        _say(publisher, "go")
+        publisher.say("go")
         got, last_progress = 0, t0
         deadline = t0 + 3 * n / rate + 60
         while time.monotonic() < deadline:
@@ -635,17 +577,16 @@ def one_run(sc: Scenario, n: int, rate: int, parts: int, workers: int) -> dict[s
         done_at = last_progress
         time.sleep(SETTLE)
         cpu = procstat.total_exact_cpu_seconds(pids) - cpu0
-        members_cpu = sum(procstat.cpu_seconds(p.pid) for p in members) - members0
+        members_cpu = roles.total_cpu_seconds(members) - members0
         mine = time.process_time() - mine0
         busy1, all1, _ = procstat.machine_cpu()
         counters = server_counters(server)
-        pub_out, _ = publisher.communicate(timeout=60)
-        published = children.last_json(pub_out)
-        taken = [_final(p) for p in members]
+        published = publisher.finish(None)
+        taken = [m.finish(timeout=30) for m in members]
         if sc.idle_group:
-            idle_taken = _final(procs[0])["taken"]
+            idle_taken = idle.finish(timeout=30)["taken"]
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
     result = analyse(sc, n, parts, published, taken, expected)
     delivered = result["taken"]
@@ -834,17 +775,19 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, info: dict[str, Any]) -> str:
     fast, slow = service_times(args.rate)
     summary = summarize(results)
+    command = (
+        f"python -m bench.groups --messages {args.messages} --rate {args.rate} "
+        f"--partitions {args.partitions} --workers {args.workers} --cpu-rounds {args.cpu_rounds}"
+        + (f" --only {args.only}" if args.only else "")
+        + (" --quick" if args.quick else "")
+    )
     lines = [
-        "# Consumer groups: balance and server CPU, Broky against nats-server queue groups",
+        f"# {TITLE}",
         "",
         f"Machine: {describe(info)}. {info['cores']} cores: the server, the publisher and every member "
         "process share them.",
         "",
-        f"Command: `python -m bench.groups --messages {args.messages} --rate {args.rate} "
-        f"--partitions {args.partitions} --workers {args.workers} --cpu-rounds {args.cpu_rounds}"
-        + (f" --only {args.only}" if args.only else "")
-        + (" --quick" if args.quick else "")
-        + "`",
+        f"Command: `{command}`",
         "",
         f"Every run: a fresh server (Broky: `broky serve --workers {args.workers}`; NATS: `nats-server`), "
         "one process per member (Broky's asyncio SDK or nats.py, `async for`), one SDK publisher process "
@@ -864,10 +807,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
     lines += _key_shared(results, args)
     lines += _acks(results)
     lines += _cpu(results)
-    lines += ["## Targets", "", "| target | value | met |", "|---|---:|---|"]
-    for t in summary["targets"]:
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {_f(t['value'], '{}')} | {met} |")
+    targets = [
+        (t["target"], _f(t["value"], "{}"), "-" if t["met"] is None else ("yes" if t["met"] else "**no**"))
+        for t in summary["targets"]
+    ]
+    lines += ["## Targets", "", *table(("target", "value", "met"), targets, "lrl")]
     lines += ["", "Every run (without the per-member details, which are in groups.json):", "", "```"]
     for sid, runs in results.items():
         for x in runs:
@@ -875,6 +819,21 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
             lines.append(f"{sid}: {json.dumps(brief)}")
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+BALANCE = ("", "taken / published", "per member", "max/min", "CV", "lost", "copies",
+           "last taken after publish end (s)", "lag p99 (ms, worst member)",
+           "server CPU per delivery (µs)")  # fmt: skip
+SLOW = ("", "per member (slow last)", "slow / fast", "lost", "told lost", "slow-consumer cuts or drops",
+        "lag p99, fast / slow (ms)", "lag max, slow (ms)", "last taken after publish end (s)")  # fmt: skip
+KEY_SHARED = ("", "per member", "max/min", "an ideal hash: max/min p10 / p50 / p90", "CV",
+              "key_partitions per member", "hottest key_partition's share", "split", "incomplete",
+              "out of order", "lost", "copies")  # fmt: skip
+ACKS = ("", "per member", "max/min", "CV", "acks (server)", "redelivered", "in flight at the end", "lost",
+        "copies", "server CPU per delivery (µs)")  # fmt: skip
+BURST = ("", "publisher's rate (msgs/s)", "taken / published",
+         "taken per second (first publish to last take)", "per member", "max/min", "lost",
+         "server CPU per delivery (µs)")  # fmt: skip
 
 
 def _members_cell(x: dict[str, Any]) -> str:
@@ -886,19 +845,15 @@ def _balance(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = [
         "## Load-balanced groups, equally fast members",
         "",
-        "| | taken / published | per member | max/min | CV | lost | copies "
-        "| last taken after publish end (s) | lag p99 (ms, worst member) | server CPU per delivery (µs) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for sid in ids:
-        for x in _ok(results, sid):
-            lines.append(
-                f"| {BY_ID[sid].title} | {x['taken']:,} / {x['published']:,} | {_members_cell(x)} | "
-                f"{_f(x['max_over_min'], '{:.3f}')} | {_f(x['cv'], '{:.4f}')} | {_f(x['lost'])} | "
-                f"{x['twice_by_one'] + (x['by_two'] or 0)} | "
-                f"{max(0.0, x['last_at_after_publish_end']):.2f} | {_f(_max(x['lag_ms_p99']), '{:.1f}')} | "
-                f"{x['server_cpu_us_per_delivery']:.2f} |"
-            )
+        *table(BALANCE, [
+            (BY_ID[sid].title, f"{x['taken']:,} / {x['published']:,}", _members_cell(x),
+             _f(x["max_over_min"], "{:.3f}"), _f(x["cv"], "{:.4f}"), _f(x["lost"]),
+             x["twice_by_one"] + (x["by_two"] or 0), f"{max(0.0, x['last_at_after_publish_end']):.2f}",
+             _f(_max(x["lag_ms_p99"]), "{:.1f}"), f"{x['server_cpu_us_per_delivery']:.2f}")
+            for sid in ids
+            for x in _ok(results, sid)
+        ], "lrlrrrrrrr"),
+    ]  # fmt: skip
     return [*lines, *_error_rows(results, ids), ""]
 
 
@@ -922,18 +877,15 @@ def _slow(
         f"and the fast members the rest, the slow member's share is {conserving:.2f} of a fast member's; "
         "proportional to capacity, 1/3.",
         "",
-        "| | per member (slow last) | slow / fast | lost | told lost | slow-consumer cuts or drops | "
-        "lag p99, fast / slow (ms) | lag max, slow (ms) | last taken after publish end (s) |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|",
-    ]
-    for sid in ids:
-        for x in _ok(results, sid):
-            lines.append(
-                f"| {BY_ID[sid].title} | {_members_cell(x)} | {_f(x.get('slow_share_of_fast'), '{:.3f}')} | "
-                f"{_f(x['lost'])} | {_told(x)} | {_cuts(x)} | "
-                f"{_f(_max(x['lag_ms_p99'][:-1]), '{:.1f}')} / {_f(x['lag_ms_p99'][-1], '{:.1f}')} | "
-                f"{_f(x['lag_ms_max'][-1], '{:,.0f}')} | {max(0.0, x['last_at_after_publish_end']):.2f} |"
-            )
+        *table(SLOW, [
+            (BY_ID[sid].title, _members_cell(x), _f(x.get("slow_share_of_fast"), "{:.3f}"), _f(x["lost"]),
+             _told(x), _cuts(x),
+             f"{_f(_max(x['lag_ms_p99'][:-1]), '{:.1f}')} / {_f(x['lag_ms_p99'][-1], '{:.1f}')}",
+             _f(x["lag_ms_max"][-1], "{:,.0f}"), f"{max(0.0, x['last_at_after_publish_end']):.2f}")
+            for sid in ids
+            for x in _ok(results, sid)
+        ], "llrrrllrr"),
+    ]  # fmt: skip
     return [*lines, *_error_rows(results, ids), ""]
 
 
@@ -982,21 +934,16 @@ def _key_shared(results: dict[str, list[dict[str, Any]]], args: argparse.Namespa
         "may straddle it; none may move twice: a target below); incomplete: whose member missed some "
         "of its messages; out of order: by sequence number or by offset (first deliveries).",
         "",
-        "| | per member | max/min | an ideal hash: max/min p10 / p50 / p90 | CV | key_partitions per member "
-        "| hottest key_partition's share | split | incomplete | out of order | lost | copies |",
-        "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for sid in ids:
-        for x in _ok(results, sid):
-            ppm = " / ".join(str(c) for c in x["partitions_per_member"])
-            lines.append(
-                f"| {BY_ID[sid].title} | {_members_cell(x)} | {_f(x['max_over_min'], '{:.3f}')} | "
-                + " / ".join(f"{v:.2f}" for v in x["random_assignment_max_over_min_p10_p50_p90"])
-                + f" | {_f(x['cv'], '{:.4f}')} | {ppm} | {x['hottest_partition_share']:.1%} | "
-                f"{x['partitions_split']} | {x['partitions_incomplete']} | "
-                f"{x['out_of_order'] + x['offset_backwards']} | {_f(x['lost'])} | "
-                f"{x['twice_by_one'] + (x['by_two'] or 0)} |"
-            )
+        *table(KEY_SHARED, [
+            (BY_ID[sid].title, _members_cell(x), _f(x["max_over_min"], "{:.3f}"),
+             " / ".join(f"{v:.2f}" for v in x["random_assignment_max_over_min_p10_p50_p90"]),
+             _f(x["cv"], "{:.4f}"), " / ".join(str(c) for c in x["partitions_per_member"]),
+             f"{x['hottest_partition_share']:.1%}", x["partitions_split"], x["partitions_incomplete"],
+             x["out_of_order"] + x["offset_backwards"], _f(x["lost"]), x["twice_by_one"] + (x["by_two"] or 0))
+            for sid in ids
+            for x in _ok(results, sid)
+        ], "llrlrlrrrrrr"),
+    ]  # fmt: skip
     return [*lines, *_error_rows(results, ids), ""]
 
 
@@ -1009,37 +956,29 @@ def _acks(results: dict[str, list[dict[str, Any]]]) -> list[str]:
         "(core NATS queue groups have no acks). The server's counters are summed over its workers at "
         "the end of the run.",
         "",
-        "| | per member | max/min | CV | acks (server) | redelivered | in flight at the end | lost | "
-        "copies | server CPU per delivery (µs) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for sid in ids:
-        for x in _ok(results, sid):
-            s = x["server"]
-            lines.append(
-                f"| {BY_ID[sid].title} | {_members_cell(x)} | {_f(x['max_over_min'], '{:.3f}')} | "
-                f"{_f(x['cv'], '{:.4f}')} | {_f(s.get('acks'))} | {_f(s.get('redelivered'))} | "
-                f"{_f(s.get('in_flight'))} | {_f(x['lost'])} | {x['twice_by_one'] + (x['by_two'] or 0)} | "
-                f"{x['server_cpu_us_per_delivery']:.2f} |"
-            )
+        *table(ACKS, [
+            (BY_ID[sid].title, _members_cell(x), _f(x["max_over_min"], "{:.3f}"), _f(x["cv"], "{:.4f}"),
+             _f(x["server"].get("acks")), _f(x["server"].get("redelivered")),
+             _f(x["server"].get("in_flight")),
+             _f(x["lost"]), x["twice_by_one"] + (x["by_two"] or 0), f"{x['server_cpu_us_per_delivery']:.2f}")
+            for sid in ids
+            for x in _ok(results, sid)
+        ], "llrrrrrrrr"),
+    ]  # fmt: skip
     burst = ("burst3_broky", "burst3_broky_ack", "burst3_nats")
     lines += [
         "",
         "Throughput: the same messages published as fast as the publisher can, to 3 members.",
         "",
-        "| | publisher's rate (msgs/s) | taken / published | taken per second (first publish to last take) "
-        "| per member | max/min | lost | server CPU per delivery (µs) |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
-    ]
-    for sid in burst:
-        for x in _ok(results, sid):
-            span = x["publisher"]["seconds"] + x["last_at_after_publish_end"]
-            lines.append(
-                f"| {BY_ID[sid].title} | {_f(x['publisher']['rate'])} | "
-                f"{x['taken']:,} / {x['published']:,} | "
-                f"{x['taken'] / span:,.0f} | {_members_cell(x)} | {_f(x['max_over_min'], '{:.3f}')} | "
-                f"{_f(x['lost'])} | {x['server_cpu_us_per_delivery']:.2f} |"
-            )
+        *table(BURST, [
+            (BY_ID[sid].title, _f(x["publisher"]["rate"]), f"{x['taken']:,} / {x['published']:,}",
+             f"{x['taken'] / (x['publisher']['seconds'] + x['last_at_after_publish_end']):,.0f}",
+             _members_cell(x), _f(x["max_over_min"], "{:.3f}"), _f(x["lost"]),
+             f"{x['server_cpu_us_per_delivery']:.2f}")
+            for sid in burst
+            for x in _ok(results, sid)
+        ], "lrrrlrrr"),
+    ]  # fmt: skip
     return [*lines, *_error_rows(results, (*ids, *burst)), ""]
 
 
@@ -1055,34 +994,36 @@ def _cpu(results: dict[str, list[dict[str, Any]]]) -> list[str]:
         "to one member). The idle group: a member of a group on `idle.>`, in a process of its own, which "
         "no message of the load matches.",
         "",
-        "| round | " + " | ".join(BY_ID[s].title for s in ids) + " | idle group / plain | others' CPU |",
-        "|---|" + "---:|" * (len(ids) + 2),
     ]
+    rows: list[list[Any]] = []
     for r in range(rounds):
         runs = [results[s][r] if r < len(results.get(s, [])) else {} for s in ids]
         cells = [f"{x[key]:.2f}" if x.get(key) else "-" for x in runs]
         plain, idle = (results[s][r].get(key) if r < len(results.get(s, [])) else None
                        for s in ("cpu_plain", "cpu_plain_idle"))  # fmt: skip
         busy = max((x.get("others_cpu_share") or 0.0) for x in runs)
-        lines.append(f"| {r + 1} | " + " | ".join(cells)
-                     + f" | {(plain and idle and f'{idle / plain:.3f}') or '-'} | {busy:.0%} |")  # fmt: skip
+        rows.append([r + 1, *cells, (plain and idle and f"{idle / plain:.3f}") or "-", f"{busy:.0%}"])
     meds = [_median(x.get(key) for x in results.get(s, [])) for s in ids]
     idle_ratios = cpu_ratios(results, "cpu_plain_idle", "cpu_plain")
     idle_cell = (
         f"{statistics.median(idle_ratios):.3f} ({min(idle_ratios):.3f}-{max(idle_ratios):.3f})"
         if idle_ratios else "-"
     )  # fmt: skip
-    lines.append("| median | " + " | ".join(_f(m, "{:.2f}") for m in meds) + f" | {idle_cell} | |")
-    lines += ["", "Medians of the rounds' ratios (min-max):", "", "| | ratio |", "|---|---:|"]
+    rows.append(["median", *(_f(m, "{:.2f}") for m in meds), idle_cell, ""])
+    head = ("round", *(BY_ID[s].title for s in ids), "idle group / plain", "others' CPU")
+    ratios = []
     for a, b in CPU_RATIOS:
-        ratios = cpu_ratios(results, a, b)
-        cell = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
-        lines.append(f"| {BY_ID[a].title} / {BY_ID[b].title} | {cell} |")
-    lines.append("")
+        got = cpu_ratios(results, a, b)
+        cell = f"{statistics.median(got):.2f}x ({min(got):.2f}-{max(got):.2f})" if got else "-"
+        ratios.append((f"{BY_ID[a].title} / {BY_ID[b].title}", cell))
+    lines += [*table(head, rows), "", "Medians of the rounds' ratios (min-max):", ""]
+    lines += [*table(("", "ratio"), ratios), ""]
     return [*lines, *_error_rows(results, ids)]
 
 
 # ---------------------------------------------------------------- command line
+
+TITLE = "Consumer groups: balance and server CPU, Broky against nats-server queue groups"
 
 
 def _role(args: argparse.Namespace) -> dict[str, Any]:
@@ -1115,27 +1056,20 @@ def chosen(only: str, quick: bool) -> tuple[list[Scenario], int | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.groups", description=__doc__.split("\n")[0])
+    parser = options.parser(
+        "bench.groups", __doc__, out=options.RESULTS, workers=2, quick=True, name="groups",
+        role=("member", "publisher"), helps={"quick": "one scenario of each kind (the CI smoke run)"},
+    )  # fmt: skip
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--rate", type=int, default=10_000, help="msgs/s published")
     parser.add_argument("--partitions", type=int, default=256, help="key_partitions (NATS: subjects)")
-    parser.add_argument("--workers", type=int, default=2, help="Broky's workers")
     parser.add_argument("--cpu-rounds", type=int, default=5)
     parser.add_argument("--only", default="", help="sections (" + ",".join(SECTIONS) + ") or scenario ids")
-    parser.add_argument("--quick", action="store_true", help="one scenario of each kind (the CI smoke run)")
-    parser.add_argument("--name", default="groups", help="the results' file name, without .md/.json")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    for hidden in ("--role", "--address", "--system", "--mode"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--ack", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--service", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--skew", type=float, default=0.0, help=argparse.SUPPRESS)
+    options.role_options(parser, "address", "system", "mode", ack=bool, service=float, skew=float, queue=int)
     parser.add_argument("--pattern", default=PATTERN, help=argparse.SUPPRESS)
-    parser.add_argument("--queue", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
-        print(json.dumps(_role(args)), flush=True)
-        return 0
+        return roles.done(_role(args))
     try:
         picked, rounds = chosen(args.only, args.quick)
     except ValueError as exc:

@@ -51,6 +51,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import procstat  # noqa: E402
+from bench.harness import options, procstat  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 from bench.harness.servers import Server, start_broky  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 PAYLOAD = b"x" * 100
 PARTITIONS = [f"partition-{i}" for i in range(8)]
+Case = Callable[[], Coroutine[Any, Any, tuple[float, int]]]  # a case's run: (seconds, messages or calls)
 
 
 class HttpConn:
@@ -185,7 +187,7 @@ async def positions(server: Server, seconds: float) -> tuple[float, int]:
         return time.perf_counter() - start, calls
 
 
-def measure(server: Server, case: Any, others: tuple[Server, ...] = ()) -> dict[str, float]:
+def measure(server: Server, case: Case, others: tuple[Server, ...] = ()) -> dict[str, float]:
     """Run `case`; its rate and server CPU per message (`server`'s and `others`'), of which
     `server`'s master."""
     everyone = (server, *others)
@@ -202,20 +204,18 @@ def measure(server: Server, case: Any, others: tuple[Server, ...] = ()) -> dict[
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+def main(argv: list[str] | None = None) -> int:
+    parser = options.parser("bench.http_publish", __doc__, out=options.RESULTS, runs=3, workers=None,
+                            helps={"workers": "per node (default 2; 1 with --cluster)"})  # fmt: skip
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--workers", type=int, default=None, help="per node (default 2; 1 with --cluster)")
     parser.add_argument("--cluster", action="store_true", help="two nodes: forward against redirect")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.cluster:
-        cluster_main(args)
-        return
+        return cluster_main(args)
     args.workers = args.workers or 2
     info = machine_info()
-    cases = {
+    cases: dict[str, Callable[[Server], Case]] = {
         "sdk per call": lambda s: lambda: sdk_per_call(s, args.messages),
         "http 1 client, 1 msg/POST": lambda s: lambda: http_clients(s, 1, args.seconds, 1),
         "http 8 clients, 1 msg/POST": lambda s: lambda: http_clients(s, 8, args.seconds, 1),
@@ -232,38 +232,61 @@ def main() -> None:
             finally:
                 server.stop()
             print(f"run {r + 1} {name}: {runs[name][-1]}", flush=True)
-    summary = {
-        name: {
-            "rate": statistics.median(x["rate"] for x in results),
-            "cpu_us_per": statistics.median(x["cpu_us_per"] for x in results),
-            "master_us_per": statistics.median(x["master_us_per"] for x in results),
-        }
-        for name, results in runs.items()
+    summary = medians(runs)
+    text = report("http", runs, summary, args, info)
+    write_results(args.out, "http", text, info, args, runs=runs, summary=summary)
+    return 0
+
+
+def medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per case, the median rate, server CPU and the master's share of it, over the runs."""
+    keys = ("rate", "cpu_us_per", "master_us_per")
+    return {
+        name: {k: statistics.median(x[k] for x in results) for k in keys} for name, results in runs.items()
     }
-    sdk = summary["sdk per call"]["rate"]
-    lines = [
-        "# HTTP publish against the SDK's per-call publish",
-        "",
-        f"Machine: {describe(info)}; load at start {info['load_average_at_start']}.",
-        f"`python -m bench.http_publish --runs {args.runs} --messages {args.messages} "
-        f"--seconds {args.seconds:g} --workers {args.workers}`; medians; 100-byte payloads, 8 partitions.",
-        "",
-        "| case | msgs/s (calls/s) | / sdk per call | server CPU µs per msg (call) | of which the master |",
-        "|---|---|---|---|---|",
-    ]
-    for name, s in summary.items():
-        cells = [
-            f"{s['rate']:,.0f}",
-            f"{s['rate'] / sdk:.3f}",
-            f"{s['cpu_us_per']:,.1f}",
-            f"{s['master_us_per']:,.1f}",
+
+
+def report(
+    name: str,
+    runs: dict[str, list[dict[str, float]]],
+    summary: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    info: dict[str, Any],
+) -> str:
+    """http.md (`name` "http") or http_cluster.md: the medians of every case."""
+    if name == "http":
+        base, against = summary["sdk per call"]["rate"], "/ sdk per call"
+        cpu = "server CPU µs per msg (call)"
+        lines = [
+            "# HTTP publish against the SDK's per-call publish",
+            "",
+            f"Machine: {describe(info)}; load at start {info['load_average_at_start']}.",
+            f"`python -m bench.http_publish --runs {args.runs} --messages {args.messages} "
+            f"--seconds {args.seconds:g} --workers {args.workers}`; medians; 100-byte payloads, "
+            "8 partitions.",
+            "",
         ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "http.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "http.json").write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
-                                                   "summary": summary}, indent=2) + "\n")  # fmt: skip
-    print("\n".join(lines))
+    else:
+        base, against = summary["forward: POST at a, vbucket of b"]["rate"], "/ forward"
+        cpu = "both nodes' CPU µs per msg (call)"
+        lines = [
+            "# HTTP publish in a cluster: forward against redirect",
+            "",
+            f"Machine: {describe(info)}; load at start {info['load_average_at_start']}.",
+            f"`python -m bench.http_publish --cluster --runs {args.runs} --seconds {args.seconds:g} "
+            f"--workers {args.workers}`; two nodes on one etcd, one keep-alive client, medians; 100-byte "
+            "payloads, 8 partitions.",
+            "",
+        ]
+    digits = "3f" if name == "http" else "2f"
+    rows = [
+        (case, f"{x['rate']:,.0f}", f"{x['rate'] / base:.{digits}}", f"{x['cpu_us_per']:,.1f}",
+         f"{x['master_us_per']:,.1f}")
+        for case, x in summary.items()
+    ]  # fmt: skip
+    master = "of which the master" if name == "http" else "of which its master"
+    lines += table(("case", "msgs/s (calls/s)", against, cpu, master), rows, "lllll")
+    return "\n".join(lines) + "\n"
 
 
 def owned_by(vmap: Any, node_id: str, count: int) -> list[str]:
@@ -279,22 +302,19 @@ def owned_by(vmap: Any, node_id: str, count: int) -> list[str]:
     return found[:count]
 
 
-def cluster_main(args: argparse.Namespace) -> None:
-    from bench.harness.cluster import EtcdServer, current_map, settled, start_node, wait_for
+def cluster_main(args: argparse.Namespace) -> int:
+    from bench.harness.cluster import ClusterRun
 
-    workers = args.workers or 1
+    args.workers = args.workers or 1
     info = machine_info()
-    etcd = EtcdServer().start()
-    nodes: dict[str, Server] = {}
+    cluster = ClusterRun(args.workers)
     try:
-        for node_id in ("a", "b"):
-            nodes[node_id] = start_node(etcd.url(), node_id, workers)
-        wait_for(lambda: settled(nodes), 60, "the nodes settled on one map")
-        vmap = current_map(etcd)
+        a, b = cluster.start("a"), cluster.start("b")
+        cluster.wait_settled(60)
+        vmap = cluster.map()
         of_a, of_b = owned_by(vmap, "a", 8), owned_by(vmap, "b", 8)
-        a, b = nodes["a"], nodes["b"]
         secs = args.seconds
-        cases: dict[str, tuple[Server, Any]] = {
+        cases: dict[str, tuple[Server, Case]] = {
             "forward: POST at a, vbucket of b": (a, lambda: http_clients(a, 1, secs, 1, of_b)),
             "direct: POST at b, vbucket of b": (b, lambda: http_clients(b, 1, secs, 1, of_b)),
             "local: POST at a, vbucket of a": (a, lambda: http_clients(a, 1, secs, 1, of_a)),
@@ -312,48 +332,18 @@ def cluster_main(args: argparse.Namespace) -> None:
                 runs[name].append(measure(at, case, (other,)))
                 print(f"run {r + 1} {name}: {runs[name][-1]}", flush=True)
     finally:
-        for node in nodes.values():
-            node.stop()
-        etcd.stop()
-    summary = {
-        name: {
-            "rate": statistics.median(x["rate"] for x in results),
-            "cpu_us_per": statistics.median(x["cpu_us_per"] for x in results),
-            "master_us_per": statistics.median(x["master_us_per"] for x in results),
-        }
-        for name, results in runs.items()
-    }
+        cluster.stop()
+    summary = medians(runs)
     leg, direct = summary["307 leg: POST at a, answered at once"], summary["direct: POST at b, vbucket of b"]
     summary["redirect (estimated: 307 leg + direct)"] = {
         "rate": 1 / (1 / leg["rate"] + 1 / direct["rate"]),
         "cpu_us_per": leg["cpu_us_per"] + direct["cpu_us_per"],
         "master_us_per": leg["master_us_per"] + direct["master_us_per"],
     }
-    forward = summary["forward: POST at a, vbucket of b"]["rate"]
-    lines = [
-        "# HTTP publish in a cluster: forward against redirect",
-        "",
-        f"Machine: {describe(info)}; load at start {info['load_average_at_start']}.",
-        f"`python -m bench.http_publish --cluster --runs {args.runs} --seconds {secs:g} --workers {workers}`;"
-        " two nodes on one etcd, one keep-alive client, medians; 100-byte payloads, 8 partitions.",
-        "",
-        "| case | msgs/s (calls/s) | / forward | both nodes' CPU µs per msg (call) | of which its master |",
-        "|---|---|---|---|---|",
-    ]
-    for name, x in summary.items():
-        cells = [
-            f"{x['rate']:,.0f}",
-            f"{x['rate'] / forward:.2f}",
-            f"{x['cpu_us_per']:,.1f}",
-            f"{x['master_us_per']:,.1f}",
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "http_cluster.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "http_cluster.json").write_text(json.dumps({"machine": info, "args": vars(args), "runs": runs,
-                                                           "summary": summary}, indent=2) + "\n")  # fmt: skip
-    print("\n".join(lines))
+    text = report("http_cluster", runs, summary, args, info)
+    write_results(args.out, "http_cluster", text, info, args, runs=runs, summary=summary)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,8 +3,9 @@
     python -m bench.kill_loop_flush [--minutes 2] [--nodes 3] [--clients 2] [--every 10]
                                     [--down 3 5] [--lease-ttl 2] [--rate 200] [--flush-timeout 20]
 
-A real etcd and `--nodes` `broky serve --cluster` nodes x 2 workers (bench.chaos's
-Cluster: a node started again keeps its ports). `--clients` SDK client
+A real etcd and `--nodes` `broky serve --cluster` nodes x 2 workers
+(bench.harness.cluster.ClusterRun, keep_ports: a node started again keeps its
+ports). `--clients` SDK client
 processes, alternately the asyncio client and the blocking one
 (`broky.connect_sync`), each given every node as a seed: each subscribes to
 `w.>`, publishes `--rate` msgs/s over `--partitions` key_partitions, and calls
@@ -40,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import subprocess
 import sys
@@ -56,13 +56,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.chaos import Cluster  # noqa: E402
-from bench.harness import children, procstat  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options, procstat, roles  # noqa: E402
+from bench.harness.cluster import ClusterRun  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 from broky.protocol import LossReason  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 KEY = b"w.k"
 PAYLOAD = b"x" * 100
 SAMPLE_SECONDS = 1.0
@@ -125,7 +124,7 @@ async def asyncio_client(seeds: str, rate: int, partitions: int, flush_timeout: 
     async with broky.connect(seeds, flush_timeout=flush_timeout, **_callbacks(errors, losses)) as client:
         await client.subscribe("w.>", callback=lambda msg: tally.add())
         loop = asyncio.get_running_loop()
-        stop = loop.run_in_executor(None, sys.stdin.readline)
+        stop = roles.next_line()
 
         async def publishing() -> None:
             nonlocal published, refused
@@ -151,7 +150,7 @@ async def asyncio_client(seeds: str, rate: int, partitions: int, flush_timeout: 
                 flushes.append((began, round(loop.time() - t0, 3), outcome))
                 await asyncio.wait([stop], timeout=max(0.0, SAMPLE_SECONDS - (loop.time() - t0)))
 
-        print("ready", flush=True)
+        roles.ready()
         await asyncio.gather(publishing(), flushing())
         await asyncio.sleep(DRAIN_SECONDS)  # the last deliveries
         stats = client.stats
@@ -202,7 +201,7 @@ def blocking_client(seeds: str, rate: int, partitions: int, flush_timeout: float
         threads = [threading.Thread(target=f, daemon=True) for f in (reading, publishing, until_stop)]
         for t in threads:
             t.start()
-        print("ready", flush=True)
+        roles.ready()
         while not stop.is_set():
             began, t0 = time.time(), time.monotonic()
             try:
@@ -229,12 +228,12 @@ def _callbacks(errors: Counter[str], losses: Counter[str]) -> dict[str, Any]:
     return {"on_error": lambda e: errors.update([type(e).__name__]), "on_loss": told}
 
 
-def _spawn(api: str, seeds: str, rate: int, partitions: int, flush_timeout: float) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.kill_loop_flush", "--role", api, "--seeds", seeds, "--rate", str(rate),
-         "--partitions", str(partitions), "--flush-timeout", str(flush_timeout)],
-        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+def _start(
+    procs: list[roles.Role], api: str, seeds: str, rate: int, partitions: int, flush_timeout: float
+) -> roles.Role:
+    argv = ("--role", api, "--seeds", seeds, "--rate", str(rate), "--partitions", str(partitions),
+            "--flush-timeout", str(flush_timeout))  # fmt: skip
+    return roles.start(procs, "bench.kill_loop_flush", *argv, what=f"the {api} client")
 
 
 # ---------------------------------------------------------------- the run
@@ -299,27 +298,6 @@ class Outcome:
         )
 
 
-class _Sampler(threading.Thread):
-    """Every SAMPLE_SECONDS, each process's CPU share of one core since the last sample."""
-
-    def __init__(self, pids: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.pids = pids
-        self.shares: list[list[float]] = [[] for _ in pids]
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        last = [procstat.cpu_seconds(pid) for pid in self.pids]
-        t = time.monotonic()
-        while not self.done.wait(SAMPLE_SECONDS):
-            now = time.monotonic()
-            cpu = [procstat.cpu_seconds(pid) for pid in self.pids]
-            for i, (a, b) in enumerate(zip(last, cpu, strict=True)):
-                if b:  # (0.0: the process is gone)
-                    self.shares[i].append(round((b - a) / (now - t), 3))
-            last, t = cpu, now
-
-
 def run(
     minutes: float = 2.0,
     nodes: int = 3,
@@ -332,10 +310,10 @@ def run(
     flush_timeout: float = 20.0,
 ) -> Outcome:
     """The kill loop (see the module's header); every process is stopped by pid at the end."""
-    cluster = Cluster(2, lease_ttl)
-    procs: list[subprocess.Popen[str]] = []
+    cluster = ClusterRun(2, lease_ttl, keep_ports=True)
+    procs: list[roles.Role] = []
     out = Outcome(flush_timeout=flush_timeout)
-    sampler: _Sampler | None = None
+    sampler: procstat.CpuSampler | None = None
     try:
         names = [chr(ord("a") + n) for n in range(nodes)]
         for name in names:
@@ -343,12 +321,8 @@ def run(
         cluster.wait_settled(90.0)
         seeds = cluster.seeds()
         for i in range(clients):
-            proc = _spawn(APIS[i % len(APIS)], seeds, rate, partitions, flush_timeout)
-            procs.append(proc)
-            assert proc.stdout is not None
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"client {i} did not start")
-        sampler = _Sampler([p.pid for p in procs])
+            _start(procs, APIS[i % len(APIS)], seeds, rate, partitions, flush_timeout)
+        sampler = procstat.CpuSampler([p.pid for p in procs], SAMPLE_SECONDS)
         sampler.start()
         start = time.time()
         end = start + minutes * 60
@@ -373,19 +347,15 @@ def run(
         time.sleep(2.0)
         out.seconds = round(time.time() - start, 1)
         reports: list[dict[str, Any] | None] = []
-        for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write("stop\n")
-            proc.stdin.flush()
+        for proc in procs:  # all at once
+            proc.say("stop")
         deadline = time.monotonic() + flush_timeout + 30.0
         for proc in procs:
             try:
-                text, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-                reports.append(children.last_json(text))
-            except (subprocess.TimeoutExpired, ValueError, IndexError):
+                reports.append(proc.finish(None, timeout=max(deadline - time.monotonic(), 1.0)))
+            except (subprocess.TimeoutExpired, roles.RoleError):
                 reports.append(None)
-        sampler.done.set()
-        sampler.join()
+        sampler.stop()
         for i, said in enumerate(reports):
             c = ClientOutcome(APIS[i % len(APIS)], hung=said is None, cpu_shares=sampler.shares[i])
             if said is not None:
@@ -403,12 +373,8 @@ def run(
             out.clients.append(c)
     finally:
         if sampler is not None:
-            sampler.done.set()
-        children.kill_all(procs)
-        for proc in procs:  # a client killed while hung still holds its pipes
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+            sampler.stop()
+        roles.kill_all(procs)  # (and their pipes: a client killed while hung still holds them)
         cluster.stop()
     return out
 
@@ -435,56 +401,48 @@ def lines(out: Outcome) -> list[str]:
 
 def report(out: Outcome, args: argparse.Namespace, info: dict[str, Any]) -> str:
     rows = [
-        f"| {i} | {c.api} | {'yes' if c.hung else 'no'} | {c.cpu_mean:.1%} | {c.cpu_max:.1%} | "
-        f"{c.spinning_seconds()} | {len(c.flushes)} | "
-        + ", ".join(f"{k} {v}" for k, v in sorted(c.outcomes().items()))
-        + f" | {c.longest_flush():.2f} | {c.received:,} | {c.longest_gap_s:.2f} |"
+        (i, c.api, "yes" if c.hung else "no", f"{c.cpu_mean:.1%}", f"{c.cpu_max:.1%}", c.spinning_seconds(),
+         len(c.flushes), ", ".join(f"{k} {v}" for k, v in sorted(c.outcomes().items())),
+         f"{c.longest_flush():.2f}", f"{c.received:,}", f"{c.longest_gap_s:.2f}")
         for i, c in enumerate(out.clients)
-    ]
+    ]  # fmt: skip
+    head = ("client", "API", "hung", "CPU mean", "CPU max (1 s)", f"seconds > {SPIN_SHARE:.0%}", "flushes",
+            "ended", "longest flush (s)", f"received (of {out.published:,})",
+            "longest without a delivery (s)")  # fmt: skip
     slow = [
         f"- client {i} ({c.api}): "
         + ", ".join(f"at {b:.0f} s: {s:.2f} s, {o}" for b, s, o in c.flushes if s > 1.0 or o != "ok")
         for i, c in enumerate(out.clients)
     ]
-    return "\n".join(
-        [
-            "# Node kill loop with flushing clients: CPU per client process",
-            "",
-            f"Machine: {describe(info, with_peers=False)}.",
-            "",
-            f"Command: `python -m bench.kill_loop_flush --minutes {args.minutes:g} --nodes {args.nodes} "
-            f"--clients {args.clients} --every {args.every:g} --down {args.down[0]:g} {args.down[1]:g} "
-            f"--lease-ttl {args.lease_ttl} --rate {args.rate} --flush-timeout {args.flush_timeout:g}`",
-            "",
-            f"{args.nodes} nodes x 2 workers and etcd; every {args.every:g} s a node, in turn, SIGKILLed "
-            f"and started again under its id {args.down[0]:g}-{args.down[1]:g} s later (leases of "
-            f"{args.lease_ttl} s: it leaves the map meanwhile). {args.clients} SDK client processes "
-            f"(asyncio and blocking in turn), each on every node as a seed, subscribed to `w.>`, "
-            f"publishing {args.rate} msgs/s over {args.partitions} key_partitions and calling "
-            f"`flush(timeout={args.flush_timeout:g})` once a second. CPU: utime + stime of each client "
-            f"process, sampled once a second, as a share of one core; a spin is a whole core (before "
-            "issue 37, a flush pending on a node that died spun in `Link.round_trip` and never returned).",
-            "",
-            f"| client | API | hung | CPU mean | CPU max (1 s) | seconds > {SPIN_SHARE:.0%} | flushes "
-            f"| ended | longest flush (s) | received (of {out.published:,}) "
-            "| longest without a delivery (s) |",
-            "|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
-            *rows,
-            "",
-            "Flushes that took over a second or raised (s into the run, duration, outcome):",
-            "",
-            *slow,
-            "",
-            *(f"- {line}" for line in lines(out)),
-            "",
-        ]
+    command = (
+        f"python -m bench.kill_loop_flush --minutes {args.minutes:g} --nodes {args.nodes} "
+        f"--clients {args.clients} --every {args.every:g} --down {args.down[0]:g} {args.down[1]:g} "
+        f"--lease-ttl {args.lease_ttl} --rate {args.rate} --flush-timeout {args.flush_timeout:g}"
     )
+    return "\n".join([
+        *heading("Node kill loop with flushing clients: CPU per client process", info, command, False),
+        f"{args.nodes} nodes x 2 workers and etcd; every {args.every:g} s a node, in turn, SIGKILLed "
+        f"and started again under its id {args.down[0]:g}-{args.down[1]:g} s later (leases of "
+        f"{args.lease_ttl} s: it leaves the map meanwhile). {args.clients} SDK client processes "
+        f"(asyncio and blocking in turn), each on every node as a seed, subscribed to `w.>`, "
+        f"publishing {args.rate} msgs/s over {args.partitions} key_partitions and calling "
+        f"`flush(timeout={args.flush_timeout:g})` once a second. CPU: utime + stime of each client "
+        f"process, sampled once a second, as a share of one core; a spin is a whole core (before "
+        "issue 37, a flush pending on a node that died spun in `Link.round_trip` and never returned).",
+        "",
+        *table(head, rows, "rllrrrrlrrr"),
+        "",
+        "Flushes that took over a second or raised (s into the run, duration, outcome):",
+        "",
+        *slow,
+        "",
+        *(f"- {line}" for line in lines(out)),
+        "",
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.kill_loop_flush", description=__doc__.split("\n")[0]
-    )
+    parser = options.parser("bench.kill_loop_flush", __doc__, out=options.RESULTS, role=APIS)
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--clients", type=int, default=2)
@@ -494,20 +452,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=200, help="msgs/s published by each client")
     parser.add_argument("--partitions", type=int, default=100)
     parser.add_argument("--flush-timeout", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--role", choices=APIS, help=argparse.SUPPRESS)
-    parser.add_argument("--seeds", help=argparse.SUPPRESS)
+    options.role_options(parser, "seeds")
     args = parser.parse_args(argv)
     if args.role == "asyncio":
-        print(
-            json.dumps(
-                asyncio.run(asyncio_client(args.seeds, args.rate, args.partitions, args.flush_timeout))
-            )
+        return roles.done(
+            asyncio.run(asyncio_client(args.seeds, args.rate, args.partitions, args.flush_timeout))
         )
-        return 0
     if args.role == "blocking":
-        print(json.dumps(blocking_client(args.seeds, args.rate, args.partitions, args.flush_timeout)))
-        return 0
+        return roles.done(blocking_client(args.seeds, args.rate, args.partitions, args.flush_timeout))
     info = machine_info()
     out = run(
         args.minutes, args.nodes, args.clients, args.every, tuple(args.down), args.lease_ttl,

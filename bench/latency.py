@@ -24,9 +24,7 @@ own under the system's temporary directory unless --out names one.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import signal
 import statistics
@@ -41,12 +39,12 @@ from typing import Any
 from hdrh.histogram import HdrHistogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import latency, loadgen, machine, peers, report, servers
+from bench.harness import latency, loadgen, machine, options, peers, report, servers
+from bench.harness.report import table, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = ("p50", "p99", "p99.9", "p99.99", "max")
 BROKER_QUANTILES = ("p50", "p99", "p99.9", "p99.99")
-FULL = {"rates": "1000,10000,50000,100000", "sizes": "100,1024", "fanouts": "1,10", "runs": 5}
+FULL: dict[str, Any] = {"rates": "1000,10000,50000,100000", "sizes": "100,1024", "fanouts": "1,10", "runs": 5}
 SIZE_MAX_RATE = {1024: 10000}  # 1 KiB only at the lower rates (issue 28)
 FLOOR = "floor"
 
@@ -131,7 +129,7 @@ def run_cell(
     runs: int,
     warmup: float,
     duration: float,
-    options: tuple[str, ...],
+    probe_options: tuple[str, ...],
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     running: dict[str, servers.Server] = {}
@@ -160,7 +158,7 @@ def run_cell(
                 try:
                     if sid == FLOOR:
                         res = latency.run_floor(
-                            size, rate, warmup, duration, fanout, options, keep_histogram=True
+                            size, rate, warmup, duration, fanout, probe_options, keep_histogram=True
                         )
                     else:
                         server = running[sid]
@@ -168,7 +166,7 @@ def run_cell(
                         inside0 = broker_counts(server) if table[sid].driver == "broky" else None
                         res = latency.run_latency(
                             driver, server.address, server.pids, size, rate, warmup, duration,
-                            fanout=fanout, options=options, keep_histogram=True,
+                            fanout=fanout, options=probe_options, keep_histogram=True,
                         )  # fmt: skip
                         if inside0 is not None:
                             res["broker_us"] = broker_share(inside0, broker_counts(server))
@@ -282,35 +280,28 @@ def markdown(results: dict[str, Any]) -> str:
         "µs per delivered message (the floor: its echo thread). A system that lost messages or could "
         "not hold the rate in any run of a cell *did not keep up*: its percentiles there are not quoted.",
     ]
+    head = ("System", "p50", "p99", "p99.9", "p99.99", "max", "server CPU %", "µs/delivery", "kept up")
     for cell in results["cells"]:
-        lines += [
-            "",
-            f"## {cell['size']:,} B at {cell['rate']:,.0f} msgs/s, 1 → {cell['fanout']}",
-            "",
-            "| System | p50 | p99 | p99.9 | p99.99 | max | server CPU % | µs/delivery | kept up |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
+        rows: list[list[Any]] = []
         for sid, s in cell["summary"].items():
             name = titles[sid]
             if "skipped" in s:
-                lines.append(f"| {name} | {s['skipped'][:120]} | | | | | | | |")
+                rows.append([name, s["skipped"][:120], *[""] * 7])
                 continue
             if "p50" not in s:
-                lines.append(f"| {name} | failed: {'; '.join(s['errors'])[:200]} | | | | | | | |")
+                rows.append([name, f"failed: {'; '.join(s['errors'])[:200]}", *[""] * 7])
                 continue
-            cpu = s.get("server_cpu_pct")
-            per = s.get("server_cpu_us_per_delivery")
-            cpu_cells = f"{cpu:.0f} | {per:.2f}" if cpu is not None and per is not None else "- | -"
+            cpu, per = s.get("server_cpu_pct"), s.get("server_cpu_us_per_delivery")
+            cpu_cells = [f"{cpu:.0f}", f"{per:.2f}"] if cpu is not None and per is not None else ["-", "-"]
             if not s["kept_up"]:
-                lines.append(
-                    f"| {name} | did not keep up | | | | | {cpu_cells} | "
-                    f"**no**: {s['kept_up_runs']}/{s['runs']} runs; "
-                    f"received ≥ {100 * s['received_fraction']:.1f}%, lowest send rate "
-                    f"{s['rate_achieved_min']:,.0f}/s |"
-                )
+                why = (f"**no**: {s['kept_up_runs']}/{s['runs']} runs; received ≥ "
+                       f"{100 * s['received_fraction']:.1f}%, lowest send rate "
+                       f"{s['rate_achieved_min']:,.0f}/s")  # fmt: skip
+                rows.append([name, "did not keep up", "", "", "", "", *cpu_cells, why])
                 continue
-            row = " | ".join(_cell(s, q) for q in QUANTILES)
-            lines.append(f"| {name} | {row} | {cpu_cells} | yes |")
+            rows.append([name, *(_cell(s, q) for q in QUANTILES), *cpu_cells, "yes"])
+        lines += ["", f"## {cell['size']:,} B at {cell['rate']:,.0f} msgs/s, 1 → {cell['fanout']}", ""]
+        lines += table(head, rows, "lrrrrrrrl")
     lines += targets(results)
     lines += inside(results)
     plots = results.get("plots") or []
@@ -335,16 +326,15 @@ def targets(results: dict[str, Any]) -> list[str]:
         "(Broky's p50 - the floor's) / (NATS's p50 - the floor's), met at 1.00x or less. "
         "Only where both kept up.",
         "",
-        "| Cell | System | p99 | p99.9 | p50 above the floor | met |",
-        "|---|---|---:|---:|---:|---|",
     ]
+    rows: list[list[Any]] = []
     for cell in results["cells"]:
         name = f"{cell['size']:,} B, {cell['rate']:,.0f}/s, 1 → {cell['fanout']}"
         nats, floor = cell["summary"].get("nats", {}), cell["summary"].get(FLOOR, {})
         for sid in brokys:
             ours = cell["summary"].get(sid, {})
             if not (ours.get("kept_up") and nats.get("kept_up") and floor.get("kept_up")):
-                lines.append(f"| {name} | {titles[sid]} | | | | n/a: not both kept up |")
+                rows.append([name, titles[sid], "", "", "", "n/a: not both kept up"])
                 continue
             r99 = ours["p99"]["median"] / nats["p99"]["median"]
             r999 = ours["p99.9"]["median"] / nats["p99.9"]["median"]
@@ -354,8 +344,9 @@ def targets(results: dict[str, Any]) -> list[str]:
             met = r99 <= 1 and r999 <= 1 and r50 is not None and r50 <= 1
             r50_text = f"{r50:.2f}x" if r50 is not None else "NATS at the floor"
             verdict = "yes" if met else "**no**"
-            lines.append(f"| {name} | {titles[sid]} | {r99:.2f}x | {r999:.2f}x | {r50_text} | {verdict} |")
-    return lines
+            rows.append([name, titles[sid], f"{r99:.2f}x", f"{r999:.2f}x", r50_text, verdict])
+    head = ("Cell", "System", "p99", "p99.9", "p50 above the floor", "met")
+    return lines + table(head, rows, "llrrrl")
 
 
 def inside(results: dict[str, Any]) -> list[str]:
@@ -372,7 +363,7 @@ def inside(results: dict[str, Any]) -> list[str]:
                 continue
             ends = " / ".join(_us(s[q]["median"]) for q in BROKER_QUANTILES)
             held = " / ".join(f"≤ {_us(b[q])}" for q in BROKER_QUANTILES)
-            rows.append(f"| {name} | {results['titles'][sid]} | {ends} | {held} |")
+            rows.append((name, results["titles"][sid], ends, held))
     if not rows:
         return []
     return [
@@ -386,11 +377,9 @@ def inside(results: dict[str, Any]) -> list[str]:
         "runs). The rest of a message's latency is outside the worker's handling: the probe, the "
         "kernel's loopback, and the wait of a ready process for a CPU.",
         "",
-        "| Cell | System | end to end p50 / p99 / p99.9 / p99.99 µs "
-        "| inside Broky p50 / p99 / p99.9 / p99.99 µs |",
-        "|---|---|---:|---:|",
-        *rows,
-    ]
+        *table(("Cell", "System", "end to end p50 / p99 / p99.9 / p99.99 µs",
+                "inside Broky p50 / p99 / p99.9 / p99.99 µs"), rows, "llrr"),
+    ]  # fmt: skip
 
 
 def plot(results: dict[str, Any], out: Path) -> list[str]:
@@ -444,14 +433,6 @@ def plot(results: dict[str, Any], out: Path) -> list[str]:
 # ------------------------------------------------------------------ main
 
 
-def _command(given: list[str]) -> str:
-    """The command line to reproduce the run, without the (machine-specific) output path."""
-    kept = [
-        a for i, a in enumerate(given) if not a.startswith("--out") and (i == 0 or given[i - 1] != "--out")
-    ]
-    return " ".join(["python -m bench.latency", *kept])
-
-
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -461,28 +442,26 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny: one rate, fan-out 1, 1 run of 1 s")
-    parser.add_argument("--runs", type=int, help=f"runs per cell (default {FULL['runs']})")
+    parser = options.parser(
+        "bench.latency", __doc__, out=None, runs=None, systems=None, quick=True,
+        helps={"quick": "tiny: one rate, fan-out 1, 1 run of 1 s",
+               "runs": f"runs per cell (default {FULL['runs']})",
+               "systems": f"comma-separated, of {','.join(systems_table())} (default {DEFAULT_SYSTEMS}; "
+               "the floor always runs)", "out": "output directory (default: see the module's doc)"},
+    )  # fmt: skip
     parser.add_argument("--duration", type=float, help="measured seconds per run (default 10)")
     parser.add_argument("--warmup", type=float, help="warm-up seconds per run (default 1)")
     parser.add_argument("--rates", help=f"msgs/s, comma-separated (default {FULL['rates']})")
     parser.add_argument("--sizes", help=f"payload bytes (default {FULL['sizes']}; 1024 only up to 10,000/s)")
     parser.add_argument("--fanouts", help=f"subscribers per message (default {FULL['fanouts']})")
-    parser.add_argument(
-        "--systems",
-        help=f"comma-separated, of {','.join(systems_table())} (default {DEFAULT_SYSTEMS}; "
-        "the floor always runs)",
-    )
     parser.add_argument("--probe-cpus", help="pin the probe's sender and receiver threads: SEND,RECV")
     parser.add_argument(
         "--spin-us",
         type=float,
         help="the probe's sender sleeps until this long before a message is due, then spins",
     )
-    parser.add_argument("--out", type=Path, help="output directory (default: see the module's doc)")
     args = parser.parse_args(argv)
-    given = sys.argv[1:] if argv is None else list(argv)
+    given = options.given(argv)
     quick = args.quick
     runs = args.runs or (1 if quick else int(FULL["runs"]))
     duration = args.duration if args.duration is not None else (1.0 if quick else 10.0)
@@ -491,21 +470,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = _ints(args.sizes or ("100" if quick else str(FULL["sizes"])))
     fanouts = _ints(args.fanouts or ("1" if quick else str(FULL["fanouts"])))
     table = systems_table()
-    chosen = [s for s in (args.systems or DEFAULT_SYSTEMS).split(",") if s and s != FLOOR]
-    unknown = set(chosen) - set(table)
-    if unknown:
-        parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    chosen = [s for s in options.systems(parser, args.systems or DEFAULT_SYSTEMS, table) if s != FLOOR]
     chosen.append(FLOOR)
-    options: tuple[str, ...] = ()
+    probe_options: tuple[str, ...] = ()
     if args.probe_cpus:
         send, recv = _ints(args.probe_cpus)
-        options += ("--cpu-send", str(send), "--cpu-recv", str(recv))
+        probe_options += ("--cpu-send", str(send), "--cpu-recv", str(recv))
     if args.spin_us:
-        options += ("--spin-us", str(args.spin_us))
+        probe_options += ("--spin-us", str(args.spin_us))
     changed = {"--quick", "--runs", "--duration", "--warmup", "--rates", "--sizes", "--fanouts", "--systems"}
     changed |= {"--probe-cpus", "--spin-us"}
     full = not any(a.split("=", 1)[0] in changed for a in given)
-    out = args.out or (RESULTS if full else Path(tempfile.mkdtemp(prefix="broky-latency-")))
+    out = args.out or (options.RESULTS if full else Path(tempfile.mkdtemp(prefix="broky-latency-")))
     out.mkdir(parents=True, exist_ok=True)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run_cell's finally
@@ -521,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ver = versions(table, chosen)
     results: dict[str, Any] = {
         "mode": "quick" if quick else ("full" if full else "partial"),
-        "command": _command(given),
+        "command": options.command("bench.latency", given),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine.machine_info(),
         "versions": ver,
@@ -531,13 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs": runs,
             "duration_s": duration,
             "warmup_s": warmup,
-            "probe_options": list(options),
+            "probe_options": list(probe_options),
         },
         "cells": [],
     }
     try:
         for size, rate, fanout in todo:
-            cell = run_cell(table, chosen, size, rate, fanout, runs, warmup, duration, options, progress)
+            cell = run_cell(
+                table, chosen, size, rate, fanout, runs, warmup, duration, probe_options, progress
+            )
             results["cells"].append(cell)
     except KeyboardInterrupt:
         print("\ninterrupted; no results written", file=sys.stderr)
@@ -548,10 +526,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as exc:
         results["plots"] = []
         print(f"no plots: {exc}", file=sys.stderr)
-    (out / "latency.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     text = markdown(results)
-    (out / "latency.md").write_text(text)
-    print(text)
+    info = results.pop("machine")
+    write_results(out, "latency", text, info, None, **results)
+    results["machine"] = info
     print(
         f"wrote {out / 'latency.md'}, {out / 'latency.json'} and {len(results['plots'])} plots",
         file=sys.stderr,

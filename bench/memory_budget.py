@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import selectors
 import socket
 import ssl
 import struct
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,9 +51,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import children, servers, tlsclient  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options, procstat, roles, servers, tlsclient  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 from broky.protocol import (  # noqa: E402
     NEED_DATA,
     Error,
@@ -75,7 +72,7 @@ from broky.protocol import (  # noqa: E402
 )
 from broky.protocol.message import BODY_MESSAGE, body_type  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
+MODULE = "bench.memory_budget"
 KEY = b"b.k"
 SETTLE = 12.0  # seconds after the stalled connections closed until RSS is read
 QUIET = 2.0  # seconds without a byte after which a stalled connection counts as drained
@@ -95,7 +92,7 @@ async def publisher(url: str, megabytes: int, size: int, partitions: int) -> dic
         pad = b"x" * (size - _head.size)
         seq = [0] * partitions
         total = megabytes * 1_000_000 // size
-        print("publishing", flush=True)
+        roles.ready("publishing")
         start = time.monotonic()
         for n in range(total):
             i = n % partitions
@@ -122,9 +119,8 @@ async def subscriber(url: str) -> dict[str, Any]:
     losses: list[tuple[int, int]] = []  # dropped, reason
     async with broky.connect(url, on_loss=lambda ref, n, reason: losses.append((n, reason))) as client:
         sub = await client.subscribe(">")
-        print("ready", flush=True)
-        loop = asyncio.get_running_loop()
-        stop = loop.run_in_executor(None, sys.stdin.readline)  # "stop", or EOF
+        roles.ready()
+        stop = roles.next_line()  # "stop", or EOF
         while not stop.done():
             try:
                 msg = await sub.next_msg(timeout=0.2)
@@ -133,17 +129,6 @@ async def subscriber(url: str) -> dict[str, Any]:
             received.append(_head.unpack_from(msg.payload))
         stats = asdict(client.stats)
     return {"received": received, "losses": losses, "stats": stats}
-
-
-def _spawn(role: str, url: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.memory_budget", "--role", role, "--server", url, *args],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
 
 
 # ---------------------------------------------------------------- the stalled subscribers (raw sockets)
@@ -177,15 +162,7 @@ class Stalled:
         self.closed = False
 
     def _next(self) -> Any:
-        while True:
-            raw = self.reader.next_frame()
-            if raw is not NEED_DATA:
-                assert isinstance(raw, bytes)
-                return decode_frame(raw)
-            data = self.sock.recv(65536)
-            if not data:
-                raise EOFError("closed")
-            self.reader.feed(data)
+        return decode_frame(tlsclient.next_frame(self.sock, self.reader))
 
     def subscribe(self) -> None:
         self.sock.sendall(encode_frame(Subscribe(1, b">")) + encode_frame(Ping(1)))
@@ -249,35 +226,6 @@ def drain_all(stalled: list[Stalled]) -> None:
 # ---------------------------------------------------------------- the run
 
 
-class RssSampler(threading.Thread):
-    """The server's RSS (every process together), sampled every 50 ms; keeps the peak."""
-
-    def __init__(self, server: servers.Server) -> None:
-        super().__init__(daemon=True)
-        self.server = server
-        self.peak = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.wait(0.05):
-            self.peak = max(self.peak, server_rss(self.server))
-
-
-def server_rss(server: servers.Server) -> int:
-    total = 0
-    for pid in server.pids():
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096
-        except OSError:
-            pass
-    return total
-
-
-def stats(server: servers.Server) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(server.http_get("/stats"))
-    return result
-
-
 @dataclass
 class Result:
     rss_before: int = 0
@@ -317,37 +265,30 @@ def run(
 ) -> Result:
     server = servers.start_broky(workers, extra)
     url = f"{server.host}:{server.port}"
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     result = Result()
     stalled: list[Stalled] = []
-    sampler = RssSampler(server)
+    sampler = procstat.RssSampler(server.pids)
     try:
         for _ in range(stalled_count):
             for w in range(workers):
                 s = Stalled(server.address, w)
                 s.subscribe()
                 stalled.append(s)
-        sub = _spawn("subscriber", url)
-        procs.append(sub)
-        assert sub.stdout is not None and sub.stdin is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
+        sub = roles.start(procs, MODULE, "--role", "subscriber", "--server", url, what="the subscriber")
         time.sleep(1.0)
-        result.rss_before = server_rss(server)
+        result.rss_before = server.rss_bytes()
         sampler.start()
-        pub = _spawn("publisher", url, "--megabytes", str(megabytes), "--size", str(size),
-                     "--partitions", str(partitions))  # fmt: skip
-        procs.append(pub)
-        pub_out, _ = pub.communicate(timeout=600)
-        published = children.last_json(pub_out)
+        argv = ("--role", "publisher", "--server", url, "--megabytes", str(megabytes), "--size", str(size),
+                "--partitions", str(partitions))  # fmt: skip
+        pub = roles.start(procs, MODULE, *argv, ready="publishing", what="the publisher")
+        published = pub.finish(None, timeout=600)
         time.sleep(QUIET)  # the healthy subscriber's last deliveries
-        sub_out, _ = sub.communicate("stop\n", timeout=120)
-        subscribed = children.last_json(sub_out)
-        sampler.stop.set()
-        sampler.join()
-        result.rss_peak = max(sampler.peak, server_rss(server))
-        result.rss_after_burst = server_rss(server)
-        snap = stats(server)["workers"]
+        subscribed = sub.finish(timeout=120)
+        sampler.stop()
+        result.rss_peak = max(sampler.peak, server.rss_bytes())
+        result.rss_after_burst = server.rss_bytes()
+        snap = server.stats()["workers"]
         result.memory_budget = sum(w["memory_budget"] for w in snap)
         result.cuts = sum(w["budget_cuts"] for w in snap)
         result.cut_bytes = sum(w["budget_cut_bytes"] for w in snap)
@@ -358,13 +299,13 @@ def run(
         for s in stalled:
             s.sock.close()
         time.sleep(SETTLE)
-        result.rss_after = server_rss(server)
-        result.memory_trims = sum(w["memory_trims"] for w in stats(server)["workers"])
+        result.rss_after = server.rss_bytes()
+        result.memory_trims = server.workers_sum("memory_trims")["memory_trims"]
     finally:
-        sampler.stop.set()
+        sampler.stop()
         for s in stalled:
             s.sock.close()
-        children.kill_all(procs)
+        roles.kill_all(procs)
         result.server_log_tail = server.log()[-2000:]
         server.stop()
     _healthy(result, published, subscribed, partitions)
@@ -438,50 +379,50 @@ def _mb(n: int) -> str:
 
 def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> str:
     budget = args.memory_budget or "the default"
-    lines = [
-        "# Memory budget: stalled subscribers under a burst",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.memory_budget --stalled {args.stalled} --megabytes {args.megabytes} "
+    command = (
+        f"python -m bench.memory_budget --stalled {args.stalled} --megabytes {args.megabytes} "
         f"--size {args.size} --partitions {args.partitions}"
-        + (f" --memory-budget {args.memory_budget}`" if args.memory_budget else "`"),
-        "",
+        + (f" --memory-budget {args.memory_budget}" if args.memory_budget else "")
+    )
+    rss = [
+        ("before the burst", _mb(result.rss_before)),
+        ("peak (sampled every 50 ms)", _mb(result.rss_peak)),
+        ("after the burst (stalled still connected)", _mb(result.rss_after_burst)),
+        (f"after the stalled closed (+{SETTLE:g} s)", _mb(result.rss_after)),
+    ]
+    figures = [
+        ("connections cut for the budget", result.cuts),
+        ("pending bytes freed by the cuts", _mb(result.cut_bytes)),
+        (f"pending bytes after the burst (budget {_mb(result.memory_budget)})",
+         _mb(result.pending_bytes_after_burst)),
+        ("heap trims", result.memory_trims),
+        ("stalled connections cut / closed past the slow-consumer deadline / open",
+         f"{result.stalled_cut} / {result.stalled_closed_deadline} / {result.stalled_open}"),
+        ("... the closed ones: received, told (their notices, then on reconnecting)",
+         f"{result.stalled_closed_received}, {result.stalled_closed_told}"),
+        ("... the cut ones, told on reconnecting, by reason", result.stalled_cut_reasons or "-"),
+        ("... the ones closed past the deadline: published to their workers / received + told",
+         f"{result.stalled_deadline_published} / {result.stalled_deadline_received_told}"),
+        ("... the open ones: published to their workers / received + told",
+         f"{result.stalled_open_published} / {result.stalled_open_received + result.stalled_open_told}"),
+        ("healthy pair: published", f"{result.published} (in {result.publish_seconds:g} s)"),
+        ("healthy pair: received", result.received),
+        ("healthy pair: lost", result.lost),
+        ("healthy pair: told", result.told),
+        ("healthy pair: duplicates, out of order", f"{result.duplicates}, {result.out_of_order}"),
+        ("publisher's final flush", result.publisher_flush_error or "succeeded"),
+    ]  # fmt: skip
+    lines = [
+        *heading("Memory budget: stalled subscribers under a burst", info, command),
         f"One `broky serve --workers {args.workers}`, every setting default but the memory budget "
         f"({budget}: {_mb(result.memory_budget)} over the workers). {args.stalled} stalled subscribers, "
         f"each with one raw connection to every worker on `>` ({result.stalled_connections} connections), "
         f"that never read; an SDK publisher publishing {args.megabytes} MB of {args.size}-byte payloads over "
         f"{args.partitions} key_partitions, and an SDK subscriber on `>`.",
         "",
-        "| Server RSS (master and workers) | |",
-        "|---|---:|",
-        f"| before the burst | {_mb(result.rss_before)} |",
-        f"| peak (sampled every 50 ms) | {_mb(result.rss_peak)} |",
-        f"| after the burst (stalled still connected) | {_mb(result.rss_after_burst)} |",
-        f"| after the stalled closed (+{SETTLE:g} s) | {_mb(result.rss_after)} |",
+        *table(("Server RSS (master and workers)", ""), rss),
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| connections cut for the budget | {result.cuts} |",
-        f"| pending bytes freed by the cuts | {_mb(result.cut_bytes)} |",
-        f"| pending bytes after the burst (budget {_mb(result.memory_budget)}) | "
-        f"{_mb(result.pending_bytes_after_burst)} |",
-        f"| heap trims | {result.memory_trims} |",
-        f"| stalled connections cut / closed past the slow-consumer deadline / open | {result.stalled_cut} / "
-        f"{result.stalled_closed_deadline} / {result.stalled_open} |",
-        f"| ... the closed ones: received, told (their notices, then on reconnecting) | "
-        f"{result.stalled_closed_received}, {result.stalled_closed_told} |",
-        f"| ... the cut ones, told on reconnecting, by reason | {result.stalled_cut_reasons or '-'} |",
-        f"| ... the ones closed past the deadline: published to their workers / received + told | "
-        f"{result.stalled_deadline_published} / {result.stalled_deadline_received_told} |",
-        f"| ... the open ones: published to their workers / received + told | "
-        f"{result.stalled_open_published} / {result.stalled_open_received + result.stalled_open_told} |",
-        f"| healthy pair: published | {result.published} (in {result.publish_seconds:g} s) |",
-        f"| healthy pair: received | {result.received} |",
-        f"| healthy pair: lost | {result.lost} |",
-        f"| healthy pair: told | {result.told} |",
-        f"| healthy pair: duplicates, out of order | {result.duplicates}, {result.out_of_order} |",
-        f"| publisher's final flush | {result.publisher_flush_error or 'succeeded'} |",
+        *table(("Figure", "Value"), figures),
         "",
         f"Verdict: {'met' if promise_kept(result) else 'NOT met'} (the healthy pair lost nothing; the cut "
         "connections were told SLOW_CONSUMER when they came back; the open ones received + told = "
@@ -504,25 +445,22 @@ def promise_kept(result: Result) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory_budget", description=__doc__.split("\n")[0])
+    parser = options.parser(
+        "bench.memory_budget", __doc__, out=options.RESULTS, workers=2, role=("publisher", "subscriber")
+    )
     parser.add_argument(
         "--stalled", type=int, default=100, help="stalled subscribers (one connection per worker)"
     )
     parser.add_argument("--megabytes", type=int, default=200, help="MB the healthy publisher sends")
     parser.add_argument("--size", type=int, default=1024, help="payload bytes")
     parser.add_argument("--partitions", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--memory-budget", help="passed to broky serve (default: its default)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
-    parser.add_argument("--server", help=argparse.SUPPRESS)
+    options.role_options(parser, "server")
     args = parser.parse_args(argv)
     if args.role == "publisher":
-        print(json.dumps(asyncio.run(publisher(args.server, args.megabytes, args.size, args.partitions))))
-        return 0
+        return roles.done(asyncio.run(publisher(args.server, args.megabytes, args.size, args.partitions)))
     if args.role == "subscriber":
-        print(json.dumps(asyncio.run(subscriber(args.server))))
-        return 0
+        return roles.done(asyncio.run(subscriber(args.server)))
     info = machine_info()
     extra = ["--memory-budget", args.memory_budget] if args.memory_budget else []
     result = run(args.stalled, args.megabytes, args.size, args.partitions, args.workers, extra)

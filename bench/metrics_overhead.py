@@ -31,20 +31,18 @@ bench/results).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
-from bench.harness import loadgen, machine, procstat, servers
+from bench.harness import loadgen, machine, options, procstat, servers
 from bench.harness.loadgen import Load
+from bench.harness.report import table, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_PERCENT = 3.0
 SCRAPES_FOR_COST = 200
 
@@ -92,9 +90,8 @@ class Scraper(threading.Thread):
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    mport = servers.free_port()
-    server = servers.start_broky(args.workers, ["--metrics-port", str(mport)])
-    url = f"http://{servers.HOST}:{mport}/metrics"
+    server = servers.start_broky(args.workers)
+    url = f"http://{server.host}:{server.metrics_port}/metrics"
     load = Load(args.publishers, args.subscribers, args.payload)
     try:
         driver = loadgen.BrokyDriver()
@@ -240,7 +237,7 @@ def summarize(
 
     return {
         "machine": machine.machine_info(),
-        "command": " ".join(["python -m bench.metrics_overhead", *sys.argv[1:]]),
+        "command": options.command("bench.metrics_overhead", None),
         "load": vars(load),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "windows": windows,
@@ -288,18 +285,20 @@ def markdown(res: dict[str, Any]) -> str:
         f"scraping /metrics every {st['interval']:g} s in one window of each pair "
         "(on/off, then off/on, ...).",
         "",
-        "| pair | off deliveries/s | on deliveries/s | difference | scrapes in the on window |",
-        "|---:|---:|---:|---:|---:|",
     ]
     by_pair: dict[int, dict[str, dict[str, Any]]] = {}
     for w in res["windows"]:
         by_pair.setdefault(w["pair"], {})[w["side"]] = w
+    rows = []
     for pair, sides in sorted(by_pair.items()):
         if len(sides) != 2:
             continue
         off, on = sides["off"]["deliveries_per_s"], sides["on"]["deliveries_per_s"]
-        diff = (off - on) / off * 100
-        lines.append(f"| {pair} | {off:,.0f} | {on:,.0f} | {diff:+.2f} % | {sides['on']['scrapes']} |")
+        rows.append(
+            (pair, f"{off:,.0f}", f"{on:,.0f}", f"{(off - on) / off * 100:+.2f} %", sides["on"]["scrapes"])
+        )
+    head = ("pair", "off deliveries/s", "on deliveries/s", "difference", "scrapes in the on window")
+    lines += table(head, rows, "rrrrr")
     d, c = res["median_deliveries_per_s"], res["median_server_cpu_us_per_delivery"]
     spread = f"{min(diffs):+.2f} % to {max(diffs):+.2f} %" if diffs else "-"
     lines += [
@@ -335,22 +334,20 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.metrics_overhead", description=__doc__.split("\n")[0])
+    p = options.parser("bench.metrics_overhead", __doc__, out=options.RESULTS, workers=2)
     p.add_argument("--pairs", type=int, default=60, help="pairs of on/off windows (default %(default)s)")
     p.add_argument("--window", type=float, default=3.0, help="seconds per window (default %(default)s)")
     p.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds (default %(default)s)")
     p.add_argument("--interval", type=float, default=1.0, help="scrape interval in seconds")
-    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--publishers", type=int, default=1)
     p.add_argument("--subscribers", type=int, default=1)
     p.add_argument("--payload", type=int, default=100)
-    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     res = measure(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics_overhead.json").write_text(json.dumps(res, indent=1) + "\n")
-    (args.out / "metrics_overhead.md").write_text(markdown(res))
-    print(markdown(res))
+    res["command"] = options.command("bench.metrics_overhead", argv)
+    text = markdown(res)
+    info = res.pop("machine")
+    write_results(args.out, "metrics_overhead", text, info, None, **res)
     return 0
 
 

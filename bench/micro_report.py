@@ -9,17 +9,16 @@ renders a table of median and minimum time per call (per message for the
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.harness import machine
+from bench.harness import machine, options
+from bench.harness.report import table
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 
 # test name -> (what it measures, target in µs per message or None)
 TARGETS: dict[str, tuple[str, float | None]] = {
@@ -66,9 +65,8 @@ def render(data: dict[str, Any], info: dict[str, Any], command: str) -> str:
         "",
         f"Machine: {machine.describe(info)}; load average at start {info['load_average_at_start']}.",
         "",
-        "| benchmark | median µs | min µs | per message µs (min) | target |",
-        "|---|---:|---:|---:|---|",
     ]
+    rows = []
     for bench in data["benchmarks"]:
         name = bench["name"]
         stats = bench["stats"]
@@ -76,10 +74,9 @@ def render(data: dict[str, Any], info: dict[str, Any], command: str) -> str:
         verdict = ""
         if target is not None:
             verdict = f"<= {target:g} µs: {'met' if per_message(bench) <= target else 'NOT met'}"
-        lines.append(
-            f"| {name}{' (' + what + ')' if what else ''} | {stats['median'] * 1e6:.3f} | "
-            f"{stats['min'] * 1e6:.3f} | {per_message(bench):.3f} | {verdict} |"
-        )
+        rows.append((f"{name}{' (' + what + ')' if what else ''}", f"{stats['median'] * 1e6:.3f}",
+                     f"{stats['min'] * 1e6:.3f}", f"{per_message(bench):.3f}", verdict))  # fmt: skip
+    lines += table(("benchmark", "median µs", "min µs", "per message µs (min)", "target"), rows, "lrrrl")
     lines += [
         "",
         "Targets are judged on the minimum over the rounds: on this shared machine the",
@@ -94,8 +91,7 @@ def render(data: dict[str, Any], info: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser = options.parser("bench.micro_report", __doc__, out=options.RESULTS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "micro.json"

@@ -41,7 +41,6 @@ import statistics
 import sys
 import time
 import tracemalloc
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +49,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import sdk_burst  # noqa: E402
-from bench.harness import children, procstat, servers  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options, procstat, roles, servers  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 CONFIGS = {"on": [], "off": ["--replay-bytes", "0"]}  # `broky serve` options of each configuration
 TITLES = {"on": "replay buffer on (default, 64 MiB per worker)", "off": "`--replay-bytes 0`"}
 PARTITIONS = 256
@@ -78,55 +76,44 @@ def server_memory(server: servers.Server) -> dict[str, int]:
 
 
 def replay_stats(server: servers.Server) -> dict[str, int]:
-    url = f"http://{server.host}:{server.metrics_port}/stats"
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        workers = json.loads(resp.read())["workers"]
-    keys = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
-    return {k: sum(w.get(k, 0) for w in workers) for k in keys}
+    return server.workers_sum(*sdk_burst.REPLAY_KEYS)
 
 
-def _publish(address: str, n: int, size: int, burst: int = 0, pause: float = 0.0) -> None:
-    pub = sdk_burst._client("pub", "broky", address, n, PARTITIONS, size, burst=burst, pause=pause)
-    try:
-        pub.communicate(timeout=600)
-        if pub.returncode:
-            raise RuntimeError("a publisher failed")
-    finally:
-        children.kill_all([pub])
+def _publish(
+    procs: list[roles.Role], address: str, n: int, size: int, burst: int = 0, pause: float = 0.0
+) -> None:
+    sdk_burst.client(procs, "pub", "broky", address, n, PARTITIONS, size, burst=burst, pause=pause).finish(
+        None, timeout=600
+    )
 
 
 def one_round(config: str, workers: int, settle: float, fill: int) -> dict[str, Any]:
     server = servers.start_broky(workers, CONFIGS[config])
     out: dict[str, Any] = {"config": config}
-    procs = []
+    procs: list[roles.Role] = []
     try:
         address = f"{server.host}:{server.port}"
         time.sleep(settle)
         out["idle"] = server_memory(server)
         # The headline burst, with its subscriber: the peak over it.
-        sub = sdk_burst._client("sub", "broky", address, BURST, PARTITIONS, 100)
-        procs.append(sub)
-        assert sub.stdout is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
+        sub = sdk_burst.client(procs, "sub", "broky", address, BURST, PARTITIONS, 100)
         for pid in server.pids():
             procstat.reset_peak_rss(pid)
-        _publish(address, BURST, 100)
-        sub_out, _ = sub.communicate(timeout=600)
-        out["burst_received"] = children.last_json(sub_out)["received"]
+        _publish(procs, address, BURST, 100)
+        out["burst_received"] = sub.finish(None, timeout=600)["received"]
         out["burst_peak_rss"] = sum(procstat.peak_rss_bytes(pid) for pid in server.pids())
         time.sleep(settle)
         out["after_burst"] = {**server_memory(server), **replay_stats(server)}
         # Small reads, to nobody: many small segments.
-        _publish(address, SMALL, 100, SMALL_BURST, SMALL_PAUSE)
+        _publish(procs, address, SMALL, 100, SMALL_BURST, SMALL_PAUSE)
         time.sleep(settle)
         out["after_small"] = {**server_memory(server), **replay_stats(server)}
         # A fill past both buffers' limits.
-        _publish(address, fill, 1024)
+        _publish(procs, address, fill, 1024)
         time.sleep(settle)
         out["after_fill"] = {**server_memory(server), **replay_stats(server)}
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
     return out
 
@@ -209,21 +196,17 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
     rounds = result["rounds"]
     med = summarize(rounds)
     on, off = med["on"], med["off"]
+    command = (
+        f"python -m bench.replay_memory --rounds {args.rounds} --workers {args.workers} "
+        f"--settle {args.settle} --fill {args.fill}"
+    )
     lines = [
-        "# The replay buffer's memory: idle, over a burst, full",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.replay_memory --rounds {args.rounds} --workers {args.workers} "
-        f"--settle {args.settle} --fill {args.fill}`",
-        "",
+        *heading("The replay buffer's memory: idle, over a burst, full", info, command),
         f"`broky serve --workers {args.workers}`, fresh per round and configuration, the two configurations "
         f"alternating; medians of {args.rounds} rounds. RSS and PSS summed over every server process (master "
         f"and workers), in MB (10^6 bytes), read {args.settle} s after each step. The replay buffers' bytes "
         "are what `--replay-bytes` bounds (the retained reads), from /stats.",
         "",
-        f"| | {TITLES['on']} | {TITLES['off']} | on - off |",
-        "|---|---:|---:|---:|",
     ]
     rows = [
         ("idle RSS", "idle.rss"),
@@ -238,9 +221,10 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
         (f"RSS after a fill of {args.fill:,} x 1 KiB (buffers full)", "after_fill.rss"),
         ("replay buffers then", "after_fill.replay_bytes"),
     ]
-    for title, key in rows:
-        a, b = on.get(key, 0.0), off.get(key, 0.0)
-        lines.append(f"| {title} | {_mb(a)} | {_mb(b)} | {_mb(a - b)} |")
+    cells = [
+        (t, _mb(a), _mb(b), _mb(a - b)) for t, a, b in ((t, on.get(k, 0.0), off.get(k, 0.0)) for t, k in rows)
+    ]
+    lines += table(("", TITLES["on"], TITLES["off"], "on - off"), cells)
     idle_growth = on["idle.rss"] - off["idle.rss"]
     lines += [
         "",
@@ -268,29 +252,28 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
         "object and the buffer's bookkeeping per segment, and the index's 8 bytes per message (and, "
         "for a moment, 16 bytes per message in the log: at most LOG_BYTES, 256 KiB, per worker).",
         "",
-        "| messages per segment | frame (B) | heap / counted bytes | bookkeeping per segment (B) "
-        "| index per message (B) |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for s in result["segments"]:
-        lines.append(
-            f"| {s['messages_per_segment']} | {s['frame_bytes']} | {s['heap_over_counted']:.2f}x | "
-            f"{s['overhead_per_segment']:.0f} | {s['index_per_message']:.0f} |"
-        )
+        *table(
+            ("messages per segment", "frame (B)", "heap / counted bytes", "bookkeeping per segment (B)",
+             "index per message (B)"),
+            [(s["messages_per_segment"], s["frame_bytes"], f"{s['heap_over_counted']:.2f}x",
+              f"{s['overhead_per_segment']:.0f}", f"{s['index_per_message']:.0f}")
+             for s in result["segments"]],
+            "rrrrr",
+        ),
+    ]  # fmt: skip
     lines += [
         "",
         "What the default 64 MiB per worker covers (frames as the SDK encodes them, key `cpu.k`, "
         "key_partition `tenant-1`; a server with W workers and its key_partitions spread evenly over them "
         "covers the same seconds at W times the rate):",
         "",
-        "| payload | frame (B) | messages per worker | rate per worker (msgs/s) | seconds |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for c in result["coverage"]:
-        lines.append(
-            f"| {c['payload']:,} B | {c['frame']:,} | {c['messages']:,} | {c['rate_per_worker']:,} | "
-            f"{c['seconds']:,} |"
-        )
+        *table(
+            ("payload", "frame (B)", "messages per worker", "rate per worker (msgs/s)", "seconds"),
+            [(f"{c['payload']:,} B", f"{c['frame']:,}", f"{c['messages']:,}", f"{c['rate_per_worker']:,}",
+              f"{c['seconds']:,}") for c in result["coverage"]],
+            "rrrrr",
+        ),
+    ]  # fmt: skip
     lines += ["", "Every round:", "", "```"]
     lines += [json.dumps(r) for r in rounds]
     lines += ["```", ""]
@@ -298,18 +281,16 @@ def report(result: dict[str, Any], args: argparse.Namespace, info: dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.replay_memory", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.replay_memory", __doc__, out=options.RESULTS, workers=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--settle", type=float, default=4.0, help="seconds before each reading")
     parser.add_argument("--fill", type=int, default=160_000, help="1 KiB messages of the fill")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     compileall.compile_dir(ROOT / "broky", quiet=1)  # idle RSS with bytecode compiled (bench/README.md)
     info = machine_info()
     rounds = []
     for r in range(args.rounds):
-        for config in ("on", "off") if r % 2 == 0 else ("off", "on"):
+        for config in options.alternating(("on", "off"), r):
             got = one_round(config, args.workers, args.settle, args.fill)
             print(f"round {r + 1}, {config}: {got}", flush=True)
             rounds.append(got)

@@ -23,19 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
-import re
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -46,109 +37,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import peers  # noqa: E402
+from bench.harness import machine, options, procstat, servers  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
-READY = re.compile(rb"listening on (\S+):(\d+)")
 PAYLOAD = b"x" * 100
 PARTITIONS = [b"partition-%d" % i for i in range(64)]
 KEY = b"bench.key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Servers:
-    """A `broky serve` and a nats-server on free loopback ports."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.broky: subprocess.Popen[bytes] | None = None
-        self.nats: subprocess.Popen[bytes] | None = None
-        self.broky_url = ""
-        self.nats_url = ""
-
-    def start(self) -> Servers:
-        cmd = [sys.executable, "-m", "broky", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", "--workers", str(self.workers), "--log-level", "warning"]  # fmt: skip
-        self.broky = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        assert self.broky.stdout is not None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = self.broky.stdout.readline()
-            if not line:
-                break
-            m = READY.search(line)
-            if m:
-                self.broky_url = f"{m.group(1).decode()}:{m.group(2).decode()}"
-                break
-        if not self.broky_url:
-            self.stop()
-            raise SystemExit("broky serve did not become ready")
-        nats_bin = shutil.which(peers.nats_binary())
-        if nats_bin is None:
-            self.stop()
-            raise SystemExit("nats-server is not installed (./run test installs it)")
-        port = free_port()
-        self.nats = subprocess.Popen(
-            [nats_bin, "-a", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.nats_url = f"nats://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            self.stop()
-            raise SystemExit("nats-server did not start")
-        return self
-
-    def cpu_seconds(self, which: str) -> float:
-        """CPU time (user + system) used so far by a server: broky's master and workers, or nats."""
-        proc = self.broky if which == "broky" else self.nats
-        assert proc is not None
-        pids = [proc.pid]
-        try:
-            pids += [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        except OSError:
-            pass
-        total = 0
-        for pid in pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        for proc in (self.broky, self.nats):
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if self.broky is not None:
-            try:  # the workers share the master's process group
-                os.killpg(self.broky.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if self.broky.stdout is not None:
-                self.broky.stdout.close()
 
 
 # ---------------------------------------------------------------- the cases
@@ -304,49 +198,6 @@ async def nats_e2e(url: str, n: int) -> dict[str, float]:
     return e2e_result(n, received, end - start, cpu, len(errors))
 
 
-# ---------------------------------------------------------------- the machine
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "unknown"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) // 1024} MiB"
-    except OSError:
-        pass
-    nats_version = subprocess.run(
-        [peers.nats_binary(), "--version"], capture_output=True, text=True
-    ).stdout.strip()
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "absent"
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory": mem,
-        "load_average_at_start": os.getloadavg(),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "broky": broky.__version__,
-        "uvloop": version("uvloop"),
-        "nats-py": version("nats-py"),
-        "nats-server": nats_version,
-    }
-
-
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     out = {
         "rate": statistics.median(r["rate"] for r in runs),
@@ -360,14 +211,14 @@ def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = options.parser("bench.sdk_bench", __doc__, out=options.RESULTS, runs=3, workers=2,
+                        helps={"runs": "runs per case; the median is reported (3)",
+                               "workers": "broky serve --workers (2)"})  # fmt: skip
     ap.add_argument("--messages", type=int, default=200_000, help="messages per run (200000)")
-    ap.add_argument("--runs", type=int, default=3, help="runs per case; the median is reported (3)")
-    ap.add_argument("--workers", type=int, default=2, help="broky serve --workers (2)")
-    ap.add_argument("--no-save", action="store_true", help="print only, do not write bench/results")
+    ap.add_argument("--no-save", action="store_true", help="print only, do not write the results")
     args = ap.parse_args(argv)
-    info = machine()
-    servers = Servers(args.workers).start()
+    info = {**machine.machine_info(), **machine.versions("uvloop", "nats-py")}
+    running = {"broky": servers.start_broky(args.workers)}
     cases: dict[str, tuple[Callable[[str, int], Coroutine[Any, Any, dict[str, float]]], ...]] = {
         "publish": (broky_publish, nats_publish),
         # nats.py has no bulk call: its per-call publish is what a bulk producer has there
@@ -376,61 +227,65 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, dict[str, Any]] = {}
     try:
+        running["nats"] = servers.start_nats()
+        urls = {
+            "broky": "{}:{}".format(*running["broky"].address),
+            "nats": "nats://{}:{}".format(*running["nats"].address),
+        }
         for case, (broky_fn, nats_fn) in cases.items():
-            b_runs: list[dict[str, float]] = []
-            n_runs: list[dict[str, float]] = []
+            got: dict[str, list[dict[str, float]]] = {"broky": [], "nats": []}
             for r in range(args.runs):
-                order = [(broky_fn, servers.broky_url, b_runs), (nats_fn, servers.nats_url, n_runs)]
-                for fn, url, runs in order if r % 2 == 0 else order[::-1]:
-                    which = "broky" if fn is broky_fn else "nats"
-                    server_cpu = servers.cpu_seconds(which)
-                    runs.append(uvloop.run(fn(url, args.messages)))
-                    server_cpu = servers.cpu_seconds(which) - server_cpu
-                    runs[-1]["server_cpu_us"] = server_cpu / args.messages * 1e6
-                    res = runs[-1]
+                for which, fn in options.alternating([("broky", broky_fn), ("nats", nats_fn)], r):
+                    pids = running[which].pids()
+                    server_cpu = procstat.total_cpu_seconds(pids)
+                    res = uvloop.run(fn(urls[which], args.messages))
+                    res["server_cpu_us"] = (
+                        (procstat.total_cpu_seconds(pids) - server_cpu) / args.messages * 1e6
+                    )
+                    got[which].append(res)
                     print(f"  {case:10} {fn.__name__:15} {res['rate']:>12,.0f} msgs/s"
                           f" {res['client_cpu_us']:6.2f} µs client CPU/msg"
                           f" {res['server_cpu_us']:6.2f} µs server CPU/msg", file=sys.stderr)  # fmt: skip
-            results[case] = {"broky": median_of(b_runs), "nats": median_of(n_runs)}
+            results[case] = {"broky": median_of(got["broky"]), "nats": median_of(got["nats"])}
             results[case]["ratio"] = results[case]["broky"]["rate"] / results[case]["nats"]["rate"]
             # how much less client CPU one message costs (nats / broky)
             results[case]["cpu_ratio"] = (
                 results[case]["nats"]["client_cpu_us"] / results[case]["broky"]["client_cpu_us"]
             )
     finally:
-        servers.stop()
-    report = render(info, args, results)
-    print(report)
-    if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "sdk.md").write_text(report)
-        payload = {"machine": info, "messages": args.messages, "runs": args.runs, "workers": args.workers,
-                   "payload_bytes": len(PAYLOAD), "results": results}  # fmt: skip
-        (RESULTS / "sdk.json").write_text(json.dumps(payload, indent=2) + "\n")
+        for server in running.values():
+            server.stop()
+    text = render(info, args, results)
+    if args.no_save:
+        print(text)
+    else:
+        write_results(args.out, "sdk", text, info, args, messages=args.messages, runs=args.runs,
+                      workers=args.workers, payload_bytes=len(PAYLOAD), results=results)  # fmt: skip
     return 0
 
 
 def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
-    lines = [
-        "# SDK benchmark: broky SDK vs nats.py, one Python process",
-        "",
-        f"`python -m bench.sdk_bench --messages {args.messages} --runs {args.runs} --workers {args.workers}`"
-        f" — {len(PAYLOAD)}-byte payloads, median of {args.runs} alternating runs, uvloop.",
-        "",
-        "| case | broky SDK msgs/s | nats.py msgs/s | ratio | client CPU µs/msg broky / nats | CPU ratio"
-        " | server CPU µs/msg broky / nats-server | lost broky / nats | runs broky | runs nats |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
-    ]
+    rows = []
     for case, r in results.items():
         b, n = r["broky"], r["nats"]
-        lost = f"{b['lost']} / {n['lost']}" if "lost" in b else "n/a"
-        lines.append(
-            f"| {case} | {b['rate']:,.0f} | {n['rate']:,.0f} | {r['ratio']:.2f}x"
-            f" | {b['client_cpu_us']:.2f} / {n['client_cpu_us']:.2f} | {r['cpu_ratio']:.2f}x"
-            f" | {b['server_cpu_us']:.2f} / {n['server_cpu_us']:.2f}"
-            f" | {lost} | {b['runs']} | {n['runs']} |"
-        )
-    lines += [
+        rows.append((
+            case, f"{b['rate']:,.0f}", f"{n['rate']:,.0f}", f"{r['ratio']:.2f}x",
+            f"{b['client_cpu_us']:.2f} / {n['client_cpu_us']:.2f}", f"{r['cpu_ratio']:.2f}x",
+            f"{b['server_cpu_us']:.2f} / {n['server_cpu_us']:.2f}",
+            f"{b['lost']} / {n['lost']}" if "lost" in b else "n/a", b["runs"], n["runs"],
+        ))  # fmt: skip
+    head = ("case", "broky SDK msgs/s", "nats.py msgs/s", "ratio", "client CPU µs/msg broky / nats",
+            "CPU ratio", "server CPU µs/msg broky / nats-server", "lost broky / nats", "runs broky",
+            "runs nats")  # fmt: skip
+    command = (
+        f"python -m bench.sdk_bench --messages {args.messages} --runs {args.runs} --workers {args.workers}"
+    )
+    lines = [
+        *heading("SDK benchmark: broky SDK vs nats.py, one Python process", info),
+        f"`{command}` — {len(PAYLOAD)}-byte payloads, median of {args.runs} alternating runs, uvloop "
+        f"{info.get('uvloop', '?')}, nats.py {info.get('nats-py', '?')}.",
+        "",
+        *table(head, rows, "lrrrrrrlll"),
         "",
         "- publish: publish N messages then flush (Ping/Pong on every worker; PING/PONG for NATS).",
         f"- bulk publish: the same through `publish_many` in columns of {BULK_ROWS:,} messages (nats.py has",
@@ -453,12 +308,6 @@ def render(info: dict[str, Any], args: argparse.Namespace, results: dict[str, di
             f"{b['server_cpu_us']:.2f} = {b_total:.2f} µs; nats "
             f"{n['client_cpu_us']:.2f} + {n['server_cpu_us']:.2f} = {n_total:.2f} µs."
         )
-    lines += [
-        "",
-        "Machine:",
-        "",
-    ]
-    lines += [f"- {k}: {v}" for k, v in info.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -59,13 +59,10 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import statistics
 import struct
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,11 +71,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import children, procstat, servers  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import SDK_TITLES, write_results  # noqa: E402
+from bench.harness import options, procstat, roles, servers  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import SDK_TITLES, heading, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 SYSTEMS = ("broky", "nats", "redis")
 # Broky with other server options: system name -> (the clients' system, `broky serve` options).
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -130,29 +126,29 @@ def _users_file() -> str:
     return f.name
 
 
-def _broky_connect(address: str, **options: Any) -> Any:
+def _broky_connect(address: str, **settings: Any) -> Any:
     """broky.connect, with TLS in a TLS run's client process."""
     import broky
 
     if os.environ.get(ENV_AUTH):  # a users run: the clients connect as the limited user
-        options["auth_token"] = os.environ[ENV_AUTH]
+        settings["auth_token"] = os.environ[ENV_AUTH]
     if _tls_ca is None:
-        return broky.connect(address, **options)
+        return broky.connect(address, **settings)
     import ssl
 
     ctx = ssl.create_default_context(cafile=_tls_ca)
-    return broky.connect(f"broky+tls://{address}", ssl_context=ctx, **options)
+    return broky.connect(f"broky+tls://{address}", ssl_context=ctx, **settings)
 
 
-async def _nats_connect(address: str, **options: Any) -> Any:
+async def _nats_connect(address: str, **settings: Any) -> Any:
     """nats.connect, with TLS in a TLS run's client process."""
     import nats
 
     if _tls_ca is None:
-        return await nats.connect(f"nats://{address}", **options)
+        return await nats.connect(f"nats://{address}", **settings)
     import ssl
 
-    return await nats.connect(f"tls://{address}", tls=ssl.create_default_context(cafile=_tls_ca), **options)
+    return await nats.connect(f"tls://{address}", tls=ssl.create_default_context(cafile=_tls_ca), **settings)
 
 
 def partitions(system: str, count: int) -> list[Any]:
@@ -173,7 +169,7 @@ async def _broky_sub(
     checked: dict[str, Any] = {}
     async with _broky_connect(address, on_loss=lambda ref, n, reason: told.append(n)) as client:
         sub = await client.subscribe("cpu.>")
-        print("ready", flush=True)
+        roles.ready()
         it = _checked(sub.__aiter__(), parts, size, checked) if check else sub.__aiter__()
         got, last, error = await _count(it, expected)
         return {"received": got, "told_lost": sum(told), "dropped_local": client.stats.dropped_local,
@@ -212,7 +208,7 @@ async def _nats_sub(address: str, expected: int) -> dict[str, Any]:
     nc = await _nats_connect(address, error_cb=on_error)
     sub = await nc.subscribe("cpu.>")
     await nc.flush()
-    print("ready", flush=True)
+    roles.ready()
     got, last, error = await _count(sub.messages.__aiter__(), expected)
     await nc.close()
     return {"received": got, "errors_reported": len(errors), "last_at": last, "error": error}
@@ -225,7 +221,7 @@ async def _redis_sub(address: str, expected: int) -> dict[str, Any]:
     client = redis.Redis(host=host, port=int(port))
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     await pubsub.psubscribe("cpu.*")
-    print("ready", flush=True)
+    roles.ready()
 
     async def messages() -> Any:
         async for m in pubsub.listen():
@@ -341,18 +337,19 @@ PUBLISHERS: dict[str, Callable[[str, int, int, int, int, float], Any]] = {
 # ------------------------------------------------------------ runs
 
 
-def _client(
-    role: str, system: str, address: str, n: int, parts: int, size: int, check: bool = False,
-    burst: int = 0, pause: float = 0.0,
-) -> subprocess.Popen[str]:  # fmt: skip
+def client(
+    procs: list[roles.Role], role: str, system: str, address: str, n: int, parts: int, size: int,
+    check: bool = False, burst: int = 0, pause: float = 0.0,
+) -> roles.Role:  # fmt: skip
+    """A publisher ("pub") or a subscriber ("sub", ready) of `system`'s clients, a role process."""
     argv = ["--role", f"{clients_of(system)}:{role}", "--address", address, "--messages", str(n),
             "--partitions", str(parts), "--size", str(size), "--burst", str(burst), "--pause", str(pause),
             *(["--check"] if check else []),
             *(["--tls-ca", servers.tls_files()[0]] if system in TLS_SYSTEMS else [])]  # fmt: skip
-    env = {**os.environ, ENV_AUTH: USERS_AUTH} if system == "broky_users" else None
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.sdk_burst", *argv], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
-    )
+    env = {ENV_AUTH: USERS_AUTH} if system == "broky_users" else None
+    what = f"{system}: the {'subscriber' if role == 'sub' else 'publisher'}"
+    return roles.start(procs, "bench.sdk_burst", *argv, ready=None if role == "pub" else roles.READY, env=env,
+                       what=what)  # fmt: skip
 
 
 def _start(system: str, workers: int) -> servers.Server:
@@ -364,7 +361,9 @@ def _start(system: str, workers: int) -> servers.Server:
     if system == "broky":
         return servers.start_broky(workers)
     if system == "broky_users":
-        return servers.start_broky(workers, ["--users", _users_file()])
+        server = servers.start_broky(workers, ["--users", _users_file()])
+        server.auth = USERS_AUTH  # its HTTP port wants the user's credentials
+        return server
     if system in VARIANTS:
         return servers.start_broky(workers, VARIANTS[system][1])
     return servers.STARTERS[system]()
@@ -379,52 +378,41 @@ def one_run(
     if check and (clients_of(system) != "broky" or size < _head.size):
         raise ValueError(f"check mode is for Broky and payloads of {_head.size} B or more")
     server = _start(system, workers)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     replay: dict[str, Any] = {}
     warm_cpu = 0.0
     try:
         address = f"{server.host}:{server.port}"
         if warm:  # published to nobody: Broky's replay buffer keeps them (and evicts the oldest)
             warm_cpu0 = procstat.total_exact_cpu_seconds(server.pids())
-            warmer = _client("pub", system, address, warm, parts, size)
-            procs.append(warmer)
-            warmer.communicate(timeout=600)
-            if warmer.returncode:
-                raise RuntimeError(f"{system}: the warm-up publisher failed")
+            client(procs, "pub", system, address, warm, parts, size).finish(None, timeout=600)
             # The server's CPU per message published to nobody (Broky: retained all the same).
             warm_cpu = procstat.total_exact_cpu_seconds(server.pids()) - warm_cpu0
         replay["before"] = _replay_stats(system, server)
-        sub = _client("sub", system, address, n, parts, size, check, burst, pause)
-        procs.append(sub)
-        assert sub.stdout is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"{system}: the subscriber did not start")
+        sub = client(procs, "sub", system, address, n, parts, size, check, burst, pause)
         pids = server.pids()
         for pid in pids:
             procstat.reset_peak_rss(pid)
         # The machine's CPU, and ours: the server's, the clients' (the publisher's whole life,
         # the subscriber's from now on), to tell what the rest of the machine used meanwhile.
-        clients0 = _children_cpu() + procstat.cpu_seconds(sub.pid)
+        clients0 = procstat.children_cpu_seconds() + sub.cpu_seconds()
         busy0, all0, steal0 = procstat.machine_cpu()
         cpu0 = procstat.total_exact_cpu_seconds(pids)
         faults0 = sum(procstat.minor_faults(pid) for pid in pids)
         kernel0 = sum(procstat.system_cpu_seconds(pid) for pid in pids)
-        pub = _client("pub", system, address, n, parts, size, check, burst, pause)
-        procs.append(pub)
-        pub_out, _ = pub.communicate(timeout=600)
-        sub_out, _ = sub.communicate(timeout=600)
+        pub = client(procs, "pub", system, address, n, parts, size, check, burst, pause)
+        published = pub.finish(None, timeout=600)
+        subscribed = sub.finish(None, timeout=600)
         pids = server.pids()
         cpu = procstat.total_exact_cpu_seconds(pids) - cpu0
         faults = sum(procstat.minor_faults(pid) for pid in pids) - faults0
         kernel = sum(procstat.system_cpu_seconds(pid) for pid in pids) - kernel0
         busy1, all1, steal1 = procstat.machine_cpu()
-        clients = _children_cpu() - clients0
+        clients = procstat.children_cpu_seconds() - clients0
         peak = sum(procstat.peak_rss_bytes(pid) for pid in pids)
-        published = children.last_json(pub_out)
-        subscribed = children.last_json(sub_out)
         replay["after"] = _replay_stats(system, server)
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
     received = subscribed["received"]
     after = subscribed["last_at"] - published["started_at"]
@@ -450,32 +438,12 @@ def one_run(
     }
 
 
+REPLAY_KEYS = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
+
+
 def _replay_stats(system: str, server: servers.Server) -> dict[str, int] | None:
     """Broky's replay buffers, summed over the workers (/stats), or None for the others."""
-    if clients_of(system) != "broky":
-        return None
-    scheme, ctx = "http", None
-    if system in TLS_SYSTEMS:  # the HTTP port serves https with the server's certificate
-        import ssl
-
-        scheme, ctx = "https", ssl.create_default_context(cafile=servers.tls_files()[0])
-    url = f"{scheme}://{server.host}:{server.metrics_port}/stats"
-    headers = {}
-    if system == "broky_users":  # its HTTP port wants the user's credentials (Basic)
-        import base64
-
-        headers["Authorization"] = "Basic " + base64.b64encode(USERS_AUTH.encode()).decode()
-    request = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(request, timeout=10, context=ctx) as resp:
-        workers = json.loads(resp.read())["workers"]
-    keys = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
-    return {k: sum(w.get(k, 0) for w in workers) for k in keys}
-
-
-def _children_cpu() -> float:
-    """CPU seconds of this process's child processes that ended and were waited for."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return server.workers_sum(*REPLAY_KEYS) if clients_of(system) == "broky" else None
 
 
 def run(
@@ -486,7 +454,7 @@ def run(
     """`runs` bursts per system, the systems in turn (their order reversed every other run)."""
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(runs):
-        for system in systems if r % 2 == 0 else tuple(reversed(systems)):
+        for system in options.alternating(systems, r):
             try:
                 got = one_run(system, n, workers, parts, size, burst=burst, pause=pause, warm=warm)
             except (servers.ServerError, RuntimeError, OSError, ValueError) as exc:
@@ -557,17 +525,8 @@ def spread(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     first = systems[0]
     others = systems[1:]
     rounds = max(len(v) for v in results.values())
-    lines = [
-        f"Server CPU per delivered message (µs), every run, round by round; {TITLES[first]}'s ratio to "
-        "each other system in the same round; the largest share of the machine's CPU that other "
-        "processes used during a run of the round (a shared machine: other users' work).",
-        "",
-        "| round | "
-        + " | ".join(TITLES[s] for s in systems)
-        + "".join(f" | {TITLES[first]} / {TITLES[o]}" for o in others)
-        + " | others' CPU |",
-        "|---|" + "---:|" * (2 * len(systems)),
-    ]
+    head = ["round", *(TITLES[s] for s in systems), *(f"{TITLES[first]} / {TITLES[o]}" for o in others)]
+    rows: list[list[Any]] = []
     for r in range(rounds):
         runs = [results[s][r] if r < len(results[s]) else {} for s in systems]
         cells = [f"{x[key]:.3f}" if x.get(key) else "-" for x in runs]
@@ -575,7 +534,7 @@ def spread(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             x, y = runs[0].get(key), results[o][r].get(key) if r < len(results[o]) else None
             cells.append(f"{x / y:.3f}" if x and y else "-")
         busy = max((x.get("others_cpu_share") or 0.0) for x in runs)
-        lines.append(f"| {r + 1} | " + " | ".join(cells) + f" | {busy:.0%} |")
+        rows.append([r + 1, *cells, f"{busy:.0%}"])
     cells = []
     for s in systems:
         values = [x[key] for x in results[s] if x.get(key)]
@@ -587,27 +546,37 @@ def spread(results: dict[str, list[dict[str, Any]]]) -> list[str]:
         cells.append(
             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
         )
-    lines.append("| median (min-max) | " + " | ".join(cells) + " | |")
-    return lines
+    rows.append(["median (min-max)", *cells, ""])
+    return [
+        f"Server CPU per delivered message (µs), every run, round by round; {TITLES[first]}'s ratio to "
+        "each other system in the same round; the largest share of the machine's CPU that other "
+        "processes used during a run of the round (a shared machine: other users' work).",
+        "",
+        *table([*head, "others' CPU"], rows),
+    ]
+
+
+def every_run(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every run's figures, as JSON, system by system."""
+    runs = [f"{system}: {json.dumps(x)}" for system, xs in results.items() for x in xs]
+    return ["Every run:", "", "```", *runs, "```"]
 
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, info: dict[str, Any]) -> str:
     summary = summarize(results)
     systems = list(results)
     peers = [s for s in systems if s != "broky"]
-    lines = [
-        "# A burst, SDK to SDK, default settings: " + " vs ".join(TITLES[s] for s in systems),
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.sdk_burst --messages {args.messages} --runs {args.runs} "
+    command = (
+        f"python -m bench.sdk_burst --messages {args.messages} --runs {args.runs} "
         f"--workers {args.workers} --systems {','.join(systems)} --partitions {args.partitions} "
         f"--size {args.size}"
         + (f" --burst {args.burst} --pause {args.pause}" if args.burst else "")
         + (f" --warm {args.warm}" if args.warm else "")
         + (f" --name {args.name}" if args.name != "sdk_burst" else "")
-        + "`",
-        "",
+    )
+    title = "A burst, SDK to SDK, default settings: " + " vs ".join(TITLES[s] for s in systems)
+    lines = [
+        *heading(title, info, command),
         f"One asyncio publisher process publishes {args.messages:,} messages of {args.size:,} B over "
         f"{args.partitions} key_partition(s)"
         + (f", in bursts of {args.burst:,} with {args.pause} s between them," if args.burst else "")
@@ -623,13 +592,8 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
         + "".join(f" (but {TITLES[s]}: `{' '.join(VARIANTS[s][1])}`)" for s in systems if s in VARIANTS)
         + f". Broky with {args.workers} workers. Medians of {args.runs} runs, the systems alternating.",
         "",
-        "| | "
-        + " | ".join(TITLES[s] for s in systems)
-        + "".join(f" | Broky / {TITLES[p]}" for p in peers)
-        + " |",
-        "|---|" + "---:|" * (len(systems) + len(peers)),
     ]
-    rows: list[tuple[str, str, str]] = [
+    figures: list[tuple[str, str, str]] = [
         ("received (worst run)", "received_worst", "{:,.0f}"),
         ("lost (worst run)", "lost_worst", "{:,.0f}"),
         ("publisher: publish + flush (s)", "publish_s", "{:.2f}"),
@@ -640,33 +604,29 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
     ]
     if args.warm:
         warm_row = "warm-up: server CPU per message published to nobody (µs)"
-        rows.append((warm_row, "warm_server_cpu_us_per_message", "{:.2f}"))
-    for name, key, fmt in rows:
+        figures.append((warm_row, "warm_server_cpu_us_per_message", "{:.2f}"))
+    rows = []
+    for name, key, fmt in figures:
         values = {s: summary[s].get(key) for s in systems}
         cells = [fmt.format(values[s]) if values[s] is not None else "-" for s in systems]
         ratios = []
         for p in peers:
             b, n = values.get("broky"), values.get(p)
             ratios.append(f"{b / n:.2f}x" if b is not None and n and key not in ("lost_worst",) else "-")
-        lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
-    lines += ["", *spread(results), "", "Every run:", "", "```"]
-    for system, runs in results.items():
-        for x in runs:
-            lines.append(f"{system}: {json.dumps(x)}")
-    lines += ["```", ""]
+        rows.append([name, *cells, *ratios])
+    head = ["", *(TITLES[s] for s in systems), *(f"Broky / {TITLES[p]}" for p in peers)]
+    lines += [*table(head, rows), "", *spread(results), "", *every_run(results), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sdk_burst", description=__doc__.split("\n")[0])
+    parser = options.parser(
+        "bench.sdk_burst", __doc__, out=options.RESULTS, runs=3, systems=",".join(SYSTEMS), workers=2,
+        name="sdk_burst", role=True,
+        helps={"systems": "comma-separated, of broky,nats,redis and the variants: "
+               + ",".join([*VARIANTS, *TLS_SYSTEMS])},
+    )  # fmt: skip
     parser.add_argument("--messages", type=int, default=300_000)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument(
-        "--systems",
-        default=",".join(SYSTEMS),
-        help="comma-separated, of broky,nats,redis and the variants: " + ",".join([*VARIANTS, *TLS_SYSTEMS]),
-    )
     parser.add_argument("--partitions", type=int, default=256, help="key_partitions (NATS, Redis: subjects)")
     parser.add_argument("--size", type=int, default=100, help="payload bytes")
     parser.add_argument("--burst", type=int, default=0, help="messages per burst (0: one burst)")
@@ -674,12 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warm", type=int, default=0, help="messages published to nobody before the burst (see the header)"
     )
-    parser.add_argument("--name", default="sdk_burst", help="the results' file name, without .md/.json")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--role", help=argparse.SUPPRESS)
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
+    options.role_options(parser, "address", "tls_ca", check=bool)
     args = parser.parse_args(argv)
     if args.role:
         global _tls_ca, QUIET
@@ -692,18 +647,12 @@ def main(argv: list[str] | None = None) -> int:
         shape = (args.messages, args.partitions, args.size)
         if args.check:  # Broky only (one_run says so)
             if role == "sub":
-                result = uvloop.run(_broky_sub(args.address, *shape, True))
-            else:
-                result = uvloop.run(_broky_pub(args.address, *shape, args.burst, args.pause, True))
-        elif role == "sub":
-            result = uvloop.run(SUBSCRIBERS[system](args.address, args.messages))
-        else:
-            result = uvloop.run(PUBLISHERS[system](args.address, *shape, args.burst, args.pause))
-        print(json.dumps(result), flush=True)
-        return 0
-    systems = [s for s in args.systems.split(",") if s]
-    if set(systems) - set(SYSTEMS) - set(VARIANTS) - set(TLS_SYSTEMS):
-        parser.error(f"unknown systems in {args.systems!r}")
+                return roles.done(uvloop.run(_broky_sub(args.address, *shape, True)))
+            return roles.done(uvloop.run(_broky_pub(args.address, *shape, args.burst, args.pause, True)))
+        if role == "sub":
+            return roles.done(uvloop.run(SUBSCRIBERS[system](args.address, args.messages)))
+        return roles.done(uvloop.run(PUBLISHERS[system](args.address, *shape, args.burst, args.pause)))
+    systems = options.systems(parser, args.systems, [*SYSTEMS, *VARIANTS, *TLS_SYSTEMS])
     info = machine_info()
 
     def show(system: str, r: int, got: dict[str, Any]) -> None:

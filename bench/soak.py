@@ -69,12 +69,10 @@ import os
 import random
 import resource
 import selectors
-import shlex
 import socket
 import ssl
 import statistics
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -87,9 +85,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import memory_budget, worker_kill  # noqa: E402
-from bench.harness import children, latency, loadgen, procstat, servers, tlsclient  # noqa: E402
+from bench.harness import latency, loadgen, options, procstat, roles, servers, tlsclient  # noqa: E402
 from bench.harness.machine import broky_revision, describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 from broky.protocol import (  # noqa: E402
     NEED_DATA,
     Ack,
@@ -115,7 +113,6 @@ from broky.protocol import (  # noqa: E402
     vbucket_of,
 )
 
-RESULTS = ROOT / "bench" / "results"
 NAME = "reliability"
 SECTIONS = ("connections", "stalled", "fuzz", "kills")
 WORKERS = 2
@@ -188,18 +185,8 @@ def start_server(transport: Transport, extra: list[str]) -> servers.Server:
     return servers.start_broky(WORKERS, [*transport.server_args(), *extra])
 
 
-def server_stats(server: servers.Server) -> dict[str, Any]:
-    return memory_budget.stats(server)
-
-
 def read_frame(sock: socket.socket, reader: FrameReader) -> Any:
-    while (raw := reader.next_frame()) is NEED_DATA:
-        data = sock.recv(65536)
-        if not data:
-            raise EOFError("closed")
-        reader.feed(data)
-    assert isinstance(raw, bytes)
-    return decode_frame(raw)
+    return decode_frame(tlsclient.next_frame(sock, reader))
 
 
 # ---------------------------------------------------------------- connections
@@ -261,7 +248,7 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
         driver = loadgen.BrokyDriver()
         driver.prepare(server.address)
         rate = args.latency_rate
-        out["rss_idle"] = memory_budget.server_rss(server)
+        out["rss_idle"] = server.rss_bytes()
         out["baseline"] = latency.run_latency(driver, server.address, server.pids, 100, rate, 1.0,
                                               args.latency_seconds)  # fmt: skip
         started = time.monotonic()
@@ -277,8 +264,8 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
             held.extend(batch)
         out["open_seconds"] = round(time.monotonic() - started, 2)
         out["welcomed"], out["refused_or_closed"] = welcomed, ended
-        out["rss_held"] = memory_budget.server_rss(server)
-        out["per_worker"] = [w["connections"] for w in server_stats(server)["workers"]]
+        out["rss_held"] = server.rss_bytes()
+        out["per_worker"] = [w["connections"] for w in server.stats()["workers"]]
         hold_start = time.monotonic()
         cpu0 = procstat.total_cpu_seconds(server.pids())
         out["with_connections"] = latency.run_latency(
@@ -293,7 +280,7 @@ def connections_section(args: argparse.Namespace, transport: Transport) -> dict[
             sock.settimeout(10)
             sock.sendall(encode_frame(Ping(1)))
         out["answered_ping_after_hold"], _ = _for_every(held, Pong, 60.0)
-        out["rss_peak_held"] = memory_budget.server_rss(server)
+        out["rss_peak_held"] = server.rss_bytes()
         for sock in held:
             sock.close()
         held.clear()
@@ -321,9 +308,9 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
     bounds = ["--max-pending-bytes", args.max_pending_bytes, "--memory-budget", args.memory_budget]
     server = start_server(transport, bounds)
     url = transport.url(server)
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     stalled: list[memory_budget.Stalled] = []
-    sampler = memory_budget.RssSampler(server)
+    sampler = procstat.RssSampler(server.pids)
     partitions = 256
     out: dict[str, Any] = {"messages": args.messages, "rate": args.stalled_rate}
     try:
@@ -331,44 +318,35 @@ def stalled_section(args: argparse.Namespace, transport: Transport) -> dict[str,
             s = memory_budget.Stalled(server.address, w, tls=transport.context())
             s.subscribe()
             stalled.append(s)
-        subs = [worker_kill._spawn("subscriber", url, *transport.client_args()) for _ in range(2)]
-        procs.extend(subs)
-        for sub in subs:
-            assert sub.stdout is not None
-            if sub.stdout.readline().strip() != "ready":
-                raise RuntimeError("a subscriber did not start")
-        snap = server_stats(server)["workers"]
+        subs = [worker_kill.start_subscriber(procs, url, transport.client_args()) for _ in range(2)]
+        snap = server.stats()["workers"]
         out["bounds"] = {
             "max_pending_bytes": args.max_pending_bytes,
             "memory_budget_bytes": sum(w["memory_budget"] for w in snap),
             "replay_bytes": sum(w["replay_limit"] for w in snap),
         }
-        out["rss_before"] = memory_budget.server_rss(server)
+        out["rss_before"] = server.rss_bytes()
         sampler.start()
         duration = args.messages / args.stalled_rate
-        pub = worker_kill._spawn("publisher", url, "--rate", str(args.stalled_rate), "--duration",
-                                 str(duration), "--partitions", str(partitions),
-                                 "--payload-bytes", "100", *transport.client_args())  # fmt: skip
-        procs.append(pub)
-        pub_out, _ = pub.communicate(timeout=duration + 120)
-        published = children.last_json(pub_out)
+        pub = worker_kill.start_publisher(procs, url, args.stalled_rate, partitions, duration, 100,
+                                          transport.client_args())  # fmt: skip
+        published = pub.finish(None, timeout=duration + 120)
         time.sleep(2.0)
-        subscribed = [children.last_json(sub.communicate("stop\n", timeout=120)[0]) for sub in subs]
-        sampler.stop.set()
-        sampler.join()
-        out["rss_peak"] = max(sampler.peak, memory_budget.server_rss(server))
-        out["rss_after"] = memory_budget.server_rss(server)
-        snap = server_stats(server)["workers"]
+        subscribed = [sub.finish(timeout=120) for sub in subs]
+        sampler.stop()
+        out["rss_peak"] = max(sampler.peak, server.rss_bytes())
+        out["rss_after"] = server.rss_bytes()
+        snap = server.stats()["workers"]
         out["slow_consumer_disconnects"] = sum(w["slow_consumer_disconnects"] for w in snap)
         out["budget_cuts"] = sum(w["budget_cuts"] for w in snap)
         memory_budget.drain_all(stalled)
         out["stalled"] = _told(server.address, stalled, published, partitions, transport)
         out["server_log_tail"] = server.log()[-1500:]
     finally:
-        sampler.stop.set()
+        sampler.stop()
         for s in stalled:
             s.sock.close()
-        children.kill_all(procs)
+        roles.kill_all(procs)
         server.stop()
     out["published"] = published["sent"] - published["refused"]
     out["publisher_flush_error"] = published["flush_error"]
@@ -711,21 +689,6 @@ def tenths(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return picked
 
 
-class RssSeries(threading.Thread):
-    """The server's RSS every `every` seconds: (seconds since the start, bytes)."""
-
-    def __init__(self, server: servers.Server, every: float) -> None:
-        super().__init__(daemon=True)
-        self.server, self.every = server, every
-        self.samples: list[tuple[float, int]] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        start = time.monotonic()
-        while not self.stop.wait(self.every):
-            self.samples.append((round(time.monotonic() - start, 1), memory_budget.server_rss(self.server)))
-
-
 class Probe(threading.Thread):
     """One connection per worker, a Ping always in flight; and GET /healthz. Longest round trips."""
 
@@ -799,31 +762,30 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
     }
     server = start_server(transport, ["--max-connections-per-address", "0", "--handshake-rate", "0"])
     probe = Probe(server, transport)
-    sampler = memory_budget.RssSampler(server)
+    sampler = procstat.RssSampler(server.pids)
     try:
-        before = server_stats(server)
-        out["rss_start"] = memory_budget.server_rss(server)
+        before = server.stats()
+        out["rss_start"] = server.rss_bytes()
         probe.start()
         sampler.start()
         fuzz = Fuzz(server.address, (server.host, server.metrics_port), pool, http_pool, args.frames,
                     args.fuzz_seconds, args.fuzz_threads, transport)  # fmt: skip
         cpu0 = procstat.total_cpu_seconds(server.pids())
-        series = RssSeries(server, 1.0)
+        series = procstat.RssSampler(server.pids, 1.0)
         series.start()
         seconds = fuzz.run()
-        series.stop.set()
+        series.stop()
         cpu = procstat.total_cpu_seconds(server.pids()) - cpu0
         time.sleep(1.0)
         probe.stop.set()
         probe.join(HANG_SECONDS * 4)
-        sampler.stop.set()
-        sampler.join()
+        sampler.stop()
         time.sleep(HANG_SECONDS + 1.0)  # every fuzz connection closed by now, by us or by the server
-        after = server_stats(server)
+        after = server.stats()
         names = [c["name"] for c in json.loads(server.http_get("/connections?limit=100000"))["connections"]]
         gateway = sum(name.startswith("http-gateway") for name in names)  # the HTTP port's own, kept
         out["connections_open_at_end"], out["gateway_connections_at_end"] = len(names) - gateway, gateway
-        out["rss_end"] = memory_budget.server_rss(server)
+        out["rss_end"] = server.rss_bytes()
         out["rss_peak"] = max(sampler.peak, out["rss_end"])
         out["rss_series"] = tenths(series.samples)
         out.update({
@@ -859,7 +821,7 @@ def fuzz_section(args: argparse.Namespace, transport: Transport) -> dict[str, An
         out["server_log_tail"] = server.log()[-1500:]
     finally:
         probe.stop.set()
-        sampler.stop.set()
+        sampler.stop()
         server.stop()
     return out
 
@@ -961,6 +923,7 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+FIGURES = ("Figure", "Value")
 PLAIN_PAIR = "; in plain TCP beside the TLS ones, the compiled probe speaking no TLS"
 
 
@@ -974,25 +937,44 @@ def render_connections(r: dict[str, Any]) -> list[str]:
         f"process's soft limit {lim['soft_before']:,} raised to {lim['soft']:,} (hard {lim['hard']:,}); the "
         "server inherits it.",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| opened and welcomed | {r['welcomed']:,} in {r['open_seconds']:g} s (refused or closed: "
-        f"{r['refused_or_closed']}) |",
-        f"| per worker | {' / '.join(f'{n:,}' for n in r['per_worker'])} |",
-        f"| answered a Ping after the hold | {r['answered_ping_after_hold']:,} |",
-        f"| server RSS idle / holding them | {_mb(r['rss_idle'])} / {_mb(r['rss_held'])} "
-        f"({(r['rss_held'] - r['rss_idle']) / max(1, r['welcomed']) / 1024:.1f} KiB per connection) |",
-        f"| server CPU while holding them (with the latency pair) | {r['server_cpu_s_per_s_held']:g} s/s |",
+        *table(
+            FIGURES,
+            [
+                (
+                    "opened and welcomed",
+                    f"{r['welcomed']:,} in {r['open_seconds']:g} s "
+                    f"(refused or closed: {r['refused_or_closed']})",
+                ),
+                ("per worker", " / ".join(f"{n:,}" for n in r["per_worker"])),
+                ("answered a Ping after the hold", f"{r['answered_ping_after_hold']:,}"),
+                (
+                    "server RSS idle / holding them",
+                    f"{_mb(r['rss_idle'])} / {_mb(r['rss_held'])} "
+                    f"({(r['rss_held'] - r['rss_idle']) / max(1, r['welcomed']) / 1024:.1f} KiB "
+                    "per connection)",
+                ),
+                (
+                    "server CPU while holding them (with the latency pair)",
+                    f"{r['server_cpu_s_per_s_held']:g} s/s",
+                ),
+            ],
+        ),
         "",
         f"Latency of one pub/sub pair (bench.harness.latency: raw connections, one to each "
         f"side's worker{PLAIN_PAIR if r.get('pair_plain_beside_tls') else ''}), open loop, "
         f"{b['rate_per_s']:,.0f} msgs/s of 100 B, {b['samples']:,} samples a run:",
         "",
-        "| | p50 / p99 / p99.9 / max (µs) | server CPU over the run |",
-        "|---|---:|---:|",
-        f"| without the connections | {_pct(b)} | {b['server_cpu_s']:.2f} s |",
-        f"| with them held | {_pct(w)} | {w['server_cpu_s']:.2f} s |",
-        f"| after they closed | {_pct(r['after'])} | {r['after']['server_cpu_s']:.2f} s |",
+        *table(
+            ("", "p50 / p99 / p99.9 / max (µs)", "server CPU over the run"),
+            [
+                (name, _pct(run), f"{run['server_cpu_s']:.2f} s")
+                for name, run in (
+                    ("without the connections", b),
+                    ("with them held", w),
+                    ("after they closed", r["after"]),
+                )
+            ],
+        ),
         "",
         "The three runs follow each other on one server; on a shared machine the first and the last "
         "bracket what the others' load does to the figures.",
@@ -1001,7 +983,43 @@ def render_connections(r: dict[str, Any]) -> list[str]:
 
 def render_stalled(r: dict[str, Any]) -> list[str]:
     b = r["bounds"]
-    lines = [
+    figures = [
+        (
+            "server RSS before / peak (every 50 ms) / after",
+            f"{_mb(r['rss_before'])} / {_mb(r['rss_peak'])} / {_mb(r['rss_after'])}",
+        ),
+        (
+            "peak above before, against the memory budget",
+            f"{_mb(r['rss_peak'] - r['rss_before'])} / {_mb(b['memory_budget_bytes'])}",
+        ),
+        ("slow-consumer disconnects, budget cuts", f"{r['slow_consumer_disconnects']}, {r['budget_cuts']}"),
+        ("publisher's final flush", r["publisher_flush_error"] or "succeeded"),
+    ]
+    for i, x in enumerate(r["readers"]):
+        figures.append(
+            (
+                f"reader {i + 1}: received / lost / told / duplicates / out of order",
+                f"{x['received']:,} / {x['lost']} / {x['told']} / {x['duplicates']} / {x['out_of_order']}",
+            )
+        )
+    for s in r["stalled"]:
+        t = s["told"]
+        figures.append(
+            (
+                f"stalled on worker {s['worker']}: published to it / received / told (before its close, on "
+                "reconnecting)",
+                f"{s['published_to_its_worker']:,} / {s['received']:,} / {t['before_close']:,}, "
+                f"{t['on_reconnect']:,} {s['told_on_reconnect_by_reason'] or ''}",
+            )
+        )
+        accounted = s["received"] + t["before_close"] + t["on_reconnect"]
+        figures.append(
+            (
+                "... closed by the server; the last Error it read; received + told",
+                f"{s['closed']}; {s['error'] or '-'}; {accounted:,}",
+            )
+        )
+    return [
         f"## A stalled subscriber under {r['published']:,} messages",
         "",
         f"One raw subscriber per worker on `>`, never reading; an SDK publisher at {r['rate']:,} msgs/s "
@@ -1009,33 +1027,10 @@ def render_stalled(r: dict[str, Any]) -> list[str]:
         f"{b['max_pending_bytes']} --memory-budget` {_mb(b['memory_budget_bytes'])} (replay buffers "
         f"{_mb(b['replay_bytes'])}, drawn from it).",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| server RSS before / peak (every 50 ms) / after | {_mb(r['rss_before'])} / {_mb(r['rss_peak'])} / "
-        f"{_mb(r['rss_after'])} |",
-        f"| peak above before, against the memory budget | {_mb(r['rss_peak'] - r['rss_before'])} / "
-        f"{_mb(b['memory_budget_bytes'])} |",
-        f"| slow-consumer disconnects, budget cuts | {r['slow_consumer_disconnects']}, {r['budget_cuts']} |",
-        f"| publisher's final flush | {r['publisher_flush_error'] or 'succeeded'} |",
-    ]
-    for i, x in enumerate(r["readers"]):
-        lines.append(
-            f"| reader {i + 1}: received / lost / told / duplicates / out of order | {x['received']:,} / "
-            f"{x['lost']} / {x['told']} / {x['duplicates']} / {x['out_of_order']} |"
-        )
-    for s in r["stalled"]:
-        t = s["told"]
-        lines.append(
-            f"| stalled on worker {s['worker']}: published to it / received / told (before its close, on "
-            f"reconnecting) | {s['published_to_its_worker']:,} / {s['received']:,} / {t['before_close']:,}, "
-            f"{t['on_reconnect']:,} {s['told_on_reconnect_by_reason'] or ''} |"
-        )
-        accounted = s["received"] + t["before_close"] + t["on_reconnect"]
-        lines.append(
-            f"| ... closed by the server; the last Error it read; received + told | {s['closed']}; "
-            f"{s['error'] or '-'}; {accounted:,} |"
-        )
-    return [*lines, "", STALLED_NOTE]
+        *table(FIGURES, figures),
+        "",
+        STALLED_NOTE,
+    ]  # fmt: skip
 
 
 STALLED_NOTE = (
@@ -1064,48 +1059,43 @@ def render_fuzz(r: dict[str, Any]) -> list[str]:
         + ". A worker stops reading at a connection's first fatal error: the frames after it are sent, "
         "not read.",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| frames sent, in | {r['frames_sent']:,} in {r['seconds']:g} s ({r['frames_per_s']:,}/s) |",
-        f"| bytes sent / read by the workers | {_mb(r['bytes_sent'])} / "
-        f"{_mb(r['bytes_received_by_workers'])} |",
-        f"| Message frames sent (unmutated) / published by the workers | {r['messages_sent']:,} / "
-        f"{r['messages_published']:,} |",
-        f"| connections: ended with a fatal Error / closed otherwise / kept open past {HANG_SECONDS:g} s | "
-        f"{r['connections_ended_with_error']:,} / {r['connections_closed_otherwise']:,} / "
-        f"{r['connections_kept_open']:,} (refused {r['connections_refused']}) |",
-        *(
-            [
-                f"| ... of which sent in plain text to the TLS-only server | "
-                f"{r['connections_plain_to_tls']:,} |"
-            ]
-            if r.get("connections_plain_to_tls")
-            else []
-        ),
-        f"| HTTP requests (random, mutated, valid), by answer | {r['http_requests']:,}: "
-        + ", ".join(f"{k} {v:,}" for k, v in sorted(r["http_status"].items()))
-        + " |",
-        f"| worker crashes | {r['worker_crashes']} |",
-        *(
-            [
-                f"| clients' connections still open on the server at the end (besides the HTTP gateway's "
-                f"own {r.get('gateway_connections_at_end', '?')}) | {r['connections_open_at_end']} |"
-            ]
-            if "connections_open_at_end" in r
-            else []
-        ),
-        f"| hangs (a probe round trip over {HANG_SECONDS:g} s) | {r['hangs']} |",
-        f"| probe: Ping round trips, longest | {r['probe_round_trips']:,}, {r['probe_max_rtt_ms']:g} ms |",
-        f"| probe: GET /healthz, longest | {r['probe_max_http_rtt_ms']:g} ms |",
-        f"| server RSS start / peak / end | {_mb(r['rss_start'])} / {_mb(r['rss_peak'])} / "
-        f"{_mb(r['rss_end'])} |",
-        f"| server RSS at the end of each tenth of the run | "
-        f"{', '.join(_mb(b) for _, b in r['rss_series'])} |",
-        f"| ... of which the replay buffers at the end (their bound) | {_mb(r['replay_bytes_end'])} "
-        f"({_mb(r['replay_limit'])}) |",
-        f"| pending outbound bytes at the end | {r['pending_bytes_end']:,} |",
-        f"| server CPU | {r['server_cpu_s']:g} s |",
-    ]
+        *table(FIGURES, [
+            ("frames sent, in", f"{r['frames_sent']:,} in {r['seconds']:g} s ({r['frames_per_s']:,}/s)"),
+            ("bytes sent / read by the workers",
+             f"{_mb(r['bytes_sent'])} / {_mb(r['bytes_received_by_workers'])}"),
+            ("Message frames sent (unmutated) / published by the workers",
+             f"{r['messages_sent']:,} / {r['messages_published']:,}"),
+            (f"connections: ended with a fatal Error / closed otherwise / kept open past {HANG_SECONDS:g} s",
+             f"{r['connections_ended_with_error']:,} / {r['connections_closed_otherwise']:,} / "
+             f"{r['connections_kept_open']:,} (refused {r['connections_refused']})"),
+            *(
+                [("... of which sent in plain text to the TLS-only server",
+                  f"{r['connections_plain_to_tls']:,}")]
+                if r.get("connections_plain_to_tls")
+                else []
+            ),
+            ("HTTP requests (random, mutated, valid), by answer",
+             f"{r['http_requests']:,}: "
+             + ", ".join(f"{k} {v:,}" for k, v in sorted(r["http_status"].items()))),
+            ("worker crashes", r["worker_crashes"]),
+            *(
+                [(f"clients' connections still open on the server at the end (besides the HTTP gateway's "
+                  f"own {r.get('gateway_connections_at_end', '?')})", r["connections_open_at_end"])]
+                if "connections_open_at_end" in r
+                else []
+            ),
+            (f"hangs (a probe round trip over {HANG_SECONDS:g} s)", r["hangs"]),
+            ("probe: Ping round trips, longest", f"{r['probe_round_trips']:,}, {r['probe_max_rtt_ms']:g} ms"),
+            ("probe: GET /healthz, longest", f"{r['probe_max_http_rtt_ms']:g} ms"),
+            ("server RSS start / peak / end",
+             f"{_mb(r['rss_start'])} / {_mb(r['rss_peak'])} / {_mb(r['rss_end'])}"),
+            ("server RSS at the end of each tenth of the run", ", ".join(_mb(b) for _, b in r["rss_series"])),
+            ("... of which the replay buffers at the end (their bound)",
+             f"{_mb(r['replay_bytes_end'])} ({_mb(r['replay_limit'])})"),
+            ("pending outbound bytes at the end", f"{r['pending_bytes_end']:,}"),
+            ("server CPU", f"{r['server_cpu_s']:g} s"),
+        ]),
+    ]  # fmt: skip
 
 
 def _s(v: float | None) -> str:
@@ -1120,18 +1110,19 @@ def render_kills(r: dict[str, Any]) -> list[str]:
         f"bench.worker_kill's SDK publisher ({r['rate']:,} msgs/s, 256 key_partitions) and SDK subscriber on "
         "`w.>`; workers 0 and 1 in turn.",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| published / received | {r['published']:,} / {r['received']:,} |",
-        f"| lost / told / lost - told | {r['lost']} / {r['told']} {r['told_by_reason'] or ''} / "
-        f"{r['lost_minus_told']} |",
-        f"| lost, told per worker | {r['lost_by_worker']}, {r['told_by_worker']} |",
-        f"| duplicates / out of order | {r['duplicates']} / {r['out_of_order']} |",
-        f"| recovery min / median / p90 / max | {_s(rec['min'])} / {_s(rec['median'])} / "
-        f"{_s(rec['p90'])} / {_s(rec['max'])} s |",
-        f"| publisher's unconfirmed / resent / final flush | {r['publisher_unconfirmed_lost']} / "
-        f"{r['publisher_resent_after_loss']} / {r['publisher_flush_error'] or 'succeeded'} |",
-    ]
+        *table(FIGURES, [
+            ("published / received", f"{r['published']:,} / {r['received']:,}"),
+            ("lost / told / lost - told",
+             f"{r['lost']} / {r['told']} {r['told_by_reason'] or ''} / {r['lost_minus_told']}"),
+            ("lost, told per worker", f"{r['lost_by_worker']}, {r['told_by_worker']}"),
+            ("duplicates / out of order", f"{r['duplicates']} / {r['out_of_order']}"),
+            ("recovery min / median / p90 / max",
+             f"{_s(rec['min'])} / {_s(rec['median'])} / {_s(rec['p90'])} / {_s(rec['max'])} s"),
+            ("publisher's unconfirmed / resent / final flush",
+             f"{r['publisher_unconfirmed_lost']} / {r['publisher_resent_after_loss']} / "
+             f"{r['publisher_flush_error'] or 'succeeded'}"),
+        ]),
+    ]  # fmt: skip
 
 
 RENDER = {
@@ -1158,24 +1149,10 @@ QUICK = {
 }
 
 
-def without_out(argv: list[str]) -> list[str]:
-    """The command line without `--out DIR` (a directory of this machine's, not the run's)."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out":
-            skip = True
-        elif not a.startswith("--out="):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.soak", __doc__, out=options.RESULTS, quick=True,
+                            helps={"quick": "every section tiny (CI)"})  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=SECTIONS, help="run these sections only")
-    parser.add_argument("--quick", action="store_true", help="every section tiny (CI)")
     parser.add_argument("--tls", action="store_true", help="the same runs over TLS (see the header)")
     parser.add_argument("--connections", type=int, default=10_000)
     parser.add_argument("--hold", type=float, default=60.0, help="seconds the connections are held")
@@ -1201,7 +1178,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--conditions", default="", help="a sentence on the machine's other load, for the report"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--render", action="store_true", help="write the report again from its JSON, running nothing"
     )
@@ -1220,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     info = machine_info()
     doc["machine"] = info
-    doc["command"] = " " + shlex.join(without_out(sys.argv[1:] if argv is None else argv))
+    doc["command"] = options.command("bench.soak", argv).removeprefix("python -m bench.soak")
     doc["tls"] = args.tls
     if args.conditions:
         doc["conditions"] = args.conditions

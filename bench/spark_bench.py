@@ -26,15 +26,12 @@ Results: bench/results/spark.md and spark.json, with the machine and versions.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import machine, procstat, servers  # noqa: E402
+from bench.harness import machine, options, procstat, servers  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 SINKS = ("discard:count", "discard:arrow", "discard:rows", "broky")
 
 
@@ -127,23 +124,18 @@ def with_subscriber(df: Any, address: str, rows: int) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    out = {}
-    for dist in ("pyspark", "pyarrow"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
+    """pyspark's, pyarrow's and Java's versions, for the report."""
+    out = machine.versions("pyspark", "pyarrow")
     java = subprocess.run(["java", "-version"], capture_output=True, text=True, check=False).stderr
     out["java"] = java.strip().splitlines()[0] if java.strip() else "unknown"
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser("bench.spark_bench", __doc__, out=options.RESULTS)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--with-subscriber", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     import broky.spark
@@ -162,11 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         for sink in SINKS:  # start the Python workers, load the modules
             write(warm, sink, address)
         for round_ in range(args.repeat):
-            order = SINKS if round_ % 2 == 0 else tuple(reversed(SINKS))
-            for sink in order:
-                result = timed(df, sink, address, args.rows, server.pids())
-                runs[sink].append(result)
-                print(f"round {round_ + 1} {sink:<14} {result['rows_per_s']:>12,.0f} rows/s", file=sys.stderr)
+            for sink in options.alternating(SINKS, round_):
+                got = timed(df, sink, address, args.rows, server.pids())
+                runs[sink].append(got)
+                print(f"round {round_ + 1} {sink:<14} {got['rows_per_s']:>12,.0f} rows/s", file=sys.stderr)
         if args.with_subscriber:
             extra = with_subscriber(df, address, args.rows)
             print(f"with subscriber: {extra}", file=sys.stderr)
@@ -178,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     median = {sink: statistics.median(r["rows_per_s"] for r in runs[sink]) for sink in SINKS}
     ratios = {sink: median["broky"] / median[sink] for sink in SINKS if sink != "broky"}
     server_cpu_us = statistics.median(r["server_cpu_s"] for r in runs["broky"]) / args.rows * 1e6
-    result = {
-        "machine": info,
+    result: dict[str, Any] = {
         "rows": args.rows,
         "repeat": args.repeat,
         "runs": runs,
@@ -188,10 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "broky_server_cpu_us_per_row": server_cpu_us,
         "with_subscriber": extra,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "spark.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "spark.md").write_text(render(result, argv))
-    print(render(result, argv))
+    text = render({"machine": info, **result}, argv)
+    write_results(args.out, "spark", text, info, args, **result)
     return 0
 
 
@@ -201,7 +189,7 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
     lines = [
         "# Spark sink: `broky` data source vs a sink that discards its rows",
         "",
-        f"Command: `python -m bench.spark_bench {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"Command: `{options.command('bench.spark_bench', argv)}`",
         "",
         f"Machine: {machine.describe(info)}; pyspark {info['pyspark']}, pyarrow {info['pyarrow']}, "
         f"{info['java']}; load average at start {info['load_average_at_start']}.",
@@ -210,13 +198,13 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
         f"2 partitions, `broky serve --workers 2` on the same machine, nobody subscribed; "
         f"median of {result['repeat']} interleaved runs after a warm-up.",
         "",
-        "| sink | rows/s (median) | runs | broky / this |",
-        "|---|---:|---|---:|",
     ]
-    for sink in SINKS:
-        runs = ", ".join(f"{r['rows_per_s']:,.0f}" for r in result["runs"][sink])
-        ratio = "" if sink == "broky" else f"{result['broky_over_discard'][sink]:.2f}"
-        lines.append(f"| {sink} | {median[sink]:,.0f} | {runs} | {ratio} |")
+    rows = [
+        (sink, f"{median[sink]:,.0f}", ", ".join(f"{r['rows_per_s']:,.0f}" for r in result["runs"][sink]),
+         "" if sink == "broky" else f"{result['broky_over_discard'][sink]:.2f}")
+        for sink in SINKS
+    ]  # fmt: skip
+    lines += table(("sink", "rows/s (median)", "runs", "broky / this"), rows, "lrlr")
     lines += [
         "",
         f"Server CPU per row published through the sink: {result['broky_server_cpu_us_per_row']:.2f} µs.",

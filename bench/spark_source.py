@@ -40,8 +40,6 @@ changes the names), with the machine and versions.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -55,10 +53,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import machine, procstat, servers  # noqa: E402
+from bench.harness import machine, options, procstat, servers  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 from bench.spark_bench import spark_session, versions  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 KEY_PARTITIONS = 1024
 KEY = b"bench.src"
 PAYLOAD_BYTES = 100
@@ -109,25 +107,6 @@ def fill(address: str, rows: int) -> float:
     if retained != rows:
         raise RuntimeError(f"the broker accepted {retained} messages, not {rows}")
     return time.perf_counter() - started
-
-
-def our_cpu_seconds() -> float:
-    """CPU of this process and its descendants (Spark's JVM, its Python workers, the broker):
-    the live ones' own and what they reaped of their children that ended (cutime, cstime)."""
-    todo, total, seen = [os.getpid()], 0.0, set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        total += sum(int(f) for f in fields[11:15]) / procstat.CLOCK_TICKS
-        todo.extend(procstat.children(pid))
-    return total
 
 
 def stream_reader(spark: Any, kind: str, address: str, rows: int, max_offsets: int) -> Any:
@@ -197,14 +176,14 @@ def run(spark: Any, kind: str, address: str, rows: int, max_offsets: int, server
     try:
         pids = server.pids()
         cpu0 = procstat.total_exact_cpu_seconds(pids)
-        ours0 = our_cpu_seconds()
+        ours0 = procstat.tree_cpu_seconds(os.getpid())
         busy0, all0, _ = procstat.machine_cpu()
         if kind.endswith("stream") or kind == LIMITED:
             result = run_stream(spark, kind, address, rows, max_offsets, d)
         else:
             result = run_batch(spark, kind, address, rows, d)
         busy1, all1, _ = procstat.machine_cpu()
-        ours = our_cpu_seconds() - ours0
+        ours = procstat.tree_cpu_seconds(os.getpid()) - ours0
         cpu = procstat.total_exact_cpu_seconds(pids) - cpu0
         written = spark.read.parquet(os.path.join(d, "out")).count()
         if written != rows:
@@ -220,14 +199,12 @@ def run(spark: Any, kind: str, address: str, rows: int, max_offsets: int, server
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser("bench.spark_source", __doc__, out=options.RESULTS, name="spark_source")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--max-offsets", type=int, default=100_000, help="also run with maxOffsetsPerTrigger N (0: not)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--name", default="spark_source", help="results file names (default spark_source)")
     args = parser.parse_args(argv)
 
     import broky.spark
@@ -246,19 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:  # warm-up: the JVM's code, the Python workers, the modules
             run(spark, kind, address, args.rows, args.max_offsets, server)
         for round_ in range(args.repeat):
-            order = kinds if round_ % 2 == 0 else tuple(reversed(kinds))
-            for kind in order:
-                result = run(spark, kind, address, args.rows, args.max_offsets, server)
-                runs[kind].append(result)
-                print(f"round {round_ + 1} {kind:<22} {result['rows_per_s']:>12,.0f} rows/s", file=sys.stderr)
+            for kind in options.alternating(kinds, round_):
+                got = run(spark, kind, address, args.rows, args.max_offsets, server)
+                runs[kind].append(got)
+                print(f"round {round_ + 1} {kind:<22} {got['rows_per_s']:>12,.0f} rows/s", file=sys.stderr)
     finally:
         if spark is not None:
             spark.stop()
         server.stop()
 
     median = {kind: statistics.median(r["rows_per_s"] for r in runs[kind]) for kind in kinds}
-    result = {
-        "machine": info,
+    result: dict[str, Any] = {
         "rows": args.rows,
         "repeat": args.repeat,
         "max_offsets": args.max_offsets,
@@ -277,10 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         / args.rows
         * 1e6,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(render(result, argv))
-    print(render(result, argv))
+    text = render({"machine": info, **result}, argv)
+    write_results(args.out, args.name, text, info, args, **result)
     return 0
 
 
@@ -291,7 +264,7 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
     lines = [
         "# Spark source: the `broky` streaming source vs Spark's `rate` source, into Parquet",
         "",
-        f"Command: `python -m bench.spark_source {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"Command: `{options.command('bench.spark_source', argv)}`",
         "",
         f"Machine: {machine.describe(info)}; pyspark {info['pyspark']}, pyarrow {info['pyarrow']}, "
         f"{info['java']}; load average at start {info['load_average_at_start']}.",
@@ -304,10 +277,8 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
         f"counting them back; median of {result['repeat']} interleaved runs after a warm-up round. "
         "rows/s = rows / wall time of the query (streaming: `start()` to its end).",
         "",
-        "| run | rows/s (median) | runs | Spark's rows/s of trigger time | server CPU µs/row "
-        "| others' CPU share |",
-        "|---|---:|---|---:|---:|---:|",
     ]
+    cells = []
     for kind, runs in result["runs"].items():
         listed = ", ".join(f"{r['rows_per_s']:,.0f}" for r in runs)
         spark_rate = (
@@ -321,7 +292,10 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
             else ""
         )
         others = ", ".join(f"{r['others_cpu_share']:.0%}" for r in runs)
-        lines.append(f"| {kind} | {median[kind]:,.0f} | {listed} | {spark_rate} | {cpu} | {others} |")
+        cells.append((kind, f"{median[kind]:,.0f}", listed, spark_rate, cpu, others))
+    head = ("run", "rows/s (median)", "runs", "Spark's rows/s of trigger time", "server CPU µs/row",
+            "others' CPU share")  # fmt: skip
+    lines += table(head, cells, "lrlrrr")
     lines += [
         "",
         f"**broky stream / rate stream: {result['stream_broky_over_rate']:.2f}**; "

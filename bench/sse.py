@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -51,11 +50,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.harness import children, procstat, servers  # noqa: E402
+from bench.harness import options, procstat, roles, servers  # noqa: E402
 from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness.report import table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 PATTERN = "bench.>"
 KEY = b"bench.k"
 PAYLOAD = b"x" * 100
@@ -152,21 +150,11 @@ class SseReader(asyncio.Protocol):
 
 
 async def _control(tally: Tally) -> None:
-    """The orchestrator's lines on stdin: "count" (answered: events, special, closed, CPU s)
+    """Say "ready", then answer the orchestrator's "count" (events, special, closed, CPU s)
     until "stop"."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while True:
-        line = await reader.readline()
-        if not line or line.strip() == b"stop":
-            return
-        print(json.dumps([tally.events, tally.special, tally.closed, _cpu_s()]), flush=True)
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    roles.ready()
+    async for _ in roles.lines():
+        roles.answer([tally.events, tally.special, tally.closed, procstat.own_cpu_seconds()])
 
 
 async def _in_batches(make: Callable[[int], Any], n: int) -> list[Any]:
@@ -191,7 +179,6 @@ async def sse_readers(host: str, http_port: int, n: int) -> dict[str, Any]:
 
     async with asyncio.timeout(SETUP_TIMEOUT):
         transports = await _in_batches(one, n)
-    print("ready", flush=True)
     await _control(tally)
     for t in transports:
         t.abort()
@@ -215,7 +202,6 @@ async def sdk_readers(address: str, n: int) -> dict[str, Any]:
 
     async with asyncio.timeout(SETUP_TIMEOUT):
         clients = await _in_batches(one, n)
-    print("ready", flush=True)
     await _control(tally)
     dropped = sum(c.stats.dropped_local for c in clients)
     await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
@@ -230,12 +216,8 @@ async def publisher(address: str, rate: int) -> dict[str, Any]:
     async with broky.connect(address) as client:
         await client.publish(PARTITIONS[0], b"warm", PAYLOAD)  # (no reader matches it)
         await client.flush()
-        print("ready", flush=True)
-        await loop.run_in_executor(None, sys.stdin.readline)
-        stop = loop.create_future()
-        loop.run_in_executor(
-            None, lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(stop.set_result, 1))
-        )
+        await roles.ready_then_go()
+        stop = roles.next_line()
         start, sent = loop.time(), 0
         while not stop.done():
             due = int((loop.time() - start) * rate) + 1
@@ -250,51 +232,21 @@ async def publisher(address: str, rate: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- the orchestrator
 
 
-def _spawn(*argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.sse", *argv],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
-
-
-def _say(proc: subprocess.Popen[str], line: str) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-
-
-def _ready(proc: subprocess.Popen[str], what: str) -> None:
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if line != "ready":
-        raise RuntimeError(f"{what} did not start (said {line!r})")
-
-
-def _counts(procs: list[subprocess.Popen[str]]) -> tuple[int, int, int, float]:
+def _counts(procs: list[roles.Role]) -> tuple[int, int, int, float]:
     """(events, special, closed, the readers' CPU s), summed over the reader processes."""
     for p in procs:
-        _say(p, "count")
+        p.say("count")
     total = [0, 0, 0, 0.0]
     for p in procs:
-        assert p.stdout is not None
-        got = json.loads(p.stdout.readline())
-        total = [a + b for a, b in zip(total, got, strict=True)]
+        total = [a + b for a, b in zip(total, json.loads(p.read()), strict=True)]
     return int(total[0]), int(total[1]), int(total[2]), float(total[3])
-
-
-def _final(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    _say(proc, "stop")
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    proc.wait(30)
-    return children.last_json(out)
 
 
 def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, workers: int) -> dict[str, Any]:
     """Start the server, the readers and the publisher; measure the window; stop everything."""
     extra = ["--max-connections-per-address", "0", "--http-max-connections", str(readers + 64)]
     server = servers.start_broky(workers, extra)
-    started: list[subprocess.Popen[str]] = []
+    started: list[roles.Role] = []
     try:
         address = f"{server.host}:{server.port}"
         if kind == "sse":  # the gateway's client connects at the first /v1/ request: a warm one
@@ -312,17 +264,15 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
                 argv = ["--role", "sse", "--host", server.host, "--http-port", str(server.metrics_port)]
             else:
                 argv = ["--role", "sdk", "--address", address]
-            p = _spawn(*argv, "--readers", str(share))
-            started.append(p)
-            reader_procs.append(p)
-        for p in reader_procs:
-            _ready(p, f"{kind} readers")
+            reader_procs.append(roles.start(started, "bench.sse", *argv, "--readers", str(share), ready=None,
+                                            what=f"{kind} readers"))  # fmt: skip
+        for p in reader_procs:  # they all connect at once
+            p.ready()
         connect_s = time.perf_counter() - connect_start
-        pub = _spawn("--role", "publisher", "--address", address, "--rate", str(rate))
-        started.append(pub)
-        _ready(pub, "the publisher")
+        pub = roles.start(started, "bench.sse", "--role", "publisher", "--address", address, "--rate",
+                          str(rate), what="the publisher")  # fmt: skip
         pids = server.pids()
-        _say(pub, "go")
+        pub.say("go")
         time.sleep(WARMUP)
         busy0 = procstat.machine_cpu()
         sys0, user0 = procstat.system_cpu_seconds(server.pid), procstat.cpu_seconds(server.pid)
@@ -342,7 +292,7 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
         busy1 = procstat.machine_cpu()
         sys1, user1 = procstat.system_cpu_seconds(server.pid), procstat.cpu_seconds(server.pid)
         rss_open = procstat.rss_bytes(server.pid)
-        published = _final(pub)["published"]
+        published = pub.finish(timeout=30)["published"]
         last, still = -1, time.monotonic()
         while time.monotonic() - still < DRAIN_QUIET:  # what is still on its way
             time.sleep(0.25)
@@ -352,7 +302,7 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
             if events >= published * readers:
                 break
         counters = server_counters(server)
-        finals = [_final(p) for p in reader_procs]
+        finals = [p.finish(timeout=30) for p in reader_procs]
         delivered = events1 - events0
         window = t1 - t0
         cpu = cpu1 - cpu0
@@ -369,7 +319,7 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
             # the kernel's part of the master's CPU (clock ticks: /proc/PID/stat stime of utime+stime)
             "master_system_share": (sys1 - sys0) / (user1 - user0) if user1 > user0 else None,
             "readers_cpu_cores": (rcpu1 - rcpu0) / window,
-            "machine_busy": _busy(busy0, busy1),
+            "machine_busy": procstat.busy_share(busy0, busy1),
             "master_rss_before": rss_before,
             "master_rss_open": rss_open,
             "connect_s": connect_s,
@@ -388,18 +338,14 @@ def one_case(kind: str, readers: int, rate: int, seconds: float, procs: int, wor
             result["dropped_local"] = sum(f.get("dropped_local", 0) for f in finals)
         return result
     finally:
-        children.kill_all(started)
+        roles.kill_all(started)
         server.stop()
 
 
 def server_counters(server: servers.Server) -> dict[str, Any]:
     """What the server counted: the master's HTTP and gateway counters, and the workers'
     drops by reason and slow-consumer cuts (summed), from /stats."""
-    import urllib.request
-
-    url = f"http://{server.host}:{server.metrics_port}/stats"
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        stats = json.loads(resp.read())
+    stats = server.stats(timeout=30)
     dropped: dict[str, int] = {}
     for w in stats["workers"]:
         for reason, count in w.get("dropped", {}).items():
@@ -412,12 +358,8 @@ def server_counters(server: servers.Server) -> dict[str, Any]:
     }
 
 
-def _busy(a: tuple[float, float, float], b: tuple[float, float, float]) -> float | None:
-    """The share of the machine's CPU time that was busy between two machine_cpu() reads."""
-    total = b[1] - a[1]
-    return (b[0] - a[0]) / total if total > 0 else None
-
-
+CASES = ("case", "offered deliveries/s", "deliveries/s", "server CPU µs per delivery", "master's share of it",
+         "master RSS, streams open (before)", "missing / delivered", "machine busy")  # fmt: skip
 SUMMED = ("deliveries_per_s", "cpu_us_per_delivery", "master_share", "master_rss_open", "master_rss_before",
           "machine_busy", "readers_cpu_cores", "server_cpu_cores", "master_cpu_cores",
           "master_system_share")  # fmt: skip
@@ -451,15 +393,14 @@ def report(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, A
         f"a fresh server per case and round, the cases alternating within each round; medians, "
         f"[min, max] over the rounds; 100-byte payloads, one publisher at the rate given.",
         "",
-        "| case | offered deliveries/s | deliveries/s | server CPU µs per delivery | master's share of it "
-        "| master RSS, streams open (before) | missing / delivered | machine busy |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name, s in summary.items():
         first = next(r for r in runs[name] if "error" not in r)
         lo, hi = s["deliveries_per_s_range"]
         clo, chi = s["cpu_us_per_delivery_range"]
-        cells = [
+        rows.append((
+            name,
             f"{first['offered_per_s']:,}",
             f"{s['deliveries_per_s']:,.0f} [{lo:,.0f}, {hi:,.0f}]",
             f"{s['cpu_us_per_delivery']:,.2f} [{clo:,.2f}, {chi:,.2f}]",
@@ -467,8 +408,8 @@ def report(runs: dict[str, list[dict[str, Any]]], summary: dict[str, dict[str, A
             f"{s['master_rss_open'] / 2**20:,.0f} MiB ({s['master_rss_before'] / 2**20:,.0f})",
             f"{s['missing']:,} / {s['delivered_total']:,}",
             f"{s['machine_busy']:.0%}" if s["machine_busy"] is not None else "?",
-        ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        ))  # fmt: skip
+    lines += table(CASES, rows, "l" * len(CASES))
     errors = [(name, r["error"]) for name, rs in runs.items() for r in rs if "error" in r]
     lines += ["", "Failed rounds: " + ("none" if not errors else "; ".join(f"{n}: {e}" for n, e in errors))]
     samples = [r for rs in runs.values() for r in rs if r.get("kind") == "sse" and "error" not in r]
@@ -493,33 +434,26 @@ def _pct(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sse", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.sse", __doc__, out=options.RESULTS, workers=2, quick=True, name="sse",
+                            role=("sse", "sdk", "publisher"),
+                            helps={"quick": "tiny sizes, one round (the CI smoke run)"})  # fmt: skip
     parser.add_argument("--readers", type=int, default=1000, help="readers of each kind in the N cases")
     parser.add_argument("--rate", type=int, default=20, help="msgs/s published in the N cases")
     parser.add_argument("--rate-one", type=int, default=2000, help="msgs/s published in the 1 -> 1 cases")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=5.0, help="the measured window")
     parser.add_argument("--procs", type=int, default=2, help="reader processes")
-    parser.add_argument("--workers", type=int, default=2, help="Broky's workers")
     parser.add_argument("--only", default="", help="the kinds of case to run: sse, sdk or sse,sdk (all)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (the CI smoke run)")
-    parser.add_argument("--name", default="sse", help="the results' file name, without .md/.json")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    for hidden in ("--role", "--address", "--host"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--http-port", type=int, help=argparse.SUPPRESS)
+    options.role_options(parser, "address", "host", http_port=int)
     args = parser.parse_args(argv)
     if args.role:
         import uvloop
 
         if args.role == "sse":
-            result = uvloop.run(sse_readers(args.host, args.http_port, args.readers))
-        elif args.role == "sdk":
-            result = uvloop.run(sdk_readers(args.address, args.readers))
-        else:
-            result = uvloop.run(publisher(args.address, args.rate))
-        print(json.dumps(result), flush=True)
-        return 0
+            return roles.done(uvloop.run(sse_readers(args.host, args.http_port, args.readers)))
+        if args.role == "sdk":
+            return roles.done(uvloop.run(sdk_readers(args.address, args.readers)))
+        return roles.done(uvloop.run(publisher(args.address, args.rate)))
     if args.quick:
         args.readers, args.rate, args.rate_one, args.rounds, args.seconds = 20, 50, 200, 1, 1.0
     info = machine_info()
@@ -539,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             kind, readers, rate = cases[name]
             try:
                 got = one_case(kind, readers, rate, args.seconds, args.procs, args.workers)
-            except (RuntimeError, OSError, servers.ServerError, subprocess.TimeoutExpired) as exc:
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
                 got = {"error": repr(exc)[:300]}
             runs[name].append(got)
             brief = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in got.items()

@@ -33,7 +33,6 @@ import json
 import os
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,8 +43,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import servers
-from broky.protocol import NEED_DATA, FrameReader, Hello, Ping, Pong, Read, decode_frame, encode_frame
+from bench.harness import options, procstat, roles, servers, tlsclient
+from broky.protocol import FrameReader, Hello, Ping, Pong, Read, decode_frame, encode_frame
 from broky.protocol.message import BODY_MESSAGE, body_type
 
 PARTS = 256
@@ -84,7 +83,7 @@ async def _subscriber(address: str, seconds: float) -> dict[str, Any]:
     got = 0
     async with broky.connect(address) as client:
         sub = await client.subscribe("cpu.>")
-        print("ready", flush=True)
+        roles.ready()
         it = sub.__aiter__()
         deadline = time.monotonic() + seconds + 30
         while time.monotonic() < deadline:
@@ -98,11 +97,8 @@ async def _subscriber(address: str, seconds: float) -> dict[str, Any]:
 
 def _role(args: argparse.Namespace) -> int:
     if args.role == "pub":
-        result = asyncio.run(_publisher(args.address, args.rate, args.seconds))
-    else:
-        result = asyncio.run(_subscriber(args.address, args.seconds))
-    print(json.dumps(result), flush=True)
-    return 0
+        return roles.done(asyncio.run(_publisher(args.address, args.rate, args.seconds)))
+    return roles.done(asyncio.run(_subscriber(args.address, args.seconds)))
 
 
 # ------------------------------------------------------------ raw connections
@@ -120,13 +116,7 @@ class Raw:
 
     def next_raw(self) -> bytes:
         """The next whole frame's bytes, reading as needed."""
-        while (raw := self.reader.next_frame()) is NEED_DATA:
-            data = self.sock.recv(1 << 20)
-            if not data:
-                raise ConnectionError("broky closed the connection")
-            self.reader.feed(data)
-        assert isinstance(raw, bytes)
-        return raw
+        return tlsclient.next_frame(self.sock, self.reader)
 
     def next(self) -> Any:
         return decode_frame(self.next_raw())
@@ -179,21 +169,6 @@ def _reader(
     raw.sock.close()
 
 
-def _ctx_switches(pid: int) -> int:
-    total = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-            total += int(line.split()[1])
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def _quantiles(ns: list[int]) -> dict[str, float]:
     if not ns:
         return {}
@@ -229,25 +204,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "serve_args": args.serve_args,
         "env": args.env,
     }
+    procs: list[roles.Role] = []
     try:
-        address = f"{servers.HOST}:{server.port}"
-        me = [
-            sys.executable,
-            "-m",
+        me = (
             "bench.tail_sources",
             "--address",
-            address,
+            f"{servers.HOST}:{server.port}",
             "--seconds",
             str(args.seconds),
-        ]
-        sub = subprocess.Popen([*me, "--role", "sub"], stdout=subprocess.PIPE, text=True)
-        assert sub.stdout is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
-        assert server.proc is not None
-        master = server.proc.pid
-        pids = {"master": master} | {f"worker-{i}": p for i, p in enumerate(_children(master))}
-        before = {name: _ctx_switches(p) for name, p in pids.items()}
+        )
+        sub = roles.start(procs, *me, "--role", "sub", what="the subscriber")
+        pids = {"master": server.pid} | {
+            f"worker-{i}": p for i, p in enumerate(procstat.children(server.pid))
+        }
+        before = {name: procstat.context_switches(p) for name, p in pids.items()}
         stop = threading.Event()
         pongs: list[list[int]] = [[] for _ in range(args.workers)]
         read_pongs: list[dict[str, Any]] = []
@@ -264,16 +234,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         for t in threads:
             t.start()
-        pub = subprocess.run(
-            [*me, "--role", "pub", "--rate", str(args.rate)], stdout=subprocess.PIPE, text=True, check=True
+        pub = roles.start(
+            procs, *me, "--role", "pub", "--rate", str(args.rate), ready=None, what="the publisher"
         )
+        result["publisher"] = pub.finish(None, timeout=args.seconds + 120)
         stop.set()
         for t in threads:
             t.join()
-        after = {name: _ctx_switches(p) for name, p in pids.items()}
-        out, _ = sub.communicate(timeout=60)
-        result["publisher"] = json.loads(pub.stdout.strip().splitlines()[-1])
-        result["subscriber"] = json.loads(out.strip().splitlines()[-1])
+        after = {name: procstat.context_switches(p) for name, p in pids.items()}
+        result["subscriber"] = sub.finish(None)
         result["context_switches_per_s"] = {
             name: (after[name] - before[name]) / args.seconds for name in pids
         }
@@ -284,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "seen": read_pongs[-1]["seen"] if read_pongs else {},
             }
     finally:
+        roles.kill_all(procs)
         server.stop()
     workers = []
     for w in range(args.workers):
@@ -330,21 +300,17 @@ def show(result: dict[str, Any]) -> None:
             )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv: list[str] | None = None) -> int:
+    parser = options.parser("bench.tail_sources", __doc__, workers=2, role=("pub", "sub"))
     parser.add_argument("--rate", type=int, default=20_000)
     parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reads", type=int, default=0)
     parser.add_argument("--read-every", type=float, default=0.5)
     parser.add_argument("--serve-args", default="")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server")
     parser.add_argument("--json", help="also write the result here")
-    parser.add_argument("--role", choices=("pub", "sub"), help=argparse.SUPPRESS)
-    parser.add_argument("--address", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    options.role_options(parser, "address")
+    args = parser.parse_args(argv)
     if args.role:
         return _role(args)
     result = run(args)

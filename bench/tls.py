@@ -24,7 +24,6 @@ bench/results/tls.md and tls.json, with the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -35,8 +34,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import sdk_burst  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 
 SYSTEMS = ("broky", "broky_tls", "nats", "nats_tls")
 CPU = "server_cpu_us_per_delivery"
@@ -46,23 +46,19 @@ PAIRS = (("broky_tls", "broky"), ("nats_tls", "nats"), ("broky_tls", "nats_tls")
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, info: dict[str, Any]) -> str:
     summary = sdk_burst.summarize(results)
     titles = sdk_burst.TITLES
+    command = (
+        f"python -m bench.tls --messages {args.messages} --runs {args.runs} "
+        f"--workers {args.workers} --partitions {args.partitions} --size {args.size}"
+    )
     lines = [
-        "# TLS's cost, SDK to SDK: Broky and nats-server, TLS against plain TCP",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.tls --messages {args.messages} --runs {args.runs} "
-        f"--workers {args.workers} --partitions {args.partitions} --size {args.size}`",
-        "",
+        *heading("TLS's cost, SDK to SDK: Broky and nats-server, TLS against plain TCP", info, command),
         f"The burst of bench/sdk_burst.py: {args.messages:,} messages of {args.size} B over "
         f"{args.partitions} key_partitions, one publisher process, one subscriber process, defaults "
         f"everywhere, a fresh server per run, Broky with {args.workers} workers; TLS 1.3 with an ECDSA "
         f"P-256 certificate. Medians of {args.runs} runs, the four systems alternating.",
         "",
-        "| | " + " | ".join(titles[s] for s in SYSTEMS) + " |",
-        "|---|" + "---:|" * len(SYSTEMS),
     ]
-    rows = (
+    figures = (
         ("received (worst run)", "received_worst", "{:,.0f}"),
         ("lost (worst run)", "lost_worst", "{:,.0f}"),
         ("subscriber had the last message after (s)", "delivered_after_s", "{:.2f}"),
@@ -70,37 +66,27 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, i
         ("server CPU per delivered message (µs)", CPU, "{:.2f}"),
         ("server peak RSS (MB)", "server_peak_rss_mb", "{:.1f}"),
     )
-    for name, key, fmt in rows:
-        cells = []
-        for s in SYSTEMS:
-            v = summary.get(s, {}).get(key)
-            cells.append(fmt.format(v) if v is not None else "-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Server CPU per delivered message, ratios within each run (then their median):", ""]
-    lines += ["| | " + " | ".join(f"run {i + 1}" for i in range(args.runs)) + " | median |"]
-    lines += ["|---|" + "---:|" * (args.runs + 1)]
+    rows = []
+    for name, key, fmt in figures:
+        values = [summary.get(s, {}).get(key) for s in SYSTEMS]
+        rows.append([name, *(fmt.format(v) if v is not None else "-" for v in values)])
+    lines += [*table(["", *(titles[s] for s in SYSTEMS)], rows), ""]
+    lines += ["Server CPU per delivered message, ratios within each run (then their median):", ""]
+    rows = []
     for a, b in PAIRS:
         ratios = sdk_burst.paired_ratios(results, a, b, CPU)
         cells = [f"{r:.2f}x" for r in ratios] + ["-"] * (args.runs - len(ratios))
         med = f"{statistics.median(ratios):.2f}x" if ratios else "-"
-        lines.append(f"| {titles[a]} / {titles[b]} | " + " | ".join(cells) + f" | {med} |")
-    lines += ["", "Every run:", "", "```"]
-    for system, runs in results.items():
-        for x in runs:
-            lines.append(f"{system}: {json.dumps(x)}")
-    lines += ["```", ""]
-    return "\n".join(lines)
+        rows.append([f"{titles[a]} / {titles[b]}", *cells, med])
+    lines += [*table(["", *(f"run {i + 1}" for i in range(args.runs)), "median"], rows), ""]
+    return "\n".join([*lines, *sdk_burst.every_run(results), ""])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tls", description=__doc__.split("\n")[0])
+    parser = options.parser("bench.tls", __doc__, out=options.RESULTS, runs=3, workers=2, name="tls")
     parser.add_argument("--messages", type=int, default=300_000)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--partitions", type=int, default=256)
     parser.add_argument("--size", type=int, default=100)
-    parser.add_argument("--name", default="tls")
-    parser.add_argument("--out", type=Path, default=sdk_burst.RESULTS)
     args = parser.parse_args(argv)
     info = machine_info()
 
@@ -112,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
     results = sdk_burst.run(args.runs, args.messages, args.workers, SYSTEMS, args.partitions, args.size, show)
     write_results(args.out, args.name, report(results, args, info), info, args, results=results)
-    print(report(results, args, info))
     return 0
 
 

@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
 import struct
-import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +63,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import broky  # noqa: E402
-from bench.harness import children, servers  # noqa: E402
-from bench.harness.machine import describe, machine_info  # noqa: E402
-from bench.harness.report import write_results  # noqa: E402
+from bench.harness import options, roles, servers  # noqa: E402
+from bench.harness.machine import machine_info  # noqa: E402
+from bench.harness.report import heading, table, write_results  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 KEY = b"w.k"
 _head = struct.Struct("<II")  # partition index, sequence number
 
@@ -105,8 +103,8 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
         pad = b"x" * (size - _head.size)
         seq = [0] * partitions
         loop = asyncio.get_running_loop()
-        stop = loop.run_in_executor(None, sys.stdin.readline) if duration <= 0 else None
-        print("publishing", flush=True)
+        stop = roles.next_line() if duration <= 0 else None
+        roles.ready("publishing")
         start = loop.time()
         sent = 0
         while (elapsed := loop.time() - start) < duration or (stop is not None and not stop.done()):
@@ -159,9 +157,8 @@ async def subscriber(url: str) -> dict[str, Any]:
         on_disconnect=lambda ref, why: disconnects.append(f"{ref.worker}: {type(why).__name__}: {why}"),
     ) as client:
         await client.subscribe("w.>", callback=on_message)
-        print("ready", flush=True)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, sys.stdin.readline)  # "stop", or EOF
+        roles.ready()
+        await roles.next_line()  # "stop", or EOF
         await asyncio.sleep(0.5)  # the last deliveries
         stats = asdict(client.stats)
     return {
@@ -206,33 +203,51 @@ class Result:
         return [k["recovery_s"] for k in self.kills if k["recovery_s"] is not None]
 
 
-def _worker_pids(server: servers.Server) -> list[int]:
-    stats = json.loads(server.http_get("/stats", timeout=5))
-    return [pid or 0 for pid in stats["master"]["worker_pids"]]
+def start_subscriber(procs: list[roles.Role], url: str, client_args: Sequence[str] = ()) -> roles.Role:
+    """The SDK subscriber on `w.>`, a role process of the run's `procs`, ready."""
+    argv = ("--role", "subscriber", "--server", url, *client_args)
+    return roles.start(procs, "bench.worker_kill", *argv, what="the subscriber")
 
 
-def _spawn(role: str, url: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.worker_kill", "--role", role, "--server", url, *args],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def start_publisher(
+    procs: list[roles.Role],
+    url: str,
+    rate: int,
+    partitions: int,
+    duration: float = 0.0,
+    payload_bytes: int = 100,
+    client_args: Sequence[str] = (),
+) -> roles.Role:
+    """The SDK publisher, a role process of the run's `procs`, publishing: `rate` msgs/s over
+    `partitions` key_partitions for `duration` s (0: until `Role.finish`), then it flushes."""
+    argv = ("--role", "publisher", "--server", url, "--rate", str(rate), "--duration", str(duration),
+            "--partitions", str(partitions), "--payload-bytes", str(payload_bytes), *client_args)  # fmt: skip
+    return roles.start(procs, "bench.worker_kill", *argv, ready="publishing", what="the publisher")
 
 
-def _wait_restarted(server: servers.Server, old: list[int], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+class Load:
+    """The SDK subscriber on `w.>` and the SDK publisher, role processes until `finish`: the
+    load of the chaos, failover and drain benchmarks (seeds: one node's address or several)."""
+
+    def __init__(self, sub_seeds: str, pub_seeds: str, rate: int, partitions: int, payload_bytes: int = 100):
+        self.partitions = partitions
+        self.procs: list[roles.Role] = []
         try:
-            pids = _worker_pids(server)
-        except OSError:
-            pids = []
-        if pids and all(pids) and pids != old:
-            return
-        time.sleep(0.02)
-    raise RuntimeError("the killed worker did not come back")
+            self.sub = start_subscriber(self.procs, sub_seeds)
+            self.pub = start_publisher(self.procs, pub_seeds, rate, partitions, 0.0, payload_bytes)
+        except BaseException:
+            self.kill()
+            raise
+
+    def finish(self, timeout: float = 90.0) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Stop publishing, flush, then stop the subscriber: what each reported."""
+        try:
+            return self.pub.finish(timeout=timeout), self.sub.finish(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        roles.kill_all(self.procs)
 
 
 def run(
@@ -251,41 +266,32 @@ def run(
     server = servers.start_broky(workers, ["--tls-cert", cert, "--tls-key", key] if tls else [])
     url = f"{'broky+tls://' if tls else ''}{server.host}:{server.port}"
     client_args = ["--tls-ca", ca] if tls else []
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[roles.Role] = []
     result = Result()
     try:
-        sub = _spawn("subscriber", url, *client_args)
-        procs.append(sub)
-        assert sub.stdout is not None and sub.stdin is not None
-        if sub.stdout.readline().strip() != "ready":
-            raise RuntimeError("the subscriber did not start")
+        sub = start_subscriber(procs, url, client_args)
         warmup, cooldown = 1.0, 2.0
         duration = warmup + kills * interval + cooldown
-        pub = _spawn("publisher", url, "--rate", str(rate), "--duration", str(duration),
-                     "--partitions", str(partitions), "--payload-bytes", str(payload_bytes),
-                     *client_args)  # fmt: skip
-        procs.append(pub)
-        time.sleep(warmup + 0.5)  # the publisher process starts in about half a second
+        pub = start_publisher(procs, url, rate, partitions, duration, payload_bytes, client_args)
+        time.sleep(warmup)
         for k in range(kills):
             worker = k % workers
             if stall_subscriber:
                 os.kill(sub.pid, signal.SIGSTOP)
                 time.sleep(stall_subscriber)
-            pids = _worker_pids(server)
+            pids = server.worker_pids()
             killed_at = time.time()
             os.kill(pids[worker], signal.SIGKILL)
             result.kills.append({"worker": worker, "time": killed_at, "recovery_s": None})
             if stall_subscriber:
                 time.sleep(0.2)
                 os.kill(sub.pid, signal.SIGCONT)
-            _wait_restarted(server, pids)
+            server.wait_worker_restarted(pids)
             time.sleep(max(0.0, interval - (time.time() - killed_at)))
-        pub_out, _ = pub.communicate(timeout=duration + 60)
-        sub_out, _ = sub.communicate("stop\n", timeout=60)
-        published = children.last_json(pub_out)
-        subscribed = children.last_json(sub_out)
+        published = pub.finish(None, timeout=duration + 60)
+        subscribed = sub.finish()
     finally:
-        children.kill_all(procs)
+        roles.kill_all(procs)
         result.server_log_tail = server.log()[-2000:]
         server.stop()
     _analyse(result, published, subscribed, partitions, workers)
@@ -386,57 +392,53 @@ def _analyse(
 def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> str:
     rec = result.recovery
     flush = f"raised: {result.publisher_flush_error}" if result.publisher_flush_error else "succeeded"
-    lines = [
-        "# Worker kill: nothing lost silently",
-        "",
-        f"Machine: {describe(info)}.",
-        "",
-        f"Command: `python -m bench.worker_kill --kills {args.kills} --interval {args.interval:g} "
+    command = (
+        f"python -m bench.worker_kill --kills {args.kills} --interval {args.interval:g} "
         f"--rate {args.rate} --partitions {args.partitions} --payload-bytes {args.payload_bytes}"
-        + (f" --stall-subscriber {args.stall_subscriber:g}`" if args.stall_subscriber else "`"),
-        "",
+        + (f" --stall-subscriber {args.stall_subscriber:g}" if args.stall_subscriber else "")
+    )
+    figures = [
+        ("messages published", result.published),
+        ("received by the subscriber", result.received),
+        ("lost (published, never received)", result.lost),
+        ("told lost (LossNotice counts)", f"{result.told} {result.told_by_reason or ''}"),
+        ("lost, per worker", " / ".join(map(str, result.lost_by_worker))),
+        ("told lost, per worker", " / ".join(map(str, result.told_by_worker))),
+        ("subscriber: copies its duplicate filter dropped", result.subscriber_duplicates_dropped),
+        ("duplicates delivered", result.duplicates),
+        ("out of order within a partition", result.out_of_order),
+        ("never published, or corrupt", f"{result.stray} / {result.corrupt}"),
+        (
+            "publisher: `unconfirmed_lost` (may not have reached the server)",
+            result.publisher_unconfirmed_lost,
+        ),
+        ("publisher: `resent_after_loss` (not processed, sent again)", result.publisher_resent_after_loss),
+        ("publisher: final flush", flush),
+        ("publishes refused (reconnect buffer full)", result.refused),
+    ]
+    if rec:
+        figures.append((
+            "recovery after a kill: min / median / max",
+            f"{min(rec):.3f} / {statistics.median(rec):.3f} / {max(rec):.3f} s",
+        ))  # fmt: skip
+    kills = [(n + 1, k["worker"], k["recovery_s"]) for n, k in enumerate(result.kills)]
+    return "\n".join([
+        *heading("Worker kill: nothing lost silently", info, command),
         f"One `broky serve --workers 2`; an SDK publisher at {args.rate} msgs/s over {args.partitions} "
         f"key_partitions; an SDK subscriber on `w.>`; {len(result.kills)} SIGKILLs of a worker, "
         f"one every {args.interval:g} s, alternately worker 0 and 1.",
         "",
-        "| Figure | Value |",
-        "|---|---:|",
-        f"| messages published | {result.published} |",
-        f"| received by the subscriber | {result.received} |",
-        f"| lost (published, never received) | {result.lost} |",
-        f"| told lost (LossNotice counts) | {result.told} {result.told_by_reason or ''} |",
-        f"| lost, per worker | {' / '.join(map(str, result.lost_by_worker))} |",
-        f"| told lost, per worker | {' / '.join(map(str, result.told_by_worker))} |",
-        f"| subscriber: copies its duplicate filter dropped | {result.subscriber_duplicates_dropped} |",
-        f"| duplicates delivered | {result.duplicates} |",
-        f"| out of order within a partition | {result.out_of_order} |",
-        f"| never published, or corrupt | {result.stray} / {result.corrupt} |",
-        f"| publisher: `unconfirmed_lost` (may not have reached the server) | "
-        f"{result.publisher_unconfirmed_lost} |",
-        f"| publisher: `resent_after_loss` (not processed, sent again) | "
-        f"{result.publisher_resent_after_loss} |",
-        f"| publisher: final flush | {flush} |",
-        f"| publishes refused (reconnect buffer full) | {result.refused} |",
-    ]
-    if rec:
-        lines.append(
-            f"| recovery after a kill: min / median / max | {min(rec):.3f} / {statistics.median(rec):.3f} / "
-            f"{max(rec):.3f} s |"
-        )
-    lines += [
+        *table(("Figure", "Value"), figures),
         "",
         "Recovery: from the SIGKILL until the subscriber received the first message published after it "
         "to a key_partition of the killed worker (restart, reconnects, the restart grace).",
         "",
-        "| Kill | Worker | Recovery (s) |",
-        "|---:|---:|---:|",
-        *(f"| {n + 1} | {k['worker']} | {k['recovery_s']} |" for n, k in enumerate(result.kills)),
+        *table(("Kill", "Worker", "Recovery (s)"), kills, "rrr"),
         "",
         f"Verdict: {'met' if promise_kept(result) else 'NOT met'} (lost == told for every worker, no "
         "duplicate, in order, nothing corrupt, the publisher's report bounds its losses).",
         "",
-    ]
-    return "\n".join(lines)
+    ])  # fmt: skip
 
 
 def promise_kept(result: Result) -> bool:
@@ -452,7 +454,9 @@ def promise_kept(result: Result) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.worker_kill", description=__doc__.split("\n")[0])
+    parser = options.parser(
+        "bench.worker_kill", __doc__, out=options.RESULTS, role=("publisher", "subscriber")
+    )
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between kills")
     parser.add_argument("--rate", type=int, default=5000, help="msgs/s published")
@@ -464,23 +468,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="seconds the subscriber is stopped before each kill",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--role", choices=["publisher", "subscriber"], help=argparse.SUPPRESS)
-    parser.add_argument("--server", help=argparse.SUPPRESS)
-    parser.add_argument("--duration", type=float, default=10.0, help=argparse.SUPPRESS)
-    parser.add_argument("--tls-ca", help=argparse.SUPPRESS)
+    options.role_options(parser, "server", "tls_ca", duration=float)
     args = parser.parse_args(argv)
     global _tls_ca
     _tls_ca = args.tls_ca
     if args.role == "publisher":
-        out = asyncio.run(
-            publisher(args.server, args.rate, args.duration, args.partitions, args.payload_bytes)
+        return roles.done(
+            asyncio.run(publisher(args.server, args.rate, args.duration, args.partitions, args.payload_bytes))
         )
-        print(json.dumps(out))
-        return 0
     if args.role == "subscriber":
-        print(json.dumps(asyncio.run(subscriber(args.server))))
-        return 0
+        return roles.done(asyncio.run(subscriber(args.server)))
     info = machine_info()
     result = run(
         args.kills, args.interval, args.rate, args.partitions, 2, args.payload_bytes, args.stall_subscriber

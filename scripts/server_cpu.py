@@ -16,9 +16,7 @@ ratio is the steadier figure: quote it.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -26,20 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.harness import peers, servers
+from bench.harness.procstat import total_cpu_seconds as cpu_seconds
 from broky.protocol import encode_message
 from tests.serverproc import ServerProcess
 from tests.wire import Wire
 
-TICKS = os.sysconf("SC_CLK_TCK")
 Result = tuple[float, float, int]  # seconds, server CPU seconds, bytes received by all subscribers
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / TICKS
 
 
 def run_load(pids: list[int], subs: list[socket.socket], pub: socket.socket, batch: bytes, batches: int,
@@ -101,21 +92,10 @@ def _discard(sock: socket.socket) -> None:
 
 
 def redis_run(args: argparse.Namespace, n: int) -> Result:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    # the benchmarks' Redis peer: persists nothing, runs in a directory of its own
+    server = servers.start_redis(binary=peers.system_binary("redis-server"))
+    port = server.port
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
         payload = b"x" * args.payload
         subs = []
         for _ in range(args.subscribers):
@@ -127,13 +107,12 @@ def redis_run(args: argparse.Namespace, n: int) -> Result:
         pub = socket.create_connection(("127.0.0.1", port))
         threading.Thread(target=_discard, args=(pub,), daemon=True).start()  # the ":N" replies
         batch = resp(b"PUBLISH", b"bench.key", payload) * args.batch
-        elapsed, cpu, got = run_load([proc.pid], subs, pub, batch, n // args.batch, n * delivery)
+        elapsed, cpu, got = run_load(server.pids(), subs, pub, batch, n // args.batch, n * delivery)
         for s in [*subs, pub]:
             s.close()
         return elapsed, cpu, got // delivery
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def report(name: str, n: int, subs: int, result: Result) -> float:

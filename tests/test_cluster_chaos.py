@@ -28,7 +28,8 @@ import pytest
 
 import broky
 from bench import chaos
-from bench.cluster_failover import Load
+from bench.harness.cluster import ClusterRun
+from bench.worker_kill import Load
 from broky.protocol import vbucket_of
 
 
@@ -76,7 +77,7 @@ def test_a_subscriber_not_in_place_when_a_move_times_out_is_told_and_gets_it_rep
     vbuckets it took (same epoch, next offset), the SDK subscribes there `since` what the
     old owners delivered (broky.client.link `carry_from`): what the new owner routed
     before is replayed from its buffer, and nothing is lost (before issue 22 it was)."""
-    cluster = chaos.Cluster(2, 2, "--move-timeout", "2")
+    cluster = ClusterRun(2, 2, "--move-timeout", "2", keep_ports=True)
     load: Load | None = None
     try:
         cluster.start("a")
@@ -115,7 +116,7 @@ def test_copies_of_what_a_frozen_node_delivered_are_dropped_for_a_pure_subscribe
     filter only when it had unconfirmed publishes of its own, so they reached the
     application twice. Made certain here: the publisher confirms rarely, so all its
     publishes to the frozen node are unconfirmed when it freezes."""
-    cluster = chaos.Cluster(2, 2)
+    cluster = ClusterRun(2, 2, keep_ports=True)
     try:
         cluster.start("a")
         cluster.start("b")

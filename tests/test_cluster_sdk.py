@@ -1,6 +1,6 @@
 """The cluster as SDK users see it: real etcd, real nodes, SDK publisher and subscriber processes.
 
-The load is bench.cluster_failover's (bench.worker_kill's client processes):
+The load is bench.worker_kill's (its Load: its client processes):
 an SDK publisher at a steady rate over many key_partitions, a sequence number
 per key_partition in every payload, and an SDK subscriber on `w.>`, each
 given a different node as its seed. Leases of 2 s and moves committed after
@@ -24,10 +24,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.chaos import Cluster
-from bench.cluster_drain import MapWatch, drain_once, full_log
-from bench.cluster_failover import ClusterRun, Load, Result, analyse, run
-from bench.harness.cluster import agreed
+from bench.cluster_drain import MapWatch, drain_once
+from bench.cluster_failover import Result, analyse, run
+from bench.harness.cluster import ClusterRun, agreed
+from bench.worker_kill import Load
 from broky.protocol import VBucketMap
 from tests import requires
 from tests.cluster import (
@@ -242,7 +242,7 @@ def test_the_leader_drains_like_any_node_in_a_rolling_restart_no_notice_nothing_
     LEADER_SETTLE: the node restarted meanwhile was still in the map; the subscriber was
     told UNACCOUNTED twice or four times and the move back waited its timeout.)"""
     requires.program("etcd")
-    cluster = Cluster(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0")
+    cluster = ClusterRun(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0", keep_ports=True)
     load: Load | None = None
     watch: MapWatch | None = None
     try:
@@ -296,7 +296,7 @@ def test_an_incoming_owner_back_after_the_prepare_the_move_commits_without_its_t
     MapApplied the subscriber was told UNACCOUNTED for every new owner: four notices,
     nothing lost.)"""
     requires.program("etcd")
-    cluster = Cluster(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0")
+    cluster = ClusterRun(2, LEASE_TTL, "--move-timeout", "4", "--drain-linger", "0", keep_ports=True)
     load: Load | None = None
     try:
         for node_id in ("a", "b", "c"):
@@ -306,13 +306,13 @@ def test_an_incoming_owner_back_after_the_prepare_the_move_commits_without_its_t
         load = Load(cluster.seeds("a"), cluster.seeds("c"), rate=300, partitions=100)
         time.sleep(1.0)
         leader_node = cluster.nodes["a"]
-        seen = len(full_log(leader_node))
+        seen = len(leader_node.full_log())
         os.kill(cluster.pids("c")[1], signal.SIGKILL)  # a worker of c; its master starts it again
         assert cluster.leave("b") == 0  # SIGTERM at once: b drains to a and c
         cluster.wait_settled()
         time.sleep(1.0)
         result = finish(load, 100)
-        log = full_log(leader_node)[seen:]
+        log = leader_node.full_log()[seen:]
     finally:
         if load is not None:
             load.kill()

@@ -21,8 +21,7 @@ from pyspark.errors import PySparkException
 from pyspark.sql import Row
 
 import broky
-from bench.cluster_failover import ClusterRun
-from bench.harness.cluster import http_get
+from bench.harness.cluster import ClusterRun, http_get
 from broky.errors import BrokyTimeoutError
 from broky.protocol import ksuid_text, parse_ksuid
 from broky.protocol.ksuid import ksuid_time

@@ -22,8 +22,7 @@ import pytest
 from pyspark.errors import PySparkException, StreamingQueryException
 
 import broky
-from bench.cluster_failover import ClusterRun
-from bench.harness.cluster import http_get
+from bench.harness.cluster import ClusterRun, http_get
 from broky.protocol import NO_OWNER, VBUCKETS, NodeInfo, VBucketMap, vbucket_of
 from broky.protocol.frames import Position
 from broky.spark import offsets as off

@@ -7,7 +7,8 @@ on the same directory and ports, or wiped (`EtcdServer.wipe`: killed, its
 data directory removed, a fresh member started on the same ports: every key,
 lease and revision of the cluster is gone while its nodes run on).
 `start_node` starts one `broky serve --cluster` node
-(bench.harness.servers.start_broky). `cluster_view` reads the "cluster"
+(bench.harness.servers.start_broky), `ClusterRun` an etcd and named nodes
+(killed, drained, started again). `cluster_view` reads the "cluster"
 object of a node's /stats; `settled` says when the nodes agree on one map,
 and `agreed` also that it is the map etcd holds. Everything is stopped by pid.
 """
@@ -86,7 +87,7 @@ class EtcdServer:
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr",
             ],
-            stdout=self.log, stderr=self.log, start_new_session=True,
+            stdout=self.log, stderr=self.log, cwd=self.dir, start_new_session=True,
         )  # fmt: skip
         wait_for(self._healthy, timeout, f"etcd answering on {client}")
         return self
@@ -213,3 +214,81 @@ def agreed(etcd: EtcdServer, nodes: dict[str, Server], prefix: str = "/broky") -
         return None
     vmap = current_map(etcd, prefix)
     return vmap if {v["map_version"] for v in views.values()} == {vmap.version} else None
+
+
+class ClusterRun:
+    """etcd and named nodes (`workers` each, `lease_ttl`, `node_args`); every process stopped
+    by pid at `stop`. With `keep_ports`, each node has ports of its own that it keeps when
+    it is started again (a node restarted under its old id, at its old address); else a
+    node started again gets new ones."""
+
+    def __init__(
+        self, workers: int = 2, lease_ttl: int | None = None, *node_args: str, keep_ports: bool = False
+    ) -> None:
+        self.etcd = EtcdServer().start()
+        self.url = self.etcd.url()
+        self.workers = workers
+        self.lease_ttl = lease_ttl
+        self.node_args = node_args
+        self.nodes: dict[str, Server] = {}
+        self.ports: dict[str, tuple[int, int]] | None = {} if keep_ports else None
+
+    def start(self, node_id: str) -> Server:
+        args = self.node_args
+        if self.ports is not None:
+            port, metrics = self.ports.setdefault(node_id, (free_port(), free_port()))
+            args += ("--port", str(port), "--metrics-port", str(metrics))
+        node = start_node(self.url, node_id, self.workers, self.lease_ttl, *args)
+        self.nodes[node_id] = node
+        return node
+
+    def pids(self, node_id: str) -> list[int]:
+        """The node's master and workers."""
+        return self.nodes[node_id].pids()
+
+    def seeds(self, *node_ids: str) -> str:
+        return ",".join(f"{self.nodes[n].host}:{self.nodes[n].port}" for n in node_ids or self.nodes)
+
+    def kill(self, node_id: str) -> float:
+        """SIGKILL the node's master and workers (its process group); the time of the kill."""
+        node = self.nodes.pop(node_id)
+        killed_at = time.time()
+        os.killpg(node.pid, signal.SIGKILL)
+        assert node.proc is not None
+        node.proc.wait(10)
+        node.stop()
+        return killed_at
+
+    def leave(self, node_id: str, timeout: float = 60.0) -> int:
+        """SIGTERM: the node drains (hands its vbuckets over), says Goodbye and exits."""
+        node = self.nodes.pop(node_id)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        code = node.proc.wait(timeout)
+        node.stop()
+        return code
+
+    def wait_settled(self, timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+        return wait_for(
+            lambda: settled(self.nodes), timeout, f"nodes {sorted(self.nodes)} settled on one map"
+        )
+
+    def leader(self) -> str:
+        views = self.wait_settled()
+        leaders = {v["leader"] for v in views.values()}
+        assert len(leaders) == 1, views
+        return str(leaders.pop())
+
+    def map(self) -> VBucketMap:
+        return current_map(self.etcd)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{node.log()}" for n, node in self.nodes.items())
+
+    def stop(self) -> None:
+        for node_id in list(self.nodes):
+            node = self.nodes.pop(node_id)
+            if node.proc is not None and node.proc.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)  # a SIGTERM would drain into nodes stopping too
+            node.stop()
+        self.etcd.stop()

@@ -42,8 +42,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.harness import tlsclient
 from broky.protocol import (
-    NEED_DATA,
     Error,
     FrameReader,
     Goodbye,
@@ -196,13 +196,10 @@ class BrokyDriver(Driver):
         return sock, frame
 
     def _next_frame(self, sock: socket.socket, reader: FrameReader) -> Any:
-        while (raw := reader.next_frame()) is NEED_DATA:
-            data = sock.recv(65536)
-            if not data:
-                raise LoadError("broky closed the connection during set-up")
-            reader.feed(data)
-        assert isinstance(raw, bytes)
-        return decode_frame(raw)
+        try:
+            return decode_frame(tlsclient.next_frame(sock, reader))
+        except EOFError:
+            raise LoadError("broky closed the connection during set-up") from None
 
     def prepare(self, address: tuple[str, int]) -> None:
         sock, welcome = self.connect(address, -1)

@@ -7,6 +7,7 @@ import platform
 import re
 import shutil
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,17 @@ def machine_info() -> dict[str, Any]:
         "redis_name": peers.redis_name(peers.redis_binary()),
         "load_average_at_start": round(load, 2),
     }
+
+
+def versions(*dists: str) -> dict[str, str]:
+    """The installed version of each Python distribution ("not installed" if it is not)."""
+    out = {}
+    for dist in dists:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
 
 
 def describe(info: dict[str, Any], with_peers: bool = True) -> str:

@@ -1,8 +1,16 @@
-"""Results of a run: the Markdown table with ratios, the JSON file and the plots.
+"""Reports: every benchmark's Markdown tables and result files, and `python -m bench`'s own.
 
-Every file names the machine and the versions (machine.describe). Ratios are
-Broky / peer: above 1 is better for Broky in deliveries per second, below 1
-is better in CPU per delivery, latency and memory.
+Every benchmark program renders its report with `heading` (the title, the
+machine and versions: machine.describe, the command) and `table` (a Markdown
+table from its head, its rows and each column's alignment), and writes it
+with `write_results`: NAME.md (the report) and NAME.json (the machine, the
+command's settings and the program's figures) in its output directory, paths
+inside the checkout written relative to it (no machine's directories in
+committed files).
+
+The rest is `python -m bench`'s report (`write`): bench.md with the ratios
+Broky / peer (above 1 is better for Broky in deliveries per second, below 1
+is better in CPU per delivery, latency and memory), bench.json and the plots.
 """
 
 from __future__ import annotations
@@ -10,10 +18,35 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.harness.machine import describe
+
+
+def row(cells: Iterable[Any]) -> str:
+    """One line of a Markdown table (an empty cell stays one space wide)."""
+    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+
+def table(head: Sequence[Any], rows: Iterable[Iterable[Any]], align: str = "") -> list[str]:
+    """A Markdown table as lines: `head`, the alignment line (`align`: a letter per column,
+    "l" left, "r" right; by default the first column left and the others right), a line
+    per row of `rows` (any value, as str() gives it)."""
+    align = align or "l" + "r" * (len(head) - 1)
+    if len(align) != len(head):
+        raise ValueError(f"{len(align)} alignments for {len(head)} columns")
+    return [row(head), "|" + "".join("---|" if a == "l" else "---:|" for a in align), *map(row, rows)]
+
+
+def heading(
+    title: str, info: dict[str, Any], command: str | None = None, with_peers: bool = True
+) -> list[str]:
+    """A report's first lines: its title, the machine and versions, the command that ran it."""
+    lines = [f"# {title}", "", f"Machine: {describe(info, with_peers)}.", ""]
+    return lines + ([f"Command: `{command}`", ""] if command is not None else [])
+
 
 SYSTEMS = ("broky", "nats", "redis")
 TITLES = {"broky": "Broky", "nats": "NATS", "redis": "Redis", "broky_sdk": "Broky (SDK publisher)"}
@@ -171,18 +204,15 @@ def markdown(results: dict[str, Any]) -> str:
         *_sdk_to_sdk(results.get("sdk_to_sdk")),
         "## Deliveries per second (higher is better)",
         "",
-        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    rows: list[list[Any]] = []
     for s in results["throughput"]:
         r = s["results"]
         cells = [_cell_error(r.get(n)) or _fmt_rate(_get(r.get(n), "deliveries_per_s")) for n in SYSTEMS]
         b = _get(r.get("broky"), "deliveries_per_s")
-        lines.append(
-            f"| {s['title']} | {' | '.join(cells)} | "
-            f"{_fmt_ratio(ratio(b, _get(r.get('nats'), 'deliveries_per_s')))} | "
-            f"{_fmt_ratio(ratio(b, _get(r.get('redis'), 'deliveries_per_s')))} |"
-        )
+        to = [_fmt_ratio(ratio(b, _get(r.get(p), "deliveries_per_s"))) for p in ("nats", "redis")]
+        rows.append([s["title"], *cells, *to])
+    lines += table(("Scenario", "Broky", "NATS", "Redis", "Broky/NATS", "Broky/Redis"), rows)
     lines += [
         "",
         "## Server CPU µs per delivered message (lower is better)",
@@ -190,32 +220,29 @@ def markdown(results: dict[str, Any]) -> str:
         "From `/proc/<pid>/stat` utime+stime of every server process (Broky: master and all workers). "
         "Last column: the load generator's own CPU per delivery (Broky / NATS / Redis runs).",
         "",
-        "| Scenario | Broky | NATS | Redis | Broky/NATS | Broky/Redis | generator B / N / R |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     key = "server_cpu_us_per_delivery"
+    rows = []
     for s in results["throughput"]:
         r = s["results"]
         cells = [_cell_error(r.get(n)) or _fmt_num(_get(r.get(n), key)) for n in SYSTEMS]
         gen = " / ".join(_fmt_num(_get(r.get(n), "generator_cpu_us_per_delivery")) for n in SYSTEMS)
         b = _get(r.get("broky"), key)
-        to_nats = _fmt_ratio(ratio(b, _get(r.get("nats"), key)))
-        to_redis = _fmt_ratio(ratio(b, _get(r.get("redis"), key)))
-        lines.append(f"| {s['title']} | {' | '.join(cells)} | {to_nats} | {to_redis} | {gen} |")
-    lines += [
-        "",
-        "## Server peak RSS, MiB (all server processes, peak during the scenario)",
-        "",
-        "| Scenario | Broky | NATS | Redis |",
-        "|---|---:|---:|---:|",
-    ]
+        to = [_fmt_ratio(ratio(b, _get(r.get(p), key))) for p in ("nats", "redis")]
+        rows.append([s["title"], *cells, *to, gen])
+    lines += table(
+        ("Scenario", "Broky", "NATS", "Redis", "Broky/NATS", "Broky/Redis", "generator B / N / R"), rows
+    )
+    lines += ["", "## Server peak RSS, MiB (all server processes, peak during the scenario)", ""]
+    rows = []
     for s in results["throughput"]:
         r = s["results"]
         cells = []
         for n in SYSTEMS:
             v = _get(r.get(n), "server_peak_rss_bytes")
             cells.append(_cell_error(r.get(n)) or _fmt_num(None if v is None else v / 2**20, 1))
-        lines.append(f"| {s['title']} | {' | '.join(cells)} |")
+        rows.append([s["title"], *cells])
+    lines += table(("Scenario", "Broky", "NATS", "Redis"), rows)
     sdk_rows = [s for s in results["throughput"] if "broky_sdk" in s["results"]]
     if sdk_rows:
         lines += [
@@ -225,21 +252,25 @@ def markdown(results: dict[str, Any]) -> str:
             "The same runs with the raw publisher replaced by the asyncio SDK (`await client.publish(...)` "
             "per message, a KSUID and ts_producer each); subscribers stay raw and counting.",
             "",
-            "| Scenario | deliveries/s | server CPU µs/delivery | generator CPU µs/delivery "
-            "| vs raw publisher |",
-            "|---|---:|---:|---:|---:|",
         ]
+        rows = []
         for s in sdk_rows:
             sdk, raw = s["results"]["broky_sdk"], s["results"].get("broky")
             if _cell_error(sdk):
-                lines.append(f"| {s['title']} | {_cell_error(sdk)} | | | |")
+                rows.append([s["title"], _cell_error(sdk), "", "", ""])
                 continue
             rate = _get(sdk, "deliveries_per_s")
-            lines.append(
-                f"| {s['title']} | {_fmt_rate(rate)} | {_fmt_num(_get(sdk, 'server_cpu_us_per_delivery'))} | "
-                f"{_fmt_num(_get(sdk, 'generator_cpu_us_per_delivery'))} | "
-                f"{_fmt_ratio(ratio(rate, _get(raw, 'deliveries_per_s')))} |"
-            )
+            rows.append([s["title"], _fmt_rate(rate), _fmt_num(_get(sdk, "server_cpu_us_per_delivery")),
+                         _fmt_num(_get(sdk, "generator_cpu_us_per_delivery")),
+                         _fmt_ratio(ratio(rate, _get(raw, "deliveries_per_s")))])  # fmt: skip
+        head = (
+            "Scenario",
+            "deliveries/s",
+            "server CPU µs/delivery",
+            "generator CPU µs/delivery",
+            "vs raw publisher",
+        )
+        lines += table(head, rows)
     lat = results.get("latency")
     if lat:
         lines += [
@@ -250,26 +281,32 @@ def markdown(results: dict[str, Any]) -> str:
             f"{lat['duration_s']} s measured after {lat['warmup_s']} s warm-up; latency from the intended "
             "send time (HdrHistogram), generator delay included and equal for all systems.",
             "",
-            "| System | p50 | p90 | p99 | p99.9 | max | samples |",
-            "|---|---:|---:|---:|---:|---:|---:|",
         ]
+        rows = []
         for n in SYSTEMS:
             res = lat["results"].get(n)
             err = _cell_error(res)
             if err or res is None:
-                lines.append(f"| {TITLES[n]} | {err} | | | | | |")
+                rows.append([TITLES[n], err, "", "", "", "", ""])
                 continue
             p = res["percentiles_us"]
-            row = " | ".join(f"{p[q]:.0f}" for q in ("p50", "p90", "p99", "p99.9"))
-            lines.append(f"| {TITLES[n]} | {row} | {res['max_us']:.0f} | {res['samples']} |")
+            rows.append([TITLES[n], *(f"{p[q]:.0f}" for q in ("p50", "p90", "p99", "p99.9")),
+                         f"{res['max_us']:.0f}", res["samples"]])  # fmt: skip
         for peer in ("nats", "redis"):
             cells = [
                 _fmt_ratio(ratio(_p(lat["results"].get("broky"), q), _p(lat["results"].get(peer), q)))
                 for q in ("p50", "p90", "p99", "p99.9")
             ]
             ours, theirs = lat["results"].get("broky") or {}, lat["results"].get(peer) or {}
-            mx = _fmt_ratio(ratio(ours.get("max_us"), theirs.get("max_us")))
-            lines.append(f"| Broky/{TITLES[peer]} | {' | '.join(cells)} | {mx} | |")
+            rows.append(
+                [
+                    f"Broky/{TITLES[peer]}",
+                    *cells,
+                    _fmt_ratio(ratio(ours.get("max_us"), theirs.get("max_us"))),
+                    "",
+                ]
+            )
+        lines += table(("System", "p50", "p90", "p99", "p99.9", "max", "samples"), rows)
     sdk = results.get("sdk") or {}
     lines += ["", "## Client side: SDK publish rate (100 B, one process)", ""]
     if "skipped" in sdk or "error" in sdk:
@@ -279,18 +316,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"{sdk.get('messages', 0):,} messages per run, median of {sdk.get('runs')} alternating runs; "
             "Broky SDK and nats.py cases from `bench/sdk_bench.py` (publish, then flush).",
             "",
-            "| Client | msgs/s | Broky SDK / this |",
-            "|---|---:|---:|",
         ]
         rates = sdk.get("rates", {})
-        for name, value in rates.items():
-            lines.append(
-                f"| {name} | {_fmt_rate(value)} | {_fmt_ratio(ratio(rates.get('broky SDK'), value))} |"
-            )
-    lines += ["", "## Targets", "", "| Target | Broky / peer | Met |", "|---|---:|---|"]
-    for t in results["targets"]:
-        met = "-" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {_fmt_ratio(t['ratio'])} | {met} |")
+        rows = [
+            [name, _fmt_rate(v), _fmt_ratio(ratio(rates.get("broky SDK"), v))] for name, v in rates.items()
+        ]
+        lines += table(("Client", "msgs/s", "Broky SDK / this"), rows)
+    rows = [
+        [t["target"], _fmt_ratio(t["ratio"]), "-" if t["met"] is None else ("yes" if t["met"] else "**no**")]
+        for t in results["targets"]
+    ]
+    lines += ["", "## Targets", "", *table(("Target", "Broky / peer", "Met"), rows, "lrl")]
     runs = [(s["title"], s["results"]) for s in results["throughput"]]
     if lat:
         runs.append(("latency", lat["results"]))
@@ -343,9 +379,12 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
         ("Server peak RSS, MB (every server process)", "server_peak_rss_mb", 1, True),
     )
     for title, key, digits, with_ratios in tables:
-        head = "| Scenario | " + " | ".join(SDK_TITLES[n] for n in SYSTEMS)
-        head += " | Broky/NATS | Broky/Redis |" if with_ratios else " |"
-        lines += [f"### {title}", "", head, "|---|" + "---:|" * (len(SYSTEMS) + (2 if with_ratios else 0))]
+        head = [
+            "Scenario",
+            *(SDK_TITLES[n] for n in SYSTEMS),
+            *(("Broky/NATS", "Broky/Redis") if with_ratios else ()),
+        ]
+        cells_of_rows = []
         for row in rows:
             summary = row["summary"]
             cells = []
@@ -355,15 +394,11 @@ def _sdk_to_sdk(s2s: dict[str, Any] | None) -> list[str]:
                 cell = _cell_error(res) or (f"{v:,.{digits}f}" if v is not None else "-")
                 untold = _get(res, "untold_worst") if key == "lost_worst" else None
                 cells.append(cell if untold is None else f"{cell} (untold: {untold:,.0f})")
-            line = f"| {row['title']} | {' | '.join(cells)} |"
             if with_ratios:
                 b = _get(summary.get("broky"), key)
-                line += " " + " | ".join(
-                    _fmt_ratio(ratio(b, _get(summary.get(p), key))) for p in ("nats", "redis")
-                )
-                line += " |"
-            lines.append(line)
-        lines.append("")
+                cells += [_fmt_ratio(ratio(b, _get(summary.get(p), key))) for p in ("nats", "redis")]
+            cells_of_rows.append([row["title"], *cells])
+        lines += [f"### {title}", "", *table(head, cells_of_rows), ""]
     return lines
 
 
@@ -548,13 +583,16 @@ def _path(path: Path) -> str:
 
 
 def write_results(
-    out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace, **data: Any
+    out: Path, name: str, text: str, info: dict[str, Any], args: argparse.Namespace | None, **data: Any
 ) -> None:
     """A benchmark program's results: `name`.md (the report `text`) and `name`.json (the
-    machine, the command's settings and `data`) in directory `out`; the report on stdout."""
+    machine, the command's settings `args`, if any, and `data`) in directory `out`; the
+    report on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
-    settings = {k: _path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    document = {"machine": info, "args": settings, **data}
+    document: dict[str, Any] = {"machine": info}
+    if args is not None:
+        document["args"] = {k: _path(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    document.update(data)
     (out / f"{name}.json").write_text(json.dumps(document, indent=1) + "\n")
     print(text)

@@ -8,11 +8,20 @@ Each server runs in its own session (process group), is stopped with SIGTERM
 and, if it lingers, SIGKILL, by its pid; the group is then killed too, so no
 Broky worker can outlive the run. `pids()` lists every process whose CPU and
 memory count as the server's: Broky's master and all its workers.
+
+Each server also runs in a directory of its own (`Server.dir`, its working
+directory, which holds its log), removed when it stops: whatever a server
+writes stays there. The Redis-protocol peer is told not to persist at all
+(`--save ""`, `--appendonly no`) and to keep its files in that directory
+(`--dir`): a dump it were asked for (SAVE, SHUTDOWN SAVE) would die with the
+run, never land in the checkout (tests/test_bench_peers.py holds it).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -25,6 +34,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.harness import peers, procstat
 
@@ -52,8 +62,10 @@ class Server:
         self.port = port
         self.metrics_port = 0  # Broky's HTTP port (/stats, /metrics), from its ready line
         self.workers = 1
+        self.auth: str | None = None  # "user:password" its HTTP port wants (Broky with --users)
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)  # noqa: SIM115
+        self.dir = tempfile.mkdtemp(prefix=f"bench-{name}-")  # its working directory, removed at stop
+        self._log = open(os.path.join(self.dir, "log"), "ab")  # noqa: SIM115
 
     @property
     def address(self) -> tuple[str, int]:
@@ -70,8 +82,16 @@ class Server:
             return []
         return [self.pid, *procstat.children(self.pid)]
 
+    def full_log(self) -> str:
+        """Everything the server wrote to stderr (its log) so far."""
+        try:
+            return Path(self._log.name).read_text(errors="replace")
+        except FileNotFoundError:  # stopped: its directory is gone
+            return ""
+
     def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-4000:]
+        """The log's last 4,000 characters."""
+        return self.full_log()[-4000:]
 
     @property
     def tls(self) -> bool:
@@ -79,25 +99,61 @@ class Server:
         return "--tls-cert" in self.args
 
     def http_get(self, path: str, timeout: float = 10.0) -> bytes:
-        """GET `path` on Broky's HTTP port (https, trusting tls_files()'s CA, when `tls`)."""
+        """GET `path` on the HTTP port (Broky's /stats, /metrics; nats-server's monitoring
+        port): https, trusting tls_files()'s CA, when `tls`; with `auth`'s credentials."""
         context = None
         if self.tls:
             import ssl
 
             context = ssl.create_default_context(cafile=tls_files()[0])
         scheme = "https" if self.tls else "http"
-        with urllib.request.urlopen(
-            f"{scheme}://{self.host}:{self.metrics_port}{path}", timeout=timeout, context=context
-        ) as resp:
+        headers = {}
+        if self.auth is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(self.auth.encode()).decode()
+        request = urllib.request.Request(f"{scheme}://{self.host}:{self.metrics_port}{path}", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
             body: bytes = resp.read()
             return body
 
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Broky's /stats (the master's and every worker's figures)."""
+        result: dict[str, Any] = json.loads(self.http_get("/stats", timeout))
+        return result
+
+    def workers_sum(self, *keys: str) -> dict[str, int]:
+        """Figures of /stats's workers, each summed over the workers (0 where a worker has none)."""
+        workers = self.stats()["workers"]
+        return {k: sum(w.get(k, 0) for w in workers) for k in keys}
+
+    def worker_pids(self) -> list[int]:
+        """Broky's worker processes, by worker (0: one being restarted), from /stats."""
+        return [pid or 0 for pid in self.stats(5)["master"]["worker_pids"]]
+
+    def wait_worker_restarted(self, old: list[int], timeout: float = 15.0) -> None:
+        """Wait until every worker runs and their pids are no longer `old` (a killed one is back)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pids = self.worker_pids()
+            except OSError:
+                pids = []
+            if pids and all(pids) and pids != old:
+                return
+            time.sleep(0.02)
+        raise ServerError("the killed worker did not come back")
+
+    def rss_bytes(self) -> int:
+        """The resident memory of every process of the server, summed."""
+        return procstat.total_rss_bytes(self.pids())
+
     def _spawn(self, stdout: int) -> subprocess.Popen[bytes]:
         if shutil.which(self.args[0]) is None:
+            self.stop()
             raise ServerError(f"{self.args[0]} is not installed")
         self.proc = subprocess.Popen(
-            self.args, stdout=stdout, stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True
-        )
+            self.args, stdout=stdout, stderr=self._log, stdin=subprocess.DEVNULL, cwd=self.dir,
+            start_new_session=True,
+        )  # fmt: skip
         return self.proc
 
     def _wait_port(self, timeout: float) -> None:
@@ -129,8 +185,7 @@ class Server:
             if proc.stdout is not None:
                 proc.stdout.close()
         self._log.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._log.name)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def start_broky(workers: int, extra: list[str] | None = None, timeout: float = 30.0) -> Server:
@@ -200,7 +255,8 @@ def start_nats(
 
 def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
     """The Redis-protocol server (default: `peers.redis_binary()`, Valkey where installed;
-    `binary`: any server of redis-server's command line) on a free port."""
+    `binary`: any server of redis-server's command line) on a free port; it persists
+    nothing, and its files would go to its own directory (see the module's header)."""
     port = free_port()
     args = [
         binary or peers.redis_binary(),
@@ -220,6 +276,7 @@ def start_redis(timeout: float = 15.0, binary: str | None = None) -> Server:
         "",
     ]
     server = Server("redis", args, port)
+    server.args += ["--dir", server.dir]
     server._spawn(subprocess.DEVNULL)
     server._wait_port(timeout)
     return server

@@ -1,7 +1,11 @@
-"""Raw benchmark connections over TLS: the upgrade, and reads that see what TLS holds.
+"""Raw benchmark connections: the next frame off a socket, the TLS upgrade, and reads that see what TLS holds.
 
 Theory of operation
 -------------------
+`next_frame` is the one blocking read of a whole frame the benchmarks' raw
+connections use (bench.soak, bench.memory_budget, bench.tail_sources, the load
+generator's set-up).
+
 The benchmarks that speak Broky frames on raw sockets (bench.soak, bench.memory_budget,
 bench.harness.loadgen) reach a server with a certificate the way the SDK does
 (schema/README.md 2.1): a plain Hello that asks for TLS and carries no secret, the
@@ -53,14 +57,27 @@ def upgrade(
     if head != b"\0\0\0\0":
         reader = FrameReader()
         reader.feed(head)
-        while (raw := reader.next_frame()) is NEED_DATA:
-            data = sock.recv(65536)
-            if not data:
-                break
-            reader.feed(data)
-        answer = decode_frame(raw) if isinstance(raw, bytes) else head
+        try:
+            answer: object = decode_frame(next_frame(sock, reader))
+        except EOFError:
+            answer = head
         raise UpgradeRefused(f"the server answered a Hello asking for TLS with {answer!r}")
     return ctx.wrap_socket(sock, server_hostname=host)
+
+
+def next_frame(sock: socket.socket, reader: FrameReader) -> bytes:
+    """The next whole frame's bytes from `reader`, reading the blocking `sock` as it needs.
+
+    Raises:
+        EOFError: the server closed the connection first.
+    """
+    while (raw := reader.next_frame()) is NEED_DATA:
+        data = sock.recv(65536)
+        if not data:
+            raise EOFError("the server closed the connection")
+        reader.feed(data)
+    assert isinstance(raw, bytes)
+    return raw
 
 
 def _exactly(sock: socket.socket, n: int) -> bytes:
