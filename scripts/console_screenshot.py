@@ -5,7 +5,7 @@
 Starts a real `broky serve` (2 workers) and some traffic: a producer whose rate
 rises and falls, two plain subscribers, an acknowledging consumer group of two
 members, a few messages nobody subscribed to; opens the console in headless
-Chromium (tests/browser.py: Debian's chromium, the DevTools protocol), starts
+Chromium (tests/support/browser.py: Debian's chromium, the DevTools protocol), starts
 the live tail, and saves a screenshot once a minute's chart has mostly filled.
 Everything it starts is stopped at the end.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import broky
-from tests.browser import Chromium
-from tests.serverproc import ServerProcess
+from tests.support.browser import Chromium
+from tests.support.serverproc import ServerProcess
 
 
 def produce(url: str, stop: threading.Event) -> None:

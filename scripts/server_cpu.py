@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import peers, servers
 from bench.harness.procstat import total_cpu_seconds as cpu_seconds
 from broky.protocol import encode_message
-from tests.serverproc import ServerProcess
-from tests.wire import Wire
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire
 
 Result = tuple[float, float, int]  # seconds, server CPU seconds, bytes received by all subscribers
 

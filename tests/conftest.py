@@ -3,15 +3,14 @@ from __future__ import annotations
 import compileall
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.cluster import cluster  # noqa: F401  (real etcd and cluster nodes: see there)
-from tests.serverproc import ServerProcess
-from tests.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.cluster import cluster  # noqa: F401  (real etcd and cluster nodes: see there)
+from tests.support.paths import ROOT
+from tests.support.serverproc import ServerProcess
+from tests.support.shardkit import loop  # noqa: F401  (the event loop a shard in this process runs on)
+from tests.support.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
 
 
 def pytest_configure(config: pytest.Config) -> None:

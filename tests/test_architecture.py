@@ -16,7 +16,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SERVER = Path(__file__).resolve().parents[1] / "broky" / "server"
+from tests.support.paths import ROOT
+
+SERVER = ROOT / "broky" / "server"
 PACKAGES = ("master", "worker", "shard", "http", "security")
 SHARED = "shared"  # the modules at broky/server's top: config, logs, accounts, handoff, histogram
 

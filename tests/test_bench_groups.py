@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 
 from bench import groups
-from tests import requires
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import requires
+from tests.support.paths import ROOT
 
 
 @pytest.mark.slow

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from bench.harness import peers
-from tests import requires
+from tests.support import requires
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from bench.harness import peers, servers
-from tests import requires
+from tests.support import requires
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # What Redis-protocol servers persist: the RDB dump and the append-only file (or, since
 # Redis 7, its directory).
 PERSISTED = ("dump.rdb", "appendonly.aof", "appendonlydir")

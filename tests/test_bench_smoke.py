@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests import requires
+from tests.support import requires
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("broky", "nats", "redis")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

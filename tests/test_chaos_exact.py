@@ -26,12 +26,12 @@ import pytest
 
 from bench import chaos
 from broky.protocol import LossReason
-from tests import requires
+from tests.support import requires
 
 
 def cuts_or_skip() -> None:
     """Outside CI a machine that cannot cut sockets skips these; in CI that fails them (the
-    rule of tests/requires.py: a skip there would hide a broken set-up)."""
+    rule of tests/support/requires.py: a skip there would hide a broken set-up)."""
     if not chaos.can_cut():
         why = "ss -K cannot cut a socket here (it needs CAP_NET_ADMIN and CONFIG_INET_DIAG_DESTROY)"
         if requires.in_ci():

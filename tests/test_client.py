@@ -9,40 +9,15 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import pytest
 
 import broky
 from bench.harness.cluster import http_get
-from broky.protocol import LossReason, VBucketMap, encode_message, vbucket_of
-from tests.serverproc import ServerProcess
-
-
-def partitions_by_worker(vmap: VBucketMap, per_worker: int = 2) -> dict[int, list[bytes]]:
-    """Some key_partitions owned by each worker of the (single-node) map."""
-    found: dict[int, list[bytes]] = {}
-    workers = vmap.nodes[0].workers
-    i = 0
-    while any(len(found.get(w, [])) < per_worker for w in range(workers)):
-        kp = f"p{i}".encode()
-        w = vmap.owners[vbucket_of(kp)][1]
-        if len(found.setdefault(w, [])) < per_worker:
-            found[w].append(kp)
-        i += 1
-    return found
-
-
-def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 30) -> None:
-    async def main() -> None:
-        async with asyncio.timeout(timeout):
-            await coro_fn()
-
-    asyncio.run(main())
-
-
-async def take(sub: broky.Subscription, n: int, timeout: float = 5) -> list[broky.Message]:
-    return [await sub.next_msg(timeout) for _ in range(n)]
+from broky.protocol import LossReason, encode_message
+from tests.support.sdk import partitions_by_worker, run, take
+from tests.support.serverproc import ServerProcess
 
 
 def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server: ServerProcess) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import broky
 from broky.errors import ErrorCode
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.test_client import run
+from tests.support.faultproxy import FaultProxy
+from tests.support.sdk import run
+from tests.support.serverproc import ServerProcess
 
 
 async def until(check: Any, timeout: float = 10) -> None:

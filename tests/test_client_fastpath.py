@@ -12,39 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import broky
-from broky.client.client import Client, Link
+from broky.client.client import Link
 from broky.client.link import frames_in, publishes_in
 from broky.protocol import VBUCKETS, decode_message, encode_message
 from broky.protocol.ksuid import EPOCH, KsuidSequence, ksuid_time
 from broky.protocol.routing import NodeInfo, VBucketMap
-from tests.serverproc import ServerProcess
-
-
-class FakeProto:
-    write_paused = False
-
-    def __init__(self) -> None:
-        self.written: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.written.append(data)
-
-    def writelines(self, parts: list[bytes]) -> None:
-        self.written.append(b"".join(parts))
-
-    def close(self) -> None:
-        pass
-
-
-def _client(max_frame: int = 1 << 20) -> tuple[Client, Link]:
-    client = Client("127.0.0.1:1", batch_size=1 << 40)
-    client.loop = asyncio.get_running_loop()
-    client._open = client._connected = True
-    client._encoder.set_limit(max_frame)
-    link = Link(client, "n", 0)
-    link.proto = FakeProto()  # type: ignore[assignment]
-    client.router.route = [link] * VBUCKETS
-    return client, link
+from tests.support.sdk import FakeProto, unconnected_client
+from tests.support.serverproc import ServerProcess
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
@@ -65,7 +39,7 @@ def test_fast_path_frames_equal_encode_message(
     kp: bytes | str, key: bytes | str, payload: bytes, ts: int | None
 ) -> None:
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         before = time.time_ns()
         for _ in range(3):  # the general path, then the cached fast path
             await client.publish(kp, key, payload, ts_producer=ts)
@@ -101,7 +75,7 @@ def test_fast_path_with_given_uids_equals_encode_message(
     kp: bytes, key: bytes, payload: bytes, ts: int | None, uids: list[bytes]
 ) -> None:
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         before = time.time_ns()
         for uid in uids:  # the general path, then the cached fast path
             await client.publish(kp, key, payload, ts_producer=ts, uid=uid)
@@ -121,7 +95,7 @@ def test_fast_path_with_given_uids_equals_encode_message(
 
 def test_fast_path_errors_and_other_types() -> None:
     async def main() -> None:
-        client, link = _client(max_frame=300)
+        client, link = unconnected_client(max_frame=300)
         await client.publish(b"p", b"k", b"x" * 10)
         # a cached template with wrong field types goes the general way and raises the same errors
         with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
@@ -152,7 +126,7 @@ def test_fast_path_errors_and_other_types() -> None:
 
 def test_publish_nowait_takes_the_same_paths_and_raises_the_same_errors() -> None:
     async def main() -> None:
-        client, link = _client(max_frame=300)
+        client, link = unconnected_client(max_frame=300)
         for i in range(4):  # general path, then the cached fast path
             client.publish_nowait(b"p", b"k", b"%02d" % i)
         client.publish_nowait("p", "k", b"s")  # str fields: the general path
@@ -207,7 +181,7 @@ def test_refused_publishes_are_resent_to_the_new_owner_or_counted() -> None:
     # could not be refreshed, or the frame is unreadable, it is dropped and counted.
     async def main() -> None:
         errors: list[BaseException] = []
-        client, link = _client()
+        client, link = unconnected_client()
         client.on_error = errors.append
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
@@ -230,7 +204,7 @@ def test_a_publish_waiting_for_room_on_a_worker_whose_node_left_goes_to_the_new_
     # when the Link is retired meanwhile (its node left the map), the fast path put the
     # frame in the retired Link, which nobody sends: lost untold. It goes to the new owner.
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         client.max_reconnect_buffer_bytes = 400
         router = client.router
         router.map = VBucketMap(1, (NodeInfo("n", "h", 1, 1),), ((0, 0),) * VBUCKETS)
@@ -281,7 +255,7 @@ def test_publish_rows_equals_publishing_each_row(
     # The Spark sink's bulk path: the same frames as `publish` row by row, the
     # fast path once a shape repeats, the general path otherwise.
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         kps, keys, payloads = ([r[i] for r in rows] for i in range(3))
         ts = [r[3] for r in rows]
         prefix = bytes(range(12)) if given_uids else None
@@ -311,7 +285,7 @@ def test_publish_rows_equals_publishing_each_row(
 
 def test_publish_rows_raises_like_publish() -> None:
     async def main() -> None:
-        client, _ = _client(max_frame=300)
+        client, _ = unconnected_client(max_frame=300)
         ok = [b"p"] * 3
         await client.publish_rows(ok, [b"k"] * 3, [b"v"] * 3, None, None)
         with pytest.raises(broky.PayloadTooLargeError):
@@ -331,7 +305,7 @@ def test_publish_rows_raises_like_publish() -> None:
 
 def test_fast_path_cache_follows_map_and_limit() -> None:
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         await client.publish("p", "k", b"v")
         assert client._fast == {}  # a shape met once gets no template
         await client.publish("p", "k", b"v")

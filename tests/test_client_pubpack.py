@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -22,8 +21,7 @@ from broky.client.link import frames_in, publishes_in
 from broky.protocol import decode_message, encode_message
 from broky.protocol.ksuid import KsuidSequence
 from broky.protocol.message import message_size
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
 
 if pubpack.compiled is None and pubpack.pure_requested():
     pytest.skip(f"{pubpack.ENV_PURE} is set: no compiled twin to compare", allow_module_level=True)
@@ -362,10 +360,10 @@ def test_a_chunk_of_publishes_is_counted_as_its_publishes_when_a_link_retires_or
     # per publish: handed over when the Link retires, counted as dropped if it gives up.
     import asyncio
 
-    from tests.test_client_fastpath import _client
+    from tests.support.sdk import unconnected_client
 
     async def main() -> None:
-        client, link = _client()
+        client, link = unconnected_client()
         n = 10
         await client.publish(b"p", b"k", b"first")  # the general path: a frame of its own
         await client.publish_many([b"p"] * n, [b"k"] * n, [b"v%d" % i for i in range(n)])
@@ -376,7 +374,7 @@ def test_a_chunk_of_publishes_is_counted_as_its_publishes_when_a_link_retires_or
         link.proto = None  # its connection is gone: its node left the map
         frames, _, _ = link.retire()
         assert len(frames) == n + 1 and link.out_extra == 0
-        client2, link2 = _client()
+        client2, link2 = unconnected_client()
         await client2.publish_many([b"p"] * n, [b"k"] * n, [b"v"] * n)
         link2.proto = None
         link2._give_up(1, None)

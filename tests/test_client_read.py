@@ -15,9 +15,9 @@ from broky.client.reader import Reading
 from broky.errors import ErrorCode, ServerError
 from broky.protocol import VBUCKETS, Message, vbucket_of
 from broky.protocol.frames import Position
-from tests.serverproc import ServerProcess
-from tests.test_client import partitions_by_worker
-from tests.test_server_pubsub import http_get
+from tests.support.http import http_get
+from tests.support.sdk import partitions_by_worker
+from tests.support.serverproc import ServerProcess
 
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 60) -> None:

@@ -19,10 +19,10 @@ import pytest
 
 import broky
 from broky.client import pubpack
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.test_client import partitions_by_worker, run, take
-from tests.test_server_pubsub import debug_stats
+from tests.support.faultproxy import FaultProxy
+from tests.support.http import debug_stats
+from tests.support.sdk import partitions_by_worker, run, take
+from tests.support.serverproc import ServerProcess
 
 
 @pytest.fixture

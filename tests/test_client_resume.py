@@ -2,7 +2,7 @@
 gets, after the reconnect, exactly what was in flight and published meanwhile,
 from the workers' replay buffers; what they no longer hold is told, exactly.
 
-The fault proxy (tests/faultproxy.py) sits between the subscriber and the
+The fault proxy (tests/support/faultproxy.py) sits between the subscriber and the
 server; the publisher connects directly and keeps publishing through the cut.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,35 +20,13 @@ import pytest
 import broky
 from broky.protocol import LossReason
 from broky.protocol.routing import vbucket_of
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.test_client import run
-from tests.test_server_resume import kill_worker
+from tests.support.faultproxy import FaultProxy
+from tests.support.sdk import SEQ, Received, run
+from tests.support.serverproc import ServerProcess, kill_worker
 
 MESSAGES = 50_000
 PARTITIONS = 256
 RATE = 10_000  # messages per second
-_seq = struct.Struct(">II")  # key_partition index, sequence number within it
-
-
-class Received:
-    """What a subscriber got, per key_partition, and what it was told it lost."""
-
-    def __init__(self) -> None:
-        self.by_kp: dict[int, list[int]] = {}
-        self.count = 0
-        self.told: list[tuple[int, int]] = []  # (dropped, reason)
-
-    def take(self, msg: broky.Message) -> None:
-        kp, n = _seq.unpack_from(msg.payload)
-        self.by_kp.setdefault(kp, []).append(n)
-        self.count += 1
-
-    def on_loss(self, ref: Any, dropped: int, reason: int) -> None:
-        self.told.append((dropped, reason))
-
-    def told_count(self) -> int:
-        return sum(d for d, _ in self.told)
 
 
 async def publish_paced(server: ServerProcess, total: int, cut_at: float, cut: Any) -> None:
@@ -63,7 +40,7 @@ async def publish_paced(server: ServerProcess, total: int, cut_at: float, cut: A
     async with broky.connect(server.url) as publisher:
         for i in range(total):
             k = i % PARTITIONS
-            await publisher.publish(partitions[k], b"rp.x", _seq.pack(k, sent[k]))
+            await publisher.publish(partitions[k], b"rp.x", SEQ.pack(k, sent[k]))
             sent[k] += 1
             if i % 100 == 99:
                 due = started + (i + 1) / RATE
@@ -265,7 +242,7 @@ def test_a_killed_worker_costs_the_subscriber_only_what_its_account_tells(server
             async def burst(n: int) -> None:
                 for i in range(n):
                     k = i % 32
-                    await publisher.publish(kps[k], b"wk.x", _seq.pack(k, sent[k]))
+                    await publisher.publish(kps[k], b"wk.x", SEQ.pack(k, sent[k]))
                     sent[k] += 1
                 await publisher.flush()
 

@@ -10,7 +10,7 @@ import broky
 from broky.protocol import LossReason
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
-from tests.serverproc import ServerProcess
+from tests.support.serverproc import ServerProcess
 
 
 def test_a_subscriptions_own_losses_go_to_its_hook_and_not_the_clients(server: ServerProcess) -> None:

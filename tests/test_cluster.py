@@ -1,4 +1,4 @@
-"""The cluster with real etcd and real `broky serve --cluster` nodes on loopback (tests/cluster.py).
+"""The cluster with real etcd and real `broky serve --cluster` nodes on loopback (tests/support/cluster.py).
 
 Short timeouts throughout: leases of 2 s, moves committed after 4 s at most
 (raw-frame clients answer MapApplied only when a test says so), drains
@@ -22,8 +22,8 @@ import pytest
 
 import broky
 from broky.protocol import MapApplied, MapUpdate, Message, vbucket_of
-from tests import requires
-from tests.cluster import (
+from tests.support import requires
+from tests.support.cluster import (
     Cluster,
     EtcdServer,
     applied_versions,
@@ -37,7 +37,7 @@ from tests.cluster import (
     owners_by_id,
     wait_for,
 )
-from tests.wire import Wire
+from tests.support.wire import Wire
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A planned move loses nothing for a reader behind it: the old owner serves what it retained.
 
-Real etcd, real nodes (tests/cluster.py), one worker each. Node a takes
+Real etcd, real nodes (tests/support/cluster.py), one worker each. Node a takes
 publishes over many key_partitions alone; node b joins and half the
 vbuckets move to it (same epoch, the next offset: broky.server.shard.moves);
 more publishes follow. Message data never crosses nodes, so a moved
@@ -23,8 +23,8 @@ import pytest
 import broky
 from broky.protocol import Error, Message, Read, ReadDone, Replay, vbucket_of
 from broky.protocol.frames import Position
-from tests.cluster import Cluster, owners_by_id
-from tests.wire import Wire
+from tests.support.cluster import Cluster, owners_by_id
+from tests.support.wire import Wire
 
 PARTITIONS = 64
 KPS = [b"kp-%d" % i for i in range(PARTITIONS)]
@@ -147,7 +147,7 @@ def test_a_moved_vbucket_is_read_at_its_old_owner_up_to_the_handover_and_a_drain
 
 def wait_former(cluster: Cluster, node_id: str) -> dict[str, object]:
     """Worker 0's /stats once it has no former vbucket left (they all came back)."""
-    from tests.cluster import wait_for
+    from tests.support.cluster import wait_for
 
     def check() -> dict[str, object] | None:
         worker: dict[str, object] = cluster.stats(node_id)["workers"][0]

@@ -14,7 +14,7 @@ import pytest
 
 import broky
 from broky import GroupMessage
-from tests.cluster import Cluster
+from tests.support.cluster import Cluster
 
 KPS = [f"c{i}" for i in range(256)]
 N = 10_000

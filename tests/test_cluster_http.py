@@ -12,7 +12,7 @@
   positions their answers name.
 
 Leases of 2 s, moves committed within 4 s, one worker per node: seconds, not
-minutes. Processes are stopped by pid (tests/cluster.py).
+minutes. Processes are stopped by pid (tests/support/cluster.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import pytest
 
 import broky
 from broky.protocol import VBucketMap, vbucket_of
-from tests import requires
-from tests.cluster import Cluster, EtcdServer, kp_owned_by
-from tests.requires import program
-from tests.serverproc import ServerProcess
+from tests.support import requires
+from tests.support.cluster import Cluster, EtcdServer, kp_owned_by
+from tests.support.requires import program
+from tests.support.serverproc import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ number per key_partition in every payload) and an SDK subscriber on `w.>`:
   and a client resuming from positions taken before is told EPOCH_CHANGED.
 
 Leases of 2 s and moves committed within 4 s keep it short; every process is
-stopped by pid (tests/cluster.py).
+stopped by pid (tests/support/cluster.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import broky
 from broky.client.link import WorkerRef
 from broky.protocol import LossReason, Message, VBucketMap, vbucket_of
 from broky.protocol.frames import Position
-from tests.cluster import Cluster, owners_by_id
+from tests.support.cluster import Cluster, owners_by_id
 
 PARTITIONS = 128
 KPS = [b"kp-%d" % i for i in range(PARTITIONS)]

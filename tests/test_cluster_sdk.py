@@ -29,8 +29,8 @@ from bench.cluster_failover import Result, analyse, run
 from bench.harness.cluster import ClusterRun, agreed
 from bench.worker_kill import Load
 from broky.protocol import VBucketMap
-from tests import requires
-from tests.cluster import (
+from tests.support import requires
+from tests.support.cluster import (
     assert_every_move_prepared,
     assert_versions_grow,
     map_history,

@@ -47,9 +47,8 @@ from broky.protocol import (
     route_message,
 )
 from broky.protocol.frames import error_frame
-from tests import requires
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import requires
+from tests.support.paths import ROOT
 
 CONTROL_FRAMES = [
     Hello(1, -1, "app", "secret"),

@@ -25,10 +25,10 @@ import pytest
 
 import broky
 from broky.server.http import console
-from tests import requires
-from tests.browser import Chromium, Page
-from tests.cluster import Cluster, EtcdServer, wait_for
-from tests.serverproc import ServerProcess
+from tests.support import requires
+from tests.support.browser import Chromium, Page
+from tests.support.cluster import Cluster, EtcdServer, wait_for
+from tests.support.serverproc import ServerProcess
 
 TOKEN = "console-secret-zq"
 

@@ -32,8 +32,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import requires
-from tests.serverproc import ServerProcess
+from tests.support import requires
+from tests.support.serverproc import ServerProcess
 
 ROOT = next(
     p for p in Path(__file__).resolve().parents if (p / "mkdocs.yml").exists()

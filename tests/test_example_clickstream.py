@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import ROOT
+
 pytestmark = pytest.mark.spark
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "clickstream.py"
+EXAMPLE = ROOT / "examples" / "clickstream.py"
 
 
 def test_without_java_it_says_what_to_install() -> None:

@@ -27,9 +27,10 @@ import pytest
 
 import broky
 from broky.server import config
-from tests import requires
+from tests.support import requires
+from tests.support.paths import ROOT
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster"
+EXAMPLE = ROOT / "examples" / "cluster"
 READY = re.compile(r"cluster ready: 3 nodes, map version \d+, leader node\d, seeds (\S+)")
 SHARES = re.compile(r"  vbuckets per node: node1 (\d+), node2 (\d+), node3 (\d+)$")
 PID = re.compile(r"pid (\d+)")

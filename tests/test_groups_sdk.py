@@ -20,11 +20,10 @@ import broky
 from broky.client.groups import GroupMessage
 from broky.errors import ErrorCode, ServerError
 from broky.protocol import LossReason, Message
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.test_cli import SubProcess, broky_cli
-from tests.test_client import partitions_by_worker
-from tests.test_server_resume import kill_worker
+from tests.support.cli import SubProcess, broky_cli
+from tests.support.faultproxy import FaultProxy
+from tests.support.sdk import partitions_by_worker
+from tests.support.serverproc import ServerProcess, kill_worker
 
 _seq = struct.Struct(">II")  # key_partition index, sequence number within it
 

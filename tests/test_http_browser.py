@@ -1,5 +1,5 @@
 """The HTTP side as a browser uses it: headless Chromium's own EventSource and fetch against a
-real `broky serve` (tests/browser.py drives it over the DevTools protocol).
+real `broky serve` (tests/support/browser.py drives it over the DevTools protocol).
 
 An event stream must keep going whatever happens to its connection, as docs/http.md says
 ("reconnects by itself"), and end with every message or a told loss: resumed twice with
@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 
 import broky
-from tests.browser import Chromium, Page, Site
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
+from tests.support.browser import Chromium, Page, Site
+from tests.support.faultproxy import FaultProxy
+from tests.support.serverproc import ServerProcess
 
 TOKEN = "browser-t0ken"
 PARTITIONS = [f"p{i}" for i in range(8)]

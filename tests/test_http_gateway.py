@@ -23,8 +23,9 @@ import pytest
 
 import broky
 from broky.server.http import server as httpd
-from tests.requires import program
-from tests.serverproc import ServerProcess
+from tests.support.paths import ROOT
+from tests.support.requires import program
+from tests.support.serverproc import ServerProcess
 
 TOKEN = "gw-t0ken"
 AUTH = ("-H", f"Authorization: Bearer {TOKEN}")
@@ -798,7 +799,7 @@ def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(sma
 
 def _docs_http() -> tuple[list[str], list[str]]:
     """docs/http.md: its shell command lines, and its JSON examples."""
-    section = (Path(__file__).parent.parent / "docs" / "http.md").read_text()
+    section = (ROOT / "docs" / "http.md").read_text()
     commands = [
         line
         for block in re.findall(r"```sh\n(.*?)```", section, re.S)

@@ -22,15 +22,14 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import broky
-from tests import requires
+from tests.support import requires
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TAG = "localhost/broky:test"
 MAX_SIZE_MB = 250  # the Debian base (117 MB) and Broky's environment (42 MB) make 159 MB
 

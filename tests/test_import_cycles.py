@@ -13,7 +13,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "broky"
+from tests.support.paths import ROOT
+
+PACKAGE = ROOT / "broky"
 
 
 def module_name(path: Path) -> str:

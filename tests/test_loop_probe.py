@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from broky.protocol import Read
-from tests.wire import Wire, kp_for_worker
+from tests.support.wire import Wire, kp_for_worker
 
 
 def test_each_worker_reports_its_jobs_and_its_frozen_start_up(start_server: Any, tmp_path: Path) -> None:

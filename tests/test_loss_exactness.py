@@ -34,14 +34,12 @@ import broky
 from bench.harness.servers import free_port
 from broky.protocol import LossReason
 from broky.protocol.routing import vbucket_of
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.test_client import partitions_by_worker, run
-from tests.test_client_resume import Received
-from tests.test_server_pubsub import http_get
-from tests.test_server_resume import kill_worker
+from tests.support.faultproxy import FaultProxy
+from tests.support.http import http_get
+from tests.support.sdk import Received, partitions_by_worker, run
+from tests.support.serverproc import ServerProcess, kill_worker
 
-_seq = struct.Struct(">II")  # key_partition index, sequence number within it
+SEQ = struct.Struct(">II")  # key_partition index, sequence number within it
 
 
 class Tally(Received):
@@ -67,7 +65,7 @@ class Publisher:
     async def burst(self, n: int) -> None:
         for i in range(n):
             k = i % len(self.kps)
-            await self.client.publish(self.kps[k], self.key, _seq.pack(k, self.sent[k]))
+            await self.client.publish(self.kps[k], self.key, SEQ.pack(k, self.sent[k]))
             self.sent[k] += 1
         await self.client.flush()
 
@@ -197,7 +195,7 @@ def test_a_slow_consumer_cut_by_the_server_is_told_only_what_its_resume_cannot_r
         with broky.connect_sync(server.url) as client:
             for i in range(first, last):
                 k = i % partitions
-                client.publish(b"slow-%d" % k, b"ex.k", _seq.pack(k, sent[k]) + padding)
+                client.publish(b"slow-%d" % k, b"ex.k", SEQ.pack(k, sent[k]) + padding)
                 sent[k] += 1
             client.flush()
 

@@ -13,21 +13,19 @@ import re
 import signal
 import socket
 import time
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from broky.errors import ErrorCode
 from broky.protocol import Error, Goodbye, LossNotice, Message, Pause, Resume, encode_message
 from broky.server import handoff
 from broky.server.config import ServerConfig
 from broky.server.master import process as master_module
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import get, get_json, scrape, value
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 KP1 = kp_for_worker(1, 2)
@@ -45,41 +43,6 @@ REQUIRED = {
     "broky_worker_restarts_total": "counter",
     "broky_broker_latency_seconds": "histogram",
 }
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def get(server: ServerProcess, path: str, method: str = "GET") -> tuple[int, str, bytes]:
-    url = f"http://{server.host}:{server.metrics_port}{path}"
-    req = urllib.request.Request(url, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            return resp.status, resp.headers["Content-Type"], resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read()
-
-
-def get_json(server: ServerProcess, path: str) -> Any:
-    status, ctype, body = get(server, path)
-    assert status == 200 and ctype == "application/json", (status, body)
-    return json.loads(body)
-
-
-def scrape(server: ServerProcess) -> tuple[dict[str, str], Samples]:
-    """(metric family -> type, (sample name, labels) -> value) of one /metrics scrape."""
-    status, ctype, body = get(server, "/metrics")
-    assert status == 200 and ctype.startswith("text/plain; version=0.0.4"), (status, ctype)
-    types: dict[str, str] = {}
-    samples: Samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        types[family.name] = family.type
-        for s in family.samples:
-            samples[s.name, frozenset(s.labels.items())] = s.value
-    return types, samples
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[name, frozenset(labels.items())]
 
 
 def test_every_required_metric_has_its_type_and_a_worker_label(server: ServerProcess) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 from hypothesis import given, settings
@@ -20,6 +19,7 @@ from broky.protocol import LossReason
 from broky.server import histogram
 from broky.server.http.metrics import COUNTERS, GAUGES, Exporter, Family
 from broky.server.shard.stats import DROPPED_AS, DropReason
+from tests.support.paths import ROOT
 
 counts = st.integers(min_value=0, max_value=2**53)
 snapshots = st.fixed_dictionaries(
@@ -115,7 +115,7 @@ def test_the_drop_reasons_are_the_labels_of_the_dropped_counter_and_the_docs_nam
     for worker in ("0", "1"):
         labels = {dict(pairs)["reason"] for _, pairs in samples if dict(pairs)["worker"] == worker}
         assert labels == {str(r) for r in DropReason}
-    page = (Path(__file__).parent.parent / "docs" / "operations" / "monitoring.md").read_text()
+    page = (ROOT / "docs" / "operations" / "monitoring.md").read_text()
     (row,) = [line for line in page.splitlines() if line.startswith("| `broky_messages_dropped_total{")]
     named = set(re.findall(r"`(\w+)`", row.split("|")[3]))
     assert named == {str(r) for r in DropReason}

@@ -25,8 +25,8 @@ from broky.errors import ErrorCode
 from broky.protocol import Error
 from broky.server.config import ServerConfig
 from broky.server.logs import Throttle, setup_logging
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 Setup = Callable[[ServerConfig, str], None]
 

@@ -33,8 +33,8 @@ from broky.server.http import monitor
 from broky.server.http import server as httpd
 from broky.server.http.server import HttpError, HttpServer, Request, Response, head_length, parse_head
 from broky.server.worker import views
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 TOKEN = "t0ken-f7"
 OPEN = ("/", "/healthz", "/readyz", "/metrics")  # "/": the console (broky.server.http.console)

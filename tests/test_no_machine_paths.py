@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 # A quoted, or space- or start-of-line-led, absolute path under a home or a work directory.
 MACHINE_PATH = re.compile(rb"""(?:^|[\s"'=(])/(?:root|home/[^/\s"']+|work|Users/[^/\s"']+)/""", re.MULTILINE)
 

@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests import requires
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support import requires
+from tests.support.paths import ROOT
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 pytestmark = pytest.mark.prometheus
-DASHBOARD = Path(__file__).resolve().parent.parent / "grafana" / "broky-dashboard.json"
+DASHBOARD = ROOT / "grafana" / "broky-dashboard.json"
 
 CONFIG = """\
 global:

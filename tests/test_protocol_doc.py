@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import struct
-from pathlib import Path
 
 import pytest
 import xxhash
@@ -29,9 +28,10 @@ from broky.protocol import (
     encode_message,
     vbucket_of,
 )
-from tests.test_protocol_generated import generated_read
+from tests.support.generated import generated_read
+from tests.support.paths import ROOT
 
-SCHEMA = Path(__file__).resolve().parent.parent / "schema"
+SCHEMA = ROOT / "schema"
 DOC = (SCHEMA / "README.md").read_text()
 FBS = (SCHEMA / "broky.fbs").read_text()
 SCALARS = {"bool", "byte", "ubyte", "short", "ushort", "int", "uint", "long", "ulong", "float", "double"}

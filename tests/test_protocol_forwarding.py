@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,46 +25,22 @@ from broky.protocol import (
     LossNotice,
     LossReason,
     Message,
-    Subscribe,
     decode_frame,
     encode_message,
 )
 from broky.protocol.routing import vbucket_of
-from broky.server.config import ServerConfig
 from broky.server.shard.connection import OPEN, Connection
 from broky.server.shard.core import Shard
 from broky.server.shard.stats import DropReason
-from tests.test_protocol_fuzz import mutate, mutation
-from tests.test_protocol_generated import builder_frames, messages
-from tests.test_protocol_route import OVERLAP_MESSAGE, overlap_frame
-from tests.test_server_fanout_fuzz import Recorder
+from tests.support.generated import builder_frames, messages
+from tests.support.mutations import OVERLAP_MESSAGE, mutate, mutation, overlap_frame
+from tests.support.shardkit import received, shard_with
 
 
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-def shard_with(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, Connection]:
+def forwarding_shard(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, Connection]:
     """One worker owning every vbucket, a publisher and a subscriber to every key."""
-    shard = Shard(ServerConfig(workers=1, node_id="forwarding"), 0, loop)
-    conns = []
-    for i in (1, 2):
-        c = Connection(shard, b"", i)
-        c.transport = Recorder()  # type: ignore[assignment]
-        shard.conns[i] = c
-        conns.append(c)
-    publisher, subscriber = conns
-    shard.subscribe(subscriber, Subscribe(1, b">"))
+    shard, publisher, (subscriber,) = shard_with(loop, [(b">", None)], node_id="forwarding")
     return shard, publisher, subscriber
-
-
-def received(c: Connection) -> list[Frame]:
-    frames = c.transport.frames()  # type: ignore[attr-defined]
-    assert isinstance(frames, list)
-    return frames
 
 
 def outcome(raw: bytes) -> Frame | None:
@@ -111,7 +85,7 @@ def test_every_accepted_message_is_delivered_as_published(
         return  # no frame at all (a size prefix under 12 is refused before any parsing)
     first = encode_message(b"p0", b"first", b"1", 1, 0, None)
     last = encode_message(b"p0", b"last", b"3", 3, 0, bytes(20))
-    shard, publisher, subscriber = shard_with(loop)
+    shard, publisher, subscriber = forwarding_shard(loop)
     before = time.time_ns()
     shard.feed(publisher, first + middle + last)
     after = time.time_ns()
@@ -148,7 +122,7 @@ def test_the_crafted_overlap_frame_reaches_subscribers_intact(loop: asyncio.Abst
     # The audit's frame: stamped in place it would read as key x.y (or not at
     # all) once the real time is stamped. The server forwards a canonical copy.
     raw = overlap_frame()
-    shard, publisher, subscriber = shard_with(loop)
+    shard, publisher, subscriber = forwarding_shard(loop)
     canonical = encode_message(b"p1", b"a.b", b"canonical", 0, 0, None)
     before = time.time_ns()
     shard.feed(publisher, canonical + raw + raw + canonical)
@@ -175,7 +149,7 @@ def test_copied_messages_respect_the_pending_bound(loop: asyncio.AbstractEventLo
     # subscriber's bound they are dropped and counted.
     raw = overlap_frame()
     copy_size = len(encode_message(b"p1", b"a.b", b"hello", 7, 0, None))
-    shard, publisher, subscriber = shard_with(loop)
+    shard, publisher, subscriber = forwarding_shard(loop)
     subscriber.limit = subscriber.cap = 3 * copy_size
     shard.feed(publisher, raw * 5)
     got = received(subscriber)

@@ -24,7 +24,8 @@ from broky.errors import ProtocolError
 from broky.protocol import NEED_DATA, Frame, FrameReader, Message, decode_frame, decode_message, route_message
 from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID, TS_BROKER_AT
 from broky.protocol.message import _decode_generic, _route_generic, canonical_copy, pack_stamp_into
-from tests.test_protocol_generated import all_frames, encoded_frames, generated_read, messages, welcomes
+from tests.support.generated import all_frames, encoded_frames, generated_read, messages, welcomes
+from tests.support.mutations import mutate, mutation
 
 LIMIT = 1 << 16
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -119,44 +120,6 @@ def test_random_bytes_behind_a_plausible_prefix(body: bytes) -> None:
 
 
 # ---------------------------------------------------------------- mutated valid streams
-
-mutation = st.one_of(
-    st.tuples(st.just("flip"), st.integers(0, 10**6), st.integers(0, 7)),
-    st.tuples(st.just("truncate"), st.integers(0, 10**6)),
-    st.tuples(st.just("insert"), st.integers(0, 10**6), st.binary(min_size=1, max_size=8)),
-    st.tuples(st.just("delete"), st.integers(0, 10**6), st.integers(1, 8)),
-    # Overwrite an aligned word with a value an offset or a length could take.
-    st.tuples(
-        st.just("word"),
-        st.integers(0, 10**6),
-        st.sampled_from([0, 1, 2, 3, 4, 8, 12, 16, 0x7FFF_FFFF, 0x8000_0000, 0xFFFF_FFFF, 0xFFFF_FFFC])
-        | st.integers(0, 2**32 - 1),
-    ),
-    st.tuples(st.just("short"), st.integers(0, 10**6), st.integers(0, 2**16 - 1)),
-)
-
-
-def mutate(data: bytearray, op: tuple) -> bytearray:  # type: ignore[type-arg]
-    if not data:
-        return data
-    kind, at = op[0], op[1] % len(data)
-    if kind == "flip":
-        data[at] ^= 1 << op[2]
-    elif kind == "truncate":
-        del data[at:]
-    elif kind == "insert":
-        data[at:at] = op[2]
-    elif kind == "delete":
-        del data[at : at + op[2]]
-    elif kind == "word":
-        at &= ~3
-        if at + 4 <= len(data):
-            struct.pack_into("<I", data, at, op[2])
-    elif kind == "short":
-        at &= ~1
-        if at + 2 <= len(data):
-            struct.pack_into("<H", data, at, op[2])
-    return data
 
 
 @FUZZ

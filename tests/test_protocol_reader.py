@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from broky.errors import FrameTooLargeError, MalformedFrameError, ProtocolError, TruncatedFrameError
 from broky.protocol import NEED_DATA, Frame, FrameReader, decode_frame, encode_message
 from broky.protocol.framing import MIN_FRAME_SIZE
-from tests.test_protocol_generated import (
+from tests.support.generated import (
     all_frames,
     encoded_frames,
     large_control_frames,

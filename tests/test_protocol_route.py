@@ -45,7 +45,8 @@ from broky.protocol.layout import (
     VECTORS_AT,
 )
 from broky.protocol.message import BODY_LAST, _route_generic, body_type, canonical_copy, pack_stamp_into
-from tests.test_protocol_generated import BODY_TYPES, ONE_OF_EACH, builder_frames, generated_read, messages
+from tests.support.generated import BODY_TYPES, ONE_OF_EACH, builder_frames, generated_read, messages
+from tests.support.mutations import OVERLAP_MESSAGE, overlap_frame
 
 lies = st.sampled_from([0, 1, 2, 3, 4, 8, 12, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_FFF8]) | st.integers(
     0, 2**32 - 1
@@ -232,39 +233,6 @@ def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> N
     except MalformedFrameError:
         broken = None
     assert broken != published._replace(ts_broker=ts)
-
-
-# The key offset of the crafted frame below: Message table at 48, field at table+23.
-OVERLAP_KEY_FIELD = 48 + 23
-# What it decodes to: its epoch reads the key offset's bytes after ts_broker's (1).
-OVERLAP_MESSAGE = Message(b"p1", b"a.b", b"hello", 7, 0, None, 0, 1, 0)
-
-
-def overlap_frame() -> bytes:
-    """A valid Message frame built to fool a stamp-and-compare check (from an audit).
-
-    Its vtable puts the key offset at table+23, so the offset's low byte is the
-    most significant byte of ts_broker (table+16..24). As published (ts_broker 0)
-    the key vector is at 71+0x100; stamped with all-0xFF bits it would be at
-    71+0x1FF, holding the same `a.b`; stamped with a real time (top byte 0x18,
-    2024 to 2026) it would be at 71+0x118, holding `x.y`.
-    """
-    frame = bytearray(600)
-    struct.pack_into("<I", frame, 0, len(frame) - 4)
-    # Root offset, identifier, Frame vtable and table: as in the canonical layout.
-    struct.pack_into("<I4sHHHHiIB", frame, 4, 16, b"BRKY", 8, 12, 8, 4, 8, 24, 1)
-    # Message vtable at 32: 14 bytes, table 52 bytes; kp@4, key@23, payload@48, stamps@8 (40
-    # bytes: its epoch shares bytes with the key offset too), no uid.
-    struct.pack_into("<HHHHHHH", frame, 32, 14, 52, 4, 23, 48, 8, 0)
-    struct.pack_into("<iI", frame, 48, 16, 100 - 52)  # soffset; kp vector at 100
-    struct.pack_into("<qq", frame, 56, 7, 0)  # ts_producer 7, ts_broker 0
-    struct.pack_into("<BBB", frame, 72, 0x01, 0, 0)  # key offset = 0x100 + ts_broker's top byte
-    struct.pack_into("<I", frame, 96, 108 - 96)  # payload vector at 108
-    struct.pack_into("<I2s", frame, 100, 2, b"p1")
-    struct.pack_into("<I5s", frame, 108, 5, b"hello")
-    for top, key in ((0x00, b"a.b"), (0xFF, b"a.b"), (0x18, b"x.y")):
-        struct.pack_into("<I3s", frame, OVERLAP_KEY_FIELD + 0x100 + top, 3, key)
-    return bytes(frame)
 
 
 def test_a_frame_crafted_against_stamp_probes_is_copied_not_stamped() -> None:

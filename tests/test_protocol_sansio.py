@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-PROTOCOL = Path(__file__).resolve().parent.parent / "broky" / "protocol"
+from tests.support.paths import ROOT
+
+PROTOCOL = ROOT / "broky" / "protocol"
 MODULES = sorted(PROTOCOL.glob("*.py"))
 
 # Top-level modules that do I/O, wait, or run concurrently.

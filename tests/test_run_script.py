@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from tests import requires
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import requires
+from tests.support.paths import ROOT
 
 
 def apt_installs() -> dict[str, str]:

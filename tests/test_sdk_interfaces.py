@@ -10,9 +10,10 @@ member (`deliver = Inbox._put`)."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "broky"
+from tests.support.paths import ROOT
+
+ROOT = ROOT / "broky"
 SDK = [*sorted((ROOT / "client").rglob("*.py")), *sorted((ROOT / "spark").rglob("*.py")), ROOT / "cli.py"]
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 

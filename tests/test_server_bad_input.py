@@ -15,8 +15,8 @@ import pytest
 from broky import fbs
 from broky.errors import ErrorCode
 from broky.protocol import Error, Goodbye, Hello, Ping, Welcome, encode_frame, encode_message
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 TOKEN = "s3cret"
 KP0 = kp_for_worker(0, 2)

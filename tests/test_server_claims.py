@@ -26,10 +26,9 @@ from broky.protocol import (
     Resumed,
     encode_message,
 )
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import http_get
-from tests.test_server_resume import kill_worker
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import http_get
+from tests.support.serverproc import ServerProcess, kill_worker
+from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 

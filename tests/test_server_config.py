@@ -8,16 +8,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from broky.server import config
 from broky.server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServerConfig
-from tests.wire import Wire
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.paths import ROOT
+from tests.support.wire import Wire
 
 
 def parse(

@@ -15,8 +15,6 @@ holds the two to each other).
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,10 +23,8 @@ from hypothesis import strategies as st
 from broky.errors import ErrorCode, ProtocolError
 from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import (
-    NEED_DATA,
     VBUCKETS,
     Error,
-    FrameReader,
     LossNotice,
     Message,
     Ping,
@@ -43,80 +39,22 @@ from broky.protocol import (
     vbucket_of,
 )
 from broky.protocol.frames import Position
-from broky.server.config import ServerConfig
 from broky.server.shard import fastpath
 from broky.server.shard.connection import CLOSING, OPEN, Connection
 from broky.server.shard.core import Shard
-
-
-class Recorder:
-    """An in-memory transport: keeps what is written."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.eof = False
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def write_eof(self) -> None:
-        self.eof = True
-
-    def close(self) -> None:
-        self.closed = True
-
-    def abort(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.eof or self.closed
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def pause_reading(self) -> None:  # a Read holds its connection's input for a turn of the loop
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def frames(self) -> list[object]:
-        reader = FrameReader(max_frame_bytes=1 << 30)
-        reader.feed(bytes(self.data))
-        out: list[object] = []
-        while (raw := reader.next_frame()) is not NEED_DATA:
-            out.append(decode_frame(raw))
-        assert reader.buffered == 0, "a partial frame was written"
-        return out
+from tests.support.shardkit import attach, chunked, shard_with
 
 
 @pytest.fixture(params=[False, True], ids=["pure-python", "compiled"])
-def loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+def compiled(request: pytest.FixtureRequest) -> bool:
+    """The fast path a test runs: the pure-Python reference, then its compiled twin."""
     if request.param and fastpath.compiled_scan is None:
         pytest.skip(f"no compiled fast path: {fastpath.description}")
-    COMPILED[:] = [request.param]
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+    return bool(request.param)
 
 
-COMPILED = [False]  # the path the current test runs (set by the `loop` fixture)
-
-
-def shard_with(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, list[Connection]]:
-    shard = Shard(ServerConfig(workers=1, node_id="fuzz"), 0, loop, compiled=COMPILED[0])
-
-    def connection(i: int) -> Connection:
-        c = Connection(shard, b"", i)
-        c.transport = Recorder()  # type: ignore[assignment]
-        shard.conns[i] = c
-        return c
-
-    subs = [connection(1), connection(2)]
-    shard.subscribe(subs[0], Subscribe(1, b"k.>", None))
-    shard.subscribe(subs[1], Subscribe(1, b"k.a", b"p1"))
-    return shard, connection(3), subs
+def fuzz_shard(loop: asyncio.AbstractEventLoop, compiled: bool) -> tuple[Shard, Connection, list[Connection]]:
+    return shard_with(loop, [(b"k.>", None), (b"k.a", b"p1")], node_id="fuzz", compiled=compiled)
 
 
 KEYS = st.sampled_from([b"k.a", b"k.b", b"k.a.c", b"other"])
@@ -129,11 +67,6 @@ MESSAGES = st.lists(
         encode_message(kp, key, pay, ts_producer=7, uid=new_ksuid() if u else None) for kp, key, pay, u in ms
     ]
 )
-
-
-def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 def check_outputs(subs: list[Connection], publisher: Connection) -> list[list[Message]]:
@@ -154,9 +87,9 @@ def check_outputs(subs: list[Connection], publisher: Connection) -> list[list[Me
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=MESSAGES, cuts=st.lists(st.integers(0, 1 << 16), max_size=6))
 def test_valid_streams_are_delivered_exactly(
-    loop: asyncio.AbstractEventLoop, frames: list[bytes], cuts: list[int]
+    loop: asyncio.AbstractEventLoop, compiled: bool, frames: list[bytes], cuts: list[int]
 ) -> None:
-    shard, publisher, subs = shard_with(loop)
+    shard, publisher, subs = fuzz_shard(loop, compiled)
     data = b"".join(frames)
     for chunk in chunked(data, cuts):
         shard.feed(publisher, chunk)
@@ -183,6 +116,7 @@ def test_valid_streams_are_delivered_exactly(
 )
 def test_mutated_streams_never_escape_the_protocol(
     loop: asyncio.AbstractEventLoop,
+    compiled: bool,
     frames: list[bytes],
     edits: list[tuple[int, int]],
     cuts: list[int],
@@ -190,7 +124,7 @@ def test_mutated_streams_never_escape_the_protocol(
     read: tuple[int, ...] | None,
     shrink: tuple[int, int] | None,
 ) -> None:
-    shard, publisher, subs = shard_with(loop)
+    shard, publisher, subs = fuzz_shard(loop, compiled)
     if shrink is not None:  # one frame's size prefix claims fewer bytes than it has
         i, by = shrink[0] % len(frames), shrink[1]
         size = int.from_bytes(frames[i][:4], "little")
@@ -221,6 +155,7 @@ def test_mutated_streams_never_escape_the_protocol(
 )
 def test_a_bounded_read_returns_what_was_accepted(
     loop: asyncio.AbstractEventLoop,
+    compiled: bool,
     frames: list[bytes],
     pattern: bytes,
     kp: bytes | None,
@@ -229,13 +164,11 @@ def test_a_bounded_read_returns_what_was_accepted(
 ) -> None:
     # Whichever path stamped and retained them, the messages a publisher sent are read
     # back as they were delivered: those that match, in offset order per vbucket.
-    shard, publisher, subs = shard_with(loop)
+    shard, publisher, subs = fuzz_shard(loop, compiled)
     for chunk in chunked(b"".join(frames), cuts):
         shard.feed(publisher, chunk)
     delivered = check_outputs(subs, publisher)[0]  # `k.>` on every key_partition
-    reader = Connection(shard, b"", 9)
-    reader.transport = Recorder()  # type: ignore[assignment]
-    shard.conns[9] = reader
+    reader = attach(shard, 9)
     shard.feed(reader, encode_frame(Read(5, pattern, kp, vbuckets=tuple(vbuckets))))
     for _ in range(10):  # the batches after the first one run on call_soon
         loop.run_until_complete(asyncio.sleep(0))
@@ -274,14 +207,14 @@ def test_a_bounded_read_returns_what_was_accepted(
 
 
 def test_the_shape_cache_is_bounded_and_every_shape_routes(
-    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+    loop: asyncio.AbstractEventLoop, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Shapes (size, offsets, key_partition length) are cached per worker; a publisher
     # cycling through more shapes than the cache holds only costs it refills.
     import broky.server.shard.core as fanout
 
     monkeypatch.setattr(fanout, "SHAPE_CACHE_SIZE", 16)
-    shard, publisher, subs = shard_with(loop)
+    shard, publisher, subs = fuzz_shard(loop, compiled)
     sent = [
         encode_message(b"p1", b"k.a", bytes(n), ts_producer=7, uid=new_ksuid() if n % 2 else None)
         for n in range(100)
@@ -319,6 +252,7 @@ STARTS = st.builds(
 )
 def test_starts_from_any_position_never_escape_the_protocol(
     loop: asyncio.AbstractEventLoop,
+    compiled: bool,
     frames: list[bytes],
     starts: list[Subscribe],
     edits: list[tuple[int, int]],
@@ -327,7 +261,7 @@ def test_starts_from_any_position_never_escape_the_protocol(
     # Publishes, then Subscribes naming any positions, times and counts (valid or not,
     # of vbuckets that exist or not), some bytes changed: the worker answers with frames
     # a client can read, or one fatal Error, and serves the other connections on.
-    shard, publisher, subs = shard_with(loop)
+    shard, publisher, subs = fuzz_shard(loop, compiled)
     data = bytearray(b"".join(frames) + b"".join(encode_frame(s) for s in starts))
     for at, value in edits:
         data[at % len(data)] = value

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -41,7 +40,7 @@ from broky.server.shard import fastpath
 from broky.server.shard.connection import Connection
 from broky.server.shard.core import Shard
 from broky.server.shard.sequences import ENTRY_WORDS
-from tests.test_server_fanout_fuzz import Recorder, chunked
+from tests.support.shardkit import Recorder, chunked
 
 if fastpath.compiled_scan is None and fastpath.pure_requested():
     pytest.skip(f"{fastpath.ENV_PURE} is set: no compiled twin to compare", allow_module_level=True)
@@ -52,13 +51,6 @@ def test_the_compiled_twin_is_built() -> None:
     # server would run several times slower without it (and say so).
     assert fastpath.compiled_scan is not None, fastpath.description
     assert fastpath.description == "compiled"
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 # Partitions on both workers of a two-worker node: worker 0 refuses some (NOT_MY_VBUCKET).

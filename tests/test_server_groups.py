@@ -27,9 +27,9 @@ from broky.protocol import (
     Subscribe,
 )
 from broky.protocol.routing import vbucket_of
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import debug_stats
-from tests.wire import Wire
+from tests.support.http import debug_stats
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire
 
 KPS = [b"kp%d" % i for i in range(64)]
 

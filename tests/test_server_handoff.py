@@ -21,10 +21,9 @@ import pytest
 from broky.errors import ErrorCode
 from broky.protocol import Error, Hello, Welcome, encode_frame
 from broky.server import handoff
-from tests.serverproc import ServerProcess
-from tests.test_metrics import scrape, value
-from tests.test_server_pubsub import debug_stats, http_get
-from tests.wire import Wire
+from tests.support.http import debug_stats, http_get, scrape, value
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire
 
 LIMIT = 64  # file descriptors left to worker 0 (it needs about 20 of them itself)
 REFUSALS = 20  # connections refused before the test stops opening more

@@ -38,7 +38,7 @@ from broky.server.shard import fastpath
 from broky.server.shard.connection import Connection
 from broky.server.shard.core import Shard
 from broky.server.shard.moves import Handed
-from tests.test_server_fanout_fuzz import Recorder
+from tests.support.shardkit import Recorder
 
 X, W = NodeInfo("x", "127.0.0.1", 1, 1), NodeInfo("w", "127.0.0.1", 2, 1)
 HALF = VBUCKETS // 2

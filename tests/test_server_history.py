@@ -27,10 +27,9 @@ from broky.protocol import (
 )
 from broky.protocol.frames import Position
 from broky.protocol.routing import vbucket_of
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import http_get
-from tests.test_server_resume import kill_worker
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import http_get
+from tests.support.serverproc import ServerProcess, kill_worker
+from tests.support.wire import Wire, kp_for_worker
 
 KP = kp_for_worker(0, 1, "hist")
 VB = vbucket_of(KP)

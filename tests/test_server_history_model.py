@@ -13,10 +13,8 @@ that account for every offset after a position: replayed, or counted EVICTED.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -38,18 +36,11 @@ from broky.protocol.routing import vbucket_of
 from broky.server.config import ServerConfig
 from broky.server.shard.connection import Connection
 from broky.server.shard.core import Shard
-from tests.test_server_fanout_fuzz import Recorder
+from tests.support.shardkit import Recorder
 
 PARTS = [b"a", b"b", b"tenant-7", b"tenant-8", b"z" * 30]
 KEYS = [b"k.a", b"k.b", b"k.a.c", b"other"]
 PATTERNS = [(b"k.>", None), (b"k.a", b"a"), (b"k.*", None), (b">", b"tenant-7"), (b"other", None)]
-
-
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 def connection(shard: Shard, i: int) -> Connection:

@@ -29,15 +29,15 @@ from broky.protocol import (
     encode_message,
 )
 from broky.server.config import ServerConfig
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import http_get
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import http_get
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP = [kp_for_worker(0, 2), kp_for_worker(1, 2)]
 
 
 def worker_pid(server: ServerProcess, index: int) -> int:
-    from tests.test_server_pubsub import debug_stats
+    from tests.support.http import debug_stats
 
     snap = debug_stats(server)["workers"][index]
     assert snap is not None
@@ -262,7 +262,7 @@ def test_a_delivery_in_flight_at_shutdown_arrives_before_goodbye(start_server: A
 
 
 def test_a_busy_worker_is_waited_for_then_refused_not_written_off(start_server: Any) -> None:
-    from tests.test_server_pubsub import debug_stats
+    from tests.support.http import debug_stats
 
     server = start_server("--hello-timeout", "10")
     victim = worker_pid(server, 0)
@@ -311,7 +311,7 @@ def test_a_busy_worker_is_waited_for_then_refused_not_written_off(start_server: 
 
 
 def test_least_loaded_means_fewest_open_connections(server: ServerProcess) -> None:
-    from tests.test_server_pubsub import debug_stats
+    from tests.support.http import debug_stats
 
     time.sleep(0.5)  # past the workers' first LOAD reports
     # Ten connections to worker 0 that open and close between two LOAD reports (10 ms).

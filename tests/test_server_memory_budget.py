@@ -34,10 +34,9 @@ from broky.protocol import (
     Welcome,
     encode_message,
 )
-from tests.serverproc import ServerProcess
-from tests.test_metrics import scrape, value
-from tests.test_server_pubsub import debug_stats
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import debug_stats, scrape, value
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP = kp_for_worker(0, 1)
 _seq = struct.Struct("<I")

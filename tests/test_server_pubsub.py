@@ -1,36 +1,20 @@
-"""Pub/sub through a real `broky serve`, on the wire (tests/wire.py)."""
+"""Pub/sub through a real `broky serve`, on the wire (tests/support/wire.py)."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from typing import Any
 
 import pytest
 
 from broky.errors import ErrorCode
 from broky.protocol import Error, LossNotice, Message, Pause, Ping, Pong, Resume, encode_message, new_ksuid
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import debug_stats, http_get
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 KP1 = kp_for_worker(1, 2)
-
-
-def http_get(server: ServerProcess, path: str) -> tuple[int, bytes]:
-    url = f"http://{server.host}:{server.metrics_port}{path}"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def debug_stats(server: ServerProcess) -> dict[str, Any]:
-    status, body = http_get(server, "/stats")
-    assert status == 200
-    return json.loads(body)  # type: ignore[no-any-return]
 
 
 def test_ready_line_healthz_and_welcome(server: ServerProcess) -> None:

@@ -8,8 +8,6 @@ deliveries queued to it never arrived, counted against what really arrived.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
 import time
@@ -30,9 +28,9 @@ from broky.protocol import (
     Resumed,
     encode_message,
 )
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import http_get
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import http_get
+from tests.support.serverproc import ServerProcess, kill_worker
+from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 
@@ -57,28 +55,6 @@ def clients() -> Iterator[Clients]:
     yield c
     for w in c.opened:
         w.close()
-
-
-def wait_restarted(server: ServerProcess, old: list[int], timeout: float = 10.0) -> None:
-    """Until every worker is ready again and the killed one has a new pid."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = server.worker_pids()
-        if len(pids) == server.workers and pids != old:
-            status, _ = http_get(server, "/readyz")
-            if status == 200:
-                return
-        time.sleep(0.02)
-    raise AssertionError(f"worker not restarted in {timeout} s:\n{server.log()}")
-
-
-def kill_worker(server: ServerProcess, worker: int) -> None:
-    """SIGKILL one worker (its pid from /stats) and wait for its successor."""
-    old = server.worker_pids()
-    _, body = http_get(server, "/stats")
-    pid = json.loads(body)["workers"][worker]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    wait_restarted(server, old)
 
 
 def previous(w: Wire, received: int = 0, told_lost: int = 0) -> PreviousConnection:

@@ -16,8 +16,8 @@ from broky.errors import ErrorCode
 from broky.matching import parse_pattern, pattern_matches
 from broky.protocol import Error, Message, Ping, Pong, encode_frame, encode_message, new_ksuid
 from broky.protocol.layout import KEY_UOFFSET_AT, PAYLOAD_UOFFSET_AT
-from tests.serverproc import ServerProcess
-from tests.wire import Wire, kp_for_worker
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP_A = kp_for_worker(0, 2, "a")
 KP_B = kp_for_worker(0, 2, "b")

@@ -25,9 +25,9 @@ from broky.protocol import (
     encode_frame,
     encode_message,
 )
-from tests.serverproc import ServerProcess
-from tests.test_server_pubsub import debug_stats
-from tests.wire import Wire, kp_for_worker
+from tests.support.http import debug_stats
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
 KP1 = kp_for_worker(1, 2)

@@ -28,15 +28,16 @@ from broky.protocol.ksuid import ksuid_time
 from broky.spark import SinkWriteError, partition_writer
 from broky.spark.columns import SinkSpec
 from broky.spark.sink import ClientConfig, UidPlan, write_task
-from tests import requires
-from tests.faultproxy import FaultProxy
-from tests.serverproc import ServerProcess
-from tests.spark_fixtures import SparkLog
+from tests.support import requires
+from tests.support.faultproxy import FaultProxy
+from tests.support.paths import ROOT
+from tests.support.serverproc import ServerProcess
+from tests.support.spark_fixtures import SparkLog
 
 pytestmark = pytest.mark.spark
 
 EVENTS = ("view", "click", "buy")
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "spark" / "sink.md"
+PAGE = ROOT / "docs" / "spark" / "sink.md"
 
 
 @contextmanager
@@ -665,7 +666,7 @@ def test_timestamps_give_the_same_ts_producer_through_arrow_batches_and_rows(
     """A TIMESTAMP is its instant, a TIMESTAMP_NTZ its wall-clock as UTC, on both paths.
 
     The session's time zone and the Python workers' are both away from UTC (see
-    tests/spark_fixtures.py), so a value read in the wrong zone is hours off.
+    tests/support/spark_fixtures.py), so a value read in the wrong zone is hours off.
     """
     expected = int(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()) * 10**9 + 123_456_000
     df = spark.range(0, 4, numPartitions=2).selectExpr(

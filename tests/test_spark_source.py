@@ -28,9 +28,9 @@ from broky.protocol.frames import Position
 from broky.spark import offsets as off
 from broky.spark.sink import ClientConfig
 from broky.spark.source import SCHEMA, SourceOptions, plan
-from tests import requires
-from tests.serverproc import ServerProcess
-from tests.spark_fixtures import SparkLog
+from tests.support import requires
+from tests.support.serverproc import ServerProcess
+from tests.support.spark_fixtures import SparkLog
 
 pytestmark = pytest.mark.spark
 

@@ -23,8 +23,8 @@ from broky.errors import ErrorCode, ServerError
 from broky.matching import parse_pattern
 from broky.server.security import users as users_module
 from broky.server.security.users import covers, hash_password, meets, verify_password
-from tests.serverproc import ServerProcess
-from tests.test_tls import certs, client_context, tls_args, tls_url  # noqa: F401  (certs: a fixture)
+from tests.support.serverproc import ServerProcess
+from tests.support.tls import certs, client_context, tls_args, tls_url  # noqa: F401  (certs: a fixture)
 
 FAST = 1000  # PBKDF2 iterations in tests (the default is slow on purpose)
 
@@ -305,7 +305,7 @@ def test_a_resume_counts_publishes_refused_for_permissions_in_refused(
     # schema/README.md 3, 7.1: Welcome.resumed.refused counts the processed publishes refused
     # with PERMISSION_DENIED as it counts NOT_MY_VBUCKET's: an Error carried each back.
     from broky.protocol import Error, PreviousConnection, Resumed
-    from tests.wire import Wire, kp_for_worker
+    from tests.support.wire import Wire, kp_for_worker
 
     server = start_server("--users", str(users_file(tmp_path / "users.toml", ["orders.>"])), workers=2)
     mine, theirs = kp_for_worker(0, 2), kp_for_worker(1, 2)

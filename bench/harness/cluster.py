@@ -1,4 +1,4 @@
-"""etcd and cluster nodes for the benchmarks (and the tests, through tests/cluster.py).
+"""etcd and cluster nodes for the benchmarks (and the tests, through tests/support/cluster.py).
 
 `EtcdServer` runs one etcd member (Debian's etcd-server, which `./run test`
 installs) on free loopback ports with its own data directory, waits until its

@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tests.requires import program
+from tests.support.requires import program
 
 TIMEOUT = 30.0
 

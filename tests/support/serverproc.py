@@ -9,6 +9,7 @@ stopped by its pid (and its process group, for the workers) at the end.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -18,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support.http import http_get
 
 READY = re.compile(rb"listening on (\S+):(\d+), metrics on (\S+):(\d+)")
 
@@ -128,3 +131,25 @@ class ServerProcess:
         self._log.close()
         os.unlink(self._log.name)
         self.proc = None
+
+
+def wait_restarted(server: ServerProcess, old: list[int], timeout: float = 10.0) -> None:
+    """Until every worker is ready again and the killed one has a new pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = server.worker_pids()
+        if len(pids) == server.workers and pids != old:
+            status, _ = http_get(server, "/readyz")
+            if status == 200:
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"worker not restarted in {timeout} s:\n{server.log()}")
+
+
+def kill_worker(server: ServerProcess, worker: int) -> None:
+    """SIGKILL one worker (its pid from /stats) and wait for its successor."""
+    old = server.worker_pids()
+    _, body = http_get(server, "/stats")
+    pid = json.loads(body)["workers"][worker]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_restarted(server, old)

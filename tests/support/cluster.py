@@ -2,7 +2,7 @@
 
 `EtcdServer` (bench.harness.cluster, shared with the benchmarks) runs one
 etcd member on free loopback ports with its own data directory. `Cluster`
-starts nodes against it (tests.serverproc.ServerProcess with --cluster,
+starts nodes against it (tests.support.serverproc.ServerProcess with --cluster,
 --node-id and short timeouts), reads their /stats and /readyz, runs `broky cluster status --json`, and reads
 the whole history of the map key from etcd (`map_history`: etcd keeps every
 revision until it is compacted, and these tests never compact). Everything is
@@ -29,8 +29,8 @@ import pytest
 from bench.harness.cluster import EtcdServer, http_get, settled_views, wait_for
 from bench.harness.servers import free_port
 from broky.protocol.routing import NO_OWNER, VBucketMap, vbucket_of
-from tests import requires
-from tests.serverproc import ServerProcess
+from tests.support import requires
+from tests.support.serverproc import ServerProcess
 
 __all__ = ["EtcdServer", "free_port", "http_get", "wait_for"]  # tests import them from here
 
