@@ -38,7 +38,7 @@ Scenarios (each starts its own servers on free loopback ports, stops them by pid
   fresh etcd started on the same ports.
 
 Results: bench/results/chaos.md and .json with the machine. `server_restart`
-is also what tests/test_server_restart.py runs, short.
+is also what tests/server/e2e/test_server_restart.py runs, short.
 
 Counted exactly (issue 37, items 1-4): five more scenarios, each on one `broky
 serve --workers 2`, whose promise is that the count told is the count lost,
@@ -74,7 +74,7 @@ ledger (1,024 events) behind is told `resume_unknown`, the count unknown.
 
 Their results: bench/results/chaos_exact.md and .json (chaos_exact_stalled.*
 with `--stall`; the other scenarios' files are left as they are when only
-these run). tests/test_chaos_exact.py runs them short.
+these run). tests/bench/test_chaos_exact.py runs them short.
 """
 
 from __future__ import annotations

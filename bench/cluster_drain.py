@@ -38,7 +38,7 @@ written. Per drain, from the SIGTERM:
 And over the run: published, received, lost (published, never received),
 told, duplicates, out of order (bench.chaos.analyse). Results:
 bench/results/`--name`.md and .json with the machine and commit; `--logs`
-keeps every node's whole log. tests/test_cluster_sdk.py drains a node and
+keeps every node's whole log. tests/cluster/test_cluster_sdk.py drains a node and
 the leader with `drain_once`.
 """
 

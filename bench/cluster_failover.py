@@ -41,7 +41,7 @@ their workers + the publisher's `unconfirmed_lost` (the SDK's count is what
 the subscriber missed); elsewhere, lost == told; no duplicate delivered, no
 more copies dropped than were sent again, no reordering. Results:
 bench/results/cluster_failover.md and .json with the machine. `run` is also
-what tests/test_cluster_sdk.py uses (with bench.harness.cluster's ClusterRun
+what tests/cluster/test_cluster_sdk.py uses (with bench.harness.cluster's ClusterRun
 and bench.worker_kill's Load), with short leases and fewer kills.
 """
 

@@ -33,7 +33,7 @@ Measured, per client process:
 The promise checked: no client hung, no second in which a client took more
 than SPIN_SHARE of a core, every flush ended within its timeout (+ FLUSH_SLACK).
 Results: bench/results/kill_loop_flush.md and .json with the machine.
-`run` is also what tests/test_cluster_sdk.py runs, short (one kill).
+`run` is also what tests/cluster/test_cluster_sdk.py runs, short (one kill).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ CPU of the processes that are not the run's: other users of a shared machine).
 MATRIX lists the SDK-to-SDK headline rows of `python -m bench`. Results:
 bench/results/sdk_burst.md and .json (`--name`), with the machine.
 
-`one_run(..., check=True)` (tests/test_sdk_burst.py; Broky only) also puts
+`one_run(..., check=True)` (tests/bench/test_sdk_burst.py; Broky only) also puts
 the key_partition's index and a sequence number per key_partition in the
 first 8 bytes of every payload, and the subscriber checks every message it
 takes: its key, key_partition and padding, and each key_partition's

@@ -4,7 +4,7 @@
 
 Four sections (issue 27, item 5), each on a fresh `broky serve --workers 2`;
 `--only` runs some of them and keeps the others' last figures in the results;
-`--quick` runs every section with tiny sizes (tests/test_bench_soak.py, in CI):
+`--quick` runs every section with tiny sizes (tests/bench/test_bench_soak.py, in CI):
 
 - `connections`: `--connections` (10,000) raw connections, each with a Hello
   and its Welcome, held `--hold` seconds (60); beside them an open-loop pub/sub
@@ -35,7 +35,7 @@ Four sections (issue 27, item 5), each on a fresh `broky serve --workers 2`;
 
 Frames for the fuzz are made once, cheaply: a pool of connection streams
 (a Hello, then a few hundred frames, each mutated with probability
-MUTATION_RATE by one of tests/test_protocol_fuzz.py's mutations, written here
+MUTATION_RATE by one of tests/protocol/test_protocol_fuzz.py's mutations, written here
 with `random`), cycled; each connection sends one stream in one write, shuts
 its sending side and reads until the server closes. A worker stops reading a
 connection at its first fatal error, so the frames after it are sent but
@@ -415,7 +415,7 @@ def stalled_ok(r: dict[str, Any]) -> bool:
 
 
 def mutate(data: bytearray, rnd: random.Random) -> bytearray:
-    """One of tests/test_protocol_fuzz.py's mutations, drawn with `random` (fast)."""
+    """One of tests/protocol/test_protocol_fuzz.py's mutations, drawn with `random` (fast)."""
     if not data:
         return data
     kind, at = rnd.randrange(6), rnd.randrange(len(data))

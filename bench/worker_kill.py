@@ -40,7 +40,7 @@ no duplicate, no reordering, and the publisher's report bounds what its
 publishes lost.
 Results go to bench/results/worker_kill.md and .json with the machine
 (worker_kill_stalled.* with --stall-subscriber).
-`run` is also what tests/test_worker_kill.py calls, with one kill.
+`run` is also what tests/server/e2e/test_worker_kill.py calls, with one kill.
 """
 
 from __future__ import annotations

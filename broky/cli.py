@@ -21,7 +21,7 @@ from broky import __version__
 # the module that defines register(subparsers) for each command. `broky CMD` loads
 # CMD's module alone: the server's master does not keep the SDK and urllib it
 # never uses (3.9 MB resident); `broky`, `broky --help` or an unknown command
-# load them all (tests/test_cli.py checks that this table names what they add).
+# load them all (tests/client/test_cli.py checks that this table names what they add).
 COMMANDS = {
     "serve": "broky.server.master.cli",
     "passwd": "broky.server.master.cli",

@@ -9,7 +9,7 @@ classes and codes is in schema/README.md (section 9.1).
 The errors of the other parts (the cluster's EtcdError and NodeIdInUse, the
 Spark source's and sink's, the server's own) are defined beside their code,
 under BrokyError too, and keep their other bases (ValueError...) for callers
-that catch those: catch them by class. tests/test_errors.py walks the package
+that catch those: catch them by class. tests/repo/test_errors.py walks the package
 to keep every exception class under BrokyError.
 """
 

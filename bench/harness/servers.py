@@ -14,7 +14,7 @@ directory, which holds its log), removed when it stops: whatever a server
 writes stays there. The Redis-protocol peer is told not to persist at all
 (`--save ""`, `--appendonly no`) and to keep its files in that directory
 (`--dir`): a dump it were asked for (SAVE, SHUTDOWN SAVE) would die with the
-run, never land in the checkout (tests/test_bench_peers.py holds it).
+run, never land in the checkout (tests/bench/test_bench_peers.py holds it).
 """
 
 from __future__ import annotations

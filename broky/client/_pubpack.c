@@ -19,7 +19,7 @@
  *
  * Anything unusual (a field that is not bytes, a second the sequence has not
  * rolled to, an oversized frame, an unknown route) is left to the Python code,
- * which stays the reference: tests/test_client_pubpack.py holds this twin to it.
+ * which stays the reference: tests/client/test_client_pubpack.py holds this twin to it.
  * The layout (the fixed header, the positions of ts_producer, the uoffsets, the
  * uid and the vectors) is handed over once by configure(), from its one owner,
  * broky.protocol.layout (see broky/protocol/_layout.h); layout() gives it back.

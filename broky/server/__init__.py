@@ -2,7 +2,7 @@
 worker process, whose shard owns its vbuckets, connections and subscriptions.
 
 One package per process, one module per concern (docs/contributing/layout.md
-draws it; tests/test_architecture.py holds the rules):
+draws it; tests/repo/test_architecture.py holds the rules):
 
   master/    the master process: accept, Hello, auth, hand-off, HTTP, and the
              supervisor that starts, reaps and restarts the workers; the

@@ -41,7 +41,7 @@ Exposure (decided). "open" endpoints answer anyone: Prometheus scrapes and
 orchestrator probes usually carry no credential, and they list counters only
 (per worker and reason, code, result or cause; the version; in a cluster the
 node's own id and the leader's), never a client's address, name, pattern,
-key_partition or connection id (tests/test_monitor_http.py holds /metrics to
+key_partition or connection id (tests/server/http/test_monitor_http.py holds /metrics to
 it). "token" endpoints list more (pids, cluster members' addresses, clients'
 addresses, names, patterns and connection ids): when the server has an
 --auth-token, they need it as "Authorization: Bearer <token>" (the route is

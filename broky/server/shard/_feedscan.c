@@ -17,11 +17,11 @@
  * frame at the returned position to the Python code, at anything else: a
  * frame of another kind or layout, a shape or bound the checks refuse, a route
  * not in the cache or not owned here, an incomplete frame. So the Python code
- * stays the reference and handles every rare case; tests/test_server_feed_twin.py
+ * stays the reference and handles every rare case; tests/server/unit/test_server_feed_twin.py
  * holds this twin to it (same bytes in, same deliveries, drops and errors out).
  *
  * settle() is the compiled twin of ReplayBuffer.settle's loop: it moves the
- * log's entries into their vbuckets' indexes (tests/test_server_replay.py holds
+ * log's entries into their vbuckets' indexes (tests/server/unit/test_server_replay.py holds
  * it to the Python loop).
  *
  * It does no I/O and keeps no state between calls: the layout (the headers it

@@ -20,7 +20,7 @@ one part's work means for another, the core says (it builds the parts and
 calls them: a connection that ends leaves its groups, its held input, its
 bounded read). The core calls a part only off the per-message path: a
 Subscribe, a Read, an Ack, a map change, a tick, a connection's arrival or
-end. tests/test_architecture.py holds the imports (a part imports this
+end. tests/repo/test_architecture.py holds the imports (a part imports this
 module and the shard's state modules, never the core or another part); mypy
 holds the rest, since a part that reaches for what this Protocol does not
 name fails the type check.

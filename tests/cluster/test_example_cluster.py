@@ -4,7 +4,7 @@ docker-compose.yml is checked for what can be checked without starting container
 Debian's etcd that its etcd image runs, its Prometheus configuration passes promtool,
 its images are the ones `scripts/build-image --cluster` builds). Running it with
 podman-compose takes half a minute: it was run by hand (docs/operations/container.md,
-"A cluster in containers"); tests/test_image.py builds and runs Broky's image."""
+"A cluster in containers"); tests/repo/test_image.py builds and runs Broky's image."""
 
 from __future__ import annotations
 

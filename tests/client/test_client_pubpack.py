@@ -347,7 +347,8 @@ def test_the_sdk_tests_pass_on_the_pure_python_path() -> None:
     env = {**os.environ, "BROKY_PURE_PYTHON": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/test_client_fastpath.py", "tests/test_client.py", "-k", "publish or fast or rows",
+         "tests/client/test_client_fastpath.py", "tests/client/test_client.py",
+         "-k", "publish or fast or rows",
          "--timeout", "240"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip

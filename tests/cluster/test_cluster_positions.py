@@ -195,7 +195,7 @@ def test_a_join_and_a_drain_under_load_keep_every_sequence_and_a_resume_is_told_
         assert len(epochs) == 1, f"vbucket {vb} ({'moved' if vb in moved else 'stayed'}): epochs {epochs}"
     # Consecutive offsets from 1 in every vbucket, across the moves; a gap only for a copy
     # the SDK dropped by uid (a draining node's Goodbye destroyed by a reset, rare: see
-    # tests/test_cluster_sdk.py; the publisher then sent again what it had not confirmed).
+    # tests/cluster/test_cluster_sdk.py; the publisher then sent again what it had not confirmed).
     gaps = 0
     for vb, offsets in offsets_by_vbucket(rec).items():
         assert len(set(offsets)) == len(offsets), f"vbucket {vb}: an offset twice"
@@ -212,7 +212,7 @@ def test_a_join_and_a_drain_under_load_keep_every_sequence_and_a_resume_is_told_
     # (a tail of what followed it), and EVICTED with the count of the rest: what only an
     # old owner had (nothing is copied between nodes; a subscription starts at the owner, and
     # the old owner's retained messages are for a bounded Read that names the vbucket:
-    # tests/test_cluster_former_reads.py).
+    # tests/cluster/test_cluster_former_reads.py).
     assert {r for _, _, r in again.losses} == {LossReason.EVICTED}, again.losses
     start = {p.vbucket: p.offset for p in before}
     full = offsets_by_vbucket(rec)

@@ -2,7 +2,7 @@
 `broky serve` (2 workers): shared work, key-shared order, ack, nack,
 in_progress, max_deliveries with a dead letter, pauses, and what a worker
 restart does to unacked deliveries. The same SDK paths without a server are in
-tests/test_client_groups.py; the server's own tests of groups are beside it.
+tests/client/test_client_groups.py; the server's own tests of groups are beside it.
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def test_environment_reaches_a_real_server_and_json_logs(start_server: Any) -> N
 
 
 def test_dockerfile_matches_the_cli() -> None:
-    """What the Dockerfile says; tests/test_image.py builds and runs it."""
+    """What the Dockerfile says; tests/repo/test_image.py builds and runs it."""
     text = (ROOT / "Dockerfile").read_text()
     # The python image by default; scripts/build-image passes a Debian base of its own.
     assert re.search(r"^ARG BASE=docker\.io/library/python:3\.11-slim$", text, re.M)

@@ -8,7 +8,7 @@ fatal Error and is closed. Unmutated streams are delivered exactly, and read
 back exactly by a bounded read (broky.server.shard.positions), which mutated streams
 may carry too. Every
 test runs on both implementations of the fast path: the pure-Python reference
-and its compiled twin (broky.server.shard.fastpath; tests/test_server_feed_twin.py
+and its compiled twin (broky.server.shard.fastpath; tests/server/unit/test_server_feed_twin.py
 holds the two to each other).
 """
 

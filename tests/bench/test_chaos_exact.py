@@ -10,7 +10,7 @@ lost, nothing told twice), with no count left unknown.
   each vbucket told exactly (before: "dropped 0 (count unknown)" per worker).
 
 The worker killed under a full ack group and the idle cuts are the
-scenarios' too (`python -m bench.chaos`); tests/test_loss_exactness.py holds
+scenarios' too (`python -m bench.chaos`); tests/server/e2e/test_loss_exactness.py holds
 the same two behaviours, faster (SDK clients of a real server, one process).
 - An SSE reader resuming with Last-Event-ID across cuts, `--replay-bytes 0`:
   told exactly, never null (before: told less than lost, and "dropped": 0).

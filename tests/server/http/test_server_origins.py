@@ -1,5 +1,5 @@
 """The Origin check and CORS of the HTTP port (broky.server.http.origins), sans-IO; the browser's
-view of it is tests/test_http_browser.py."""
+view of it is tests/server/http/test_http_browser.py."""
 
 from __future__ import annotations
 

@@ -357,7 +357,7 @@ def test_the_quick_start_prints_what_it_says(
 
 def examples_run_by(name: str) -> list[Example]:
     """The examples whose comment says this module's test `name` runs them, in page order."""
-    return [e for e in EXAMPLES if e.mark == f"tested by tests/test_docs_examples.py::{name}"]
+    return [e for e in EXAMPLES if e.mark == f"tested by tests/repo/test_docs_examples.py::{name}"]
 
 
 def commands(example: Example) -> list[str]:

@@ -67,7 +67,7 @@ def test_quantile_and_merge() -> None:
 
 def test_producer_ages_are_comparable_from_one_second_ahead_to_a_minute_behind() -> None:
     # broky.server.shard.core's inline update of the producer histogram follows this reference
-    # (tests/test_metrics.py checks it against a real server).
+    # (tests/server/http/test_metrics.py checks it against a real server).
     assert histogram.producer_bucket(20_000_000) == histogram.bucket_of(20_000_000)
     assert histogram.producer_bucket(histogram.PRODUCER_BEHIND_NS) == histogram.bucket_of(60 * 10**9)
     assert histogram.producer_bucket(histogram.PRODUCER_BEHIND_NS + 1) is None

@@ -154,7 +154,7 @@ def test_a_forged_claim_for_an_unknown_worker_epoch_changes_nothing(
     other = hello(server, opened, worker=0, previous=bogus)
     assert other.flush() == [LossNotice(0, LossReason.UNACCOUNTED)]
     # Within its first minute a server takes such a claim for a sign that it restarted
-    # under its clients (tests/test_server_restart.py): publishes wait --restart-grace
+    # under its clients (tests/server/e2e/test_server_restart.py): publishes wait --restart-grace
     # for the old process's subscribers, then flow, and the live subscriber gets them.
     pub = hello(server, opened, worker=0)
     pub.publish(KP0, b"u.x", b"after")

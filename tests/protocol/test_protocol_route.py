@@ -212,7 +212,7 @@ def test_server_scan_stamps_or_copies_every_message(stream: list[tuple[Message, 
 
 
 def test_a_layout_where_ts_broker_overlaps_a_vector_is_copied_not_stamped() -> None:
-    # Found by tests/test_server_fanout_fuzz.py: the key_partition offset moved
+    # Found by tests/server/unit/test_server_fanout_fuzz.py: the key_partition offset moved
     # so that its vector's length overlaps the stamps struct. The frame reads
     # fine as it is, but stamping ts_broker in place would break it.
     frame = bytearray(encode_message(b"p1", b"k.a", b"\x00" * 5))

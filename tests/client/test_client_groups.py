@@ -5,7 +5,7 @@ connected): Delivery frames announce a member's share, Ack frames come out
 (decoded with broky.protocol.decode_frame), and a reconnect is played by
 attaching a new WorkerProtocol with a Welcome naming the same or another
 worker process. The same behaviour against a real `broky serve` is in
-tests/test_groups_sdk.py.
+tests/client/test_groups_sdk.py.
 """
 
 from __future__ import annotations

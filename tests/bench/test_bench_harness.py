@@ -1,6 +1,6 @@
 """The one bench harness: its parent parser, its tables, and role processes started, timed and killed.
 
-The benchmark programs' own tests (tests/test_bench_*.py, tests/test_sdk_burst.py, ...) run them
+The benchmark programs' own tests (tests/bench/) run them
 end to end; these hold the shared pieces to their contract: the options a program takes
 are the shared ones it names, at its defaults; a report quotes its command without the
 machine's output directory; a table's alignment line matches its head; and a role
