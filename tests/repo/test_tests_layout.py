@@ -12,6 +12,7 @@ draws the folders.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.support.paths import ROOT
@@ -101,3 +102,14 @@ def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
         "tests.server.test_a",
     ]
     assert shared_code_outside_support(tmp_path) == ["server/helpers.py"]
+
+
+def test_the_layout_page_names_every_folder_of_tests() -> None:
+    # docs/contributing/layout.md's table of tests/: each folder that holds modules, no other.
+    page = (ROOT / "docs" / "contributing" / "layout.md").read_text()
+    section = page.split("\n## The tests\n", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `(tests/[\w/]+)/` \|", section, flags=re.M))
+    folders = {
+        str(p.parent.relative_to(ROOT)) for p in python_files(TESTS) if p.name not in ALLOWED_OUTSIDE_SUPPORT
+    }
+    assert named == folders

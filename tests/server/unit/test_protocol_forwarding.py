@@ -1,7 +1,7 @@
 """What a subscriber receives is what was published, with only its stamps set.
 
 The worker's read handler (a real broky.server.shard.core.Shard, with in-memory
-transports as in tests/server/unit/test_server_fanout_fuzz.py) stamps canonical Message
+transports from tests/support/shardkit.py) stamps canonical Message
 frames in place and forwards a canonical copy of any other layout. For every
 Message frame it accepts, in any layout (the codec's, flatbuffers.Builder's
 with drawn choices, mutated ones, a frame crafted against stamp probes), each

@@ -1,7 +1,7 @@
 """Fuzzing the worker's read handler, `Shard.feed`, which parses publishes by hand.
 
 The Shard is the real one (broky.server.shard.core); only its transports are
-in-memory recorders. Whatever bytes a publisher sends, in whatever chunks:
+in-memory recorders (tests/support/shardkit.py). Whatever bytes a publisher sends, in whatever chunks:
 feed raises nothing, every frame a subscriber receives decodes as a valid
 Message (or a LossNotice), and a publisher either stays open or receives one
 fatal Error and is closed. Unmutated streams are delivered exactly, and read
