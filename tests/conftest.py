@@ -11,6 +11,7 @@ from tests.support.paths import ROOT
 from tests.support.serverproc import ServerProcess
 from tests.support.shardkit import loop  # noqa: F401  (the event loop a shard in this process runs on)
 from tests.support.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
+from tests.support.tls import certs  # noqa: F401  (a throw-away CA and certificates, one per module)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,5 +1,6 @@
 """TLS for the tests: a throw-away CA and certificates made with openssl (the `certs` fixture,
-one directory per module), the server's flags, a client's SSL context and a server's URL.
+one directory per module, registered in tests/conftest.py), the server's flags, a client's
+SSL context and a server's URL.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from broky.matching import parse_pattern
 from broky.server.security import users as users_module
 from broky.server.security.users import covers, hash_password, meets, verify_password
 from tests.support.serverproc import ServerProcess
-from tests.support.tls import certs, client_context, tls_args, tls_url  # noqa: F401  (certs: a fixture)
+from tests.support.tls import client_context, tls_args, tls_url
 
 FAST = 1000  # PBKDF2 iterations in tests (the default is slow on purpose)
 
@@ -247,7 +247,7 @@ def test_the_cli_fails_on_a_refusal_and_says_it_once(
 
 def test_a_client_certificate_subject_stands_for_the_user(
     start_server: Callable[..., ServerProcess],
-    certs: Path,  # noqa: F811
+    certs: Path,
     tmp_path: Path,
 ) -> None:
     path = users_file(tmp_path / "users.toml", ["orders.>"])
