@@ -1,5 +1,6 @@
 # Broky server image: `docker build -t broky .` then
-# `docker run --rm -p 4777:4777 -p 9477:9477 broky` (any `broky serve` option may follow).
+# `docker run --rm -p 127.0.0.1:4777:4777 -p 127.0.0.1:9477:9477 broky` (any `broky serve`
+# option may follow).
 # Where no registry of base images is reachable, `scripts/build-image` builds it with
 # podman on a minimal Debian base of its own (mmdebstrap) passed as BASE.
 #
@@ -37,8 +38,14 @@ RUN /opt/broky/bin/pip wheel --no-deps --no-build-isolation --disable-pip-versio
 
 FROM ${BASE}
 
+# The server binds 0.0.0.0 inside the container, so that published ports reach it; who can
+# reach those is decided by `-p` on the host, which the server cannot see. So the image
+# serves without a credential (with a WARNING in its log and broky_unauthenticated_public 1):
+# publish on 127.0.0.1, or set BROKY_AUTH_TOKEN / --users; -e BROKY_ALLOW_UNAUTHENTICATED=no
+# makes it refuse to start without one, as `broky serve` does beyond loopback.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    BROKY_ALLOW_UNAUTHENTICATED=1 \
     PATH=/opt/broky/bin:$PATH
 
 # With the cluster extra (the etcd client): `broky serve --cluster etcd://...` works in the image.

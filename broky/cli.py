@@ -1,8 +1,8 @@
-"""The `broky` command: serve, pub, sub, info, cluster status.
+"""The `broky` command: serve, pub, sub, info, cluster status, certs.
 
 Each subcommand lives with its concern and registers itself here:
-broky.server.master.cli (serve), broky.client.cli (pub, sub, info),
-broky.cluster.cli (cluster status). The benchmark
+broky.server.master.cli (serve, passwd), broky.server.security.devcerts (certs),
+broky.client.cli (pub, sub, info), broky.cluster.cli (cluster status). The benchmark
 harness is `python -m bench` in a source checkout.
 """
 
@@ -25,6 +25,7 @@ from broky import __version__
 COMMANDS = {
     "serve": "broky.server.master.cli",
     "passwd": "broky.server.master.cli",
+    "certs": "broky.server.security.devcerts",
     "pub": "broky.client.cli",
     "sub": "broky.client.cli",
     "info": "broky.client.cli",

@@ -116,6 +116,8 @@ class ServerConfig:
     tls_ca: str | None = None  # CA bundle (PEM) that client certificates must chain to
     tls_verify_clients: bool = False  # mutual TLS: a client without a certificate from tls_ca is refused
     tls_allow_plain: bool = False  # with a certificate, plain connections are served too
+    # Beyond loopback without --auth-token or --users: serve anyway (broky.server.security.exposure).
+    allow_unauthenticated: bool = False
 
     def advertised_host(self) -> str:
         """The host clients should dial, as written in the vbucket map."""
@@ -325,6 +327,14 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         str,
         "token every Hello must carry, and every request for /stats, /connections and /topics "
         "(as 'Authorization: Bearer TOKEN'; default: none)",
+    ),
+    (
+        "--allow-unauthenticated",
+        "allow_unauthenticated",
+        _switch,
+        "serve without --auth-token or --users on a --host that is not loopback (0.0.0.0, ::, a "
+        "LAN address), where anyone who reaches the ports may publish and subscribe; without it "
+        "such a server refuses to start (default: off)",
     ),
     (
         "--users",

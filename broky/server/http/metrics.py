@@ -463,6 +463,13 @@ class SnapshotCollector:
         ready = _gauge("broky_workers_ready", "Workers ready to serve.")
         ready.add_metric([], float(m.get("workers_ready", 0)))
         yield ready
+        exposed = _gauge(
+            "broky_unauthenticated_public",
+            "1 when the server listens beyond loopback without --auth-token or --users "
+            "(--allow-unauthenticated), else 0.",
+        )
+        exposed.add_metric([], float(m.get("unauthenticated_public", False)))
+        yield exposed
         info = _gauge("broky_build_info", "Always 1; the version is a label.", labels=["version"])
         info.add_metric([__version__], 1.0)
         yield info

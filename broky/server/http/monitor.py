@@ -47,7 +47,8 @@ addresses, names, patterns and connection ids): when the server has an
 --auth-token, they need it as "Authorization: Bearer <token>" (the route is
 registered `private`; broky.server.http.server answers 401 otherwise and says
 whether it was missing, malformed or wrong). Without a token they are open,
-like the client port: bind --host where only trusted hosts reach it. Nothing
+like the client port, which is why such a server binds loopback only unless
+started with --allow-unauthenticated (broky.server.security.exposure). Nothing
 any endpoint lists lets a client claim another's connection: a resume needs
 that connection's secret (Welcome.resume_token, broky.server.accounts), which
 no endpoint and no log line shows; a connection id alone claims nothing.
@@ -100,6 +101,7 @@ class Observed(Protocol):
     refused_total: dict[str, int]
     handoffs_refused: dict[tuple[int, str], int]
     limits_refused: dict[str, int]
+    unauthenticated_public: bool  # beyond loopback without a credential (broky.server.security.exposure)
 
     @property
     def cluster(self) -> ClusterView | None: ...
@@ -216,6 +218,7 @@ class Monitor:
             "handoffs_pending": [len(wp.pending) if wp is not None else 0 for wp in sup.workers],
             "handoffs_refused": _by_worker(m.handoffs_refused, m.config.workers),
             "connections_refused": dict(m.limits_refused),
+            "unauthenticated_public": m.unauthenticated_public,
             "vbuckets_owned": _owned(m),
             "http": _http_view(m),
             "processes": _processes(sup),

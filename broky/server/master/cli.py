@@ -57,6 +57,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"broky serve: error: {exc}", file=sys.stderr)
         return 2
+    from broky.server.security.exposure import refusal
+
+    refused = refusal(cfg)  # beyond loopback without a credential: not without --allow-unauthenticated
+    if refused is not None:
+        print(f"broky serve: error: {refused}", file=sys.stderr)
+        return 2
     if cfg.cluster and not _etcd_client_installed():
         print(
             "broky serve: error: --cluster needs the etcd client, which is not installed: "

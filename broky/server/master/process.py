@@ -137,6 +137,7 @@ from broky.server.http.server import HttpServer, Request, Response
 from broky.server.logs import Throttle
 from broky.server.master.rates import AddressRate
 from broky.server.master.supervisor import Supervisor, WorkerProcess
+from broky.server.security import exposure
 from broky.server.security.users import Users, admits
 from broky.server.shard import fastpath
 
@@ -250,6 +251,9 @@ class Master:
         self.certificates: Certificates | None = (
             None  # --tls-cert: the https port's (broky.server.security.tls)
         )
+        # Beyond loopback without a credential (--allow-unauthenticated): logged at start,
+        # /metrics broky_unauthenticated_public, /stats (broky.server.security.exposure).
+        self.unauthenticated_public = exposure.unauthenticated_public(config)
 
     # ------------------------------------------------------------ life
 
@@ -327,6 +331,8 @@ class Master:
         )  # fmt: skip
         if (warning := fastpath.warning()) is not None:
             log.warning("%s", warning)
+        if self.unauthenticated_public:
+            log.warning("%s", exposure.warning(cfg, metrics_port))
         code = await sup.run(drain=self._drain if self.cluster is not None else None)
         await self.shutdown()  # on a failure (code 1) the supervisor logged why
         return code
