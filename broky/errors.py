@@ -171,12 +171,36 @@ class BrokyConnectionError(BrokyError, ConnectionError):
     """No connection to the server could be made or kept."""
 
 
+# What to check when nothing answers as a Broky server: said by every NoServerError (the
+# SDK's and the `broky` commands' alike).
+NO_SERVER_HINT = "(is `broky serve` running? `./run serve` starts one)"
+
+
 class NoServerError(BrokyConnectionError):
     """Every address tried refused the connection: no server listens there.
 
-    A host that does not answer at all is a BrokyConnectionError after the
-    timeout; a refusal is immediate (see `wait_for_server` in `broky.connect`).
+    Also raised when every address closed the connection without answering the
+    Hello (a Broky server always answers one: a port forward or proxy with
+    nothing behind it, or a TLS-only port, closes so). A host that does not
+    answer at all is a BrokyConnectionError after the timeout; a refusal is
+    immediate (see `wait_for_server` in `broky.connect`). The message ends with
+    NO_SERVER_HINT; `refused` is False when an address closed without answering.
     """
+
+    def __init__(self, message: str, refused: bool = True) -> None:
+        super().__init__(message if message.endswith(NO_SERVER_HINT) else f"{message} {NO_SERVER_HINT}")
+        self.refused = refused
+
+
+class NotBrokyError(BrokyConnectionError):
+    """The address answered, but not as a Broky client port: an HTTP server (Broky's own
+    HTTP/metrics port among them), TLS from the first byte, or bytes that are no Broky
+    frame. Raised at the first bytes, never retried: another try would get the same.
+    `answered` holds the first bytes read (at most 64)."""
+
+    def __init__(self, message: str, answered: bytes = b"") -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class SeedsDisagreeError(BrokyError, ValueError):

@@ -276,7 +276,9 @@ def register(subparsers: Any) -> None:
         metavar="HOST:PORT",
         help=f"metrics endpoint for live counters (default: ${ENV_METRICS}, else the server host, port "
         f"{DEFAULT_METRICS_PORT}); a server started with another --metrics-port prints its metrics "
-        "address in its ready line. Given here or in the variable, a failure to read it is an error.",
+        "address in its ready line. Given here or in the variable, a failure to read it is an error. "
+        "With a broky+tls:// server, HOST:PORT is read over https (a TLS server's HTTP port speaks https "
+        "only).",
     )
     _common(i)
     i.set_defaults(func=cmd_info)

@@ -110,6 +110,7 @@ from broky.errors import (
     BrokyTimeoutError,
     ClientClosedError,
     NoServerError,
+    NotBrokyError,
     SeedsDisagreeError,
     ServerError,
     SlowConsumerError,
@@ -348,20 +349,23 @@ class Client(Publisher):
                     )
                     found = (seed, proto, welcome)
                     break
-                except ServerError:
-                    raise
+                except (ServerError, NotBrokyError):
+                    raise  # an answer: another try would get the same
                 except BrokyError as exc:
                     refused += isinstance(exc, NoServerError)
                     if last is None or not isinstance(exc, BrokyTimeoutError):
                         last = exc  # keep "connection refused" rather than the last short timeout
             if found is not None:
                 break
+            tls = self.tls is not None
             if refused == len(resolved) and not self.wait_for_server:
-                tried = ", ".join(f"{seed.host}:{seed.port}" for seed, _ in resolved)
+                if isinstance(last, NoServerError) and not last.refused:  # closed without a word
+                    raise NoServerError(str(last), refused=False) from None
+                tried = ", ".join(seed.url(tls) for seed, _ in resolved)
                 raise NoServerError(f"connection refused at {tried}: no server listens there") from None
             left = deadline - loop.time()
             if left <= 0:
-                tried = ", ".join(str(seed) for seed, _ in resolved)
+                tried = ", ".join(seed.url(tls) for seed, _ in resolved)
                 raise (NoServerError if refused == len(resolved) else BrokyConnectionError)(
                     f"cannot connect to {tried} within {self.connect_timeout:g} s: {last}"
                 ) from None

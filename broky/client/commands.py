@@ -17,8 +17,6 @@ import os
 import sys
 from typing import Any
 
-from broky.errors import NoServerError
-
 ENV_TOKEN = "BROKY_AUTH_TOKEN"
 ENV_USER = "BROKY_USER"
 ENV_PASSWORD = "BROKY_PASSWORD"  # the password of --user (never a flag: it would show in `ps`)
@@ -27,9 +25,8 @@ DEFAULT_METRICS_PORT = 9477
 
 
 def fail(command: str, message: object) -> int:
-    """One error line on stderr; the exit status 1."""
-    if isinstance(message, NoServerError):
-        message = f"{message} (is `broky serve` running? `./run serve` starts one)"
+    """One error line on stderr; the exit status 1. (A NoServerError says what starts a
+    server itself, NO_SERVER_HINT: the SDK's and the commands' errors read the same.)"""
     print(f"broky {command}: error: {message}", file=sys.stderr)
     return 1
 

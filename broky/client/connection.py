@@ -25,6 +25,19 @@ asks for TLS and carries no secret, the server's go-ahead, the TLS
 handshake), then sends the Hello inside TLS; the protocol is the same
 WorkerProtocol over asyncio's TLS transport (its writes and reads, and so the
 compiled publish and read paths, go through the transport either way).
+
+What answers the Hello if not a Broky server is told from its first bytes
+(`not_broky`), at once and without a retry (NotBrokyError): an HTTP server
+(Broky's own HTTP port says which client port is its server's, in a
+`Broky-Client-Port` header), a TLS alert (a port that speaks TLS from its
+first byte), or anything else that is not a frame. The checks run only when
+the first frame fails to read (a size prefix out of bounds: "HTTP" is one of
+1.3 GB), when a read ends inside a frame before the Welcome (a TLS alert
+reads as the size prefix of a frame of 192 KiB), or when the connection ends
+before a Welcome: the read path pays one test of `self.handler` on a read
+that ends inside a frame, nothing on the others. A peer that closes without a byte is no Broky server either
+(one always answers a Hello), but may be a proxy or port forward whose server
+is starting: NoServerError, retried while the client waits for its server.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from broky.client.url import ServerAddress
 from broky.errors import (
     AuthenticationError,
     BrokyConnectionError,
@@ -44,6 +58,7 @@ from broky.errors import (
     ErrorCode,
     MalformedFrameError,
     NoServerError,
+    NotBrokyError,
     NotMyVBucketError,
     ProtocolError,
     RemoteProtocolError,
@@ -119,6 +134,15 @@ _tuple_new = tuple.__new__
 SHAPE_CACHE_SIZE = 1024
 # (read of every field from TS_PRODUCER_AT, key length, payload length, frame length)
 Shape = tuple[Callable[[bytes, int], tuple[Any, ...]], int, int, int]
+# What a stranger's answer keeps to be told apart (an HTTP status line and headers).
+ANSWER_KEPT = 1024
+# The header of an answer of Broky's HTTP port (broky.server.http.server) to bytes that are
+# not HTTP: the port of its server's clients.
+CLIENT_PORT_HEADER = b"broky-client-port:"
+SILENT_CLOSE = (
+    "without answering the Hello: no Broky server answers there (a port forward or proxy with no "
+    "server behind it closes so, as does a port that speaks TLS from its first byte, such as https)"
+)
 
 
 class Handler(Protocol):
@@ -137,6 +161,55 @@ def server_error(err: Error) -> ServerError:
     if err.code == ErrorCode.NOT_MY_VBUCKET:
         return NotMyVBucketError(err.code, text, map_version=err.map_version, sid=err.sid, rid=err.rid)
     return ServerError(err.code, text, map_version=err.map_version, sid=err.sid, rid=err.rid)
+
+
+def _tls_alert(data: bytes, pos: int) -> bool:
+    """Whether a TLS alert record starts at pos: type 21, version 3.1 to 3.4, length 2. (A
+    frame whose size prefix reads so is over 64 KiB, and the first byte of its root offset
+    would have to be 2 as well.)"""
+    head = data[pos : pos + 5]
+    return (
+        len(head) == 5
+        and head[0] == 0x15
+        and head[1] == 0x03
+        and 1 <= head[2] <= 4
+        and head[3:5] == b"\x00\x02"
+    )
+
+
+def not_broky(host: str, port: int, tls: bool, answered: bytes) -> NotBrokyError:
+    """The error for a peer that answered a Hello with `answered`, which is not a Broky
+    frame: it names what was reached, from those first bytes."""
+    url = ServerAddress(host, port).url(tls)
+    if answered.startswith(b"HTTP/"):
+        head = answered.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+        status = head[0][:60].decode("latin-1")
+        client_port = next(
+            (
+                line[len(CLIENT_PORT_HEADER) :].strip()
+                for line in head[1:]
+                if line.lower().startswith(CLIENT_PORT_HEADER)
+            ),
+            b"",
+        )
+        if client_port.isdigit():
+            other = ServerAddress(host, int(client_port)).url(tls)
+            return NotBrokyError(
+                f"{url} is the HTTP port of a Broky server (metrics, /v1/), not its client port "
+                f"(it answered {status!r}): connect to {other}",
+                answered[:64],
+            )
+        return NotBrokyError(
+            f"{url} is an HTTP server, not a Broky client port (it answered {status!r})", answered[:64]
+        )
+    if _tls_alert(answered, 0):  # the peer tried to read the Hello as TLS
+        return NotBrokyError(
+            f"{url} speaks TLS from its first byte (it answered a TLS alert), not the Broky protocol: "
+            "an https port, or a TLS proxy. A Broky server with TLS answers a plain Hello itself "
+            "(TLS_REQUIRED), and broky+tls:// reaches it on its client port",
+            answered[:64],
+        )
+    return NotBrokyError(f"{url} is not a Broky client port (it answered {answered[:24]!r})", answered[:64])
 
 
 class WorkerProtocol(asyncio.Protocol):
@@ -242,6 +315,8 @@ class WorkerProtocol(asyncio.Protocol):
                     check_size(size, limit)
                 end = pos + 4 + size
                 if end > n:
+                    if self.handler is None and not self.welcome.done() and _tls_alert(data, pos):
+                        raise MalformedFrameError("a TLS alert")  # (the peer may keep the connection)
                     break
                 if (
                     on_message is not None
@@ -286,7 +361,10 @@ class WorkerProtocol(asyncio.Protocol):
                         announced = self.announced
                 pos = end
         except ProtocolError as exc:
-            self._fail(exc)
+            if self.handler is None and not self.welcome.done():  # the first frame: no Broky answer
+                self._fail(NotBrokyError("not a Broky frame", data[:ANSWER_KEPT]))
+            else:
+                self._fail(exc)
             return
         if pos:  # the tail: whole frames of the last reads, kept by reference (no copy)
             tail = self.tail
@@ -398,7 +476,19 @@ class WorkerProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.handler is None and not self.welcome.done():
-            self.welcome.set_exception(BrokyConnectionError(f"connection closed during the handshake: {exc}"))
+            # (open_connection names the address in these)
+            if self._partial and _tls_alert(self._partial, 0):
+                lost: BrokyError = NotBrokyError("a TLS alert", self._partial[:ANSWER_KEPT])
+            elif self._partial:  # a frame begun (a server that died while writing it?): transient
+                lost = BrokyConnectionError(
+                    f"closed the connection in the middle of its answer ({len(self._partial)} bytes)"
+                )
+            elif exc is None:
+                lost = NoServerError(f"closed the connection {SILENT_CLOSE}", refused=False)
+            else:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                lost = BrokyConnectionError(f"ended the connection before answering the Hello: {reason}")
+            self.welcome.set_exception(lost)
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -524,42 +614,65 @@ async def _start_tls(
         previous=None if previous is None else PreviousConnection(previous.connection_id),
         tls=True,
     )
+    url = ServerAddress(host, port).url(tls=True)
     await loop.sock_sendall(sock, encode_hello(plain))
-    head = await _recv_exactly(sock, 4, host, port)
+    head = await _recv_exactly(sock, 4, url)
     size = _u32(head)[0]
     if size:  # not the go-ahead: a refusal (a fatal Error), or a server that does not know Hello.tls
-        if not MIN_FRAME_SIZE <= size <= 1 << 20:
-            raise BrokyConnectionError(f"{host}:{port} answered a Hello asking for TLS with garbage")
+        if (
+            not MIN_FRAME_SIZE <= size <= 1 << 20
+            or head.startswith(b"HTTP")
+            or (head[:2] == b"\x15\x03" and 1 <= head[2] <= 4)  # a TLS alert
+        ):
+            raise not_broky(host, port, True, head + await _recv_some(sock, ANSWER_KEPT))
         try:
-            frame = decode_frame(head + await _recv_exactly(sock, size, host, port))
-        except ProtocolError as exc:
-            raise BrokyConnectionError(
-                f"{host}:{port} answered a Hello asking for TLS with garbage: {exc}"
-            ) from None
+            frame = decode_frame(head + await _recv_exactly(sock, size, url))
+        except ProtocolError:
+            raise not_broky(host, port, True, head) from None
         if isinstance(frame, Error):
             raise server_error(frame)
         if isinstance(frame, Goodbye):
-            raise BrokyConnectionError(f"{host}:{port} is shutting down: {frame.reason}")
+            raise BrokyConnectionError(f"{url} is shutting down: {frame.reason}")
         raise BrokyConnectionError(
-            f"{host}:{port} does not offer TLS: it answered a Hello asking for TLS with a "
+            f"{url} does not offer TLS: it answered a Hello asking for TLS with a "
             f"{type(frame).__name__} (a server older than TLS support)"
         )
     try:
         _, proto = await loop.create_connection(WorkerProtocol, sock=sock, ssl=tls, server_hostname=host)
     except ssl.SSLError as exc:
-        raise BrokyConnectionError(f"TLS handshake with {host}:{port} failed: {exc}") from None
+        hint = ""
+        if exc.reason in ("WRONG_VERSION_NUMBER", "UNEXPECTED_RECORD", "RECORD_LAYER_FAILURE"):
+            hint = f": the server does not speak TLS on this port: use {ServerAddress(host, port).url()}"
+        elif exc.reason == "CERTIFICATE_VERIFY_FAILED":
+            hint = (
+                " (the client does not trust the server's certificate: give its CA, "
+                "ssl_context=ssl.create_default_context(cafile=...) or --tls-ca)"
+            )
+        raise BrokyConnectionError(f"TLS handshake with {url} failed: {exc}{hint}") from None
     return proto
 
 
-async def _recv_exactly(sock: socket.socket, n: int, host: str, port: int) -> bytes:
+async def _recv_exactly(sock: socket.socket, n: int, url: str) -> bytes:
     loop = asyncio.get_running_loop()
     data = b""
     while len(data) < n:
         chunk = await loop.sock_recv(sock, n - len(data))
         if not chunk:
-            raise BrokyConnectionError(f"{host}:{port} closed the connection before it started TLS")
+            if data:
+                raise BrokyConnectionError(f"{url} closed the connection in the middle of its answer")
+            raise NoServerError(f"{url} closed the connection {SILENT_CLOSE}", refused=False)
         data += chunk
     return data
+
+
+async def _recv_some(sock: socket.socket, n: int) -> bytes:
+    """What the peer sent next (at most n bytes, within 0.2 s), b"" if nothing: more of
+    the answer that tells what it is."""
+    try:
+        async with asyncio.timeout(0.2):
+            return await asyncio.get_running_loop().sock_recv(sock, n)
+    except (TimeoutError, OSError):
+        return b""
 
 
 async def _connect(address: str, port: int) -> socket.socket:
@@ -624,28 +737,38 @@ async def open_connection(
             if sock is not None and tls is not None:
                 proto = await _start_tls(sock, host, port, hello, tls)
                 sock = None  # the transport's now
+            url = ServerAddress(host, port).url(tls is not None)
             if proto is None:
                 reason = (error.strerror or error) if error is not None else "no address"
-                message = f"cannot connect to {host}:{port}: {reason}"
+                message = f"cannot connect to {url}: {reason}"
                 if refused and refused == len(addresses):  # every address: nothing listens there
                     raise NoServerError(message)
                 raise BrokyConnectionError(message)
             proto.write(encode_hello(hello))
             try:
                 welcome = await proto.welcome
-            except BrokyConnectionError as exc:
-                if tls is None or isinstance(exc, ServerError):
-                    raise
-                raise BrokyConnectionError(
-                    f"{host}:{port} closed the TLS connection before its Welcome ({exc}): with mutual "
-                    "TLS, it refused this client's certificate, or the client sent none"
-                ) from None
+            except NotBrokyError as exc:
+                if tls is not None:  # inside TLS: a Broky server's go-ahead, then not Broky
+                    raise NotBrokyError(
+                        f"{url} is not a Broky client port (inside TLS)", exc.answered
+                    ) from None
+                raise not_broky(host, port, False, exc.answered) from None
+            except BrokyConnectionError as exc:  # (the protocol's: closed, or reset)
+                if tls is not None:
+                    raise BrokyConnectionError(
+                        f"{url} closed the TLS connection before its Welcome: with mutual "
+                        "TLS, it refused this client's certificate, or the client sent none"
+                    ) from None
+                if isinstance(exc, NoServerError):
+                    raise NoServerError(f"{url} {exc}", refused=exc.refused) from None
+                raise BrokyConnectionError(f"{url} {exc}") from None
     except TimeoutError:
         if proto is not None:
             proto.abort()
         if sock is not None:
             sock.close()
-        raise BrokyTimeoutError(f"no Welcome from {host}:{port} within {timeout:g} s") from None
+        url = ServerAddress(host, port).url(tls is not None)
+        raise BrokyTimeoutError(f"no Welcome from {url} within {timeout:g} s") from None
     except BaseException:
         if proto is not None:
             proto.abort()

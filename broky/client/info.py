@@ -5,7 +5,10 @@ Theory of operation
 It connects as a client: the Welcome gives the node, its version, the
 vbucket map (every node of a cluster) and the limits. The live part comes
 from the node's metrics port (--metrics, else $BROKY_METRICS, else the
-server's host on port 9477).
+server's host on port 9477). A TLS server's HTTP port speaks https only, so
+with a broky+tls:// server the default and a --metrics HOST:PORT without a
+scheme are read over https (with the client's CAs); an http:// address that
+closes without answering is reported with "use https://".
 
 The summary (the default) reads /metrics twice, --interval seconds apart:
 /metrics is open to anyone and labels every counter by worker
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import re
@@ -288,7 +292,19 @@ def _metrics_address(args: argparse.Namespace, client: Client) -> tuple[str, boo
     """Where the counters are, and whether it was given (flag or variable) or guessed."""
     explicit = args.metrics or os.environ.get(ENV_METRICS)
     scheme = "https://" if client.tls is not None else ""  # a TLS server's HTTP port is https
+    if explicit and "://" not in explicit:
+        return scheme + explicit, True  # HOST:PORT of a TLS server: https, as its HTTP port speaks
     return explicit or f"{scheme}{client.address.host}:{DEFAULT_METRICS_PORT}", bool(explicit)
+
+
+def _why(address: str, exc: OSError) -> object:
+    """Why the counters could not be read from `address`: an http:// port that closed without
+    answering may speak https (a Broky server with TLS serves its HTTP port over https only)."""
+    reason = getattr(exc, "reason", exc)
+    if isinstance(exc, http.client.RemoteDisconnected) and not address.startswith("https://"):
+        host_port = address.split("://", 1)[-1]
+        return f"{reason} (a Broky server with TLS serves its HTTP port over https only: use https://{host_port})"
+    return reason
 
 
 def _https(address: str, client: Client) -> Any:
@@ -325,7 +341,7 @@ async def info_text(args: argparse.Namespace) -> int:
         await asyncio.sleep(args.interval)
         after = await asyncio.to_thread(read_metrics, address, 2.0, _https(address, client))
     except OSError as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = _why(address, exc)
         if explicit:
             return _fail("info", f"no counters from {address}: {reason}")
         print(_unavailable(address, reason))
@@ -371,7 +387,7 @@ async def info_json(args: argparse.Namespace) -> int:
             read_stats, address, client.auth_token, 2.0, _https(address, client), options.get("user")
         )
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = _why(address, exc) if isinstance(exc, OSError) else exc
         out["stats"] = None
         out["error"] = f"no counters from {address}: {reason}"
         status = 1 if explicit else 0

@@ -241,40 +241,40 @@ class Publisher:
         elif link.flush_handle is None:
             link.schedule_flush()
 
-    async def _publish_compiled(
-        self,
-        key_partition: bytes | str,
-        key: bytes | str,
-        payload: bytes,
-        *,
-        ts_producer: int | None = None,
-        uid: bool | bytes = True,
-    ) -> None:
-        # `publish` with the compiled twin: pubpack's FastPath runs the fast path's
-        # steps in C (the cache lookup, the frame stamped from the cached sample
-        # frame, appended to the Link's `out` and counted, its flush scheduled).
-        # False from it (a miss, odd types, the Link down, a new second for the
-        # sequence) and a uid other than True take the general path, as in `publish`.
-        if uid is True and self._open:
-            link = self._fastpath.publish(key_partition, key, payload, ts_producer)
-            if link is None:
-                self.stats.published += 1
-                return
-            if link is not False:  # published, and its Link's batch is full: written now
-                self.stats.published += 1
-                proto = link.proto
-                link.flush_out()
-                if proto.write_paused:
-                    await proto.drain()
-                else:
-                    await asyncio.sleep(0)
-                return
-        return await self._publish_general(key_partition, key, payload, ts_producer, uid)
-
-    _publish_compiled.__doc__ = publish.__doc__
     _publish_pure = publish
-    if _FastPath is not None:
-        publish = _publish_compiled
+    if _FastPath is not None:  # `publish` with the compiled twin (its own name: what Python's errors say)
+
+        async def publish(
+            self,
+            key_partition: bytes | str,
+            key: bytes | str,
+            payload: bytes,
+            *,
+            ts_producer: int | None = None,
+            uid: bool | bytes = True,
+        ) -> None:
+            # `publish` with the compiled twin: pubpack's FastPath runs the fast path's
+            # steps in C (the cache lookup, the frame stamped from the cached sample
+            # frame, appended to the Link's `out` and counted, its flush scheduled).
+            # False from it (a miss, odd types, the Link down, a new second for the
+            # sequence) and a uid other than True take the general path, as in `publish`.
+            if uid is True and self._open:
+                link = self._fastpath.publish(key_partition, key, payload, ts_producer)
+                if link is None:
+                    self.stats.published += 1
+                    return
+                if link is not False:  # published, and its Link's batch is full: written now
+                    self.stats.published += 1
+                    proto = link.proto
+                    link.flush_out()
+                    if proto.write_paused:
+                        await proto.drain()
+                    else:
+                        await asyncio.sleep(0)
+                    return
+            return await self._publish_general(key_partition, key, payload, ts_producer, uid)
+
+        publish.__doc__ = _publish_pure.__doc__
 
     async def publish_many(
         self,

@@ -19,8 +19,12 @@ class ServerAddress(NamedTuple):
     port: int
 
     def __str__(self) -> str:
+        return self.url()
+
+    def url(self, tls: bool = False) -> str:
+        """The address as a URL: broky+tls://host:port for a TLS connection, else broky://."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{SCHEME}{host}:{self.port}"
+        return f"{TLS_SCHEME if tls else SCHEME}{host}:{self.port}"
 
 
 def parse_server(url: str | None) -> ServerAddress:

@@ -314,12 +314,13 @@ def test_no_server_is_a_clear_error_at_once(unused_port: int) -> None:
         (["info"], [unused_port]),
     ):
         tried = ", ".join(f"127.0.0.1:{port}" for port in seeds)
+        shown = ", ".join(f"broky://127.0.0.1:{port}" for port in seeds)  # the scheme used
         began = time.monotonic()
         done = broky_cli(*command, "--server", tried.replace(" ", ""))
         took = time.monotonic() - began
         assert done.returncode == 1
         expected = (
-            f"broky {command[0]}: error: connection refused at {tried}: no server listens there "
+            f"broky {command[0]}: error: connection refused at {shown}: no server listens there "
             "(is `broky serve` running? `./run serve` starts one)\n"
         )
         assert done.stderr == expected.encode(), done.stderr

@@ -389,7 +389,8 @@ def test_a_refused_first_connection_waits_for_a_starting_server_unless_told_not_
     async def main() -> None:
         began = time.monotonic()
         with pytest.raises(
-            broky.NoServerError, match=re.escape(f"connection refused at {address}: no server listens")
+            broky.NoServerError,
+            match=re.escape(f"connection refused at broky://{address}: no server listens"),
         ):
             await broky.connect(address, wait_for_server=False)
         assert time.monotonic() - began < 1  # at once, not after connect_timeout

@@ -29,7 +29,14 @@ lingering after its last answer) is ended quietly.
 Every request takes the same steps, each of which may end it with a 4xx:
 
     read      bytes until the head ends (the first empty line; CRLF or bare
-              LF, as h11 accepts), at most MAX_REQUEST_BYTES (else 431) and
+              LF, as h11 accepts); bytes that no request line holds (a
+              control character but CR and LF, or a byte outside ASCII, in
+              the first line: a Broky client's Hello, whose size prefix
+              holds NULs, or a TLS ClientHello) end it at once with a 400
+              that says so and, in a `Broky-Client-Port` header, which
+              port the server's clients connect to (`not_http`; the SDK
+              names that port in its error: broky.client.connection);
+              at most MAX_REQUEST_BYTES (else 431) and
               within REQUEST_TIMEOUT seconds (else 408 when anything
               arrived, and the client counted in `cut_slow`; a connection
               that sent nothing is closed silently, as is one that ended
@@ -577,6 +584,7 @@ class HttpServer:
         self.streams: set[Stream] = set()  # streams being written
         self.tasks: set[asyncio.Task[None]] = set()  # one per connection, refused ones included
         self.refused_reading = 0  # refused connections whose head is being read (`_busy`)
+        self.client_port = 0  # the server's port for Broky clients, once bound (`not_http`)
 
     def route(
         self,
@@ -666,7 +674,7 @@ class HttpServer:
             return busy.answer()
         self.refused_reading += 1
         try:
-            got = await _read_head(reader, timeout=REFUSED_HEAD_TIMEOUT)
+            got = await _read_head(reader, timeout=REFUSED_HEAD_TIMEOUT, client_port=self.client_port)
         finally:
             self.refused_reading -= 1
         if not isinstance(got, tuple):
@@ -691,7 +699,7 @@ class HttpServer:
         while True:
             method = "other"
             try:
-                got = await _read_head(reader, data, idle=served > 0)
+                got = await _read_head(reader, data, idle=served > 0, client_port=self.client_port)
                 if got is None:
                     writer.close()
                     return
@@ -1019,11 +1027,36 @@ async def _last_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         writer.close()
 
 
+# The bytes a request line may hold (and the CR and LF that end it, or empty lines before it).
+_REQUEST_LINE_BYTES = bytes(range(0x20, 0x7F)) + b"\r\n"
+
+
+def not_http(data: bytes, client_port: int) -> HttpError | None:
+    """The 400 for bytes that cannot begin an HTTP request (a byte no request line holds in
+    the first line), said before waiting for more, or None. `client_port`: the port of the
+    server's Broky clients, named in the message and in a Broky-Client-Port header (0: not
+    known)."""
+    line = data.lstrip(b"\r\n").split(b"\n", 1)[0]
+    if not line.translate(None, _REQUEST_LINE_BYTES):
+        return None
+    where = f"; Broky clients connect to port {client_port}" if client_port else ""
+    return HttpError(
+        400,
+        f"not an HTTP request (it starts {quote(data[:16])}): this is the HTTP port of a Broky server{where}",
+        (("Broky-Client-Port", str(client_port)),) if client_port else (),
+    )
+
+
 async def _read_head(
-    reader: asyncio.StreamReader, data: bytes = b"", idle: bool = False, timeout: float = REQUEST_TIMEOUT
+    reader: asyncio.StreamReader,
+    data: bytes = b"",
+    idle: bool = False,
+    timeout: float = REQUEST_TIMEOUT,
+    client_port: int = 0,
 ) -> tuple[bytes, bytes] | HttpError | None:
     """The request head and the bytes read after it, the error that ends the request instead,
-    or None: nothing to answer. `idle`: a kept-alive connection, whose silence is no error."""
+    or None: nothing to answer. `idle`: a kept-alive connection, whose silence is no error.
+    `client_port`: see `not_http`."""
     try:
         async with asyncio.timeout(timeout):
             while (end := head_length(data)) < 0:
@@ -1035,6 +1068,8 @@ async def _read_head(
                         return None
                     return HttpError(400, "the connection ended inside the request head")
                 data += chunk
+                if (stranger := not_http(data, client_port)) is not None:
+                    return stranger
     except TimeoutError:
         if not data.strip(b"\r\n") and (idle or not data):
             return None

@@ -287,6 +287,7 @@ class Master:
             )
             return 1
         port = self.listener.getsockname()[1]
+        self.http.client_port = port  # named to a Broky client that reached the HTTP port
         self.config = cfg = dataclasses.replace(cfg, port=port, metrics_port=metrics_port)
         self.http.route("/healthz", self.healthz)
         self.http.route("/readyz", self.readyz)
@@ -569,7 +570,10 @@ class Master:
             hello.tls
         ):  # the worker runs the TLS handshake and checks the Hello inside (broky.server.security.tls)
             if not self.config.tls_cert:
-                raise Refused(ErrorCode.TLS_UNAVAILABLE, "this server does not offer TLS (no --tls-cert)")
+                raise Refused(
+                    ErrorCode.TLS_UNAVAILABLE,
+                    "this server does not offer TLS (no --tls-cert): connect with broky://HOST:PORT",
+                )
             if hello.auth_token or (hello.previous is not None and hello.previous.resume_token):
                 raise Refused(
                     ErrorCode.TLS_REQUIRED,
