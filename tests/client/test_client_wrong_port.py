@@ -24,8 +24,8 @@ import pytest
 
 import broky
 from broky.errors import NO_SERVER_HINT, NoServerError, NotBrokyError, ServerError
-from tests.requires import program
-from tests.serverproc import ServerProcess
+from tests.support.requires import program
+from tests.support.serverproc import ServerProcess
 
 TIMEOUT = 10.0  # what the client would retry for
 FAST = 4.0  # generous: an answer at the first bytes takes milliseconds
