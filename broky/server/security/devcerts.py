@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from broky.errors import BrokyError
+
 DEFAULT_DIR = "broky-certs"
 DEFAULT_DAYS = 365
 SERVER_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -41,7 +43,7 @@ _EC = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-class CertsError(Exception):
+class CertsError(BrokyError):
     """What stopped `broky certs`: one line for the user, and the exit status (2: what was
     asked cannot be done as asked; 1: openssl is missing or failed)."""
 
