@@ -237,7 +237,7 @@ def test_docker_compose_nodes_are_valid_broky_serve_settings() -> None:
         assert cfg.cluster == "etcd://etcd:2379/broky"
         assert (cfg.node_id, cfg.workers, cfg.advertised_host()) == (name, 2, "127.0.0.1")
         seen.add((cfg.port, cfg.metrics_port))
-        assert f'"{cfg.port}:{cfg.port}"' in (EXAMPLE / "docker-compose.yml").read_text()
+        assert f'"127.0.0.1:{cfg.port}:{cfg.port}"' in (EXAMPLE / "docker-compose.yml").read_text()
     assert len(seen) == 3  # one pair of published ports per node
     prometheus = (EXAMPLE / "prometheus.yml").read_text()
     for name, env in nodes.items():
