@@ -831,7 +831,7 @@ def foreign_traffic(url: str, partitions: int, messages: int, kps: int = 64) -> 
     foreign = [kp for kp in (b"foreign-%d" % j for j in range(100 * kps)) if vbucket_of(kp) not in mine][:kps]
     with broky.connect_sync(url) as client:
         for n in range(messages):
-            client.publish(foreign[n % kps], FOREIGN_KEY, b"f" * 100)
+            client.publish(FOREIGN_KEY, b"f" * 100, partition=foreign[n % kps])
         client.flush()
     return len({vbucket_of(kp) for kp in foreign})
 
@@ -850,7 +850,7 @@ class Bursts:
         for _ in range(n):
             i = self.sent % len(self.seq)
             payload = worker_kill._head.pack(i, self.seq[i]) + self.pad
-            self.client.publish(worker_kill.partition(i), worker_kill.KEY, payload)
+            self.client.publish(worker_kill.KEY, payload, partition=worker_kill.partition(i))
             self.seq[i] += 1
             self.sent += 1
         self.client.flush()

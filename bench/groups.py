@@ -470,7 +470,7 @@ async def broky_publisher(address: str, n: int, parts: int, rate: int, skew: flo
     async with broky.connect(address) as client:
         await roles.ready_then_go()
         started, cpu0 = time.time(), procstat.own_cpu_seconds()
-        await _paced(lambda k: client.publish(names[order[k]], KEY, payload(k)), n, rate)
+        await _paced(lambda k: client.publish(KEY, payload(k), partition=names[order[k]]), n, rate)
         await client.flush()
         return _published(n, started, cpu0)
 

@@ -122,11 +122,11 @@ def server_cpu(server: Server) -> float:
 
 async def sdk_per_call(server: Server, n: int) -> tuple[float, int]:
     async with broky.connect(f"{server.host}:{server.port}") as client:
-        await client.publish(PARTITIONS[0], "bench.warm", PAYLOAD)
+        await client.publish("bench.warm", PAYLOAD, partition=PARTITIONS[0])
         await client.flush()
         start = time.perf_counter()
         for i in range(n):
-            await client.publish(PARTITIONS[i % 8], "bench.key", PAYLOAD)
+            await client.publish("bench.key", PAYLOAD, partition=PARTITIONS[i % 8])
         await client.flush()
         return time.perf_counter() - start, n
 

@@ -133,7 +133,7 @@ async def asyncio_client(seeds: str, rate: int, partitions: int, flush_timeout: 
                 due = int((loop.time() - start) * rate)
                 while published + refused < due:
                     try:
-                        await client.publish(kps[(published + refused) % partitions], KEY, PAYLOAD)
+                        await client.publish(KEY, PAYLOAD, partition=kps[(published + refused) % partitions])
                         published += 1
                     except broky.PublishBufferFullError:
                         refused += 1
@@ -188,7 +188,7 @@ def blocking_client(seeds: str, rate: int, partitions: int, flush_timeout: float
                 due = int((time.monotonic() - start) * rate)
                 while sum(counts) < due:
                     try:
-                        client.publish(kps[sum(counts) % partitions], KEY, PAYLOAD)
+                        client.publish(KEY, PAYLOAD, partition=kps[sum(counts) % partitions])
                         counts[0] += 1
                     except broky.PublishBufferFullError:
                         counts[1] += 1

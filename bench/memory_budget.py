@@ -96,7 +96,7 @@ async def publisher(url: str, megabytes: int, size: int, partitions: int) -> dic
         start = time.monotonic()
         for n in range(total):
             i = n % partitions
-            await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + pad)
+            await client.publish(KEY, _head.pack(i, seq[i]) + pad, partition=kps[i])
             seq[i] += 1
         flush_error = None
         try:

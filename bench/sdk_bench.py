@@ -51,13 +51,13 @@ KEY = b"bench.key"
 async def broky_publish(url: str, n: int) -> dict[str, float]:
     async with broky.connect(url, name="bench") as client:
         for kp in PARTITIONS:  # open every connection before timing
-            await client.publish(kp, KEY, PAYLOAD)
+            await client.publish(KEY, PAYLOAD, partition=kp)
         await client.flush()
         publish = client.publish
         cpu = time.process_time()
         start = time.perf_counter()
         for i in range(n):
-            await publish(PARTITIONS[i & 63], KEY, PAYLOAD)
+            await publish(KEY, PAYLOAD, partition=PARTITIONS[i & 63])
         await client.flush(timeout=120)
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu
@@ -71,7 +71,7 @@ async def broky_publish_many(url: str, n: int) -> dict[str, float]:
     # The bulk producer's call (Client.publish_many), columns of BULK_ROWS messages.
     async with broky.connect(url, name="bench") as client:
         for kp in PARTITIONS:  # open every connection before timing
-            await client.publish(kp, KEY, PAYLOAD)
+            await client.publish(KEY, PAYLOAD, partition=kp)
         await client.flush()
         kps = [PARTITIONS[i & 63] for i in range(BULK_ROWS)]
         keys = [KEY] * BULK_ROWS
@@ -82,9 +82,9 @@ async def broky_publish_many(url: str, n: int) -> dict[str, float]:
         for done in range(0, n, BULK_ROWS):
             rows = min(BULK_ROWS, n - done)
             if rows == BULK_ROWS:
-                await publish_many(kps, keys, payloads)
+                await publish_many(keys, payloads, partitions=kps)
             else:
-                await publish_many(kps[:rows], keys[:rows], payloads[:rows])
+                await publish_many(keys[:rows], payloads[:rows], partitions=kps[:rows])
         await client.flush(timeout=120)
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu
@@ -144,13 +144,13 @@ async def broky_e2e(url: str, n: int) -> dict[str, float]:
     async with broky.connect(url, name="bench-sub") as sub, broky.connect(url, name="bench-pub") as pub:
         await sub.subscribe(KEY, callback=on_message)
         for kp in PARTITIONS:
-            await pub.publish(kp, b"warm.up", PAYLOAD)
+            await pub.publish(b"warm.up", PAYLOAD, partition=kp)
         await pub.flush()
         publish = pub.publish
         cpu = time.process_time()
         start = time.perf_counter()
         for i in range(n):
-            await publish(PARTITIONS[i & 63], KEY, PAYLOAD)
+            await publish(KEY, PAYLOAD, partition=PARTITIONS[i & 63])
         await pub.flush(timeout=120)
         await _wait_count(done, 10)
         end = last if received == n else time.perf_counter()

@@ -10,7 +10,7 @@ as fast as it can, then flushes; one asyncio subscriber process reads them
 with a wildcard subscription and `async for`. Every setting is the default,
 on every side: the servers' pending bounds, the clients' queues.
 
-- Broky: `await client.publish(partition, b"cpu.k", payload)` one by one, the
+- Broky: `await client.publish(b"cpu.k", payload, partition=partition)` one by one, the
   subscriber on `cpu.>`.
 - NATS (nats.py): `await nc.publish(subject, payload)` one by one, where the
   subject carries the partition as NATS users do (`cpu.k` for one,
@@ -275,10 +275,12 @@ async def _broky_pub(
                 await asyncio.sleep(pause)
             if check:  # round robin: message i is number i // parts of key_partition i % parts
                 for i in numbers:
-                    await client.publish(names[i % parts], b"cpu.k", _head.pack(i % parts, i // parts) + pad)
+                    await client.publish(
+                        b"cpu.k", _head.pack(i % parts, i // parts) + pad, partition=names[i % parts]
+                    )
             else:
                 for i in numbers:
-                    await client.publish(names[i % parts], b"cpu.k", payload)
+                    await client.publish(b"cpu.k", payload, partition=names[i % parts])
         await client.flush()
         return {"published": n, "started_at": started, "seconds": time.time() - started}
 

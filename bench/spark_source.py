@@ -98,9 +98,9 @@ def fill(address: str, rows: int) -> float:
         for first in range(0, rows, FILL_CHUNK):
             n = min(FILL_CHUNK, rows - first)
             client.publish_many(
-                [kps[i % KEY_PARTITIONS] for i in range(first, first + n)],
                 keys[:n],
                 [payload(i) for i in range(first, first + n)],
+                partitions=[kps[i % KEY_PARTITIONS] for i in range(first, first + n)],
             )
         client.flush()
         retained = sum(p.offset for p in client.positions())

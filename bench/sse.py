@@ -214,7 +214,7 @@ async def publisher(address: str, rate: int) -> dict[str, Any]:
 
     loop = asyncio.get_running_loop()
     async with broky.connect(address) as client:
-        await client.publish(PARTITIONS[0], b"warm", PAYLOAD)  # (no reader matches it)
+        await client.publish(b"warm", PAYLOAD, partition=PARTITIONS[0])  # (no reader matches it)
         await client.flush()
         await roles.ready_then_go()
         stop = roles.next_line()
@@ -222,7 +222,7 @@ async def publisher(address: str, rate: int) -> dict[str, Any]:
         while not stop.done():
             due = int((loop.time() - start) * rate) + 1
             while sent < due:
-                await client.publish(PARTITIONS[sent % 8], KEY, PAYLOAD)
+                await client.publish(KEY, PAYLOAD, partition=PARTITIONS[sent % 8])
                 sent += 1
             await asyncio.sleep(TICK)
         await client.flush()

@@ -70,7 +70,7 @@ async def _publisher(address: str, rate: int, seconds: float) -> dict[str, Any]:
         while (now := time.monotonic()) < end:
             due = int((now - start) * rate)
             while sent < due:
-                await client.publish(names[sent % PARTS], b"cpu.k", payload)
+                await client.publish(b"cpu.k", payload, partition=names[sent % PARTS])
                 sent += 1
             await asyncio.sleep(0.001)
         await client.flush()

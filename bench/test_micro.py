@@ -144,9 +144,9 @@ def test_client_publish(benchmark) -> None:  # type: ignore[no-untyped-def]
     try:
         client = _publishing_client(loop)
         publish = client.publish_nowait
-        publish(KP, KEY, PAYLOAD)
-        publish(KP, KEY, PAYLOAD)  # the second time a shape comes, it gets a template
-        benchmark(publish, KP, KEY, PAYLOAD)
+        publish(KEY, PAYLOAD)
+        publish(KEY, PAYLOAD)  # the second time a shape comes, it gets a template
+        benchmark(publish, KEY, PAYLOAD)
         assert client.stats.published > 2
     finally:
         loop.close()

@@ -112,7 +112,7 @@ async def publisher(url: str, rate: int, duration: float, partitions: int, size:
             while sent < due:
                 i = sent % partitions
                 try:
-                    await client.publish(kps[i], KEY, _head.pack(i, seq[i]) + pad)
+                    await client.publish(KEY, _head.pack(i, seq[i]) + pad, partition=kps[i])
                 except broky.PublishBufferFullError:
                     refused.append((i, seq[i]))  # not published: the caller knows (the number is skipped)
                 seq[i] += 1

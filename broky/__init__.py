@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from broky.errors import (
         AckError,
         AuthenticationError,
+        BadKeyError,
         BadPatternError,
         BrokyConnectionError,
         BrokyError,
@@ -107,6 +108,7 @@ if not TYPE_CHECKING:  # (mypy reads the imports above)
 __all__ = [
     "AckError",
     "AuthenticationError",
+    "BadKeyError",
     "BadPatternError",
     "BrokyConnectionError",
     "BrokyError",

@@ -143,6 +143,21 @@ class BadPatternError(LocalProtocolError):
     code = ErrorCode.BAD_PATTERN
 
 
+class BadKeyError(BrokyError, ValueError):
+    """`publish` was given a key or partition that `broky pub` refuses too (nothing sent).
+
+    An empty key, an empty token (`a..b`) or a `*` / `>` token in the key
+    (broky.matching.key_problem), or an empty partition. Also a ValueError.
+    `argument` names the argument ("key" or "partition"), `value` is what it
+    was given.
+    """
+
+    def __init__(self, call: str, argument: str, value: object, problem: str) -> None:
+        super().__init__(f"{call}({argument}={value!r}): {problem}")
+        self.argument = argument
+        self.value = value
+
+
 class ServerError(BrokyError):
     """The server answered with an Error frame."""
 

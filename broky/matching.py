@@ -65,6 +65,26 @@ def parse_pattern(pattern: bytes) -> list[bytes]:
     return tokens
 
 
+def key_problem(key: bytes) -> str | None:
+    """What makes `key` unfit to publish under ("has ...", "must ..."), or None: the rule
+    `broky pub` and the SDK's publish share.
+
+    A key is opaque bytes to the server, but an empty key, an empty token
+    (`a..b`, `.a`, `a.`) or a `*` / `>` token is almost certainly a pattern or
+    a missing value given where a key was meant: a wildcard in a published key
+    does not fan out, and no literal subscription can name such a key. (`*` or
+    `>` inside a token, `a*b`, is an ordinary byte.)
+    """
+    if not key:
+        return "must not be empty"
+    tokens = key.split(b".")
+    if b"" in tokens:
+        return "has an empty token"
+    if STAR in tokens or GT in tokens:
+        return "has a wildcard token: a published key is literal (patterns are for subscribing)"
+    return None
+
+
 def is_literal(pattern: bytes) -> bool:
     return all(t not in (STAR, GT) for t in pattern.split(b"."))
 

@@ -37,9 +37,11 @@ def produce(url: str, stop: threading.Event) -> None:
             for _ in range(burst):
                 n += 1
                 region = ("eu", "us", "ap")[n % 3]
-                client.publish(f"customer-{n % 977}", f"orders.{region}.created", b'{"order": %d}' % n)
+                client.publish(
+                    f"orders.{region}.created", b'{"order": %d}' % n, partition=f"customer-{n % 977}"
+                )
             if n % 50 == 0:
-                client.publish(f"customer-{n % 977}", "audit.unrouted", b"nobody listens here")
+                client.publish("audit.unrouted", b"nobody listens here", partition=f"customer-{n % 977}")
             time.sleep(0.05)
 
 

@@ -714,7 +714,7 @@ def sdk_publisher_main(
                     await asyncio.sleep(0.0001)
                 for j in range(step):
                     kp, key = keys[(total + j) % nkeys]
-                    await publish(kp, key, payload)
+                    await publish(key, payload, partition=kp)
                 total += step
                 shared.sent[0] = total
             await client.flush()

@@ -33,7 +33,7 @@
 
 #include "../protocol/_layout.h"
 
-#define PUBPACK_VERSION 4
+#define PUBPACK_VERSION 5
 #define PRE_SIZE 12 /* the uid's time and seed; then an 8-byte little-endian counter */
 
 #define MAX_ZEROS 16
@@ -459,13 +459,34 @@ PyDoc_STRVAR(pack_rows_doc,
 "slot j = slots[key_partition] (now: a clock reading taken every 32 rows). The uid is\n"
 "the next of seq, or with uid_prefix (12 bytes) uid_prefix + (uid_base + i) as 8\n"
 "little-endian bytes. Stops before a row the Python path must publish (a field that is\n"
-"not bytes, a ts_producer that is not None or an int64, a key_partition not in slots, a\n"
+"not bytes, a key that is not plainly literal (empty, an empty token, a '*' or '>'),\n"
+"a ts_producer that is not None or an int64, a key_partition not in slots, a\n"
 "slot whose room is negative, a frame over max_frame, seq to roll), or after a row that\n"
 "brings slot j's chunks to room[j] bytes or more (then full = j, else -1). A chunk is\n"
 "bytes, whole frames one after the other, at most `part` bytes unless it holds one larger\n"
 "frame; slot j's are appended to the list outs[j], their size in added[j], their frame\n"
 "count in counts[j]. Returns the row it stopped at. On an error (MemoryError) outs is\n"
 "left as it was.");
+
+/* 1 if `key` is plainly publishable: not empty, no empty token (no leading, trailing
+ * or doubled '.') and no '*' or '>' byte at all. Anything else goes to the Python
+ * path, which checks the key exactly (broky.client.encoder.check_fields: it raises
+ * BadKeyError for a wildcard or empty token, publishes "a*b"). */
+static int
+plain_key(const char *s, Py_ssize_t n)
+{
+    if (n == 0 || s[0] == '.' || s[n - 1] == '.' || memchr(s, '*', (size_t)n) || memchr(s, '>', (size_t)n)) {
+        return 0;
+    }
+    const char *end = s + n - 1; /* s[n - 1] is no '.' */
+    for (const char *p = memchr(s, '.', (size_t)(end - s)); p != NULL;
+         p = memchr(p + 1, '.', (size_t)(end - p - 1))) {
+        if (p[1] == '.') {
+            return 0;
+        }
+    }
+    return 1;
+}
 
 #define CHUNK_MIN 4096
 /* The clock is read once per CLOCK_ROWS rows: "now" for a row is a reading at most
@@ -567,6 +588,7 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     && (tss == Py_None || PyList_CheckExact(tss) || PyTuple_CheckExact(tss));
     Py_ssize_t i = start, full = -1;
     int64_t now = 0;
+    PyObject *plain = NULL; /* with fast_cols, the last key plain_key passed (held by its column) */
     for (; i < n; i++) {
         PyObject *kp, *key, *pay, *t = Py_None;
         if (fast_cols) {
@@ -612,7 +634,9 @@ pack_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             int64_t ts;
             const unsigned char *pre = NULL;
             uint64_t counter = 0;
-            if (j >= 0 && j < n_slots && sl[j].room >= 0 && size - 4 <= max_frame && ts_of(t, now, &ts) == 0) {
+            if (j >= 0 && j < n_slots && sl[j].room >= 0 && size - 4 <= max_frame && ts_of(t, now, &ts) == 0
+                && ((fast_cols && key == plain) || plain_key(PyBytes_AS_STRING(key), key_len))) {
+                plain = key; /* the next row's key is mostly this one: checked once */
                 if (prefix != Py_None) {
                     pre = (const unsigned char *)PyBytes_AS_STRING(prefix);
                     counter = (uint64_t)uid_base + (uint64_t)i;

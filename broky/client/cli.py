@@ -43,8 +43,8 @@ from broky.client.losses import LossLog
 from broky.client.sync import connect_sync
 from broky.client.url import parse_servers
 from broky.errors import BrokyError, ErrorCode, ServerError
-from broky.matching import parse_pattern
-from broky.protocol import LossReason, Message
+from broky.matching import key_problem, parse_pattern
+from broky.protocol import LossReason, Message, vbucket_of
 
 # ---------------------------------------------------------------- argument types
 # Each raises ArgumentTypeError with its own message: argparse prefixes the
@@ -80,25 +80,19 @@ def _count(text: str) -> int:
 
 
 def _key(text: str) -> bytes:
-    """A KEY to publish: literal tokens only.
-
-    A key is opaque bytes to the server, but a key with an empty token or a
-    `*` / `>` token is almost certainly a mistake on the command line (a
-    pattern given to `pub`): a wildcard in a published key does not fan out,
-    and no literal subscription can name such a key. The SDK still accepts
-    them; the CLI refuses them.
-    """
+    """A KEY to publish: literal tokens only (broky.matching.key_problem, the SDK's rule too)."""
     key = os.fsencode(text)
-    if not key:
-        raise argparse.ArgumentTypeError("must not be empty")
-    tokens = key.split(b".")
-    if b"" in tokens:
-        raise argparse.ArgumentTypeError(f"{_show(key)} has an empty token")
-    if b"*" in tokens or b">" in tokens:
-        raise argparse.ArgumentTypeError(
-            f"{_show(key)} has a wildcard token: a published key is literal (patterns are for `broky sub`)"
-        )
+    problem = key_problem(key)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem if not key else f"{_show(key)} {problem}")
     return key
+
+
+def _partition(text: str) -> bytes:
+    """--partition: any bytes but none (the SDK refuses an empty partition too)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out: it defaults to KEY)")
+    return os.fsencode(text)
 
 
 def _pattern(text: str) -> bytes:
@@ -173,8 +167,9 @@ def register(subparsers: Any) -> None:
         "pub",
         help="publish messages",
         description="Publish PAYLOAD under KEY; without PAYLOAD every line of stdin is one message "
-        "(newline removed), published in order. Exit status 1 when the server refused any of them "
-        "(one line says how many, and why).",
+        "(newline removed), published in order. Once the server has processed them, one line on stdout "
+        "says what was published (count, key, partition and its vbucket; --quiet: nothing). Exit status "
+        "1 when the server refused any of them (one line says how many, and why).",
     )
     p.add_argument(
         "key",
@@ -182,12 +177,26 @@ def register(subparsers: Any) -> None:
         type=_key,
         help="the message key: dot-separated literal tokens (no empty, `*` or `>` token)",
     )
-    p.add_argument("payload", metavar="PAYLOAD", nargs="?", help="message body (UTF-8); omit to read stdin")
+    p.add_argument(
+        "payload",
+        metavar="PAYLOAD",
+        nargs="?",
+        help="message body (UTF-8); omit it to publish each line of stdin (piped, or with --stdin)",
+    )
     p.add_argument(
         "--partition",
         metavar="P",
-        type=os.fsencode,
+        type=_partition,
         help="key_partition (chooses the shard; ordering holds per partition). Default: KEY",
+    )
+    p.add_argument(
+        "--stdin",
+        action="store_true",
+        help="read the lines from stdin even when it is a terminal (end with Ctrl-D); without it, "
+        "`broky pub KEY` on a terminal refuses at once",
+    )
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="print nothing on success (errors still go to stderr)"
     )
     _common(p)
     p.set_defaults(func=cmd_pub)
@@ -320,6 +329,14 @@ def cmd_pub(args: argparse.Namespace) -> int:
     line with the count and the first refusal (the others, to the same KEY, say the same)."""
     key: bytes = args.key
     partition: bytes = args.partition if args.partition is not None else key
+    if args.payload is None and not args.stdin and sys.stdin.isatty():
+        print(
+            "broky pub: give a PAYLOAD, or pipe the lines to publish on stdin "
+            "(--stdin reads them from the terminal)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     refusals: list[BaseException] = []  # (appended by the client's I/O thread)
 
     def on_error(exc: BaseException) -> None:
@@ -333,11 +350,11 @@ def cmd_pub(args: argparse.Namespace) -> int:
         parse_servers(args.server)  # $BROKY_SERVER
         with connect_sync(args.server, **_options(args, "broky-pub"), on_error=on_error) as client:
             if args.payload is not None:
-                client.publish(partition, key, os.fsencode(args.payload))
+                client.publish(key, os.fsencode(args.payload), partition=partition)
                 sent = 1
             else:
                 for line in sys.stdin.buffer:
-                    client.publish(partition, key, line[:-1] if line.endswith(b"\n") else line)
+                    client.publish(key, line[:-1] if line.endswith(b"\n") else line, partition=partition)
                     sent += 1
             client.flush()  # every refusal came before its Pong
             refused = client.stats.denied + client.stats.misrouted
@@ -347,6 +364,11 @@ def cmd_pub(args: argparse.Namespace) -> int:
         why = refusals[0] if refusals else "refused by the server"
         messages = "message" if sent == 1 else "messages"
         return _fail("pub", f"{refused} of {sent} {messages} refused, not published: {why}")
+    if not args.quiet:
+        # Publishes are confirmed by count (the flush's round trip), not one by one with
+        # their offsets: the vbucket is the partition's (schema/README.md §6).
+        where = f"partition {_text(partition)}, vbucket {vbucket_of(partition)}"
+        print(f"published {sent} message{'' if sent == 1 else 's'} to {_text(key)} ({where})", flush=True)
     return 0
 
 

@@ -30,7 +30,11 @@ The uid comes from the encoder's `KsuidSequence` and the same clock read as
 ts_producer. The bytes produced are exactly those of `encode_message` with
 the same fields (a property test checks it). The size limit is checked when
 a template is made, so an oversized message raises PayloadTooLargeError
-before anything is queued. The client's publish path
+before anything is queued. The key and key_partition are checked
+(`check_fields`: what `broky pub` refuses, BadKeyError) on a template miss
+only: a shape with a template was checked when it first came, so the
+publish paths that find one (the client's cache, the compiled twin) pay
+nothing for it. The client's publish path
 (broky.client.publisher) inlines `encode`, with its own cache of templates
 that also holds the target Link.
 """
@@ -41,7 +45,8 @@ import struct
 import time
 from collections.abc import Callable
 
-from broky.errors import LocalProtocolError, PayloadTooLargeError, PayloadTypeError
+from broky.errors import BadKeyError, LocalProtocolError, PayloadTooLargeError, PayloadTypeError
+from broky.matching import key_problem
 from broky.protocol import encode_message, vbucket_of
 from broky.protocol.ksuid import KsuidSequence
 from broky.protocol.layout import (
@@ -74,6 +79,16 @@ def as_bytes(value: object, what: str) -> bytes:
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
     raise LocalProtocolError(f"{what} must be bytes or str, not {type(value).__name__}")
+
+
+def check_fields(key_partition: bytes, key: bytes, call: str = "publish") -> None:
+    """BadKeyError, naming the argument, if `broky pub` would refuse this key or partition:
+    a key with an empty or a wildcard token (broky.matching.key_problem), an empty partition."""
+    problem = key_problem(key)
+    if problem is not None:
+        raise BadKeyError(call, "key", key.decode(errors="backslashreplace"), problem)
+    if not key_partition:
+        raise BadKeyError(call, "partition", "", "must not be empty (leave it out: it defaults to the key)")
 
 
 def payload_bytes(value: object) -> bytes:
@@ -157,11 +172,13 @@ class PublishEncoder:
         Raises:
             PayloadTooLargeError: the frame exceeds max_frame_bytes.
             PayloadTypeError: payload is not bytes.
+            BadKeyError: the key or key_partition is one `broky pub` refuses (`check_fields`).
             LocalProtocolError: ts_producer is not an int64.
         """
         try:
             pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
         except KeyError:
+            check_fields(key_partition, key)
             if not self._admit((key_partition, key, len(payload))):
                 if payload.__class__ is not bytes:
                     raise payload_type_error(payload) from None
@@ -188,12 +205,13 @@ class PublishEncoder:
         like `encode`; no uid or anything else takes `encode_message`.
 
         Raises:
-            PayloadTooLargeError, LocalProtocolError: as `encode`.
+            PayloadTooLargeError, BadKeyError, LocalProtocolError: as `encode`.
         """
         if uid.__class__ is bytes and len(uid) == 20:
             try:
                 pack, head, mid, block, vb = self._templates[key_partition, key, len(payload)]
             except KeyError:
+                check_fields(key_partition, key)
                 if not self._admit((key_partition, key, len(payload))):
                     return self._encode_plain(key_partition, key, payload, ts_producer, uid)
                 pack, head, mid, block, vb = self.template(key_partition, key, len(payload))
@@ -210,6 +228,7 @@ class PublishEncoder:
             except struct.error as exc:
                 raise LocalProtocolError(f"cannot encode message: {exc}") from None
             return frame, vb
+        check_fields(key_partition, key)
         frame = encode_message(
             key_partition, key, payload, _time_ns() if ts_producer is None else ts_producer, 0, uid
         )

@@ -56,6 +56,7 @@ import asyncio
 import contextlib
 import struct
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +85,32 @@ BULK_CHUNK_BYTES = (64 << 10) - 64
 # key_partition -> key -> payload length -> entry, its Link last: (pack, head, mid, block, Link) for the
 # pure-Python path (see Template), (sample frame, Link) for the compiled one.
 FastCache = dict[object, dict[object, dict[int, tuple[Any, ...]]]]
+
+
+def old_form(
+    call: str, key: Any, payload: Any, old: tuple[Any, ...], partition: Any, stacklevel: int
+) -> tuple[Any, Any, Any]:
+    """The arguments of the deprecated `publish(key_partition, key, payload)` form, as
+    (key, payload, partition), with a DeprecationWarning pointing at the caller's line
+    (`stacklevel` frames up from here; Python's warning filters show it once per line).
+
+    It is told apart by a third positional argument (the payload): the new form takes
+    two, the partition being a keyword. (`publish_many` likewise, with columns.)
+    """
+    if len(old) != 1 or partition is not None:
+        raise TypeError(
+            f"{call}() takes 2 positional arguments (key, payload; partition= is a keyword) "
+            f"but {2 + len(old)} were given"
+        )
+    many = call == "publish_many"
+    warnings.warn(
+        f"{call}(key_partition{'s' if many else ''}, key{'s' if many else ''}, payload{'s' if many else ''}) "
+        f"is deprecated: write {call}(key{'s' if many else ''}, payload{'s' if many else ''}"
+        f"{', partitions=...' if many else ', partition=...'}) (the partition defaults to the key)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return payload, old[0], key
 
 
 class Publisher:
@@ -119,10 +146,10 @@ class Publisher:
 
     def publish_nowait(
         self,
-        key_partition: bytes | str,
         key: bytes | str,
         payload: bytes,
-        *,
+        *old: Any,
+        partition: bytes | str | None = None,
         ts_producer: int | None = None,
         uid: bool | bytes = True,
     ) -> None:
@@ -132,12 +159,14 @@ class Publisher:
         publish_nowait calls must await something now and then (the writes
         happen when `batch_size` is reached or when the loop runs).
         """
+        if old:  # the deprecated publish_nowait(key_partition, key, payload)
+            key, payload, partition = old_form("publish_nowait", key, payload, old, partition, 2)
         # `publish` does all its work before its first await (its awaits only yield
         # to the loop after a batch was written), so running it up to that point is
         # publishing without waiting, on the same fast path.
         # (`_nowait` tells `publish` not to wait for room in a reconnect buffer: it raises
         # PublishBufferFullError at once instead.)
-        coro = self.publish(key_partition, key, payload, ts_producer=ts_producer, uid=uid)
+        coro = self.publish(key, payload, partition=partition, ts_producer=ts_producer, uid=uid)
         self._nowait = True
         try:
             coro.send(None)
@@ -149,14 +178,21 @@ class Publisher:
 
     async def publish(
         self,
-        key_partition: bytes | str,
         key: bytes | str,
         payload: bytes,
-        *,
+        *old: Any,
+        partition: bytes | str | None = None,
         ts_producer: int | None = None,
         uid: bool | bytes = True,
     ) -> None:
-        """Publish one message to the worker that owns its key_partition.
+        """Publish one message under `key`, to the worker that owns its partition.
+
+        `publish(key, payload)`: the partition is the key (as `broky pub KEY
+        PAYLOAD` does); `partition=` chooses another one, for the order of
+        messages of several keys together (order holds per partition). The
+        form of earlier versions, `publish(key_partition, key, payload)`, still
+        publishes, with a DeprecationWarning (told apart by its third
+        positional argument).
 
         The frame is queued and written with others (see `linger` and
         `batch_size`); `flush` tells when the server has processed it. When a
@@ -165,13 +201,19 @@ class Publisher:
         high-water mark), so a tight publish loop cannot starve the readers.
 
         Args:
-            key_partition: chooses the shard; bytes, or str (UTF-8).
-            key: matched against subscription patterns; bytes, or str (UTF-8).
+            key: matched against subscription patterns; bytes, or str (UTF-8):
+                literal tokens separated by dots (no empty, `*` or `>` token).
             payload: the message body (bytes).
+            partition: the key_partition: chooses the shard (vbucket), and
+                order holds per partition; bytes, or str (UTF-8), not empty.
+                None (the default): the key.
             ts_producer: nanoseconds since the epoch; None = now, 0 = not set.
             uid: True = a new KSUID, False = none, or the 20 bytes to use.
 
         Raises:
+            BadKeyError: the key is empty or has an empty or wildcard token, or the
+                partition is empty: what `broky pub` refuses (nothing sent; a
+                ValueError too; `argument` names which).
             PayloadTooLargeError: the frame exceeds the server's max_frame_bytes
                 (nothing is sent; `size` and `limit` carry the numbers).
             PublishBufferFullError: the owning worker is disconnected and
@@ -190,6 +232,9 @@ class Publisher:
         # bytes, closed client, a pack error) takes the general path, which raises
         # the errors. Every path publishes before its first await but the wait for
         # room in a down Link's buffer, which `publish_nowait` turns off.
+        if old:  # the deprecated publish(key_partition, key, payload)
+            key, payload, partition = old_form("publish", key, payload, old, partition, 2)
+        key_partition = key if partition is None else partition
         try:
             pack, head, mid, block, link = self._fast[key_partition][key][len(payload)]
         except Exception:
@@ -219,7 +264,7 @@ class Publisher:
             if link.out_bytes + len(frame) > link.client.max_reconnect_buffer_bytes and not self._nowait:
                 await self._wait_up(link)  # then published below, or refused if still full
                 if link.retired:  # its node left the map meanwhile: to the new owner
-                    link = self.router.owner_link(as_bytes(key_partition, "key_partition"))
+                    link = self.router.owner_link(as_bytes(key_partition, "partition"))
             try:
                 link.send(frame)
             except BrokyError:  # buffer full, or given up: not published, counted as refused
@@ -246,10 +291,10 @@ class Publisher:
 
         async def publish(
             self,
-            key_partition: bytes | str,
             key: bytes | str,
             payload: bytes,
-            *,
+            *old: Any,
+            partition: bytes | str | None = None,
             ts_producer: int | None = None,
             uid: bool | bytes = True,
         ) -> None:
@@ -258,6 +303,9 @@ class Publisher:
             # frame, appended to the Link's `out` and counted, its flush scheduled).
             # False from it (a miss, odd types, the Link down, a new second for the
             # sequence) and a uid other than True take the general path, as in `publish`.
+            if old:  # the deprecated publish(key_partition, key, payload)
+                key, payload, partition = old_form("publish", key, payload, old, partition, 2)
+            key_partition = key if partition is None else partition
             if uid is True and self._open:
                 link = self._fastpath.publish(key_partition, key, payload, ts_producer)
                 if link is None:
@@ -278,34 +326,46 @@ class Publisher:
 
     async def publish_many(
         self,
-        key_partitions: Sequence[bytes | str],
         keys: Sequence[bytes | str],
         payloads: Sequence[bytes],
-        *,
+        *old: Any,
+        partitions: Sequence[bytes | str] | None = None,
         ts_producers: Sequence[int | None] | None = None,
     ) -> int:
-        """Publish many messages given as columns: message i is (key_partitions[i],
-        keys[i], payloads[i]), each with a new KSUID; the bulk producer's call.
+        """Publish many messages given as columns: message i is (keys[i], payloads[i]),
+        under partitions[i] (default: its key), each with a new KSUID; the bulk
+        producer's call.
 
         It does what `publish` does for each message, in one loop without an await
         per message (it yields only when a socket is backed up). Where `publish` would raise
         PublishBufferFullError because the owning worker is down and its buffer is
         full, it waits for the worker to come back, up to `flush_timeout`, first.
-        Order per key_partition is the columns' order. Returns the number of
+        Order per partition is the columns' order. Returns the number of
         messages; raises what `publish` raises, and then the messages before the
-        one that raised are published.
+        one that raised are published. The form of earlier versions,
+        `publish_many(key_partitions, keys, payloads)`, still publishes, with a
+        DeprecationWarning.
 
         Args:
-            key_partitions, keys, payloads: sequences of one length (list, tuple,
-                or anything indexable); fields as in `publish`.
+            keys, payloads: sequences of one length (list, tuple, or anything
+                indexable); fields as in `publish`.
+            partitions: None = each message's key; else one per message.
             ts_producers: None = now for every message; else one per message
                 (None = now, 0 = not set).
         """
-        n = len(key_partitions)
-        if len(keys) != n or len(payloads) != n or (ts_producers is not None and len(ts_producers) != n):
+        if old:  # the deprecated publish_many(key_partitions, keys, payloads)
+            keys, payloads, partitions = old_form("publish_many", keys, payloads, old, partitions, 2)
+        key_partitions = keys if partitions is None else partitions
+        n = len(keys)
+        if (
+            len(key_partitions) != n
+            or len(payloads) != n
+            or (ts_producers is not None and len(ts_producers) != n)
+        ):
             raise ValueError(
-                "publish_many: key_partitions, keys, payloads (and ts_producers) must have one length, "
-                f"got {n}, {len(keys)}, {len(payloads)}"
+                "publish_many: keys, payloads (and partitions, ts_producers) must have one length, "
+                f"got {n}, {len(payloads)}"
+                + ("" if partitions is None else f", {len(partitions)}")
                 + ("" if ts_producers is None else f", {len(ts_producers)}")
             )
         await self.publish_rows(key_partitions, keys, payloads, ts_producers, None)
@@ -523,7 +583,7 @@ class Publisher:
         """Queue one publish; return its Link if that completed a batch written now."""
         if not self._open:
             self._check_usable()
-        kp = key_partition if key_partition.__class__ is bytes else as_bytes(key_partition, "key_partition")
+        kp = key_partition if key_partition.__class__ is bytes else as_bytes(key_partition, "partition")
         k = key if key.__class__ is bytes else as_bytes(key, "key")
         if payload.__class__ is not bytes:
             payload = payload_bytes(payload)

@@ -41,7 +41,7 @@ from broky.protocol import layout
 from broky.protocol.ksuid import KsuidSequence
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 4  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
+VERSION = 5  # the _pubpack.c interface this code calls (its PUBPACK_VERSION)
 
 
 def pure_requested() -> bool:

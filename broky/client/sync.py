@@ -69,6 +69,7 @@ from broky.client.inbox import (
     Inbox,
     M,
 )
+from broky.client.publisher import old_form
 from broky.client.reader import PositionLike, ReadResult, ReadVia
 from broky.client.subscription import Subscription
 from broky.errors import (
@@ -291,30 +292,36 @@ class SyncClient:
 
     def publish_many(
         self,
-        key_partitions: Sequence[bytes | str],
         keys: Sequence[bytes | str],
         payloads: Sequence[bytes],
-        *,
+        *old: Any,
+        partitions: Sequence[bytes | str] | None = None,
         ts_producers: Sequence[int | None] | None = None,
     ) -> int:
         """Publish many messages given as columns (see `Client.publish_many`): one
         hand-over to the I/O thread for all of them. Returns the number of messages."""
+        if old:  # the deprecated publish_many(key_partitions, keys, payloads)
+            keys, payloads, partitions = old_form("publish_many", keys, payloads, old, partitions, 2)
         return self._call(
-            self._client.publish_many(key_partitions, keys, payloads, ts_producers=ts_producers)
+            self._client.publish_many(keys, payloads, partitions=partitions, ts_producers=ts_producers)
         )
 
     def publish(
         self,
-        key_partition: bytes | str,
         key: bytes | str,
         payload: bytes,
-        *,
+        *old: Any,
+        partition: bytes | str | None = None,
         ts_producer: int | None = None,
         uid: bool | bytes = True,
     ) -> None:
-        """Publish one message (queued; see `Client.publish` for the arguments).
+        """Publish one message under `key` (queued; see `Client.publish` for the arguments:
+        the partition defaults to the key; `publish(key_partition, key, payload)` is
+        deprecated and warns).
 
         Raises:
+            BadKeyError: the key is empty or has an empty or wildcard token, or the
+                partition is empty (nothing sent; a ValueError too).
             PayloadTooLargeError: the frame exceeds the server's limit (nothing sent).
             PublishBufferFullError: the owning worker is down and
                 `max_reconnect_buffer_bytes` already wait for it, still after
@@ -326,10 +333,13 @@ class SyncClient:
             PayloadTypeError: the payload is not bytes-like (a str: encode it; a TypeError too).
             LocalProtocolError: a field cannot be encoded.
         """
+        if old:  # the deprecated publish(key_partition, key, payload)
+            key, payload, partition = old_form("publish", key, payload, old, partition, 2)
+        key_partition = key if partition is None else partition
         if self._closed:
             raise ClientClosedError("the client is closed")
         if key_partition.__class__ is not bytes:
-            key_partition = as_bytes(key_partition, "key_partition")
+            key_partition = as_bytes(key_partition, "partition")
         if key.__class__ is not bytes:
             key = as_bytes(key, "key")
         if payload.__class__ is not bytes:
@@ -667,7 +677,7 @@ class SyncClient:
 def connect_sync(server: str | None = None, **options: Any) -> SyncClient:
     """Connect a blocking client; same arguments as `broky.connect`.
 
-    ``with broky.connect_sync("127.0.0.1:4777", name="job") as c: c.publish(kp, key, payload); c.flush()``
+    ``with broky.connect_sync("127.0.0.1:4777", name="job") as c: c.publish(key, payload); c.flush()``
 
     Raises:
         BrokyConnectionError: no server answered within connect_timeout.

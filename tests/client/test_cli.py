@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import pty
 import re
 import socket
 import subprocess
@@ -38,6 +40,53 @@ def test_seq_piped_into_pub_arrives_in_order(server: ServerProcess, subs: list[S
     code, out, err = sub.finish()
     assert code == 0, err
     assert out.split(b"\n")[:-1] == [str(i).encode() for i in range(1, 1001)]
+
+
+def test_pub_says_what_it_published_unless_quiet(server: ServerProcess) -> None:
+    one = broky_cli("pub", "orders.created", "x", "--server", server.url)
+    assert one.returncode == 0, one.stderr
+    vb = vbucket_of(b"orders.created")
+    assert (
+        one.stdout
+        == f"published 1 message to orders.created (partition orders.created, vbucket {vb})\n".encode()
+    )
+    many = broky_cli("pub", "orders.created", "--partition", "t1", "--server", server.url, stdin=b"a\nb\nc\n")
+    assert many.returncode == 0, many.stderr
+    assert (
+        many.stdout
+        == f"published 3 messages to orders.created (partition t1, vbucket {vbucket_of(b't1')})\n".encode()
+    )
+    for quiet in ("-q", "--quiet"):
+        done = broky_cli("pub", "orders.created", "x", quiet, "--server", server.url)
+        assert (done.returncode, done.stdout, done.stderr) == (0, b"", b"")
+
+
+def test_pub_without_payload_refuses_a_terminal_at_once_unless_stdin_is_asked(server: ServerProcess) -> None:
+    # stdin a terminal (a pty), no PAYLOAD: exit 2 at once, not a silent wait for lines
+    main, tty = pty.openpty()
+    try:
+        started = time.monotonic()
+        done = subprocess.run(
+            [*BROKY, "pub", "t.k", "--server", server.url],
+            stdin=tty, capture_output=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == b"broky pub: give a PAYLOAD, or pipe the lines to publish on stdin " + (
+            b"(--stdin reads them from the terminal)\n"
+        )
+        assert done.stdout == b""
+        assert time.monotonic() - started < 20  # (start-up only: nothing waited for input)
+        # --stdin: the terminal's lines are published, up to an end of file (Ctrl-D)
+        os.write(main, b"one\ntwo\n\x04")
+        done = subprocess.run(
+            [*BROKY, "pub", "t.k", "--stdin", "--server", server.url],
+            stdin=tty, capture_output=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(b"published 2 messages to t.k "), done.stdout
+    finally:
+        os.close(main)
+        os.close(tty)
 
 
 def test_sub_json_and_partition(server: ServerProcess, subs: list[SubProcess]) -> None:
@@ -277,6 +326,7 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
         (["pub", "a.>", "x"], b"argument KEY: 'a.>' has a wildcard token"),
         (["pub", "a..b", "x"], b"argument KEY: 'a..b' has an empty token"),
         (["pub", "k.", "x"], b"argument KEY: 'k.' has an empty token"),
+        (["pub", "k", "x", "--partition", ""], b"argument --partition: must not be empty"),
         (["pub", "k", "x", "--connect-timeout", "-1"], b"argument --connect-timeout: must be a positive"),
         (["info", "--connect-timeout", "nan"], b"argument --connect-timeout: must be a positive"),
         (["sub", "k", "--no-such-option"], b"broky sub: error: unrecognized arguments: --no-such-option"),

@@ -35,7 +35,7 @@ def test_routes_each_publish_to_its_owner_and_subscribes_on_every_worker(server:
             sent = []
             for w in (0, 1):
                 for kp in by_worker[w]:
-                    await client.publish(kp, b"orders.created", b"from " + kp)
+                    await client.publish(b"orders.created", b"from " + kp, partition=kp)
                     sent.append(kp)
             await client.flush()
             got = await take(sub, len(sent))
@@ -74,10 +74,10 @@ def test_message_fields_are_filled_and_stamped(server: ServerProcess) -> None:
         async with broky.connect(server.address[0] + f":{server.port}") as client:
             sub = await client.subscribe("k")
             before = time.time_ns()
-            await client.publish("t1", "k", b"x")
-            await client.publish(b"t1", b"k", b"y", ts_producer=0, uid=False)
+            await client.publish("k", b"x", partition="t1")
+            await client.publish(b"k", b"y", partition=b"t1", ts_producer=0, uid=False)
             uid = bytes(range(20))
-            await client.publish(b"t1", b"k", b"z", ts_producer=123, uid=uid)
+            await client.publish(b"k", b"z", partition=b"t1", ts_producer=123, uid=uid)
             a, b, c = await take(sub, 3)
             after = time.time_ns()
             assert isinstance(a, broky.Message)
@@ -104,7 +104,7 @@ def test_partition_subscription_gets_only_its_partition(server: ServerProcess) -
             one = await client.subscribe("orders.>", partition=mine)
             every = await client.subscribe("orders.>")
             for kp in (other, mine, other, mine):
-                await client.publish(kp, b"orders.eu.created", kp)
+                await client.publish(b"orders.eu.created", kp, partition=kp)
             await client.flush()
             got = await take(one, 2)
             assert [m.key_partition for m in got] == [mine, mine]
@@ -123,7 +123,7 @@ def test_publish_order_is_kept_per_partition(server: ServerProcess) -> None:
             sub = await sub_client.subscribe("seq")
             n = 3000
             for i in range(n):
-                await pub_client.publish(b"one", b"seq", str(i).encode())
+                await pub_client.publish(b"seq", str(i).encode(), partition=b"one")
             await pub_client.flush()
             got = await take(sub, n)
             assert [int(m.payload) for m in got] == list(range(n))
@@ -140,10 +140,10 @@ def test_publish_many_delivers_every_column_row_in_order_per_partition(server: S
             keys: list[bytes | str] = ["bulk.a" if i % 2 else b"bulk.b" for i in range(n)]  # str and bytes
             payloads = [str(i).encode() for i in range(n)]
             stamps: list[int | None] = [None if i % 3 else 42 for i in range(n)]
-            assert await pub_client.publish_many(kps, keys, payloads, ts_producers=stamps) == n
-            assert await pub_client.publish_many([], [], []) == 0
+            assert await pub_client.publish_many(keys, payloads, partitions=kps, ts_producers=stamps) == n
+            assert await pub_client.publish_many([], []) == 0
             with pytest.raises(ValueError, match="one length"):
-                await pub_client.publish_many(kps, keys[:-1], payloads)
+                await pub_client.publish_many(keys[:-1], payloads, partitions=kps)
             await pub_client.flush()
             got = await take(sub, n)
             assert pub_client.stats.published == n
@@ -173,7 +173,7 @@ def test_a_burst_to_a_worker_not_connected_yet_waits_for_its_connection(server: 
                 kps = [p[0] for p in partitions_by_worker(client.router.map, 1).values()]
                 n = 2000
                 for i in range(n):
-                    await client.publish(kps[i % len(kps)], b"burst.k", b"%d" % i + b"x" * 100)
+                    await client.publish(b"burst.k", b"%d" % i + b"x" * 100, partition=kps[i % len(kps)])
                 await client.flush()
                 assert client.stats.refused == 0 and client.stats.published == n
                 got = await take(sub, n)
@@ -183,7 +183,7 @@ def test_a_burst_to_a_worker_not_connected_yet_waits_for_its_connection(server: 
                 kps = [p[0] for p in partitions_by_worker(client.router.map, 1).values()]
                 with pytest.raises(broky.PublishBufferFullError):
                     for i in range(n):
-                        client.publish_nowait(kps[i % len(kps)], b"burst.k", b"x" * 100)
+                        client.publish_nowait(b"burst.k", b"x" * 100, partition=kps[i % len(kps)])
                 assert client.stats.refused == 1
 
     run(main)
@@ -200,7 +200,7 @@ def test_a_blocking_burst_to_a_worker_not_connected_yet_waits_for_its_connection
             kps = [p[0] for p in partitions_by_worker(vmap, 1).values()]
             n = 2000
             for i in range(n):
-                client.publish(kps[i % len(kps)], b"burst.k", b"%d" % i + b"x" * 100)
+                client.publish(b"burst.k", b"%d" % i + b"x" * 100, partition=kps[i % len(kps)])
             client.flush()
             assert client.stats.refused == 0 and client.stats.published == n
         got = [sub.next(5) for _ in range(n)]
@@ -213,7 +213,9 @@ def test_blocking_publish_many(server: ServerProcess) -> None:
         n = 2000
         assert (
             c.publish_many(
-                [b"p%d" % (i % 7) for i in range(n)], ["bulk.sync"] * n, [b"%d" % i for i in range(n)]
+                ["bulk.sync"] * n,
+                [b"%d" % i for i in range(n)],
+                partitions=[b"p%d" % (i % 7) for i in range(n)],
             )
             == n
         )
@@ -221,7 +223,7 @@ def test_blocking_publish_many(server: ServerProcess) -> None:
         got = list(sub.iter(timeout=5, count=n))
         assert sorted(int(m.payload) for m in got) == list(range(n))
         with pytest.raises(ValueError):
-            c.publish_many([b"a"], [b"b"], [])
+            c.publish_many([b"b"], [], partitions=[b"a"])
 
 
 def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: ServerProcess) -> None:
@@ -241,7 +243,7 @@ def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: Server
             await client.subscribe("a.b", callback=slow)
             it = await client.subscribe("a.>")
             for p in (b"1", b"2", b"3"):
-                await client.publish(b"kp", b"a.b", p)
+                await client.publish(b"a.b", p, partition=b"kp")
             await client.flush()
             await asyncio.wait_for(done.wait(), 5)
             assert plain == [b"1", b"2", b"3"]
@@ -252,7 +254,7 @@ def test_callbacks_plain_and_async_and_unsubscribe_ends_iteration(server: Server
                 if len(received) == 3:
                     await it.unsubscribe()
             assert received == [b"1", b"2", b"3"]
-            await client.publish(b"kp", b"a.b", b"4")
+            await client.publish(b"a.b", b"4", partition=b"kp")
             await client.flush()
             assert it.pending == 0
             with pytest.raises(broky.ClientClosedError):
@@ -271,7 +273,7 @@ def test_a_full_queue_pauses_its_connections_and_loses_nothing(server: ServerPro
             sub = await client.subscribe("s", max_pending_msgs=5)
             small = await client.subscribe("s", max_pending_bytes=10)
             for i in range(50):
-                await client.publish(b"kp", b"s", b"%03d" % i)
+                await client.publish(b"s", b"%03d" % i, partition=b"kp")
             await client.flush()  # Pongs are never kept back
             await asyncio.sleep(0.05)
             assert client.stats.pauses >= 1
@@ -282,7 +284,7 @@ def test_a_full_queue_pauses_its_connections_and_loses_nothing(server: ServerPro
             assert sub.dropped == small.dropped == client.stats.dropped_local == 0
             assert client.stats.server_lost == 0 and errors == []
             # resumed: the queue takes messages again
-            await client.publish(b"kp", b"s", b"new")
+            await client.publish(b"s", b"new", partition=b"kp")
             assert (await sub.next_msg(5)).payload == b"new"
 
     run(main)
@@ -303,7 +305,7 @@ def test_a_stalled_subscriber_is_told_what_the_server_could_not_keep(
         ):
             sub = await subscriber.subscribe("s", max_pending_msgs=10)
             for i in range(5000):
-                await publisher.publish(b"kp", b"s", b"%04d" % i + b"x" * 96)
+                await publisher.publish(b"s", b"%04d" % i + b"x" * 96, partition=b"kp")
             await publisher.flush()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30
@@ -329,17 +331,17 @@ def test_payload_over_the_server_limit_raises_before_sending(
         async with broky.connect(server.url) as client:
             sub = await client.subscribe("big")
             with pytest.raises(broky.PayloadTooLargeError) as info:
-                await client.publish(b"kp", b"big", b"x" * 5000)
+                await client.publish(b"big", b"x" * 5000, partition=b"kp")
             assert info.value.limit == 4096 and info.value.size > 5000
             assert "4096" in str(info.value)
-            await client.publish(b"kp", b"big", b"x" * 3000)
+            await client.publish(b"big", b"x" * 3000, partition=b"kp")
             await client.flush()
             assert len((await sub.next_msg(5)).payload) == 3000
             assert client.stats.published == 1
 
     run(main)
     with broky.connect_sync(server.url) as c, pytest.raises(broky.PayloadTooLargeError):
-        c.publish(b"kp", b"big", b"x" * 5000)
+        c.publish(b"big", b"x" * 5000, partition=b"kp")
 
 
 def test_auth_token(start_server: Callable[..., ServerProcess]) -> None:
@@ -352,7 +354,7 @@ def test_auth_token(start_server: Callable[..., ServerProcess]) -> None:
             await broky.connect(server.url)
         async with broky.connect(server.url, auth_token="s3cret") as client:
             sub = await client.subscribe("x")
-            await client.publish(b"kp", b"x", b"ok")
+            await client.publish(b"x", b"ok", partition=b"kp")
             assert (await sub.next_msg(5)).payload == b"ok"
 
     run(main)
@@ -366,16 +368,16 @@ def test_a_str_payload_is_a_type_error_that_says_to_encode_it(server: ServerProc
             sub = await client.subscribe("text")
             for _ in range(3):  # the first publish of a shape, then its template's fast path
                 with pytest.raises(TypeError, match=r"payload must be bytes, not str: encode it"):
-                    await client.publish(b"kp", b"text", "héllo")  # type: ignore[arg-type]
-                await client.publish(b"kp", b"text", "héllo".encode())
+                    await client.publish(b"text", "héllo", partition=b"kp")  # type: ignore[arg-type]
+                await client.publish(b"text", "héllo".encode(), partition=b"kp")
             with pytest.raises(broky.PayloadTypeError):  # a LocalProtocolError too, as before
-                client.publish_nowait(b"kp", b"text", "x")  # type: ignore[arg-type]
+                client.publish_nowait(b"text", "x", partition=b"kp")  # type: ignore[arg-type]
             assert [m.payload for m in await take(sub, 3)] == ["héllo".encode()] * 3
 
     run(main)
     assert issubclass(broky.PayloadTypeError, broky.LocalProtocolError)
     with broky.connect_sync(server.url) as c, pytest.raises(TypeError, match="encode it"):
-        c.publish(b"kp", b"text", "x")  # type: ignore[arg-type]
+        c.publish(b"text", "x", partition=b"kp")  # type: ignore[arg-type]
 
 
 def test_a_refused_first_connection_waits_for_a_starting_server_unless_told_not_to(
@@ -405,7 +407,7 @@ def test_a_refused_first_connection_waits_for_a_starting_server_unless_told_not_
         client = await connecting
         try:
             sub = await client.subscribe("up")
-            await client.publish(b"kp", b"up", b"found")
+            await client.publish(b"up", b"found", partition=b"kp")
             assert (await sub.next_msg(5)).payload == b"found"
         finally:
             await client.close()
@@ -420,7 +422,7 @@ def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:
         await client.close()
         await client.close()
         for call in (
-            lambda: client.publish(b"a", b"x", b"1"),
+            lambda: client.publish(b"x", b"1", partition=b"a"),
             lambda: client.flush(),
             lambda: client.subscribe("x"),
         ):
@@ -432,7 +434,7 @@ def test_closed_client_is_a_clear_error(server: ServerProcess) -> None:
     c = broky.connect_sync(server.url)
     c.close()
     with pytest.raises(broky.ClientClosedError):
-        c.publish(b"a", b"x", b"1")
+        c.publish(b"x", b"1", partition=b"a")
     with pytest.raises(broky.ClientClosedError):
         c.flush()
 
@@ -449,7 +451,7 @@ def test_close_delivers_publishes_waiting_for_a_first_connection(server: ServerP
                 assert sum(link.proto is not None for link in client.router.links.values()) == 1
                 keys = [b"closing.%d.%d" % (round, i) for i in range(200)]
                 for i, key in enumerate(keys):
-                    client.publish_nowait(b"p%d" % i, key, b"x")
+                    client.publish_nowait(key, b"x", partition=b"p%d" % i)
                 await client.close()
                 assert client.stats.unsent_on_close == 0
                 got = await take(sub, 200)
@@ -472,13 +474,13 @@ def test_not_my_vbucket_refreshes_the_map_and_moves_the_subscription(server: Ser
             kp = by_worker[0][0]
             sub = await client.subscribe("m", partition=kp)
             for i in range(3):  # go to the wrong worker, which returns them in its Errors
-                await client.publish(kp, b"m", b"refused %d" % i)
+                await client.publish(b"m", b"refused %d" % i, partition=kp)
             # flush waits for the map refresh and the resend of the refused publishes
             await client.flush()
             assert client.router.map == good and client._subscriptions.links[sub.sid][0].ref.worker == 0
             assert client.stats.resent == 3 and client.stats.misrouted == 0
             assert errors == []  # handled: nothing for on_error
-            await client.publish(kp, b"m", b"found")
+            await client.publish(b"m", b"found", partition=kp)
             await client.flush()
             got = [(await sub.next_msg(5)).payload for _ in range(4)]
             assert got == [b"refused 0", b"refused 1", b"refused 2", b"found"]
@@ -497,7 +499,7 @@ def test_blocking_client(server: ServerProcess) -> None:
         one = c.subscribe("jobs.>", partition=by_worker[1][0])
         for w in (0, 1):
             for kp in by_worker[w]:
-                c.publish(kp, "jobs.done", kp, ts_producer=None)
+                c.publish("jobs.done", kp, partition=kp, ts_producer=None)
         c.flush()
         got = list(sub.iter(timeout=2, count=4))
         assert sorted(m.key_partition for m in got) == sorted(by_worker[0] + by_worker[1])
@@ -508,7 +510,7 @@ def test_blocking_client(server: ServerProcess) -> None:
         # publish from several threads at once: nothing lost
         def burst(t: int) -> None:
             for i in range(500):
-                c.publish(b"t%d" % t, b"jobs.bulk", b"%d" % i)
+                c.publish(b"jobs.bulk", b"%d" % i, partition=b"t%d" % t)
 
         threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
         for t in threads:
@@ -533,7 +535,7 @@ def test_sync_iteration_with_a_consumer_thread(server: ServerProcess) -> None:
         reader = threading.Thread(target=lambda: received.extend(m.payload for m in sub))
         reader.start()
         for i in range(100):
-            c.publish(b"p", b"it", b"%d" % i)
+            c.publish(b"it", b"%d" % i, partition=b"p")
         c.flush()
         deadline = time.monotonic() + 5
         while len(received) < 100 and time.monotonic() < deadline:
@@ -550,7 +552,7 @@ def test_linger_keeps_a_publish_back(server: ServerProcess) -> None:
             await lingering.subscribe("unused")  # its connections to both workers are up
             loop = asyncio.get_running_loop()
             started = loop.time()
-            await lingering.publish(b"kp", b"linger", b"late")
+            await lingering.publish(b"linger", b"late", partition=b"kp")
             with pytest.raises(broky.BrokyTimeoutError):
                 await sub.next_msg(0.15)  # still waiting for others to share its write
             assert (await sub.next_msg(5)).payload == b"late"
@@ -571,10 +573,10 @@ def test_batch_size_writes_a_full_batch_at_once(server: ServerProcess) -> None:
             frame = len(encode_message(b"kp", b"batch", bytes(100), 1, 0, bytes(20)))
             per_batch = -(-1000 // frame)  # publishes that fill a batch
             for i in range(3 * per_batch):
-                await batching.publish(b"kp", b"batch", b"%03d" % i + bytes(97))
+                await batching.publish(b"batch", b"%03d" % i + bytes(97), partition=b"kp")
             got = await take(sub, 3 * per_batch)  # written as each batch filled, not after 60 s
             assert [m.payload[:3] for m in got] == [b"%03d" % i for i in range(3 * per_batch)]
-            await batching.publish(b"kp", b"batch", b"tail")
+            await batching.publish(b"batch", b"tail", partition=b"kp")
             with pytest.raises(broky.BrokyTimeoutError):
                 await sub.next_msg(0.2)  # below batch_size: it lingers
             await batching.flush()  # a flush writes what waits
@@ -594,7 +596,7 @@ def test_on_loss_reports_what_the_server_dropped(start_server: Callable[..., Ser
         with broky.connect_sync(server.url) as pub:
             kp = partitions_by_worker(pub.server_info.map)[0][0]  # type: ignore[union-attr]
             for i in range(n):
-                pub.publish(kp, b"loss", b"%05d" % i + bytes(10_000))
+                pub.publish(b"loss", b"%05d" % i + bytes(10_000), partition=kp)
             pub.flush()  # the server has handled every publish: queued for us, or dropped
         published.set()
 
@@ -635,7 +637,7 @@ def test_a_full_blocking_subscription_pauses_its_connections_and_loses_nothing(
         by_count = c.subscribe("bs", max_pending_msgs=5)
         by_bytes = c.subscribe("bs", max_pending_bytes=10)
         for i in range(50):
-            c.publish(b"kp", b"bs", b"%03d" % i)
+            c.publish(b"bs", b"%03d" % i, partition=b"kp")
         c.flush()
         deadline = time.monotonic() + 5
         while c.stats.pauses == 0:
@@ -646,7 +648,7 @@ def test_a_full_blocking_subscription_pauses_its_connections_and_loses_nothing(
         assert [m.payload for m in by_bytes.iter(timeout=2, count=50)] == want
         assert by_count.dropped == by_bytes.dropped == c.stats.dropped_local == 0 and errors == []
         # resumed: the queue takes messages again
-        c.publish(b"kp", b"bs", b"new")
+        c.publish(b"bs", b"new", partition=b"kp")
         c.flush()
         assert by_count.next(5).payload == b"new"
 
@@ -667,7 +669,7 @@ def test_callbacks_returning_awaitables_are_awaited_in_order(server: ServerProce
             await client.subscribe("aw", callback=lambda msg: record("lambda", msg))
             await client.subscribe("aw", callback=Handler())
             for i in range(5):
-                await client.publish(b"kp", b"aw", b"%d" % i)
+                await client.publish(b"aw", b"%d" % i, partition=b"kp")
             await client.flush()
             async with asyncio.timeout(5):
                 while len(seen["lambda"]) < 5 or len(seen["object"]) < 5:

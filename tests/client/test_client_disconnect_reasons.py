@@ -32,7 +32,7 @@ def test_a_goodbye_is_a_server_shutdown_with_what_was_processed(server: ServerPr
             reconnect_max_delay=5,
         ) as client:
             for i in range(7):
-                await client.publish(b"kp", b"g.x", b"%d" % i)
+                await client.publish(b"g.x", b"%d" % i, partition=b"kp")
             await client.flush()
             links = len(client.router.links)
             server.signal(signal.SIGTERM)
@@ -53,7 +53,7 @@ def test_the_blocking_client_gets_the_same_reasons(server: ServerProcess) -> Non
         reconnect_min_delay=5,
         reconnect_max_delay=5,
     ) as client:
-        client.publish(b"kp", b"g.x", b"x")
+        client.publish(b"g.x", b"x", partition=b"kp")
         client.flush()
         links = len(client._client.router.links)
         server.signal(signal.SIGTERM)
@@ -73,7 +73,7 @@ def test_a_fatal_error_gives_its_code(start_server: Any) -> None:
         with broky.connect_sync(server.url) as pub:
             while not stop.is_set():
                 for _ in range(200):
-                    pub.publish(b"kp", b"slow.x", bytes(1000))
+                    pub.publish(b"slow.x", bytes(1000), partition=b"kp")
                 pub.flush()
 
     async def main() -> None:

@@ -11,17 +11,21 @@ from hypothesis import strategies as st
 
 from broky.client.encoder import PublishEncoder, as_bytes, payload_bytes
 from broky.errors import LocalProtocolError, PayloadTooLargeError
+from broky.matching import key_problem
 from broky.protocol import decode_message, encode_message, vbucket_of
 from broky.protocol.ksuid import ksuid_time
 from broky.protocol.layout import UID_AT, UID_END
 
-small = st.binary(min_size=0, max_size=40)
+# What publish takes (broky.client.encoder.check_fields): a partition of any bytes but none,
+# a key of literal tokens (no empty, `*` or `>` one).
+partitions = st.binary(min_size=1, max_size=40)
+keys = st.binary(min_size=1, max_size=40).filter(lambda k: key_problem(k) is None)
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    kp=small,
-    key=small,
+    kp=partitions,
+    key=keys,
     payload=st.binary(max_size=300),
     ts=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
 )
@@ -44,8 +48,8 @@ def test_template_frames_equal_encode_message(kp: bytes, key: bytes, payload: by
 
 @settings(max_examples=300, deadline=None)
 @given(
-    kp=small,
-    key=small,
+    kp=partitions,
+    key=keys,
     payload=st.binary(max_size=300),
     ts=st.integers(-(2**63), 2**63 - 1),
     uid=st.one_of(st.none(), st.binary(min_size=20, max_size=20)),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import broky
 from broky.client.client import Link
 from broky.client.link import frames_in, publishes_in
+from broky.matching import key_problem
 from broky.protocol import VBUCKETS, decode_message, encode_message
 from broky.protocol.ksuid import EPOCH, KsuidSequence, ksuid_time
 from broky.protocol.routing import NodeInfo, VBucketMap
@@ -25,13 +26,17 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())  # type: ignore[arg-type]
 
 
-small = st.binary(max_size=40)
+# What publish takes (broky.client.encoder.check_fields): a partition of any bytes but none,
+# a key of literal tokens (no empty, `*` or `>` one).
+small = st.binary(min_size=1, max_size=40)
+keys = small.filter(lambda k: key_problem(k) is None)
+text_keys = st.text(min_size=1, max_size=10).filter(lambda k: key_problem(k.encode()) is None)
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    kp=st.one_of(small, st.text(max_size=10)),
-    key=st.one_of(small, st.text(max_size=10)),
+    kp=st.one_of(small, st.text(min_size=1, max_size=10)),
+    key=st.one_of(keys, text_keys),
     payload=st.binary(max_size=300),
     ts=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
 )
@@ -42,7 +47,7 @@ def test_fast_path_frames_equal_encode_message(
         client, link = unconnected_client()
         before = time.time_ns()
         for _ in range(3):  # the general path, then the cached fast path
-            await client.publish(kp, key, payload, ts_producer=ts)
+            await client.publish(key, payload, partition=kp, ts_producer=ts)
         assert client._fast_count >= 1
         bkp = kp.encode() if isinstance(kp, str) else kp
         bkey = key.encode() if isinstance(key, str) else key
@@ -66,7 +71,7 @@ def test_fast_path_frames_equal_encode_message(
 @settings(max_examples=200, deadline=None)
 @given(
     kp=small,
-    key=small,
+    key=keys,
     payload=st.binary(max_size=300),
     ts=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     uids=st.lists(st.binary(min_size=20, max_size=20), min_size=3, max_size=3),
@@ -78,7 +83,7 @@ def test_fast_path_with_given_uids_equals_encode_message(
         client, link = unconnected_client()
         before = time.time_ns()
         for uid in uids:  # the general path, then the cached fast path
-            await client.publish(kp, key, payload, ts_producer=ts, uid=uid)
+            await client.publish(key, payload, partition=kp, ts_producer=ts, uid=uid)
         assert client._fast_count >= 1
         for frame, uid in zip(link.out, uids):
             msg = decode_message(frame)
@@ -96,22 +101,22 @@ def test_fast_path_with_given_uids_equals_encode_message(
 def test_fast_path_errors_and_other_types() -> None:
     async def main() -> None:
         client, link = unconnected_client(max_frame=300)
-        await client.publish(b"p", b"k", b"x" * 10)
+        await client.publish(b"k", b"x" * 10, partition=b"p")
         # a cached template with wrong field types goes the general way and raises the same errors
         with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
-            await client.publish(b"p", b"k", "x" * 10)  # type: ignore[arg-type]
+            await client.publish(b"k", "x" * 10, partition=b"p")  # type: ignore[arg-type]
         with pytest.raises(broky.LocalProtocolError):
-            await client.publish(b"p", b"k", b"x" * 10, ts_producer=2**63)
+            await client.publish(b"k", b"x" * 10, partition=b"p", ts_producer=2**63)
         with pytest.raises(broky.LocalProtocolError, match="key must be bytes or str"):
-            await client.publish(b"p", 3, b"x")  # type: ignore[arg-type]
+            await client.publish(3, b"x", partition=b"p")  # type: ignore[arg-type]
         with pytest.raises(broky.PayloadTooLargeError):
-            await client.publish(b"p", b"k", b"x" * 300)
+            await client.publish(b"k", b"x" * 300, partition=b"p")
         assert len(link.out) == 1
         # bytes-like fields are accepted and encoded like bytes
-        await client.publish(bytearray(b"p"), memoryview(b"k"), memoryview(b"x" * 10))  # type: ignore[arg-type]
-        await client.publish(b"p", b"k", bytearray(b"y" * 10))  # type: ignore[arg-type]
-        await client.publish(b"p", b"k", b"z", uid=False)
-        await client.publish(b"p", b"k", b"z" * 10, uid=bytes(range(20)))
+        await client.publish(memoryview(b"k"), memoryview(b"x" * 10), partition=bytearray(b"p"))  # type: ignore[arg-type]
+        await client.publish(b"k", bytearray(b"y" * 10), partition=b"p")  # type: ignore[arg-type]
+        await client.publish(b"k", b"z", partition=b"p", uid=False)
+        await client.publish(b"k", b"z" * 10, partition=b"p", uid=bytes(range(20)))
         msgs = [decode_message(f) for f in link.out]
         assert [m.payload for m in msgs] == [b"x" * 10, b"x" * 10, b"y" * 10, b"z", b"z" * 10]
         assert msgs[3].uid is None and msgs[4].uid == bytes(range(20))
@@ -119,7 +124,7 @@ def test_fast_path_errors_and_other_types() -> None:
         # a closed client refuses even cached publishes
         client._closed, client._open = True, False
         with pytest.raises(broky.ClientClosedError):
-            await client.publish(b"p", b"k", b"x" * 10)
+            await client.publish(b"k", b"x" * 10, partition=b"p")
 
     run(main)
 
@@ -128,10 +133,10 @@ def test_publish_nowait_takes_the_same_paths_and_raises_the_same_errors() -> Non
     async def main() -> None:
         client, link = unconnected_client(max_frame=300)
         for i in range(4):  # general path, then the cached fast path
-            client.publish_nowait(b"p", b"k", b"%02d" % i)
-        client.publish_nowait("p", "k", b"s")  # str fields: the general path
-        client.publish_nowait(b"p", b"k", b"u" * 2, uid=bytes(range(20)))
-        client.publish_nowait(b"p", b"k", b"n", uid=False)
+            client.publish_nowait(b"k", b"%02d" % i, partition=b"p")
+        client.publish_nowait("k", b"s", partition="p")  # str fields: the general path
+        client.publish_nowait(b"k", b"u" * 2, partition=b"p", uid=bytes(range(20)))
+        client.publish_nowait(b"k", b"n", partition=b"p", uid=False)
         assert client._fast_count >= 1
         msgs = [decode_message(f) for f in link.out]
         assert [m.payload for m in msgs] == [b"00", b"01", b"02", b"03", b"s", b"uu", b"n"]
@@ -139,12 +144,12 @@ def test_publish_nowait_takes_the_same_paths_and_raises_the_same_errors() -> Non
         assert len({m.uid for m in msgs[:5]}) == 5
         assert client.stats.published == 7
         with pytest.raises(broky.PayloadTooLargeError):
-            client.publish_nowait(b"p", b"k", b"x" * 300)
+            client.publish_nowait(b"k", b"x" * 300, partition=b"p")
         with pytest.raises(broky.LocalProtocolError, match="payload must be bytes"):
-            client.publish_nowait(b"p", b"k", "xy")  # type: ignore[arg-type]
+            client.publish_nowait(b"k", "xy", partition=b"p")  # type: ignore[arg-type]
         client._closed, client._open = True, False
         with pytest.raises(broky.ClientClosedError):
-            client.publish_nowait(b"p", b"k", b"00")
+            client.publish_nowait(b"k", b"00", partition=b"p")
         assert client.stats.published == 7
 
     run(main)
@@ -158,7 +163,7 @@ def test_publish_nowait_across_batches_against_a_server(server: ServerProcess) -
             got: list[broky.Message] = []
             s = await sub.subscribe("nowait.>", callback=got.append)
             for i in range(2000):
-                pub.publish_nowait(b"kp-%d" % (i % 7), b"nowait.k", b"%d" % i)
+                pub.publish_nowait(b"nowait.k", b"%d" % i, partition=b"kp-%d" % (i % 7))
             await pub.flush()
             deadline = time.monotonic() + 10
             while len(got) < 2000 and time.monotonic() < deadline:
@@ -210,14 +215,14 @@ def test_a_publish_waiting_for_room_on_a_worker_whose_node_left_goes_to_the_new_
         router.map = VBucketMap(1, (NodeInfo("n", "h", 1, 1),), ((0, 0),) * VBUCKETS)
         router.links[link.ref] = link
         for _ in range(2):  # the shape seen twice: the fast path from now on
-            await client.publish(b"p", b"k", b"v" * 100)
+            await client.publish(b"k", b"v" * 100, partition=b"p")
         frame = link.out[0]
         link.proto = None  # down (its node died)
         while link.out_bytes + len(frame) <= 400:  # its buffer fills
             link.out.append(frame)
             link.out_bytes += len(frame)
         queued = len(link.out)
-        waiting = asyncio.ensure_future(client.publish(b"p", b"k", b"v" * 100))
+        waiting = asyncio.ensure_future(client.publish(b"k", b"v" * 100, partition=b"p"))
         await asyncio.sleep(0.05)
         assert not waiting.done()  # waits for room
         new = Link(client, "m", 0)
@@ -306,9 +311,9 @@ def test_publish_rows_raises_like_publish() -> None:
 def test_fast_path_cache_follows_map_and_limit() -> None:
     async def main() -> None:
         client, link = unconnected_client()
-        await client.publish("p", "k", b"v")
+        await client.publish("k", b"v", partition="p")
         assert client._fast == {}  # a shape met once gets no template
-        await client.publish("p", "k", b"v")
+        await client.publish("k", b"v", partition="p")
         assert client._fast["p"]["k"][1][-1] is link and client._fast[b"p"][b"k"][1][-1] is link
         other = Link(client, "n", 1)
         other.proto = FakeProto()  # type: ignore[assignment]
@@ -316,7 +321,7 @@ def test_fast_path_cache_follows_map_and_limit() -> None:
         client.router.links[other.ref] = other
         client.router.apply(VBucketMap(1, (NodeInfo("n", "h", 1, 2),), ((0, 1),) * VBUCKETS))
         assert client._fast == {}
-        await client.publish("p", "k", b"v")
+        await client.publish("k", b"v", partition="p")
         assert other.out and decode_message(other.out[0]).key_partition == b"p"
         client._encoder.set_limit(1 << 20)
         assert client._fast

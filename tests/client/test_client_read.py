@@ -57,12 +57,12 @@ def test_a_read_across_two_workers_returns_a_known_range_twice(
             assert client.server_info is not None
             kps = [kp for kps in partitions_by_worker(client.server_info.map, 2).values() for kp in kps]
             for i in range(200):
-                await client.publish(kps[i % 4], "r.k", b"%d" % i)
+                await client.publish("r.k", b"%d" % i, partition=kps[i % 4])
             await client.flush()
             stop = await client.positions()  # where every vbucket stands: the end of the range
             assert len(stop) == VBUCKETS and [p.vbucket for p in stop] == list(range(VBUCKETS))
             for i in range(200, 250):  # after the range
-                await client.publish(kps[i % 4], "r.k", b"%d" % i)
+                await client.publish("r.k", b"%d" % i, partition=kps[i % 4])
             await client.flush()
             links = open_connections(server, "reader")
 
@@ -95,8 +95,8 @@ def test_a_read_streams_and_follows_pattern_and_partition(start_server: Callable
         async with broky.connect(server.url, name="streamer") as client:
             kp = b"stream-kp"
             for i in range(300):
-                await client.publish(kp, "s.a" if i % 3 else "s.b", b"%d." % i + bytes(1000))
-            await client.publish(b"elsewhere", "s.a", b"-1.")
+                await client.publish("s.a" if i % 3 else "s.b", b"%d." % i + bytes(1000), partition=kp)
+            await client.publish("s.a", b"-1.", partition=b"elsewhere")
             await client.flush()
             reading = client.read("s.a", partition=kp)
             got = [msg async for msg in reading]
@@ -129,7 +129,7 @@ def test_what_is_gone_is_told_per_vbucket(start_server: Callable[..., ServerProc
             [before] = await client.positions(partition=kp)
             assert before.offset == 0
             for i in range(200):
-                await client.publish(kp, "g.k", b"%d." % i + bytes(1000))
+                await client.publish("g.k", b"%d." % i + bytes(1000), partition=kp)
                 await client.flush()  # one read each: the buffer evicts segment by segment
             result = await client.read(">", partition=kp, start=[before])
             end = result.ends[vb]
@@ -153,10 +153,10 @@ def test_the_blocking_client_reads(start_server: Callable[..., ServerProcess]) -
     server = start_server(workers=2)
     with broky.connect_sync(server.url) as client:
         for i in range(20):
-            client.publish(b"sync-kp", "b.k", b"%d" % i)
+            client.publish("b.k", b"%d" % i, partition=b"sync-kp")
         client.flush()
         stop = client.positions()
-        client.publish(b"sync-kp", "b.k", b"20")
+        client.publish("b.k", b"20", partition=b"sync-kp")
         client.flush()
         result = client.read("b.>", stop=stop, timeout=10)
         assert numbers(result.messages, b"sync-kp") == list(range(20))
@@ -179,7 +179,7 @@ def test_a_read_of_some_vbuckets_across_two_workers(start_server: Callable[..., 
             kps = by_worker[0] + by_worker[1]
             assert len({vbucket_of(kp) for kp in kps}) == 6
             for i in range(60):
-                await client.publish(kps[i % 6], "v.k", b"%d" % i)
+                await client.publish("v.k", b"%d" % i, partition=kps[i % 6])
             await client.flush()
             # Two of each worker's three, and an empty vbucket: exactly those, from both.
             wanted = [by_worker[0][0], by_worker[0][2], by_worker[1][1]]
@@ -227,7 +227,7 @@ def test_the_blocking_client_reads_some_vbuckets(start_server: Callable[..., Ser
     with broky.connect_sync(server.url) as client:
         for kp in (b"sync-a", b"sync-b"):
             for i in range(5):
-                client.publish(kp, "b.k", b"%d" % i)
+                client.publish("b.k", b"%d" % i, partition=kp)
         client.flush()
         vb = vbucket_of(b"sync-a")
         assert vb != vbucket_of(b"sync-b")

@@ -69,7 +69,7 @@ def test_subscriptions_come_back_after_a_network_cut(server: ServerProcess, prox
 
             async def round_of(tag: bytes) -> None:
                 for kp in kps:
-                    await publisher.publish(kp, b"r.x", tag + kp)
+                    await publisher.publish(b"r.x", tag + kp, partition=kp)
                 await publisher.flush()
                 got = await take(every, 2)
                 assert sorted(m.payload for m in got) == sorted(tag + kp for kp in kps)
@@ -84,7 +84,7 @@ def test_subscriptions_come_back_after_a_network_cut(server: ServerProcess, prox
             await subscriber.flush()  # the re-sent Subscribe frames have been processed
             await round_of(b"after ")
             # the reconnected client publishes as well
-            await subscriber.publish(kps[0], b"r.x", b"own")
+            await subscriber.publish(b"r.x", b"own", partition=kps[0])
             await subscriber.flush()
             assert (await every.next_msg(5)).payload == b"own"
             assert subscriber.stats.reconnects == 2
@@ -106,13 +106,13 @@ def test_publishes_made_while_disconnected_are_sent_after_reconnect(
             sub = await subscriber.subscribe("buf")
             kps = [by_worker[0][0], by_worker[1][0]]
             for kp in kps:  # open the connections to both workers
-                await publisher.publish(kp, b"buf", b"warm")
+                await publisher.publish(b"buf", b"warm", partition=kp)
             await publisher.flush()
             await take(sub, 2)
             proxy.refuse(True)
             await until(lambda: sorted(ev.disconnects) == [0, 1])
             for i in range(200):
-                await publisher.publish(kps[i % 2], b"buf", b"%d" % i)
+                await publisher.publish(b"buf", b"%d" % i, partition=kps[i % 2])
             assert ev.reconnects == []
             proxy.refuse(False)
             await publisher.flush(timeout=10)
@@ -138,7 +138,7 @@ def test_publish_raises_once_the_reconnect_buffer_is_full(server: ServerProcess,
             sent = 0
             with pytest.raises(broky.PublishBufferFullError) as info:
                 for _ in range(1000):
-                    await client.publish(b"kp", b"k", b"x" * 100)
+                    await client.publish(b"k", b"x" * 100, partition=b"kp")
                     sent += 1
             assert info.value.limit == 4000
             assert 4000 - 300 < info.value.pending_bytes <= 4000
@@ -147,7 +147,7 @@ def test_publish_raises_once_the_reconnect_buffer_is_full(server: ServerProcess,
             assert client.stats.refused == 1
             proxy.refuse(False)
             await client.flush(timeout=10)
-            await client.publish(b"kp", b"k", b"x" * 100)  # accepted again once reconnected
+            await client.publish(b"k", b"x" * 100, partition=b"kp")  # accepted again once reconnected
 
     run(main)
 
@@ -158,7 +158,7 @@ def test_flush_times_out_while_a_worker_is_unreachable(server: ServerProcess, pr
         async with broky.connect(proxy.address, **ev.options()) as client:
             proxy.refuse(True)
             await until(lambda: len(ev.disconnects) == 1)
-            await client.publish(b"kp", b"k", b"x")
+            await client.publish(b"k", b"x", partition=b"kp")
             with pytest.raises(broky.BrokyTimeoutError, match="down"):
                 await client.flush(timeout=0.3)
             proxy.refuse(False)
@@ -181,7 +181,7 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
             # one partition-scoped subscription per worker: whichever dies, one lives on it
             scoped = [await subscriber.subscribe("kill.*", partition=kp) for kp in kps]
             for kp in kps:
-                await publisher.publish(kp, b"kill.me", b"before")
+                await publisher.publish(b"kill.me", b"before", partition=kp)
             await publisher.flush()
             await take(sub, 2)
             for one in scoped:
@@ -195,7 +195,7 @@ def test_subscriptions_come_back_after_a_worker_is_killed(server: ServerProcess)
             await subscriber.flush(timeout=10)
             await publisher.flush(timeout=10)  # waits for its own reconnect
             for kp in kps:
-                await publisher.publish(kp, b"kill.me", b"after")
+                await publisher.publish(b"kill.me", b"after", partition=kp)
             await publisher.flush(timeout=10)
             got = await take(sub, 2)
             assert sorted(m.key_partition for m in got) == sorted(kps)
@@ -216,11 +216,11 @@ def test_blocking_client_survives_a_cut(server: ServerProcess, proxy: FaultProxy
         broky.connect_sync(server.url) as reader,
     ):
         sub = reader.subscribe("sync.cut")
-        c.publish(b"kp", b"sync.cut", b"1")
+        c.publish(b"sync.cut", b"1", partition=b"kp")
         c.flush()
         proxy.cut()
         assert down.wait(5)
-        c.publish(b"kp", b"sync.cut", b"2")  # buffered until the reconnect
+        c.publish(b"sync.cut", b"2", partition=b"kp")  # buffered until the reconnect
         c.flush(timeout=10)
         assert [m.payload for m in sub.iter(timeout=2, count=2)] == [b"1", b"2"]
         # Every connection came back; links reconnect independently, each on its own backoff.
@@ -250,20 +250,24 @@ def test_a_killed_worker_loses_no_publish(server: ServerProcess, bulk: bool) -> 
             kps = [by_worker[0][0], by_worker[1][0]]
             sub = await watcher.subscribe("lost.>")
             for kp in kps:
-                await client.publish(kp, b"lost.x", b"warm")
+                await client.publish(b"lost.x", b"warm", partition=kp)
             await client.flush()
             assert len(await take(sub, 2)) == 2
             victim = server.worker_pids()[0]
             os.kill(victim, signal.SIGSTOP)  # it will read none of what follows
             if bulk:  # 2 x 1500 rows of ~120 bytes: writes of several chunks
                 n = 1500
-                rows = [(kp, b"lost.x", b"%d" % i) for i in range(n) for kp in kps]
-                task = asyncio.ensure_future(client.publish_many(*zip(*rows)))  # may wait to drain
+                rows = [(kp, b"%d" % i) for i in range(n) for kp in kps]
+                parts, payloads = zip(*rows)
+                keys = [b"lost.x"] * len(rows)
+                task = asyncio.ensure_future(  # may wait to drain
+                    client.publish_many(keys, payloads, partitions=parts)
+                )
             else:
                 n = 50
                 for i in range(n):
                     for kp in kps:
-                        await client.publish(kp, b"lost.x", b"%d" % i)
+                        await client.publish(b"lost.x", b"%d" % i, partition=kp)
             await asyncio.sleep(0.1)  # written (linger 0); the stopped worker processed none
             if bulk and pubpack.compiled is not None:  # writes of several chunks are kept
                 kept = [w for link in client.router.links.values() for w in link.retained]
@@ -300,11 +304,11 @@ def test_publishes_a_cut_kept_from_the_server_are_sent_again(
             broky.connect(server.url) as watcher,
         ):
             sub = await watcher.subscribe("cut.>")
-            await client.publish(b"kp", b"cut.x", b"warm")
+            await client.publish(b"cut.x", b"warm", partition=b"kp")
             await client.flush()
             proxy.stall(True)  # what is written now stays in the proxy...
             for i in range(20):
-                await client.publish(b"kp", b"cut.x", b"%d" % i)
+                await client.publish(b"cut.x", b"%d" % i, partition=b"kp")
             await asyncio.sleep(0.1)
             proxy.cut()  # ...and is gone with the cut
             proxy.stall(False)
@@ -339,13 +343,13 @@ def test_without_an_account_publishes_are_sent_again_and_subscribers_drop_the_co
                 broky.connect(to_pub.address, **quiet, **pev.options()) as publisher,
             ):
                 sub = await subscriber.subscribe("x.>")
-                await publisher.publish(b"kp", b"x.y", b"warm")
+                await publisher.publish(b"x.y", b"warm", partition=b"kp")
                 await publisher.flush()
                 assert len(await take(sub, 1)) == 1
                 for i in range(30):  # received, never confirmed to the publisher
-                    await publisher.publish(b"kp", b"x.y", b"%d" % i)
+                    await publisher.publish(b"x.y", b"%d" % i, partition=b"kp")
                 for i in range(5):
-                    await publisher.publish(b"kp", b"x.y", b"no-uid %d" % i, uid=False)
+                    await publisher.publish(b"x.y", b"no-uid %d" % i, partition=b"kp", uid=False)
                 got = await take(sub, 35)
                 # Both move to a server process that knows nothing of them: the subscriber first.
                 to_sub.target = other.address
@@ -382,7 +386,7 @@ def test_control_frames_are_not_counted_as_unconfirmed_publishes(
         async with broky.connect(proxy.address, ping_interval=None, **ev.options()) as client:
             for i in range(5):
                 sub = await client.subscribe(f"c.{i}")  # Subscribe + Ping per worker
-                await client.publish(b"kp", b"c.x", b"x")
+                await client.publish(b"c.x", b"x", partition=b"kp")
                 await sub.unsubscribe()
             await client.flush()
             last = await client.subscribe("c.>")
@@ -391,7 +395,7 @@ def test_control_frames_are_not_counted_as_unconfirmed_publishes(
             await until(lambda: len(ev.reconnects) == 2)
             await client.flush()  # nothing written was unconfirmed: no error
             assert client.stats.unconfirmed_lost == 0
-            await client.publish(b"kp", b"c.x", b"unconfirmed")
+            await client.publish(b"c.x", b"unconfirmed", partition=b"kp")
             await asyncio.sleep(0.05)
             proxy.cut()
             await until(lambda: len(ev.reconnects) >= 3)
@@ -418,18 +422,18 @@ def test_blocking_publish_raises_once_the_reconnect_buffer_is_full(
         sent = 0
         with pytest.raises(broky.PublishBufferFullError) as info:
             for _ in range(1000):
-                c.publish(b"kp", b"k", b"x" * 100)
+                c.publish(b"k", b"x" * 100, partition=b"kp")
                 sent += 1
         assert info.value.limit == 4000
         assert 4000 - 300 < info.value.pending_bytes <= 4000
         assert 10 < sent < 40
         with pytest.raises(broky.PublishBufferFullError):  # still full: raised again (after its own wait)
-            c.publish(b"kp", b"k", b"x" * 100)
+            c.publish(b"k", b"x" * 100, partition=b"kp")
         proxy.refuse(False)
         c.flush(timeout=10)  # nothing raised in the I/O thread is left over
         assert c.stats.published == sent
         assert c.stats.refused == 2
-        c.publish(b"kp", b"k", b"x" * 100)  # accepted again once reconnected
+        c.publish(b"k", b"x" * 100, partition=b"kp")  # accepted again once reconnected
         c.flush(timeout=10)
         assert c.stats.published == sent + 1
 
@@ -443,7 +447,7 @@ def test_giving_up_drops_counts_and_makes_publish_and_flush_raise(
             proxy.refuse(True)
             await until(lambda: len(ev.disconnects) == 1)
             for i in range(7):
-                await client.publish(b"kp", b"k", b"%d" % i)
+                await client.publish(b"k", b"%d" % i, partition=b"kp")
             await until(lambda: any("gave up" in str(e) for e in ev.errors))
             await until(lambda: all(link.failed is not None for link in client.router.links.values()))
             assert client.stats.unsent_gave_up == 7
@@ -452,7 +456,7 @@ def test_giving_up_drops_counts_and_makes_publish_and_flush_raise(
             with pytest.raises(broky.BrokyConnectionError, match="7 buffered publishes dropped"):
                 await client.flush(timeout=5)  # every flush, as long as the worker is given up
             with pytest.raises(broky.BrokyConnectionError, match="gave up"):
-                await client.publish(b"kp", b"k", b"late")
+                await client.publish(b"k", b"late", partition=b"kp")
             assert client.stats.refused == 1
             assert client.stats.published == 7
 
@@ -483,7 +487,7 @@ def test_a_silent_network_cut_is_noticed_by_pings(server: ServerProcess, proxy: 
             await until(lambda: sorted(ev.reconnects) == [0, 1])
             await subscriber.flush(timeout=10)
             for kp in kps:
-                await publisher.publish(kp, b"stall.x", kp)
+                await publisher.publish(b"stall.x", kp, partition=kp)
             await publisher.flush()
             got = await take(every, 2)
             assert sorted(m.payload for m in got) == sorted(kps)
@@ -515,7 +519,7 @@ def test_subscribe_does_not_wait_for_a_worker_that_is_down(server: ServerProcess
             await until(lambda: sorted(ev.reconnects) == [0, 1])
             await subscriber.flush(timeout=10)  # the restored Subscribe frames are processed
             for kp in kps:
-                await publisher.publish(kp, b"down.x", kp)
+                await publisher.publish(b"down.x", kp, partition=kp)
             await publisher.flush()
             assert sorted(m.payload for m in await take(every, 2)) == sorted(kps)
             assert (await scoped.next_msg(5)).payload == kps[0]
@@ -574,7 +578,7 @@ def test_a_subscription_over_the_server_limit_is_reported_once_and_not_resent(st
             await subscriber.flush(timeout=10)
             assert info.value.sid not in subscriber._subscriptions.subs and len(refusals()) == 1
             # The connections keep working.
-            await publisher.publish(kp, b"warm", b"still")
+            await publisher.publish(b"warm", b"still", partition=kp)
             await publisher.flush()
             assert (await warm.next_msg(5)).payload == b"still"
 

@@ -40,7 +40,7 @@ async def publish_paced(server: ServerProcess, total: int, cut_at: float, cut: A
     async with broky.connect(server.url) as publisher:
         for i in range(total):
             k = i % PARTITIONS
-            await publisher.publish(partitions[k], b"rp.x", SEQ.pack(k, sent[k]))
+            await publisher.publish(b"rp.x", SEQ.pack(k, sent[k]), partition=partitions[k])
             sent[k] += 1
             if i % 100 == 99:
                 due = started + (i + 1) / RATE
@@ -136,7 +136,7 @@ def test_positions_persisted_and_given_back_go_on_exactly_where_they_stopped(ser
         async with broky.connect(server.url) as publisher:
             kps = [b"pp-%d" % i for i in range(16)]
             for i in range(160):
-                await publisher.publish(kps[i % 16], b"pp.k", b"%d" % i)
+                await publisher.publish(b"pp.k", b"%d" % i, partition=kps[i % 16])
             await publisher.flush()
             async with broky.connect(server.url) as first:
                 sub = await first.subscribe("pp.*", since_time=began)
@@ -147,7 +147,7 @@ def test_positions_persisted_and_given_back_go_on_exactly_where_they_stopped(ser
                 last[m.vbucket] = broky.Position(m.vbucket, m.epoch, m.offset)
             assert json.loads(saved) == [list(p) for p in sorted(last.values())]
             for i in range(160, 200):
-                await publisher.publish(kps[i % 16], b"pp.k", b"%d" % i)
+                await publisher.publish(b"pp.k", b"%d" % i, partition=kps[i % 16])
             await publisher.flush()
             lost: list[tuple[int, int]] = []
             options: dict[str, Any] = {"on_loss": lambda ref, n, reason: lost.append((n, reason))}
@@ -204,7 +204,7 @@ def test_last_and_since_time_through_the_sdk_and_the_blocking_client(server: Ser
     async def publish(n0: int, n1: int) -> None:
         async with broky.connect(server.url) as publisher:
             for i in range(n0, n1):
-                await publisher.publish(b"one-kp", b"lt.k", b"%d" % i)
+                await publisher.publish(b"lt.k", b"%d" % i, partition=b"one-kp")
             await publisher.flush()
 
     asyncio.run(publish(0, 10))
@@ -242,7 +242,7 @@ def test_a_killed_worker_costs_the_subscriber_only_what_its_account_tells(server
             async def burst(n: int) -> None:
                 for i in range(n):
                     k = i % 32
-                    await publisher.publish(kps[k], b"wk.x", SEQ.pack(k, sent[k]))
+                    await publisher.publish(b"wk.x", SEQ.pack(k, sent[k]), partition=kps[k])
                     sent[k] += 1
                 await publisher.flush()
 

@@ -25,7 +25,7 @@ def test_a_subscriptions_own_losses_go_to_its_hook_and_not_the_clients(server: S
                 "s.>", since=[Position(vb, 12345, 77)], on_loss=lambda d, r: mine.append((d, r))
             )
             await client.subscribe("t.>", on_loss=lambda d, r: other.append((d, r)))
-            await client.publish("kp", "s.x", b"after")
+            await client.publish("s.x", b"after", partition="kp")
             await client.flush()
             await asyncio.sleep(0.3)
 

@@ -104,10 +104,10 @@ def test_using_an_unconnected_or_closed_client_is_a_clear_error() -> None:
     async def main() -> None:
         client = broky.Client("127.0.0.1:1")
         with pytest.raises(broky.BrokyConnectionError, match="not connected"):
-            await client.publish(b"p", b"k", b"v")
+            await client.publish(b"k", b"v", partition=b"p")
         await client.close()
         with pytest.raises(broky.ClientClosedError):
-            await client.publish(b"p", b"k", b"v")
+            await client.publish(b"k", b"v", partition=b"p")
         with pytest.raises(broky.ClientClosedError):
             await client.subscribe("k")
         with pytest.raises(broky.ClientClosedError):

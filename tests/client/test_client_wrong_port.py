@@ -322,9 +322,9 @@ def test_info_reads_a_tls_servers_metrics_over_https_and_says_so_for_http(
 def test_publish_with_a_missing_argument_names_publish_not_a_private_method() -> None:
     client = broky.Client("127.0.0.1:4777")
     with pytest.raises(TypeError) as raised:
-        client.publish("orders.created", b"x")  # type: ignore[call-arg,unused-coroutine]
+        client.publish("orders.created")  # type: ignore[call-arg,unused-coroutine]
     assert "publish() missing 1 required positional argument: 'payload'" in str(raised.value)
     assert "_publish" not in str(raised.value)
     with pytest.raises(TypeError) as raised:
-        client.publish_nowait("orders.created", b"x")  # type: ignore[call-arg]
+        client.publish_nowait("orders.created")  # type: ignore[call-arg]
     assert "_publish" not in str(raised.value)

@@ -42,7 +42,7 @@ async def publish(server: ServerProcess, n: int, partitions: int = 64, key: str 
     async with broky.connect(server.url, name="publisher") as publisher:
         for i in range(n):
             k = i % partitions
-            await publisher.publish(b"kp-%d" % k, key, _seq.pack(k, sent[k]))
+            await publisher.publish(key, _seq.pack(k, sent[k]), partition=b"kp-%d" % k)
             sent[k] += 1
         await publisher.flush()
 
@@ -118,7 +118,7 @@ def test_ack_nack_in_progress_and_ack_wait_round_trips(server: ServerProcess) ->
                 "acks.>", group="g", ack=True, ack_wait=1.0, backoff=(0.3,), max_deliveries=5
             )
             for i in range(4):
-                await client.publish(kp, "acks.k", b"%d" % i)
+                await client.publish("acks.k", b"%d" % i, partition=kp)
             await client.flush()
             first = {int(m.payload): m for m in [await sub.next_msg(5) for _ in range(4)]}
             assert all(m.delivery_count == 1 for m in first.values()) and sub.in_flight == 4
@@ -160,7 +160,7 @@ def test_max_deliveries_drops_tells_and_publishes_to_the_dead_letter(server: Ser
             sub = await client.subscribe(
                 "work.>", group="g", ack=True, max_deliveries=3, dead_letter="dead.work"
             )
-            await client.publish(b"kp-1", "work.k", b"poison")
+            await client.publish("work.k", b"poison", partition=b"kp-1")
             counts = []
             for _ in range(3):
                 msg = await sub.next_msg(5)
@@ -183,7 +183,7 @@ def test_a_member_at_max_in_flight_is_paused_and_told(server: ServerProcess) -> 
             kp = partitions_by_worker(client.server_info.map, 1)[0][0]
             sub = await client.subscribe("flow.>", group="g", ack=True, max_in_flight=5)
             for i in range(20):
-                await client.publish(kp, "flow.k", b"%d" % i)
+                await client.publish("flow.k", b"%d" % i, partition=kp)
             await client.flush()
             held = [await sub.next_msg(5) for _ in range(5)]
             await until(lambda: sub.paused_by_server, what="PAUSED")
@@ -233,7 +233,7 @@ def test_a_worker_restart_tells_only_the_nacks_it_cannot_redeliver(server: Serve
             kp = partitions_by_worker(client.server_info.map, 1)[0][0]
             sub = await client.subscribe("r.>", group="g", ack=True)
             for i in range(10):
-                await client.publish(kp, "r.k", b"%d" % i)
+                await client.publish("r.k", b"%d" % i, partition=kp)
             await client.flush()
             got = [await sub.next_msg(5) for _ in range(10)]
             for msg in got[:4]:
@@ -252,7 +252,7 @@ def test_a_worker_restart_tells_only_the_nacks_it_cannot_redeliver(server: Serve
             assert client.stats.acks_dropped == dropped + 1 and client.stats.unacked_lost == 1
             assert sub.in_flight == 4
             # the restarted worker delivers to the member again (it subscribed again)
-            await client.publish(kp, "r.k", b"after")
+            await client.publish("r.k", b"after", partition=kp)
             msg = await sub.next_msg(10)
             assert msg.payload == b"after" and msg.delivery_count == 1
             msg.ack()
@@ -280,7 +280,7 @@ def test_a_cut_to_a_live_worker_loses_no_ack(server: ServerProcess) -> None:
             ):
                 sub = await client.subscribe("cut.>", group="g", ack=True, ack_wait=5.0)
                 for i in range(5):
-                    await publisher.publish(b"kp-1", "cut.k", b"%d" % i)
+                    await publisher.publish("cut.k", b"%d" % i, partition=b"kp-1")
                 await publisher.flush()
                 got = [await sub.next_msg(5) for _ in range(5)]
                 proxy.refuse(True)
@@ -314,7 +314,7 @@ def test_the_blocking_client_acks_from_its_thread(server: ServerProcess) -> None
     with broky.connect_sync(server.url) as client:
         sub = client.subscribe("sync.>", group="g", ack=True, ack_wait=1.0)
         for i in range(100):
-            client.publish(b"kp-%d" % (i % 8), "sync.k", b"%d" % i)
+            client.publish("sync.k", b"%d" % i, partition=b"kp-%d" % (i % 8))
         client.flush()
         got = [int(m.payload) for m in _ack_all(sub.iter(timeout=5, count=100))]
         assert sorted(got) == list(range(100))

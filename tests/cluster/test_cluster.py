@@ -373,7 +373,7 @@ def test_a_subscription_made_while_a_move_is_prepared_is_in_place_for_the_commit
             assert {link.ref.node_id for link in links} == {"a", "b"}  # owner and incoming owner
             follower.send(MapApplied(prepared.version))  # the raw subscriber follows too
             await asyncio.to_thread(cluster.wait_settled)  # committed without the timeout
-            await client.publish(kp, "m.x", b"after the move")
+            await client.publish("m.x", b"after the move", partition=kp)
             await client.flush()
             return [(await sub.next_msg(timeout=5)).payload]
 

@@ -135,10 +135,10 @@ def test_copies_of_what_a_frozen_node_delivered_are_dropped_for_a_pure_subscribe
             ):
                 await sub_client.subscribe("f.>", callback=lambda m: got.append(m.payload))
                 for kp in firsts:  # the first write to each worker of b carries the one Ping
-                    await pub.publish(kp, "f.x", b"first")
+                    await pub.publish("f.x", b"first", partition=kp)
                 await pub.flush()
                 for i, kp in enumerate(kps):
-                    await pub.publish(kp, "f.x", b"%d" % i)  # written, delivered, never confirmed
+                    await pub.publish("f.x", b"%d" % i, partition=kp)  # written, delivered, never confirmed
                 await wait_until(lambda: len(got) == len(kps) + len(firsts), 10.0)
                 pids = cluster.pids("b")
                 for pid in pids:

@@ -39,7 +39,7 @@ def publish(seed: str, phase: int, count: int) -> None:
         async with broky.connect(seed) as client:
             for n in range(count):
                 for kp in KPS:
-                    await client.publish(kp, "w.x", b"%d:%d" % (phase, n))
+                    await client.publish("w.x", b"%d:%d" % (phase, n), partition=kp)
             await client.flush()
 
     asyncio.run(main())

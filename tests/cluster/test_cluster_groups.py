@@ -47,7 +47,7 @@ async def share(
             await client.subscribe("c.>", group="g", callback=take, key_shared=key_shared, ack=ack)
         async with broky.connect(seed(cluster, "b")) as pub:
             for i in range(N):
-                await pub.publish(KPS[i % len(KPS)], "c.x", b"%d" % i)
+                await pub.publish("c.x", b"%d" % i, partition=KPS[i % len(KPS)])
                 if i % 500 == 499:
                     await pub.flush()
             await pub.flush()

@@ -156,7 +156,7 @@ async def _warm(client: broky.Client, proc: asyncio.subprocess.Process, kp: byte
     assert proc.stdout is not None
     async with asyncio.timeout(20):
         while True:
-            await client.publish(kp, key, b"warm")
+            await client.publish(key, b"warm", partition=kp)
             try:
                 async with asyncio.timeout(0.2):
                     if b"warm" in await proc.stdout.readline():
@@ -180,7 +180,7 @@ def test_a_stream_on_one_node_carries_the_other_nodes_vbuckets_and_sse_resumes_a
                 await _warm(client, nd, kps[1], "nd.warm")  # a kp of node b
                 sent = [(kps[i % 8], b"n-%d" % i) for i in range(400)]
                 for kp, payload in sent:
-                    await client.publish(kp, "nd.x", payload)
+                    await client.publish("nd.x", payload, partition=kp)
                 lines = await _lines_until(nd, lambda ls: sum(b'"n-' in x for x in ls) >= 400)
             finally:
                 nd.kill()
@@ -195,14 +195,14 @@ def test_a_stream_on_one_node_carries_the_other_nodes_vbuckets_and_sse_resumes_a
             await _warm(client, sse, kps[1], "ev.warm")
             events = [(kps[i % 8], b"e-%d" % i) for i in range(400)]
             for kp, payload in events[:200]:
-                await client.publish(kp, "ev.x", payload)
+                await client.publish("ev.x", payload, partition=kp)
             seen = _events(await _lines_until(sse, lambda ls: len(_data(_events(ls), '"e-')) >= 100))
             sse.kill()
             await sse.wait()
             first = _data(seen, '"e-')
             last_id = [e for e in seen if "id" in e][-1]["id"]
             for kp, payload in events[200:]:  # while it is away
-                await client.publish(kp, "ev.x", payload)
+                await client.publish("ev.x", payload, partition=kp)
             again = await _stream(
                 f"{a}/v1/sub/ev.>", "Accept: text/event-stream", f"Last-Event-ID: {last_id}"
             )

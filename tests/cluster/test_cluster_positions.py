@@ -81,7 +81,7 @@ class Publisher:
         """n messages to every key_partition."""
         for _ in range(n):
             for i, kp in enumerate(KPS):
-                await self.client.publish(kp, "w.x", b"%d" % self.sent[i])
+                await self.client.publish("w.x", b"%d" % self.sent[i], partition=kp)
                 self.sent[i] += 1
         await self.client.flush()
 
@@ -90,7 +90,7 @@ class Publisher:
         while self.running:
             for _ in range(RATE // 100):
                 kp = i % PARTITIONS
-                await self.client.publish(KPS[kp], "w.x", b"%d" % self.sent[kp])
+                await self.client.publish("w.x", b"%d" % self.sent[kp], partition=KPS[kp])
                 self.sent[kp] += 1
                 i += 1
             await asyncio.sleep(0.01)

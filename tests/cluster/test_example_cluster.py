@@ -103,7 +103,7 @@ async def round_trip(seeds: str, partitions: int) -> dict[bytes, list[bytes]]:
         await sub.subscribe("demo.>", callback=on_message)
         for i in range(3):
             for p in range(partitions):
-                await pub.publish(b"tenant-%d" % p, b"demo.k", b"%d" % i)
+                await pub.publish(b"demo.k", b"%d" % i, partition=b"tenant-%d" % p)
         await pub.flush()  # raises if any publish may have been lost
         await asyncio.wait_for(done.wait(), 20)
     return got

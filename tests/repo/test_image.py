@@ -148,7 +148,7 @@ def test_the_image_serves_the_sdk_on_the_host_and_stops_cleanly(
     with broky.connect_sync(f"127.0.0.1:{port}") as client:
         sub = client.subscribe("image.>")
         for i in range(n):
-            client.publish(b"p%d" % i, "image.k", b"%d" % i)
+            client.publish("image.k", b"%d" % i, partition=b"p%d" % i)
         client.flush()
         got = sorted(int(m.payload) for m in sub.iter(timeout=10, count=n))
     assert got == list(range(n))

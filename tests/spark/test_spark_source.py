@@ -45,7 +45,7 @@ def publish(server: ServerProcess, first: int, count: int, kps: int = 64, key: s
     """Messages first .. first+count-1 (the payload is the number) over `kps` key_partitions."""
     with broky.connect_sync(address(server), name="test-pub") as client:
         for i in range(first, first + count):
-            client.publish(f"kp{i % kps}", key, b"%d" % i)
+            client.publish(key, b"%d" % i, partition=f"kp{i % kps}")
         client.flush()
 
 
@@ -63,7 +63,7 @@ class Publisher:
             with broky.connect_sync(address(self.server), name="test-pub") as client:
                 t0 = time.monotonic()
                 for i in range(self.count):
-                    client.publish(f"kp{i % self.kps}", "src.s", b"%d" % i)
+                    client.publish("src.s", b"%d" % i, partition=f"kp{i % self.kps}")
                     if i % 1000 == 999:
                         ahead = (i + 1) / self.rate - (time.monotonic() - t0)
                         if ahead > 0:
@@ -411,14 +411,14 @@ def test_a_streaming_query_reads_a_three_node_cluster_from_every_owner_exactly_o
         seeds = cluster.seeds("c")
         with broky.connect_sync(cluster.seeds("a"), name="test-pub") as client, workdir() as d:
             for i in range(total // 2):
-                client.publish(f"kp{i % 256}", "src.c", b"%d" % i)
+                client.publish("src.c", b"%d" % i, partition=f"kp{i % 256}")
             client.flush()
             stream = spark.readStream.format("broky").option("broky.servers", seeds)
             query = to_parquet(
                 stream.option("startingOffsets", "earliest").load(), d, {"processingTime": "500 milliseconds"}
             )
             for i in range(total // 2, total):
-                client.publish(f"kp{i % 256}", "src.c", b"%d" % i)
+                client.publish("src.c", b"%d" % i, partition=f"kp{i % 256}")
             client.flush()
             query.processAllAvailable()
             query.stop()
@@ -479,7 +479,7 @@ def test_a_query_stopped_restarted_and_a_node_drained_mid_run_writes_every_messa
                     with broky.connect_sync(cluster.seeds("a", "c"), name="test-pub") as client:
                         t0 = time.monotonic()
                         for i in range(total):
-                            client.publish(f"kp{i % 256}", "src.d", b"%d" % i)
+                            client.publish("src.d", b"%d" % i, partition=f"kp{i % 256}")
                             if i % 500 == 499:  # 4,000 a second: 15 s
                                 time.sleep(max(0.0, (i + 1) / 4000 - (time.monotonic() - t0)))
                         client.flush()

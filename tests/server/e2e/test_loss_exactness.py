@@ -65,7 +65,7 @@ class Publisher:
     async def burst(self, n: int) -> None:
         for i in range(n):
             k = i % len(self.kps)
-            await self.client.publish(self.kps[k], self.key, SEQ.pack(k, self.sent[k]))
+            await self.client.publish(self.key, SEQ.pack(k, self.sent[k]), partition=self.kps[k])
             self.sent[k] += 1
         await self.client.flush()
 
@@ -195,7 +195,7 @@ def test_a_slow_consumer_cut_by_the_server_is_told_only_what_its_resume_cannot_r
         with broky.connect_sync(server.url) as client:
             for i in range(first, last):
                 k = i % partitions
-                client.publish(b"slow-%d" % k, b"ex.k", SEQ.pack(k, sent[k]) + padding)
+                client.publish(b"ex.k", SEQ.pack(k, sent[k]) + padding, partition=b"slow-%d" % k)
                 sent[k] += 1
             client.flush()
 
@@ -353,7 +353,7 @@ async def main():
         i = 0
         while True:
             for _ in range(20):
-                await pub.publish("kp%d" % (i % 7), "o.k", b"%d" % i)
+                await pub.publish("o.k", b"%d" % i, partition="kp%d" % (i % 7))
                 i += 1
             await asyncio.sleep(0.001)
 asyncio.run(main())

@@ -48,7 +48,7 @@ async def roundtrip(url: str, ctx: ssl.SSLContext, n: int = 200, **options: obje
     async with broky.connect(url, ssl_context=ctx, connect_timeout=5, **options) as client:
         sub = await client.subscribe("t.>")
         for i in range(n):
-            await client.publish(f"kp{i % 64}", f"t.{i}", b"x" * 100)
+            await client.publish(f"t.{i}", b"x" * 100, partition=f"kp{i % 64}")
         await client.flush()
         got = [await sub.next_msg(5) for _ in range(n)]
         assert sorted(int(m.key.split(b".")[1]) for m in got) == list(range(n))
@@ -73,7 +73,7 @@ def test_publish_and_subscribe_over_tls_and_https_metrics(
     run(lambda: roundtrip(tls_url(server), ctx, auth_token="s3cret"))
     with broky.connect_sync(tls_url(server), ssl_context=ctx, auth_token="s3cret") as client:
         sub = client.subscribe("s")
-        client.publish("kp", "s", b"sync")
+        client.publish("s", b"sync", partition="kp")
         client.flush()
         assert sub.next(5).payload == b"sync"
     # the token travels inside TLS only, and the worker checks it
@@ -160,7 +160,7 @@ def test_sighup_reloads_the_certificate_without_dropping_connections(
             with pytest.raises(BrokyConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
                 await broky.connect(tls_url(server), ssl_context=client_context(certs), connect_timeout=0.5)
             await roundtrip(tls_url(server), client_context(certs, "other-ca"), n=20)  # the new one
-            await old.publish("kp", "r", b"still here")  # the old connection is untouched
+            await old.publish("r", b"still here", partition="kp")  # the old connection is untouched
             assert (await sub.next_msg(5)).payload == b"still here"
 
     run(main)
@@ -339,12 +339,12 @@ def test_a_tls_client_resumes_its_account_after_its_worker_dies(
         async with broky.connect(tls_url(server), ssl_context=ctx) as client:
             sub = await client.subscribe("k.>")
             for i in range(64):
-                await client.publish(f"kp{i}", f"k.{i}", b"before")
+                await client.publish(f"k.{i}", b"before", partition=f"kp{i}")
             await client.flush()
             assert len([await sub.next_msg(5) for _ in range(64)]) == 64
             os.kill(server.worker_pids()[0], signal.SIGKILL)
             for i in range(64):
-                await client.publish(f"kp{i}", f"k.{i}", b"after")
+                await client.publish(f"k.{i}", b"after", partition=f"kp{i}")
             await client.flush()
             got = [await sub.next_msg(10) for _ in range(64)]
             assert {m.payload for m in got} == {b"after"}

@@ -132,9 +132,9 @@ def test_allowed_denied_reload_and_the_http_gateway(
                 await alice.subscribe("orders.g", group="g")
             await asyncio.sleep(0.1)
             assert errors == []  # each refusal raised by `subscribe`, once: not told again to on_error
-            await alice.publish("kp", "orders.secret.a", b"no")  # refused: the connection stays
-            await alice.publish("kp", "prices.a", b"no")
-            await alice.publish("kp", "orders.a", b"yes")
+            await alice.publish("orders.secret.a", b"no", partition="kp")  # refused: the connection stays
+            await alice.publish("prices.a", b"no", partition="kp")
+            await alice.publish("orders.a", b"yes", partition="kp")
             await alice.flush()
             assert (await watch.next_msg(5)).payload == b"yes"
             assert (await mine.next_msg(5)).payload == b"yes"
@@ -198,8 +198,8 @@ def test_allowed_denied_reload_and_the_http_gateway(
             eu = await alice.subscribe("orders.eu.>")
             with pytest.raises(ServerError, match=r"PERMISSION|covered"):
                 await alice.subscribe("orders.us")
-            await bob.publish("kp", "orders.eu.1", b"eu")
-            await bob.publish("kp", "orders.us", b"us")
+            await bob.publish("orders.eu.1", b"eu", partition="kp")
+            await bob.publish("orders.us", b"us", partition="kp")
             await bob.flush()
             assert (await eu.next_msg(5)).payload == b"eu"
             assert [(await watch.next_msg(5)).payload for _ in range(2)] == [b"eu", b"us"]
@@ -260,8 +260,8 @@ def test_a_client_certificate_subject_stands_for_the_user(
         ctx = client_context(certs, cert="client")
         async with broky.connect(tls_url(server), ssl_context=ctx, on_error=errors.append) as client:
             sub = await client.subscribe("m.>")
-            await client.publish("kp", "x.y", b"no")
-            await client.publish("kp", "m.y", b"yes")
+            await client.publish("x.y", b"no", partition="kp")
+            await client.publish("m.y", b"yes", partition="kp")
             await client.flush()
             assert (await sub.next_msg(5)).payload == b"yes"
             for _ in range(50):
@@ -294,7 +294,7 @@ def test_a_client_certificate_subject_stands_for_the_user(
             broky.connect_sync(url, ssl_context=ctx, user=user, password=password, connect_timeout=5)
         assert refused.value.code == ErrorCode.AUTH_FAILED, (user, refused.value)
     with broky.connect_sync(url, ssl_context=ctx, user="client", password="cpw", connect_timeout=5) as client:
-        client.publish("kp", "m.ok", b"ok")
+        client.publish("m.ok", b"ok", partition="kp")
         client.flush()
         assert client.stats.denied == 0
 

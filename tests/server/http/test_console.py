@@ -96,13 +96,13 @@ def test_console_shows_workers_and_traffic_in_chromium(
     with broky.connect_sync(server.url, name="console-client-zq") as client:
         # Published while nobody subscribed: counted, shown, but not red (nobody missed them).
         for i in range(3):
-            client.publish(f"kp-{i}", "nobody.listens", b"unheard")
+            client.publish("nobody.listens", b"unheard", partition=f"kp-{i}")
         client.flush()
         page.wait_for("/no subscribers.*\\b3\\b/.test(document.querySelector('#losses').innerText)")
         assert page.evaluate("document.querySelectorAll('#losses .bad, #t-lost.bad').length") == 0
         sub = client.subscribe("console.>")
         for i in range(7):
-            client.publish(f"kp-{i}", f"console.event.{i}", b"hello from the SDK %d" % i)
+            client.publish(f"console.event.{i}", b"hello from the SDK %d" % i, partition=f"kp-{i}")
         client.flush()
         assert len(list(sub.iter(timeout=2.0, count=7))) == 7
         # Published after the page opened: the totals, the client and its pattern appear.
@@ -133,7 +133,7 @@ def test_console_shows_workers_and_traffic_in_chromium(
             ), page.log_errors
         else:
             page.wait_for("document.querySelector('#tailstatus').innerText.includes('Tailing')")
-            client.publish("kp-tail", "console.tail", b"seen in the tail")
+            client.publish("console.tail", b"seen in the tail", partition="kp-tail")
             client.flush()
             page.wait_for("document.querySelector('#tail').innerText.includes('seen in the tail')")
             row = page.evaluate("document.querySelector('#tail tbody tr').innerText")

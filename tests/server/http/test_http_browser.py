@@ -118,7 +118,7 @@ def publish(server: ServerProcess, key: str, n: int) -> list[str]:
     payloads = [f"{key}-{i}" for i in range(n)]
     with broky.connect_sync(server.url) as client:
         for i, payload in enumerate(payloads):
-            client.publish(PARTITIONS[i % len(PARTITIONS)], key, payload.encode())
+            client.publish(key, payload.encode(), partition=PARTITIONS[i % len(PARTITIONS)])
         client.flush()
     return payloads
 

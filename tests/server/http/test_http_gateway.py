@@ -178,7 +178,7 @@ def test_ts_broker_is_a_decimal_string_exact_where_javascript_would_round_a_numb
             try:
                 sub = await client.subscribe("stamp.>")
                 await _warm_up(client, proc, "stamp.warm")
-                await client.publish("s", "stamp.x", b"stamped")
+                await client.publish("stamp.x", b"stamped", partition="s")
                 msg = await sub.next_msg(10)
                 while msg.key != b"stamp.x":
                     msg = await sub.next_msg(10)
@@ -321,7 +321,7 @@ async def _warm_up(client: broky.Client, proc: asyncio.subprocess.Process, key: 
     assert proc.stdout is not None
     async with asyncio.timeout(20):
         while True:
-            await client.publish("warm", key, b"warm")
+            await client.publish(key, b"warm", partition="warm")
             try:
                 async with asyncio.timeout(0.1):
                     line = await proc.stdout.readline()
@@ -342,7 +342,7 @@ def test_curl_n_streams_what_the_sdk_publishes_as_ndjson_and_raw(server: ServerP
                     await _warm_up(client, proc, "live.warm")
                     sent = [f"m-{i}".encode() for i in range(1000)]
                     for i, payload in enumerate(sent):
-                        await client.publish(PARTITIONS[i % 8], f"live.{i % 3}", payload)
+                        await client.publish(f"live.{i % 3}", payload, partition=PARTITIONS[i % 8])
                     lines = await _stream_until(proc, lambda ls: sum(1 for x in ls if b"m-" in x) >= 1000)
                 finally:
                     proc.kill()
@@ -396,7 +396,7 @@ def test_streams_of_every_format_at_once_each_get_every_message_with_ids_of_thei
                     await _warm_up(client, proc, "many.warm")
                 sent = [(PARTITIONS[i % 8], f"f-{i}".encode()) for i in range(300)]
                 for part, payload in sent:
-                    await client.publish(part, "many.x", payload)
+                    await client.publish("many.x", payload, partition=part)
 
                 def done(ls: list[bytes]) -> bool:  # (an SSE event is whole at its empty line)
                     return sum(1 for x in ls if b'"f-' in x or x.startswith(b"f-")) >= len(sent) and (
@@ -438,7 +438,7 @@ def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(serve
             await _warm_up(client, first, "sse.warm")
             sent = [(PARTITIONS[i % 8], f"e-{i}".encode()) for i in range(600)]
             for part, payload in sent[:300]:
-                await client.publish(part, "sse.x", payload)
+                await client.publish("sse.x", payload, partition=part)
 
             def enough(ls: list[bytes]) -> bool:
                 return sum(1 for e in _events(ls) if e.get("data", "").find('"e-') >= 0) >= 150
@@ -449,7 +449,7 @@ def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(serve
             events = [e for e in _events(lines) if "id" in e]
             last_id = events[-1]["id"]
             for part, payload in sent[300:]:  # while it is away
-                await client.publish(part, "sse.x", payload)
+                await client.publish("sse.x", payload, partition=part)
             second = await asyncio.create_subprocess_exec(
                 program("curl"), "-sSN", *accept, "-H", f"Last-Event-ID: {last_id}",
                 "--cookie", f"broky_token={TOKEN}", url, stdout=subprocess.PIPE,
@@ -515,13 +515,13 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
     async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
         async with broky.connect(s.url) as client:
             for i in range(8):
-                await client.publish(PARTITIONS[i % 8], "unk.before", b"before")
+                await client.publish("unk.before", b"before", partition=PARTITIONS[i % 8])
             await client.flush()
             await asyncio.sleep(0.01)
             began = time.time()
             await asyncio.sleep(0.01)
             for i in range(40):
-                await client.publish(PARTITIONS[i % 8], "unk.early", b"early")
+                await client.publish("unk.early", b"early", partition=PARTITIONS[i % 8])
             await client.flush()
             ndjson = await asyncio.create_subprocess_exec(
                 program("curl"), "-sSN", "-m", "3", f"{url}?since_time={began:.6f}", stdout=subprocess.PIPE
@@ -533,7 +533,7 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
             )
             await _warm_up(client, first, "unk.warm")
             for i in range(80):
-                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+                await client.publish("unk.x", b"u-%d" % i, partition=PARTITIONS[i % 8])
             lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"u-' in x) >= 40)
             first.kill()
             await first.wait()
@@ -544,7 +544,7 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
             last_id = events[through]["id"]
             got = sum(1 for e in events[: through + 1] if '"u-' in e.get("data", ""))
             for i in range(80, 160):  # while it is away: gone (nothing is retained)
-                await client.publish(PARTITIONS[i % 8], "unk.x", b"u-%d" % i)
+                await client.publish("unk.x", b"u-%d" % i, partition=PARTITIONS[i % 8])
             await client.flush()
             second = await asyncio.create_subprocess_exec(
                 program("curl"), "-sSN", "-m", "3", "-H", "Accept: text/event-stream",
@@ -592,7 +592,7 @@ def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) 
             await _warm_up(client, first, "twice.warm")
             sent = [(PARTITIONS[i % 8], b"t-%d" % i) for i in range(200)]
             for part, payload in sent[:100]:
-                await client.publish(part, "twice.x", payload)
+                await client.publish("twice.x", payload, partition=part)
             lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"t-' in x) >= 50)
             first.kill()
             await first.wait()
@@ -606,7 +606,7 @@ def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) 
             second.kill()
             await second.wait()
             for part, payload in sent[100:]:
-                await client.publish(part, "twice.x", payload)
+                await client.publish("twice.x", payload, partition=part)
             third = await sse("-H", f"Last-Event-ID: {last_id}")
             need = len(sent) - len(events)
             try:
@@ -782,7 +782,9 @@ def test_a_reader_that_does_not_read_is_cut_told_and_the_stream_ends_cleanly(sma
         async def flood() -> None:
             async with broky.connect(small.url) as client:
                 for i in range(3000):
-                    await client.publish(PARTITIONS[i % 8], "slow.x", os.urandom(500).hex().encode())
+                    await client.publish(
+                        "slow.x", os.urandom(500).hex().encode(), partition=PARTITIONS[i % 8]
+                    )
                 await client.flush()
 
         asyncio.run(flood())
@@ -887,7 +889,7 @@ def test_last_and_since_time_start_with_retained_messages(server: ServerProcess)
     async def publish() -> None:
         async with broky.connect(server.url, auth_token=TOKEN) as client:
             for i in range(5):
-                await client.publish("hist", "hist.x", b"h-%d" % i)
+                await client.publish("hist.x", b"h-%d" % i, partition="hist")
 
     asyncio.run(publish())
     url = f"{base(server)}/v1/sub/hist.>"
@@ -917,7 +919,7 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
             )
             await _warm_up(client, first, "over.warm")
             for i in range(5):
-                await client.publish("o", "over.x", b"o-%d" % i)
+                await client.publish("over.x", b"o-%d" % i, partition="o")
             lines = await _stream_until(
                 first, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 2
             )
