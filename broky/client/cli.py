@@ -31,20 +31,22 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from broky.client.client import connect
 from broky.client.commands import DEFAULT_METRICS_PORT, ENV_METRICS, ENV_PASSWORD, ENV_TOKEN, ENV_USER
 from broky.client.commands import client_options as _options
 from broky.client.commands import fail as _fail
 from broky.client.commands import run as _run
-from broky.client.groups import GroupMessage
-from broky.client.losses import LossLog
-from broky.client.sync import connect_sync
 from broky.client.url import parse_servers
 from broky.errors import BrokyError, ErrorCode, ServerError
 from broky.matching import key_problem, parse_pattern
-from broky.protocol import LossReason, Message, vbucket_of
+
+if TYPE_CHECKING:
+    from broky.protocol import Message
+
+# The SDK (asyncio, ssl, the codec: most of a command's start-up) is imported by the
+# command that connects, not with this module: `broky pub --help` and an argument error
+# are answered without it.
 
 # ---------------------------------------------------------------- argument types
 # Each raises ArgumentTypeError with its own message: argparse prefixes the
@@ -348,6 +350,8 @@ def cmd_pub(args: argparse.Namespace) -> int:
     sent = 0
     try:
         parse_servers(args.server)  # $BROKY_SERVER
+        from broky.client.sync import connect_sync
+
         with connect_sync(args.server, **_options(args, "broky-pub"), on_error=on_error) as client:
             if args.payload is not None:
                 client.publish(key, os.fsencode(args.payload), partition=partition)
@@ -367,6 +371,8 @@ def cmd_pub(args: argparse.Namespace) -> int:
     if not args.quiet:
         # Publishes are confirmed by count (the flush's round trip), not one by one with
         # their offsets: the vbucket is the partition's (schema/README.md §6).
+        from broky.protocol import vbucket_of
+
         where = f"partition {_text(partition)}, vbucket {vbucket_of(partition)}"
         print(f"published {sent} message{'' if sent == 1 else 's'} to {_text(key)} ({where})", flush=True)
     return 0
@@ -399,6 +405,8 @@ def message_json(msg: Message) -> str:
         "epoch": str(msg.epoch),
         "offset": msg.offset,
     }
+    from broky.client.groups import GroupMessage
+
     if isinstance(msg, GroupMessage):
         record["delivery_count"] = msg.delivery_count
     return json.dumps(record, ensure_ascii=False)
@@ -415,6 +423,9 @@ def _disconnected(ref: Any, why: BaseException) -> None:
 
 
 async def _sub(args: argparse.Namespace) -> int:
+    from broky.client.losses import LossLog
+    from broky.protocol import LossReason
+
     out = sys.stdout.buffer
     losses = LossLog(_stderr_line)  # a line per worker and reason every few seconds, not per notice
 
@@ -438,6 +449,8 @@ async def _sub(args: argparse.Namespace) -> int:
 
 
 async def _print_messages(args: argparse.Namespace, options: dict[str, Any], out: Any) -> int:
+    from broky.client.client import connect
+
     async with connect(args.server, **options) as client:
         sub = await client.subscribe(
             args.pattern,

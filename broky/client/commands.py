@@ -12,7 +12,6 @@ server listens there, and what starts one.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import Any
@@ -91,5 +90,7 @@ def run(coro: Any) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover
+        import asyncio
+
         return int(asyncio.run(coro))
     return int(uvloop.run(coro))

@@ -11,7 +11,6 @@ node believes. `--json` prints the same as one JSON object. etcd unreachable
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -94,6 +93,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ImportError:
         return _fail("the etcd client is not installed: pip install 'broky[cluster]'", 2)
     try:
+        import asyncio  # (not for `broky --help`)
+
         status = asyncio.run(read_status(url, args.timeout))
     except EtcdError as exc:
         return _fail(str(exc), 1)

@@ -41,7 +41,11 @@ Session. `run` loops over sessions, one gRPC channel each
 Any etcd error ends the session: the node logs once that etcd is lost, keeps
 serving with the map it applied last (the workers have it; nothing waits on
 etcd), shows it in /readyz (503 with the reason) and /stats, and retries
-after a backoff (RETRY_MIN doubling to RETRY_MAX). It is ready again once it
+after a backoff (RETRY_MIN doubling to RETRY_MAX), for as long as it takes: it
+never gives up (SIGTERM or Ctrl-C stops it). While etcd stays away the log says
+so again every STILL_JOINING seconds when the node has not joined yet (it serves
+nothing meanwhile: "still waiting for etcd at ..., is etcd running there?"),
+every STILL_SERVING seconds once it serves on with its map. It is ready again once it
 is registered and resynced. Every map the node sees, from the resync or the
 watch, is applied if newer than the one it runs (Master.apply_map), whatever
 happened meanwhile: a node whose vbuckets were given away while it was cut
@@ -140,6 +144,8 @@ REJOIN_GRACE = RETRY_MAX + 2 * LEADER_SETTLE  # at least; see ClusterNode.rejoin
 CLASH_GRACE = 2.0  # beyond the TTL of the lease that holds our node id, at startup
 CLASH_POLL = 0.5
 REVOKE_TIMEOUT = 1.0
+STILL_JOINING = 5.0  # seconds between two "still waiting for etcd" lines before the node has joined
+STILL_SERVING = 30.0  # the same once it serves on with the map it has
 
 
 class MapHost(Protocol):
@@ -207,6 +213,7 @@ class ClusterNode:
         self._wake = asyncio.Event()
         self._endpoint = 0
         self._lost_logged = False
+        self._told_at = 0.0  # monotonic time etcd's absence was last logged
         self._was_up = False  # connected once at least (then a reconnection is "etcd is back")
         self._generation = 0  # changes seen in etcd (watch events, resyncs)
         self._planned = -1  # the generation the leader last planned from
@@ -239,6 +246,7 @@ class ClusterNode:
                 if self.etcd_up:
                     delay = RETRY_MIN
                 self._lost(etcd, exc)
+                self._still_lost(exc, RETRY_MAX)
             except _LeaseLost:
                 log.warning("this node's lease is gone (etcd lost it or expired it): registering again")
                 self._forget_lease()
@@ -348,6 +356,7 @@ class ClusterNode:
         if self._lost_logged:
             return
         self._lost_logged = True
+        self._told_at = time.monotonic()
         if self.joined.is_set():
             log.error(
                 "etcd unreachable (%s: %s): serving on with map version %d until it is back",
@@ -357,6 +366,28 @@ class ClusterNode:
             log.error("cannot join the cluster: etcd unreachable (%s: %s); retrying", etcd, exc)
         if not self.lost_at:
             self.lost_at = time.monotonic()
+
+    def _still_lost(self, exc: EtcdError, retry: float) -> None:
+        """Say again, every STILL_JOINING (STILL_SERVING once joined) seconds, that etcd is
+        still away, for how long and what to check: the only line in the log otherwise."""
+        now = time.monotonic()
+        joined = self.joined.is_set()
+        if now - self._told_at < (STILL_SERVING if joined else STILL_JOINING):
+            return
+        self._told_at = now
+        away = now - self.lost_at
+        if joined:
+            log.warning(
+                "etcd at %s still unreachable after %.0f s (%s): serving on with map version %d; "
+                "retrying every %g s",
+                self.url, away, exc, self.host.vmap.version, retry,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "still waiting for etcd at %s to join the cluster: %.0f s so far (%s); is etcd running "
+                "there? retrying every %g s until it answers (SIGTERM or Ctrl-C stops the server)",
+                self.url, away, exc, retry,
+            )  # fmt: skip
 
     async def _keepalive(self, etcd: Etcd) -> None:
         while True:

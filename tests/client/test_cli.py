@@ -9,6 +9,7 @@ import pty
 import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from broky.client.commands import DEFAULT_METRICS_PORT
 from broky.client.info import Metrics, summary
 from broky.protocol.routing import vbucket_of
 from tests.support.cli import BROKY, SubProcess, broky_cli
+from tests.support.paths import ROOT
 from tests.support.serverproc import ServerProcess
 
 
@@ -310,6 +312,32 @@ def test_the_command_table_names_every_command_its_module_adds() -> None:
             a for a in cli.build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)
         )
         assert command in alone.choices, module
+
+
+LOADS = """
+import sys
+from broky import cli
+try:
+    cli.main(sys.argv[1:])
+except SystemExit:
+    pass
+print(" ".join(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], ["pub", "--help"], ["sub", "--help"], ["info", "--help"], ["pub", "a.*", "x"]]
+)
+def test_help_and_argument_errors_load_neither_asyncio_nor_the_sdk(args: list[str]) -> None:
+    # the start-up of `broky pub --help` or of a refused argument: argparse, not the SDK
+    done = subprocess.run(
+        [sys.executable, "-c", LOADS, *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    loaded = set(done.stdout.split("\n")[-2].split())
+    assert "broky.cli" in loaded and "broky.client.cli" in loaded, done.stdout
+    assert not loaded & {"asyncio", "ssl", "uvloop", "broky.client.client", "broky.client.sync"}, sorted(
+        loaded & {"asyncio", "ssl", "uvloop", "broky.client.client", "broky.client.sync"}
+    )
 
 
 @pytest.mark.parametrize(

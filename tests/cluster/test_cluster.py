@@ -312,6 +312,44 @@ def test_cluster_mode_without_the_etcd_client(tmp_path: Path) -> None:
         assert "pip install 'broky[cluster]'" in done.stderr
 
 
+def test_serve_without_etcd_says_every_few_seconds_that_it_is_still_waiting(tmp_path: Path) -> None:
+    # No etcd at that port: the node retries for as long as it takes (it never gives up)
+    # and says so again every STILL_JOINING seconds, not once and then nothing.
+    port = free_port()
+    url = f"etcd://127.0.0.1:{port}/waiting"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broky", "serve", "--cluster", url, "--port", "0", "--metrics-port", "0"],
+            stdout=subprocess.DEVNULL, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while log.read_text().count("still waiting for etcd") < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if "still waiting for etcd" in line]
+        assert len(lines) >= 2, text
+        assert text.count("cannot join the cluster: etcd unreachable") == 1, text  # the first failure, once
+        for line in lines:
+            assert f"still waiting for etcd at {url} to join the cluster:" in line, line
+            assert "is etcd running there? retrying every 2 s until it answers" in line, line
+        waited = [int(line.split("to join the cluster: ")[1].split(" s so far")[0]) for line in lines]
+        assert waited == sorted(waited) and waited[-1] >= 5, waited
+        assert proc.poll() is None  # still trying
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_cluster_status_without_etcd_is_one_line() -> None:
     port = free_port()
     done = subprocess.run(

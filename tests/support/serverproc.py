@@ -26,14 +26,23 @@ READY = re.compile(rb"listening on (\S+):(\d+), metrics on (\S+):(\d+)")
 
 
 class ServerProcess:
-    def __init__(self, *args: str, workers: int = 2, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        workers: int = 2,
+        env: dict[str, str] | None = None,
+        program: list[str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        """`program`: the `broky` to run (default: this Python's `-m broky`); `cwd`: where."""
         self.args = [
-            sys.executable, "-m", "broky", "serve",
+            *(program or [sys.executable, "-m", "broky"]), "serve",
             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
             "--workers", str(workers), *args,
         ]  # fmt: skip
         self.workers = workers
         self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.host = "127.0.0.1"
         self.port = 0
@@ -56,7 +65,12 @@ class ServerProcess:
 
     def start(self, timeout: float = 20.0) -> ServerProcess:
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=self._log, env=self.env, start_new_session=True
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
         )
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
