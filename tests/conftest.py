@@ -12,6 +12,7 @@ from tests.support.serverproc import ServerProcess
 from tests.support.shardkit import loop  # noqa: F401  (the event loop a shard in this process runs on)
 from tests.support.spark_fixtures import spark, spark_log  # noqa: F401  (one session for every module: see there)
 from tests.support.tls import certs  # noqa: F401  (a throw-away CA and certificates, one per module)
+from tests.support.wire import opened  # noqa: F401  (the raw wires a test opens, closed after it)
 
 
 def pytest_configure(config: pytest.Config) -> None:

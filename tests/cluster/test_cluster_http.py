@@ -30,6 +30,7 @@ import broky
 from broky.protocol import VBucketMap, vbucket_of
 from tests.support import requires
 from tests.support.cluster import Cluster, EtcdServer, kp_owned_by
+from tests.support.http import sse_events
 from tests.support.requires import program
 from tests.support.serverproc import ServerProcess
 
@@ -127,21 +128,6 @@ async def _lines_until(proc: asyncio.subprocess.Process, want: Any, timeout: flo
     return lines
 
 
-def _events(lines: list[bytes]) -> list[dict[str, str]]:
-    """The complete SSE events in `lines`."""
-    events: list[dict[str, str]] = []
-    current: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            if current:
-                events.append(current)
-            current = {}
-        elif not line.startswith(b":"):
-            name, _, value = line.decode().partition(": ")
-            current[name] = value
-    return events
-
-
 def _data(events: list[dict[str, str]], marker: str) -> list[dict[str, Any]]:
     return [json.loads(e["data"]) for e in events if "id" in e and marker in e.get("data", "")]
 
@@ -196,7 +182,7 @@ def test_a_stream_on_one_node_carries_the_other_nodes_vbuckets_and_sse_resumes_a
             events = [(kps[i % 8], b"e-%d" % i) for i in range(400)]
             for kp, payload in events[:200]:
                 await client.publish("ev.x", payload, partition=kp)
-            seen = _events(await _lines_until(sse, lambda ls: len(_data(_events(ls), '"e-')) >= 100))
+            seen = sse_events(await _lines_until(sse, lambda ls: len(_data(sse_events(ls), '"e-')) >= 100))
             sse.kill()
             await sse.wait()
             first = _data(seen, '"e-')
@@ -208,7 +194,8 @@ def test_a_stream_on_one_node_carries_the_other_nodes_vbuckets_and_sse_resumes_a
             )
             try:
                 need = 400 - len(first)
-                more = _events(await _lines_until(again, lambda ls: len(_data(_events(ls), '"e-')) >= need))
+                arrived = await _lines_until(again, lambda ls: len(_data(sse_events(ls), '"e-')) >= need)
+                more = sse_events(arrived)
             finally:
                 again.kill()
                 await again.wait()
@@ -227,9 +214,9 @@ def test_a_stream_on_one_node_carries_the_other_nodes_vbuckets_and_sse_resumes_a
                 f"Last-Event-ID: {last_id}",
             )
             try:
-                told = _events(
+                told = sse_events(
                     await _lines_until(
-                        other, lambda ls: any(e.get("event") == "loss" for e in _events(ls)), 10
+                        other, lambda ls: any(e.get("event") == "loss" for e in sse_events(ls)), 10
                     )
                 )
             finally:

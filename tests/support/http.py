@@ -67,3 +67,18 @@ def scrape(server: ServerProcess) -> tuple[dict[str, str], Samples]:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[name, frozenset(labels.items())]
+
+
+def sse_events(lines: list[bytes]) -> list[dict[str, str]]:
+    """The complete SSE events in `lines` (each followed by its empty line): field -> value."""
+    events: list[dict[str, str]] = []
+    current: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if current:
+                events.append(current)
+            current = {}
+        elif not line.startswith(b":"):
+            name, _, value = line.decode().partition(": ")
+            current[name] = value
+    return events

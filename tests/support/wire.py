@@ -11,7 +11,10 @@ from __future__ import annotations
 import itertools
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
+
+import pytest
 
 from broky.protocol import (
     NEED_DATA,
@@ -163,3 +166,12 @@ class Wire:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Wire]]:
+    """The wires a test opens (it appends them): each closed when the test ends."""
+    wires: list[Wire] = []
+    yield wires
+    for w in wires:
+        w.close()

@@ -13,10 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from broky.protocol import (
     RESUME_TOKEN_BYTES,
@@ -31,14 +28,6 @@ from tests.support.serverproc import ServerProcess, kill_worker
 from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
-
-
-@pytest.fixture
-def opened() -> Iterator[list[Wire]]:
-    wires: list[Wire] = []
-    yield wires
-    for w in wires:
-        w.close()
 
 
 def hello(server: ServerProcess, opened: list[Wire], **kwargs: Any) -> Wire:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -37,14 +37,6 @@ from tests.support.serverproc import ServerProcess
 from tests.support.wire import Wire, kp_for_worker
 
 KP0 = kp_for_worker(0, 2)
-
-
-@pytest.fixture
-def opened() -> Iterator[list[Wire]]:
-    wires: list[Wire] = []
-    yield wires
-    for w in wires:
-        w.close()
 
 
 def of_another_process() -> PreviousConnection:

@@ -23,6 +23,7 @@ import pytest
 
 import broky
 from broky.server.http import server as httpd
+from tests.support.http import sse_events
 from tests.support.paths import ROOT
 from tests.support.requires import program
 from tests.support.serverproc import ServerProcess
@@ -360,21 +361,6 @@ def test_curl_n_streams_what_the_sdk_publishes_as_ndjson_and_raw(server: ServerP
     asyncio.run(main())
 
 
-def _events(lines: list[bytes]) -> list[dict[str, Any]]:
-    """The SSE events in `lines` (complete ones: followed by their empty line)."""
-    events: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
-    for line in lines:
-        if not line:
-            if current:
-                events.append(current)
-            current = {}
-        elif not line.startswith(b":"):
-            name, _, value = line.decode().partition(": ")
-            current[name] = value
-    return events
-
-
 @pytest.mark.timeout(60)
 def test_streams_of_every_format_at_once_each_get_every_message_with_ids_of_their_own(
     server: ServerProcess,
@@ -408,7 +394,7 @@ def test_streams_of_every_format_at_once_each_get_every_message_with_ids_of_thei
                 for proc in procs:
                     proc.kill()
                     await proc.wait()
-        events = [[e for e in _events(ls) if '"f-' in e.get("data", "")] for ls in lines[:2]]
+        events = [[e for e in sse_events(ls) if '"f-' in e.get("data", "")] for ls in lines[:2]]
         records = [json.loads(x) for x in lines[2] if b'"f-' in x]
         payloads = [r["payload"].encode() for r in records]  # every one, once (in order per partition:
         assert sorted(payloads) == sorted(p for _, p in sent)  # the other tests; workers interleave)
@@ -441,12 +427,12 @@ def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(serve
                 await client.publish("sse.x", payload, partition=part)
 
             def enough(ls: list[bytes]) -> bool:
-                return sum(1 for e in _events(ls) if e.get("data", "").find('"e-') >= 0) >= 150
+                return sum(1 for e in sse_events(ls) if e.get("data", "").find('"e-') >= 0) >= 150
 
             lines = await _stream_until(first, enough)
             first.kill()  # mid-stream: what it had not read is gone with it
             await first.wait()
-            events = [e for e in _events(lines) if "id" in e]
+            events = [e for e in sse_events(lines) if "id" in e]
             last_id = events[-1]["id"]
             for part, payload in sent[300:]:  # while it is away
                 await client.publish("sse.x", payload, partition=part)
@@ -458,14 +444,14 @@ def test_an_event_stream_cut_and_resumed_with_last_event_id_misses_nothing(serve
             try:  # (on a timeout, what came: the comparison below says what is missing)
                 more = await _stream_until(
                     second,
-                    lambda ls: sum(1 for e in _events(ls) if '"e-' in e.get("data", "")) >= need,
+                    lambda ls: sum(1 for e in sse_events(ls) if '"e-' in e.get("data", "")) >= need,
                     20,
                     True,
                 )
             finally:
                 second.kill()
                 await second.wait()
-            resumed = _events(more)
+            resumed = sse_events(more)
             assert not [e for e in resumed if e.get("event") in ("loss", "cut")], resumed[:3]
             got = [
                 json.loads(e["data"])
@@ -491,7 +477,7 @@ def test_an_id_the_server_cannot_use_resumes_its_vbucket_and_says_so(server: Ser
          "-H", "Last-Event-ID: 1.2.3.zzzz.nope", url],
         capture_output=True, timeout=30, check=False,
     )  # fmt: skip
-    events = _events(done.stdout.split(b"\n"))
+    events = sse_events(done.stdout.split(b"\n"))
     loss = [json.loads(e["data"]) for e in events if e.get("event") == "loss"]
     # First the id the server could not use, then the worker's word on its position: an epoch
     # it never had (told to this stream alone: the subscription's own LossNotice).
@@ -539,7 +525,7 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
             await first.wait()
             # What the resume stands on: the events up to the last one with an id (a line of
             # an event still incomplete when the stream was cut is not among them).
-            events = _events(lines)
+            events = sse_events(lines)
             through = max(i for i, e in enumerate(events) if "id" in e)
             last_id = events[through]["id"]
             got = sum(1 for e in events[: through + 1] if '"u-' in e.get("data", ""))
@@ -551,7 +537,8 @@ def test_a_count_the_server_does_not_know_is_null_never_0(start_server: Callable
                 "-H", f"Last-Event-ID: {last_id}", url, stdout=subprocess.PIPE,
             )  # fmt: skip
             more, _ = await second.communicate()
-            resumed = [json.loads(e["data"]) for e in _events(more.split(b"\n")) if e.get("event") == "loss"]
+            again = sse_events(more.split(b"\n"))
+            resumed = [json.loads(e["data"]) for e in again if e.get("event") == "loss"]
             return told, resumed, 160 - got
 
     told, resumed, lost = asyncio.run(main())
@@ -596,7 +583,7 @@ def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) 
             lines = await _stream_until(first, lambda ls: sum(1 for x in ls if b'"t-' in x) >= 50)
             first.kill()
             await first.wait()
-            events = [e for e in _events(lines) if '"t-' in e.get("data", "")]
+            events = [e for e in sse_events(lines) if '"t-' in e.get("data", "")]
             last_id = events[-1]["id"]
             # The reconnect dies before its first event: nothing is published meanwhile.
             second = await sse("-H", f"Last-Event-ID: {last_id}")
@@ -612,14 +599,14 @@ def test_the_same_last_event_id_sent_twice_loses_nothing(server: ServerProcess) 
             try:
                 more = await _stream_until(
                     third,
-                    lambda ls: sum(1 for e in _events(ls) if '"t-' in e.get("data", "")) >= need,
+                    lambda ls: sum(1 for e in sse_events(ls) if '"t-' in e.get("data", "")) >= need,
                     20,
                     True,
                 )
             finally:
                 third.kill()
                 await third.wait()
-            resumed = _events(more)
+            resumed = sse_events(more)
             assert not [e for e in resumed if e.get("event") == "loss"], resumed[:3]
             got = [
                 json.loads(e["data"])["payload"].encode()
@@ -879,7 +866,7 @@ def test_the_docs_curl_examples_work_as_written(
         k: example[k] for k in ("key", "key_partition", "payload", "vbucket", "offset")
     }
     assert raw.split(b"\n")[:2] == [b'{"id": 1}', b'{"id": 2}']
-    events = _events(sse.split(b"\n"))
+    events = sse_events(sse.split(b"\n"))
     assert [json.loads(e["data"])["payload"] for e in events if "id" in e][:2] == ['{"id": 1}', '{"id": 2}']
 
 
@@ -921,9 +908,9 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
             for i in range(5):
                 await client.publish("over.x", b"o-%d" % i, partition="o")
             lines = await _stream_until(
-                first, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 2
+                first, lambda ls: sum(1 for e in sse_events(ls) if "o-" in e.get("data", "")) >= 2
             )
-            mid = [e for e in _events(lines) if "o-" in e.get("data", "")][1]["id"]  # after o-1
+            mid = [e for e in sse_events(lines) if "o-" in e.get("data", "")][1]["id"]  # after o-1
             second = await asyncio.create_subprocess_exec(
                 program("curl"), "-sSN", *AUTH, "-H", f"Last-Event-ID: {mid}", url, stdout=subprocess.PIPE
             )
@@ -931,12 +918,12 @@ def test_a_resume_of_a_stream_still_open_ends_that_stream_and_takes_it_over(serv
                 async with asyncio.timeout(10):
                     assert await first.wait() == 0  # its stream ended (with its last chunk)
                 more = await _stream_until(
-                    second, lambda ls: sum(1 for e in _events(ls) if "o-" in e.get("data", "")) >= 3
+                    second, lambda ls: sum(1 for e in sse_events(ls) if "o-" in e.get("data", "")) >= 3
                 )
             finally:
                 second.kill()
                 await second.wait()
-            events = _events(more)
+            events = sse_events(more)
             assert not [e for e in events if e.get("event") == "loss"]
             assert [json.loads(e["data"])["payload"] for e in events if "id" in e] == ["o-2", "o-3", "o-4"]
 
