@@ -12,6 +12,7 @@ exist), or is not run (then it is still compiled, or parsed by `bash -n`).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -251,7 +252,9 @@ def ids(examples: list[Example]) -> list[Any]:
 
 
 PROGRAMS = [e for e in EXAMPLES if run_here(e) and e.lang == "python" and not needs_spark(e)]
-SPARK_PROGRAMS = [e for e in EXAMPLES if run_here(e) and e.lang == "python" and needs_spark(e)]
+SPARK_PROGRAMS = [  # run here as scripts, those another test runs too (that one in its Spark session)
+    e for e in EXAMPLES if e.lang == "python" and needs_spark(e) and not e.mark.startswith("not run:")
+]
 SHELL = [e for e in EXAMPLES if run_here(e) and e.lang == "sh"]
 
 
@@ -287,10 +290,37 @@ def test_a_program_runs_as_written(
         stop(proc)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("example", ids(SPARK_PROGRAMS))
-def test_a_spark_program_runs_as_written(example: Example, spark: Any, server: ServerProcess) -> None:
-    code = rewritten(example.code, server)
-    exec(compile(code, str(example), "exec"), {})  # in this process: its session is the tests' (getOrCreate)
+def test_a_spark_program_runs_as_written(example: Example, server: ServerProcess, tmp_path: Path) -> None:
+    """As a user runs it: a script, `.venv/bin/python app.py`, in a directory of its own, neither
+    the venv activated nor PYSPARK_PYTHON set, so that Spark's Python workers would start the
+    `python3` of PATH (here a stand-in without broky, as a system's is)."""
+    (tmp_path / "app.py").write_text(rewritten(example.code, server))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text("#!/bin/sh\necho \"$0: No module named 'broky'\" >&2\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    venv_bin = str(Path(sys.executable).parent)
+    path = [str(bin_dir), *(d for d in os.environ.get("PATH", "").split(os.pathsep) if d != venv_bin)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_") and k != "VIRTUAL_ENV"}
+    proc = subprocess.Popen(
+        [sys.executable, "app.py"],
+        cwd=tmp_path,
+        env={**env, "PATH": os.pathsep.join(path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its JVM and Spark's Python workers share its group
+    )
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what it started and left behind, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
+    assert proc.returncode == 0, f"{example}:\n{err.decode()[-3000:]}"
+    assert out.strip(), f"{example} printed nothing"
 
 
 @pytest.mark.parametrize("example", ids(SHELL))
