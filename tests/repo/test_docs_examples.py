@@ -516,6 +516,48 @@ def test_the_users_examples_run_as_written(
     assert "published as orders-service" in run_program(program, over_tls, tmp_path, env)
 
 
+QUICK_START_PAGES = ("docs/getting-started.md", "README.md")
+STOP_FIRST = "stop the quick start's server first"
+
+
+def takes_the_default_ports(command: str) -> bool:
+    """Whether a command binds 4777 or 9477 on this machine, as the quick start's server does."""
+    if re.search(r":(4777|9477):", command):  # a container's published port
+        return True
+    if not re.search(r"(^|[\s;&|(])(broky serve|\./run serve)\b", command):
+        return False
+    ports: dict[str, str] = dict(re.findall(r"--(port|metrics-port)[ =](\d+)", command))
+    return ports.get("port", "4777") == "4777" or ports.get("metrics-port", "9477") == "9477"
+
+
+def test_a_section_on_the_quick_starts_ports_says_to_stop_its_server_first() -> None:
+    """A reader who follows the quick start has a server on 4777 and 9477: a later page's server
+    either takes other ports or says, before it, to stop that one."""
+    clashing = [
+        e
+        for e in EXAMPLES
+        if e.lang == "sh"
+        and e.page not in QUICK_START_PAGES
+        and any(map(takes_the_default_ports, commands(e)))
+    ]
+    assert {e.page for e in clashing} >= {"docs/operations/production.md", "docs/operations/container.md"}
+    for example in clashing:
+        before = "\n".join((ROOT / example.page).read_text().splitlines()[: example.line])
+        assert STOP_FIRST in " ".join(before.split()), f"{example}: takes 4777/9477 and does not say so"
+
+
+def test_an_etcd_of_the_docs_keeps_its_data_in_a_temporary_directory_it_removes() -> None:
+    blocks = [e for e in EXAMPLES if e.lang == "sh" and re.search(r"^etcd\s", e.code, re.M)]
+    assert blocks
+    for example in blocks:
+        for line in re.findall(r"^etcd\s.*", example.code, re.M):
+            found = re.search(r'--data-dir "\$(\w+)"', line)
+            assert found, f"{example}: {line}"
+            name = found.group(1)
+            assert f"{name}=$(mktemp -d)" in example.code, f"{example}: ${name} is not a temporary directory"
+            assert re.search(rf'rm -rf "\${name}"', example.code), f"{example}: ${name} is left behind"
+
+
 # ---------------------------------------------------------------- tables that name the code
 
 
