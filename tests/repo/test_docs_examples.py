@@ -12,6 +12,7 @@ exist), or is not run (then it is still compiled, or parsed by `bash -n`).
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -251,7 +252,9 @@ def ids(examples: list[Example]) -> list[Any]:
 
 
 PROGRAMS = [e for e in EXAMPLES if run_here(e) and e.lang == "python" and not needs_spark(e)]
-SPARK_PROGRAMS = [e for e in EXAMPLES if run_here(e) and e.lang == "python" and needs_spark(e)]
+SPARK_PROGRAMS = [  # run here as scripts, those another test runs too (that one in its Spark session)
+    e for e in EXAMPLES if e.lang == "python" and needs_spark(e) and not e.mark.startswith("not run:")
+]
 SHELL = [e for e in EXAMPLES if run_here(e) and e.lang == "sh"]
 
 
@@ -287,10 +290,37 @@ def test_a_program_runs_as_written(
         stop(proc)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("example", ids(SPARK_PROGRAMS))
-def test_a_spark_program_runs_as_written(example: Example, spark: Any, server: ServerProcess) -> None:
-    code = rewritten(example.code, server)
-    exec(compile(code, str(example), "exec"), {})  # in this process: its session is the tests' (getOrCreate)
+def test_a_spark_program_runs_as_written(example: Example, server: ServerProcess, tmp_path: Path) -> None:
+    """As a user runs it: a script, `.venv/bin/python app.py`, in a directory of its own, neither
+    the venv activated nor PYSPARK_PYTHON set, so that Spark's Python workers would start the
+    `python3` of PATH (here a stand-in without broky, as a system's is)."""
+    (tmp_path / "app.py").write_text(rewritten(example.code, server))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python", "python3"):
+        (bin_dir / name).write_text("#!/bin/sh\necho \"$0: No module named 'broky'\" >&2\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    venv_bin = str(Path(sys.executable).parent)
+    path = [str(bin_dir), *(d for d in os.environ.get("PATH", "").split(os.pathsep) if d != venv_bin)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_") and k != "VIRTUAL_ENV"}
+    proc = subprocess.Popen(
+        [sys.executable, "app.py"],
+        cwd=tmp_path,
+        env={**env, "PATH": os.pathsep.join(path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its JVM and Spark's Python workers share its group
+    )
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what it started and left behind, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
+    assert proc.returncode == 0, f"{example}:\n{err.decode()[-3000:]}"
+    assert out.strip(), f"{example} printed nothing"
 
 
 @pytest.mark.parametrize("example", ids(SHELL))
@@ -484,6 +514,48 @@ def test_the_users_examples_run_as_written(
     over_tls = start_server(*serve_args(tls_only, tmp_path), *serve_args(serve, tmp_path))
     env = {**environment(over_tls, tmp_path), "BROKY_PASSWORD": PASSWORD}
     assert "published as orders-service" in run_program(program, over_tls, tmp_path, env)
+
+
+QUICK_START_PAGES = ("docs/getting-started.md", "README.md")
+STOP_FIRST = "stop the quick start's server first"
+
+
+def takes_the_default_ports(command: str) -> bool:
+    """Whether a command binds 4777 or 9477 on this machine, as the quick start's server does."""
+    if re.search(r":(4777|9477):", command):  # a container's published port
+        return True
+    if not re.search(r"(^|[\s;&|(])(broky serve|\./run serve)\b", command):
+        return False
+    ports: dict[str, str] = dict(re.findall(r"--(port|metrics-port)[ =](\d+)", command))
+    return ports.get("port", "4777") == "4777" or ports.get("metrics-port", "9477") == "9477"
+
+
+def test_a_section_on_the_quick_starts_ports_says_to_stop_its_server_first() -> None:
+    """A reader who follows the quick start has a server on 4777 and 9477: a later page's server
+    either takes other ports or says, before it, to stop that one."""
+    clashing = [
+        e
+        for e in EXAMPLES
+        if e.lang == "sh"
+        and e.page not in QUICK_START_PAGES
+        and any(map(takes_the_default_ports, commands(e)))
+    ]
+    assert {e.page for e in clashing} >= {"docs/operations/production.md", "docs/operations/container.md"}
+    for example in clashing:
+        before = "\n".join((ROOT / example.page).read_text().splitlines()[: example.line])
+        assert STOP_FIRST in " ".join(before.split()), f"{example}: takes 4777/9477 and does not say so"
+
+
+def test_an_etcd_of_the_docs_keeps_its_data_in_a_temporary_directory_it_removes() -> None:
+    blocks = [e for e in EXAMPLES if e.lang == "sh" and re.search(r"^etcd\s", e.code, re.M)]
+    assert blocks
+    for example in blocks:
+        for line in re.findall(r"^etcd\s.*", example.code, re.M):
+            found = re.search(r'--data-dir "\$(\w+)"', line)
+            assert found, f"{example}: {line}"
+            name = found.group(1)
+            assert f"{name}=$(mktemp -d)" in example.code, f"{example}: ${name} is not a temporary directory"
+            assert re.search(rf'rm -rf "\${name}"', example.code), f"{example}: ${name} is left behind"
 
 
 # ---------------------------------------------------------------- tables that name the code
