@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         SlowConsumerError,
         TruncatedFrameError,
         UnknownFrameError,
+        UntrustedCertificateError,
     )
     from broky.protocol import LossReason, Message, Position
 
@@ -127,6 +128,7 @@ __all__ = [
     "NoServerError",
     "NotBrokyError",
     "NotMyVBucketError",
+    "UntrustedCertificateError",
     "PayloadTooLargeError",
     "PayloadTypeError",
     "Position",

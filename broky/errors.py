@@ -218,6 +218,12 @@ class NotBrokyError(BrokyConnectionError):
         self.answered = answered
 
 
+class UntrustedCertificateError(BrokyConnectionError):
+    """The TLS handshake failed because the client does not trust the server's certificate
+    (no CA it knows signed it, or it does not name the host dialled). Raised at once, never
+    retried: another try would meet the same certificate."""
+
+
 class SeedsDisagreeError(BrokyError, ValueError):
     """The seeds given to `connect` are not one server or cluster: one answered as a node
     that another's map does not know, and neither map names the other (a standalone

@@ -114,6 +114,7 @@ from broky.errors import (
     SeedsDisagreeError,
     ServerError,
     SlowConsumerError,
+    UntrustedCertificateError,
 )
 from broky.matching import parse_pattern
 from broky.protocol import NO_OWNER, Hello, LossReason, MapApplied, Message, VBucketMap, Welcome
@@ -349,7 +350,7 @@ class Client(Publisher):
                     )
                     found = (seed, proto, welcome)
                     break
-                except (ServerError, NotBrokyError):
+                except (ServerError, NotBrokyError, UntrustedCertificateError):
                     raise  # an answer: another try would get the same
                 except BrokyError as exc:
                     refused += isinstance(exc, NoServerError)

@@ -63,6 +63,7 @@ from broky.errors import (
     ProtocolError,
     RemoteProtocolError,
     ServerError,
+    UntrustedCertificateError,
 )
 from broky.protocol import (
     VBUCKETS,
@@ -648,6 +649,8 @@ async def _start_tls(
                 " (the client does not trust the server's certificate: give its CA, "
                 "ssl_context=ssl.create_default_context(cafile=...) or --tls-ca)"
             )
+        if exc.reason == "CERTIFICATE_VERIFY_FAILED":
+            raise UntrustedCertificateError(f"TLS handshake with {url} failed: {exc}{hint}") from None
         raise BrokyConnectionError(f"TLS handshake with {url} failed: {exc}{hint}") from None
     return proto
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import broky
-from broky.errors import NO_SERVER_HINT, NoServerError, NotBrokyError, ServerError
+from broky.errors import NO_SERVER_HINT, NoServerError, NotBrokyError, ServerError, UntrustedCertificateError
 from tests.support.requires import program
 from tests.support.serverproc import ServerProcess
 
@@ -202,6 +202,22 @@ def test_a_plain_server_reached_with_tls_says_use_broky(server: ServerProcess, c
         exc, took = await connect_error(f"broky+tls://127.0.0.1:{server.port}", ssl_context=_ctx(certs))
         assert isinstance(exc, ServerError) and took < FAST, (took, exc)
         assert "does not offer TLS" in str(exc) and "connect with broky://" in str(exc), exc
+
+    run(main)
+
+
+def test_an_untrusted_certificate_is_said_at_once_not_retried(tls_server: ServerProcess) -> None:
+    """The system's CAs did not sign the test CA's certificate: a definite answer, told at
+    once (it was retried until connect_timeout), with what to give the client."""
+
+    async def main() -> None:
+        import ssl
+
+        url = f"broky+tls://127.0.0.1:{tls_server.port}"
+        exc, took = await connect_error(url, ssl_context=ssl.create_default_context())
+        assert isinstance(exc, UntrustedCertificateError) and took < FAST, (took, exc)
+        assert "CERTIFICATE_VERIFY_FAILED" in str(exc) and "give its CA" in str(exc), exc
+        assert url in str(exc), exc
 
     run(main)
 
