@@ -24,8 +24,8 @@ import pytest
 
 import broky
 from broky.errors import NO_SERVER_HINT, NoServerError, NotBrokyError, ServerError, UntrustedCertificateError
-from tests.support.requires import program
 from tests.support.serverproc import ServerProcess
+from tests.support.tls import client_context, tls_args
 
 TIMEOUT = 10.0  # what the client would retry for
 FAST = 4.0  # generous: an answer at the first bytes takes milliseconds
@@ -33,36 +33,10 @@ FAST = 4.0  # generous: an answer at the first bytes takes milliseconds
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run([program("openssl"), *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA and a server certificate for 127.0.0.1 it signed."""
-    d = tmp_path_factory.mktemp("certs")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl(
-        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ca", cwd=d
-    )
-    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=server", cwd=d)
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl(
-        "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "2", "-extfile", "server.ext", cwd=d,
-    )  # fmt: skip
-    return d
-
-
 @pytest.fixture
 def tls_server(start_server: Callable[..., ServerProcess], certs: Path) -> ServerProcess:
-    return start_server("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"))
-
-
-def _ctx(certs: Path) -> object:
-    import ssl
-
-    return ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    """A TLS server with the shared test certificates (tests/support/tls.py `certs`)."""
+    return start_server(*tls_args(certs))
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
@@ -199,7 +173,9 @@ def test_a_tls_alert_says_the_port_speaks_tls() -> None:
 
 def test_a_plain_server_reached_with_tls_says_use_broky(server: ServerProcess, certs: Path) -> None:
     async def main() -> None:
-        exc, took = await connect_error(f"broky+tls://127.0.0.1:{server.port}", ssl_context=_ctx(certs))
+        exc, took = await connect_error(
+            f"broky+tls://127.0.0.1:{server.port}", ssl_context=client_context(certs)
+        )
         assert isinstance(exc, ServerError) and took < FAST, (took, exc)
         assert "does not offer TLS" in str(exc) and "connect with broky://" in str(exc), exc
 

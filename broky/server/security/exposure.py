@@ -33,6 +33,7 @@ BROKY_ALLOW_UNAUTHENTICATED=1, and the docs publish its ports on 127.0.0.1.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 from broky.server.config import ServerConfig
@@ -41,22 +42,14 @@ OPT_OUT = "--allow-unauthenticated"
 
 
 def _loopback_address(address: str) -> bool:
-    """Whether an IP address literal (no scope) is a loopback address.
+    """Whether an IP address literal is a loopback address (an IPv4-mapped IPv6 one too).
 
     Raises:
         ValueError: `address` is not an IPv4 or IPv6 literal.
     """
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            packed = socket.inet_pton(family, address)
-        except OSError:
-            continue
-        if family == socket.AF_INET:
-            return packed[0] == 127
-        if packed == bytes(15) + b"\x01":  # ::1
-            return True
-        return packed[:12] == bytes(10) + b"\xff\xff" and packed[12] == 127  # ::ffff:127.x.x.x
-    raise ValueError(address)
+    ip = ipaddress.ip_address(address)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return (mapped or ip).is_loopback
 
 
 def is_loopback(host: str) -> bool:
