@@ -10,6 +10,7 @@ the shard (tests/server/unit/) and the forwarding test build on these.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -55,6 +56,9 @@ class Recorder:
     def get_write_buffer_size(self) -> int:
         return 0
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self.limits = (high, low)  # a lagging connection's (broky.server.shard.lag)
+
     def pause_reading(self) -> None:  # a Read holds its connection's input for a turn of the loop
         pass
 
@@ -97,12 +101,17 @@ def shard_with(
     *,
     node_id: str,
     compiled: bool = False,
+    replay_bytes: int | None = None,
 ) -> tuple[Shard, Connection, list[Connection]]:
-    """A worker owning every vbucket, one subscriber per (pattern, key_partition) and a publisher.
+    """A worker owning every vbucket, one subscriber per (pattern, key_partition) and a publisher;
+    replay_bytes: its replay buffer's bound (None: the default; 0: none).
 
     The subscribers are connections 1..n (each subscription's id 1), the publisher n + 1.
     """
-    shard = Shard(ServerConfig(workers=1, node_id=node_id), 0, loop, compiled=compiled)
+    config = ServerConfig(workers=1, node_id=node_id)
+    if replay_bytes is not None:
+        config = dataclasses.replace(config, replay_bytes=replay_bytes)
+    shard = Shard(config, 0, loop, compiled=compiled)
     subs = [attach(shard, i) for i in range(1, len(patterns) + 1)]
     for sub, (pattern, kp) in zip(subs, patterns, strict=True):
         shard.subscribe(sub, Subscribe(1, pattern, kp))

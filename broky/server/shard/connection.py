@@ -79,7 +79,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms", "version", "cap", "group_owed", "group_lost", "group_untold",
+        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -148,6 +148,9 @@ class Connection(asyncio.Protocol):
         self.bounded_read: ReadCursor | None = (
             None  # its bounded read in progress (broky.server.shard.positions)
         )
+        # While it lags (over its bound, with a replay buffer): where it reads on from
+        # (broky.server.shard.lag); None while it is live.
+        self.lag: LagCursor | None = None
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.shard.groups)
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
         # Its groups' messages kept for nobody yet, and lost for good, while it carries their
@@ -283,3 +286,33 @@ class ReadCursor:
         self.done = 0  # ranges[:done] got their ReadDone
         self.scheduled = False  # a batch waits on call_soon
         self.matches: dict[bytes, bool] = {}  # key -> matches the pattern
+
+
+class LagCursor:
+    """Where a lagging connection reads on from (broky.server.shard.lag).
+
+    Two forms. A connection with a plain subscription to every key (`>`) is owed every
+    message of every vbucket from a point on: once sealed, `open_from[vb]` is that point
+    (the next offset to send) and `epochs[vb]` its epoch; nothing per message. Any other
+    connection is owed only the messages routed to it: `owed[vb]` lists them as ranges of
+    offsets [start, stop), appended as they are refused, 8 bytes a run (a vbucket's messages
+    of one key_partition are consecutive offsets, one range)."""
+
+    __slots__ = (
+        "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "since", "served",
+        "evicted", "scheduled", "next_vb", "progress",
+    )  # fmt: skip
+
+    def __init__(self, every_key: bool, since: float) -> None:
+        self.every_key = every_key
+        self.open_from: list[int] | None = None  # sealed (every_key): per vbucket, the next offset
+        self.epochs: list[int] | None = None  # ... and its epoch
+        self.tracked = b""  # sealed: 1 for the vbuckets it was owed (accepted or former) then
+        self.owed: dict[int, list[list[int]]] = {}  # vb -> ranges [start, stop) of offsets owed
+        self.owed_epochs: dict[int, int] = {}  # vb -> the epoch of its owed offsets
+        self.since = since  # monotonic: when it began lagging
+        self.served = 0  # messages sent to it from the replay buffer
+        self.evicted = 0  # messages it was owed that the buffer evicted first (told)
+        self.scheduled = False  # a batch waits on call_soon
+        self.next_vb = 0  # the round robin's next vbucket
+        self.progress = since  # monotonic: the last batch that sent it something

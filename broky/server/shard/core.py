@@ -217,6 +217,7 @@ from broky.server.shard.connection import CLOSED, OPEN, Connection, Plan, Subscr
 from broky.server.shard.control import admit, deny, deny_publish, text
 from broky.server.shard.grace import Grace
 from broky.server.shard.groups import Groups, GroupTargets
+from broky.server.shard.lag import Lag
 from broky.server.shard.moves import Moves
 from broky.server.shard.part import Route
 from broky.server.shard.positions import Positions
@@ -344,6 +345,7 @@ class Shard:
         self.grace = Grace(self)
         self.positions = Positions(self)
         self.groups = Groups(self)
+        self.lag = Lag(self)  # lagging connections: fed from the replay buffer
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 
@@ -790,6 +792,8 @@ class Shard:
         broky.server.shard.backpressure, "Slow consumers")."""
         if c.state != OPEN:
             return 0
+        if c.lag is not None:  # it lags: owed, read from the replay buffer as it drains
+            return self.lag.missed(c, buf, start, end)
         if c.cap < 0:
             self.reopen(c, 4 + _u32(buf, start)[0])
         room = c.cap - c.base - c.unflushed
@@ -810,6 +814,10 @@ class Shard:
             c.touched = True
             self.touched.append(c)
         lost = count - fit
+        if self.replay is not None and c.subs:
+            # With a replay buffer nothing is dropped: c lags (broky.server.shard.lag).
+            self.lag.enter(c, buf, cut, end)
+            return fit
         c.dropped += lost
         c.dropped_total += lost
         c.cap = -1
@@ -1092,6 +1100,8 @@ class Shard:
                 self.touched.append(c)
         if c.bounded_read is not None:  # its read waited for Resume
             self.positions.pump_read(c)
+        if c.lag is not None:  # and its catch-up
+            self.lag.pump(c)
 
     def apply_users(self, users: Users) -> None:
         """Users read again (SIGHUP): every connection takes its user's new rules, and
@@ -1160,6 +1170,8 @@ class Shard:
             c.over_since = 0.0  # told already (`reopen`): its clock stops here
         if c.bounded_read is not None:  # a bounded read waits for room
             self.positions.continue_read(c)
+        if c.lag is not None:  # a lagging connection's next batch
+            self.lag.drained(c)
         if c.subs:  # an ack group's messages may wait for room
             self.groups.drained(c)
 
@@ -1179,6 +1191,7 @@ class Shard:
             self.moves.forget(c)
         c.out.clear()
         c.bounded_read = None  # a bounded read in progress ends with it
+        self.lag.left(c)
         self.detach(c)
         if c.linger is not None:
             c.linger.cancel()
@@ -1205,6 +1218,7 @@ class Shard:
         if refresh_pending(self, attention) > budget.peak:
             self.new_peak()
         watch(self, attention, now)
+        self.lag.tick(now)
         replay = self.replay
         if replay is not None:
             replay.expire()

@@ -8,7 +8,7 @@ part, in a module of its own:
 
 - a part that keeps state of its own is a plain object built with the core
   (`Groups(core)`), an attribute of it (`core.groups`): arrivals, moves,
-  grace, positions, groups;
+  grace, positions, groups, lag;
 - a part that keeps none (its state lives on the connections, or is the
   core's) is a module of functions the core calls with itself
   (`closing.goodbye(core, c, why)`): control, backpressure, closing,

@@ -53,6 +53,9 @@ class DropReason(enum.StrEnum):
     # delivered max_deliveries times without an ack.
     GROUP_OVERFLOW = "group_overflow"
     MAX_DELIVERIES = "max_deliveries"
+    # Deliveries a lagging connection was owed that the replay buffer evicted before it read
+    # them (broky.server.shard.lag): told, LossReason EVICTED.
+    EVICTED = "evicted"
 
 
 # The drop a LossNotice's reason tells of, for those that are drops (see DropReason).
@@ -107,6 +110,12 @@ class WorkerStats:
         self.vbuckets_continued = 0
         self.vbuckets_restarted = 0
         self.slow_consumer_disconnects = 0
+        # Lagging connections (broky.server.shard.lag): now, ever, messages sent to them from
+        # the replay buffer, and messages they were owed that it evicted first (told).
+        self.lagging = 0
+        self.lag_entered = 0
+        self.lag_served = 0
+        self.lag_evicted = 0
         # Consumer groups (broky.server.shard.groups): now, and totals.
         self.groups = 0  # groups with a member on this worker now
         self.group_members = 0  # now

@@ -37,9 +37,13 @@ from tests.support.mutations import OVERLAP_MESSAGE, mutate, mutation, overlap_f
 from tests.support.shardkit import received, shard_with
 
 
-def forwarding_shard(loop: asyncio.AbstractEventLoop) -> tuple[Shard, Connection, Connection]:
+def forwarding_shard(
+    loop: asyncio.AbstractEventLoop, replay_bytes: int | None = None
+) -> tuple[Shard, Connection, Connection]:
     """One worker owning every vbucket, a publisher and a subscriber to every key."""
-    shard, publisher, (subscriber,) = shard_with(loop, [(b">", None)], node_id="forwarding")
+    shard, publisher, (subscriber,) = shard_with(
+        loop, [(b">", None)], node_id="forwarding", replay_bytes=replay_bytes
+    )
     return shard, publisher, subscriber
 
 
@@ -146,10 +150,11 @@ def test_the_crafted_overlap_frame_reaches_subscribers_intact(loop: asyncio.Abst
 
 def test_copied_messages_respect_the_pending_bound(loop: asyncio.AbstractEventLoop) -> None:
     # The copies go through the same queueing as stamped runs: over the
-    # subscriber's bound they are dropped and counted.
+    # subscriber's bound they are dropped and counted (without a replay buffer: with
+    # one it lags, tests/server/unit/test_server_lag.py).
     raw = overlap_frame()
     copy_size = len(encode_message(b"p1", b"a.b", b"hello", 7, 0, None))
-    shard, publisher, subscriber = forwarding_shard(loop)
+    shard, publisher, subscriber = forwarding_shard(loop, replay_bytes=0)
     subscriber.limit = subscriber.cap = 3 * copy_size
     shard.feed(publisher, raw * 5)
     got = received(subscriber)

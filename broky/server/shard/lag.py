@@ -1,0 +1,527 @@
+"""A slow reader catches up from the replay buffer instead of losing.
+
+Theory of operation
+-------------------
+A connection whose pending outbound bytes reach its bound (--max-pending-bytes)
+used to lose what did not fit (SLOW_CONSUMER). With a replay buffer the worker
+has those messages anyway: it stamped each one and recorded it in the buffer
+before queuing it (broky.server.shard.core, `feed`). So the connection *lags*
+instead: nothing more is queued to it live (`cap` is -1, so every delivery to it
+goes to `Shard.squeeze`, which hands it here), and it is sent, as it drains,
+every message it was refused, read back from the buffer, in offset order per
+vbucket; when it has caught up it is live again. A lag is the connection's,
+not a subscription's: the pending bound and the routes are a connection's
+(the client dispatches bare deliveries to its subscriptions locally, as live
+ones).
+
+What it is owed. Two forms (connection.LagCursor):
+
+- *every key*: the connection has a plain subscription to `>`, so it is owed
+  every message of every vbucket from the first it was refused on. Its cursor
+  is one offset per vbucket (`open_from`), set by `seal` in a callback of the
+  loop's next turn: until then (`open_from` None) the refused messages are
+  noted one by one (`missed`), because the compiled read path stamps a whole
+  read before Python queues it (a vbucket's offset counter is ahead of what
+  was queued). At the seal, vbucket vb is owed from its first refused offset,
+  or from its next offset if none was refused: every message of vb before that
+  was queued to the connection (before it lagged), and every one after goes
+  through `squeeze` (a callback runs outside any read, so no message is half
+  way). After the seal a refused delivery costs one attribute test.
+- *filtered* (any other): it is owed only what was routed to it, so each
+  refused message is noted (`missed`): per vbucket, ranges of offsets, one per
+  run of consecutive offsets. It costs 8 bytes per range and a parse per
+  refused message while it lags; its catch-up reads exactly those offsets, no
+  scan, and what the buffer evicted of them is counted exactly.
+
+Catching up (`pump`), paced by the connection's drain as a bounded read is
+(broky.server.shard.positions): a batch queues at most LAG_SCAN messages and at
+most up to the connection's window (LAG_WINDOW, or its bound if smaller), as
+bare Message frames, round robin over the vbuckets; the next batch follows on
+the loop's next turn while there is room, else when the transport drains to
+its low-water mark (`Shard.drained`), or on Resume (a paused client).
+While it lags the transport's water marks are the window's: a reader that
+does not read holds at most a window of copies, besides what was queued when
+it began lagging.
+
+The seam. A batch that finds nothing more owed sets the connection live
+(`cap` = its bound) in the same callback: no message is accepted between the
+last read from the buffer and the switch (the worker is one thread, and a
+batch never runs inside a read), so the next live delivery is the next offset
+of each vbucket: no gap, no duplicate.
+
+Evicted first. Offsets owed that the buffer no longer holds are told, once per
+vbucket and gap, ahead of what follows them:
+`LossNotice{dropped, EVICTED, sid 0, at: the first, through: the last}`,
+counted in the connection's account (`dropped_total`, as a drop) and in
+DropReason.EVICTED. The count is exact in both forms: every key's are all the
+offsets of the gap, a filtered one's the noted offsets the gap holds. A vbucket
+whose sequence restarted under a new epoch while it lagged (a failover, a move
+that timed out) is told EPOCH_CHANGED with the offsets it was owed of the old
+epoch that the buffer still knew of when it dropped them (0 when none), and
+read on from the new epoch's first offset.
+
+A reader that never reads costs its cursor and the window, never a queue of
+copies. It is cut (fatal SLOW_CONSUMER, as a slow consumer is without a
+replay buffer) only when it has made no progress for --slow-consumer-deadline
+*and* everything it was owed has been evicted: it can no longer catch up from
+here; a client that resumes by positions is told exactly what is gone
+(schema/README.md 5.1).
+
+Replay off (--replay-bytes 0): nothing lags; `squeeze` drops and tells
+SLOW_CONSUMER as before.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import TYPE_CHECKING
+
+from broky.errors import ErrorCode
+from broky.protocol import VBUCKETS, LossNotice, LossReason, Position, encode_frame
+from broky.protocol.layout import EPOCH_AT, OFFSET_AT, VBUCKET_AT
+from broky.server.shard.connection import OPEN, Connection, LagCursor
+from broky.server.shard.stats import DropReason
+
+if TYPE_CHECKING:
+    from broky.server.shard.part import ShardCore
+
+_u32 = struct.Struct("<I").unpack_from
+_u64 = struct.Struct("<Q").unpack_from
+_u16 = struct.Struct("<H").unpack_from
+_monotonic = time.monotonic
+# Messages one batch queues at most (about a millisecond of work, as a bounded read's).
+LAG_SCAN = 2048
+# Bytes of history a lagging connection is sent ahead of its reading, at most (its
+# bound if that is smaller): its transport's high-water mark is half of it.
+LAG_WINDOW = 4 << 20
+# Index entries taken from the replay buffer at once.
+LAG_CHUNK = 512
+_EVICTED = DropReason.EVICTED
+
+
+def every_key(c: Connection) -> bool:
+    """Whether c has a plain subscription to every key of every key_partition."""
+    return any(s.pattern == b">" and s.key_partition is None and s.member is None for s in c.subs.values())
+
+
+def window(c: Connection) -> int:
+    return min(c.limit, LAG_WINDOW)
+
+
+class Lag:
+    """The Shard's part that keeps lagging connections and feeds them from the replay
+    buffer (`Shard.lag`), built with the core (broky.server.shard.part)."""
+
+    __slots__ = ("core", "lagging")
+
+    def __init__(self, core: ShardCore) -> None:
+        self.core = core
+        self.lagging: dict[int, Connection] = {}  # conn_id -> a lagging connection
+
+    # ------------------------------------------------------------ beginning
+
+    def enter(self, c: Connection, buf: bytearray, start: int, end: int) -> None:
+        """c met its bound at buf[start:end] (stamped messages, refused): it lags from here."""
+        now = _monotonic()
+        lag = c.lag = LagCursor(every_key(c), now)
+        c.cap = -1  # every delivery to it goes to `squeeze`, which hands it here
+        self.lagging[c.conn_id] = c
+        stats = self.core.stats
+        stats.lagging += 1
+        stats.lag_entered += 1
+        self.missed(c, buf, start, end)
+        w = window(c)
+        c.transport.set_write_buffer_limits(high=max(w // 2, 1), low=w // 4)
+        lag.scheduled = True
+        self.core.loop.call_soon(self.seal if lag.every_key else self.next_batch, c)
+
+    def missed(self, c: Connection, buf: bytearray, start: int, end: int) -> int:
+        """Note the refused messages buf[start:end] as owed to c (see the header); 0 queued."""
+        lag = c.lag
+        assert lag is not None
+        if lag.open_from is not None:  # sealed, every key: its cursor says it all
+            return 0
+        owed = lag.owed
+        pos = start
+        while pos < end:
+            vb = _u16(buf, pos + VBUCKET_AT)[0]
+            offset = _u64(buf, pos + OFFSET_AT)[0]
+            ranges = owed.get(vb)
+            if ranges is None:
+                owed[vb] = [[offset, offset + 1]]
+                lag.owed_epochs[vb] = _u64(buf, pos + EPOCH_AT)[0]
+            else:
+                last = ranges[-1]
+                if last[1] == offset:
+                    last[1] = offset + 1
+                else:
+                    ranges.append([offset, offset + 1])
+            pos += 4 + _u32(buf, pos)[0]
+        return 0
+
+    def seal(self, c: Connection) -> None:
+        """The loop's next turn after c began lagging, every key: its cursor per vbucket."""
+        lag = c.lag
+        if lag is None or c.state != OPEN:
+            return
+        core = self.core
+        seqs = core.seqs
+        former = seqs.former
+        accepts = core.accepts
+        open_from = [0] * VBUCKETS
+        epochs = [0] * VBUCKETS
+        tracked = bytearray(VBUCKETS)
+        owed = lag.owed
+        for vb in range(VBUCKETS):
+            if accepts[vb] or vb in former or vb in owed:
+                tracked[vb] = 1
+                ranges = owed.get(vb)
+                if ranges is not None:
+                    open_from[vb] = ranges[0][0]
+                    epochs[vb] = lag.owed_epochs[vb]
+                else:
+                    open_from[vb] = seqs.next_of(vb)
+                    epochs[vb] = seqs.epoch_of(vb)
+        lag.open_from = open_from
+        lag.epochs = epochs
+        lag.tracked = bytes(tracked)
+        owed.clear()
+        lag.owed_epochs.clear()
+        self.next_batch(c)
+
+    # ------------------------------------------------------------ catching up
+
+    def next_batch(self, c: Connection) -> None:
+        """A batch for c outside any read of the worker's (call_soon, drained, Resume): queued
+        and written."""
+        lag = c.lag
+        if lag is None:
+            return
+        lag.scheduled = False
+        self.pump(c)
+        core = self.core
+        if core.touched:
+            core.flush()
+        lag = c.lag
+        if lag is not None and not lag.scheduled and c.state == OPEN and not c.paused and not c.write_paused:
+            # Written and not over the high-water mark: the kernel took it, and no drain
+            # will call; the next batch on the loop's next turn.
+            lag.scheduled = True
+            core.loop.call_soon(self.next_batch, c)
+
+    def pump(self, c: Connection) -> None:
+        """Queue c's next batch from the replay buffer (see the header); live again when
+        nothing more is owed."""
+        lag = c.lag
+        if lag is None or c.state != OPEN or c.paused or c.write_paused:
+            return
+        if lag.every_key and lag.open_from is None:
+            return  # the seal follows
+        core = self.core
+        room = window(c) - c.transport.get_write_buffer_size() - c.unflushed
+        if room <= 0:
+            return
+        out = c.out
+        budget = LAG_SCAN
+        queued = sent = 0
+        behind = self.behind_vbuckets(c)
+        if not behind:
+            self.live(c)
+            return
+        n = len(behind)
+        first_i = 0
+        for i, vb in enumerate(behind):  # from the round robin's place
+            if vb >= lag.next_vb:
+                first_i = i
+                break
+        full = False
+        k = 0
+        for k in range(n):
+            vb = behind[(first_i + k) % n]
+            q, s, room, full = self.serve(c, lag, vb, room, budget, out)
+            queued += q
+            sent += s
+            budget -= s
+            if full or budget <= 0:
+                lag.next_vb = (vb + 1) % VBUCKETS
+                break
+        else:
+            lag.next_vb = 0
+        if queued:
+            c.unflushed += queued
+            lag.progress = _monotonic()
+            if sent:
+                c.msgs_out += sent
+                lag.served += sent
+                stats = core.stats
+                stats.lag_served += sent
+                stats.messages_delivered += sent
+            core.book.commit((c,))  # accounted before it leaves (broky.server.accounts)
+            if not c.touched:
+                c.touched = True
+                core.touched.append(c)
+        if not full and budget > 0 and not self.behind_vbuckets(c):
+            self.live(c)
+
+    def serve(
+        self, c: Connection, lag: LagCursor, vb: int, room: int, budget: int, out: list[bytes | bytearray]
+    ) -> tuple[int, int, int, bool]:
+        """Queue what c is owed of vb, within `room` bytes and `budget` messages:
+        (bytes queued, messages sent, room left, full)."""
+        core = self.core
+        replay = core.replay
+        assert replay is not None
+        seqs = core.seqs
+        queued = sent = 0
+        if lag.open_from is not None:  # every key: open_from[vb] .. next
+            assert lag.epochs is not None
+            at = lag.open_from[vb]
+            epoch = seqs.epoch_of(vb)
+            if epoch != lag.epochs[vb]:
+                at = self.epoch_changed(c, vb, lag.epochs[vb], at, epoch)
+                lag.epochs[vb] = epoch
+            stop = seqs.next_of(vb)
+            first = replay.first(vb)
+            oldest = stop if first is None else first
+            if oldest > at:
+                notice = self.evicted(c, vb, epoch, at, oldest - at)
+                out.append(notice)
+                queued += len(notice)
+                room -= len(notice)
+                at = oldest
+            full = False
+            while at < stop and budget > 0:
+                chunk = replay.read(vb, at, min(stop, at + min(budget, LAG_CHUNK)))
+                if not chunk:
+                    break
+                q, s, room, full = self.append(chunk, room, out)
+                queued += q
+                sent += s
+                budget -= s
+                at += s
+                if full:
+                    break
+            lag.open_from[vb] = at
+            return queued, sent, room, full
+        ranges = lag.owed[vb]
+        epoch = lag.owed_epochs[vb]
+        now = seqs.epoch_of(vb)
+        if now != epoch:  # its sequence restarted: what it was owed of the old one is gone
+            gone = sum(stop - start for start, stop in ranges)
+            notice = self.notice(c, gone, LossReason.EPOCH_CHANGED, vb, epoch, ranges[0][0], now, 0)
+            out.append(notice)
+            del lag.owed[vb], lag.owed_epochs[vb]
+            return len(notice), 0, room - len(notice), False
+        first = replay.first(vb)
+        oldest = seqs.next_of(vb) if first is None else first
+        gone = 0
+        while ranges and ranges[0][0] < oldest:
+            start, stop = ranges[0]
+            if stop <= oldest:
+                gone += stop - start
+                ranges.pop(0)
+            else:
+                gone += oldest - start
+                ranges[0][0] = oldest
+        if gone:
+            notice = self.evicted(c, vb, epoch, oldest - gone, gone, through=oldest - 1)
+            out.append(notice)
+            queued += len(notice)
+            room -= len(notice)
+        full = False
+        while ranges and budget > 0:
+            start, stop = ranges[0]
+            chunk = replay.read(vb, start, min(stop, start + min(budget, LAG_CHUNK)))
+            if not chunk:
+                break
+            q, s, room, full = self.append(chunk, room, out)
+            queued += q
+            sent += s
+            budget -= s
+            if start + s >= stop:
+                ranges.pop(0)
+            else:
+                ranges[0][0] = start + s
+            if full:
+                break
+        if not ranges:
+            del lag.owed[vb], lag.owed_epochs[vb]
+        return queued, sent, room, full
+
+    @staticmethod
+    def append(
+        chunk: list[tuple[bytearray | bytes, int, int]], room: int, out: list[bytes | bytearray]
+    ) -> tuple[int, int, int, bool]:
+        """Queue the leading messages of `chunk` that fit in `room` (adjacent ones as one
+        slice): (bytes, messages, room left, full)."""
+        run: bytearray | bytes | None = None
+        run_start = run_end = 0
+        queued = sent = 0
+        full = False
+        for segment, pos, end in chunk:
+            size = end - pos
+            if size > room and (sent or out):
+                full = True
+                break
+            room -= size
+            queued += size
+            sent += 1
+            if segment is run and pos == run_end:
+                run_end = end
+            else:
+                if run is not None:
+                    out.append(run[run_start:run_end])
+                run, run_start, run_end = segment, pos, end
+        if run is not None:
+            out.append(run[run_start:run_end])
+        return queued, sent, room, full
+
+    def behind_vbuckets(self, c: Connection) -> list[int]:
+        """The vbuckets c is still owed messages of, in order."""
+        lag = c.lag
+        assert lag is not None
+        if lag.open_from is None:
+            return sorted(lag.owed)
+        core = self.core
+        seqs = core.seqs
+        view = seqs.view
+        open_from = lag.open_from
+        tracked = lag.tracked
+        accepts = core.accepts
+        former = seqs.former
+        behind = []
+        for vb in range(VBUCKETS):
+            if not tracked[vb]:
+                if not accepts[vb]:
+                    continue
+                # Came here after the seal (a planned move): it is owed from the sequence's
+                # first offset here on (every message routed to it went through `squeeze`).
+                tracked = lag.tracked = tracked[:vb] + b"\x01" + tracked[vb + 1 :]
+                open_from[vb] = seqs.begun_offset[vb]
+                assert lag.epochs is not None
+                lag.epochs[vb] = seqs.epoch_of(vb)
+            elif not accepts[vb] and vb not in former:
+                continue  # no longer here, nor retained here
+            if open_from[vb] < view[4 * vb + 1] or view[4 * vb] != lag.epochs[vb]:  # type: ignore[index]
+                behind.append(vb)
+        return behind
+
+    # ------------------------------------------------------------ telling
+
+    def evicted(
+        self, c: Connection, vb: int, epoch: int, at: int, gone: int, through: int | None = None
+    ) -> bytes:
+        """The notice of `gone` messages owed to c from (vb, epoch, at) that the buffer
+        evicted first; counted."""
+        lag = c.lag
+        assert lag is not None
+        lag.evicted += gone
+        last = at + gone - 1 if through is None else through
+        return self.notice(c, gone, LossReason.EVICTED, vb, epoch, at, epoch, last)
+
+    def epoch_changed(self, c: Connection, vb: int, old: int, at: int, new: int) -> int:
+        """Every key: vb's sequence restarted under `new` while c lagged. Told (how many of
+        the old epoch it missed is not known here: the buffer dropped them with the epoch),
+        and read on from the new epoch's first offset here; returns it."""
+        begun = self.core.seqs.begun_offset[vb]
+        notice = self.notice(c, 0, LossReason.EPOCH_CHANGED, vb, old, at, new, 0)
+        c.out.append(notice)
+        c.unflushed += len(notice)
+        return begun
+
+    def notice(
+        self,
+        c: Connection,
+        count: int,
+        reason: int,
+        vb: int,
+        epoch: int,
+        at: int,
+        through_epoch: int,
+        through: int,
+    ) -> bytes:
+        if count:
+            c.dropped_total += count  # in its account, as a drop (its client counts it told)
+            stats = self.core.stats
+            stats.dropped[_EVICTED] += count
+            stats.lag_evicted += count
+        return encode_frame(
+            LossNotice(count, reason, 0, Position(vb, epoch, at), Position(vb, through_epoch, through))
+        )
+
+    # ------------------------------------------------------------ the end of a lag
+
+    def live(self, c: Connection) -> None:
+        """c has caught up: deliveries go to it live again (see "The seam")."""
+        lag = c.lag
+        if lag is None:
+            return
+        c.lag = None
+        c.cap = c.limit
+        c.transport.set_write_buffer_limits(high=max(c.limit // 2, 1), low=c.limit // 4)
+        self.lagging.pop(c.conn_id, None)
+        self.core.stats.lagging -= 1
+
+    def left(self, c: Connection) -> None:
+        """c is gone: its lag with it."""
+        if c.lag is not None:
+            c.lag = None
+            if self.lagging.pop(c.conn_id, None) is not None:
+                self.core.stats.lagging -= 1
+
+    def drained(self, c: Connection) -> None:
+        """c's transport drained to its low-water mark: its next batch."""
+        lag = c.lag
+        if lag is not None and not lag.scheduled:
+            self.next_batch(c)
+
+    def behind(self, c: Connection) -> int:
+        """How many messages c is behind: those it is owed (0 when live)."""
+        lag = c.lag
+        if lag is None:
+            return 0
+        if lag.open_from is None:
+            return sum(stop - start for ranges in lag.owed.values() for start, stop in ranges)
+        seqs = self.core.seqs
+        return sum(max(0, seqs.next_of(vb) - lag.open_from[vb]) for vb in self.behind_vbuckets(c))
+
+    def tick(self, now: float) -> None:
+        """A lagging connection that made no progress for --slow-consumer-deadline while
+        the buffer evicted everything it was owed is cut (see the header)."""
+        core = self.core
+        replay = core.replay
+        if replay is None or not self.lagging:
+            return
+        deadline = core.config.slow_consumer_deadline
+        for c in list(self.lagging.values()):
+            lag = c.lag
+            if lag is None or c.state != OPEN:
+                continue
+            if now - lag.progress <= deadline or c.transport.get_write_buffer_size() <= window(c) >> 2:
+                continue
+            if any(self.readable(c, vb) for vb in self.behind_vbuckets(c)):
+                continue
+            core.stats.slow_consumer_disconnects += 1
+            core.fatal(
+                c,
+                ErrorCode.SLOW_CONSUMER,
+                f"lagging and read nothing for more than {deadline:g} s, and the replay buffer evicted "
+                "everything it had not read (a resume by positions is told exactly what is gone)",
+            )
+
+    def readable(self, c: Connection, vb: int) -> bool:
+        """Whether the buffer still holds a message c is owed of vb."""
+        lag = c.lag
+        assert lag is not None
+        replay = self.core.replay
+        assert replay is not None
+        first = replay.first(vb)
+        if first is None:
+            return False
+        if lag.open_from is not None:
+            return lag.open_from[vb] >= first
+        return any(stop > first for _, stop in lag.owed.get(vb, ()))
+
+
+__all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "every_key"]

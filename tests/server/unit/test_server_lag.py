@@ -1,0 +1,225 @@
+"""A slow reader lags and catches up from the replay buffer (broky.server.shard.lag).
+
+The real Shard over in-memory transports (tests/support/shardkit.py). A subscriber
+that sends Pause (its client's queue is full) keeps what was queued to it; past its
+bound it lags. After Resume it must receive every message it was routed, each once,
+in offset order per vbucket, then live again; what the buffer evicted before it got
+there is told once per vbucket and gap with the exact count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Sequence
+
+import pytest
+
+from broky.protocol import LossNotice, LossReason, Message, Subscribe, encode_message
+from broky.server.shard import fastpath
+from broky.server.shard.connection import OPEN, Connection
+from broky.server.shard.core import Shard
+from broky.server.shard.stats import DropReason
+from tests.support.shardkit import received, shard_with
+
+TWINS = [False] + ([True] if fastpath.compiled_scan is not None else [])
+
+
+def frames_of(kps: list[bytes], n: int, size: int, keys: list[bytes] | None = None) -> list[bytes]:
+    """n Message frames, round robin over the key_partitions (and keys)."""
+    keys = keys or [b"k.a"]
+    payload = b"x" * size
+    return [
+        encode_message(kps[i % len(kps)], keys[(i // len(kps)) % len(keys)], payload, 1, 0, None)
+        for i in range(n)
+    ]
+
+
+def publish(shard: Shard, publisher: Connection, frames: list[bytes], per_read: int = 50) -> None:
+    for i in range(0, len(frames), per_read):
+        shard.feed(publisher, b"".join(frames[i : i + per_read]))
+
+
+def turns(loop: asyncio.AbstractEventLoop, c: Connection, most: int = 10_000) -> None:
+    """Run the loop until c no longer lags (its batches are call_soon callbacks)."""
+    for _ in range(most):
+        loop.run_until_complete(asyncio.sleep(0))
+        if c.lag is None:
+            return
+    raise AssertionError("still lagging")
+
+
+def stalled(shard: Shard, c: Connection, bound: int) -> None:
+    """c's client sent Pause (its queue is full) and c's bound is `bound` bytes."""
+    c.limit = c.cap = bound
+    c.paused = True
+
+
+def resume(shard: Shard, c: Connection) -> None:
+    shard.resume(c)
+    shard.flush()
+
+
+def by_vbucket(frames: Sequence[object]) -> tuple[dict[int, list[int]], list[LossNotice]]:
+    got: dict[int, list[int]] = defaultdict(list)
+    notices = []
+    for f in frames:
+        if isinstance(f, Message):
+            got[f.vbucket].append(f.offset)
+        elif isinstance(f, LossNotice):
+            notices.append(f)
+    return got, notices
+
+
+@pytest.mark.parametrize("compiled", TWINS)
+def test_a_paused_reader_past_its_bound_lags_then_gets_everything_once_in_order(
+    loop: asyncio.AbstractEventLoop, compiled: bool
+) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b">", None)], node_id="lag", compiled=compiled)
+    kps = [b"p%d" % i for i in range(64)]
+    frames = frames_of(kps, 3000, 100)
+    stalled(shard, sub, 20 * len(frames[0]))
+    publish(shard, publisher, frames)
+    assert sub.lag is not None and sub.state == OPEN  # lagging, not dropping
+    assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 0
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices == []
+    assert sum(len(v) for v in got.values()) == 3000
+    for vb, offsets in got.items():
+        assert offsets == list(range(1, len(offsets) + 1)), vb  # every offset once, in order
+    assert shard.stats.lag_served > 0 and shard.stats.lagging == 0 and shard.stats.lag_entered == 1
+    assert sub.cap == sub.limit and sub.dropped_total == 0
+    assert sub.msgs_out == 3000
+    # Live again: the next messages follow at once, their offsets next.
+    before = len(received(sub))
+    publish(shard, publisher, frames_of(kps, 64, 100), per_read=10)  # reads under its bound
+    after = received(sub)[before:]
+    assert len(after) == 64 and all(isinstance(f, Message) for f in after)
+    assert sub.lag is None
+
+
+@pytest.mark.parametrize("compiled", TWINS)
+def test_messages_published_during_the_catch_up_meet_it_without_gap_or_duplicate(
+    loop: asyncio.AbstractEventLoop, compiled: bool
+) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b">", None)], node_id="lag", compiled=compiled)
+    kps = [b"p%d" % i for i in range(16)]
+    stalled(shard, sub, 10 * len(frames_of(kps, 1, 200)[0]))
+    publish(shard, publisher, frames_of(kps, 1000, 200))
+    resume(shard, sub)
+    for _ in range(40):  # publishing goes on while it catches up
+        publish(shard, publisher, frames_of(kps, 25, 200), per_read=25)
+        loop.run_until_complete(asyncio.sleep(0))
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices == []
+    assert sum(len(v) for v in got.values()) == 2000
+    for offsets in got.values():
+        assert offsets == list(range(1, len(offsets) + 1))
+
+
+def test_a_filtered_reader_is_owed_only_its_messages(loop: asyncio.AbstractEventLoop) -> None:
+    shard, publisher, (sub, everyone) = shard_with(loop, [(b"a.>", None), (b">", None)], node_id="lag")
+    shard.subscribe(sub, Subscribe(2, b"b.c", b"p3"))  # and one key_partition's b.c
+    kps = [b"p%d" % i for i in range(8)]
+    frames = frames_of(kps, 2000, 100, keys=[b"a.x", b"b.c", b"c.d"])
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    assert sub.lag is not None and sub.lag.open_from is None  # filtered: its owed offsets noted
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices == []
+    every, _ = by_vbucket(received(everyone))
+    want: dict[int, list[int]] = defaultdict(list)
+    for f in received(everyone):
+        if isinstance(f, Message) and (
+            f.key.startswith(b"a.") or (f.key == b"b.c" and f.key_partition == b"p3")
+        ):
+            want[f.vbucket].append(f.offset)
+    assert dict(got) == dict(want)
+    assert sum(len(v) for v in every.values()) == 2000
+
+
+@pytest.mark.parametrize("compiled", TWINS)
+def test_what_the_buffer_evicted_first_is_told_once_per_vbucket_with_the_exact_count(
+    loop: asyncio.AbstractEventLoop, compiled: bool
+) -> None:
+    shard, publisher, (sub,) = shard_with(
+        loop, [(b">", None)], node_id="lag", compiled=compiled, replay_bytes=64 << 10
+    )
+    kps = [b"p%d" % i for i in range(8)]
+    frames = frames_of(kps, 4000, 200)
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices, "the stall outlasted the buffer"
+    told: dict[int, int] = defaultdict(int)
+    for n in notices:
+        assert n.reason == LossReason.EVICTED and n.sid == 0
+        assert n.at is not None and n.through is not None
+        assert n.through.offset - n.at.offset + 1 == n.dropped
+        told[n.at.vbucket] += n.dropped
+    published: dict[int, int] = defaultdict(int)
+    for offsets in got.values():
+        assert len(set(offsets)) == len(offsets)
+        assert offsets == sorted(offsets)
+    for n in notices:  # what follows a notice starts right after its gap
+        vb = n.at.vbucket  # type: ignore[union-attr]
+        after = [o for o in got[vb] if o > n.through.offset]  # type: ignore[union-attr]
+        assert not after or after[0] == n.through.offset + 1  # type: ignore[union-attr]
+    last = shard.seqs
+    for vb in set(got) | set(told):
+        published[vb] = last.next_of(vb) - 1
+        assert len(got[vb]) + told[vb] == published[vb], vb  # received + told == published
+    assert sum(published.values()) == 4000
+    assert sub.dropped_total == sum(told.values()) == shard.stats.dropped[DropReason.EVICTED]
+    assert shard.stats.lag_evicted == sum(told.values())
+
+
+def test_a_filtered_readers_evicted_count_is_its_own_messages(loop: asyncio.AbstractEventLoop) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b"a.>", None)], node_id="lag", replay_bytes=64 << 10)
+    kps = [b"p%d" % i for i in range(4)]
+    frames = frames_of(kps, 4000, 200, keys=[b"a.x", b"b.x", b"b.y"])  # a third of them its own
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices
+    mine = sum(1 for i in range(4000) if (i // 4) % 3 == 0)
+    received_n = sum(len(v) for v in got.values())
+    assert received_n + sum(n.dropped for n in notices) == mine  # exact: only its messages counted
+    assert all(
+        isinstance(f, Message) and f.key.startswith(b"a.") for f in received(sub) if isinstance(f, Message)
+    )
+
+
+def test_without_a_replay_buffer_a_slow_reader_still_loses_and_is_told(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b">", None)], node_id="lag", replay_bytes=0)
+    frames = frames_of([b"p1"], 100, 100)
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    assert sub.lag is None
+    resume(shard, sub)
+    got = received(sub)
+    assert [type(f) for f in got] == [Message] * 10 + [LossNotice]
+    assert got[-1] == LossNotice(90, LossReason.SLOW_CONSUMER)
+    assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 90
+
+
+def test_a_lagging_connection_that_ends_leaves_no_lag_behind(loop: asyncio.AbstractEventLoop) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b">", None)], node_id="lag")
+    frames = frames_of([b"p1", b"p2"], 200, 100)
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    assert shard.stats.lagging == 1
+    shard.lost(sub, None)
+    loop.run_until_complete(asyncio.sleep(0))  # its seal finds it gone
+    assert shard.stats.lagging == 0 and not shard.lag.lagging
