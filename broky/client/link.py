@@ -255,6 +255,14 @@ class WorkerRef(NamedTuple):
     worker: int
 
 
+def later(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    """Whether position a (epoch, offset, ts_broker) comes after b: by offset within an
+    epoch, by time across epochs."""
+    if a[0] == b[0]:
+        return a[1] > b[1]
+    return (a[2], a[1]) > (b[2], b[1])
+
+
 class LinkOwner(Protocol):
     """What a Link needs from its client (`broky.client.client.Client` is one): the
     names the Client documents as for the SDK's own modules."""
@@ -992,7 +1000,7 @@ class Link(_LinkState):
         since = {vb: (epochs[vb], offsets[vb], t) for vb, t in enumerate(ts) if t and t >= start}
         for vb, replayed in sub.replayed.get(self.ref, {}).items():
             mine = since.get(vb)
-            if mine is None or (replayed[2], replayed[1]) > (mine[2], mine[1]):
+            if mine is None or later(replayed, mine):
                 since[vb] = replayed
         positions = tuple(Position(vb, e, o) for vb, (e, o, _) in sorted(since.items()))
         return Subscribe(sub.sid, sub.pattern, sub.partition, positions, start)
@@ -1024,7 +1032,7 @@ class Link(_LinkState):
                 since[vb] = (old.pos_epoch[vb], old.pos_offset[vb], t)
             replayed = sub.replayed.get(old.ref, {}).get(vb)  # a start there replayed it, newer?
             mine = since.get(vb)
-            if replayed is not None and (mine is None or (replayed[2], replayed[1]) > (mine[2], mine[1])):
+            if replayed is not None and (mine is None or later(replayed, mine)):
                 since[vb] = replayed
         positions = tuple(Position(vb, e, o) for vb, (e, o, _) in sorted(since.items()))
         since_time = min(begun) if begun else sub.since_time
@@ -1199,6 +1207,8 @@ class Link(_LinkState):
         elif isinstance(frame, LossNotice):
             if frame.through is not None and frame.sid:
                 self.told_through(frame.sid, frame.through, frame.dropped)
+            elif frame.through is not None and frame.reason == LossReason.EVICTED:
+                self.lag_told_through(frame.through)
             if not frame.sid or frame.reason == LossReason.SLOW_CONSUMER:  # the account's drops
                 self.told_lost += frame.dropped
             client.stats.server_lost += frame.dropped
@@ -1263,6 +1273,29 @@ class Link(_LinkState):
             return
         # The start's ts: every message it replayed is older, every live one after it newer.
         mine[vb] = (through.epoch, through.offset, self.replay_ts.get(sid, 0))
+
+    def lag_told_through(self, through: Position) -> None:
+        """A lagging connection's notice (sid 0): the buffer evicted messages of a vbucket
+        before the worker could send them (schema/README.md 7). Every plain subscription
+        started here accounts for them as told: its next start goes on after `through`, so
+        a resume neither asks for them nor is told them again."""
+        vb = through.vbucket
+        for sub in self.subs.values():
+            start = sub.starts.get(self.ref)
+            if sub.group is not None or start is None:
+                continue
+            mine = sub.replayed.setdefault(self.ref, {})
+            have = mine.get(vb)
+            if have is not None and have[0] == through.epoch and have[1] >= through.offset:
+                continue
+            if (
+                self.pos_epoch[vb] == through.epoch
+                and self.pos_offset[vb] >= through.offset
+                and self.pos_ts[vb]
+            ):
+                continue  # received past it already
+            # Its messages came after the start and before what follows them here.
+            mine[vb] = (through.epoch, through.offset, max(start, self.pos_ts[vb]))
 
     def started(self, ping_id: int, ts: int) -> None:
         """A Pong: the subscriptions whose Subscribe went before its Ping start at its ts."""

@@ -122,6 +122,23 @@ COUNTERS = (
         "broker's clock or 60 s behind it: not observed in broky_producer_latency_seconds.",
     ),
     (
+        "broky_lag_entered_total",
+        "lag_entered",
+        "Times a connection reached its pending bound and began lagging: read on from the replay "
+        "buffer as it drains instead of losing (without a replay buffer it loses, slow_consumer).",
+    ),
+    (
+        "broky_lag_served_messages_total",
+        "lag_served",
+        "Messages sent to lagging connections from the replay buffer (served from history).",
+    ),
+    (
+        "broky_lag_evicted_messages_total",
+        "lag_evicted",
+        "Messages lagging connections were owed that the replay buffer evicted before they read "
+        'them (evicted before read; told, and counted in broky_messages_dropped_total{reason="evicted"}).',
+    ),
+    (
         "broky_bounded_reads_total",
         "bounded_reads",
         "Bounded reads (Read frames) served: a closed range of retained messages, then a ReadDone "
@@ -219,6 +236,11 @@ GAUGES = (
         "Outbound bytes queued to the worker's connections (as counted against its memory budget).",
     ),
     ("broky_replay_bytes", "replay_bytes", "Bytes of messages retained for replay."),
+    (
+        "broky_lagging_connections",
+        "lagging",
+        "Connections lagging now: past their pending bound, read on from the replay buffer.",
+    ),
     ("broky_replay_messages", "replay_messages", "Messages retained for replay."),
     ("broky_groups", "groups", "Consumer groups with a member on the worker."),
     ("broky_group_members", "group_members", "Consumer group members on the worker."),

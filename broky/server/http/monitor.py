@@ -116,6 +116,7 @@ TOTALS = (
     "messages_published", "messages_delivered", "bytes_received", "bytes_sent",
     "slow_consumer_disconnects", "bytes_discarded", "reads_stopped", "pending_bytes", "budget_cuts",
     "vbuckets_handed_over", "vbuckets_continued", "vbuckets_restarted",
+    "lagging", "lag_entered", "lag_served", "lag_evicted",
 )  # fmt: skip
 
 

@@ -486,6 +486,32 @@ class Lag:
         seqs = self.core.seqs
         return sum(max(0, seqs.next_of(vb) - lag.open_from[vb]) for vb in self.behind_vbuckets(c))
 
+    def view(self, c: Connection) -> dict[str, float | int] | None:
+        """c's lag for /connections (None: live): messages and seconds behind (the age of
+        the oldest message it is owed that is still retained), for how long, served, evicted."""
+        lag = c.lag
+        if lag is None:
+            return None
+        replay = self.core.replay
+        oldest = 0
+        if replay is not None:
+            for vb in self.behind_vbuckets(c):
+                first = replay.first(vb)
+                if first is None:
+                    continue
+                at = max(first, lag.open_from[vb] if lag.open_from is not None else lag.owed[vb][0][0])
+                if at >= self.core.seqs.next_of(vb):
+                    continue
+                ts = replay.ts_at(vb, at)
+                oldest = ts if not oldest else min(oldest, ts)
+        return {
+            "behind_messages": self.behind(c),
+            "behind_seconds": round(max(0, time.time_ns() - oldest) / 1e9, 3) if oldest else 0.0,
+            "since_seconds": round(_monotonic() - lag.since, 3),
+            "served": lag.served,
+            "evicted": lag.evicted,
+        }
+
     def tick(self, now: float) -> None:
         """A lagging connection that made no progress for --slow-consumer-deadline while
         the buffer evicted everything it was owed is cut (see the header)."""
@@ -511,7 +537,8 @@ class Lag:
             )
 
     def readable(self, c: Connection, vb: int) -> bool:
-        """Whether the buffer still holds a message c is owed of vb."""
+        """Whether the buffer still holds the oldest message c is owed of vb (the eviction
+        has not overtaken it there)."""
         lag = c.lag
         assert lag is not None
         replay = self.core.replay
@@ -521,7 +548,8 @@ class Lag:
             return False
         if lag.open_from is not None:
             return lag.open_from[vb] >= first
-        return any(stop > first for _, stop in lag.owed.get(vb, ()))
+        ranges = lag.owed.get(vb)
+        return not ranges or ranges[0][0] >= first
 
 
 __all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "every_key"]

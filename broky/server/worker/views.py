@@ -72,6 +72,7 @@ def connections_view(shard: Shard, limit: int) -> dict[str, Any]:
                 "messages_in": c.msgs_in,
                 "messages_out": c.msgs_out,
                 "dropped": c.dropped_total,
+                "lag": shard.lag.view(c),  # None: live (broky.server.shard.lag)
             }
         )
     return {"worker": shard.index, "total": len(conns), "connections": listed}

@@ -9,8 +9,9 @@ SDK as an application uses it, against a real `broky serve`.
   unknown, and a vbucket that took nothing after the time is told nothing.
 - A start's notice names the last position it accounts for (`through`): the
   next resume goes on after it, so repeated cuts do not tell the same loss again.
-- A slow consumer cut by the server is told nothing in band for the drops after
-  its last delivery: its resume by positions gets them from the replay buffer.
+- A subscriber that stops reading lags instead of losing (the replay buffer holds
+  what it missed); one cut because the buffer evicted all it was owed is told
+  exactly by its resume by positions.
 - A server stopped with SIGTERM (Goodbye on every connection) and started again
   tells its subscribers nothing; one SIGKILLed tells each connection once.
 """
@@ -44,6 +45,8 @@ SEQ = struct.Struct(">II")  # key_partition index, sequence number within it
 
 class Tally(Received):
     """What a subscriber received (per key_partition) and was told it lost."""
+
+    sent: list[int]  # what was published per key_partition, where a test keeps it here
 
     def lost(self, sent: list[int]) -> int:
         return sum(n - len(set(self.by_kp.get(k, []))) for k, n in enumerate(sent))
@@ -174,20 +177,10 @@ def test_what_was_told_is_not_told_again_after_more_cuts(
     run(main, timeout=100)
 
 
-@pytest.mark.timeout(120)
-def test_a_slow_consumer_cut_by_the_server_is_told_only_what_its_resume_cannot_replay(
-    start_server: Any,
-) -> None:
+def stalled_subscriber(server: ServerProcess, total: int, partitions: int, stall: float) -> Tally:
     """A subscriber whose process stops reading (its callback blocks the event loop) for
-    longer than --slow-consumer-deadline is cut. The drops came after everything it was
-    sent, so they are not told at the cut: its resume by positions replays them with the
-    rest of what it missed, and tells exactly, per vbucket, what did not fit in its
-    pending bound (and moves its positions past it). Every message is received once or
-    told once (before: SLOW_CONSUMER told at the cut, then some of the same replayed)."""
-    server: ServerProcess = start_server(
-        "--max-pending-bytes", "1M", "--slow-consumer-deadline", "1", "--replay-bytes", "64M"
-    )
-    total, partitions = 20_000, 32
+    `stall` seconds after 500 messages, while another thread publishes `total` messages
+    of 1 KB over `partitions` key_partitions; what it received and was told."""
     sent = [0] * partitions
     padding = bytes(1000)
 
@@ -199,15 +192,16 @@ def test_a_slow_consumer_cut_by_the_server_is_told_only_what_its_resume_cannot_r
                 sent[k] += 1
             client.flush()
 
+    got = Tally()
+
     async def main() -> None:
-        got = Tally()
         blocked = [False]
 
         def take(msg: broky.Message) -> None:
             got.take(msg)
             if got.count == 500 and not blocked[0]:
                 blocked[0] = True
-                time.sleep(3.0)  # the whole client stops reading: the server cuts it
+                time.sleep(stall)  # the whole client stops reading
 
         options: dict[str, Any] = {"on_loss": got.on_loss, "reconnect_min_delay": 0.05}
         async with broky.connect(server.url, **options) as subscriber:
@@ -217,17 +211,53 @@ def test_a_slow_consumer_cut_by_the_server_is_told_only_what_its_resume_cannot_r
             await publishing
             await settle(got, total)
             assert blocked[0]
-            _, body = await asyncio.to_thread(_stats, server)
-            assert sum(w["slow_consumer_disconnects"] for w in body["workers"]) >= 1  # it was cut
-            assert sum(w["dropped"]["slow_consumer"] for w in body["workers"]) > 0  # and lost some
-            lost = got.lost(sent)
-            assert got.told_count() == lost, (lost, got.told)  # lost - told = 0, told - lost = 0
-            assert {reason for _, reason in got.told} <= {LossReason.SLOW_CONSUMER}
-            assert all(dropped > 0 for dropped, _ in got.told)
-            assert got.count + lost == total  # no copy
-            got.assert_in_order()
 
     run(main, timeout=100)
+    got.sent = sent
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_subscriber_that_stops_reading_lags_and_loses_nothing(start_server: Any) -> None:
+    """Its pending bound fills while it does not read, and it lags: as it reads again the
+    server sends it the rest from the replay buffer, then live. Nothing lost, nothing
+    told, nothing twice, in order (before: SLOW_CONSUMER, then a cut)."""
+    server: ServerProcess = start_server(
+        "--max-pending-bytes", "1M", "--slow-consumer-deadline", "1", "--replay-bytes", "64M"
+    )
+    got = stalled_subscriber(server, 20_000, 32, 3.0)
+    _, body = _stats(server)
+    workers = body["workers"]
+    assert sum(w["lag_entered"] for w in workers) >= 1  # it lagged
+    assert sum(w["lag_served"] for w in workers) > 0  # and was served from history
+    assert sum(w["slow_consumer_disconnects"] for w in workers) == 0  # never cut
+    assert sum(w["dropped"]["slow_consumer"] + w["dropped"]["evicted"] for w in workers) == 0
+    assert got.told == []
+    assert got.count == 20_000 and got.lost(got.sent) == 0
+    got.assert_in_order()
+
+
+@pytest.mark.timeout(120)
+def test_a_lagging_subscriber_whose_history_was_evicted_is_cut_and_told_exactly(start_server: Any) -> None:
+    """The same stall against a replay buffer far smaller than the burst: everything the
+    subscriber was owed is evicted while it does not read, so it can no longer catch up
+    and is cut after --slow-consumer-deadline. Its resume by positions is told exactly,
+    per vbucket, what is gone (EVICTED) and gets the rest: every message received once or
+    told once."""
+    server: ServerProcess = start_server(
+        "--max-pending-bytes", "1M", "--slow-consumer-deadline", "1", "--replay-bytes", "1M"
+    )
+    total = 20_000
+    got = stalled_subscriber(server, total, 32, 6.0)  # the burst takes about 2 s of it
+    _, body = _stats(server)
+    assert sum(w["slow_consumer_disconnects"] for w in body["workers"]) >= 1  # it was cut
+    lost = got.lost(got.sent)
+    assert lost > 0
+    assert got.told_count() == lost, (lost, got.told)  # lost - told = 0, told - lost = 0
+    assert {reason for _, reason in got.told} <= {LossReason.EVICTED, LossReason.SLOW_CONSUMER}
+    assert all(dropped > 0 for dropped, _ in got.told)
+    assert got.count + lost == total  # no copy
+    got.assert_in_order()
 
 
 def _stats(server: ServerProcess) -> tuple[int, Any]:
