@@ -850,6 +850,19 @@ class Client(Publisher):
         if not self._closed:
             self._subscriptions.resume(sub)
 
+    def lag_of(self, sub: Subscription[Any]) -> tuple[int, int, int]:
+        """For `Subscription.lag`: what the last Pongs of the connections carrying `sub`
+        said (messages owed while lagging, summed; the newest server clock, and this
+        process's monotonic clock when it came)."""
+        behind = server_ns = at_ns = 0
+        for link in self.router.all_links():
+            if link.ref not in sub.starts:
+                continue
+            behind += link.behind
+            if link.pong_at > at_ns:
+                server_ns, at_ns = link.pong_ts, link.pong_at
+        return behind, server_ns, at_ns
+
     async def remove_subscription(self, sub: Subscription[Any]) -> None:
         """For `Subscription.unsubscribe`: stop `sub` on every worker, then close it.
 

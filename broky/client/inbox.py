@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING, Generic
+import time
+from typing import TYPE_CHECKING, Generic, NamedTuple
 
 from broky.client.stats import ClientStats
 from broky.errors import SlowConsumerError
@@ -79,6 +80,20 @@ def hard_bounds(max_pending_msgs: int, max_pending_bytes: int) -> tuple[int, int
         max(HARD_FACTOR * max_pending_msgs, DEFAULT_MAX_PENDING_MSGS),
         max(HARD_FACTOR * max_pending_bytes, DEFAULT_MAX_PENDING_BYTES),
     )
+
+
+class Lag(NamedTuple):
+    """How far a subscription is behind (`Subscription.lag`).
+
+    messages: those the server owes its connections while they lag (it sends them from its
+    replay buffer as they drain; schema/README.md 7, "Lagging"), as of each connection's
+    last Pong, plus those received and not consumed yet (`pending`); 0 when it keeps up.
+    seconds: how old, by the server's clock, the newest message consumed is (0.0 before
+    the first one): about the delivery latency while it keeps up, its delay while it lags.
+    """
+
+    messages: int
+    seconds: float
 
 
 class Inbox(Generic[M]):
@@ -121,6 +136,15 @@ class Inbox(Generic[M]):
     def pending(self) -> int:
         """Messages received but not yet consumed."""
         return len(self._queue)
+
+    def _lag(self, behind: int, server_ns: int, at_ns: int) -> Lag:
+        """The lag, given what its connections' last Pongs said: `behind` messages owed, the
+        server's clock `server_ns` when this process's monotonic clock read `at_ns`."""
+        newest = max((m.ts_broker for m in self._consumed.values() if isinstance(m, Message)), default=0)
+        seconds = 0.0
+        if newest and server_ns:
+            seconds = max(0.0, (server_ns + time.monotonic_ns() - at_ns - newest) / 1e9)
+        return Lag(behind + len(self._queue), round(seconds, 6))
 
     def positions(self) -> list[Position]:
         """Per vbucket, the position of the last message handed to the consumer, in
@@ -215,6 +239,7 @@ class Inbox(Generic[M]):
 
 
 __all__ = [
+    "Lag",
     "M",
     "DEFAULT_MAX_PENDING_BYTES",
     "DEFAULT_MAX_PENDING_MSGS",

@@ -124,6 +124,7 @@ import collections
 import logging
 import random
 import struct
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -410,6 +411,11 @@ class Link(_LinkState):
         self.front = 0  # frames at the head of `out` sent again for other Links, in order
         self.retired = False  # its node left the map: no more reconnects
         self.outstanding = 0  # keepalive Pings sent since the last Pong
+        # The last Pong's: messages its connection is owed while it lags (schema/README.md 7),
+        # the server's clock, and this process's monotonic clock when it came (Subscription.lag).
+        self.behind = 0
+        self.pong_ts = 0
+        self.pong_at = 0
         self.keepalive: asyncio.TimerHandle | None = None
         # Set while connected, and for good once the Link has ended (given up, retired,
         # closed): a waiter that finds it set and no connection must not wait again.
@@ -1162,6 +1168,9 @@ class Link(_LinkState):
         client = self.client
         if isinstance(frame, Pong):
             self.outstanding = 0
+            self.behind = frame.behind  # owed while it lags (Subscription.lag)
+            self.pong_ts = frame.ts
+            self.pong_at = time.monotonic_ns()
             entry = self.pings.pop(frame.id, None)
             if entry is not None:
                 fut, written = entry

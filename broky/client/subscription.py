@@ -54,6 +54,7 @@ from broky.client.inbox import (
     DEFAULT_MAX_PENDING_MSGS,
     KEEP_PAYLOAD_BYTES,
     Inbox,
+    Lag,
     M,
     hard_bounds,
 )
@@ -78,6 +79,10 @@ class SubscriptionOwner(Protocol):
 
     def resume_subscription(self, sub: Subscription[Any]) -> None:
         """`sub`'s queue has room again: resume them."""
+
+    def lag_of(self, sub: Subscription[Any]) -> tuple[int, int, int]:
+        """What the last Pongs of `sub`'s connections said: messages they are owed while
+        they lag, the newest server clock (ns), and this process's monotonic clock then."""
 
     async def remove_subscription(self, sub: Subscription[Any]) -> None:
         """Stop `sub` on every worker that has it, then close it."""
@@ -163,6 +168,13 @@ class Subscription(Inbox[M]):
         scope = f" partition={self.partition!r}" if self.partition is not None else ""
         member = f" group={self.group.name!r}" if self.group is not None else ""
         return f"<Subscription sid={self.sid} pattern={self.pattern!r}{scope}{member}>"
+
+    @property
+    def lag(self) -> Lag:
+        """How far it is behind (see `Lag`): messages its connections are owed while they
+        lag (as of their last Pong, one every ping_interval) plus its local queue, and the
+        age of the newest message consumed."""
+        return self._lag(*self._owner.lag_of(self))
 
     @property
     def paused_by_server(self) -> bool:

@@ -67,6 +67,7 @@ from broky.client.inbox import (
     DEFAULT_MAX_PENDING_MSGS,
     GROUP_MAX_PENDING_MSGS,
     Inbox,
+    Lag,
     M,
 )
 from broky.client.publisher import old_form
@@ -139,6 +140,13 @@ class SyncSubscription(Inbox[M]):
         """A group member with ack: its deliveries not yet acked or nacked (see
         `Subscription.in_flight`)."""
         return 0 if self._sub is None else self._sub.in_flight
+
+    @property
+    def lag(self) -> Lag:
+        """How far it is behind (see `Subscription.lag`; its local queue is this one)."""
+        behind, server_ns, at_ns = (0, 0, 0) if self._sub is None else self._client.lag_of(self._sub)
+        with self._cond:
+            return self._lag(behind, server_ns, at_ns)
 
     @property
     def paused_by_server(self) -> bool:

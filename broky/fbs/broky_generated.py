@@ -1478,9 +1478,20 @@ class Pong(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
-def PongStart(builder): builder.StartObject(2)
+    # How many messages this connection is behind while it lags (section 7,
+    # "Lagging"): the messages it is owed that the server has not sent yet, as
+    # of this Pong; 0 (absent) when it is live.
+    # Pong
+    def Behind(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint64Flags, o + self._tab.Pos)
+        return 0
+
+def PongStart(builder): builder.StartObject(3)
 def PongAddId(builder, id): builder.PrependUint64Slot(0, id, 0)
 def PongAddTs(builder, ts): builder.PrependInt64Slot(1, ts, 0)
+def PongAddBehind(builder, behind): builder.PrependUint64Slot(2, behind, 0)
 def PongEnd(builder): return builder.EndObject()
 
 

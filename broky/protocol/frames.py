@@ -170,6 +170,7 @@ class Ping(NamedTuple):
 class Pong(NamedTuple):
     id: int = 0
     ts: int = 0  # the server's clock (ns) as stamped on the messages of the Ping's read
+    behind: int = 0  # messages the connection is owed while it lags (schema/README.md 7); 0: live
 
 
 class Error(NamedTuple):
@@ -729,6 +730,8 @@ def ping_id(buf: Buffer, f: int, end: int) -> int | None:
 
 
 def encode_pong(pong: Pong) -> bytes:
+    if pong.behind:  # a lagging connection's (rare): built, not patched
+        return _encode_pong_behind(pong)
     out = bytearray(_PONG_FRAME)
     try:
         _pong_into(out, _PONG_ID_AT, pong.id)
@@ -736,6 +739,16 @@ def encode_pong(pong: Pong) -> bytes:
     except (struct.error, TypeError) as exc:
         raise LocalProtocolError(f"cannot encode {pong!r:.100}: {exc}") from None
     return bytes(out)
+
+
+@_encoder
+def _encode_pong_behind(pong: Pong) -> bytes:
+    b = flatbuffers.Builder(64)
+    fbs.PongStart(b)
+    fbs.PongAddId(b, pong.id)
+    fbs.PongAddTs(b, pong.ts)
+    fbs.PongAddBehind(b, pong.behind)
+    return _finish(b, Body.Pong, fbs.PongEnd(b))
 
 
 @_encoder
@@ -1021,7 +1034,7 @@ def _decode_body(kind: int, t: Table) -> Frame:
     if kind == Body.Ping:
         return Ping(t.u64(0))
     if kind == Body.Pong:
-        return Pong(t.u64(0), t.i64(1))
+        return Pong(t.u64(0), t.i64(1), t.u64(2))
     if kind == Body.Error:
         return Error(t.u16(0), t.string(1), t.u64(2), t.boolean(3), t.u32(4), t.byte_vector(5), t.u32(6))
     if kind == Body.LossNotice:

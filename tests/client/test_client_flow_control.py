@@ -36,6 +36,9 @@ class Owner:
     async def remove_subscription(self, sub: broky.Subscription) -> None:
         sub.mark_closed()
 
+    def lag_of(self, sub: broky.Subscription) -> tuple[int, int, int]:
+        return 0, 0, 0
+
 
 def msg(i: int) -> Message:
     return Message(b"kp", b"k", b"%06d" % i)

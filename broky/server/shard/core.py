@@ -507,7 +507,8 @@ class Shard:
                         if run is not None:
                             delivered += self.emit(buf, run, run_start, run_end, run_n)  # type: ignore[arg-type]
                             run = same_head = None
-                        self.reply(c, encode_pong(Pong(ping, t0)))
+                        behind = self.lag.behind(c) if c.lag is not None else 0  # (lagging: schema 7)
+                        self.reply(c, encode_pong(Pong(ping, t0, behind)))
                         pos = end
                         continue
                     try:
@@ -1009,7 +1010,8 @@ class Shard:
         elif kind is Unsubscribe:
             self.unsubscribe(c, frame.sid)  # type: ignore[union-attr]
         elif kind is Ping:
-            self.reply(c, encode_frame(Pong(frame.id, t0)))  # type: ignore[union-attr]
+            behind = self.lag.behind(c) if c.lag is not None else 0
+            self.reply(c, encode_frame(Pong(frame.id, t0, behind)))  # type: ignore[union-attr]
         elif kind is Pause:
             if c.out and not c.paused:  # queued before the Pause (a Pong among them): out now
                 self.stats.bytes_sent += self.write_out(c)
