@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         Client,
         ClientStats,
         GroupMessage,
+        Lag,
         RangeEnd,
         Reading,
         ReadResult,
@@ -82,8 +83,8 @@ if TYPE_CHECKING:
 # broky.server (and never the SDK), and each module they do not load is memory
 # they do not keep (see broky.server).
 _CLIENT = {
-    "Client", "ClientStats", "GroupMessage", "RangeEnd", "Reading", "ReadResult", "ReadVia", "ServerInfo",
-    "Subscription", "SyncClient", "SyncSubscription", "WorkerRef", "connect", "connect_sync",
+    "Client", "ClientStats", "GroupMessage", "Lag", "RangeEnd", "Reading", "ReadResult", "ReadVia",
+    "ServerInfo", "Subscription", "SyncClient", "SyncSubscription", "WorkerRef", "connect", "connect_sync",
 }  # fmt: skip
 _PROTOCOL = {"LossReason", "Message", "Position"}
 
@@ -121,6 +122,7 @@ __all__ = [
     "ErrorCode",
     "FrameTooLargeError",
     "GroupMessage",
+    "Lag",
     "LocalProtocolError",
     "LossReason",
     "MalformedFrameError",

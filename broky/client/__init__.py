@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from broky.client.client import Client, ClientStats, ServerInfo, WorkerRef, connect
     from broky.client.groups import GroupMessage
+    from broky.client.inbox import Lag
     from broky.client.reader import RangeEnd, Reading, ReadResult, ReadVia
     from broky.client.subscription import Subscription
     from broky.client.sync import SyncClient, SyncSubscription, connect_sync
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "Client": "client", "ClientStats": "client", "ServerInfo": "client", "WorkerRef": "client",
-    "connect": "client", "GroupMessage": "groups", "RangeEnd": "reader", "Reading": "reader",
+    "connect": "client", "GroupMessage": "groups", "Lag": "inbox", "RangeEnd": "reader", "Reading": "reader",
     "ReadResult": "reader", "ReadVia": "reader", "Subscription": "subscription",
     "SyncClient": "sync", "SyncSubscription": "sync", "connect_sync": "sync",
     "ServerAddress": "url", "parse_server": "url", "parse_servers": "url",
@@ -40,6 +41,7 @@ __all__ = [
     "Client",
     "ClientStats",
     "GroupMessage",
+    "Lag",
     "RangeEnd",
     "ReadResult",
     "Reading",

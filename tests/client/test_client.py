@@ -295,7 +295,9 @@ def test_a_stalled_subscriber_is_told_what_the_server_could_not_keep(
 ) -> None:
     """Paused, the server keeps deliveries under its own bound and counts what does not
     fit: what the subscriber gets plus what it is told it lost is what was published."""
-    server = start_server("--max-pending-bytes", "64K", workers=1)
+    server = start_server(
+        "--max-pending-bytes", "64K", "--replay-bytes", "0", workers=1
+    )  # (a buffer: it lags)
 
     async def main() -> None:
         told: list[int] = []
@@ -587,7 +589,9 @@ def test_batch_size_writes_a_full_batch_at_once(server: ServerProcess) -> None:
 
 def test_on_loss_reports_what_the_server_dropped(start_server: Callable[..., ServerProcess]) -> None:
     """A subscriber whose reader is stuck (a slow plain callback) loses deliveries; it is told how many."""
-    server = start_server("--max-pending-bytes", "64K", "--slow-consumer-deadline", "60")
+    server = start_server(
+        "--max-pending-bytes", "64K", "--slow-consumer-deadline", "60", "--replay-bytes", "0"
+    )
     n = 4000
     losses: list[tuple[int, int, int]] = []
     published = threading.Event()

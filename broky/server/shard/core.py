@@ -1185,6 +1185,10 @@ class Shard:
             self.stats.dropped[DropReason.SLOW_CONSUMER] += kept
             c.msgs_out -= kept  # queued, never sent: a drop, told on resume (broky.server.accounts)
             c.dropped_total += kept
+        if c.lag is not None:  # what it was still owed: never sent on it (a drop, for its account)
+            owed = self.lag.behind(c)
+            self.stats.dropped[DropReason.SLOW_CONSUMER] += owed
+            c.dropped_total += owed
         c.state = CLOSED
         self.book.close(c)
         if c.held:  # by the restart grace, for a sequence (or until the loop's next turn)

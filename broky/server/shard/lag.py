@@ -532,8 +532,9 @@ class Lag:
             core.fatal(
                 c,
                 ErrorCode.SLOW_CONSUMER,
-                f"lagging and read nothing for more than {deadline:g} s, and the replay buffer evicted "
-                "everything it had not read (a resume by positions is told exactly what is gone)",
+                f"lagging, {self.behind(c)} messages behind, read nothing for more than {deadline:g} s, "
+                "and the replay buffer evicted the oldest it was owed: it can no longer catch up (a resume "
+                "by positions is told exactly what is gone, one without by the connection's account)",
             )
 
     def readable(self, c: Connection, vb: int) -> bool:

@@ -34,9 +34,11 @@ class DropReason(enum.StrEnum):
     The wire's LossReason tells a subscriber what it lost. The drops a
     subscriber lost have a LossReason of the same name (`DROPPED_AS`); the
     others (no_subscribers, not_my_vbucket) are not a loss of any subscriber.
-    LossReason's own others (unknown, unaccounted, evicted, epoch_changed) tell
-    of messages nothing dropped here and now: how many is unknown, or they left
-    the replay buffer, or a sequence restarted.
+    LossReason's own others (unknown, unaccounted, epoch_changed) tell of
+    messages nothing dropped here and now: how many is unknown, or a sequence
+    restarted. EVICTED is both: told to a start from a position the replay
+    buffer no longer holds (not a drop), and to a lagging connection whose
+    owed messages it evicted (a drop: broky.server.shard.lag).
     """
 
     NO_SUBSCRIBERS = "no_subscribers"  # a publish that matched no subscription
@@ -61,6 +63,7 @@ class DropReason(enum.StrEnum):
 # The drop a LossNotice's reason tells of, for those that are drops (see DropReason).
 DROPPED_AS: dict[int, DropReason] = {
     LossReason.SLOW_CONSUMER: DropReason.SLOW_CONSUMER,
+    LossReason.EVICTED: DropReason.EVICTED,
     LossReason.SHUTDOWN: DropReason.SHUTDOWN,
     LossReason.CONNECTION_LOST: DropReason.CONNECTION_LOST,
     LossReason.WORKER_RESTART: DropReason.WORKER_RESTART,

@@ -18,7 +18,19 @@ from typing import Any
 import pytest
 
 import broky
-from broky.protocol import LossNotice, LossReason, Message, Ping, Pong, Subscribe, vbucket_of
+from broky.errors import ErrorCode
+from broky.protocol import (
+    Error,
+    LossNotice,
+    LossReason,
+    Message,
+    Ping,
+    Pong,
+    PreviousConnection,
+    Subscribe,
+    encode_message,
+    vbucket_of,
+)
 from tests.support.http import debug_stats
 from tests.support.serverproc import ServerProcess
 from tests.support.wire import Wire
@@ -157,4 +169,51 @@ def test_a_reader_that_stops_for_longer_than_the_buffer_is_told_exactly_then_is_
         assert more == [] and len(after) == sum(live.sent)
     stats = debug_stats(server)["totals"]
     assert stats["dropped"]["evicted"] == sum(told.values()) == stats["lag_evicted"]
+    assert stats["lagging"] == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_reader_that_never_reads_is_cut_once_it_cannot_catch_up_and_its_account_tells_the_rest(
+    start_server: Any,
+) -> None:
+    # It lags, costs its position and what its socket holds, and once the buffer has
+    # evicted the oldest it was owed and it read nothing for the deadline, it is cut. A
+    # client that comes back without positions is told exactly what it never got.
+    server: ServerProcess = start_server(
+        "--workers",
+        "1",
+        "--max-pending-bytes",
+        "256K",
+        "--replay-bytes",
+        "1M",
+        "--slow-consumer-deadline",
+        "1",
+    )
+    n = 20_000
+    with Wire.hello(server.address, rcvbuf=4096) as stalled, Wire.hello(server.address) as pub:
+        stalled.send(Subscribe(1, b"t.>"))
+        stalled.flush()
+        for i in range(0, n, 1000):
+            pub.send(
+                b"".join(encode_message(b"kp", b"t.x", b"%08d" % j + bytes(200)) for j in range(i, i + 1000))
+            )
+        pub.flush(timeout=30)
+        deadline = time.monotonic() + 30
+        while debug_stats(server)["totals"]["slow_consumer_disconnects"] == 0:
+            assert time.monotonic() < deadline, "the stalled reader was not cut"
+            time.sleep(0.1)
+        frames = stalled.expect_closed(timeout=30)
+        got = [int(f.payload[:8]) for f in frames if isinstance(f, Message)]
+        error = frames[-1]
+        assert isinstance(error, Error) and error.code == ErrorCode.SLOW_CONSUMER and error.fatal
+        assert "can no longer catch up" in (error.message or "")
+        assert got == list(range(len(got)))  # in order, from the first
+        assert stalled.welcome is not None
+        previous = PreviousConnection(
+            stalled.welcome.connection_id, len(got), 0, stalled.welcome.resume_token
+        )
+        with Wire.hello(server.address, previous=previous) as again:
+            told = again.expect(LossNotice)
+            assert (told.dropped, told.reason) == (n - len(got), LossReason.SLOW_CONSUMER)
+    stats = debug_stats(server)["totals"]
     assert stats["lagging"] == 0

@@ -69,7 +69,7 @@ STALL_DEADLINE = 5
 def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) -> None:
     server: ServerProcess = start_server(
         "--max-pending-bytes", "4M", "--slow-consumer-deadline", str(STALL_DEADLINE), "--frame-timeout", "60",
-        "--replay-bytes", "8M",
+        "--replay-bytes", "0",  # it drops (with a replay buffer it lags: tests/server/e2e/test_server_lag.py)
     )  # fmt: skip
     n = 1_000_000
     frame = encode_message(KP0, b"t.x", b"p" * 8 + bytes(8))
@@ -114,10 +114,8 @@ def test_stalled_subscriber_is_bounded_told_and_disconnected(start_server: Any) 
         # Every message reached the fast subscriber, in full and nothing else.
         assert counter.count == n * len(frame)
         assert counter.head.startswith(frame[:60])
-        # The server's memory stayed bounded (120 MB were published to each subscriber),
-        # the replay buffer's 8 MiB besides.
-        assert debug_stats(server)["workers"][0]["replay_bytes"] <= 8 << 20
-        assert peak - baseline < (48 + 8) << 20, (baseline, peak)
+        # The server's memory stayed bounded (120 MB were published to each subscriber).
+        assert peak - baseline < 48 << 20, (baseline, peak)
 
         # The stalled one stays stalled past the deadline: reading it earlier would let it
         # drain and stop its clock.
@@ -189,7 +187,7 @@ def test_topic_table_is_empty_after_100k_subscribe_unsubscribe_cycles(server: Se
 
 
 def test_a_subscriber_that_falls_behind_is_told_what_it_lost_and_stays(start_server: Any) -> None:
-    server = start_server("--max-pending-bytes", "64K")
+    server = start_server("--max-pending-bytes", "64K", "--replay-bytes", "0")  # (with a buffer: it lags)
     n = 20_000  # 20 MB for a subscriber that reads nothing meanwhile: most are dropped
     with (
         Wire.hello(server.address, worker=0, rcvbuf=4096) as sub,

@@ -283,7 +283,7 @@ def test_topics_are_exact_per_pattern_and_worker_busiest_first_and_bounded(serve
 
 
 def test_slow_consumer_drops_are_counted(start_server: Any) -> None:
-    server = start_server("--max-pending-bytes", "64K")
+    server = start_server("--max-pending-bytes", "64K", "--replay-bytes", "0")  # (with a buffer: it lags)
     with (
         Wire.hello(server.address, worker=0, name="lazy") as sub,
         Wire.hello(server.address, worker=0) as pub,
@@ -376,8 +376,9 @@ def test_latency_histogram_counts_every_delivered_message(server: ServerProcess)
 
 def test_slow_consumer_disconnect_is_counted(start_server: Any) -> None:
     server = start_server(
-        "--max-pending-bytes", "64K", "--slow-consumer-deadline", "0.5", "--frame-timeout", "30"
-    )
+        "--max-pending-bytes", "64K", "--slow-consumer-deadline", "0.5", "--frame-timeout", "30",
+        "--replay-bytes", "0",
+    )  # fmt: skip
     with (
         Wire.hello(server.address, worker=0, name="stalled", rcvbuf=4096) as stalled,
         Wire.hello(server.address, worker=0) as pub,
