@@ -2,7 +2,8 @@
 against a real `broky serve`: an event-stream client that stops reading through a burst and then
 reads slowly gets every event, in order per key_partition, none twice, from the replay buffer
 and then live; with a replay buffer smaller than the burst it is told `event: loss` with the
-exact count of what was evicted before it got there, then goes on live. With --replay-bytes 0
+exact count of what was evicted before it got there, then goes on live; `curl --limit-rate`
+through a burst gets every ndjson line. With --replay-bytes 0
 the stream is cut as before (tests/server/http/test_http_gateway.py).
 """
 
@@ -12,15 +13,18 @@ import asyncio
 import http.client
 import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import broky
 from tests.support.http import debug_stats
+from tests.support.requires import program
 from tests.support.serverproc import ServerProcess
 
 PARTITIONS = [f"p{i}" for i in range(8)]
@@ -208,3 +212,36 @@ def test_a_stall_longer_than_the_replay_buffer_is_told_with_the_exact_count_then
             assert reader.messages[partition][-100:] == list(range(burst // 8, burst // 8 + 100))
     finally:
         reader.close()
+
+
+@pytest.mark.timeout(120)
+def test_curl_with_limit_rate_through_a_burst_gets_every_ndjson_line(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    server = start_server()
+    out = tmp_path / "stream.ndjson"
+    burst = 24_000  # ~13 MB of lines, taken at 3 MB/s
+    url = f"http://{server.host}:{server.metrics_port}/v1/sub/lag.>"
+    with out.open("wb") as sink:
+        curl = subprocess.Popen([program("curl"), "-sN", "--limit-rate", "3M", url], stdout=sink)
+    try:
+        deadline = time.monotonic() + 10
+        while gateway_stats(server)["streams"] < 1:  # subscribed
+            assert time.monotonic() < deadline and curl.poll() is None
+            time.sleep(0.05)
+        publish(server, 0, burst)
+        deadline = time.monotonic() + 60
+        while out.read_bytes().count(b"\n") < burst:
+            assert time.monotonic() < deadline and curl.poll() is None, out.read_bytes().count(b"\n")
+            time.sleep(0.2)
+    finally:
+        curl.terminate()
+        curl.wait(10)
+    lines = [json.loads(line) for line in out.read_bytes().splitlines()]
+    assert not [line for line in lines if "loss" in line or "cut" in line]
+    numbers: dict[str, list[int]] = {}
+    for line in lines:
+        numbers.setdefault(line["key_partition"], []).append(int(line["payload"].split(" ")[0]))
+    assert numbers == {p: list(range(burst // len(PARTITIONS))) for p in PARTITIONS}
+    view = wait_live(server)
+    assert view["lag_entered"] >= 1 and view["from_history"] > 0 and view["lag_evicted"] == 0, view
