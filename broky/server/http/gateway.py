@@ -509,7 +509,7 @@ class SubStream:
                 if evicted:
                     counters.lag_evicted += evicted
                     self.loss(evicted, LossReason.name(LossReason.EVICTED), "stream")
-        except BrokyError as exc:
+        except (BrokyError, OSError) as exc:
             self.cut(f"reading what it missed from history failed: {exc}")
         finally:
             if self.lag is not None:
