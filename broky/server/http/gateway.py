@@ -83,10 +83,45 @@ messages lie within ("exact": false).
 Subscribe. A `SubStream` holds what waits for the HTTP client, bounded by
 `max_pending` bytes (STREAM_MAX_PENDING, or --max-pending-bytes if that is
 smaller: this is the master's memory, which --memory-budget does not count,
-and at most --http-max-connections streams hold it): past it the stream is
-cut (`cut_slow`, counted), after a last line saying so (SSE `event: cut`),
-so a reader that cannot keep up is told and closed like any slow consumer,
-and the SDK connection it shares is never paused for it.
+and at most --http-max-connections streams hold it). Past it the stream
+lags (below); the SDK connection it shares is never paused for it. Without
+a replay buffer (--replay-bytes 0) there is nothing to read it from, and
+the stream is cut (`cut_slow`, counted), after a last line saying so (SSE
+`event: cut`), as any slow consumer is.
+
+A slow reader lags (issue 40). A stream past its bound is sent nothing more
+live: `lag` keeps, per vbucket, the position after which it goes on (just
+before the first message of that vbucket it was not sent: it was sent every
+earlier one, the SDK delivering each vbucket's in offset order), and `live`
+the position of the last one it was not sent; a message it is not sent
+costs it two dict stores, no copy, no formatting. Its `catch_up` task waits
+until the client has taken what waited down to max_pending >> LAG_LOW_WATER,
+then reads from history, with a bounded read of the SDK (broky.client.reader:
+a connection of its own per worker, not the shared one) of the vbuckets it
+is behind in, from `lag` up to `live` as they stood when the read began,
+formatted in as the client takes what waits (over max_pending, the loop
+waits, and the read's connections pause once READ_BATCH_MSGS messages wait:
+the workers send a read only as fast as its connection drains). A read's
+RangeEnds move `lag` on; a vbucket that had no live message meanwhile is
+then caught up. Once none is behind, the stream is live again: that test
+and the switch have no await between them, and the SDK calls `deliver`
+from the same loop, so the next live message of each vbucket follows the
+last one read: no gap, nothing twice (a message read is never one sent
+live: it is at or before `live`, which the stream was not sent). What the
+replay buffer evicted before a read got there is its ReadDones' `evicted`:
+told as one loss (`evicted`, scope `stream`) per read, with their sum, which
+is exact for a stream of `>` on every key_partition and, as the server's
+EVICTED counts, an upper bound otherwise; a start in an epoch that is gone
+is told `epoch_changed` (count unknown). MAX_READS streams read at once, the
+others wait in line (`reads`), each read being short: at most what its
+client takes. A read that fails (a worker lost during it) cuts the stream,
+told (`event: cut` with the error): an event stream resumes with its
+Last-Event-ID. A stream that stalls costs its positions and what already
+waited for it, never more: it starts no read until its client takes what
+waits; the HTTP server cuts an answer not taken within WRITE_TIMEOUT (10 s,
+broky.server.http.server), so a stream whose client stalls that long ends
+there, and an event stream's reconnect resumes it from its Last-Event-ID:
+the replay then tells what was evicted meanwhile.
 
 A stream covers the cluster: the SDK client subscribes on every worker of
 every node (and follows the map as nodes come and go), so a stream on any
@@ -168,6 +203,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import contextlib
 import datetime
 import itertools
 import json
@@ -176,9 +212,9 @@ import math
 import os
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from broky.errors import BadPatternError, BrokyError
 from broky.matching import MAX_PATTERN_BYTES, parse_pattern
@@ -213,6 +249,7 @@ if TYPE_CHECKING:
     from broky.client.client import Client
     from broky.client.connection import WorkerProtocol
     from broky.client.link import WorkerRef
+    from broky.client.reader import RangeEnd
     from broky.client.subscription import Subscription
     from broky.server.config import ServerConfig
 
@@ -240,6 +277,12 @@ MAX_SINCE_SECONDS = 9_223_372_036  # Subscribe.since_time (ns, a long) holds tim
 # What one stream may hold for its HTTP client (at most --max-pending-bytes): the master's
 # memory, which --memory-budget does not count, so smaller than a connection's bound.
 STREAM_MAX_PENDING = 1 << 20
+# A lagging stream (see "A slow reader lags"): it reads from history once what waits for its
+# client is down to max_pending >> LAG_LOW_WATER; at most MAX_READS such reads at once (the
+# others wait in line), each holding at most READ_BATCH_MSGS messages before it pauses.
+LAG_LOW_WATER = 2
+MAX_READS = 8
+READ_BATCH_MSGS = 256
 
 
 @dataclass
@@ -255,7 +298,11 @@ class GatewayCounters:
     streams: int = 0  # open now
     streams_total: int = 0
     delivered: int = 0  # messages written to streams' buffers
-    cut_slow: int = 0  # streams cut for their pending bytes
+    cut_slow: int = 0  # streams cut for their pending bytes (--replay-bytes 0), or a failed read
+    lagging: int = 0  # streams lagging now (reading from history)
+    lag_entered: int = 0  # times a stream started lagging
+    from_history: int = 0  # messages written to lagging streams from history (of `delivered`)
+    lag_evicted: int = 0  # messages evicted before a lagging stream read them (told, exact)
     losses_told: int = 0  # loss events written (ndjson, SSE)
     resumed: int = 0  # SSE streams resumed from their ledger
     resume_unknown: int = 0  # Last-Event-IDs the server could not use whole
@@ -371,6 +418,15 @@ class SubStream:
         self.idle = False  # nothing written since the gateway's last keepalive tick
         self.user: str | None = None  # the user of its request (--users), and its pattern
         self.pattern = b""
+        self.partition: bytes | None = None  # ?partition=
+        # Lagging (see "A slow reader lags"): not None from the moment the stream went past
+        # max_pending until it is live again. Per vbucket, the position after which its next
+        # read starts (the last message it was sent, or read up to), and the position of the
+        # last live message it was not sent (what a read goes up to).
+        self.lag: dict[int, tuple[int, int]] | None = None
+        self.live: dict[int, tuple[int, int]] = {}
+        self.pump: asyncio.Task[None] | None = None  # the reads from history
+        self.drained = asyncio.Event()  # set each time the client took what waited (`next`)
 
     # ------------------------------------------------ from the SDK (inline, never blocks)
 
@@ -378,6 +434,19 @@ class SubStream:
         if self.ended:
             self.dropped += 1
             return
+        lag = self.lag
+        if lag is not None:  # not sent now: read from history later (`catch_up`)
+            vb = msg.vbucket
+            if vb not in lag:  # the first one of its vbucket not sent: read from just before it
+                lag[vb] = (msg.epoch, msg.offset - 1)
+            self.live[vb] = (msg.epoch, msg.offset)
+            return
+        self.write(msg)
+        if self.pending > self.max_pending:
+            self.over()
+
+    def write(self, msg: Message) -> None:
+        """Format `msg` into what waits for the client (live, or read from history)."""
         fmt = self.format
         gateway = self.gateway
         if fmt == "raw":
@@ -394,8 +463,94 @@ class SubStream:
                 data = b"id: %s%s\ndata: %s\n\n" % (gateway.id_head, ledger.id_tail, gateway.json_line)
         gateway.counters.delivered += 1
         self._put(data)
-        if self.pending > self.max_pending:
+
+    def over(self) -> None:
+        """Past max_pending: lag (read on from history as the client drains), or, with no
+        replay buffer to read from (--replay-bytes 0), cut."""
+        gateway = self.gateway
+        if not gateway.config.replay_bytes:
             self.cut()
+            return
+        self.lag = {}
+        self.live = {}
+        gateway.counters.lag_entered += 1
+        gateway.counters.lagging += 1
+        self.pump = asyncio.get_running_loop().create_task(self.catch_up())
+
+    async def catch_up(self) -> None:
+        """Read what the stream was not sent from history, read after read, each once the
+        client took what waited, up to the last position sent live when it began; live again
+        once a read ends where the live messages stand (no await between that test and the
+        switch: no live message falls between them)."""
+        gateway = self.gateway
+        counters = gateway.counters
+        try:
+            while True:
+                await self.room(self.max_pending >> LAG_LOW_WATER)
+                lag, live = self.lag, self.live
+                assert lag is not None
+                behind = {vb: at for vb, at in live.items() if lag[vb] != at}
+                if not behind:
+                    self.lag = None
+                    self.live = {}
+                    counters.lagging -= 1
+                    return
+                async with gateway.reads:
+                    ends = await self.read(lag, behind)
+                evicted, changed = 0, False
+                for vb, end in ends.items():
+                    lag[vb] = (end.epoch, end.next - 1)
+                    if live.get(vb) == behind.get(vb):  # nothing live since: caught up
+                        live[vb] = lag[vb]
+                    evicted += end.evicted
+                    changed = changed or end.epoch_changed
+                if changed:  # what followed the position in its epoch: how much, nobody knows
+                    self.loss(None, LossReason.name(LossReason.EPOCH_CHANGED), "stream")
+                if evicted:
+                    counters.lag_evicted += evicted
+                    self.loss(evicted, LossReason.name(LossReason.EVICTED), "stream")
+        except (BrokyError, OSError) as exc:
+            self.cut(f"reading what it missed from history failed: {exc}")
+        finally:
+            if self.lag is not None:
+                self.lag = None
+                counters.lagging -= 1
+
+    async def read(
+        self, lag: dict[int, tuple[int, int]], behind: dict[int, tuple[int, int]]
+    ) -> dict[int, RangeEnd]:
+        """One read from history: of the vbuckets `behind`, after their `lag` positions up to
+        their `behind` ones, formatted in as the client takes what waits; each vbucket's
+        RangeEnd (where it ended, what was evicted)."""
+        from broky.client.reader import Reading  # the SDK: loaded at the first /v1/ request
+
+        client = self.gateway.client
+        if client is None or client.is_closed:
+            raise BrokyError("the server's client of its workers is closed")
+        reading = Reading(
+            client,
+            self.pattern,
+            self.partition,
+            start=tuple(Position(vb, *lag[vb]) for vb in sorted(behind)),
+            stop=tuple(Position(vb, *at) for vb, at in sorted(behind.items())),
+            vbuckets=frozenset(behind),
+            max_pending_msgs=READ_BATCH_MSGS,
+        )
+        counters = self.gateway.counters
+        room = self.max_pending >> LAG_LOW_WATER
+        async with contextlib.aclosing(cast(AsyncGenerator[Message, None], reading.stream())) as messages:
+            async for msg in messages:
+                if self.pending > self.max_pending:
+                    await self.room(room)  # the read's connections pause meanwhile
+                self.write(msg)
+                counters.from_history += 1
+        return reading.ends
+
+    async def room(self, low: int) -> None:
+        """Until what waits for the client is down to `low` bytes."""
+        while self.pending > low:
+            self.drained.clear()
+            await self.drained.wait()
 
     def loss(self, dropped: int | None, reason: str, scope: str) -> None:
         """Tell the client of a loss (ndjson, SSE; raw: counted only)."""
@@ -410,13 +565,19 @@ class SubStream:
         else:
             self._put(f"event: loss\ndata: {body}\n\n".encode())
 
-    def cut(self) -> None:
-        """Past max_pending: drop what waits, say so, end."""
+    def cut(self, error: str | None = None) -> None:
+        """Past max_pending (--replay-bytes 0), or a read from history failed (`error`):
+        drop what waits, say so, end."""
         self.gateway.counters.cut_slow += 1
         self.dropped += 1
-        body = json.dumps(
-            {"reason": "slow_consumer", "pending_bytes": self.pending, "limit": self.max_pending}
-        )
+        told: dict[str, Any] = {
+            "reason": "slow_consumer",
+            "pending_bytes": self.pending,
+            "limit": self.max_pending,
+        }
+        if error is not None:
+            told["error"] = error
+        body = json.dumps(told)
         self.parts.clear()
         self.pending = 0
         if self.format == "sse":
@@ -444,6 +605,12 @@ class SubStream:
         self.ended = True
         self.wake.set()
         self._unsubscribe()
+        self._stop_pump()
+
+    def _stop_pump(self) -> None:
+        pump, self.pump = self.pump, None
+        if pump is not None and pump is not asyncio.current_task():
+            pump.cancel()  # (its read's connections close with it)
 
     # ------------------------------------------------ to httpd (httpd.Stream)
 
@@ -457,6 +624,7 @@ class SubStream:
         self.parts.clear()
         self.pending = 0
         self.idle = False
+        self.drained.set()
         return data
 
     def keepalive(self) -> None:
@@ -472,6 +640,7 @@ class SubStream:
         self.ended = True
         self.wake.set()
         self._unsubscribe()
+        self._stop_pump()
         self.gateway.stream_closed(self)
 
     def _unsubscribe(self) -> None:
@@ -669,6 +838,7 @@ class Gateway:
         self.encode: Callable[[bytes, bytes, bytes, int, bytes], bytes] | None = None  # a Message frame
         self.counters = GatewayCounters()
         self.streams: set[SubStream] = set()
+        self.reads = asyncio.Semaphore(MAX_READS)  # lagging streams' reads from history, in line
         self.ledgers: collections.OrderedDict[int, Ledger] = collections.OrderedDict()
         self._numbers = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1060,6 +1230,7 @@ class Gateway:
         bound = min(self.config.max_pending_bytes, STREAM_MAX_PENDING)
         stream = SubStream(self, fmt, bound, ledger)
         stream.user, stream.pattern = request.user, pattern  # (a reload of the users re-checks them)
+        stream.partition = partition  # (and a lagging stream's reads from history read them)
         if fmt == "sse":
             stream._put(f"retry: {SSE_RETRY_MS}\n\n".encode())
             if told_unknown:

@@ -584,7 +584,24 @@ HTTP_METRICS = (
     (
         "broky_http_streams_cut_total",
         "streams_cut",
-        "HTTP streams cut for their pending bytes (a slow reader).",
+        "HTTP streams cut: a slow reader without a replay buffer (--replay-bytes 0), or a failed "
+        "read from history.",
+    ),
+    (
+        "broky_http_streams_lagging",
+        "lagging",
+        "HTTP streams lagging now: past their pending bound, read on from the replay buffer.",
+    ),
+    ("broky_http_stream_lags_total", "lag_entered", "Times an HTTP stream started lagging."),
+    (
+        "broky_http_stream_history_messages_total",
+        "from_history",
+        "Messages sent to lagging HTTP streams from the replay buffer (bounded reads).",
+    ),
+    (
+        "broky_http_stream_evicted_total",
+        "lag_evicted",
+        "Messages evicted from the replay buffer before a lagging HTTP stream read them (told to it).",
     ),
     ("broky_http_stream_losses_total", "losses_told", "Loss events written to HTTP streams (ndjson, SSE)."),
     ("broky_http_resumed_total", "resumed", "Event streams resumed from their Last-Event-ID."),
