@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from operator import attrgetter, index
@@ -177,6 +178,7 @@ class ReadOwner(Protocol):
     name: str | None
     auth_token: str | None
     connect_timeout: float
+    tls: ssl.SSLContext | None  # a broky+tls:// server's (as its Links connect)
 
     @property
     def server_info(self) -> MapInfo | None: ...
@@ -495,7 +497,7 @@ class Reading:
         host, port = address or owner.address_of(ref.node_id)
         hello = Hello(worker=ref.worker, client_name=owner.name, auth_token=owner.auth_token)
         try:
-            proto, welcome = await open_connection(host, port, hello, owner.connect_timeout)
+            proto, welcome = await open_connection(host, port, hello, owner.connect_timeout, tls=owner.tls)
         except (BrokyConnectionError, ServerError, OSError):
             if address is None:
                 raise

@@ -76,6 +76,8 @@ def test_publish_and_subscribe_over_tls_and_https_metrics(
         client.publish("s", b"sync", partition="kp")
         client.flush()
         assert sub.next(5).payload == b"sync"
+        # a bounded read opens connections of its own: over TLS too
+        assert [m.payload for m in client.read("s", partition="kp", timeout=10).messages] == [b"sync"]
     # the token travels inside TLS only, and the worker checks it
     with pytest.raises(ServerError) as refused:
         broky.connect_sync(tls_url(server), ssl_context=ctx, auth_token="wrong", connect_timeout=3)
