@@ -1102,8 +1102,8 @@ class Shard:
                 self.touched.append(c)
         if c.bounded_read is not None:  # its read waited for Resume
             self.positions.pump_read(c)
-        if c.lag is not None:  # and its catch-up
-            self.lag.pump(c)
+        if c.lag is not None:  # and its catch-up, on the loop's next turn
+            self.lag.wake(c)
 
     def apply_users(self, users: Users) -> None:
         """Users read again (SIGHUP): every connection takes its user's new rules, and

@@ -91,7 +91,7 @@ _u64 = struct.Struct("<Q").unpack_from
 _u16 = struct.Struct("<H").unpack_from
 _monotonic = time.monotonic
 # Messages one batch queues at most (about a millisecond of work, as a bounded read's).
-LAG_SCAN = 2048
+LAG_SCAN = 1024
 # Bytes of history a lagging connection is sent ahead of its reading, at most (its
 # bound if that is smaller): its transport's high-water mark is half of it.
 LAG_WINDOW = 4 << 20
@@ -469,6 +469,14 @@ class Lag:
             c.lag = None
             if self.lagging.pop(c.conn_id, None) is not None:
                 self.core.stats.lagging -= 1
+
+    def wake(self, c: Connection) -> None:
+        """c may take a batch again (Resume): the next one on the loop's next turn (from a
+        read, nothing is queued to it there: the batches that follow schedule themselves)."""
+        lag = c.lag
+        if lag is not None and not lag.scheduled:
+            lag.scheduled = True
+            self.core.loop.call_soon(self.next_batch, c)
 
     def drained(self, c: Connection) -> None:
         """c's transport drained to its low-water mark: its next batch."""

@@ -223,3 +223,23 @@ def test_a_lagging_connection_that_ends_leaves_no_lag_behind(loop: asyncio.Abstr
     shard.lost(sub, None)
     loop.run_until_complete(asyncio.sleep(0))  # its seal finds it gone
     assert shard.stats.lagging == 0 and not shard.lag.lagging
+
+
+@pytest.mark.parametrize("pattern", [b">", b"k.>"])
+def test_a_reader_that_resumes_after_its_lag_was_sealed_catches_up_with_no_drain_to_wake_it(
+    loop: asyncio.AbstractEventLoop, pattern: bytes
+) -> None:
+    # The seal (and a first batch) ran while it was paused: nothing is scheduled then. Resume
+    # must start the batches again by itself: a transport that takes everything at once
+    # (as the kernel may) never calls resume_writing.
+    shard, publisher, (sub,) = shard_with(loop, [(pattern, None)], node_id="lag")
+    frames = frames_of([b"p%d" % i for i in range(8)], 2000, 100)
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    for _ in range(5):
+        loop.run_until_complete(asyncio.sleep(0))  # sealed while paused: no batch, none scheduled
+    assert sub.lag is not None and not sub.lag.scheduled
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    assert notices == [] and sum(len(v) for v in got.values()) == 2000
