@@ -1,0 +1,133 @@
+"""An ack group whose members are all at their bound keeps positions, not copies
+(broky.server.shard.groups, "Positions, not copies"; schema/README.md 5.4): a burst far
+larger than --group-backlog-bytes waits as positions into the worker's replay buffer and
+is delivered, every message once and in order per key_partition, as the members read on;
+what the buffer evicted first is told, EVICTED, with the exact count and positions.
+Against a real server, on the wire: the members are raw sockets that stop reading."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from broky.protocol import Ack, AckKind, Delivery, LossNotice, LossReason, Message, Position, Subscribe
+from broky.protocol.routing import vbucket_of
+from tests.support.http import debug_stats
+from tests.support.serverproc import ServerProcess
+from tests.support.wire import Wire
+
+KPS = [b"kp%d" % i for i in range(64)]
+BURST = 4000  # x 1 KiB: 4 MiB, 64 times the group's backlog bound below
+PAYLOAD = b"p" * 1024
+
+
+def burst_to_paused_members(
+    server: ServerProcess,
+) -> tuple[dict[int, list[tuple[bytes, int, int]]], list[LossNotice]]:
+    """Two key-shared ack members that take 20 messages each and then read nothing while
+    BURST messages are published; then they read on, acknowledging what they get. Per
+    member: the (key_partition, offset, attempt) it was delivered, in order; and the
+    LossNotices they were told."""
+    members = [Wire.hello(server.address) for _ in range(2)]
+    got: dict[int, list[tuple[bytes, int, int]]] = {0: [], 1: []}
+    told: list[LossNotice] = []
+    try:
+        for w in members:
+            w.send(Subscribe(1, b"o.>", group="g", key_shared=True, ack=True, max_in_flight=20))
+            assert w.flush() == []
+        with Wire.hello(server.address) as pub:
+            for i in range(BURST):
+                pub.publish(KPS[i % len(KPS)], b"o.k", PAYLOAD)
+            assert pub.flush(30) == []  # all processed while neither member reads nor acks
+        stats = debug_stats(server)["workers"][0]
+        assert stats["group_delivered"] <= 40  # the members are at their bound: the rest waits
+        # The members read on: each acknowledges every Delivery as it reads it.
+        announced = [0, 0]
+        attempt = [1, 1]
+
+        def take(i: int, frame: Any) -> None:
+            if isinstance(frame, Delivery):
+                announced[i], attempt[i] = frame.messages, frame.attempt
+            elif isinstance(frame, Message):
+                assert announced[i], frame  # every message of the group is announced
+                announced[i] -= 1
+                got[i].append((frame.key_partition, frame.offset, attempt[i]))
+                members[i].send(Ack(1, AckKind.ACK, (Position(frame.vbucket, frame.epoch, frame.offset),)))
+            elif isinstance(frame, LossNotice):
+                told.append(frame)
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if len(got[0]) + len(got[1]) + sum(n.dropped for n in told) >= BURST:
+                break
+            for i, w in enumerate(members):
+                try:
+                    take(i, w.next(0.05))
+                except TimeoutError:
+                    continue
+        for i, w in enumerate(members):  # anything still on its way (there must be nothing)
+            for frame in w.flush():
+                take(i, frame)
+    finally:
+        for w in members:
+            w.close()
+    return got, told
+
+
+def test_a_burst_past_the_backlog_bound_waits_as_positions_and_is_all_delivered_in_order(
+    start_server: Any,
+) -> None:
+    # 4 MiB for members that take 40 messages: today (copies) all but 64 KiB of it is
+    # dropped, GROUP_OVERFLOW. As positions it costs a Run per vbucket, and the replay
+    # buffer (64 MiB by default) holds every message.
+    server: ServerProcess = start_server("--group-backlog-bytes", "64KiB", workers=1)
+    got, told = burst_to_paused_members(server)
+    assert told == [], told[:3]
+    deliveries = got[0] + got[1]
+    assert len(deliveries) == BURST
+    assert all(attempt == 1 for _, _, attempt in deliveries)
+    assert len({(kp, off) for kp, off, _ in deliveries}) == BURST  # each message once
+    for i, mine in got.items():  # in offset order per key_partition, each on one member
+        by_kp: dict[bytes, list[int]] = {}
+        for kp, off, _ in mine:
+            by_kp.setdefault(kp, []).append(off)
+        for kp, offsets in by_kp.items():
+            assert offsets == sorted(offsets), f"member {i}, {kp!r}: out of order"
+    owners = {kp: i for i, mine in got.items() for kp, _, _ in mine}
+    assert all(kp in {k for k, _, _ in got[owners[kp]]} for kp in owners)
+    assert not {kp for kp, _, _ in got[0]} & {kp for kp, _, _ in got[1]}  # key-shared
+    stats = debug_stats(server)["workers"][0]
+    assert stats["dropped"]["group_overflow"] == 0
+    assert stats["group_evicted"] == 0
+    assert stats["in_flight"] == 0 and stats["group_kept_bytes"] == 0  # all acknowledged
+
+
+def test_what_the_replay_buffer_evicted_before_delivery_is_told_exactly(start_server: Any) -> None:
+    # A replay buffer of 512 KiB under a 4 MiB burst: most positions are evicted before the
+    # members read on. Each is told once, EVICTED, to the member of its key_partition, with
+    # the positions it spans; delivered and told add up to the burst, per vbucket offset by
+    # offset.
+    server: ServerProcess = start_server(
+        "--group-backlog-bytes", "64KiB", "--replay-bytes", "512KiB", workers=1
+    )
+    got, told = burst_to_paused_members(server)
+    deliveries = got[0] + got[1]
+    assert all(n.reason == LossReason.EVICTED and n.sid == 1 for n in told), told[:3]
+    evicted = sum(n.dropped for n in told)
+    assert evicted > BURST // 2 and len(deliveries) + evicted == BURST
+    seen: dict[int, set[int]] = {}
+    for kp, off, _ in deliveries:
+        vb = vbucket_of(kp)
+        assert off not in seen.setdefault(vb, set()), (kp, off)
+        seen[vb].add(off)
+    for n in told:
+        assert n.at is not None and n.through is not None
+        assert n.at.vbucket == n.through.vbucket and n.through.offset - n.at.offset + 1 == n.dropped
+        span = set(range(n.at.offset, n.through.offset + 1))
+        assert not span & seen.setdefault(n.at.vbucket, set()), n  # told once, never delivered
+        seen[n.at.vbucket] |= span
+    for vb, offsets in seen.items():  # every offset of every vbucket: delivered or told
+        assert offsets == set(range(1, len(offsets) + 1)), vb
+    stats = debug_stats(server)["workers"][0]
+    assert stats["group_evicted"] == evicted
+    assert stats["dropped"]["group_overflow"] == 0
