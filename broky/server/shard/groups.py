@@ -1154,7 +1154,7 @@ class Groups:
         if not g.ack:
             return
         teller = g.members[0].conn if g.members else g.teller
-        owed = g.keeps_for_nobody() if g.members else len(g.pending)
+        owed = g.keeps_for_nobody() if g.members else len(g.pending) + g.backlog.positions
         old = g.teller
         if teller is not old:
             if old is not None and g.owed:

@@ -60,9 +60,10 @@ def burst_to_paused_members(
         while time.monotonic() < deadline:
             if len(got[0]) + len(got[1]) + sum(n.dropped for n in told) >= BURST:
                 break
-            for i, w in enumerate(members):
+            for i, w in enumerate(members):  # what each has, then the other's
                 try:
-                    take(i, w.next(0.05))
+                    while True:
+                        take(i, w.next(0.01))
                 except TimeoutError:
                     continue
         for i, w in enumerate(members):  # anything still on its way (there must be nothing)
@@ -131,3 +132,18 @@ def test_what_the_replay_buffer_evicted_before_delivery_is_told_exactly(start_se
     stats = debug_stats(server)["workers"][0]
     assert stats["group_evicted"] == evicted
     assert stats["dropped"]["group_overflow"] == 0
+
+
+def test_without_a_replay_buffer_the_backlog_keeps_copies_within_its_bound(start_server: Any) -> None:
+    # --replay-bytes 0: nothing to read positions from. What waits is a copy, 64 KiB of
+    # them at most; the rest is dropped and told, GROUP_OVERFLOW, exactly.
+    server: ServerProcess = start_server("--group-backlog-bytes", "64KiB", "--replay-bytes", "0", workers=1)
+    got, told = burst_to_paused_members(server)
+    deliveries = got[0] + got[1]
+    assert all(n.reason == LossReason.GROUP_OVERFLOW for n in told), told[:3]
+    overflowed = sum(n.dropped for n in told)
+    assert len(deliveries) + overflowed == BURST
+    assert 40 < len(deliveries) <= 40 + (64 << 10) // len(PAYLOAD)  # in flight, then the backlog's copies
+    assert len({(kp, off) for kp, off, _ in deliveries}) == len(deliveries)
+    stats = debug_stats(server)["workers"][0]
+    assert stats["dropped"]["group_overflow"] == overflowed and stats["group_evicted"] == 0
