@@ -481,7 +481,7 @@ class Group:
             return m
         best = None
         best_load = -1
-        start = self.turn
+        start = self.turn if self.turn < n else 0  # (members may have left since)
         self.turn = start + 1 if start + 1 < n else 0
         for i in range(n):
             j = start + i
@@ -504,7 +504,7 @@ class Group:
         """Key-shared: the member whose vbuckets weigh least (ties in turn)."""
         members = self.members
         n = len(members)
-        start = self.turn
+        start = self.turn if self.turn < n else 0  # (members may have left since)
         self.turn = start + 1 if start + 1 < n else 0
         best = members[start]
         for i in range(1, n):

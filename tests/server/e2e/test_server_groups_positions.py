@@ -22,18 +22,19 @@ PAYLOAD = b"p" * 1024
 
 
 def burst_to_paused_members(
-    server: ServerProcess,
+    server: ServerProcess, key_shared: bool = True, leave: bool = False
 ) -> tuple[dict[int, list[tuple[bytes, int, int]]], list[LossNotice]]:
-    """Two key-shared ack members that take 20 messages each and then read nothing while
-    BURST messages are published; then they read on, acknowledging what they get. Per
-    member: the (key_partition, offset, attempt) it was delivered, in order; and the
+    """Two ack members (key-shared unless told) that take 20 messages each and then read
+    nothing while BURST messages are published; then (`leave`: the first one closes its
+    connection, and only the second reads on) they read on, acknowledging what they get.
+    Per member: the (key_partition, offset, attempt) it was delivered, in order; and the
     LossNotices they were told."""
     members = [Wire.hello(server.address) for _ in range(2)]
     got: dict[int, list[tuple[bytes, int, int]]] = {0: [], 1: []}
     told: list[LossNotice] = []
     try:
         for w in members:
-            w.send(Subscribe(1, b"o.>", group="g", key_shared=True, ack=True, max_in_flight=20))
+            w.send(Subscribe(1, b"o.>", group="g", key_shared=key_shared, ack=True, max_in_flight=20))
             assert w.flush() == []
         with Wire.hello(server.address) as pub:
             for i in range(BURST):
@@ -41,6 +42,8 @@ def burst_to_paused_members(
             assert pub.flush(30) == []  # all processed while neither member reads nor acks
         stats = debug_stats(server)["workers"][0]
         assert stats["group_delivered"] <= 40  # the members are at their bound: the rest waits
+        if leave:  # what it held and what waited for it go to the other member
+            members[0].close()
         # The members read on: each acknowledges every Delivery as it reads it.
         announced = [0, 0]
         attempt = [1, 1]
@@ -61,12 +64,16 @@ def burst_to_paused_members(
             if len(got[0]) + len(got[1]) + sum(n.dropped for n in told) >= BURST:
                 break
             for i, w in enumerate(members):  # what each has, then the other's
+                if leave and i == 0:
+                    continue
                 try:
                     while True:
                         take(i, w.next(0.01))
                 except TimeoutError:
                     continue
         for i, w in enumerate(members):  # anything still on its way (there must be nothing)
+            if leave and i == 0:
+                continue
             for frame in w.flush():
                 take(i, frame)
     finally:
@@ -147,3 +154,31 @@ def test_without_a_replay_buffer_the_backlog_keeps_copies_within_its_bound(start
     assert len({(kp, off) for kp, off, _ in deliveries}) == len(deliveries)
     stats = debug_stats(server)["workers"][0]
     assert stats["dropped"]["group_overflow"] == overflowed and stats["group_evicted"] == 0
+
+
+def test_positions_go_on_in_order_when_a_member_leaves_and_in_a_load_balanced_group(
+    start_server: Any,
+) -> None:
+    # The first member closes with 20 in flight and its share of the burst waiting as
+    # positions: the other gets its 20 again (attempt 2) and every waiting position, in
+    # offset order per key_partition. A load-balanced group's backlog is positions too.
+    server: ServerProcess = start_server("--group-backlog-bytes", "64KiB", workers=1)
+    got, told = burst_to_paused_members(server, leave=True)
+    assert told == [] and got[0] == []
+    firsts = [(kp, off) for kp, off, attempt in got[1] if attempt == 1]
+    again = [(kp, off) for kp, off, attempt in got[1] if attempt == 2]
+    assert len(again) == 20 and len(set(firsts) | set(again)) == len(firsts) + len(again) == BURST
+    by_kp: dict[bytes, list[int]] = {}
+    for kp, off in firsts:
+        by_kp.setdefault(kp, []).append(off)
+    assert all(offsets == sorted(offsets) for offsets in by_kp.values())
+    stats = debug_stats(server)["workers"][0]
+    assert stats["dropped"]["group_overflow"] == 0 and stats["in_flight"] == 0
+
+    server = start_server("--group-backlog-bytes", "64KiB", workers=1)
+    got, told = burst_to_paused_members(server, key_shared=False)
+    assert told == []
+    deliveries = got[0] + got[1]
+    assert len({(kp, off) for kp, off, _ in deliveries}) == len(deliveries) == BURST
+    stats = debug_stats(server)["workers"][0]
+    assert stats["dropped"]["group_overflow"] == 0 and stats["in_flight"] == 0
