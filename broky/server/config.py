@@ -88,7 +88,8 @@ class ServerConfig:
     handshake_burst: int = 1_000  # ... and at once (broky.server.master.rates)
     replay_bytes: int = DEFAULT_REPLAY_BYTES  # per worker; 0 = no replay buffer
     replay_max_age: float = 0.0  # seconds a retained message is kept at most; 0 = no age bound
-    # Per consumer group and worker: bytes of its messages waiting for a member with room.
+    # Per consumer group and worker: what its messages waiting for a member with room take
+    # (broky.server.shard.groups: a copy's bytes, RUN_BYTES per run of positions).
     group_backlog_bytes: int = DEFAULT_GROUP_BACKLOG_BYTES
     log_level: str = "info"
     log_format: str = "text"
@@ -426,9 +427,11 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "--group-backlog-bytes",
         "group_backlog_bytes",
         _size_or_zero,
-        "per consumer group and worker: bytes of messages kept while every member of an ack group "
-        "holds max_in_flight messages (or a moving vbucket drains); past it they are dropped and "
-        "counted as group_overflow (default %(default)s)",
+        "per consumer group and worker: what an ack group keeps waiting while every member is at "
+        "its bound (or a moving vbucket drains): 256 bytes per run of consecutive positions of a "
+        "vbucket, read from the replay buffer when sent (what it evicted first is told, EVICTED), "
+        "and the bytes of each copy (redeliveries; every message with --replay-bytes 0); past it "
+        "they are dropped and counted as group_overflow (default %(default)s)",
     ),
     (
         "--log-level",

@@ -204,6 +204,12 @@ COUNTERS = (
         "Deliveries of ack subscriptions not queued to a connection over its pending bound: "
         "not lost, delivered again at their ack deadline.",
     ),
+    (
+        "broky_group_evicted_total",
+        "group_evicted",
+        "Messages of ack groups that waited in a backlog as positions and left the replay buffer "
+        "before a member had room for them (told as EVICTED).",
+    ),
     ("broky_acks_total", "acks", "Deliveries of ack subscriptions acknowledged (Ack ACK)."),
     ("broky_nacks_total", "nacks", "Deliveries of ack subscriptions negatively acknowledged (Ack NACK)."),
     ("broky_acks_in_progress_total", "acks_in_progress", "Ack IN_PROGRESS: ack deadlines started again."),

@@ -50,9 +50,33 @@ has room). When every member is at its bound, messages wait in a backlog
 (per member for key-shared, to keep each vbucket's order; per group
 otherwise), bounded by --group-backlog-bytes per group; past it they are
 dropped, counted and told once (LossNotice GROUP_OVERFLOW to the group's
-first member: one message, one member, so the told counts add up). Every
-message of an ack group is Pending from its arrival (member None while it
-waits), so `pending` holds everything the group keeps.
+first member: one message, one member, so the told counts add up). A
+message with its copy is Pending from its arrival (member None while it
+waits), so `pending` and the backlogs' positions hold everything the group
+keeps.
+
+Positions, not copies. With a replay buffer (broky.server.shard.replay), a
+first delivery that must wait is kept as its position, not a copy: the
+worker's replay buffer holds its bytes already. A vbucket's offsets are
+consecutive, so a backlog (`Backlog`) keeps runs of them, `Run(vb, epoch,
+first, last)`, one per stretch of the group's consecutive messages of a
+vbucket (one per vbucket while every message of the vbucket is the group's),
+in arrival order beside the copies it holds (redeliveries): each vbucket's
+order is kept. When a member has room, the run's first position is read from
+the buffer (`front`: `ReplayBuffer.read`), copied and made Pending (`take`),
+and sent. Positions the buffer evicted first (or of an epoch that ended
+here) are taken out on the way and told exactly, once, to the member they
+were for: LossNotice EVICTED {dropped, at, through} (the reason a start from
+positions is told for the same loss; GROUP_OVERFLOW says the group's own
+bound dropped it, which it did not), counted in group_evicted. The bound
+--group-backlog-bytes counts each copy's bytes and RUN_BYTES per run,
+whatever its length: it bounds the memory the backlog takes, and a group
+whose members stall costs a run per vbucket while the buffer decides what
+is lost. What is in flight stays a copy (Pending.frame, within KEPT_SHARE):
+a NACK, an expiry or a member's departure redelivers it whatever the buffer
+evicted meanwhile, as acks promise; a member holds at most max_in_flight of
+them. With --replay-bytes 0 every message waiting is a copy, as before.
+A member whose connection lags (broky.server.shard.lag) has no room.
 
 Moves (key-shared with acks). When a join or a leave gives a vbucket to
 another member while its old member still holds unacknowledged messages of
@@ -155,6 +179,10 @@ DEFAULT_DRAIN_TIMEOUT = 10.0
 
 Key = tuple[int, int, int]  # a message's position: (vbucket, epoch, offset)
 KEPT_SHARE = 0.5  # of the worker's share of --memory-budget, for what ack groups keep
+# What a Run of positions (any length) counts against --group-backlog-bytes: about what it
+# takes in memory (the object, its three ints past the small ones, its place in a deque and
+# in its backlog's `tails`).
+RUN_BYTES = 256
 ORPHAN = "orphan"  # a heap entry's `what`: the deadline of a group whose last member left
 
 
@@ -178,7 +206,7 @@ class Member:
 
     __slots__ = (
         "group", "sub", "conn", "sid", "header", "max_msgs", "max_bytes", "in_flight", "in_flight_bytes",
-        "paused", "delivered", "backlog", "backlog_bytes", "vb_count", "recent", "mark", "weight",
+        "paused", "delivered", "backlog", "vb_count", "recent", "mark", "weight",
     )  # fmt: skip
 
     def __init__(self, group: Group, sub: Subscription, max_msgs: int, max_bytes: int) -> None:
@@ -194,8 +222,7 @@ class Member:
         self.paused = False  # ack: at its bound (told PAUSED)
         self.delivered = 0
         # Key-shared with acks: messages of its vbuckets waiting for room, in order.
-        self.backlog: deque[Held] = deque()
-        self.backlog_bytes = 0
+        self.backlog = Backlog()
         self.vb_count: dict[int, int] = {}  # ack, key-shared: its pending messages per vbucket
         # Bytes queued to it during the read `mark` (the read's clock, `Sequences.last_ts`): its
         # share of what its connection has queued, which may also carry other subscriptions'
@@ -235,14 +262,132 @@ class Pending:
 
 
 class Held:
-    """A message waiting for a member (backlog, or a draining vbucket)."""
+    """A message waiting for a member (backlog, or a draining vbucket), with its copy: a
+    redelivery, or any message of a worker without a replay buffer."""
 
     __slots__ = ("frame", "vb", "entry")
 
     def __init__(self, frame: bytes, vb: int, entry: Pending | None = None) -> None:
         self.frame = frame
         self.vb = vb
-        self.entry = entry  # a redelivery: its Pending (attempt so far); None: a first delivery
+        # Its Pending (a redelivery's: attempt so far); None only for a Run's message just
+        # read from the replay buffer (`Groups.front`), not yet taken.
+        self.entry = entry
+
+
+class Run:
+    """First deliveries waiting, as positions: the group's messages of vbucket vb, epoch
+    `epoch`, with the consecutive offsets first .. last, read from the worker's replay
+    buffer when they are sent (see "Positions, not copies" in the module's header)."""
+
+    __slots__ = ("vb", "epoch", "first", "last")
+
+    def __init__(self, vb: int, epoch: int, offset: int) -> None:
+        self.vb = vb
+        self.epoch = epoch
+        self.first = offset
+        self.last = offset
+
+
+class Backlog:
+    """What waits for a member (a member's, a group's, a draining vbucket's), in order per
+    vbucket: Held copies and Runs of positions. A vbucket's next offset extends its Run
+    when that Run is the vbucket's last item (`tails`). `bytes` is what it counts against
+    --group-backlog-bytes: each copy's bytes and RUN_BYTES per Run, whatever its length."""
+
+    __slots__ = ("items", "tails", "bytes", "positions")
+
+    def __init__(self) -> None:
+        self.items: deque[Held | Run] = deque()
+        self.tails: dict[int, Run] = {}  # per vbucket: its last item, when that is a Run
+        self.bytes = 0
+        self.positions = 0  # messages in its Runs
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def cost(self, vb: int, epoch: int, offset: int) -> int:
+        """The bytes that the position (vb, epoch, offset) would add."""
+        r = self.tails.get(vb)
+        return 0 if r is not None and r.epoch == epoch and r.last + 1 == offset else RUN_BYTES
+
+    def add_position(self, vb: int, epoch: int, offset: int) -> int:
+        """At the end (the newest of vb); the bytes it added."""
+        self.positions += 1
+        r = self.tails.get(vb)
+        if r is not None and r.epoch == epoch and r.last + 1 == offset:
+            r.last = offset
+            return 0
+        r = self.tails[vb] = Run(vb, epoch, offset)
+        self.items.append(r)
+        self.bytes += RUN_BYTES
+        return RUN_BYTES
+
+    def append(self, item: Held | Run) -> int:
+        """At the end (the newest of its vbucket); the bytes it added."""
+        self.items.append(item)
+        if type(item) is Run:
+            self.tails[item.vb] = item
+            self.positions += item.last - item.first + 1
+            size = RUN_BYTES
+        else:
+            self.tails.pop(item.vb, None)
+            size = len(item.frame)  # type: ignore[union-attr]
+        self.bytes += size
+        return size
+
+    def appendleft(self, h: Held) -> int:
+        """At the front (older than anything it holds: a redelivery); the bytes it added."""
+        self.items.appendleft(h)
+        self.bytes += len(h.frame)
+        return len(h.frame)
+
+    def popleft(self) -> int:
+        """Remove the first item; the bytes it gave back."""
+        item = self.items.popleft()
+        if type(item) is Run:
+            if self.tails.get(item.vb) is item:
+                del self.tails[item.vb]
+            self.positions -= item.last - item.first + 1
+            size = RUN_BYTES
+        else:
+            size = len(item.frame)  # type: ignore[union-attr]
+        self.bytes -= size
+        return size
+
+    def advance(self, n: int) -> int:
+        """The first item is a Run: its first n positions are taken; the bytes given back."""
+        r = self.items[0]
+        assert type(r) is Run
+        if r.first + n > r.last:
+            return self.popleft()
+        r.first += n
+        self.positions -= n
+        return 0
+
+    def take_all(self) -> list[Held | Run]:
+        """Empty it; what it held, in order."""
+        items = list(self.items)
+        self.items.clear()
+        self.tails.clear()
+        self.bytes = self.positions = 0
+        return items
+
+    def take_vbucket(self, vb: int) -> tuple[list[Held | Run], int]:
+        """Remove vb's items; them, in order, and the bytes they gave back."""
+        moving = [item for item in self.items if item.vb == vb]
+        if not moving:
+            return moving, 0
+        kept = [item for item in self.items if item.vb != vb]
+        self.take_all()
+        for item in kept:
+            self.append(item)
+        return moving, sum(size_of(item) for item in moving)
+
+
+def size_of(item: Held | Run) -> int:
+    """What an item of a Backlog counts against --group-backlog-bytes."""
+    return RUN_BYTES if type(item) is Run else len(item.frame)  # type: ignore[union-attr]
 
 
 class Drain:
@@ -253,7 +398,7 @@ class Drain:
     def __init__(self, old: Member, deadline: float, gen: int) -> None:
         self.old = old
         self.deadline = deadline
-        self.held: deque[Held] = deque()
+        self.held = Backlog()
         self.gen = gen
 
 
@@ -285,7 +430,9 @@ class Group:
         # until the next. With acks moves drain, and the group is rebalanced every BALANCE_NS.
         self.settling = True
         self.pending: dict[Key, Pending] = {}
-        self.backlog: deque[Held] = deque()  # load-balanced with acks: waiting for room
+        self.backlog = Backlog()  # load-balanced with acks: waiting for room
+        # What every backlog of the group counts (its members', its own, its drains'),
+        # bounded by --group-backlog-bytes.
         self.backlog_bytes = 0
         self.draining: dict[int, Drain] = {}
         self.orphan_gen = 0  # its last member left: the deadline's gen (see Groups.give_back)
@@ -297,8 +444,16 @@ class Group:
 
     def keeps_for_nobody(self) -> int:
         """With acks: its messages that no member holds now (waiting in a backlog or a drain,
-        or for a redelivery): each one is a Pending without a member."""
-        return len(self.pending) - sum(len(m.in_flight) for m in self.members)
+        or for a redelivery): each Pending without a member, and each position of a Run."""
+        return len(self.pending) - sum(len(m.in_flight) for m in self.members) + self.positions()
+
+    def positions(self) -> int:
+        """Messages waiting as positions (Runs) in its backlogs."""
+        return (
+            self.backlog.positions
+            + sum(m.backlog.positions for m in self.members)
+            + sum(d.held.positions for d in self.draining.values())
+        )
 
     def settings(self) -> tuple[Any, ...]:
         """What every member of the group must agree on."""
@@ -312,7 +467,9 @@ class Group:
     def pick(self, mark: int, size: int = 0) -> Member | None:
         """The least loaded member (`Member.load`; ties in turn). With acks, only members with
         room (within max_in_flight, and `size` bytes free under their connection's pending
-        bound); None: every one is at its bound."""
+        bound); None: every one is at its bound. Without acks, a member whose connection takes
+        nothing now (`cap` -1: it lags, broky.server.shard.lag, or has drops untold) is passed
+        over while another can take it."""
         members = self.members
         n = len(members)
         ack = self.ack
@@ -324,26 +481,30 @@ class Group:
             return m
         best = None
         best_load = -1
-        start = self.turn
+        start = self.turn if self.turn < n else 0  # (members may have left since)
         self.turn = start + 1 if start + 1 < n else 0
         for i in range(n):
             j = start + i
             m = members[j if j < n else j - n]
+            c = m.conn
             if ack:
-                c = m.conn
                 if m.paused or c.base + c.unflushed + size > c.cap:
                     continue
+            elif c.cap < 0:
+                continue
             load = m.load(mark)
             if best is None or load < best_load:
                 best = m
                 best_load = load
+        if best is None and not ack:  # every one takes nothing now: as before, dropped and told
+            best = members[start]
         return best
 
     def lightest(self) -> Member:
         """Key-shared: the member whose vbuckets weigh least (ties in turn)."""
         members = self.members
         n = len(members)
-        start = self.turn
+        start = self.turn if self.turn < n else 0  # (members may have left since)
         self.turn = start + 1 if start + 1 < n else 0
         best = members[start]
         for i in range(1, n):
@@ -488,26 +649,25 @@ class Groups:
         m.in_flight.clear()
         m.in_flight_bytes = 0
         m.vb_count.clear()
-        backlog = list(m.backlog)
-        m.backlog.clear()
-        g.backlog_bytes -= m.backlog_bytes
-        m.backlog_bytes = 0
+        g.backlog_bytes -= m.backlog.bytes
+        backlog = m.backlog.take_all()
         # Drains that waited for m: what they hold is newer than m's messages, so it goes after.
-        newer: list[Held] = []
+        newer: list[Held | Run] = []
         for vb in [vb for vb, d in g.draining.items() if d.old is m]:
             d = g.draining.pop(vb)
-            newer.extend(d.held)
-            g.backlog_bytes -= sum(len(h.frame) for h in d.held)
+            g.backlog_bytes -= d.held.bytes
+            newer.extend(d.held.take_all())
         if not g.members:
             if g.key_shared:
                 self.release_vbuckets(g, m)
             for d in g.draining.values():
-                newer.extend(d.held)
-                g.backlog_bytes -= sum(len(h.frame) for h in d.held)
+                g.backlog_bytes -= d.held.bytes
+                newer.extend(d.held.take_all())
             g.draining.clear()
-            kept = backlog + list(g.backlog) + newer
-            g.backlog = deque(kept)
-            g.backlog_bytes = sum(len(h.frame) for h in kept)
+            kept = backlog + g.backlog.take_all() + newer
+            for item in kept:
+                g.backlog.append(item)
+            g.backlog_bytes = g.backlog.bytes
             if g.pending or kept:
                 g.orphan_gen += 1
                 self.push(now + g.ack_wait, (g, ORPHAN, g.orphan_gen))
@@ -517,33 +677,33 @@ class Groups:
             self.release_vbuckets(g, m)  # claimed by the others as their messages come
         for e in entries:
             self.redeliver(g, e, now)
-        for h in backlog + newer:
-            self.place(g, h, now)
+        for item in backlog + newer:
+            self.place_item(g, item, now)
 
     def revive(self, g: Group) -> None:
         """A member joined a group whose last member had left: what it kept goes out again."""
         now = self.core.loop.time()
         g.orphan_gen += 1  # its deadline no longer runs
-        waiting = {id(h.entry) for h in g.backlog}  # these go out below, in the backlog's order
+        # These go out below, in the backlog's order.
+        waiting = {id(h.entry) for h in g.backlog.items if type(h) is Held}
         for e in sorted(
             (e for e in g.pending.values() if e.member is None and id(e) not in waiting), key=lambda e: e.key
         ):
             e.gen += 1
             self.redeliver(g, e, now)
-        kept = list(g.backlog)
-        g.backlog.clear()
+        kept = g.backlog.take_all()
         g.backlog_bytes = 0
-        for h in kept:
-            self.place(g, h, now)
+        for item in kept:
+            self.place_item(g, item, now)
 
     def orphan_expired(self, g: Group) -> None:
         """No member came back within ack_wait: what the group kept is lost, and counted."""
         if g.members:
             return
-        lost = len(g.pending)  # (what waits in its backlog is Pending too)
+        lost = len(g.pending) + g.backlog.positions  # (its backlog's copies are Pending too)
         self.kept -= sum(len(e.frame) for e in g.pending.values())
         g.pending.clear()
-        g.backlog.clear()
+        g.backlog.take_all()
         g.backlog_bytes = 0
         if lost:
             self.core.stats.dropped[DropReason.GROUP_OVERFLOW] += lost
@@ -615,22 +775,18 @@ class Groups:
         if not g.ack or vb in g.draining:  # (a drain under way ends at the vbucket's new owner)
             return
         now = self.core.loop.time()
-        moving = [h for h in old.backlog if h.vb == vb]
-        if moving:
-            old.backlog = deque(h for h in old.backlog if h.vb != vb)
-            size = sum(len(h.frame) for h in moving)
-            old.backlog_bytes -= size
-            g.backlog_bytes -= size
+        moving, size = old.backlog.take_vbucket(vb)
+        g.backlog_bytes -= size
         if old.vb_count.get(vb):
             d = Drain(old, now + g.drain_timeout, next(self.seq))  # a gen of its own: see `expire`
-            d.held.extend(moving)
-            g.backlog_bytes += sum(len(h.frame) for h in moving)
+            for item in moving:
+                g.backlog_bytes += d.held.append(item)
             g.draining[vb] = d
             self.push(d.deadline, (g, vb, d.gen))
             self.arm(d.deadline)
         else:
-            for h in moving:
-                self.place(g, h, now)
+            for item in moving:
+                self.place_item(g, item, now)
 
     # ------------------------------------------------------------ delivery
 
@@ -725,39 +881,94 @@ class Groups:
         return n
 
     def emit_acked(self, g: Group, buf: bytearray, start: int, end: int) -> int:
-        """An ack group: each message is kept until acknowledged."""
+        """An ack group: each message is kept until acknowledged (a copy from its delivery;
+        a position while it waits, with a replay buffer)."""
         core = self.core
         now = core.loop.time()
         limit = int(core.budget.share * KEPT_SHARE)
+        bound = core.config.group_backlog_bytes
+        replay = core.replay
         counts = g.counts if g.key_shared else None
         if counts is not None and core.seqs.last_ts >= g.next_balance:
             self.rebalance(g)
         delivered = 0
         pos = start
         pending = g.pending
+        m: Member | None = None
         while pos < end:
             stop = pos + 4 + _u32(buf, pos)[0]
+            epoch, offset, vb = _position(buf, pos)
+            if counts is not None:
+                counts[vb] += 1
+            if replay is not None:
+                b, m = self.where(g, vb, stop - pos)
+                if b is not None:  # it waits, as its position
+                    if g.backlog_bytes + b.cost(vb, epoch, offset) > bound:
+                        self.overflow(g, None)
+                    else:
+                        g.backlog_bytes += b.add_position(vb, epoch, offset)
+                    pos = stop
+                    continue
             frame = bytes(buf[pos:stop])
-            epoch, offset, vb = _position(frame, 0)
             key = (vb, epoch, offset)
             e = pending[key] = Pending(frame, key)  # the group keeps it from now on, until settled
             h = Held(frame, vb, e)
-            if counts is not None:
-                counts[vb] += 1
             self.kept += stop - pos
             if self.kept > limit:
                 self.overflow(g, h)
+            elif replay is not None:
+                assert m is not None
+                delivered += self.send(g, m, h, now)
             else:
                 delivered += self.place(g, h, now)
             pos = stop
         self.owe(g)
         return delivered
 
+    def where(self, g: Group, vb: int, size: int) -> tuple[Backlog | None, Member | None]:
+        """Where a new message of vb goes: (None, the member to send it to now), or (the
+        backlog it waits in, None)."""
+        if g.key_shared:
+            d = g.draining.get(vb)
+            if d is not None:
+                return d.held, None
+            m: Member | None = g.owners[vb] or g.claim(vb)
+            assert m is not None
+            if m.paused or m.backlog or not self.has_room(m, size):
+                return m.backlog, None
+            return None, m
+        m = g.pick(self.core.seqs.last_ts, size)
+        if m is None:
+            return g.backlog, None
+        return None, m
+
+    def place_item(self, g: Group, item: Held | Run, now: float) -> None:
+        """An item of a backlog goes where its messages go now (a member's departure, the end
+        of a drain, a member that joins); a Run whole, into the backlog its vbucket's
+        messages wait in, served from there at once if its member has room."""
+        if type(item) is Held:
+            self.place(g, item, now)
+            return
+        assert type(item) is Run
+        if not g.members:
+            g.backlog_bytes += g.backlog.append(item)
+            return
+        if g.key_shared:
+            d = g.draining.get(item.vb)
+            if d is not None:
+                g.backlog_bytes += d.held.append(item)
+                return
+            m = g.owners[item.vb] or g.claim(item.vb)
+            g.backlog_bytes += m.backlog.append(item)
+            self.room_for(g, m, now)
+            return
+        g.backlog_bytes += g.backlog.append(item)
+        self.room_for(g, None, now)
+
     def place(self, g: Group, h: Held, now: float) -> int:
         """Deliver h to the member it goes to, or hold it (a drain, a backlog); 1 if delivered."""
         if not g.members:  # kept for a member that comes back (give_back)
-            g.backlog.append(h)
-            g.backlog_bytes += len(h.frame)
+            g.backlog_bytes += g.backlog.append(h)
             return 0
         if g.key_shared:
             d = g.draining.get(h.vb)
@@ -765,48 +976,95 @@ class Groups:
                 if g.backlog_bytes + len(h.frame) > self.core.config.group_backlog_bytes:
                     self.overflow(g, h)
                     return 0
-                g.backlog_bytes += len(h.frame)
-                d.held.append(h)
+                g.backlog_bytes += d.held.append(h)
                 return 0
             m: Member | None = g.owners[h.vb] or g.claim(h.vb)
             assert m is not None
             if m.paused or m.backlog or not self.has_room(m, len(h.frame)):
-                return self.hold(g, m, h)
+                return self.hold(g, m.backlog, h)
         else:
             m = g.pick(self.core.seqs.last_ts, len(h.frame))
             if m is None:
-                return self.hold(g, None, h)
+                return self.hold(g, g.backlog, h)
         return self.send(g, m, h, now)
 
     def has_room(self, m: Member, size: int) -> bool:
-        """m's connection can take `size` more bytes within its pending bound."""
+        """m's connection can take `size` more bytes within its pending bound (never while
+        it lags: broky.server.shard.lag serves it from the replay buffer then)."""
         t = m.conn
+        if getattr(t, "lag", None) is not None:
+            return False
         if t.base + t.unflushed + size <= t.cap:
             return True
         t.base = t.transport.get_write_buffer_size()
         return t.base + t.unflushed + size <= t.cap
 
-    def hold(self, g: Group, m: Member | None, h: Held) -> int:
-        """Every member (or h's member) is at its bound: h waits, within --group-backlog-bytes."""
-        size = len(h.frame)
-        if g.backlog_bytes + size > self.core.config.group_backlog_bytes:
+    def hold(self, g: Group, b: Backlog, h: Held) -> int:
+        """Every member (or h's member) is at its bound: h waits in b, within
+        --group-backlog-bytes (the group's bound counts every backlog of the group)."""
+        if g.backlog_bytes + len(h.frame) > self.core.config.group_backlog_bytes:
             self.overflow(g, h)
             return 0
-        g.backlog_bytes += size  # the group's bound counts every member's backlog
-        if m is None:
-            g.backlog.append(h)
-        else:
-            m.backlog.append(h)
-            m.backlog_bytes += size
+        g.backlog_bytes += b.append(h)
         return 0
 
-    def overflow(self, g: Group, h: Held) -> None:
-        """h finds the group's backlog full: dropped, counted, told once (to the teller)."""
-        if h.entry is not None:
-            g.pending.pop(h.entry.key, None)
-        self.kept -= len(h.frame)
+    def overflow(self, g: Group, h: Held | None) -> None:
+        """A message finds the group's backlog full (h: its copy; None: a position), or the
+        ack groups' share of the memory budget: dropped, counted, told once (to the teller)."""
+        if h is not None:
+            if h.entry is not None:
+                g.pending.pop(h.entry.key, None)
+            self.kept -= len(h.frame)
         self.core.stats.dropped[DropReason.GROUP_OVERFLOW] += 1
         self.tell_lost(g, LossReason.GROUP_OVERFLOW, None)
+
+    def front(self, g: Group, b: Backlog, m: Member | None) -> Held | None:
+        """The first message that b holds (None: nothing), left in b. A Run's first position
+        is read from the replay buffer: a Held with a copy of its frame and no entry yet
+        (`take` makes it Pending). Positions the buffer evicted first (or whose epoch ended
+        here) are taken out on the way, counted and told (EVICTED, to m)."""
+        replay = self.core.replay
+        while b.items:
+            item = b.items[0]
+            if type(item) is Held:
+                return item
+            assert type(item) is Run
+            vb, first = item.vb, item.first
+            if replay is not None and self.core.seqs.epoch_of(vb) == item.epoch:
+                got = replay.read(vb, first, first + 1)
+                if got:
+                    segment, a, z = got[0]
+                    return Held(bytes(memoryview(segment)[a:z]), vb)
+                base = replay.first(vb)
+                gone = item.last if base is None else min(item.last, base - 1)
+            else:
+                gone = item.last
+            n = gone - first + 1
+            if n <= 0:  # (never: a position is recorded before its message is emitted)
+                log.error("group %s: position %s/%s not in the replay buffer", g.name, vb, first)
+                n, gone = 1, first
+            g.backlog_bytes -= b.advance(n)
+            self.core.stats.group_evicted += n
+            at = Position(vb, item.epoch, first)
+            self.tell_lost(g, LossReason.EVICTED, m, at, n, Position(vb, item.epoch, gone))
+        return None
+
+    def take(self, g: Group, b: Backlog, h: Held) -> Held | None:
+        """Take h, b's first message (`front`), out of b to send it; None: it cannot be
+        kept (the ack groups' share of the memory budget is full: dropped and told)."""
+        if h.entry is not None:
+            g.backlog_bytes -= b.popleft()
+            return h
+        r = b.items[0]
+        assert type(r) is Run
+        key = (r.vb, r.epoch, r.first)
+        g.backlog_bytes -= b.advance(1)
+        self.kept += len(h.frame)
+        if self.kept > int(self.core.budget.share * KEPT_SHARE):
+            self.overflow(g, h)
+            return None
+        h.entry = g.pending[key] = Pending(h.frame, key)
+        return h
 
     def send(self, g: Group, m: Member, h: Held, now: float) -> int:
         """Deliver h to m and keep it pending (ack); 1 if queued."""
@@ -896,7 +1154,7 @@ class Groups:
         if not g.ack:
             return
         teller = g.members[0].conn if g.members else g.teller
-        owed = g.keeps_for_nobody() if g.members else len(g.pending)
+        owed = g.keeps_for_nobody() if g.members else len(g.pending) + g.backlog.positions
         old = g.teller
         if teller is not old:
             if old is not None and g.owed:
@@ -910,7 +1168,13 @@ class Groups:
             self.amend_account(teller)
 
     def tell_lost(
-        self, g: Group, reason: int, member: Member | None, at: Position | None = None, count: int = 1
+        self,
+        g: Group,
+        reason: int,
+        member: Member | None,
+        at: Position | None = None,
+        count: int = 1,
+        through: Position | None = None,
     ) -> None:
         """`count` messages of g are lost for good: told once, to `member` (the one it was
         last delivered to), else to g's first member, else on its teller's account (told to
@@ -919,7 +1183,7 @@ class Groups:
         if told is None and g.members:
             told = g.members[0]
         if told is not None:
-            self.core.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at)))
+            self.core.reply(told.conn, encode_frame(LossNotice(count, reason, told.sid, at, through)))
             return
         t = g.teller
         if t is not None:
@@ -966,24 +1230,30 @@ class Groups:
             if m is not None and m.group.ack:
                 self.room(m.group, m, now)
 
-    def room_for(self, g: Group, m: Member, now: float) -> None:
-        if m.paused and not m.full() and m in g.members:
+    def room_for(self, g: Group, m: Member | None, now: float) -> None:
+        if m is not None and m.paused and not m.full() and m in g.members:
             m.paused = False
             self.core.reply(m.conn, encode_frame(GroupNotice(m.sid, GroupEvent.RESUMED, len(m.in_flight))))
         if g.key_shared:
-            while m.backlog and not m.paused and self.has_room(m, len(m.backlog[0].frame)):
-                h = m.backlog.popleft()
-                m.backlog_bytes -= len(h.frame)
-                g.backlog_bytes -= len(h.frame)
-                self.send(g, m, h, now)
+            assert m is not None
+            while not m.paused:
+                h = self.front(g, m.backlog, m)
+                if h is None or not self.has_room(m, len(h.frame)):
+                    break
+                taken = self.take(g, m.backlog, h)
+                if taken is not None:
+                    self.send(g, m, taken, now)
         else:
-            while g.backlog:
-                target = g.pick(self.core.seqs.last_ts, len(g.backlog[0].frame))
+            while True:
+                h = self.front(g, g.backlog, None)
+                if h is None:
+                    break
+                target = g.pick(self.core.seqs.last_ts, len(h.frame))
                 if target is None:
                     break
-                h = g.backlog.popleft()
-                g.backlog_bytes -= len(h.frame)
-                self.send(g, target, h, now)
+                taken = self.take(g, g.backlog, h)
+                if taken is not None:
+                    self.send(g, target, taken, now)
 
     def end_drain(self, g: Group, vb: int, expired: bool) -> None:
         """The vbucket's move is done (or its deadline passed): its held messages go on."""
@@ -996,9 +1266,9 @@ class Groups:
             left = d.old.vb_count.get(vb, 0)
             self.core.stats.group_drain_expired += 1
             self.core.reply(new.conn, encode_frame(GroupNotice(new.sid, GroupEvent.DRAIN_EXPIRED, left, vb)))
-        for h in d.held:
-            g.backlog_bytes -= len(h.frame)
-            self.place(g, h, now)
+        g.backlog_bytes -= d.held.bytes
+        for item in d.held.take_all():
+            self.place_item(g, item, now)
 
     def redeliver(self, g: Group, e: Pending, now: float) -> None:
         """e goes out again (after a NACK's delay, an expiry, or its member's departure)."""
@@ -1014,20 +1284,16 @@ class Groups:
             m = g.owners[vb] or g.claim(vb)
             d = g.draining.get(vb)
             if d is not None:
-                d.held.appendleft(h)  # older than what the drain holds
-                g.backlog_bytes += len(h.frame)
+                g.backlog_bytes += d.held.appendleft(h)  # older than what the drain holds
                 return
             if m.paused or not self.has_room(m, len(h.frame)):
-                m.backlog.appendleft(h)
-                m.backlog_bytes += len(h.frame)
-                g.backlog_bytes += len(h.frame)
+                g.backlog_bytes += m.backlog.appendleft(h)
                 return
             self.send(g, m, h, now)
             return
         target = g.pick(self.core.seqs.last_ts, len(h.frame))
         if target is None:
-            g.backlog.appendleft(h)
-            g.backlog_bytes += len(h.frame)
+            g.backlog_bytes += g.backlog.appendleft(h)
             return
         self.send(g, target, h, now)
 
@@ -1148,6 +1414,7 @@ class Groups:
                     ],
                     "pending": len(g.pending),
                     "backlog_bytes": g.backlog_bytes,
+                    "backlog_positions": g.positions(),
                     "draining": len(g.draining),
                 }
             )

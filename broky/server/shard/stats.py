@@ -130,6 +130,9 @@ class WorkerStats:
         # Ack deliveries not queued for a connection over its bound: not lost, in flight all the
         # same and delivered again at their deadline.
         self.group_deferred = 0
+        # Messages of ack groups that waited as positions and left the replay buffer before a
+        # member had room for them: told (LossNotice EVICTED), never delivered.
+        self.group_evicted = 0
         self.acks = 0
         self.nacks = 0
         self.acks_in_progress = 0

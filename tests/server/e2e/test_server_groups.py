@@ -23,8 +23,11 @@ from broky.protocol import (
     LossNotice,
     LossReason,
     Message,
+    Ping,
+    Pong,
     Position,
     Subscribe,
+    Unsubscribe,
 )
 from broky.protocol.routing import vbucket_of
 from tests.support.http import debug_stats
@@ -32,6 +35,7 @@ from tests.support.serverproc import ServerProcess
 from tests.support.wire import Wire
 
 KPS = [b"kp%d" % i for i in range(64)]
+LEAVE_PING = 1 << 40  # the Ping id a leaving Member sends after its Unsubscribe
 
 
 def split(frames: list[Frame]) -> tuple[list[Message], dict[int, list[tuple[Message, int]]], list[Frame]]:
@@ -518,17 +522,20 @@ def test_a_resume_by_positions_is_told_the_group_deliveries_it_lost(start_server
 
 class Member:
     """A key-shared ack member on its own thread: it acks each delivery as it reads it, and
-    records (time received, key_partition, offset, attempt) and when it stopped holding
-    anything (its Unsubscribe or its close)."""
+    records (time received, key_partition, offset, attempt, when its Ack was sent: inf for
+    none) and when it stopped holding anything (its Unsubscribe or its close). A member
+    that leaves sends a Ping after its Unsubscribe: what the server queued to it before it
+    processed the Unsubscribe arrives before the Pong (`left_at`), nothing after."""
 
     def __init__(self, address: tuple[str, int], sid: int) -> None:
         import threading
 
         self.wire = Wire.hello(address)
         self.sid = sid
-        self.got: list[tuple[float, bytes, int, int]] = []
-        self.acked: dict[tuple[int, int], float] = {}  # (vbucket, offset) -> when its Ack was sent
+        self.got: list[tuple[float, bytes, int, int, float]] = []
         self.ended = float("inf")  # when it let go of what it still held
+        self.left_at = float("inf")  # a member that left: when the Pong after its Unsubscribe came
+        self.after_leave = 0  # deliveries received after that Pong (the server's: must be none)
         self.stop = ""  # "", "leave" or "die": read by its thread
         self.wire.send(group_sub(sid, key_shared=True, ack=True, ack_wait_ms=60_000, drain_timeout_ms=30_000))
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -544,7 +551,7 @@ class Member:
                 return
             if self.stop == "leave":
                 self.ended = time.monotonic()
-                self.wire.unsubscribe(self.sid)
+                self.wire.send(Unsubscribe(self.sid), Ping(LEAVE_PING))
                 self.stop = "left"
             try:
                 frame = self.wire.next(0.05)
@@ -552,17 +559,22 @@ class Member:
                 continue
             except (EOFError, OSError):
                 return
-            if isinstance(frame, Delivery):
+            if isinstance(frame, Pong) and frame.id == LEAVE_PING:
+                self.left_at = time.monotonic()
+            elif isinstance(frame, Delivery):
                 announced, attempt = frame.messages, frame.attempt
             elif isinstance(frame, Message) and announced:
                 announced -= 1
                 now = time.monotonic()
-                self.got.append((now, frame.key_partition, frame.offset, attempt))
+                acked = float("inf")
                 if self.stop != "left":
+                    acked = time.monotonic()  # before the Ack goes: the server may act on it at once
                     self.wire.send(
                         Ack(self.sid, AckKind.ACK, (Position(frame.vbucket, frame.epoch, frame.offset),))
                     )
-                    self.acked[(frame.vbucket, frame.offset)] = time.monotonic()
+                elif self.left_at < now:
+                    self.after_leave += 1
+                self.got.append((now, frame.key_partition, frame.offset, attempt, acked))
 
 
 def test_key_shared_order_and_one_holder_while_members_join_and_leave_under_load(start_server: Any) -> None:
@@ -608,7 +620,9 @@ def test_key_shared_order_and_one_holder_while_members_join_and_leave_under_load
         assert not m.thread.is_alive()
     n = published[0]
     assert n > 5000
-    events = sorted((t, kp, off, attempt, i) for i, m in enumerate(members) for t, kp, off, attempt in m.got)
+    events = sorted(
+        (t, kp, off, attempt, i) for i, m in enumerate(members) for t, kp, off, attempt, _ in m.got
+    )
     by_kp: dict[bytes, list[tuple[float, int, int, int]]] = {}
     for t, kp, off, attempt, i in events:
         by_kp.setdefault(kp, []).append((t, off, attempt, i))
@@ -624,17 +638,20 @@ def test_key_shared_order_and_one_holder_while_members_join_and_leave_under_load
         assert sorted(got) == list(range(1, len(got) + 1)), f"vbucket {vb}: a message never arrived"
     assert sum(len(o) for o in by_vb.values()) == n
     # Never in flight to two members at once: each holder's hold (from receipt to its Ack, or to
-    # when it let go) ends before the next holder's begins.
-    holds: dict[tuple[bytes, int], list[tuple[float, float]]] = {}
-    for m in members:
-        for t, kp, off, _ in m.got:
-            vb = vbucket_of(kp)
-            end = min(m.acked.get((vb, off), float("inf")), m.ended)
-            holds.setdefault((kp, off), []).append((t, end))
+    # when it let go) ends before the next holder's begins. A delivery a member receives after
+    # it let go (queued to it before the server processed its Unsubscribe: the server gave it
+    # to another member then) is no hold; one after the Pong that followed would be.
+    assert [m.after_leave for m in members] == [0] * len(members)
+    holds: dict[tuple[bytes, int], list[tuple[float, float, int]]] = {}
+    for i, m in enumerate(members):
+        for t, kp, off, _, acked in m.got:
+            end = min(acked, m.ended)
+            if t < end:
+                holds.setdefault((kp, off), []).append((t, end, i))
     for key, spans in holds.items():
         spans.sort()
-        for (_, end), (start, _) in itertools.pairwise(spans):
-            assert end <= start, f"{key}: held by two members at once"
+        for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+            assert end <= start, f"{key}: held by members {i} and {j} at once ({(end - start) * 1e3:.1f} ms)"
     moved = debug_stats(server)["workers"][0]
     print(
         f"key-shared under joins and leaves: {n} published, {len(events)} deliveries "
