@@ -461,7 +461,9 @@ class Lag:
         c.cap = c.limit
         c.transport.set_write_buffer_limits(high=max(c.limit // 2, 1), low=c.limit // 4)
         self.lagging.pop(c.conn_id, None)
-        self.core.stats.lagging -= 1
+        core = self.core
+        core.stats.lagging -= 1
+        core.drained(c)  # room again: its groups' waiting messages, its bounded read
 
     def left(self, c: Connection) -> None:
         """c is gone: its lag with it."""
