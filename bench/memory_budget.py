@@ -236,6 +236,10 @@ class Result:
     cuts: int = 0
     cut_bytes: int = 0
     pending_bytes_after_burst: int = 0
+    replay_bytes_after_burst: int = 0  # the replay buffers' fill, part of the RSS
+    lag_entered: int = 0  # connections that began lagging (past their bound, with a replay buffer)
+    lag_served: int = 0  # messages sent to them from the replay buffer
+    lag_evicted: int = 0  # messages they were owed that the buffer evicted first (told)
     memory_trims: int = 0
     stalled_connections: int = 0
     stalled_cut: int = 0  # closed by the server without an Error: cut for the budget
@@ -293,6 +297,7 @@ def run(
         result.cuts = sum(w["budget_cuts"] for w in snap)
         result.cut_bytes = sum(w["budget_cut_bytes"] for w in snap)
         result.pending_bytes_after_burst = sum(w["pending_bytes"] for w in snap)
+        result.replay_bytes_after_burst = sum(w["replay_bytes"] for w in snap)
 
         drain_all(stalled)
         _stalled_results(result, server.address, stalled, published, workers)
@@ -301,6 +306,12 @@ def run(
         time.sleep(SETTLE)
         result.rss_after = server.rss_bytes()
         result.memory_trims = server.workers_sum("memory_trims")["memory_trims"]
+        lag = server.workers_sum("lag_entered", "lag_served", "lag_evicted")
+        result.lag_entered, result.lag_served, result.lag_evicted = (
+            lag["lag_entered"],
+            lag["lag_served"],
+            lag["lag_evicted"],
+        )
     finally:
         sampler.stop()
         for s in stalled:
@@ -383,6 +394,8 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
         f"python -m bench.memory_budget --stalled {args.stalled} --megabytes {args.megabytes} "
         f"--size {args.size} --partitions {args.partitions}"
         + (f" --memory-budget {args.memory_budget}" if args.memory_budget else "")
+        + (f" --max-pending-bytes {args.max_pending_bytes}" if args.max_pending_bytes else "")
+        + (f" --name {args.name}" if args.name != "memory_budget" else "")
     )
     rss = [
         ("before the burst", _mb(result.rss_before)),
@@ -395,6 +408,9 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
         ("pending bytes freed by the cuts", _mb(result.cut_bytes)),
         (f"pending bytes after the burst (budget {_mb(result.memory_budget)})",
          _mb(result.pending_bytes_after_burst)),
+        ("replay buffers' fill after the burst (part of the RSS)", _mb(result.replay_bytes_after_burst)),
+        ("connections that lagged / messages served from history / evicted before read (told)",
+         f"{result.lag_entered} / {result.lag_served} / {result.lag_evicted}"),
         ("heap trims", result.memory_trims),
         ("stalled connections cut / closed past the slow-consumer deadline / open",
          f"{result.stalled_cut} / {result.stalled_closed_deadline} / {result.stalled_open}"),
@@ -415,7 +431,9 @@ def report(result: Result, args: argparse.Namespace, info: dict[str, Any]) -> st
     lines = [
         *heading("Memory budget: stalled subscribers under a burst", info, command),
         f"One `broky serve --workers {args.workers}`, every setting default but the memory budget "
-        f"({budget}: {_mb(result.memory_budget)} over the workers). {args.stalled} stalled subscribers, "
+        f"({budget}: {_mb(result.memory_budget)} over the workers)"
+        + (f" and --max-pending-bytes {args.max_pending_bytes}" if args.max_pending_bytes else "")
+        + f". {args.stalled} stalled subscribers, "
         f"each with one raw connection to every worker on `>` ({result.stalled_connections} connections), "
         f"that never read; an SDK publisher publishing {args.megabytes} MB of {args.size}-byte payloads over "
         f"{args.partitions} key_partitions, and an SDK subscriber on `>`.",
@@ -455,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="payload bytes")
     parser.add_argument("--partitions", type=int, default=256)
     parser.add_argument("--memory-budget", help="passed to broky serve (default: its default)")
+    parser.add_argument("--max-pending-bytes", help="passed to broky serve (default: its default)")
+    parser.add_argument("--name", default="memory_budget", help="results file name (bench/results/NAME.md)")
     options.role_options(parser, "server")
     args = parser.parse_args(argv)
     if args.role == "publisher":
@@ -463,8 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         return roles.done(asyncio.run(subscriber(args.server)))
     info = machine_info()
     extra = ["--memory-budget", args.memory_budget] if args.memory_budget else []
+    if args.max_pending_bytes:
+        extra += ["--max-pending-bytes", args.max_pending_bytes]
     result = run(args.stalled, args.megabytes, args.size, args.partitions, args.workers, extra)
-    write_results(args.out, "memory_budget", report(result, args, info), info, args, **asdict(result))
+    write_results(args.out, args.name, report(result, args, info), info, args, **asdict(result))
     return 0 if promise_kept(result) else 1
 
 

@@ -394,6 +394,9 @@ class _NullTransport:
     def is_closing(self) -> bool:
         return False
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass  # a lagging connection's (broky.server.shard.lag)
+
 
 def _shard_and_read(subscribe: bool, loop: object) -> tuple[object, object, bytes, int]:
     """A one-worker Shard, a publisher connection and 1 MiB of SDK-style publishes:
@@ -568,6 +571,69 @@ def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: 
         benchmark(feed)
         assert shard.stats.messages_delivered == shard.stats.messages_published
         assert (shard.replay is not None) == replay
+    finally:
+        loop.close()
+
+
+LAG_BURST_READS = 16  # reads of BURST_READ a lagging subscriber is owed (about 2 MiB)
+
+
+@pytest.mark.parametrize("partitions", [1, 256])
+@pytest.mark.parametrize("pattern", [b">", b"orders.>"], ids=["every-key", "filtered"])
+def test_lag_catch_up(benchmark, pattern, partitions) -> None:  # type: ignore[no-untyped-def]
+    # A subscriber past its bound (broky.server.shard.lag) is owed LAG_BURST_READS burst reads
+    # of SDK publishes; timed: its catch-up from the replay buffer, batch after batch (each
+    # queued and written), until it is live again. Per message served: the "messages" below.
+    # A subscriber to `>` is owed every offset from a point on; any other pattern notes the
+    # offsets it was refused (the cost of that noting is in the setup, on the read path).
+    import asyncio
+
+    from broky.client.encoder import PublishEncoder
+    from broky.protocol import Subscribe
+    from broky.server.config import ServerConfig
+    from broky.server.shard.connection import Connection
+    from broky.server.shard.core import Shard
+
+    loop = asyncio.new_event_loop()
+    try:
+        shard = Shard(ServerConfig(workers=1), 0, loop)
+        conn = Connection(shard, b"", 1)
+        conn.transport = _NullTransport()  # type: ignore[assignment]
+        shard.subscribe(conn, Subscribe(1, pattern, None))
+        publisher = Connection(shard, b"", 2)
+        publisher.transport = _NullTransport()  # type: ignore[assignment]
+        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        names = [b"tenant-%d" % i for i in range(partitions)]
+        frames, size, i = [], 0, 0
+        while size < BURST_READ - 256:
+            frame = encoder.encode(names[i % partitions], KEY, PAYLOAD, None)[0]
+            frames.append(frame)
+            size += len(frame)
+            i += 1
+        data = b"".join(frames)
+        benchmark.extra_info["messages"] = len(frames) * LAG_BURST_READS
+
+        def lagging() -> tuple[tuple[()], dict[str, object]]:
+            conn.limit = conn.cap = 64 << 10
+            conn.paused = True  # its client's Pause: what it is sent stays queued, up to its bound
+            for _ in range(LAG_BURST_READS):
+                shard.feed(publisher, data)
+            assert conn.lag is not None
+            conn.out.clear()
+            conn.unflushed = 0
+            conn.paused = False
+            if conn.lag.every_key:
+                conn.lag.scheduled = False
+                shard.lag.seal(conn)  # (its first batch too)
+            return (), {}
+
+        def catch_up() -> None:
+            while conn.lag is not None:
+                shard.lag.pump(conn)
+                shard.flush()
+
+        benchmark.pedantic(catch_up, setup=lagging, rounds=30)
+        assert shard.stats.lag_evicted == 0 and shard.stats.lag_served > 0
     finally:
         loop.close()
 

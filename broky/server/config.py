@@ -350,7 +350,9 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "--max-pending-bytes",
         "max_pending_bytes",
         _size,
-        "bound of one connection's pending outbound bytes (default %(default)s)",
+        "bound of one connection's pending outbound bytes; past it the connection lags: it is sent "
+        "what it missed from the replay buffer as it drains (with --replay-bytes 0 it loses it, "
+        "slow_consumer) (default %(default)s)",
     ),
     (
         "--max-reply-bytes",
@@ -458,7 +460,9 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         "--slow-consumer-deadline",
         "slow_consumer_deadline",
         _seconds,
-        "seconds over the pending bound before a connection is closed (default %(default)s)",
+        "seconds over the pending bound before a connection is closed; one that lags, once the "
+        "replay buffer evicted the oldest it was owed and it read nothing this long "
+        "(default %(default)s)",
     ),
     (
         "--restart-grace",

@@ -79,7 +79,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag",
+        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag", "taken", "taken_at",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -151,6 +151,10 @@ class Connection(asyncio.Protocol):
         # While it lags (over its bound, with a replay buffer): where it reads on from
         # (broky.server.shard.lag); None while it is live.
         self.lag: LagCursor | None = None
+        # Bytes of its stream the kernel had taken at the last look, and since when (monotonic):
+        # a connection that takes nothing for a while lags early (broky.server.shard.lag, `watch`).
+        self.taken = 0
+        self.taken_at = 0.0
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.shard.groups)
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
         # Its groups' messages kept for nobody yet, and lost for good, while it carries their
@@ -300,7 +304,7 @@ class LagCursor:
 
     __slots__ = (
         "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "since", "served",
-        "evicted", "scheduled", "next_vb", "progress",
+        "evicted", "scheduled", "pending", "next_vb", "progress",
     )  # fmt: skip
 
     def __init__(self, every_key: bool, since: float) -> None:
@@ -314,5 +318,6 @@ class LagCursor:
         self.served = 0  # messages sent to it from the replay buffer
         self.evicted = 0  # messages it was owed that the buffer evicted first (told)
         self.scheduled = False  # a batch waits on call_soon
-        self.next_vb = 0  # the round robin's next vbucket
+        self.pending: list[int] | None = None  # the vbuckets it was behind in, at the last look
+        self.next_vb = 0  # ... and where the batches are in that list
         self.progress = since  # monotonic: the last batch that sent it something

@@ -60,6 +60,14 @@ that timed out) is told EPOCH_CHANGED with the offsets it was owed of the old
 epoch that the buffer still knew of when it dropped them (0 when none), and
 read on from the new epoch's first offset.
 
+Early. The bound lets a reader that reads, however slowly, be pushed up to
+--max-pending-bytes of copies: the push path costs a fraction of a read from
+the buffer. A reader that does not read at all gains nothing from them, so a
+connection with over STALL_BYTES waiting whose kernel took nothing of its
+stream for STALL_SECONDS (checked after each write to it, only past those
+bytes) lags at its next delivery, whatever its bound: 100 stalled
+subscribers cost about 100 MiB of copies, not 100 bounds.
+
 A reader that never reads costs its cursor and the window, never a queue of
 copies. It is cut (fatal SLOW_CONSUMER, as a slow consumer is without a
 replay buffer) only when it has made no progress for --slow-consumer-deadline
@@ -81,6 +89,7 @@ from broky.errors import ErrorCode
 from broky.protocol import VBUCKETS, LossNotice, LossReason, Position, encode_frame
 from broky.protocol.layout import EPOCH_AT, OFFSET_AT, VBUCKET_AT
 from broky.server.shard.connection import OPEN, Connection, LagCursor
+from broky.server.shard.sequences import ENTRY_WORDS
 from broky.server.shard.stats import DropReason
 
 if TYPE_CHECKING:
@@ -97,6 +106,10 @@ LAG_SCAN = 1024
 LAG_WINDOW = 4 << 20
 # Index entries taken from the replay buffer at once.
 LAG_CHUNK = 512
+# A connection with more than STALL_BYTES waiting for it whose kernel took none of its
+# stream for STALL_SECONDS lags at its next delivery, whatever its bound (see "Early").
+STALL_BYTES = 1 << 20
+STALL_SECONDS = 0.1
 _EVICTED = DropReason.EVICTED
 
 
@@ -159,6 +172,20 @@ class Lag:
                     ranges.append([offset, offset + 1])
             pos += 4 + _u32(buf, pos)[0]
         return 0
+
+    def watch(self, c: Connection, waiting: int) -> None:
+        """c has `waiting` bytes (over STALL_BYTES) in its transport's buffer after a write:
+        if the kernel has taken none of its stream for STALL_SECONDS, its next delivery makes it
+        lag (see "Early")."""
+        if self.core.replay is None or not c.subs:
+            return
+        taken = c.sent - waiting
+        now = _monotonic()
+        if taken != c.taken:
+            c.taken = taken
+            c.taken_at = now
+        elif now - c.taken_at > STALL_SECONDS and c.cap > 0:
+            c.cap = 0  # `squeeze` at its next delivery: it lags
 
     def seal(self, c: Connection) -> None:
         """The loop's next turn after c began lagging, every key: its cursor per vbucket."""
@@ -225,29 +252,31 @@ class Lag:
         out = c.out
         budget = LAG_SCAN
         queued = sent = 0
-        behind = self.behind_vbuckets(c)
-        if not behind:
-            self.live(c)
-            return
-        n = len(behind)
-        first_i = 0
-        for i, vb in enumerate(behind):  # from the round robin's place
-            if vb >= lag.next_vb:
-                first_i = i
-                break
+        # The vbuckets it is behind in, as of the batch that found them; the batches after it
+        # go on down that list (finding them costs a pass over every vbucket: once a list).
+        behind = lag.pending
+        fresh = behind is None
+        if behind is None:
+            behind = lag.pending = self.behind_vbuckets(c)
+            lag.next_vb = 0
+            if not behind:
+                self.live(c)
+                return
         full = False
-        k = 0
-        for k in range(n):
-            vb = behind[(first_i + k) % n]
-            q, s, room, full = self.serve(c, lag, vb, room, budget, out)
+        n = len(behind)
+        i = lag.next_vb
+        while i < n:
+            q, s, room, full = self.serve(c, lag, behind[i], room, budget, out)
             queued += q
             sent += s
             budget -= s
             if full or budget <= 0:
-                lag.next_vb = (vb + 1) % VBUCKETS
                 break
-        else:
-            lag.next_vb = 0
+            i += 1  # (served to where it stood: nothing was accepted meanwhile)
+        lag.next_vb = i
+        done = i >= n
+        if done:
+            lag.pending = None
         if queued:
             c.unflushed += queued
             lag.progress = _monotonic()
@@ -261,7 +290,9 @@ class Lag:
             if not c.touched:
                 c.touched = True
                 core.touched.append(c)
-        if not full and budget > 0 and not self.behind_vbuckets(c):
+        if done and fresh:
+            # Every vbucket it was behind in when this batch began is served up to where it
+            # stood, and no message was accepted since (a batch runs outside any read).
             self.live(c)
 
     def serve(
@@ -304,7 +335,9 @@ class Lag:
                     break
             lag.open_from[vb] = at
             return queued, sent, room, full
-        ranges = lag.owed[vb]
+        ranges = lag.owed.get(vb)
+        if ranges is None:  # served already (a list of an earlier batch names it)
+            return 0, 0, room, False
         epoch = lag.owed_epochs[vb]
         now = seqs.epoch_of(vb)
         if now != epoch:  # its sequence restarted: what it was owed of the old one is gone
@@ -383,29 +416,32 @@ class Lag:
         assert lag is not None
         if lag.open_from is None:
             return sorted(lag.owed)
+        assert lag.epochs is not None
         core = self.core
         seqs = core.seqs
-        view = seqs.view
-        open_from = lag.open_from
-        tracked = lag.tracked
         accepts = core.accepts
+        tracked = lag.tracked
+        if tracked != accepts and any(a and not t for a, t in zip(accepts, tracked, strict=True)):
+            # Came here after the seal (a planned move): owed from the sequence's first offset
+            # here on (every message of it routed to c went through `squeeze`).
+            fresh = bytearray(tracked)
+            for vb, (a, t) in enumerate(zip(accepts, tracked, strict=True)):
+                if a and not t:
+                    fresh[vb] = 1
+                    lag.open_from[vb] = seqs.begun_offset[vb]
+                    lag.epochs[vb] = seqs.epoch_of(vb)
+            tracked = lag.tracked = bytes(fresh)
+        view = seqs.view
+        nexts = view[1::ENTRY_WORDS].tolist()  # (one copy in C: a batch compares them all)
+        epochs = view[0::ENTRY_WORDS].tolist()
         former = seqs.former
-        behind = []
-        for vb in range(VBUCKETS):
-            if not tracked[vb]:
-                if not accepts[vb]:
-                    continue
-                # Came here after the seal (a planned move): it is owed from the sequence's
-                # first offset here on (every message routed to it went through `squeeze`).
-                tracked = lag.tracked = tracked[:vb] + b"\x01" + tracked[vb + 1 :]
-                open_from[vb] = seqs.begun_offset[vb]
-                assert lag.epochs is not None
-                lag.epochs[vb] = seqs.epoch_of(vb)
-            elif not accepts[vb] and vb not in former:
-                continue  # no longer here, nor retained here
-            if open_from[vb] < view[4 * vb + 1] or view[4 * vb] != lag.epochs[vb]:  # type: ignore[index]
-                behind.append(vb)
-        return behind
+        return [
+            vb
+            for vb, (t, at, nxt, epoch, mine) in enumerate(
+                zip(tracked, lag.open_from, nexts, epochs, lag.epochs, strict=True)
+            )
+            if t and (at < nxt or epoch != mine) and (accepts[vb] or vb in former)
+        ]
 
     # ------------------------------------------------------------ telling
 
@@ -459,6 +495,7 @@ class Lag:
             return
         c.lag = None
         c.cap = c.limit
+        c.taken_at = _monotonic()
         c.transport.set_write_buffer_limits(high=max(c.limit // 2, 1), low=c.limit // 4)
         self.lagging.pop(c.conn_id, None)
         core = self.core
@@ -563,4 +600,4 @@ class Lag:
         return not ranges or ranges[0][0] >= first
 
 
-__all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "every_key"]
+__all__ = ["LAG_SCAN", "LAG_WINDOW", "STALL_BYTES", "STALL_SECONDS", "Lag", "every_key"]
