@@ -79,7 +79,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag", "taken", "taken_at",
+        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -151,10 +151,6 @@ class Connection(asyncio.Protocol):
         # While it lags (over its bound, with a replay buffer): where it reads on from
         # (broky.server.shard.lag); None while it is live.
         self.lag: LagCursor | None = None
-        # Bytes of its stream the kernel had taken at the last look, and since when (monotonic):
-        # a connection that takes nothing for a while lags early (broky.server.shard.lag, `watch`).
-        self.taken = 0
-        self.taken_at = 0.0
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.shard.groups)
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
         # Its groups' messages kept for nobody yet, and lost for good, while it carries their
@@ -299,8 +295,8 @@ class LagCursor:
     message of every vbucket from a point on: once sealed, `open_from[vb]` is that point
     (the next offset to send) and `epochs[vb]` its epoch; nothing per message. Any other
     connection is owed only the messages routed to it: `owed[vb]` lists them as ranges of
-    offsets [start, stop), appended as they are refused, 8 bytes a run (a vbucket's messages
-    of one key_partition are consecutive offsets, one range)."""
+    offsets [start, stop), appended as they are refused, about 130 bytes a range in CPython
+    (a vbucket's messages of one key_partition are consecutive offsets, one range)."""
 
     __slots__ = (
         "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "since", "served",

@@ -217,7 +217,7 @@ from broky.server.shard.connection import CLOSED, OPEN, Connection, Plan, Subscr
 from broky.server.shard.control import admit, deny, deny_publish, text
 from broky.server.shard.grace import Grace
 from broky.server.shard.groups import Groups, GroupTargets
-from broky.server.shard.lag import STALL_BYTES, Lag
+from broky.server.shard.lag import Lag
 from broky.server.shard.moves import Moves
 from broky.server.shard.part import Route
 from broky.server.shard.positions import Positions
@@ -784,8 +784,6 @@ class Shard:
             check_replies(self, t, base)
         if t.dropped and base <= t.limit >> 2:
             self.notify_loss(t)
-        if base > STALL_BYTES and t.lag is None:  # rare: over a MiB waits for it (does it read?)
-            self.lag.watch(t, base)
         return size
 
     def squeeze(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:

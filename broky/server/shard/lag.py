@@ -29,7 +29,7 @@ What it is owed. Two forms (connection.LagCursor):
   way). After the seal a refused delivery costs one attribute test.
 - *filtered* (any other): it is owed only what was routed to it, so each
   refused message is noted (`missed`): per vbucket, ranges of offsets, one per
-  run of consecutive offsets. It costs 8 bytes per range and a parse per
+  run of consecutive offsets. It costs about 130 bytes per range and a parse per
   refused message while it lags; its catch-up reads exactly those offsets, no
   scan, and what the buffer evicted of them is counted exactly.
 
@@ -60,20 +60,15 @@ that timed out) is told EPOCH_CHANGED with the offsets it was owed of the old
 epoch that the buffer still knew of when it dropped them (0 when none), and
 read on from the new epoch's first offset.
 
-Early. The bound lets a reader that reads, however slowly, be pushed up to
---max-pending-bytes of copies: the push path costs a fraction of a read from
-the buffer. A reader that does not read at all gains nothing from them, so a
-connection with over STALL_BYTES waiting whose kernel took nothing of its
-stream for STALL_SECONDS (checked after each write to it, only past those
-bytes) lags at its next delivery, whatever its bound: 100 stalled
-subscribers cost about 100 MiB of copies, not 100 bounds.
-
-A reader that never reads costs its cursor and the window, never a queue of
-copies. It is cut (fatal SLOW_CONSUMER, as a slow consumer is without a
-replay buffer) only when it has made no progress for --slow-consumer-deadline
-*and* everything it was owed has been evicted: it can no longer catch up from
-here; a client that resumes by positions is told exactly what is gone
-(schema/README.md 5.1).
+A reader that never reads costs, besides what was queued to it before it
+began to lag (up to its bound, as before), its cursor: no further copies. It
+is cut (fatal SLOW_CONSUMER, as a slow consumer is without a replay buffer)
+only when it can no longer catch up from here: it has made no progress for
+--slow-consumer-deadline *and* the buffer has evicted, in every vbucket it
+is behind in, the oldest message it is owed (`tick`). A client that resumes
+by positions is then told exactly what is gone (schema/README.md 5.1); one
+that does not is told by the connection's account, which counts what it was
+still owed when it ended (`Shard.lost`).
 
 Replay off (--replay-bytes 0): nothing lags; `squeeze` drops and tells
 SLOW_CONSUMER as before.
@@ -106,10 +101,6 @@ LAG_SCAN = 1024
 LAG_WINDOW = 4 << 20
 # Index entries taken from the replay buffer at once.
 LAG_CHUNK = 512
-# A connection with more than STALL_BYTES waiting for it whose kernel took none of its
-# stream for STALL_SECONDS lags at its next delivery, whatever its bound (see "Early").
-STALL_BYTES = 1 << 20
-STALL_SECONDS = 0.1
 _EVICTED = DropReason.EVICTED
 
 
@@ -172,20 +163,6 @@ class Lag:
                     ranges.append([offset, offset + 1])
             pos += 4 + _u32(buf, pos)[0]
         return 0
-
-    def watch(self, c: Connection, waiting: int) -> None:
-        """c has `waiting` bytes (over STALL_BYTES) in its transport's buffer after a write:
-        if the kernel has taken none of its stream for STALL_SECONDS, its next delivery makes it
-        lag (see "Early")."""
-        if self.core.replay is None or not c.subs:
-            return
-        taken = c.sent - waiting
-        now = _monotonic()
-        if taken != c.taken:
-            c.taken = taken
-            c.taken_at = now
-        elif now - c.taken_at > STALL_SECONDS and c.cap > 0:
-            c.cap = 0  # `squeeze` at its next delivery: it lags
 
     def seal(self, c: Connection) -> None:
         """The loop's next turn after c began lagging, every key: its cursor per vbucket."""
@@ -495,7 +472,6 @@ class Lag:
             return
         c.lag = None
         c.cap = c.limit
-        c.taken_at = _monotonic()
         c.transport.set_write_buffer_limits(high=max(c.limit // 2, 1), low=c.limit // 4)
         self.lagging.pop(c.conn_id, None)
         core = self.core
@@ -600,4 +576,4 @@ class Lag:
         return not ranges or ranges[0][0] >= first
 
 
-__all__ = ["LAG_SCAN", "LAG_WINDOW", "STALL_BYTES", "STALL_SECONDS", "Lag", "every_key"]
+__all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "every_key"]

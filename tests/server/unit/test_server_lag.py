@@ -17,11 +17,10 @@ import pytest
 
 from broky.protocol import LossNotice, LossReason, Message, Subscribe, encode_message
 from broky.server.shard import fastpath
-from broky.server.shard import lag as lag_module
 from broky.server.shard.connection import OPEN, Connection
 from broky.server.shard.core import Shard
 from broky.server.shard.stats import DropReason
-from tests.support.shardkit import Recorder, received, shard_with
+from tests.support.shardkit import received, shard_with
 
 TWINS = [False] + ([True] if fastpath.compiled_scan is not None else [])
 
@@ -244,29 +243,3 @@ def test_a_reader_that_resumes_after_its_lag_was_sealed_catches_up_with_no_drain
     turns(loop, sub)
     got, notices = by_vbucket(received(sub))
     assert notices == [] and sum(len(v) for v in got.values()) == 2000
-
-
-class Unread(Recorder):
-    """A transport whose peer reads nothing: everything written stays in its buffer."""
-
-    def get_write_buffer_size(self) -> int:
-        return len(self.data)
-
-
-def test_a_reader_that_takes_nothing_lags_early_whatever_its_bound(
-    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Over STALL_BYTES waiting and nothing taken by the kernel for STALL_SECONDS: it lags at
-    # its next delivery, long before its 64 MiB bound; one that reads does not.
-    clock = [1000.0]
-    monkeypatch.setattr(lag_module, "_monotonic", lambda: clock[0])
-    shard, publisher, (stuck, reading) = shard_with(loop, [(b">", None), (b">", None)], node_id="lag")
-    stuck.transport = Unread()  # type: ignore[assignment]
-    frames = frames_of([b"p%d" % i for i in range(8)], 40_000, 100)
-    for i in range(0, len(frames), 200):
-        shard.feed(publisher, b"".join(frames[i : i + 200]))
-        clock[0] += 0.01  # 10 ms a read
-    assert stuck.lag is not None and reading.lag is None
-    waiting = stuck.transport.get_write_buffer_size()
-    assert lag_module.STALL_BYTES < waiting < stuck.limit // 8  # far from its bound
-    assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 0
