@@ -524,6 +524,18 @@ BURST_READ = 128 << 10  # what a worker reads at once from an SDK publisher in a
 TICK_EVERY = 64  # reads between two ticks' worth of replay work (trim_some): a tick is 0.25 s
 
 
+def _burst_read(encoder: Any, names: list[bytes]) -> tuple[bytes, int]:
+    """A read of SDK publishes in a burst (BURST_READ bytes, round robin over the key_partitions
+    `names`), and how many messages it holds."""
+    frames, size, i = [], 0, 0
+    while size < BURST_READ - 256:
+        frame = encoder.encode(names[i % len(names)], KEY, PAYLOAD, None)[0]
+        frames.append(frame)
+        size += len(frame)
+        i += 1
+    return b"".join(frames), len(frames)
+
+
 @pytest.mark.parametrize("partitions", [1, 256, 4096])
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
 def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: ignore[no-untyped-def]
@@ -550,14 +562,8 @@ def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: 
         names = [b"tenant-%d" % i for i in range(partitions)]
         for i in range(0, partitions, 256):  # every route cached, as in a burst that goes on
             shard.feed(conn, b"".join(encoder.encode(kp, KEY, PAYLOAD, None)[0] for kp in names[i : i + 256]))
-        frames, size, i = [], 0, 0
-        while size < BURST_READ - 256:
-            frame = encoder.encode(names[i % partitions], KEY, PAYLOAD, None)[0]
-            frames.append(frame)
-            size += len(frame)
-            i += 1
-        data = b"".join(frames)
-        benchmark.extra_info["messages"] = len(frames)
+        data, count = _burst_read(encoder, names)
+        benchmark.extra_info["messages"] = count
         reads = [0]
 
         def feed() -> None:
@@ -603,15 +609,8 @@ def test_lag_catch_up(benchmark, pattern, partitions) -> None:  # type: ignore[n
         publisher = Connection(shard, b"", 2)
         publisher.transport = _NullTransport()  # type: ignore[assignment]
         encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
-        names = [b"tenant-%d" % i for i in range(partitions)]
-        frames, size, i = [], 0, 0
-        while size < BURST_READ - 256:
-            frame = encoder.encode(names[i % partitions], KEY, PAYLOAD, None)[0]
-            frames.append(frame)
-            size += len(frame)
-            i += 1
-        data = b"".join(frames)
-        benchmark.extra_info["messages"] = len(frames) * LAG_BURST_READS
+        data, count = _burst_read(encoder, [b"tenant-%d" % i for i in range(partitions)])
+        benchmark.extra_info["messages"] = count * LAG_BURST_READS
 
         def lagging() -> tuple[tuple[()], dict[str, object]]:
             conn.limit = conn.cap = 64 << 10

@@ -298,20 +298,9 @@ class Lag:
                 queued += len(notice)
                 room -= len(notice)
                 at = oldest
-            full = False
-            while at < stop and budget > 0:
-                chunk = replay.read(vb, at, min(stop, at + min(budget, LAG_CHUNK)))
-                if not chunk:
-                    break
-                q, s, room, full = self.append(chunk, room, out)
-                queued += q
-                sent += s
-                budget -= s
-                at += s
-                if full:
-                    break
-            lag.open_from[vb] = at
-            return queued, sent, room, full
+            q, sent, room, full = self.read_into(vb, at, stop, room, budget, out)
+            lag.open_from[vb] = at + sent
+            return queued + q, sent, room, full
         ranges = lag.owed.get(vb)
         if ranges is None:  # served already (a list of an earlier batch names it)
             return 0, 0, room, False
@@ -326,6 +315,7 @@ class Lag:
         first = replay.first(vb)
         oldest = seqs.next_of(vb) if first is None else first
         gone = 0
+        lost_from = ranges[0][0]  # the first offset it was owed that is gone, if any
         while ranges and ranges[0][0] < oldest:
             start, stop = ranges[0]
             if stop <= oldest:
@@ -335,17 +325,14 @@ class Lag:
                 gone += oldest - start
                 ranges[0][0] = oldest
         if gone:
-            notice = self.evicted(c, vb, epoch, oldest - gone, gone, through=oldest - 1)
+            notice = self.evicted(c, vb, epoch, lost_from, gone, through=oldest - 1)
             out.append(notice)
             queued += len(notice)
             room -= len(notice)
         full = False
-        while ranges and budget > 0:
+        while ranges and budget > 0 and not full:
             start, stop = ranges[0]
-            chunk = replay.read(vb, start, min(stop, start + min(budget, LAG_CHUNK)))
-            if not chunk:
-                break
-            q, s, room, full = self.append(chunk, room, out)
+            q, s, room, full = self.read_into(vb, start, stop, room, budget, out)
             queued += q
             sent += s
             budget -= s
@@ -353,10 +340,32 @@ class Lag:
                 ranges.pop(0)
             else:
                 ranges[0][0] = start + s
-            if full:
-                break
+                if not s:
+                    break  # (nothing read at a retained offset: cannot happen)
         if not ranges:
             del lag.owed[vb], lag.owed_epochs[vb]
+        return queued, sent, room, full
+
+    def read_into(
+        self, vb: int, at: int, stop: int, room: int, budget: int, out: list[bytes | bytearray]
+    ) -> tuple[int, int, int, bool]:
+        """Queue the retained messages of vb from offset `at` (retained) up to `stop`, within
+        `room` bytes and `budget` messages: (bytes, messages, room left, full)."""
+        replay = self.core.replay
+        assert replay is not None
+        queued = sent = 0
+        full = False
+        while at < stop and budget > 0:
+            chunk = replay.read(vb, at, min(stop, at + min(budget, LAG_CHUNK)))
+            if not chunk:
+                break
+            q, s, room, full = self.append(chunk, room, out)
+            queued += q
+            sent += s
+            budget -= s
+            at += s
+            if full:
+                break
         return queued, sent, room, full
 
     @staticmethod

@@ -194,6 +194,9 @@ def test_a_filtered_readers_evicted_count_is_its_own_messages(loop: asyncio.Abst
     mine = sum(1 for i in range(4000) if (i // 4) % 3 == 0)
     received_n = sum(len(v) for v in got.values())
     assert received_n + sum(n.dropped for n in notices) == mine  # exact: only its messages counted
+    # p0..p3 are in four vbuckets, so the n-th message of a key_partition has offset n + 1, and
+    # its key is a.x when n % 3 == 0: each notice starts at a message that was the reader's.
+    assert all(n.at is not None and n.at.offset % 3 == 1 for n in notices)
     assert all(
         isinstance(f, Message) and f.key.startswith(b"a.") for f in received(sub) if isinstance(f, Message)
     )
