@@ -52,6 +52,16 @@ def steps(latency_duration: float | None) -> list[Step]:
     if latency_duration is not None:
         latency += ("--duration", f"{latency_duration:g}", "--out", "bench/results")
     burst = ("bench.sdk_burst", "--messages", "300000", "--runs", "7", "--systems")
+    lag = (
+        "bench.sdk_burst",
+        "--systems",
+        "broky,nats,redis",
+        "--runs",
+        "3",
+        "--size",
+        "1024",
+        "--partitions",
+    )
     return [
         Step(
             "bench", ("bench",), "bench.md, *.png", "the headline: SDK to SDK, pre-encoded publishes, latency"
@@ -80,6 +90,18 @@ def steps(latency_duration: float | None) -> list[Step]:
             "metrics_overhead", ("bench.metrics_overhead",), "metrics_overhead.md", "/metrics scraped or not"
         ),
         Step("memory_budget", ("bench.memory_budget",), "memory_budget.md", "100 stalled subscribers"),
+        Step(
+            "lag_burst_1k_256",
+            (*lag, "256", "--name", "lag_burst_1k_256"),
+            "lag_burst_1k_256.md",
+            "a slow reader catches up from history: the 1 KiB burst, 256 key_partitions",
+        ),
+        Step(
+            "lag_burst_1k_1",
+            (*lag, "1", "--name", "lag_burst_1k_1"),
+            "lag_burst_1k_1.md",
+            "the same, 1 key_partition (what does not fit in the buffer is told)",
+        ),
         Step("chaos", ("bench.chaos",), "chaos.md", "servers, nodes and etcd killed, frozen, wiped"),
         Step(
             "kill_loop_flush",

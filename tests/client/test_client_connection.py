@@ -74,7 +74,12 @@ def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
-        st.one_of(messages, st.builds(Pong, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1))),
+        st.one_of(
+            messages,
+            st.builds(
+                Pong, st.integers(0, 2**64 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(0, 2**64 - 1)
+            ),
+        ),
         max_size=12,
     ),
     st.data(),

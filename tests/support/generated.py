@@ -234,7 +234,7 @@ control_frames: st.SearchStrategy[Frame] = st.one_of(
     st.just(Pause()),
     st.just(Resume()),
     st.builds(Ping, u64),
-    st.builds(Pong, u64, i64),
+    st.builds(Pong, u64, i64, u64),
     st.builds(
         Error, u16, st.none() | texts, u64, st.booleans(), u32, st.none() | st.binary(max_size=300), u32
     ),
@@ -445,7 +445,7 @@ def generated_read(frame: bytes) -> Frame:
         return Ping(body(fbs.Ping).Id())
     if kind == Body.Pong:
         pong = body(fbs.Pong)
-        return Pong(pong.Id(), pong.Ts())
+        return Pong(pong.Id(), pong.Ts(), pong.Behind())
     if kind == Body.Error:
         e = body(fbs.Error)
         assert e.RefusedLength() == len(_vec(e._tab, 14) or b"")
@@ -833,7 +833,11 @@ class Writer:
             return self.table(
                 fbs.PongStart,
                 fbs.PongEnd,
-                [lambda: fbs.PongAddId(b, frame.id), lambda: fbs.PongAddTs(b, frame.ts)],
+                [
+                    lambda: fbs.PongAddId(b, frame.id),
+                    lambda: fbs.PongAddTs(b, frame.ts),
+                    lambda: fbs.PongAddBehind(b, frame.behind),
+                ],
             )
         if isinstance(frame, Error):
             r = self.refs({"message": frame.message, "refused": frame.refused})
