@@ -36,7 +36,7 @@
 
 #include "../../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 6
+#define FEEDSCAN_VERSION 7
 #define VBUCKETS 1024
 #define SEQ_ENTRY 32 /* broky.server.shard.sequences.ENTRY_BYTES: epoch, next offset, last and first stamp */
 
@@ -365,6 +365,125 @@ settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(gather_doc,
+"gather(entries, segments, room, first) -> (bytes, n)\n\n"
+"The replay buffer's gather (broky.server.shard.replay): the frames the u64 index entries of\n"
+"`entries` (a bytes-like object: segment id << 32 | position) point at in `segments` (a dict\n"
+"of segment id -> bytearray or bytes), joined in order, as long as they fit in `room` bytes\n"
+"(the first one whatever its size if `first`); and how many they are.");
+
+/* The segment of `id` in `segments` and its bytes; -1 (an error set) if it is not there. */
+static int
+segment_of(PyObject *segments, uint64_t id, const unsigned char **data, Py_ssize_t *len)
+{
+    PyObject *key = PyLong_FromUnsignedLongLong(id);
+    if (key == NULL) {
+        return -1;
+    }
+    PyObject *seg = PyDict_GetItemWithError(segments, key); /* borrowed */
+    Py_DECREF(key);
+    if (seg == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "gather(): an entry names a segment that is not retained");
+        }
+        return -1;
+    }
+    if (PyByteArray_CheckExact(seg)) {
+        *data = (const unsigned char *)PyByteArray_AS_STRING(seg);
+        *len = PyByteArray_GET_SIZE(seg);
+    } else if (PyBytes_CheckExact(seg)) {
+        *data = (const unsigned char *)PyBytes_AS_STRING(seg);
+        *len = PyBytes_GET_SIZE(seg);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "gather(): a segment is a bytearray or bytes");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "gather() takes 4 arguments");
+        return NULL;
+    }
+    PyObject *segments = args[1];
+    if (!PyDict_CheckExact(segments)) {
+        PyErr_SetString(PyExc_TypeError, "gather(entries, dict of segments, room, first)");
+        return NULL;
+    }
+    Py_ssize_t room = PyLong_AsSsize_t(args[2]);
+    if (room == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int first = PyObject_IsTrue(args[3]);
+    if (first < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (view.len % 8 != 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "gather(): entries are u64");
+        return NULL;
+    }
+    const unsigned char *entries = (const unsigned char *)view.buf;
+    Py_ssize_t count = view.len / 8, n = 0, total = 0;
+    uint64_t last = UINT64_MAX;
+    const unsigned char *data = NULL;
+    Py_ssize_t len = 0;
+    PyObject *out = NULL;
+    /* Two passes over the same entries: the sizes, then the copies. No Python code runs
+       between them (int keys' lookups), so the segments neither change nor move. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t entry = u64_at(entries + 8 * i), id = entry >> 32, pos = entry & 0xFFFFFFFFu;
+        if (id != last) {
+            if (segment_of(segments, id, &data, &len) < 0) {
+                goto done;
+            }
+            last = id;
+        }
+        if (pos + 4 > (uint64_t)len || pos + 4 + u32_at(data + pos) > (uint64_t)len) {
+            PyErr_SetString(PyExc_ValueError, "gather(): an entry points past its segment");
+            goto done;
+        }
+        Py_ssize_t size = (Py_ssize_t)(4 + u32_at(data + pos));
+        if (total + size > room && !(first && n == 0)) {
+            break;
+        }
+        total += size;
+        n++;
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) {
+        goto done;
+    }
+    unsigned char *to = (unsigned char *)PyBytes_AS_STRING(out);
+    last = UINT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t entry = u64_at(entries + 8 * i), id = entry >> 32, pos = entry & 0xFFFFFFFFu;
+        if (id != last) {
+            if (segment_of(segments, id, &data, &len) < 0) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            last = id;
+        }
+        Py_ssize_t size = (Py_ssize_t)(4 + u32_at(data + pos));
+        memcpy(to, data + pos, (size_t)size);
+        to += size;
+    }
+done:
+    PyBuffer_Release(&view);
+    if (out == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(Nn)", out, n);
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(layout, min_frame_size): the canonical layout's positions, read by name from `layout`\n"
@@ -373,6 +492,7 @@ static PyMethodDef methods[] = {
      "layout() -> dict | None: the positions configure() read, by the owner's names"},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
     {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL, settle_doc},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -335,6 +335,7 @@ class Shard:
             ReplayBuffer(
                 config.replay_bytes, self.seqs, config.replay_max_age or None, budget=self.budget,
                 settle=fastpath.compiled_settle if self.scan is not None else None,
+                gather=fastpath.compiled_gather if self.scan is not None else None,
             )
             if config.replay_bytes
             else None

@@ -25,7 +25,7 @@ from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 6  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 7  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
 # scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg)
 #   -> (pos, buf, published, unmatched)
@@ -35,33 +35,42 @@ Scan = Callable[
 ]
 # settle(log, index): the replay buffer's log into its index (broky.server.shard.replay)
 Settle = Callable[[bytearray, list[bytearray]], None]
+# gather(entries, segments, room, first) -> (frames joined, how many): a lagging reader's batch
+# from the replay buffer (broky.server.shard.replay, ReplayBuffer.gather)
+Gather = Callable[[bytes, dict[int, Any], int, bool], tuple[bytes, int]]
 
 
 def pure_requested() -> bool:
     return os.environ.get(ENV_PURE, "") not in ("", "0")
 
 
-def _load() -> tuple[Scan | None, Settle | None, str]:
+def _load() -> tuple[Scan | None, Settle | None, Gather | None, str]:
     if pure_requested():
-        return None, None, f"pure Python ({ENV_PURE} is set)"
+        return None, None, None, f"pure Python ({ENV_PURE} is set)"
     try:
         from broky.server.shard import _feedscan
     except ImportError as exc:
         return (
             None,
             None,
+            None,
             f"pure Python: the compiled fast path is not built ({exc}); reinstall with a C compiler",
         )
     if getattr(_feedscan, "VERSION", None) != VERSION:
-        return None, None, "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)"
+        return (
+            None,
+            None,
+            None,
+            "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)",
+        )
     try:
         _feedscan.configure(layout, MIN_FRAME_SIZE)
     except ValueError as exc:
-        return None, None, f"pure Python: {exc}"
-    return _feedscan.scan, _feedscan.settle, "compiled"
+        return None, None, None, f"pure Python: {exc}"
+    return _feedscan.scan, _feedscan.settle, _feedscan.gather, "compiled"
 
 
-compiled_scan, compiled_settle, description = _load()
+compiled_scan, compiled_settle, compiled_gather, description = _load()
 
 
 def warning() -> str | None:

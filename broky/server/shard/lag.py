@@ -350,50 +350,27 @@ class Lag:
         self, vb: int, at: int, stop: int, room: int, budget: int, out: list[bytes | bytearray]
     ) -> tuple[int, int, int, bool]:
         """Queue the retained messages of vb from offset `at` (retained) up to `stop`, within
-        `room` bytes and `budget` messages: (bytes, messages, room left, full)."""
+        `room` bytes and `budget` messages, as one joined chunk per LAG_CHUNK (the replay
+        buffer's `gather`, compiled with the read path): (bytes, messages, room left, full)."""
         replay = self.core.replay
         assert replay is not None
         queued = sent = 0
         full = False
         while at < stop and budget > 0:
-            chunk = replay.read(vb, at, min(stop, at + min(budget, LAG_CHUNK)))
-            if not chunk:
+            want = min(stop, at + min(budget, LAG_CHUNK)) - at
+            chunk, n = replay.gather(vb, at, at + want, room, not out)
+            if not n:
+                full = bool(out)  # the next one does not fit (or nothing is retained here)
                 break
-            q, s, room, full = self.append(chunk, room, out)
-            queued += q
-            sent += s
-            budget -= s
-            at += s
-            if full:
-                break
-        return queued, sent, room, full
-
-    @staticmethod
-    def append(
-        chunk: list[tuple[bytearray | bytes, int, int]], room: int, out: list[bytes | bytearray]
-    ) -> tuple[int, int, int, bool]:
-        """Queue the leading messages of `chunk` that fit in `room` (adjacent ones as one
-        slice): (bytes, messages, room left, full)."""
-        run: bytearray | bytes | None = None
-        run_start = run_end = 0
-        queued = sent = 0
-        full = False
-        for segment, pos, end in chunk:
-            size = end - pos
-            if size > room and (sent or out):
+            out.append(chunk)
+            room -= len(chunk)
+            queued += len(chunk)
+            sent += n
+            budget -= n
+            at += n
+            if n < want:
                 full = True
                 break
-            room -= size
-            queued += size
-            sent += 1
-            if segment is run and pos == run_end:
-                run_end = end
-            else:
-                if run is not None:
-                    out.append(run[run_start:run_end])
-                run, run_start, run_end = segment, pos, end
-        if run is not None:
-            out.append(run[run_start:run_end])
         return queued, sent, room, full
 
     def behind_vbuckets(self, c: Connection) -> list[int]:

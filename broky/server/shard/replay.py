@@ -83,7 +83,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broky.protocol import VBUCKETS
 from broky.protocol.layout import TS_BROKER_AT
@@ -105,6 +105,8 @@ LOG_BYTES = 256 << 10
 TRIM_PHASES = 4
 # settle(log, index): the compiled twin of ReplayBuffer.settle's loop (broky.server.shard._feedscan).
 Settle = Callable[[bytearray, list[bytearray]], None]
+# gather(entries, segments, room, first): the compiled twin of `gather_entries`.
+Gather = Callable[[bytes, dict[int, Any], int, bool], tuple[bytes, int]]
 
 
 class ReplayBuffer:
@@ -118,6 +120,7 @@ class ReplayBuffer:
         clock: Callable[[], float] = time.monotonic,
         budget: Budget | None = None,
         settle: Settle | None = None,
+        gather: Gather | None = None,
     ) -> None:
         """settle: the compiled twin of `settle`'s loop (broky.server.shard.fastpath), or None for
         the Python one."""
@@ -137,6 +140,7 @@ class ReplayBuffer:
         self.index = [bytearray() for _ in range(VBUCKETS)]
         self.log = bytearray()  # (index entry, vbucket) of messages not yet in the index
         self.settle_with = settle
+        self.gather_with = gather  # the compiled `gather_entries`, or None
         self.evicted_messages = 0  # messages whose segment was evicted (counted when trimmed)
         self.trimmed_at = 1  # `live` when every index was last trimmed
         self.segments_refused = 0  # new segments not kept: the memory budget had no room at all
@@ -356,6 +360,25 @@ class ReplayBuffer:
             out.append((segment, pos, pos + 4 + _u32(segment, pos)[0]))
         return out
 
+    def gather(self, vb: int, start: int, stop: int, room: int, first: bool) -> tuple[bytes, int]:
+        """The retained messages of vb with offsets start <= offset < stop, in order, joined
+        while they fit in `room` bytes (the first one whatever its size if `first`), and how
+        many: a lagging reader's batch (broky.server.shard.lag). Offsets before `first(vb)` are
+        left out, as `read` leaves them."""
+        self._trim(vb)
+        index = self.index[vb]
+        if not index:
+            return b"", 0
+        base = self.base(vb)
+        lo = max(start, base) - base
+        hi = min(stop - base, len(index) // 8)
+        if lo >= hi:
+            return b"", 0
+        entries = bytes(index[8 * lo : 8 * hi])
+        if self.gather_with is not None:
+            return self.gather_with(entries, self.by_id, room, first)
+        return gather_entries(entries, self.by_id, room, first)
+
     def ts_at(self, vb: int, offset: int) -> int:
         """ts_broker of the retained message `offset` of vb."""
         self.settle()
@@ -382,4 +405,27 @@ class ReplayBuffer:
         return base + lo if lo < n else None
 
 
-__all__ = ["ReplayBuffer"]
+def gather_entries(
+    entries: bytes, segments: dict[int, bytearray | bytes], room: int, first: bool
+) -> tuple[bytes, int]:
+    """The reference of the compiled `gather` (broky.server.shard._feedscan): the frames the u64
+    index entries point at, joined while they fit in `room` (the first whatever its size if
+    `first`), and how many."""
+    parts: list[bytes | bytearray] = []
+    total = 0
+    for (entry,) in struct.iter_unpack("<Q", entries):
+        segment = segments.get(entry >> SEGMENT_SHIFT)
+        if segment is None:
+            raise ValueError("gather(): an entry names a segment that is not retained")
+        pos = entry & 0xFFFFFFFF
+        if pos + 4 > len(segment) or pos + 4 + _u32(segment, pos)[0] > len(segment):
+            raise ValueError("gather(): an entry points past its segment")
+        size = 4 + _u32(segment, pos)[0]
+        if total + size > room and not (first and not parts):
+            break
+        parts.append(segment[pos : pos + size])
+        total += size
+    return b"".join(parts), len(parts)
+
+
+__all__ = ["ReplayBuffer", "gather_entries"]

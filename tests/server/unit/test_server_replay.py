@@ -4,6 +4,7 @@ in which order, what eviction and the age bound drop, lookups by offset and time
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from broky.protocol import encode_message
 from broky.protocol.layout import TS_BROKER_AT
 from broky.server.shard import fastpath
-from broky.server.shard.replay import LOG_BYTES, ReplayBuffer, Settle
+from broky.server.shard.replay import LOG_BYTES, ReplayBuffer, Settle, gather_entries
 from broky.server.shard.sequences import Sequences
 
 # Both settles: the Python loop and its compiled twin (when built).
@@ -266,3 +267,71 @@ def test_the_tick_trims_a_quarter_of_the_vbuckets_at_a_time_and_all_in_a_sweep()
     assert all(rb.gone_ts[vb] == 1000 + gone - 1 for vb in vbs)  # the newest evicted message's time
     rb.trim_some()  # nothing went since: nothing to do
     assert rb.trim_phase == 0 and rb.evicted_messages == gone * len(vbs)
+
+
+@st.composite
+def gather_cases(draw: st.DrawFn) -> tuple[bytes, dict[int, Any], int, bool]:
+    """Segments of size-prefixed frames (bytearray or bytes), index entries pointing at some
+    of their frames in any order (a few of them broken: past a segment's end, or a segment not
+    retained), a room and whether the first must be taken."""
+    segments: dict[int, Any] = {}
+    starts: list[tuple[int, int]] = []
+    for seg_id in draw(st.lists(st.integers(0, 1 << 20), min_size=1, max_size=4, unique=True)):
+        frames = draw(st.lists(st.binary(max_size=40), min_size=1, max_size=8))
+        data, pos = bytearray(), 0
+        for f in frames:
+            starts.append((seg_id, pos))
+            data += struct.pack("<I", len(f)) + f
+            pos += 4 + len(f)
+        segments[seg_id] = data if draw(st.booleans()) else bytes(data)
+    picked = draw(st.lists(st.sampled_from(starts), max_size=20))
+    if draw(st.integers(0, 9)) == 0:  # an entry past its segment's end
+        seg_id = draw(st.sampled_from(sorted(segments)))
+        picked.append((seg_id, len(segments[seg_id]) - draw(st.integers(0, 3))))
+    if draw(st.integers(0, 9)) == 0:  # an entry of a segment no longer retained
+        picked.append((max(segments) + 1, 0))
+    entries = b"".join(struct.pack("<Q", seg << 32 | pos) for seg, pos in picked)
+    return entries, segments, draw(st.integers(0, 400)), draw(st.booleans())
+
+
+@pytest.mark.skipif(fastpath.compiled_gather is None, reason=fastpath.description)
+@settings(max_examples=300, deadline=None)
+@given(case=gather_cases())
+def test_the_compiled_gather_joins_the_frames_as_the_python_reference_does(
+    case: tuple[bytes, dict[int, Any], int, bool],
+) -> None:
+    entries, segments, room, first = case
+    compiled = fastpath.compiled_gather
+    assert compiled is not None
+    try:
+        expected: object = gather_entries(entries, segments, room, first)
+    except ValueError as exc:
+        expected = ("ValueError", str(exc))
+    try:
+        got: object = compiled(entries, segments, room, first)
+    except ValueError as exc:
+        got = ("ValueError", str(exc))
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "compiled",
+    [False, pytest.param(True, marks=pytest.mark.skipif(fastpath.compiled_gather is None, reason="-"))],
+)
+def test_gather_reads_what_read_reads_within_its_room(compiled: bool) -> None:
+    rb = ReplayBuffer(1 << 30, Sequences(), gather=fastpath.compiled_gather if compiled else None)
+    seqs = rb.seqs
+    frames = [struct.pack("<I", n) + bytes(n) for n in (5, 10, 15, 20)]
+    seg = rb.retain(bytearray(b"".join(frames)), 1)
+    pos = 0
+    for f in frames:
+        offset = seqs.take(3)
+        assert offset >= 1
+        rb.record(3, seg, pos)
+        pos += len(f)
+    assert rb.gather(3, 1, 5, 1 << 20, False) == (b"".join(frames), 4)
+    assert rb.gather(3, 2, 4, 1 << 20, False) == (frames[1] + frames[2], 2)
+    assert rb.gather(3, 1, 5, len(frames[0]) + len(frames[1]), False) == (frames[0] + frames[1], 2)
+    assert rb.gather(3, 1, 5, 0, False) == (b"", 0)
+    assert rb.gather(3, 1, 5, 0, True) == (frames[0], 1)  # the first, whatever its size
+    assert rb.gather(4, 1, 5, 1 << 20, True) == (b"", 0)  # nothing retained there
