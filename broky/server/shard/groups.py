@@ -992,7 +992,7 @@ class Groups:
         """m's connection can take `size` more bytes within its pending bound (never while
         it lags: broky.server.shard.lag serves it from the replay buffer then)."""
         t = m.conn
-        if getattr(t, "lag", None) is not None:
+        if t.lag is not None:
             return False
         if t.base + t.unflushed + size <= t.cap:
             return True

@@ -36,7 +36,9 @@ What it is owed. Two forms (connection.LagCursor):
 Catching up (`pump`), paced by the connection's drain as a bounded read is
 (broky.server.shard.positions): a batch queues at most LAG_SCAN messages and at
 most up to the connection's window (LAG_WINDOW, or its bound if smaller), as
-bare Message frames, round robin over the vbuckets; the next batch follows on
+bare Message frames (joined from the buffer's index by `ReplayBuffer.gather`,
+compiled with the read path), going down the list of the vbuckets it is behind
+in (found once per pass over them: `behind_vbuckets`); the next batch follows on
 the loop's next turn while there is room, else when the transport drains to
 its low-water mark (`Shard.drained`), or on Resume (a paused client).
 While it lags the transport's water marks are the window's: a reader that
