@@ -20,6 +20,10 @@
  * stays the reference and handles every rare case; tests/server/unit/test_server_feed_twin.py
  * holds this twin to it (same bytes in, same deliveries, drops and errors out).
  *
+ * note() is the compiled twin of Lag.missed's loop (broky.server.shard.lag): it notes
+ * the offsets a lagging connection was refused, per vbucket, as ranges
+ * (tests/server/unit/test_server_lag.py holds it to the Python loop).
+ *
  * settle() is the compiled twin of ReplayBuffer.settle's loop: it moves the
  * log's entries into their vbuckets' indexes (tests/server/unit/test_server_replay.py holds
  * it to the Python loop).
@@ -36,7 +40,7 @@
 
 #include "../../protocol/_layout.h"
 
-#define FEEDSCAN_VERSION 7
+#define FEEDSCAN_VERSION 8
 #define VBUCKETS 1024
 #define SEQ_ENTRY 32 /* broky.server.shard.sequences.ENTRY_BYTES: epoch, next offset, last and first stamp */
 
@@ -484,6 +488,169 @@ done:
     return Py_BuildValue("(Nn)", out, n);
 }
 
+PyDoc_STRVAR(note_doc,
+"note(buf, start, end, owed, epochs) -> None\n\n"
+"Lag.missed's loop (broky.server.shard.lag): for each stamped Message frame of buf[start:end],\n"
+"note its offset in owed[vbucket], a list of [first, stop) ranges as two-item lists: the last\n"
+"range grows when the offset is its stop, else a range is appended; a vbucket not in `owed`\n"
+"gets its first range, and epochs[vbucket] the frame's epoch.");
+
+/* owed[vb]'s last range gets `stop` as its end. */
+static int
+set_stop(PyObject *range, uint64_t stop)
+{
+    PyObject *v = PyLong_FromUnsignedLongLong(stop);
+    if (v == NULL) {
+        return -1;
+    }
+    return PyList_SetItem(range, 1, v); /* steals v */
+}
+
+/* A [first, stop] range of PyLongs, as a new list. */
+static PyObject *
+new_range(uint64_t first, uint64_t stop)
+{
+    PyObject *range = Py_BuildValue("[KK]", (unsigned long long)first, (unsigned long long)stop);
+    return range;
+}
+
+static PyObject *
+note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "note() takes 5 arguments");
+        return NULL;
+    }
+    if (!configured) {
+        PyErr_SetString(PyExc_RuntimeError, "note(): configure() first");
+        return NULL;
+    }
+    PyObject *buf = args[0], *owed = args[3], *epochs = args[4];
+    if (!PyByteArray_CheckExact(buf) || !PyDict_CheckExact(owed) || !PyDict_CheckExact(epochs)) {
+        PyErr_SetString(PyExc_TypeError, "note(bytearray, start, end, dict, dict)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || end == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (start < 0 || end > PyByteArray_GET_SIZE(buf) || start > end) {
+        PyErr_SetString(PyExc_ValueError, "note(): start and end must lie within buf");
+        return NULL;
+    }
+    /* The position's last byte: a frame shorter than that is not a stamped Message. */
+    Py_ssize_t need = layout.vbucket_at + 2;
+    if (layout.offset_at + 8 > need) {
+        need = layout.offset_at + 8;
+    }
+    if (layout.epoch_at + 8 > need) {
+        need = layout.epoch_at + 8;
+    }
+    /* The range being grown (a new reference) and its stop, kept in C while consecutive
+       frames extend it: written back when the vbucket changes, a gap opens, or at the end. */
+    PyObject *range = NULL;
+    uint64_t stop = 0, current = UINT64_MAX;
+    int dirty = 0;
+    Py_ssize_t pos = start;
+    while (pos < end) {
+        /* The bytearray neither moves nor changes here: the calls below build lists and
+           ints and store them in dicts of int keys, which run no Python code. */
+        const unsigned char *f = (const unsigned char *)PyByteArray_AS_STRING(buf) + pos;
+        if (end - pos < 4) {
+            goto truncated;
+        }
+        Py_ssize_t size = (Py_ssize_t)(4 + u32_at(f));
+        if (size > end - pos || size < need) {
+            goto truncated;
+        }
+        uint64_t vb = (uint64_t)f[layout.vbucket_at] | ((uint64_t)f[layout.vbucket_at + 1] << 8);
+        uint64_t offset = u64_at(f + layout.offset_at);
+        if (vb == current && stop == offset) {
+            stop = offset + 1;
+            dirty = 1;
+            pos += size;
+            continue;
+        }
+        if (dirty && set_stop(range, stop) < 0) {
+            goto fail;
+        }
+        dirty = 0;
+        Py_CLEAR(range);
+        PyObject *key = PyLong_FromUnsignedLongLong(vb);
+        if (key == NULL) {
+            goto fail;
+        }
+        PyObject *ranges = PyDict_GetItemWithError(owed, key); /* borrowed */
+        if (ranges == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(key);
+                goto fail;
+            }
+            PyObject *epoch = PyLong_FromUnsignedLongLong(u64_at(f + layout.epoch_at));
+            range = new_range(offset, offset + 1);
+            ranges = PyList_New(1);
+            int rc = (epoch == NULL || range == NULL || ranges == NULL) ? -1 : 0;
+            if (rc == 0) {
+                Py_INCREF(range);
+                PyList_SET_ITEM(ranges, 0, range);
+                rc = PyDict_SetItem(owed, key, ranges);
+            }
+            if (rc == 0) {
+                rc = PyDict_SetItem(epochs, key, epoch);
+            }
+            Py_XDECREF(epoch);
+            Py_XDECREF(ranges);
+            Py_DECREF(key);
+            if (rc < 0) {
+                goto fail;
+            }
+        } else {
+            Py_DECREF(key);
+            Py_ssize_t n = PyList_Check(ranges) ? PyList_GET_SIZE(ranges) : 0;
+            PyObject *last = n ? PyList_GET_ITEM(ranges, n - 1) : NULL;
+            if (last == NULL || !PyList_CheckExact(last) || PyList_GET_SIZE(last) != 2) {
+                PyErr_SetString(PyExc_TypeError, "note(): owed holds a non-empty list of [first, stop] lists per vbucket");
+                goto fail;
+            }
+            unsigned long long last_stop = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(last, 1));
+            if (last_stop == (unsigned long long)-1 && PyErr_Occurred()) {
+                goto fail;
+            }
+            if (last_stop == offset) {
+                Py_INCREF(last);
+                range = last;
+                dirty = 1;
+            } else {
+                range = new_range(offset, offset + 1);
+                if (range == NULL || PyList_Append(ranges, range) < 0) {
+                    goto fail;
+                }
+            }
+        }
+        current = vb;
+        stop = offset + 1;
+        pos += size;
+    }
+    if (dirty && set_stop(range, stop) < 0) {
+        goto fail;
+    }
+    Py_XDECREF(range);
+    Py_RETURN_NONE;
+truncated:
+    PyErr_SetString(PyExc_ValueError, "note(): buf[start:end] is not whole stamped Message frames");
+fail:
+    if (dirty && range != NULL) { /* what was noted stays noted, as in the Python loop */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (set_stop(range, stop) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, traceback);
+    }
+    Py_XDECREF(range);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"configure", (PyCFunction)configure, METH_VARARGS,
      "configure(layout, min_frame_size): the canonical layout's positions, read by name from `layout`\n"
@@ -493,6 +660,7 @@ static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL, scan_doc},
     {"settle", (PyCFunction)(void (*)(void))settle, METH_FASTCALL, settle_doc},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, gather_doc},
+    {"note", (PyCFunction)(void (*)(void))note, METH_FASTCALL, note_doc},
     {NULL, NULL, 0, NULL},
 };
 

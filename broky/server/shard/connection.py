@@ -296,10 +296,12 @@ class LagCursor:
     (the next offset to send) and `epochs[vb]` its epoch; nothing per message. Any other
     connection is owed only the messages routed to it: `owed[vb]` lists them as ranges of
     offsets [start, stop), appended as they are refused, about 130 bytes a range in CPython
-    (a vbucket's messages of one key_partition are consecutive offsets, one range)."""
+    (a vbucket's messages of one key_partition are consecutive offsets, one range); the
+    ranges the buffer evicted are trimmed at the worker's tick, and kept as a count per
+    vbucket, `gone[vb]`, until they are told."""
 
     __slots__ = (
-        "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "since", "served",
+        "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "gone", "since", "served",
         "evicted", "scheduled", "pending", "next_vb", "progress",
     )  # fmt: skip
 
@@ -310,6 +312,8 @@ class LagCursor:
         self.tracked = b""  # sealed: 1 for the vbuckets it was owed (accepted or former) then
         self.owed: dict[int, list[list[int]]] = {}  # vb -> ranges [start, stop) of offsets owed
         self.owed_epochs: dict[int, int] = {}  # vb -> the epoch of its owed offsets
+        # vb -> [count, first, last, epoch]: owed offsets the buffer evicted, not told yet
+        self.gone: dict[int, list[int]] = {}
         self.since = since  # monotonic: when it began lagging
         self.served = 0  # messages sent to it from the replay buffer
         self.evicted = 0  # messages it was owed that the buffer evicted first (told)

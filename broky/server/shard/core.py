@@ -346,7 +346,8 @@ class Shard:
         self.grace = Grace(self)
         self.positions = Positions(self)
         self.groups = Groups(self)
-        self.lag = Lag(self)  # lagging connections: fed from the replay buffer
+        # Lagging connections: fed from the replay buffer.
+        self.lag = Lag(self, fastpath.compiled_note if self.scan is not None else None)
         # No more attributes here: see SHARD_ATTRIBUTES.
         self.take_map(vmap)
 

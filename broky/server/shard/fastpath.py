@@ -25,7 +25,7 @@ from broky.protocol import layout
 from broky.protocol.framing import MIN_FRAME_SIZE
 
 ENV_PURE = "BROKY_PURE_PYTHON"
-VERSION = 7  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
+VERSION = 8  # the _feedscan.c interface this code calls (its FEEDSCAN_VERSION)
 
 # scan(data, pos, buf, t0, routes, max_frame, runs, seqs, log, index, seg)
 #   -> (pos, buf, published, unmatched)
@@ -38,19 +38,23 @@ Settle = Callable[[bytearray, list[bytearray]], None]
 # gather(entries, segments, room, first) -> (frames joined, how many): a lagging reader's batch
 # from the replay buffer (broky.server.shard.replay, ReplayBuffer.gather)
 Gather = Callable[[bytes, dict[int, Any], int, bool], tuple[bytes, int]]
+# note(buf, start, end, owed, epochs): a lagging connection's refused offsets noted as ranges
+# per vbucket (broky.server.shard.lag, Lag.missed)
+Note = Callable[[bytearray, int, int, dict[int, list[list[int]]], dict[int, int]], None]
 
 
 def pure_requested() -> bool:
     return os.environ.get(ENV_PURE, "") not in ("", "0")
 
 
-def _load() -> tuple[Scan | None, Settle | None, Gather | None, str]:
+def _load() -> tuple[Scan | None, Settle | None, Gather | None, Note | None, str]:
     if pure_requested():
-        return None, None, None, f"pure Python ({ENV_PURE} is set)"
+        return None, None, None, None, f"pure Python ({ENV_PURE} is set)"
     try:
         from broky.server.shard import _feedscan
     except ImportError as exc:
         return (
+            None,
             None,
             None,
             None,
@@ -61,16 +65,17 @@ def _load() -> tuple[Scan | None, Settle | None, Gather | None, str]:
             None,
             None,
             None,
+            None,
             "pure Python: the compiled fast path is out of date; reinstall (pip install -e .)",
         )
     try:
         _feedscan.configure(layout, MIN_FRAME_SIZE)
     except ValueError as exc:
-        return None, None, None, f"pure Python: {exc}"
-    return _feedscan.scan, _feedscan.settle, _feedscan.gather, "compiled"
+        return None, None, None, None, f"pure Python: {exc}"
+    return _feedscan.scan, _feedscan.settle, _feedscan.gather, _feedscan.note, "compiled"
 
 
-compiled_scan, compiled_settle, compiled_gather, description = _load()
+compiled_scan, compiled_settle, compiled_gather, compiled_note, description = _load()
 
 
 def warning() -> str | None:

@@ -29,9 +29,13 @@ What it is owed. Two forms (connection.LagCursor):
   way). After the seal a refused delivery costs one attribute test.
 - *filtered* (any other): it is owed only what was routed to it, so each
   refused message is noted (`missed`): per vbucket, ranges of offsets, one per
-  run of consecutive offsets. It costs about 130 bytes per range and a parse per
-  refused message while it lags; its catch-up reads exactly those offsets, no
-  scan, and what the buffer evicted of them is counted exactly.
+  run of consecutive offsets. It costs about 130 bytes per range and, per
+  refused message, a look at its position (compiled with the read path:
+  `note_missed` is the reference); its catch-up reads exactly those offsets, no
+  scan, and what the buffer evicted of them is counted exactly. What the buffer
+  evicts of a reader's ranges is trimmed at the worker's tick (`trim`) and kept
+  as a count per vbucket until it is told, so a reader that reads nothing holds
+  ranges only for what is still retained.
 
 Catching up (`pump`), paced by the connection's drain as a bounded read is
 (broky.server.shard.positions): a batch queues at most LAG_SCAN messages and at
@@ -90,6 +94,7 @@ from broky.server.shard.sequences import ENTRY_WORDS
 from broky.server.shard.stats import DropReason
 
 if TYPE_CHECKING:
+    from broky.server.shard.fastpath import Note
     from broky.server.shard.part import ShardCore
 
 _u32 = struct.Struct("<I").unpack_from
@@ -111,6 +116,42 @@ def every_key(c: Connection) -> bool:
     return any(s.pattern == b">" and s.key_partition is None and s.member is None for s in c.subs.values())
 
 
+def note_missed(
+    buf: bytearray, start: int, end: int, owed: dict[int, list[list[int]]], epochs: dict[int, int]
+) -> None:
+    """Note the offsets of the stamped Messages buf[start:end] in `owed` (see LagCursor), and
+    a vbucket's epoch in `epochs` with its first range: the reference of the compiled `note`."""
+    pos = start
+    while pos < end:
+        vb = _u16(buf, pos + VBUCKET_AT)[0]
+        offset = _u64(buf, pos + OFFSET_AT)[0]
+        ranges = owed.get(vb)
+        if ranges is None:
+            owed[vb] = [[offset, offset + 1]]
+            epochs[vb] = _u64(buf, pos + EPOCH_AT)[0]
+        else:
+            last = ranges[-1]
+            if last[1] == offset:
+                last[1] = offset + 1
+            else:
+                ranges.append([offset, offset + 1])
+        pos += 4 + _u32(buf, pos)[0]
+
+
+def cut_below(ranges: list[list[int]], oldest: int) -> int:
+    """Cut the offsets below `oldest` (evicted) from `ranges`; how many they were."""
+    count = 0
+    while ranges and ranges[0][0] < oldest:
+        start, stop = ranges[0]
+        if stop <= oldest:
+            count += stop - start
+            ranges.pop(0)
+        else:
+            count += oldest - start
+            ranges[0][0] = oldest
+    return count
+
+
 def window(c: Connection) -> int:
     return min(c.limit, LAG_WINDOW)
 
@@ -119,11 +160,13 @@ class Lag:
     """The Shard's part that keeps lagging connections and feeds them from the replay
     buffer (`Shard.lag`), built with the core (broky.server.shard.part)."""
 
-    __slots__ = ("core", "lagging")
+    __slots__ = ("core", "lagging", "note")
 
-    def __init__(self, core: ShardCore) -> None:
+    def __init__(self, core: ShardCore, note: Note | None = None) -> None:
         self.core = core
         self.lagging: dict[int, Connection] = {}  # conn_id -> a lagging connection
+        # The compiled twin of `missed`'s loop (broky.server.shard.fastpath), or None.
+        self.note = note
 
     # ------------------------------------------------------------ beginning
 
@@ -148,22 +191,7 @@ class Lag:
         assert lag is not None
         if lag.open_from is not None:  # sealed, every key: its cursor says it all
             return 0
-        owed = lag.owed
-        pos = start
-        while pos < end:
-            vb = _u16(buf, pos + VBUCKET_AT)[0]
-            offset = _u64(buf, pos + OFFSET_AT)[0]
-            ranges = owed.get(vb)
-            if ranges is None:
-                owed[vb] = [[offset, offset + 1]]
-                lag.owed_epochs[vb] = _u64(buf, pos + EPOCH_AT)[0]
-            else:
-                last = ranges[-1]
-                if last[1] == offset:
-                    last[1] = offset + 1
-                else:
-                    ranges.append([offset, offset + 1])
-            pos += 4 + _u32(buf, pos)[0]
+        (self.note or note_missed)(buf, start, end, lag.owed, lag.owed_epochs)
         return 0
 
     def seal(self, c: Connection) -> None:
@@ -304,30 +332,36 @@ class Lag:
             lag.open_from[vb] = at + sent
             return queued + q, sent, room, full
         ranges = lag.owed.get(vb)
-        if ranges is None:  # served already (a list of an earlier batch names it)
-            return 0, 0, room, False
+        told = lag.gone.pop(vb, None)  # evicted, trimmed at a tick (`trim`), not told yet
+        if ranges is None:
+            if told is None:  # served already (a list of an earlier batch names it)
+                return 0, 0, room, False
+            notice = self.evicted(c, vb, told[3], told[1], told[0], through=told[2])
+            out.append(notice)
+            return len(notice), 0, room - len(notice), False
         epoch = lag.owed_epochs[vb]
+        if told is not None and told[3] != epoch:  # of an epoch before the one it is owed now
+            notice = self.evicted(c, vb, told[3], told[1], told[0], through=told[2])
+            out.append(notice)
+            queued += len(notice)
+            room -= len(notice)
+            told = None
         now = seqs.epoch_of(vb)
         if now != epoch:  # its sequence restarted: what it was owed of the old one is gone
-            gone = sum(stop - start for start, stop in ranges)
-            notice = self.notice(c, gone, LossReason.EPOCH_CHANGED, vb, epoch, ranges[0][0], now, 0)
+            gone = sum(stop - start for start, stop in ranges) + (told[0] if told else 0)
+            at = told[1] if told else ranges[0][0]
+            notice = self.notice(c, gone, LossReason.EPOCH_CHANGED, vb, epoch, at, now, 0)
             out.append(notice)
             del lag.owed[vb], lag.owed_epochs[vb]
-            return len(notice), 0, room - len(notice), False
+            return queued + len(notice), 0, room - len(notice), False
         first = replay.first(vb)
         oldest = seqs.next_of(vb) if first is None else first
-        gone = 0
-        lost_from = ranges[0][0]  # the first offset it was owed that is gone, if any
-        while ranges and ranges[0][0] < oldest:
-            start, stop = ranges[0]
-            if stop <= oldest:
-                gone += stop - start
-                ranges.pop(0)
-            else:
-                gone += oldest - start
-                ranges[0][0] = oldest
+        gone, lost_from, through = (told[0], told[1], told[2]) if told else (0, ranges[0][0], 0)
+        if ranges[0][0] < oldest:
+            gone += cut_below(ranges, oldest)
+            through = oldest - 1
         if gone:
-            notice = self.evicted(c, vb, epoch, lost_from, gone, through=oldest - 1)
+            notice = self.evicted(c, vb, epoch, lost_from, gone, through=through)
             out.append(notice)
             queued += len(notice)
             room -= len(notice)
@@ -380,7 +414,7 @@ class Lag:
         lag = c.lag
         assert lag is not None
         if lag.open_from is None:
-            return sorted(lag.owed)
+            return sorted(lag.owed.keys() | lag.gone.keys())
         assert lag.epochs is not None
         core = self.core
         seqs = core.seqs
@@ -493,7 +527,9 @@ class Lag:
         if lag is None:
             return 0
         if lag.open_from is None:
-            return sum(stop - start for ranges in lag.owed.values() for start, stop in ranges)
+            return sum(stop - start for ranges in lag.owed.values() for start, stop in ranges) + sum(
+                told[0] for told in lag.gone.values()
+            )
         seqs = self.core.seqs
         return sum(max(0, seqs.next_of(vb) - lag.open_from[vb]) for vb in self.behind_vbuckets(c))
 
@@ -508,7 +544,7 @@ class Lag:
         if replay is not None:
             for vb in self.behind_vbuckets(c):
                 first = replay.first(vb)
-                if first is None:
+                if first is None or (lag.open_from is None and vb not in lag.owed):
                     continue
                 at = max(first, lag.open_from[vb] if lag.open_from is not None else lag.owed[vb][0][0])
                 if at >= self.core.seqs.next_of(vb):
@@ -535,6 +571,8 @@ class Lag:
             lag = c.lag
             if lag is None or c.state != OPEN:
                 continue
+            if lag.open_from is None and lag.owed:
+                self.trim(c, lag)
             if now - lag.progress <= deadline or c.transport.get_write_buffer_size() <= window(c) >> 2:
                 continue
             if any(self.readable(c, vb) for vb in self.behind_vbuckets(c)):
@@ -560,8 +598,43 @@ class Lag:
             return False
         if lag.open_from is not None:
             return lag.open_from[vb] >= first
+        if vb in lag.gone:
+            return False
         ranges = lag.owed.get(vb)
         return not ranges or ranges[0][0] >= first
 
+    def trim(self, c: Connection, lag: LagCursor) -> None:
+        """A filtered reader's ranges the buffer evicted are forgotten here, at the tick, and
+        kept as a count per vbucket (`gone`) until they are told (`serve`): a reader that
+        reads nothing holds ranges for what is still retained only. A vbucket whose sequence
+        restarted is left to `serve` (EPOCH_CHANGED)."""
+        core = self.core
+        replay = core.replay
+        assert replay is not None
+        seqs = core.seqs
+        owed = lag.owed
+        gone = lag.gone
+        for vb in list(owed):
+            ranges = owed[vb]
+            epoch = lag.owed_epochs[vb]
+            if seqs.epoch_of(vb) != epoch:
+                continue
+            first = replay.first(vb)
+            oldest = seqs.next_of(vb) if first is None else first
+            if ranges[0][0] >= oldest:
+                continue
+            told = gone.get(vb)
+            if told is not None and told[3] != epoch:
+                continue  # (an older epoch's count waits for `serve` to tell it first)
+            lost_from = ranges[0][0]
+            count = cut_below(ranges, oldest)
+            if told is None:
+                gone[vb] = [count, lost_from, oldest - 1, epoch]
+            else:
+                told[0] += count
+                told[2] = oldest - 1
+            if not ranges:
+                del owed[vb], lag.owed_epochs[vb]
 
-__all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "every_key"]
+
+__all__ = ["LAG_SCAN", "LAG_WINDOW", "Lag", "cut_below", "every_key", "note_missed"]

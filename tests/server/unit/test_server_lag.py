@@ -10,15 +10,20 @@ there is told once per vbucket and gap with the exact count.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections import defaultdict
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broky.protocol import LossNotice, LossReason, Message, Subscribe, encode_message
+from broky.protocol.layout import EPOCH_AT
 from broky.server.shard import fastpath
 from broky.server.shard.connection import OPEN, Connection
 from broky.server.shard.core import Shard
+from broky.server.shard.lag import cut_below, note_missed
 from broky.server.shard.stats import DropReason
 from tests.support.shardkit import received, shard_with
 
@@ -246,3 +251,134 @@ def test_a_reader_that_resumes_after_its_lag_was_sealed_catches_up_with_no_drain
     turns(loop, sub)
     got, notices = by_vbucket(received(sub))
     assert notices == [] and sum(len(v) for v in got.values()) == 2000
+
+
+# ---------------------------------------------------------------- a stalled filtered reader
+
+
+def test_a_stalled_filtered_readers_evicted_ranges_are_trimmed_at_the_tick_and_told_exactly(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # A filtered reader that reads nothing notes the offsets it is refused; what the buffer
+    # evicts of them is trimmed at the worker's tick, kept as a count per vbucket, so its ranges
+    # never name an evicted offset, and told with the exact count when it reads on.
+    shard, publisher, (sub,) = shard_with(loop, [(b"a.>", None)], node_id="lag", replay_bytes=64 << 10)
+    kps = [b"p%d" % i for i in range(4)]
+    frames = frames_of(kps, 8000, 200, keys=[b"a.x", b"b.x", b"b.y"])  # a third of them its own
+    stalled(shard, sub, 10 * len(frames[0]))
+    replay = shard.replay
+    assert replay is not None
+    for i in range(0, len(frames), 400):
+        publish(shard, publisher, frames[i : i + 400])
+        lag = sub.lag
+        assert lag is not None and lag.open_from is None
+        shard.lag.tick(lag.progress)  # no cut: within --slow-consumer-deadline
+        for vb, ranges in lag.owed.items():
+            first = replay.first(vb)
+            assert first is not None and ranges[0][0] >= first, "an evicted offset is still noted"
+    lag = sub.lag
+    assert lag is not None and lag.gone, "the stall outlasted the buffer"
+    retained_mine = sum(stop - start for ranges in lag.owed.values() for start, stop in ranges)
+    assert retained_mine <= sum(replay.count(vb) for vb in lag.owed)
+    resume(shard, sub)
+    turns(loop, sub)
+    got, notices = by_vbucket(received(sub))
+    mine = sum(1 for i in range(8000) if (i // 4) % 3 == 0)
+    told = sum(n.dropped for n in notices)
+    assert sum(len(v) for v in got.values()) + told == mine  # exact: only its messages, once
+    assert all(n.reason == LossReason.EVICTED and n.at is not None and n.at.offset % 3 == 1 for n in notices)
+    assert len({n.at.vbucket for n in notices if n.at is not None}) == len(notices)  # once per vbucket
+    through: dict[int, int] = {}
+    for f in received(sub):  # what follows a notice comes after its gap
+        if isinstance(f, LossNotice) and f.through is not None:
+            through[f.through.vbucket] = f.through.offset
+        elif isinstance(f, Message):
+            assert f.offset > through.get(f.vbucket, -1)
+    assert len(through) == len(notices)
+    assert sub.dropped_total == told == shard.stats.dropped[DropReason.EVICTED]
+
+
+def test_a_stalled_filtered_reader_that_ends_counts_its_trimmed_ranges_in_its_account(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(b"a.>", None)], node_id="lag", replay_bytes=64 << 10)
+    frames = frames_of([b"p%d" % i for i in range(4)], 8000, 200, keys=[b"a.x", b"b.x", b"b.y"])
+    stalled(shard, sub, 10 * len(frames[0]))
+    for i in range(0, len(frames), 400):
+        publish(shard, publisher, frames[i : i + 400])
+        assert sub.lag is not None
+        shard.lag.tick(sub.lag.progress)
+    assert sub.lag is not None and sub.lag.gone
+    shard.lost(sub, None)
+    mine = sum(1 for i in range(8000) if (i // 4) % 3 == 0)
+    # Queued and kept: counted when it ended paused; owed, retained or trimmed: counted too.
+    assert sub.dropped_total == mine
+
+
+def _stamped(vb: int, epoch: int, offset: int, size: int) -> bytes:
+    frame = bytearray(encode_message(b"kp", b"k", b"x" * size, 1, 0, None))
+    struct.pack_into("<QQH", frame, EPOCH_AT, epoch, offset, vb)
+    return bytes(frame)
+
+
+_runs = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 6), st.integers(0, 40)),
+    min_size=1,
+    max_size=30,
+)
+
+
+@pytest.mark.skipif(fastpath.compiled_note is None, reason=fastpath.description)
+@settings(max_examples=300, deadline=None)
+@given(before=_runs, runs=_runs, cut=st.integers(0, 3))
+def test_the_compiled_note_keeps_the_ranges_the_python_reference_keeps(
+    before: list[tuple[int, int, int, int]], runs: list[tuple[int, int, int, int]], cut: int
+) -> None:
+    # (vbucket, gap before the run, run length, payload size): runs of consecutive offsets per
+    # vbucket, with gaps, over an owed state left by an earlier call.
+    note = fastpath.compiled_note
+    assert note is not None
+
+    def frames(spec: list[tuple[int, int, int, int]], nexts: dict[int, int]) -> bytearray:
+        out = bytearray()
+        for vb, gap, n, size in spec:
+            at = nexts.get(vb, 10) + gap
+            for offset in range(at, at + n):
+                out += _stamped(vb, 7 + vb, offset, size)
+            nexts[vb] = at + n
+        return out
+
+    nexts: dict[int, int] = {}
+    first, then = frames(before, nexts), frames(runs, nexts)
+    ref_owed: dict[int, list[list[int]]] = {}
+    ref_epochs: dict[int, int] = {}
+    c_owed: dict[int, list[list[int]]] = {}
+    c_epochs: dict[int, int] = {}
+    note_missed(first, 0, len(first), ref_owed, ref_epochs)
+    note(first, 0, len(first), c_owed, c_epochs)
+    for ranges in (*ref_owed.values(), *c_owed.values()):  # a tick trimmed some of them
+        cut_below(ranges, ranges[0][0] + cut) if len(ranges) > 1 else None
+    note_missed(then, 0, len(then), ref_owed, ref_epochs)
+    note(then, 0, len(then), c_owed, c_epochs)
+    assert c_owed == ref_owed and c_epochs == ref_epochs
+
+
+@pytest.mark.skipif(fastpath.compiled_note is None, reason=fastpath.description)
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=400), start=st.integers(0, 50))
+def test_the_compiled_note_refuses_what_is_not_whole_stamped_frames(data: bytes, start: int) -> None:
+    note = fastpath.compiled_note
+    assert note is not None
+    good = _stamped(3, 1, 5, 20)
+    buf = bytearray(good + data)
+    owed: dict[int, list[list[int]]] = {}
+    epochs: dict[int, int] = {}
+    try:
+        note(buf, 0, len(buf), owed, epochs)
+    except ValueError:
+        pass
+    assert owed[3][0] == [5, 6] and epochs == {3: 1}  # the whole frame before it is noted
+    with pytest.raises(ValueError):
+        note(buf, start + len(buf) + 1, len(buf), owed, epochs)
+    with pytest.raises(ValueError):
+        note(buf, 0, len(good) - 1, {}, {})
