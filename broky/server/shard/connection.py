@@ -295,7 +295,7 @@ class LagCursor:
     message of every vbucket from a point on: once sealed, `open_from[vb]` is that point
     (the next offset to send) and `epochs[vb]` its epoch; nothing per message. Any other
     connection is owed only the messages routed to it: `owed[vb]` lists them as ranges of
-    offsets [start, stop), appended as they are refused, about 130 bytes a range in CPython
+    offsets [start, stop), appended as they are refused, about 144 bytes a range in CPython
     (a vbucket's messages of one key_partition are consecutive offsets, one range); the
     ranges the buffer evicted are trimmed at the worker's tick, and kept as a count per
     vbucket, `gone[vb]`, until they are told."""

@@ -29,7 +29,7 @@ What it is owed. Two forms (connection.LagCursor):
   way). After the seal a refused delivery costs one attribute test.
 - *filtered* (any other): it is owed only what was routed to it, so each
   refused message is noted (`missed`): per vbucket, ranges of offsets, one per
-  run of consecutive offsets. It costs about 130 bytes per range and, per
+  run of consecutive offsets. It costs about 144 bytes per range and, per
   refused message, a look at its position (compiled with the read path:
   `note_missed` is the reference); its catch-up reads exactly those offsets, no
   scan, and what the buffer evicted of them is counted exactly. What the buffer
@@ -109,6 +109,14 @@ LAG_WINDOW = 4 << 20
 # Index entries taken from the replay buffer at once.
 LAG_CHUNK = 512
 _EVICTED = DropReason.EVICTED
+# What a filtered reader's range of owed offsets costs in CPython (a list of two ints and
+# its slot in its vbucket's list; measured): held in the memory budget as kind LAG_KIND.
+RANGE_BYTES = 144
+LAG_KIND = "lag"
+
+
+def _bytes_held(held: tuple[int, Connection]) -> int:
+    return held[0]
 
 
 def every_key(c: Connection) -> bool:
@@ -561,18 +569,25 @@ class Lag:
 
     def tick(self, now: float) -> None:
         """A lagging connection that made no progress for --slow-consumer-deadline while
-        the buffer evicted everything it was owed is cut (see the header)."""
+        the buffer evicted everything it was owed is cut (see the header). The filtered
+        readers' ranges are trimmed of what the buffer evicted, and held in the budget."""
         core = self.core
         replay = core.replay
-        if replay is None or not self.lagging:
+        if replay is None:
+            return
+        if not self.lagging:
+            if core.budget.taken.get(LAG_KIND):
+                self.hold([])
             return
         deadline = core.config.slow_consumer_deadline
+        held: list[tuple[int, Connection]] = []
         for c in list(self.lagging.values()):
             lag = c.lag
             if lag is None or c.state != OPEN:
                 continue
             if lag.open_from is None and lag.owed:
                 self.trim(c, lag)
+                held.append((RANGE_BYTES * sum(len(ranges) for ranges in lag.owed.values()), c))
             if now - lag.progress <= deadline or c.transport.get_write_buffer_size() <= window(c) >> 2:
                 continue
             if any(self.readable(c, vb) for vb in self.behind_vbuckets(c)):
@@ -585,6 +600,40 @@ class Lag:
                 "and the replay buffer evicted the oldest it was owed: it can no longer catch up (a resume "
                 "by positions is told exactly what is gone, one without by the connection's account)",
             )
+        self.hold([(n, c) for n, c in held if c.state == OPEN])
+
+    def hold(self, held: list[tuple[int, Connection]]) -> None:
+        """The filtered readers' ranges (`held`: their bytes, each reader) in the memory
+        budget, as kind "lag": when the share has no room for them, the readers whose
+        ranges take the most are cut, told as SLOW_CONSUMER (their accounts count what they
+        were owed), until the rest fit. The pending bytes come first: they are owed too,
+        and a cut reader's ranges are what it would have been sent."""
+        core = self.core
+        budget = core.budget
+        total = sum(n for n, _ in held)
+        was = budget.taken.get(LAG_KIND, 0)
+        if total <= was:
+            budget.give(LAG_KIND, was - total)
+            return
+        if budget.take(LAG_KIND, total - was):
+            return
+        room = budget.share - budget.used() + was  # what the ranges may hold
+        stats = core.stats
+        for n, c in sorted(held, key=_bytes_held, reverse=True):
+            if total <= room:
+                break
+            total -= n
+            stats.budget_cuts += 1
+            stats.budget_cut_bytes += n
+            core.fatal(
+                c,
+                ErrorCode.SLOW_CONSUMER,
+                f"lagging, {self.behind(c)} messages behind, and the offsets it is owed take {n} bytes: "
+                "more than the memory budget has room for (a resume by positions is told exactly what "
+                "is gone, one without by the connection's account)",
+            )
+        budget.give(LAG_KIND, was)
+        budget.take(LAG_KIND, min(total, max(0, budget.share - budget.used())))
 
     def readable(self, c: Connection, vb: int) -> bool:
         """Whether the buffer still holds the oldest message c is owed of vb (the eviction

@@ -23,7 +23,7 @@ from broky.protocol.layout import EPOCH_AT
 from broky.server.shard import fastpath
 from broky.server.shard.connection import OPEN, Connection
 from broky.server.shard.core import Shard
-from broky.server.shard.lag import cut_below, note_missed
+from broky.server.shard.lag import RANGE_BYTES, cut_below, note_missed
 from broky.server.shard.stats import DropReason
 from tests.support.shardkit import received, shard_with
 
@@ -382,3 +382,38 @@ def test_the_compiled_note_refuses_what_is_not_whole_stamped_frames(data: bytes,
         note(buf, start + len(buf) + 1, len(buf), owed, epochs)
     with pytest.raises(ValueError):
         note(buf, 0, len(good) - 1, {}, {})
+
+
+def test_a_filtered_readers_ranges_count_in_the_memory_budget_and_past_its_room_it_is_cut(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # Two stalled filtered readers whose messages interleave with others' (a range per message);
+    # the ranges are held in the budget as kind "lag"; with a share too small for both, the one
+    # whose ranges take the most is cut (SLOW_CONSUMER), its account exact; the other stays.
+    shard, publisher, (big, small) = shard_with(
+        loop, [(b"a.>", None), (b"a.x", None)], node_id="lag", replay_bytes=4 << 20
+    )
+    frames = frames_of([b"p0"], 6000, 50, keys=[b"a.x", b"b.x", b"a.y"])  # big: 2 of 3, small: 1 of 3
+    for c in (big, small):
+        stalled(shard, c, 4 * len(frames[0]))
+    publish(shard, publisher, frames)
+    assert big.lag is not None and small.lag is not None
+    shard.lag.tick(big.lag.progress)
+    budget = shard.budget
+    ranges = [sum(len(r) for r in c.lag.owed.values()) for c in (big, small) if c.lag is not None]
+    assert budget.taken["lag"] == RANGE_BYTES * sum(ranges) > 0
+    budget.give("lag", budget.taken["lag"])  # (as if nothing were held yet: the next tick takes)
+    assert budget.take("other", budget.share - budget.used() - RANGE_BYTES * ranges[1] - 1)  # room: small's
+    shard.lag.tick(small.lag.progress)
+    assert big.state != OPEN and small.state == OPEN
+    assert shard.stats.budget_cuts == 1
+    assert budget.taken["lag"] == RANGE_BYTES * ranges[1]
+    behind = shard.lag.behind(big)
+    shard.lost(big, None)  # (its transport closes)
+    assert behind == 4000 - 4 and big.dropped_total == behind  # what it was owed: in its account
+    resume(shard, small)
+    turns(loop, small)
+    shard.lag.tick(0.0)
+    assert budget.taken["lag"] == 0  # nothing lags: given back
+    got = [f for f in received(small) if isinstance(f, Message)]
+    assert len(got) == 2000 and not [f for f in received(small) if isinstance(f, LossNotice)]
