@@ -26,7 +26,10 @@ answer it exactly, someone must still know, for that connection:
              whose loss this connection is to be told of if the worker dies
              (it carries the groups' teller, broky.server.shard.groups): told as
              WORKER_RESTART to a claim of a dead worker's account, and nothing
-             to a live worker's (the group still has them);
+             to a live worker's (the group still has them); it also holds what
+             the connection is owed while it lags (broky.server.shard.lag: kept
+             for it in the replay buffer, not sent yet), which a live worker
+             moves into `dropped` when the connection ends;
   group_lost messages its groups lost for good while it carried their teller
              (kept for a member that did not come back within ack_wait, or
              delivered max_deliveries times with no member left to tell):

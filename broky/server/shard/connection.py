@@ -155,6 +155,7 @@ class Connection(asyncio.Protocol):
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
         # Its groups' messages kept for nobody yet, and lost for good, while it carries their
         # teller (broky.server.shard.groups): in its account, for a claim after the worker died.
+        # `group_owed` also counts what it is owed while it lags (broky.server.shard.lag).
         self.group_owed = 0
         self.group_lost = 0
         # Its user (--users; None: none, or the server's token) and, when that user's
@@ -301,8 +302,8 @@ class LagCursor:
     vbucket, `gone[vb]`, until they are told."""
 
     __slots__ = (
-        "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "gone", "since", "served",
-        "evicted", "scheduled", "pending", "next_vb", "progress",
+        "every_key", "open_from", "epochs", "tracked", "owed", "owed_epochs", "gone", "count", "since",
+        "served", "evicted", "scheduled", "pending", "next_vb", "progress",
     )  # fmt: skip
 
     def __init__(self, every_key: bool, since: float) -> None:
@@ -314,6 +315,9 @@ class LagCursor:
         self.owed_epochs: dict[int, int] = {}  # vb -> the epoch of its owed offsets
         # vb -> [count, first, last, epoch]: owed offsets the buffer evicted, not told yet
         self.gone: dict[int, list[int]] = {}
+        # Messages it is owed (refused, not yet sent nor told), also in the connection's
+        # `group_owed`: its account's owed word, told to a claim if the worker dies.
+        self.count = 0
         self.since = since  # monotonic: when it began lagging
         self.served = 0  # messages sent to it from the replay buffer
         self.evicted = 0  # messages it was owed that the buffer evicted first (told)

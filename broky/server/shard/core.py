@@ -796,7 +796,7 @@ class Shard:
         if c.state != OPEN:
             return 0
         if c.lag is not None:  # it lags: owed, read from the replay buffer as it drains
-            return self.lag.missed(c, buf, start, end)
+            return self.lag.missed(c, buf, start, end, count)
         if c.cap < 0:
             self.reopen(c, 4 + _u32(buf, start)[0])
         room = c.cap - c.base - c.unflushed
@@ -819,7 +819,7 @@ class Shard:
         lost = count - fit
         if self.replay is not None and c.subs:
             # With a replay buffer nothing is dropped: c lags (broky.server.shard.lag).
-            self.lag.enter(c, buf, cut, end)
+            self.lag.enter(c, buf, cut, end, lost)
             return fit
         c.dropped += lost
         c.dropped_total += lost
@@ -1188,7 +1188,9 @@ class Shard:
             c.msgs_out -= kept  # queued, never sent: a drop, told on resume (broky.server.accounts)
             c.dropped_total += kept
         if c.lag is not None:  # what it was still owed: never sent on it (a drop, for its account)
-            owed = self.lag.behind(c)
+            owed = c.lag.count
+            c.lag.count = 0
+            c.group_owed -= owed  # (owed by this worker while it lagged: see broky.server.shard.lag)
             self.stats.dropped[DropReason.SLOW_CONSUMER] += owed
             c.dropped_total += owed
         c.state = CLOSED

@@ -62,9 +62,10 @@ counted in the connection's account (`dropped_total`, as a drop) and in
 DropReason.EVICTED. The count is exact in both forms: every key's are all the
 offsets of the gap, a filtered one's the noted offsets the gap holds. A vbucket
 whose sequence restarted under a new epoch while it lagged (a failover, a move
-that timed out) is told EPOCH_CHANGED with the offsets it was owed of the old
-epoch that the buffer still knew of when it dropped them (0 when none), and
-read on from the new epoch's first offset.
+that timed out) is told EPOCH_CHANGED with how many it was owed of the old
+epoch (every key: from its cursor to where the old sequence ended here; a
+filtered one: its noted offsets), and read on from the new epoch's first
+offset.
 
 A reader that never reads costs, besides what was queued to it before it
 began to lag (up to its bound, as before), its cursor: no further copies. It
@@ -75,6 +76,18 @@ is behind in, the oldest message it is owed (`tick`). A client that resumes
 by positions is then told exactly what is gone (schema/README.md 5.1); one
 that does not is told by the connection's account, which counts what it was
 still owed when it ended (`Shard.lost`).
+
+Owed, counted. A lagging connection's `LagCursor.count` is how many messages
+it is owed: each refused message counts (`missed`: the run's count, one add),
+each sent or told one no longer does (`settle`). The same count is in its
+account's owed word (broky.server.accounts, via `group_owed`), committed with
+every read and batch: should the worker die, a client that claims the account
+is told those as WORKER_RESTART; on a live worker they go into its drops when
+the connection ends (`Shard.lost`). A vbucket whose sequence restarted while
+it lagged is told with what it was owed of the old epoch (`Sequences.ended`
+says where that one ended here). Anything still counted when it is live again
+(a vbucket whose history left this worker meanwhile) is told then, as
+SLOW_CONSUMER: what it received and was told always add up.
 
 Replay off (--replay-bytes 0): nothing lags; `squeeze` drops and tells
 SLOW_CONSUMER as before.
@@ -178,8 +191,9 @@ class Lag:
 
     # ------------------------------------------------------------ beginning
 
-    def enter(self, c: Connection, buf: bytearray, start: int, end: int) -> None:
-        """c met its bound at buf[start:end] (stamped messages, refused): it lags from here."""
+    def enter(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> None:
+        """c met its bound at buf[start:end] (`count` stamped messages, refused): it lags from
+        here."""
         now = _monotonic()
         lag = c.lag = LagCursor(every_key(c), now)
         c.cap = -1  # every delivery to it goes to `squeeze`, which hands it here
@@ -187,20 +201,32 @@ class Lag:
         stats = self.core.stats
         stats.lagging += 1
         stats.lag_entered += 1
-        self.missed(c, buf, start, end)
+        self.missed(c, buf, start, end, count)
         w = window(c)
         c.transport.set_write_buffer_limits(high=max(w // 2, 1), low=w // 4)
         lag.scheduled = True
         self.core.loop.call_soon(self.seal if lag.every_key else self.next_batch, c)
 
-    def missed(self, c: Connection, buf: bytearray, start: int, end: int) -> int:
-        """Note the refused messages buf[start:end] as owed to c (see the header); 0 queued."""
+    def missed(self, c: Connection, buf: bytearray, start: int, end: int, count: int) -> int:
+        """Note the `count` refused messages buf[start:end] as owed to c (see the header);
+        0 queued."""
         lag = c.lag
         assert lag is not None
+        lag.count += count
+        c.group_owed += count  # its account: owed by this worker ("Owed", in the header)
+        if not c.touched:  # (committed with the read)
+            c.touched = True
+            self.core.touched.append(c)
         if lag.open_from is not None:  # sealed, every key: its cursor says it all
             return 0
         (self.note or note_missed)(buf, start, end, lag.owed, lag.owed_epochs)
         return 0
+
+    def settle(self, c: Connection, lag: LagCursor, n: int) -> None:
+        """n messages c was owed were sent or told: no longer owed (its account too)."""
+        n = min(n, lag.count)  # (a subscription changed during the lag: never below nothing)
+        lag.count -= n
+        c.group_owed -= n
 
     def seal(self, c: Connection) -> None:
         """The loop's next turn after c began lagging, every key: its cursor per vbucket."""
@@ -297,6 +323,7 @@ class Lag:
             lag.progress = _monotonic()
             if sent:
                 c.msgs_out += sent
+                self.settle(c, lag, sent)
                 lag.served += sent
                 stats = core.stats
                 stats.lag_served += sent
@@ -464,14 +491,17 @@ class Lag:
         return self.notice(c, gone, LossReason.EVICTED, vb, epoch, at, epoch, last)
 
     def epoch_changed(self, c: Connection, vb: int, old: int, at: int, new: int) -> int:
-        """Every key: vb's sequence restarted under `new` while c lagged. Told (how many of
-        the old epoch it missed is not known here: the buffer dropped them with the epoch),
-        and read on from the new epoch's first offset here; returns it."""
-        begun = self.core.seqs.begun_offset[vb]
-        notice = self.notice(c, 0, LossReason.EPOCH_CHANGED, vb, old, at, new, 0)
+        """Every key: vb's sequence restarted under `new` while c lagged. Told how many of
+        the old epoch it was owed (from `at` to where the old sequence ended here; 0 if it
+        restarted twice meanwhile: then `live` tells them with what else is left), and read
+        on from the new epoch's first offset here; returns it."""
+        seqs = self.core.seqs
+        ended = seqs.ended.get(vb)
+        count = ended[1] - at if ended is not None and ended[0] == old and ended[1] > at else 0
+        notice = self.notice(c, count, LossReason.EPOCH_CHANGED, vb, old, at, new, 0)
         c.out.append(notice)
         c.unflushed += len(notice)
-        return begun
+        return seqs.begun_offset[vb]
 
     def notice(
         self,
@@ -486,6 +516,9 @@ class Lag:
     ) -> bytes:
         if count:
             c.dropped_total += count  # in its account, as a drop (its client counts it told)
+            lag = c.lag
+            if lag is not None:
+                self.settle(c, lag, count)
             stats = self.core.stats
             stats.dropped[_EVICTED] += count
             stats.lag_evicted += count
@@ -500,6 +533,11 @@ class Lag:
         lag = c.lag
         if lag is None:
             return
+        if lag.count:
+            # Owed, yet neither sent nor told: of vbuckets whose history left this worker
+            # while it lagged (a move completed), or an old epoch's count not known at its
+            # notice. Told now, so that what it was told and received add up.
+            self.tell_left(c, lag)
         c.lag = None
         c.cap = c.limit
         c.transport.set_write_buffer_limits(high=max(c.limit // 2, 1), low=c.limit // 4)
@@ -507,6 +545,18 @@ class Lag:
         core = self.core
         core.stats.lagging -= 1
         core.drained(c)  # room again: its groups' waiting messages, its bounded read
+
+    def tell_left(self, c: Connection, lag: LagCursor) -> None:
+        count = lag.count
+        self.settle(c, lag, count)
+        c.dropped_total += count
+        self.core.stats.dropped[DropReason.SLOW_CONSUMER] += count
+        notice = encode_frame(LossNotice(count, LossReason.SLOW_CONSUMER))
+        c.out.append(notice)
+        c.unflushed += len(notice)
+        if not c.touched:
+            c.touched = True
+            self.core.touched.append(c)
 
     def left(self, c: Connection) -> None:
         """c is gone: its lag with it."""
@@ -532,14 +582,7 @@ class Lag:
     def behind(self, c: Connection) -> int:
         """How many messages c is behind: those it is owed (0 when live)."""
         lag = c.lag
-        if lag is None:
-            return 0
-        if lag.open_from is None:
-            return sum(stop - start for ranges in lag.owed.values() for start, stop in ranges) + sum(
-                told[0] for told in lag.gone.values()
-            )
-        seqs = self.core.seqs
-        return sum(max(0, seqs.next_of(vb) - lag.open_from[vb]) for vb in self.behind_vbuckets(c))
+        return 0 if lag is None else lag.count
 
     def view(self, c: Connection) -> dict[str, float | int] | None:
         """c's lag for /connections (None: live): messages and seconds behind (the age of

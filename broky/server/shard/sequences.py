@@ -71,6 +71,9 @@ class Sequences:
         self.begun_offset = [1] * VBUCKETS
         # vbucket -> (epoch, next offset) it was handed over with: a former vbucket (see the header)
         self.former: dict[int, tuple[int, int]] = {}
+        # vbucket -> (epoch, next offset) of its sequence before the last restart under another
+        # epoch here: how many a lagging reader was owed of it (broky.server.shard.lag)
+        self.ended: dict[int, tuple[int, int]] = {}
 
     def epoch_of(self, vb: int) -> int:
         return int(self.view[ENTRY_WORDS * vb])
@@ -102,6 +105,9 @@ class Sequences:
         return int(offset)
 
     def begin(self, vb: int, epoch: int, next_offset: int) -> None:
+        before = self.epoch_of(vb)
+        if before != epoch:
+            self.ended[vb] = (before, self.next_of(vb))
         self.view[ENTRY_WORDS * vb] = epoch
         self.view[ENTRY_WORDS * vb + 1] = next_offset
         self.view[ENTRY_WORDS * vb + 2] = self.view[ENTRY_WORDS * vb + 3] = 0

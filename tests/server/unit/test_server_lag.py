@@ -87,10 +87,13 @@ def test_a_paused_reader_past_its_bound_lags_then_gets_everything_once_in_order(
     publish(shard, publisher, frames)
     assert sub.lag is not None and sub.state == OPEN  # lagging, not dropping
     assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 0
+    # What it is owed is in its account (owed by this worker: told WORKER_RESTART should it die).
+    assert sub.group_owed == shard.lag.behind(sub) == 3000 - sub.msgs_out > 0
     resume(shard, sub)
     turns(loop, sub)
     got, notices = by_vbucket(received(sub))
     assert notices == []
+    assert sub.group_owed == 0  # sent, all of it
     assert sum(len(v) for v in got.values()) == 3000
     for vb, offsets in got.items():
         assert offsets == list(range(1, len(offsets) + 1)), vb  # every offset once, in order
@@ -184,6 +187,7 @@ def test_what_the_buffer_evicted_first_is_told_once_per_vbucket_with_the_exact_c
     assert sum(published.values()) == 4000
     assert sub.dropped_total == sum(told.values()) == shard.stats.dropped[DropReason.EVICTED]
     assert shard.stats.lag_evicted == sum(told.values())
+    assert sub.group_owed == 0  # sent or told
 
 
 def test_a_filtered_readers_evicted_count_is_its_own_messages(loop: asyncio.AbstractEventLoop) -> None:
@@ -296,6 +300,7 @@ def test_a_stalled_filtered_readers_evicted_ranges_are_trimmed_at_the_tick_and_t
             assert f.offset > through.get(f.vbucket, -1)
     assert len(through) == len(notices)
     assert sub.dropped_total == told == shard.stats.dropped[DropReason.EVICTED]
+    assert sub.group_owed == 0
 
 
 def test_a_stalled_filtered_reader_that_ends_counts_its_trimmed_ranges_in_its_account(
@@ -356,8 +361,11 @@ def test_the_compiled_note_keeps_the_ranges_the_python_reference_keeps(
     c_epochs: dict[int, int] = {}
     note_missed(first, 0, len(first), ref_owed, ref_epochs)
     note(first, 0, len(first), c_owed, c_epochs)
-    for ranges in (*ref_owed.values(), *c_owed.values()):  # a tick trimmed some of them
-        cut_below(ranges, ranges[0][0] + cut) if len(ranges) > 1 else None
+    for owed, epochs in ((ref_owed, ref_epochs), (c_owed, c_epochs)):  # a tick trimmed some (`trim`)
+        for vb, ranges in list(owed.items()):
+            cut_below(ranges, ranges[0][0] + cut)
+            if not ranges:
+                del owed[vb], epochs[vb]
     note_missed(then, 0, len(then), ref_owed, ref_epochs)
     note(then, 0, len(then), c_owed, c_epochs)
     assert c_owed == ref_owed and c_epochs == ref_epochs
@@ -417,3 +425,29 @@ def test_a_filtered_readers_ranges_count_in_the_memory_budget_and_past_its_room_
     assert budget.taken["lag"] == 0  # nothing lags: given back
     got = [f for f in received(small) if isinstance(f, Message)]
     assert len(got) == 2000 and not [f for f in received(small) if isinstance(f, LossNotice)]
+
+
+@pytest.mark.parametrize("pattern", [b">", b"k.>"])
+def test_a_vbucket_restarted_during_the_lag_is_told_with_what_it_was_owed_of_the_old_epoch(
+    loop: asyncio.AbstractEventLoop, pattern: bytes
+) -> None:
+    shard, publisher, (sub,) = shard_with(loop, [(pattern, None)], node_id="lag")
+    frames = frames_of([b"p1", b"p2"], 400, 100, keys=[b"k.a"])
+    stalled(shard, sub, 10 * len(frames[0]))
+    publish(shard, publisher, frames)
+    loop.run_until_complete(asyncio.sleep(0))  # (its seal, for `>`)
+    owed = shard.lag.behind(sub)
+    restarted = next(v for v in range(1024) if shard.seqs.next_of(v) > 1)
+    old_epoch, old_next = shard.seqs.epoch_of(restarted), shard.seqs.next_of(restarted)
+    shard.seqs.restart(restarted)  # (a failover took it over without its history)
+    resume(shard, sub)
+    turns(loop, sub)
+    messages = [f for f in received(sub) if isinstance(f, Message)]
+    notices = [f for f in received(sub) if isinstance(f, LossNotice)]
+    had = sum(1 for m in messages if m.vbucket == restarted and m.epoch == old_epoch)  # queued before
+    (notice,) = notices
+    assert notice.reason == LossReason.EPOCH_CHANGED and notice.dropped == old_next - 1 - had > 0
+    assert notice.at is not None and notice.at.offset == had + 1  # the first it was owed
+    assert len(messages) + notice.dropped == 400
+    assert owed == 400 - 10  # all but the 10 its bound held when it began to lag
+    assert sub.group_owed == 0 and sub.dropped_total == notice.dropped
