@@ -22,15 +22,15 @@ received. Neither is the server's rate, nor the sink's rate measured by
 ``python -m bench.spark_bench`` (warmed up, nobody subscribed: see the
 benchmarks' page).
 
-A live subscriber gets what it has not read yet from the server's queue for
-its connection, bounded by ``--max-pending-bytes`` (64 MiB by default: past
-it the server drops deliveries to it, and tells it how many). Spark publishes
-the events faster than one Python subscriber reads them while they share the
-cores, so the example's own server is started with ``--max-pending-bytes
-256MiB``: each of its two connections can hold the whole default burst (1M
-events of about 230 bytes as queued) even if the subscriber read nothing
-until Spark is done. With ``--server``, that server's bound applies: 200,000
-events fit in the default one.
+Spark publishes the events faster than one Python subscriber reads them while
+they share the cores, so the subscriber falls behind. The server queues up to
+``--max-pending-bytes`` for its connection (4 MiB by default); past it the
+connection lags: the server sends it the rest from its replay buffer as it
+reads (``--replay-bytes``, 192 MiB per worker by default, holds the whole
+default burst of 1M events of about 230 bytes even if the subscriber read
+nothing until Spark is done; what the buffer evicted first would be told with
+its count). The example's own server runs on the defaults; with ``--server``,
+that server's settings apply.
 
 It needs PySpark (the ``spark`` extra) and a Java runtime: ``./run test``
 installs both; after ``./run serve`` alone, ``.venv/bin/pip install -e
@@ -56,7 +56,6 @@ from typing import Any
 
 READY = re.compile(rb"listening on (\S+):(\d+)")
 EVENT_TYPES = ("view", "click", "add_to_cart", "purchase")
-MAX_PENDING_BYTES = "256MiB"  # the bound of the server it starts: see the module's docstring
 
 
 def start_server(workers: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -73,8 +72,6 @@ def start_server(workers: int) -> tuple[subprocess.Popen[bytes], str]:
             "0",
             "--workers",
             str(workers),
-            "--max-pending-bytes",
-            MAX_PENDING_BYTES,
         ],
         stdout=subprocess.PIPE,
         start_new_session=True,

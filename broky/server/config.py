@@ -30,7 +30,13 @@ if TYPE_CHECKING:
 
 DEFAULT_PORT = 4777
 DEFAULT_METRICS_PORT = 9477
-DEFAULT_MAX_PENDING_BYTES = 64 << 20
+# One connection's pending outbound bytes. With a replay buffer a connection past its bound
+# lags (broky.server.shard.lag): it costs its position, not copies, and reads on from the
+# buffer, so the bound only has to cover a reader's jitter (4 MiB, the lag's window). With
+# --replay-bytes 0 the bound is all a burst has before a slow reader loses: 64 MiB then,
+# unless one is given (`from_args`).
+DEFAULT_MAX_PENDING_BYTES = 4 << 20
+DEFAULT_MAX_PENDING_BYTES_NO_REPLAY = 64 << 20
 # Per-connection limits on subscriptions. Measured on CPython 3.11 (see
 # broky.server.shard.control, "Limits"): a subscription with a short pattern costs a
 # worker about 0.7-1 KB, one with a 4 KB pattern about 9.4 KB (the pattern and a
@@ -50,12 +56,13 @@ DEFAULT_MEMORY_BUDGET = 1 << 30
 DEFAULT_MAX_CONNECTIONS = 10_000  # per worker
 # The replay buffer (broky.server.shard.replay), per worker: the most recent messages of its
 # vbuckets, for subscribers that resume or start from a position, a time or the last N.
-# 64 MiB of stamped reads is about 262,000 messages of 100 B (256-byte frames, as the
-# SDK sends them) or 57,000 of 1 KiB: 26 s and 5.7 s at 10,000 msgs/s per worker, a
-# tenth of that at 100,000 (bench/results/replay_memory.md); an idle server holds none
-# of it. It is drawn from the worker's share of the memory budget (512 MiB each, two
-# workers).
-DEFAULT_REPLAY_BYTES = 64 << 20
+# It is also what a reader past its bound catches up from. 192 MiB of stamped reads is
+# about 786,000 messages of 100 B (256-byte frames, as the SDK sends them) or 171,000 of
+# 1 KiB: 79 s and 17 s at 10,000 msgs/s per worker, a tenth of that at 100,000
+# (bench/results/replay_memory.md), and the README's 300,000 x 1 KiB burst whole on two
+# workers; an idle server holds none of it. It is drawn from the worker's share of the
+# memory budget (512 MiB each, two workers), which gives it back to queued bytes first.
+DEFAULT_REPLAY_BYTES = 192 << 20
 DEFAULT_GROUP_BACKLOG_BYTES = 16 << 20
 DEFAULT_MAX_CONNECTIONS_PER_ADDRESS = 1_000  # per client IP address, over the whole server
 # Largest Hello the master reads (the frame carries a name and a token only).
@@ -352,7 +359,8 @@ _FLAGS: list[tuple[str, str, Callable[[str], Any], str]] = [
         _size,
         "bound of one connection's pending outbound bytes; past it the connection lags: it is sent "
         "what it missed from the replay buffer as it drains (with --replay-bytes 0 it loses it, "
-        "slow_consumer) (default %(default)s)",
+        f"slow_consumer) (default {DEFAULT_MAX_PENDING_BYTES}; {DEFAULT_MAX_PENDING_BYTES_NO_REPLAY} "
+        "with --replay-bytes 0)",
     ),
     (
         "--max-reply-bytes",
@@ -609,6 +617,8 @@ def from_args(
         if value is not None:
             given.add(dest)
         values[dest] = getattr(defaults, dest) if value is None else value
+    if "max_pending_bytes" not in given and not values["replay_bytes"]:
+        values["max_pending_bytes"] = DEFAULT_MAX_PENDING_BYTES_NO_REPLAY  # nothing to lag on
     if values["max_reply_bytes"] > values["max_pending_bytes"]:
         if "max_reply_bytes" in given:
             raise ValueError("--max-reply-bytes cannot exceed --max-pending-bytes")

@@ -36,7 +36,7 @@ def _burst(system: str, n: int, parts: int) -> dict[str, Any]:
 def test_a_300k_burst_arrives_whole_with_the_defaults() -> None:
     n = 300_000
     got = _burst("broky", n, 256)
-    # The default replay buffer (64 MiB per worker) kept every one of them: 300,000 frames of
+    # The default replay buffer (192 MiB per worker) kept every one of them: 300,000 frames of
     # 256 B are about 38 MB per worker.
     assert got["replay"]["after"]["replay_messages"] == n, got["replay"]
     assert got["replay"]["after"]["replay_evicted_messages"] == 0, got["replay"]

@@ -170,7 +170,7 @@ def test_info_summarizes_the_server_for_a_person(server: ServerProcess, subs: li
         f"node      {lines[3].split()[1]} at 127.0.0.1:{server.port}, workers 2",
         "  worker 0: 512 vbuckets: 0-511",
         "  worker 1: 512 vbuckets: 512-1023",
-        "limits    max_frame_bytes 1048576, max_pending_bytes 67108864",
+        "limits    max_frame_bytes 1048576, max_pending_bytes 4194304",
     ]
     assert re.fullmatch(
         rf"live      from {metrics}: 2 of 2 workers up, rates over the last 0\.\d s", lines[7]
@@ -229,7 +229,7 @@ def test_info_json_prints_everything(start_server: Callable[..., ServerProcess])
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["server"] == server.url and out["version"] == broky.__version__
-    assert out["limits"] == {"max_frame_bytes": 1048576, "max_pending_bytes": 67108864}
+    assert out["limits"] == {"max_frame_bytes": 1048576, "max_pending_bytes": 4194304}
     assert out["map"]["version"] == 1 and not out["map"]["moving"]
     (node,) = out["map"]["nodes"]
     assert node["node_id"] == out["node_id"] and node["port"] == server.port

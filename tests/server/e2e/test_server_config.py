@@ -31,8 +31,18 @@ def test_defaults_need_no_flags() -> None:
     cfg = parse([])
     assert (cfg.host, cfg.port, cfg.metrics_port) == ("127.0.0.1", 4777, 9477)
     assert cfg.workers >= 1 and cfg.auth_token is None
-    assert cfg.max_frame_bytes == 1 << 20 and cfg.max_pending_bytes == 64 << 20
+    assert cfg.max_frame_bytes == 1 << 20 and cfg.max_pending_bytes == 4 << 20
+    assert cfg.replay_bytes == 192 << 20
     assert (cfg.hello_timeout, cfg.frame_timeout, cfg.slow_consumer_deadline) == (5.0, 10.0, 10.0)
+
+
+def test_the_pending_bound_defaults_higher_without_a_replay_buffer_to_lag_on() -> None:
+    # With replay a reader past its bound lags (no loss); without, the bound is all a burst has.
+    assert parse(["--replay-bytes", "0"]).max_pending_bytes == 64 << 20
+    assert parse([], {"BROKY_REPLAY_BYTES": "0"}).max_pending_bytes == 64 << 20
+    assert parse(["--replay-bytes", "0", "--max-pending-bytes", "2M"]).max_pending_bytes == 2 << 20
+    assert parse(["--replay-bytes", "0"], {"BROKY_MAX_PENDING_BYTES": "8M"}).max_pending_bytes == 8 << 20
+    assert parse(["--replay-bytes", "32M"]).max_pending_bytes == 4 << 20
 
 
 def test_connection_limits_and_the_reply_bound() -> None:
@@ -80,7 +90,7 @@ def test_memory_budget_and_connection_limits() -> None:
     assert (cfg.memory_budget, cfg.max_connections, cfg.max_connections_per_address) == (256 << 20, 0, 0)
     # A share smaller than one connection's bound works, but is worth a word.
     warnings: list[str] = []
-    parse(["--memory-budget", "64M", "--workers", "2"], warnings=warnings)
+    parse(["--memory-budget", "6M", "--workers", "2"], warnings=warnings)
     assert len(warnings) == 1 and "--max-pending-bytes" in warnings[0], warnings
     warnings.clear()
     parse(["--memory-budget", "64M", "--workers", "1"], warnings=warnings)

@@ -87,7 +87,7 @@ def test_a_burst_past_the_backlog_bound_waits_as_positions_and_is_all_delivered_
 ) -> None:
     # 4 MiB for members that take 40 messages: today (copies) all but 64 KiB of it is
     # dropped, GROUP_OVERFLOW. As positions it costs a Run per vbucket, and the replay
-    # buffer (64 MiB by default) holds every message.
+    # buffer (192 MiB by default) holds every message.
     server: ServerProcess = start_server("--group-backlog-bytes", "64KiB", workers=1)
     got, told = burst_to_paused_members(server)
     assert told == [], told[:3]

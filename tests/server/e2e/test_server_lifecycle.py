@@ -190,7 +190,8 @@ def test_publishes_after_the_goodbye_are_counted_as_shutdown(start_server: Any) 
 
 def stall(server: ServerProcess) -> Wire:
     """A subscriber of worker 0 that never reads, with megabytes queued in the worker
-    (more than the kernel's socket buffers hold: 16 MB published, under the 64 MiB bound)."""
+    (more than the kernel's socket buffers hold: 16 MB published; past the 4 MiB bound it lags,
+    with its bound queued)."""
     stuck = Wire.hello(server.address, worker=0, rcvbuf=4096)
     stuck.subscribe(1, b"k")
     stuck.flush()

@@ -32,7 +32,7 @@ def test_ready_line_healthz_and_welcome(server: ServerProcess) -> None:
             assert welcome.map.owners[0] == (0, 0) and welcome.map.owners[1023] == (0, 1)
             assert welcome.map.nodes[0].port == server.port
             assert welcome.max_frame_bytes == 1 << 20
-            assert welcome.max_pending_bytes == 64 << 20
+            assert welcome.max_pending_bytes == 4 << 20
             ids.add(welcome.connection_id)
     assert len(ids) == 3
 
