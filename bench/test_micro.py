@@ -581,6 +581,53 @@ def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: 
         loop.close()
 
 
+@pytest.mark.parametrize("pattern", [b">", b"orders.>"], ids=["every-key", "filtered"])
+def test_shard_feed_burst_read_lagging(benchmark, pattern) -> None:  # type: ignore[no-untyped-def]
+    # The same read as test_shard_feed_burst_read (256 key_partitions, replay on), to a subscriber
+    # that lags (broky.server.shard.lag): each refused message is noted as owed, one offset per
+    # vbucket for `>` once sealed, ranges of offsets for any other pattern (compiled with the read
+    # path). Per read: against the "replay-256" case of that benchmark, the cost of lagging.
+    import asyncio
+
+    from broky.client.encoder import PublishEncoder
+    from broky.protocol import Subscribe
+    from broky.server.config import ServerConfig
+    from broky.server.shard.connection import Connection
+    from broky.server.shard.core import Shard
+
+    loop = asyncio.new_event_loop()
+    try:
+        shard = Shard(ServerConfig(workers=1), 0, loop)
+        conn = Connection(shard, b"", 1)
+        conn.transport = _NullTransport()  # type: ignore[assignment]
+        shard.subscribe(conn, Subscribe(1, pattern, None))
+        publisher = Connection(shard, b"", 2)
+        publisher.transport = _NullTransport()  # type: ignore[assignment]
+        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        names = [b"tenant-%d" % i for i in range(256)]
+        shard.feed(publisher, b"".join(encoder.encode(kp, KEY, PAYLOAD, None)[0] for kp in names))
+        data, count = _burst_read(encoder, names)
+        benchmark.extra_info["messages"] = count
+        conn.limit = conn.cap = 64 << 10
+        conn.paused = True  # its client's Pause: it never drains, so it lags from the first read on
+        shard.feed(publisher, data)
+        assert conn.lag is not None
+        loop.run_until_complete(asyncio.sleep(0))  # (its seal, for `>`)
+        reads = [0]
+
+        def feed() -> None:
+            shard.feed(publisher, data)
+            reads[0] += 1
+            if reads[0] % TICK_EVERY == 0:
+                assert shard.replay is not None
+                shard.replay.trim_some()
+
+        benchmark(feed)
+        assert conn.lag is not None and conn.lag.count > 0
+    finally:
+        loop.close()
+
+
 LAG_BURST_READS = 16  # reads of BURST_READ a lagging subscriber is owed (about 2 MiB)
 
 
