@@ -514,6 +514,48 @@ new_range(uint64_t first, uint64_t stop)
     return range;
 }
 
+/* note()'s view of one vbucket during a call: its `ranges` list (borrowed from `owed`,
+   which keeps it: the call adds keys, never removes one), its last range (a reference of
+   ours) and that range's stop, kept here while frames extend it and written back at the
+   end of the call (`dirty`). No Python code runs during a call, so nothing else sees the
+   lists meanwhile. */
+typedef struct {
+    PyObject *ranges, *last;
+    uint64_t stop;
+    int dirty;
+} NoteVb;
+
+static NoteVb note_vbs[VBUCKETS];
+static uint16_t note_seen[VBUCKETS];
+
+/* Write back every seen vbucket's stop and drop the call's references; -1 if a write back
+   failed (the error set, unless one was already). */
+static int
+note_done(Py_ssize_t seen)
+{
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < seen; i++) {
+        NoteVb *v = &note_vbs[note_seen[i]];
+        if (v->dirty && rc == 0) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            if (set_stop(v->last, v->stop) < 0) {
+                rc = -1;
+                if (type != NULL) {
+                    PyErr_Clear();
+                }
+            }
+            if (type != NULL) {
+                PyErr_Restore(type, value, traceback);
+            }
+        }
+        Py_CLEAR(v->last);
+        v->ranges = NULL;
+        v->dirty = 0;
+    }
+    return rc;
+}
+
 static PyObject *
 note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -546,12 +588,7 @@ note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (layout.epoch_at + 8 > need) {
         need = layout.epoch_at + 8;
     }
-    /* The range being grown (a new reference) and its stop, kept in C while consecutive
-       frames extend it: written back when the vbucket changes, a gap opens, or at the end. */
-    PyObject *range = NULL;
-    uint64_t stop = 0, current = UINT64_MAX;
-    int dirty = 0;
-    Py_ssize_t pos = start;
+    Py_ssize_t seen = 0, pos = start;
     while (pos < end) {
         /* The bytearray neither moves nor changes here: the calls below build lists and
            ints and store them in dicts of int keys, which run no Python code. */
@@ -563,48 +600,56 @@ note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (size > end - pos || size < need) {
             goto truncated;
         }
-        uint64_t vb = (uint64_t)f[layout.vbucket_at] | ((uint64_t)f[layout.vbucket_at + 1] << 8);
+        unsigned vb = (unsigned)f[layout.vbucket_at] | ((unsigned)f[layout.vbucket_at + 1] << 8);
+        if (vb >= VBUCKETS) {
+            PyErr_SetString(PyExc_ValueError, "note(): a vbucket out of range");
+            goto fail;
+        }
         uint64_t offset = u64_at(f + layout.offset_at);
-        if (vb == current && stop == offset) {
-            stop = offset + 1;
-            dirty = 1;
+        NoteVb *v = &note_vbs[vb];
+        if (v->last != NULL && v->stop == offset) { /* the run goes on: the common case */
+            v->stop = offset + 1;
+            v->dirty = 1;
             pos += size;
             continue;
         }
-        if (dirty && set_stop(range, stop) < 0) {
-            goto fail;
-        }
-        dirty = 0;
-        Py_CLEAR(range);
-        PyObject *key = PyLong_FromUnsignedLongLong(vb);
-        if (key == NULL) {
-            goto fail;
-        }
-        PyObject *ranges = PyDict_GetItemWithError(owed, key); /* borrowed */
-        if (ranges == NULL) {
-            if (PyErr_Occurred()) {
+        if (v->last == NULL) { /* first seen in this call */
+            PyObject *key = PyLong_FromUnsignedLong(vb);
+            if (key == NULL) {
+                goto fail;
+            }
+            PyObject *ranges = PyDict_GetItemWithError(owed, key); /* borrowed */
+            if (ranges == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(key);
+                    goto fail;
+                }
+                PyObject *epoch = PyLong_FromUnsignedLongLong(u64_at(f + layout.epoch_at));
+                PyObject *range = new_range(offset, offset + 1);
+                ranges = PyList_New(1);
+                int rc = (epoch == NULL || range == NULL || ranges == NULL) ? -1 : 0;
+                if (rc == 0) {
+                    Py_INCREF(range);
+                    PyList_SET_ITEM(ranges, 0, range);
+                    rc = PyDict_SetItem(owed, key, ranges);
+                }
+                if (rc == 0) {
+                    rc = PyDict_SetItem(epochs, key, epoch);
+                }
+                Py_XDECREF(epoch);
+                Py_XDECREF(ranges); /* (owed keeps it) */
                 Py_DECREF(key);
-                goto fail;
+                if (rc < 0) {
+                    Py_XDECREF(range);
+                    goto fail;
+                }
+                note_seen[seen++] = (uint16_t)vb;
+                v->ranges = ranges;
+                v->last = range; /* ours */
+                v->stop = offset + 1;
+                pos += size;
+                continue;
             }
-            PyObject *epoch = PyLong_FromUnsignedLongLong(u64_at(f + layout.epoch_at));
-            range = new_range(offset, offset + 1);
-            ranges = PyList_New(1);
-            int rc = (epoch == NULL || range == NULL || ranges == NULL) ? -1 : 0;
-            if (rc == 0) {
-                Py_INCREF(range);
-                PyList_SET_ITEM(ranges, 0, range);
-                rc = PyDict_SetItem(owed, key, ranges);
-            }
-            if (rc == 0) {
-                rc = PyDict_SetItem(epochs, key, epoch);
-            }
-            Py_XDECREF(epoch);
-            Py_XDECREF(ranges);
-            Py_DECREF(key);
-            if (rc < 0) {
-                goto fail;
-            }
-        } else {
             Py_DECREF(key);
             Py_ssize_t n = PyList_Check(ranges) ? PyList_GET_SIZE(ranges) : 0;
             PyObject *last = n ? PyList_GET_ITEM(ranges, n - 1) : NULL;
@@ -616,38 +661,41 @@ note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (last_stop == (unsigned long long)-1 && PyErr_Occurred()) {
                 goto fail;
             }
+            note_seen[seen++] = (uint16_t)vb;
+            v->ranges = ranges;
+            Py_INCREF(last);
+            v->last = last;
+            v->stop = last_stop;
+            v->dirty = 0;
             if (last_stop == offset) {
-                Py_INCREF(last);
-                range = last;
-                dirty = 1;
-            } else {
-                range = new_range(offset, offset + 1);
-                if (range == NULL || PyList_Append(ranges, range) < 0) {
-                    goto fail;
-                }
+                v->stop = offset + 1;
+                v->dirty = 1;
+                pos += size;
+                continue;
             }
         }
-        current = vb;
-        stop = offset + 1;
+        /* A gap: the last range is done, a new one begins. */
+        if (v->dirty && set_stop(v->last, v->stop) < 0) {
+            goto fail;
+        }
+        v->dirty = 0;
+        PyObject *range = new_range(offset, offset + 1);
+        if (range == NULL || PyList_Append(v->ranges, range) < 0) {
+            Py_XDECREF(range);
+            goto fail;
+        }
+        Py_SETREF(v->last, range);
+        v->stop = offset + 1;
         pos += size;
     }
-    if (dirty && set_stop(range, stop) < 0) {
-        goto fail;
+    if (note_done(seen) < 0) {
+        return NULL;
     }
-    Py_XDECREF(range);
     Py_RETURN_NONE;
 truncated:
     PyErr_SetString(PyExc_ValueError, "note(): buf[start:end] is not whole stamped Message frames");
 fail:
-    if (dirty && range != NULL) { /* what was noted stays noted, as in the Python loop */
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        if (set_stop(range, stop) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(type, value, traceback);
-    }
-    Py_XDECREF(range);
+    note_done(seen); /* what was noted stays noted, as in the Python loop */
     return NULL;
 }
 
