@@ -441,11 +441,15 @@ def one_run(
 
 
 REPLAY_KEYS = ("replay_bytes", "replay_segments", "replay_messages", "replay_evicted_messages")
+# What readers past their bound took from the buffers: times a connection began to lag, messages
+# sent from history, messages evicted before they were read (broky/server/shard/lag.py).
+LAG_KEYS = ("lag_entered", "lag_served", "lag_evicted")
 
 
 def _replay_stats(system: str, server: servers.Server) -> dict[str, int] | None:
-    """Broky's replay buffers, summed over the workers (/stats), or None for the others."""
-    return server.workers_sum(*REPLAY_KEYS) if clients_of(system) == "broky" else None
+    """Broky's replay buffers and what lagging readers took from them, summed over the workers
+    (/stats), or None for the others."""
+    return server.workers_sum(*REPLAY_KEYS, *LAG_KEYS) if clients_of(system) == "broky" else None
 
 
 def run(

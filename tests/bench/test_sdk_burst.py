@@ -47,4 +47,5 @@ def test_a_burst_arrives_whole_with_the_replay_buffer_off() -> None:
     got = _burst("broky_noreplay", 50_000, 256)
     assert got["replay"]["after"] == {
         "replay_bytes": 0, "replay_segments": 0, "replay_messages": 0, "replay_evicted_messages": 0,
+        "lag_entered": 0, "lag_served": 0, "lag_evicted": 0,
     }  # fmt: skip
