@@ -581,6 +581,24 @@ def test_shard_feed_burst_read(benchmark, replay, partitions) -> None:  # type: 
         loop.close()
 
 
+def _subscriber_and_publisher(loop: Any, pattern: bytes) -> tuple[Any, Any, Any, Any]:
+    """A one-worker Shard with a subscriber to `pattern` (connection 1) and a publisher
+    (connection 2), both on transports that write nowhere, and an SDK encoder."""
+    from broky.client.encoder import PublishEncoder
+    from broky.protocol import Subscribe
+    from broky.server.config import ServerConfig
+    from broky.server.shard.connection import Connection
+    from broky.server.shard.core import Shard
+
+    shard = Shard(ServerConfig(workers=1), 0, loop)
+    conn = Connection(shard, b"", 1)
+    conn.transport = _NullTransport()  # type: ignore[assignment]
+    shard.subscribe(conn, Subscribe(1, pattern, None))
+    publisher = Connection(shard, b"", 2)
+    publisher.transport = _NullTransport()  # type: ignore[assignment]
+    return shard, conn, publisher, PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+
+
 @pytest.mark.parametrize("pattern", [b">", b"orders.>"], ids=["every-key", "filtered"])
 def test_shard_feed_burst_read_lagging(benchmark, pattern) -> None:  # type: ignore[no-untyped-def]
     # The same read as test_shard_feed_burst_read (256 key_partitions, replay on), to a subscriber
@@ -589,21 +607,9 @@ def test_shard_feed_burst_read_lagging(benchmark, pattern) -> None:  # type: ign
     # path). Per read: against the "replay-256" case of that benchmark, the cost of lagging.
     import asyncio
 
-    from broky.client.encoder import PublishEncoder
-    from broky.protocol import Subscribe
-    from broky.server.config import ServerConfig
-    from broky.server.shard.connection import Connection
-    from broky.server.shard.core import Shard
-
     loop = asyncio.new_event_loop()
     try:
-        shard = Shard(ServerConfig(workers=1), 0, loop)
-        conn = Connection(shard, b"", 1)
-        conn.transport = _NullTransport()  # type: ignore[assignment]
-        shard.subscribe(conn, Subscribe(1, pattern, None))
-        publisher = Connection(shard, b"", 2)
-        publisher.transport = _NullTransport()  # type: ignore[assignment]
-        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        shard, conn, publisher, encoder = _subscriber_and_publisher(loop, pattern)
         names = [b"tenant-%d" % i for i in range(256)]
         shard.feed(publisher, b"".join(encoder.encode(kp, KEY, PAYLOAD, None)[0] for kp in names))
         data, count = _burst_read(encoder, names)
@@ -641,21 +647,9 @@ def test_lag_catch_up(benchmark, pattern, partitions) -> None:  # type: ignore[n
     # offsets it was refused (the cost of that noting is in the setup, on the read path).
     import asyncio
 
-    from broky.client.encoder import PublishEncoder
-    from broky.protocol import Subscribe
-    from broky.server.config import ServerConfig
-    from broky.server.shard.connection import Connection
-    from broky.server.shard.core import Shard
-
     loop = asyncio.new_event_loop()
     try:
-        shard = Shard(ServerConfig(workers=1), 0, loop)
-        conn = Connection(shard, b"", 1)
-        conn.transport = _NullTransport()  # type: ignore[assignment]
-        shard.subscribe(conn, Subscribe(1, pattern, None))
-        publisher = Connection(shard, b"", 2)
-        publisher.transport = _NullTransport()  # type: ignore[assignment]
-        encoder = PublishEncoder(DEFAULT_MAX_FRAME_BYTES)
+        shard, conn, publisher, encoder = _subscriber_and_publisher(loop, pattern)
         data, count = _burst_read(encoder, [b"tenant-%d" % i for i in range(partitions)])
         benchmark.extra_info["messages"] = count * LAG_BURST_READS
 
