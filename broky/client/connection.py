@@ -16,6 +16,14 @@ position of the connection's live stream. A bare delivery pays one test of a
 local for this (`if announced:`), as it did for replays alone.
 It knows nothing about routing, subscriptions or reconnecting.
 
+Runs: a handler may take the Message frames straight from the received
+bytes itself (`attach`'s `on_run`: a bounded read decoded in bulk, see
+broky.client.reader's `Reading.batches`). Each read then goes to
+`_runs_received`, which hands it to `on_run` from the first whole frame on
+and reads only the frames on_run stops at (control frames, a Message in
+another layout, a malformed or partial frame) as above; the connections of
+other handlers pay one test of an attribute per read for it.
+
 Handshake: `open_connection` resolves the host (`resolve`: awaited on its
 own, so a timeout never leaves a half-done lookup behind), connects to its
 addresses in order, writes the Hello and waits for the Welcome (or a fatal
@@ -233,6 +241,9 @@ class WorkerProtocol(asyncio.Protocol):
         # handed to `_on_replayed` (attempt 0: a Replay) or `_on_group` (a Delivery's
         # attempt, 1 or more) instead (schema/README.md 5.1, 5.3).
         self.pos_epoch = self.pos_offset = self.pos_ts = [0] * VBUCKETS
+        # A handler that takes runs of Message frames from the received bytes itself (a
+        # read in bulk, broky.client.reader): `_runs_received` (attach's `on_run`).
+        self._on_run: Callable[[bytes, int, int], int] | None = None
         self._on_replayed: Callable[[Message, int], None] | None = None
         self._on_group: Callable[[Message, int, int], None] | None = None
         self.announced = 0
@@ -259,6 +270,9 @@ class WorkerProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
+        if self._on_run is not None:
+            self._runs_received(data)
+            return
         # The fast path: frames are cut straight out of `data` (only a partial
         # frame at the end is kept for the next read), and a delivery in the
         # canonical layout with a uid -- what the SDK publishes -- is decoded
@@ -373,6 +387,43 @@ class WorkerProtocol(asyncio.Protocol):
             self._tail_bytes += pos
             if self._tail_bytes > TAIL_BYTES and len(tail) > 1:
                 self._tail_bytes -= tail.pop(0)[1]
+        if pos < n:
+            self._partial = data[pos:]
+
+    def _runs_received(self, data: bytes) -> None:
+        """data_received for a handler that takes runs of frames itself (attach's `on_run`):
+        `on_run(data, pos, end)` takes what it can from pos (whole Message frames) and
+        returns where it stopped; the frame there (a control frame, a Message it does not
+        read, a partial or malformed one) is read as data_received reads it, and on_run goes
+        on after it. Such a connection (a read's) keeps no tail: it is never resumed."""
+        if self._partial:
+            data = self._partial + data
+            self._partial = b""
+        n = len(data)
+        pos = 0
+        on_run = self._on_run
+        assert on_run is not None and self.handler is not None
+        limit = self.max_frame_bytes
+        try:
+            while n - pos >= 4:
+                pos = on_run(data, pos, n)
+                if n - pos < 4:
+                    break
+                size = _u32(data, pos)[0]
+                if size > limit or size < MIN_FRAME_SIZE:
+                    check_size(size, limit)
+                end = pos + 4 + size
+                if end > n:
+                    break
+                frame = decode_frame(data, pos, end)
+                if isinstance(frame, Message):
+                    self._deliver(frame, self.handler.on_message)
+                else:
+                    self._control(frame)
+                pos = end
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
         if pos < n:
             self._partial = data[pos:]
 
@@ -515,6 +566,7 @@ class WorkerProtocol(asyncio.Protocol):
         positions: tuple[list[int], list[int], list[int]] | None = None,
         on_replayed: Callable[[Message, int], None] | None = None,
         on_group: Callable[[Message, int, int], None] | None = None,
+        on_run: Callable[[bytes, int, int], int] | None = None,
     ) -> None:
         """Route frames to `handler` from now on (after the Welcome), starting with
         those that arrived between the Welcome and now. `positions`: the lists (epoch,
@@ -522,8 +574,13 @@ class WorkerProtocol(asyncio.Protocol):
         `on_replayed(msg, sid)`: takes the deliveries a Replay announces for subscription
         sid (without it, a Replay goes to `on_frame` and its messages to `on_message`);
         `on_group(msg, sid, attempt)`: takes the deliveries a Delivery announces for group
-        member sid (likewise without it)."""
+        member sid (likewise without it); `on_run(data, pos, end)`: takes runs of Message
+        frames straight from the received bytes (`_runs_received`; not with on_replayed
+        or on_group)."""
+        if on_run is not None and (on_replayed is not None or on_group is not None):
+            raise ValueError("attach: on_run takes every Message frame; not with on_replayed or on_group")
         self.handler = handler
+        self._on_run = on_run
         self._on_message = handler.on_message
         if positions is not None:
             self.pos_epoch, self.pos_offset, self.pos_ts = positions

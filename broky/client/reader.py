@@ -57,6 +57,20 @@ stop reading (`pause_reading`) until it is down to half, and the server,
 which sends a read only as fast as the connection drains, waits with them.
 Leaving the loop early (or `await reading.close()`) closes the connections.
 
+In bulk. `reading.batches(decoder)` gives the messages decoded by the
+caller's `BulkDecoder` instead, a batch at a time, with no Message made per
+message (the Spark source's Arrow columns, broky.spark.readcols): each read
+connection hands the bytes it receives to `decoder.scan` (its `on_run`,
+broky.client.connection), which takes the runs of Message frames, those of
+the vbuckets still asked of that worker (a mask, cleared at each ReadDone,
+as the messages are filtered otherwise); the frames it stops at are read as
+usual (a Message in another layout comes back to it re-encoded in the
+canonical one). Each time the decoder is full, `decoder.take()` is a batch
+for the caller, and the last one, not full, once the read is done. The
+messages the batches and the decoder hold count against max_pending_msgs as
+the queue's do. An error of the decoder (a value it cannot hold) ends the
+read with that error.
+
 Errors end the read, raised to the caller: a connection lost or a fatal
 Error before the last ReadDone, a refusal other than NOT_MY_VBUCKET (a
 BAD_POSITION: positions that are not this server's), vbuckets still
@@ -103,6 +117,7 @@ from broky.protocol import (
     ReadDone,
     VBucketMap,
     encode_frame,
+    encode_message,
     vbucket_of,
 )
 from broky.protocol.frames import Position
@@ -163,6 +178,26 @@ class ReadResult(NamedTuple):
     def evicted(self) -> int:
         """Offsets of the range, all vbuckets together, evicted before they could be read."""
         return sum(end.evicted for end in self.ends.values())
+
+
+class BulkDecoder(Protocol):
+    """What `Reading.batches` asks of its decoder (broky.spark.readcols's decoders are two)."""
+
+    @property
+    def rows(self) -> int:
+        """Messages taken since the last take()."""
+
+    @property
+    def full(self) -> bool:
+        """Whether the batch is full: scan takes nothing more before a take()."""
+
+    def scan(self, data: bytes, pos: int, end: int, vbuckets: Any, max_frame: int, /) -> int:
+        """Take the whole Message frames of data[pos:end] it reads (those of a vbucket whose
+        byte in `vbuckets` is 0: passed over), until a frame it does not take or a full
+        batch; return the position after the last one it took or passed over."""
+
+    def take(self) -> Any:
+        """The batch (what the caller gets); a new one starts."""
 
 
 class MapInfo(Protocol):
@@ -317,6 +352,10 @@ class Reading:
         self.max_pending = max_pending_msgs
         self.ends: dict[int, RangeEnd] = {}  # filled as the ReadDones come
         self.queue: deque[Message] = deque()
+        # In bulk (`batches`): the decoder, and its full batches waiting for the caller
+        self.decoder: BulkDecoder | None = None
+        self.ready: deque[tuple[Any, int]] = deque()  # (batch, its messages)
+        self.ready_rows = 0
         self.wake = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
@@ -341,8 +380,42 @@ class Reading:
         """Every vbucket's last position so far (all of them once the read is done)."""
         return positions_of(self.ends)
 
+    def batches(self, decoder: BulkDecoder) -> AsyncIterator[Any]:
+        """The read's messages decoded in bulk by `decoder` (see "In bulk" above): a batch
+        (`decoder.take()`) each time it is full, then the last one, not full (none if it
+        would be empty); `reading.ends` once done.
+
+        Raises:
+            RuntimeError: the read was awaited or iterated already.
+        """
+        if self.runner is not None or self.decoder is not None:
+            raise RuntimeError("batches(): this read was awaited or iterated already")
+        self.decoder = decoder
+        return self.stream_batches(decoder)
+
+    async def stream_batches(self, decoder: BulkDecoder) -> AsyncIterator[Any]:
+        self.begin()
+        try:
+            while True:
+                if self.ready:
+                    batch, rows = self.ready.popleft()
+                    self.ready_rows -= rows
+                    self.taken()
+                    yield batch
+                elif self.finished:
+                    if self.error is None and decoder.rows:
+                        yield decoder.take()
+                    break
+                else:
+                    await self.wait()
+        finally:
+            await self.close()
+        if self.error is not None:
+            raise self.error
+
     async def collect(self) -> ReadResult:
         """Every message of the read, then its ends (what awaiting the Reading gives)."""
+        self.in_messages()
         self.begin()
         messages: list[Message] = []
         try:
@@ -366,6 +439,7 @@ class Reading:
 
     async def stream(self) -> AsyncIterator[Message]:
         """The messages as they come (what iterating the Reading gives)."""
+        self.in_messages()
         self.begin()
         try:
             while True:
@@ -392,6 +466,10 @@ class Reading:
         for proto in list(self.protos):
             proto.abort()
 
+    def in_messages(self) -> None:
+        if self.decoder is not None:
+            raise RuntimeError("this read gives its messages in batches (batches()): not as messages")
+
     def begin(self) -> None:
         if self.runner is None:
             self.runner = asyncio.get_running_loop().create_task(self.run())
@@ -400,8 +478,13 @@ class Reading:
         self.wake.clear()
         await self.wake.wait()
 
+    def pending(self) -> int:
+        """Messages waiting for the caller: queued, or in batches (and the decoder's)."""
+        decoder = self.decoder
+        return len(self.queue) if decoder is None else self.ready_rows + decoder.rows
+
     def taken(self) -> None:
-        if self.paused and len(self.queue) <= self.max_pending >> 1:
+        if self.paused and self.pending() <= self.max_pending >> 1:
             self.paused = False
             for proto in self.protos:
                 if proto.transport is not None and not proto.closed:
@@ -413,10 +496,29 @@ class Reading:
         self.queue.append(msg)
         self.wake.set()
         if not self.paused and len(self.queue) > self.max_pending:
-            self.paused = True
-            for proto in self.protos:
-                if proto.transport is not None and not proto.closed:
-                    proto.transport.pause_reading()
+            self.pause()
+
+    def pause(self) -> None:
+        self.paused = True
+        for proto in self.protos:
+            if proto.transport is not None and not proto.closed:
+                proto.transport.pause_reading()
+
+    def scan(self, data: bytes, pos: int, end: int, vbuckets: bytearray, max_frame: int) -> int:
+        """A worker's bytes into the decoder (see "In bulk"); where it stopped."""
+        decoder = self.decoder
+        assert decoder is not None
+        while True:
+            pos = decoder.scan(data, pos, end, vbuckets, max_frame)
+            if not decoder.full:
+                break
+            rows = decoder.rows
+            self.ready.append((decoder.take(), rows))
+            self.ready_rows += rows
+            self.wake.set()
+        if not self.paused and self.ready_rows + decoder.rows > self.max_pending:
+            self.pause()
+        return pos
 
     def end(self, done: ReadDone) -> None:
         vb = done.vbucket
@@ -505,10 +607,10 @@ class Reading:
         self.maps.append(welcome.map)
         starts = tuple(self.starts[vb] for vb in sorted(vbs) if vb in self.starts)
         frame = encode_frame(self.request._replace(start=starts, vbuckets=tuple(sorted(vbs))))
-        answer = WorkerAnswer(self, ref, vbs)
+        answer = WorkerAnswer(self, ref, vbs, proto.max_frame_bytes)
         self.protos.add(proto)
         try:
-            proto.attach(answer)
+            proto.attach(answer, on_run=answer.on_run if self.decoder is not None else None)
             if self.paused and proto.transport is not None:
                 proto.transport.pause_reading()
             proto.write(frame)
@@ -521,10 +623,14 @@ class Reading:
 class WorkerAnswer:
     """One worker's answer to a read (a connection.Handler)."""
 
-    def __init__(self, reading: Reading, ref: WorkerRef, vbs: set[int]) -> None:
+    def __init__(self, reading: Reading, ref: WorkerRef, vbs: set[int], max_frame: int) -> None:
         self.reading = reading
         self.ref = ref
         self.vbs = vbs  # the vbuckets asked of this worker whose ReadDone has not come
+        self.mask = bytearray(VBUCKETS)  # the same, a byte per vbucket (for a decoder)
+        for vb in vbs:
+            self.mask[vb] = 1
+        self.max_frame = max_frame
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def finish(self, exc: BaseException | None = None) -> None:
@@ -535,13 +641,34 @@ class WorkerAnswer:
                 self.done.set_exception(exc)
 
     def on_message(self, msg: Message) -> None:
-        if msg.vbucket in self.vbs:
+        if msg.vbucket not in self.vbs:
+            return
+        if self.reading.decoder is None:
             self.reading.push(msg)
+            return
+        # (in bulk: a Message in a layout the decoder does not read, in the canonical one)
+        frame = encode_message(*msg)
+        if self.take(frame, 0, len(frame), len(frame)) != len(frame) and not self.done.done():
+            self.finish(BrokyError(f"the read's decoder did not take a message of vbucket {msg.vbucket}"))
+
+    def on_run(self, data: bytes, pos: int, end: int) -> int:
+        """The connection's bytes from pos into the read's decoder (in bulk); where it stopped."""
+        return self.take(data, pos, end, self.max_frame)
+
+    def take(self, data: bytes, pos: int, end: int, max_frame: int) -> int:
+        if self.done.done():
+            return end  # (the answer failed: what follows is dropped with the connection)
+        try:
+            return self.reading.scan(data, pos, end, self.mask, max_frame)
+        except (OverflowError, ValueError, MemoryError) as exc:  # a value the decoder cannot hold
+            self.finish(exc)
+            return end
 
     def on_frame(self, frame: Frame) -> None:
         if isinstance(frame, ReadDone):
             if frame.rid == RID and frame.vbucket in self.vbs:
                 self.vbs.discard(frame.vbucket)
+                self.mask[frame.vbucket] = 0
                 self.reading.end(frame)
             if frame.remaining == 0:
                 self.finish()
@@ -561,6 +688,7 @@ class WorkerAnswer:
 
 
 __all__ = [
+    "BulkDecoder",
     "DEFAULT_MAX_PENDING_MSGS",
     "END_OF_TIME",
     "RangeEnd",

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broky.client.connection import WorkerProtocol
 from broky.errors import FrameTooLargeError, MalformedFrameError
 from broky.protocol import Frame, Message, Pong, decode_frame, encode_frame, encode_message
+from tests.support.generated import Writer
+from tests.support.sdk import MessageBatches
 
 messages = st.builds(
     Message,
@@ -54,12 +57,30 @@ class FakeTransport:
         return self.closed
 
 
-def feed(chunks: list[bytes]) -> tuple[Recorder, WorkerProtocol]:
+ALL_U16 = b"\x01" * (1 << 16)  # a mask that passes over no vbucket (a u16 may name none)
+
+
+class RunRecorder(Recorder):
+    """A handler that takes runs of Message frames itself (attach's on_run, as a read in
+    bulk does), through a decoder: the messages it takes and the frames it is handed, in
+    one list, in the order they came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = MessageBatches(1 << 20, 1 << 30)
+
+    def on_run(self, data: bytes, pos: int, end: int) -> int:
+        pos = self.decoder.scan(data, pos, end, ALL_U16, 64 << 20)
+        self.frames.extend(self.decoder.take())
+        return pos
+
+
+def feed(chunks: list[bytes], runs: bool = False) -> tuple[Recorder, WorkerProtocol]:
     async def main() -> tuple[Recorder, WorkerProtocol]:
         proto = WorkerProtocol()
         proto.transport = FakeTransport(proto)  # type: ignore[assignment]
-        rec = Recorder()
-        proto.attach(rec)
+        rec = RunRecorder() if runs else Recorder()
+        proto.attach(rec, on_run=rec.on_run if isinstance(rec, RunRecorder) else None)
         transport = proto.transport
         assert transport is not None
         for chunk in chunks:
@@ -91,6 +112,36 @@ def test_any_split_gives_the_codec_frames(frames: list[Frame], data: st.DataObje
     rec, _ = feed(chunks)
     assert rec.frames == [decode_frame(encode_frame(f)) for f in frames]
     assert rec.lost == []
+
+
+@st.composite
+def read_answer(draw: st.DrawFn) -> bytes:
+    """One frame of a read's answer: a Message in the canonical layout (to on_run), one a
+    Builder wrote (another layout: the run stops at it), or a control frame."""
+    kind = draw(st.sampled_from(["canonical", "builder", "control"]))
+    if kind == "control":
+        return encode_frame(
+            draw(
+                st.builds(
+                    Pong, st.integers(0, 2**64 - 1), st.integers(0, 2**63 - 1), st.integers(0, 2**64 - 1)
+                )
+            )
+        )
+    msg = draw(messages)
+    return Writer(draw).frame(msg) if kind == "builder" else encode_frame(msg)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(read_answer(), max_size=12), st.data())
+def test_runs_taken_by_the_handler_keep_every_frame_in_order_at_any_split(
+    raw: list[bytes], data: st.DataObject
+) -> None:
+    stream = b"".join(raw)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    chunks = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    rec, proto = feed(chunks, runs=True)
+    assert rec.frames == [decode_frame(f) for f in raw]
+    assert rec.lost == [] and proto.failure is None and not proto.tail
 
 
 def test_a_vector_overrunning_the_frame_is_malformed() -> None:
@@ -152,12 +203,23 @@ def test_repeated_shapes_and_mutations_read_like_the_codec(
         stream[at % len(stream)] = value
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
     chunks = [bytes(stream[a:b]) for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
-    rec, proto = feed(chunks)
     want, fails = codec_reading(bytes(stream))
     if not edits:
         assert want == msgs and not fails
-    assert rec.frames == want
-    assert (proto.failure is not None) == fails
+    for runs in (False, True):  # (as a read in bulk takes them: the same frames, the same failure)
+        rec, proto = feed(chunks, runs)
+        assert rec.frames == want
+        assert (proto.failure is not None) == fails
+
+
+def test_a_run_is_not_taken_with_announced_deliveries() -> None:
+    async def main() -> None:
+        proto = WorkerProtocol()
+        rec = RunRecorder()
+        with pytest.raises(ValueError, match="on_run"):
+            proto.attach(rec, on_replayed=lambda msg, sid: None, on_run=rec.on_run)
+
+    asyncio.run(main())
 
 
 def test_frames_right_after_the_welcome_wait_for_the_owner() -> None:

@@ -16,7 +16,7 @@ from broky.errors import ErrorCode, ServerError
 from broky.protocol import VBUCKETS, Message, vbucket_of
 from broky.protocol.frames import Position
 from tests.support.http import http_get
-from tests.support.sdk import partitions_by_worker
+from tests.support.sdk import MessageBatches, partitions_by_worker
 from tests.support.serverproc import ServerProcess
 
 
@@ -237,3 +237,77 @@ def test_the_blocking_client_reads_some_vbuckets(start_server: Callable[..., Ser
         assert client.positions(vbuckets=[vb]) == result.positions
         with pytest.raises(ValueError, match="not a vbucket"):
             client.read(">", vbuckets=[VBUCKETS])
+
+
+class CountingReading(Reading):
+    """A Reading that counts the times its connections were paused."""
+
+    pauses = 0
+
+    def pause(self) -> None:
+        self.pauses += 1
+        super().pause()
+
+
+class FailingBatches(MessageBatches):
+    """A decoder that cannot hold the message after its first `after`."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__(1 << 20, 1 << 30)
+        self.left = after
+
+    def add(self, msg: Message) -> None:
+        if self.left == 0:
+            raise OverflowError(f"message {msg.offset} of vbucket {msg.vbucket} does not fit")
+        self.left -= 1
+        super().add(msg)
+
+
+def test_a_read_in_bulk_gives_the_read_in_full_batches_and_fails_with_its_decoder(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server(workers=2)
+
+    async def main() -> None:
+        async with broky.connect(server.url, name="bulk") as client:
+            assert client.server_info is not None
+            by_worker = partitions_by_worker(client.server_info.map, 3)
+            kps = by_worker[0] + by_worker[1]
+            for i in range(600):
+                await client.publish("bulk.k", b"%d" % i, partition=kps[i % 6])
+            await client.flush()
+            whole = await client.read(">")
+            assert len(whole.messages) == 600
+            # Few messages may wait: the connections pause and resume as the batches are taken.
+            reading = CountingReading(client, b">", max_pending_msgs=16)
+            batches = [b async for b in reading.batches(MessageBatches(7, 1 << 30))]
+            assert [len(b) for b in batches] == [7] * 85 + [5]
+            got = sorted((m for b in batches for m in b), key=lambda m: (m.vbucket, m.offset))
+            assert got == whole.messages and reading.ends == whole.ends
+            assert reading.pauses > 0
+            # A share of the vbuckets, by bytes as well: as the read of them.
+            asked = [vbucket_of(kp) for kp in (by_worker[0][1], by_worker[1][2])]
+            share = await client.read(">", vbuckets=asked)
+            share_reading = client.read(">", vbuckets=asked)
+            batches = [b async for b in share_reading.batches(MessageBatches(1000, 250))]
+
+            def size(msgs: list[Message]) -> int:
+                return sum(len(m.key_partition) + len(m.key) + len(m.payload) for m in msgs)
+
+            assert len(batches) > 2 and all(size(b) >= 250 > size(b[:-1]) for b in batches[:-1])
+            got = sorted((m for b in batches for m in b), key=lambda m: (m.vbucket, m.offset))
+            assert got == share.messages and share_reading.ends == share.ends
+            # One way per read.
+            with pytest.raises(RuntimeError, match="already"):
+                share_reading.batches(MessageBatches(7, 1 << 30))
+            bulk = client.read(">")
+            bulk.batches(MessageBatches(7, 1 << 30))
+            with pytest.raises(RuntimeError, match="in batches"):
+                await bulk
+            # A value the decoder cannot hold ends the read with its error; the connections close.
+            with pytest.raises(OverflowError, match="does not fit"):
+                async for _ in client.read(">").batches(FailingBatches(after=250)):
+                    pass
+            await connections_back_to(server, "bulk", 2)
+
+    run(main)

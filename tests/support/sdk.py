@@ -1,5 +1,6 @@
 """The SDK as the tests drive it: a coroutine run with a deadline, partitions per worker, what a
-subscriber received, and a Client wired to an in-memory link (no server, no socket).
+subscriber received, a Client wired to an in-memory link (no server, no socket), and a decoder
+for reads in bulk that gives its batches as Messages.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from typing import Any
 
 import broky
 from broky.client.client import Client, Link
-from broky.protocol import VBUCKETS, VBucketMap, vbucket_of
+from broky.errors import MalformedFrameError
+from broky.protocol import VBUCKETS, Message, VBucketMap, decode_message, vbucket_of
+from broky.protocol.framing import MIN_FRAME_SIZE
+from broky.protocol.layout import HEADER_AT, HEADER_END, HEADER_NO_UID, HEADER_UID
 
 
 def partitions_by_worker(vmap: VBucketMap, per_worker: int = 2) -> dict[int, list[bytes]]:
@@ -88,3 +92,48 @@ def unconnected_client(max_frame: int = 1 << 20) -> tuple[Client, Link]:
     link.proto = FakeProto()  # type: ignore[assignment]
     client.router.route = [link] * VBUCKETS
     return client, link
+
+
+class MessageBatches:
+    """A BulkDecoder (`Reading.batches`) whose batches are lists of Messages: it takes the
+    whole Message frames in the canonical layout, as decode_message reads them, and stops at
+    any other frame (what broky.spark.readcols's decoders take, as Messages)."""
+
+    def __init__(self, batch_rows: int, batch_bytes: int) -> None:
+        self.batch_rows = batch_rows
+        self.batch_bytes = batch_bytes
+        self.messages: list[Message] = []
+        self.nbytes = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.messages)
+
+    @property
+    def full(self) -> bool:
+        return len(self.messages) >= self.batch_rows or self.nbytes >= self.batch_bytes
+
+    def scan(self, data: bytes, pos: int, end: int, vbuckets: Any, max_frame: int, /) -> int:
+        while not self.full and end - pos >= 4:
+            size = struct.unpack_from("<I", data, pos)[0]
+            stop = pos + 4 + size
+            if not MIN_FRAME_SIZE <= size <= max_frame or stop > end:
+                break
+            if data[pos + HEADER_AT : pos + HEADER_END] not in (HEADER_UID, HEADER_NO_UID):
+                break
+            try:
+                msg = decode_message(data, pos, stop)
+            except MalformedFrameError:
+                break
+            if msg.vbucket < len(vbuckets) and vbuckets[msg.vbucket]:
+                self.add(msg)
+            pos = stop
+        return pos
+
+    def add(self, msg: Message) -> None:
+        self.messages.append(msg)
+        self.nbytes += len(msg.key_partition) + len(msg.key) + len(msg.payload)
+
+    def take(self) -> list[Message]:
+        msgs, self.messages, self.nbytes = self.messages, [], 0
+        return msgs
