@@ -5,7 +5,8 @@
 # podman on a minimal Debian base of its own (mmdebstrap) passed as BASE.
 #
 # The build stage compiles the wheel (the fan-out's fast path, broky/server/shard/_feedscan.c,
-# and the SDK's publish encoding, broky/client/_pubpack.c) and installs it with its
+# the SDK's publish encoding, broky/client/_pubpack.c, and the Spark source's column decoder,
+# broky/spark/_readcols.c) and installs it with its
 # dependencies into a virtual environment, /opt/broky; the image that runs it gets that
 # environment alone: no compiler, no pip.
 ARG BASE=docker.io/library/python:3.11-slim

@@ -1,9 +1,10 @@
 /* The canonical Message layout on the C side, for the compiled twins
- * (broky/server/shard/_feedscan.c, broky/client/_pubpack.c).
+ * (broky/server/shard/_feedscan.c, broky/client/_pubpack.c, broky/spark/_readcols.c).
  *
  * Nothing here spells a byte position: layout_load reads each one the twins
  * use by name from broky.protocol.layout, the layout's one owner, when a twin
- * is configured at import (broky.server.shard.fastpath, broky.client.pubpack), into
+ * is configured at import (broky.server.shard.fastpath, broky.client.pubpack,
+ * broky.spark.readcols), into
  * a Layout the twin keeps in a static variable. What a twin does with a frame
  * (the fixed header compared, ts_broker stamped, the uoffsets and the uid
  * read or written, the vectors laid out one after the other as
@@ -12,7 +13,7 @@
  * twin could not use safely (every field at a fixed position lies before the
  * vectors); layout_as_dict gives them back, and a test holds them to the owner.
  *
- * Included by both twins: everything is static.
+ * Included by every twin: everything is static.
  */
 #ifndef BROKY_LAYOUT_H
 #define BROKY_LAYOUT_H

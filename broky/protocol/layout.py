@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 Broky writes every Message frame in one layout, and its fast readers (the
 codec's decode and routing read, the server's fan-out and its compiled twin,
-the SDK's delivery read, its publish templates and their compiled twin)
+the SDK's delivery read, its publish templates and their compiled twin, the
+Spark source's column decoder and its compiled twin)
 recognise that layout by its fixed header and then read each field at a
 fixed position. This module is the one place those positions are written
 down; everything else asks it:
@@ -18,10 +19,11 @@ down; everything else asks it:
 - `struct_at`, which builds a struct format from (position, code) pairs, so
   that no struct format that reads or writes this layout spells an offset.
 
-The two C twins (broky/server/shard/_feedscan.c, broky/client/_pubpack.c) are
-handed this module by their configure call at import (broky.server.shard.fastpath,
-broky.client.pubpack) and read the names they use from it; each gives them
-back through its `layout()`, and a test holds those to this module.
+The three C twins (broky/server/shard/_feedscan.c, broky/client/_pubpack.c,
+broky/spark/_readcols.c) are handed this module by their configure call at
+import (broky.server.shard.fastpath, broky.client.pubpack, broky.spark.readcols)
+and read the names they use from it; each gives them back through its
+`layout()`, and a test holds those to this module.
 
 Changing the layout (adding stamped fields, say) is an edit of the positions
 here, of schema/broky.fbs and its generated code, and of schema/README.md

@@ -30,8 +30,11 @@ vbuckets' start and stop positions and the worker's address.
 Executors. A task (`read_partition`) connects through its worker's node
 first (then the seeds) and makes one bounded read of its vbuckets
 (`Client.read` with ``vbuckets``), from the start positions to the stop
-positions, and turns the messages into Arrow record batches of the source's
-schema as they come. A retried task reads the same range, so the same rows.
+positions, in bulk (`Reading.batches`): the frames the connections receive
+are decoded straight into the Arrow columns of the source's schema
+(`broky.spark.readcols`, in C when its twin is built), a record batch per
+ARROW_BATCH_ROWS messages, with no Message object per row. A retried task
+reads the same range, so the same rows.
 
 Moves. The driver remembers the map of the moment each offset was taken:
 the one its client held just before it asked for the positions, never one
@@ -88,6 +91,7 @@ from broky.errors import BrokyConnectionError, BrokyError
 from broky.protocol import NO_OWNER, VBUCKETS, vbucket_of
 from broky.protocol.frames import Position
 from broky.spark import offsets as off
+from broky.spark import readcols
 from broky.spark.sink import ClientConfig, task_identity
 
 try:
@@ -440,16 +444,17 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
                 stop=task.stop,
                 timeout=opts.read_timeout,
             )
-            it = reading.__aiter__()
-            cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
-            done = False
-            while not done:  # one turn of the event loop per Arrow batch, not per message
-                done = loop.run_until_complete(_take(it, cols))
-                if cols[0]:
-                    rows += len(cols[0])
-                    yield _batch(pa, cols)
-                    for c in cols:
-                        c.clear()
+            batches = reading.batches(readcols.new_decoder(ARROW_BATCH_ROWS)).__aiter__()
+            try:
+                while True:  # one turn of the event loop per Arrow batch, not per message
+                    try:
+                        cols = loop.run_until_complete(batches.__anext__())
+                    except StopAsyncIteration:
+                        break
+                    rows += cols[0]
+                    yield readcols.arrow_batch(pa, _arrow_schema(pa), cols)
+            finally:
+                loop.run_until_complete(batches.aclose())  # (left early: its connections closed)
             check_losses(task, reading.ends, opts)
         finally:
             loop.run_until_complete(client.close())
@@ -467,26 +472,6 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
     )
 
 
-async def _take(it: Any, cols: tuple[list[Any], ...]) -> bool:
-    """Up to ARROW_BATCH_ROWS messages of a read (`it`) into `cols`; True once the read is done."""
-    kps, keys, pays, tsp, tsb, uids, vbs, epochs, offsets = cols
-    while len(kps) < ARROW_BATCH_ROWS:
-        try:
-            msg = await it.__anext__()
-        except StopAsyncIteration:
-            return True
-        kps.append(msg.key_partition)
-        keys.append(msg.key)
-        pays.append(msg.payload)
-        tsp.append(msg.ts_producer // 1000 if msg.ts_producer else None)
-        tsb.append(msg.ts_broker // 1000 if msg.ts_broker else None)
-        uids.append(msg.uid_text)
-        vbs.append(msg.vbucket)
-        epochs.append(str(msg.epoch))
-        offsets.append(msg.offset)
-    return False
-
-
 async def _client_of(config: ClientConfig, name: str) -> Any:
     try:
         return await config.connect(name)
@@ -497,7 +482,8 @@ async def _client_of(config: ClientConfig, name: str) -> Any:
 _ARROW: list[Any] = []  # the Arrow schema of SCHEMA, made at the first batch
 
 
-def _batch(pa: Any, cols: tuple[list[Any], ...]) -> Any:
+def _arrow_schema(pa: Any) -> Any:
+    """SCHEMA in Arrow's types: the columns of broky.spark.readcols, in its order."""
     if not _ARROW:
         ts = pa.timestamp("us", tz="UTC")
         types = [
@@ -513,9 +499,7 @@ def _batch(pa: Any, cols: tuple[list[Any], ...]) -> Any:
         ]
         fields = [pa.field(f.name, t, f.nullable) for f, t in zip(SCHEMA.fields, types, strict=True)]
         _ARROW.append(pa.schema(fields))
-    schema = _ARROW[0]
-    arrays = [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)]
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+    return _ARROW[0]
 
 
 def check_losses(task: ReadTask, ends: Mapping[int, Any], opts: SourceOptions) -> None:

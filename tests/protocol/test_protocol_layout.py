@@ -1,7 +1,7 @@
 """The canonical Message layout has one owner, broky.protocol.layout.
 
 Its writer's and reader's views (`shape`, `read_shape`) agree with the
-encoder; `struct_at` builds the formats the readers use. The two compiled
+encoder; `struct_at` builds the formats the readers use. The three compiled
 twins read their positions from it when they are configured: each gives back
 exactly the owner's values, and a twin configured with a position moved
 does something else with the same input than the twin configured with the
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from broky.client import pubpack
 from broky.protocol import encode_message, layout
 from broky.protocol.framing import MIN_FRAME_SIZE
+from broky.protocol.ksuid import ALPHABET
 from broky.protocol.layout import (
     EPOCH_AT,
     FIXED_SIZE,
@@ -46,6 +47,7 @@ from broky.protocol.layout import (
 )
 from broky.server.shard import fastpath
 from broky.server.shard.sequences import Sequences
+from broky.spark import readcols
 
 lengths = st.integers(0, 300)
 
@@ -123,7 +125,8 @@ def _twins() -> dict[str, Any]:
 
     assert fastpath.compiled_scan is not None, fastpath.description
     assert pubpack.compiled is not None, pubpack.description
-    return {"feedscan": _feedscan, "pubpack": _pubpack}
+    assert readcols.compiled is not None, readcols.description
+    return {"feedscan": _feedscan, "pubpack": _pubpack, "readcols": readcols.compiled}
 
 
 def test_the_twins_were_configured_with_the_owners_positions() -> None:
@@ -137,6 +140,8 @@ def test_the_twins_were_configured_with_the_owners_positions() -> None:
 def _configure(name: str, twin: Any, owner: object) -> None:
     if name == "feedscan":
         twin.configure(owner, MIN_FRAME_SIZE)
+    elif name == "readcols":
+        twin.configure(owner, MIN_FRAME_SIZE, ALPHABET.encode())
     else:
         twin.configure(owner)
 
@@ -203,6 +208,21 @@ USES = {
         "UID_AT",
         "VECTORS_AT",
     },
+    "readcols": {
+        "HEADER_AT",
+        "HEADER_UID",
+        "HEADER_NO_UID",
+        "TS_PRODUCER_AT",
+        "TS_BROKER_AT",
+        "EPOCH_AT",
+        "OFFSET_AT",
+        "VBUCKET_AT",
+        "KEY_UOFFSET_AT",
+        "PAYLOAD_UOFFSET_AT",
+        "UID_AT",
+        "VECTORS_AT",
+        "FIXED_SIZE",
+    },
 }
 
 
@@ -247,12 +267,41 @@ def _pubpack_run(twin: Any) -> object:
     return out
 
 
-RUNS: dict[str, Callable[[Any], object]] = {"feedscan": _feedscan_run, "pubpack": _pubpack_run}
+def _readcols_run(twin: Any) -> object:
+    """What a Decoder makes of canonical Messages with and without uid (every field differs
+    from its neighbours, so a field read elsewhere reads another value)."""
+    data = b"".join(
+        encode_message(
+            b"p%d" % i,
+            b"k.%d" % i,
+            b"x" * (i * 7),
+            10_000 * (i + 1),
+            900_000 * (i + 1),
+            bytes(range(i, i + 20)) if i % 2 else None,
+            i,
+            1000 + i,
+            5000 + i,
+        )
+        for i in range(8)
+    )
+    decoder = twin.Decoder(100, 1 << 20)
+    try:
+        pos = decoder.scan(data, 0, len(data), b"\x01" * 1024, 1 << 20)
+    except (ValueError, OverflowError) as exc:
+        return repr(exc)
+    return pos, decoder.take()
 
 
-@pytest.mark.parametrize("twin_name", ["feedscan", "pubpack"])
+RUNS: dict[str, Callable[[Any], object]] = {
+    "feedscan": _feedscan_run,
+    "pubpack": _pubpack_run,
+    "readcols": _readcols_run,
+}
+
+
+@pytest.mark.parametrize("twin_name", ["feedscan", "pubpack", "readcols"])
 def test_a_twin_reads_every_position_from_its_configuration(twin_name: str) -> None:
-    assert set(MOVES) | {"HEADER_END"} == TWIN_NAMES == USES["feedscan"] | USES["pubpack"] | {"HEADER_END"}
+    assert set(MOVES) | {"HEADER_END"} == TWIN_NAMES == set().union(*USES.values(), {"HEADER_END"})
     twin = _twins()[twin_name]
     run = RUNS[twin_name]
     expected = run(twin)
@@ -261,6 +310,9 @@ def test_a_twin_reads_every_position_from_its_configuration(twin_name: str) -> N
             encode_message(b"kp", b"a.b", b"payload", 7, 0, bytes(range(20))),
             encode_message(b"kp", b"a.b", b"123456789", 7, 0, bytes(range(12)) + (5).to_bytes(8, "little")),
         ]
+    elif twin_name == "readcols":  # the reference decoder's, from the same frames
+        assert isinstance(expected, tuple) and expected[1][0] == 8  # every message a row
+        assert expected == _readcols_run(types.SimpleNamespace(Decoder=readcols.PyDecoder))
     else:
         assert isinstance(expected, tuple) and expected[2] == 8  # every message handled
     for name in sorted(USES[twin_name]):

@@ -26,7 +26,7 @@ from tests.support.serverproc import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)  # (about 20 s: not marked slow)
 
-COMPILED = ("broky/server/shard/_feedscan", "broky/client/_pubpack")
+COMPILED = ("broky/server/shard/_feedscan", "broky/client/_pubpack", "broky/spark/_readcols")
 
 # Run by the fresh environment's python from outside the checkout: subscribe with the SDK,
 # publish with the installed `broky pub`, receive; print where broky and its compiled
@@ -88,7 +88,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_serves(tmp_path: Path) 
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for needed in (
         "pyproject.toml", "setup.py", "README.md", "broky/protocol/_layout.h",
-        "broky/server/shard/_feedscan.c", "broky/client/_pubpack.c", "broky/server/http/console.html",
+        "broky/server/shard/_feedscan.c", "broky/client/_pubpack.c", "broky/spark/_readcols.c",
+        "broky/server/http/console.html",
     ):  # fmt: skip
         assert needed in names, needed
     with zipfile.ZipFile(wheel) as whl:
