@@ -38,6 +38,14 @@ TARGETS: dict[str, tuple[str, float | None]] = {
         "the blocking client's subscription queue: pushed under its lock, taken by next, per message",
         None,
     ),
+    "test_spark_read_1000[compiled]": (
+        "the Spark source's read into Arrow columns, compiled (readcols), per message",
+        None,
+    ),
+    "test_spark_read_1000[per-message]": (
+        "the same, the per-message loop it replaced (Message tuples, lists, pa.array)",
+        None,
+    ),
     "test_route_message": ("read the routing fields", 1.0),
     "test_scan_1mib[route]": ("scan 1 MiB of messages: framing + routing read, per message", 1.0),
     "test_shard_feed_1mib[no-subscriber]": (

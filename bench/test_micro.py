@@ -294,6 +294,80 @@ def test_client_publish_rows_1000(benchmark) -> None:  # type: ignore[no-untyped
         loop.close()
 
 
+# ---------------------------------------------------------------- the Spark source's read
+
+
+@pytest.mark.parametrize("decoder", ["compiled", "reference", "per-message"])
+def test_spark_read_1000(benchmark, decoder) -> None:  # type: ignore[no-untyped-def]
+    # The Spark source's decoding of one read of 1000 retained messages (as stamped by a
+    # worker) into an Arrow record batch of its nine columns: the compiled decoder and its
+    # reference (broky.spark.readcols), and the per-message loop they replaced (the
+    # connection's Message tuples, a list per column, pa.array of each).
+    import pyarrow as pa
+
+    from broky.client.connection import WorkerProtocol
+    from broky.spark import readcols
+    from broky.spark.source import _arrow_schema
+
+    frames = b"".join(
+        encode_message(b"tenant-%d" % (i % 256), KEY, PAYLOAD, TS, TS + 5, UID, i % 1024, 1 << 62, i + 1)
+        for i in range(1000)
+    )
+    schema = _arrow_schema(pa)
+    mask = b"\x01" * 1024
+    benchmark.extra_info["messages"] = 1000
+    if decoder != "per-message":
+        if decoder == "compiled":
+            assert readcols.compiled is not None, readcols.description
+            dec = readcols.compiled.Decoder(8192, 1 << 26)
+        else:
+            dec = readcols.PyDecoder(8192, 1 << 26)
+
+        def columns() -> Any:
+            dec.scan(frames, 0, len(frames), mask, 1 << 20)
+            return readcols.arrow_batch(pa, schema, dec.take())
+
+        assert benchmark(columns).num_rows == 1000
+        return
+    got: list[Any] = []
+
+    class Answer:  # (what the source's read handed it: Message tuples)
+        on_message = got.append
+
+    import asyncio
+
+    async def connection() -> WorkerProtocol:
+        proto = WorkerProtocol()
+        proto.attach(Answer())  # type: ignore[arg-type]
+        return proto
+
+    loop = asyncio.new_event_loop()
+    try:
+        proto = loop.run_until_complete(connection())
+    finally:
+        loop.close()
+
+    def messages() -> Any:
+        proto.data_received(frames)
+        cols: tuple[list[Any], ...] = ([], [], [], [], [], [], [], [], [])
+        kps, keys, pays, tsp, tsb, uids, vbs, epochs, offsets = cols
+        for msg in got:
+            kps.append(msg.key_partition)
+            keys.append(msg.key)
+            pays.append(msg.payload)
+            tsp.append(msg.ts_producer // 1000 if msg.ts_producer else None)
+            tsb.append(msg.ts_broker // 1000 if msg.ts_broker else None)
+            uids.append(msg.uid_text)
+            vbs.append(msg.vbucket)
+            epochs.append(str(msg.epoch))
+            offsets.append(msg.offset)
+        got.clear()
+        arrays = [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    assert benchmark(messages).num_rows == 1000
+
+
 # ---------------------------------------------------------------- the server's scan loop
 
 
