@@ -19,7 +19,14 @@ fresh Parquet directory (and, streaming, a fresh checkpoint):
   about its widths (`RATE_COLUMNS`): the ceiling of the machine for that sink;
 - ``broky batch``: ``spark.read.format("broky").load().write.parquet(...)``;
 - ``range batch``: the same 9 columns from ``spark.range`` written the same
-  way: the batch ceiling.
+  way: the batch ceiling;
+- ``arrow stream`` and ``arrow batch``: a Python data source of the broky
+  source's schema whose tasks (one per worker's share, as the broky source's:
+  2) yield ready Arrow record batches of ``ARROW_BATCH_ROWS`` rows (`ArrowFloor`:
+  the fill's values, made once per task), no I/O: what Spark's Python data
+  source path costs by itself (the driver's Python process, the tasks' Arrow
+  hand-off to the JVM, the JVM's conversion), the ceiling of any Python
+  source into that sink.
 
 rows/s = rows written / wall time of the query (from ``start()`` to its end,
 or of the batch write); the streaming runs also give Spark's own
@@ -62,7 +69,7 @@ KEY = b"bench.src"
 PAYLOAD_BYTES = 100
 REPLAY_BYTES = 256 * 1024 * 1024  # per worker: 1M messages of 256 B frames are ~128 MB each
 FILL_CHUNK = 10_000
-KINDS = ("broky stream", "rate stream", "broky batch", "range batch")
+KINDS = ("broky stream", "rate stream", "arrow stream", "broky batch", "range batch", "arrow batch")
 LIMITED = "broky stream limited"
 
 # The rate rows: the broky source's 9 columns, its types, about its widths and variety
@@ -109,7 +116,129 @@ def fill(address: str, rows: int) -> float:
     return time.perf_counter() - started
 
 
+class ArrowFloor:
+    """The ``arrow`` runs' Python data source (see the module's header), registered as
+    ``broky_bench_arrow``; pickled by value (run as a script, or `register`), so Spark's
+    Python workers need not import bench/."""
+
+    @staticmethod
+    def source(rows: int) -> type:
+        from pyspark.sql.datasource import (
+            DataSource,
+            DataSourceReader,
+            DataSourceStreamReader,
+            InputPartition,
+        )
+
+        class Share(InputPartition):
+            def __init__(self, first: int, rows: int) -> None:
+                self.first = first
+                self.rows = rows
+
+        def shares(n: int) -> list[Share]:
+            return [Share(0, n // 2), Share(n // 2, n - n // 2)] if n else []
+
+        def batches(share: Share) -> Any:
+            import os as os_
+
+            import pyarrow as pa
+
+            from broky.protocol.ksuid import ksuid_text
+            from broky.spark import source as broky_source
+
+            n = min(share.rows, broky_source.ARROW_BATCH_ROWS)
+            first = share.first
+            us = 1_767_225_600_000_000
+            cols: tuple[list[Any], ...] = (
+                [b"kp%d" % (i % KEY_PARTITIONS) for i in range(first, first + n)],
+                [KEY] * n,
+                [payload(i) for i in range(first, first + n)],
+                [us + i for i in range(n)],
+                [us + i + 5 for i in range(n)],
+                [ksuid_text(os_.urandom(20)) for _ in range(n)],
+                [i % 1024 for i in range(first, first + n)],
+                ["1767225600123456789"] * n,
+                [i // 1024 for i in range(first, first + n)],
+            )
+            ts = pa.timestamp("us", tz="UTC")
+            types = [
+                pa.binary(),
+                pa.binary(),
+                pa.binary(),
+                ts,
+                ts,
+                pa.string(),
+                pa.int32(),
+                pa.string(),
+                pa.int64(),
+            ]
+            schema = pa.schema(
+                [
+                    pa.field(f.name, t, f.nullable)
+                    for f, t in zip(broky_source.SCHEMA.fields, types, strict=True)
+                ]
+            )
+            batch = pa.RecordBatch.from_arrays(
+                [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
+            )
+            left = share.rows
+            while left > 0:
+                yield batch.slice(0, min(left, n))
+                left -= n
+
+        class Stream(DataSourceStreamReader):
+            def initialOffset(self) -> dict[str, int]:
+                return {"rows": 0}
+
+            def latestOffset(self) -> dict[str, int]:
+                return {"rows": rows}
+
+            def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[Share]:
+                return shares(end["rows"] - start["rows"])
+
+            def read(self, partition: Any) -> Any:
+                return batches(partition)
+
+            def commit(self, end: dict[str, int]) -> None:
+                pass
+
+        class Batch(DataSourceReader):
+            def partitions(self) -> list[Share]:
+                return shares(rows)
+
+            def read(self, partition: Any) -> Any:
+                return batches(partition)
+
+        class Source(DataSource):
+            @classmethod
+            def name(cls) -> str:
+                return "broky_bench_arrow"
+
+            def schema(self) -> Any:
+                from broky.spark.source import SCHEMA
+
+                return SCHEMA
+
+            def reader(self, schema: Any) -> Batch:
+                return Batch()
+
+            def streamReader(self, schema: Any) -> Stream:
+                return Stream()
+
+        return Source
+
+    @staticmethod
+    def register(spark: Any, rows: int) -> None:
+        from pyspark import cloudpickle
+
+        if __name__ != "__main__":  # (a script's classes are pickled by value already)
+            cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        spark.dataSource.register(ArrowFloor.source(rows))
+
+
 def stream_reader(spark: Any, kind: str, address: str, rows: int, max_offsets: int) -> Any:
+    if kind == "arrow stream":
+        return spark.readStream.format("broky_bench_arrow").load()
     if kind == "rate stream":
         return (
             spark.readStream.format("rate-micro-batch")
@@ -159,6 +288,8 @@ def run_stream(spark: Any, kind: str, address: str, rows: int, max_offsets: int,
 def run_batch(spark: Any, kind: str, address: str, rows: int, d: str) -> dict[str, Any]:
     if kind == "broky batch":
         df = spark.read.format("broky").option("broky.servers", address).load()
+    elif kind == "arrow batch":
+        df = spark.read.format("broky_bench_arrow").load()
     else:
         df = (
             spark.range(0, rows, numPartitions=2)
@@ -220,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filled {args.rows:,} messages in {fill_s:.1f} s", file=sys.stderr)
         spark = spark_session()
         broky.spark.register(spark)
+        ArrowFloor.register(spark, args.rows)
         for kind in kinds:  # warm-up: the JVM's code, the Python workers, the modules
             run(spark, kind, address, args.rows, args.max_offsets, server)
         for round_ in range(args.repeat):
@@ -246,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         "median_rows_per_s": median,
         "stream_broky_over_rate": median["broky stream"] / median["rate stream"],
         "batch_broky_over_range": median["broky batch"] / median["range batch"],
+        "stream_arrow_over_rate": median["arrow stream"] / median["rate stream"],
+        "batch_arrow_over_range": median["arrow batch"] / median["range batch"],
+        "stream_broky_over_arrow": median["broky stream"] / median["arrow stream"],
+        "batch_broky_over_arrow": median["broky batch"] / median["arrow batch"],
         "broky_stream_server_cpu_us_per_row": statistics.median(
             r["server_cpu_s"] for r in runs["broky stream"]
         )
@@ -301,6 +437,18 @@ def render(result: dict[str, Any], argv: list[str] | None) -> str:
         f"**broky stream / rate stream: {result['stream_broky_over_rate']:.2f}**; "
         f"broky batch / range batch: {result['batch_broky_over_range']:.2f}.",
         "",
+        *(
+            [
+                "The ceiling of a Python data source into this sink (`arrow`: ready Arrow batches, "
+                f"no I/O): arrow stream / rate stream {result['stream_arrow_over_rate']:.2f}, "
+                f"arrow batch / range batch {result['batch_arrow_over_range']:.2f}; broky stream / "
+                f"arrow stream {result['stream_broky_over_arrow']:.2f}, broky batch / arrow batch "
+                f"{result['batch_broky_over_arrow']:.2f}.",
+                "",
+            ]
+            if "stream_arrow_over_rate" in result
+            else []
+        ),
         "The rate rows have the broky source's 9 columns and types, the same payload bytes "
         "(the message's number in 10 digits, then 90 'x'), a 27-character uid that differs per row "
         "and the same key_partitions:",
