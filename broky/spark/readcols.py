@@ -25,8 +25,8 @@ ReadDone), a Message in another layout, a malformed one -- and when the
 batch is full, and returns where it stopped: the connection decodes that
 frame with the reference codec (`decode_frame`, which raises a clear
 `ProtocolError` for a malformed one) and hands a Message of another layout
-back through `add`, so every message reaches the columns, in the order it
-came.
+back to `scan` re-encoded in the canonical one (broky.client.reader), so
+every message reaches the columns, in the order it came.
 
 The columns (the source's SCHEMA, in its order):
 
