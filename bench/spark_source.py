@@ -160,24 +160,7 @@ class ArrowFloor:
                 ["1767225600123456789"] * n,
                 [i // 1024 for i in range(first, first + n)],
             )
-            ts = pa.timestamp("us", tz="UTC")
-            types = [
-                pa.binary(),
-                pa.binary(),
-                pa.binary(),
-                ts,
-                ts,
-                pa.string(),
-                pa.int32(),
-                pa.string(),
-                pa.int64(),
-            ]
-            schema = pa.schema(
-                [
-                    pa.field(f.name, t, f.nullable)
-                    for f, t in zip(broky_source.SCHEMA.fields, types, strict=True)
-                ]
-            )
+            schema = broky_source.arrow_schema(pa)  # the broky source's, column for column
             batch = pa.RecordBatch.from_arrays(
                 [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema
             )

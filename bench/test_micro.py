@@ -307,13 +307,13 @@ def test_spark_read_1000(benchmark, decoder) -> None:  # type: ignore[no-untyped
 
     from broky.client.connection import WorkerProtocol
     from broky.spark import readcols
-    from broky.spark.source import _arrow_schema
+    from broky.spark.source import arrow_schema
 
     frames = b"".join(
         encode_message(b"tenant-%d" % (i % 256), KEY, PAYLOAD, TS, TS + 5, UID, i % 1024, 1 << 62, i + 1)
         for i in range(1000)
     )
-    schema = _arrow_schema(pa)
+    schema = arrow_schema(pa)
     mask = b"\x01" * 1024
     benchmark.extra_info["messages"] = 1000
     if decoder != "per-message":

@@ -452,7 +452,7 @@ def read_partition(task: ReadTask, opts: SourceOptions) -> Iterator[Any]:
                     except StopAsyncIteration:
                         break
                     rows += cols[0]
-                    yield readcols.arrow_batch(pa, _arrow_schema(pa), cols)
+                    yield readcols.arrow_batch(pa, arrow_schema(pa), cols)
             finally:
                 loop.run_until_complete(batches.aclose())  # (left early: its connections closed)
             check_losses(task, reading.ends, opts)
@@ -482,7 +482,7 @@ async def _client_of(config: ClientConfig, name: str) -> Any:
 _ARROW: list[Any] = []  # the Arrow schema of SCHEMA, made at the first batch
 
 
-def _arrow_schema(pa: Any) -> Any:
+def arrow_schema(pa: Any) -> Any:
     """SCHEMA in Arrow's types: the columns of broky.spark.readcols, in its order."""
     if not _ARROW:
         ts = pa.timestamp("us", tz="UTC")

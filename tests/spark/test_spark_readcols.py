@@ -40,9 +40,9 @@ from broky.spark import readcols, source
 from broky.spark.source import (
     SCHEMA,
     SourceOptions,
-    _arrow_schema,
     _positions,
     _run,
+    arrow_schema,
     initial_offsets,
     plan,
     read_partition,
@@ -216,7 +216,7 @@ def test_the_columns_are_the_rows_the_source_made_of_each_message(
     )
     cols = c.take()
     assert cols == py.take()
-    batch = readcols.arrow_batch(pa, _arrow_schema(pa), cols)
+    batch = readcols.arrow_batch(pa, arrow_schema(pa), cols)
     batch.validate(full=True)
     assert batch.schema.names == SCHEMA.names
     assert batch.to_pylist() == old_rows(msgs)
