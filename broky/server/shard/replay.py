@@ -395,14 +395,18 @@ class ReplayBuffer:
         if n == 0:
             return None
         base = self.base(vb)
-        lo, hi = 0, n
+        if self.ts_at(vb, base + n - 1) < ts:
+            # Every retained message is older (ts_broker never decreases): the common case of
+            # a start from now on, e.g. the HTTP gateway's position probes.
+            return None
+        lo, hi = 0, n - 1  # (the last one is not older)
         while lo < hi:
             mid = (lo + hi) // 2
             if self.ts_at(vb, base + mid) < ts:
                 lo = mid + 1
             else:
                 hi = mid
-        return base + lo if lo < n else None
+        return base + lo
 
 
 def gather_entries(

@@ -95,6 +95,25 @@ def test_the_buffer_keeps_the_newest_whole_segments_and_finds_every_retained_mes
             assert [payload_of(*m) for m in rb.read(vb, 0, expected[0] + 1)] == [(vb, expected[0])]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    query=st.integers(0, 130),
+)
+def test_a_lookup_by_time_finds_the_first_retained_message_not_older(steps: list[int], query: int) -> None:
+    # ts_broker never decreases (steps of 0 repeat a stamp); the answer is a linear scan's.
+    seqs = Sequences()
+    rb = ReplayBuffer(1 << 20, seqs)
+    stamps, ts = [], 1
+    for step in steps:
+        ts += step
+        offset = seqs.take(3)
+        rb.record(3, rb.retain(bytearray(frame(3, offset, ts, 10)), ts), 0)
+        stamps.append(ts)
+    expected = next((i + 1 for i, t in enumerate(stamps) if t >= query), None)
+    assert rb.offset_at_time(3, query) == expected
+
+
 def test_lookups_by_time_and_the_age_bound() -> None:
     now = [0.0]
     seqs = Sequences()
