@@ -170,7 +170,7 @@ class Accounted(Protocol):
     msgs_out: int
     dropped_total: int
     refused: int
-    group_owed: int  # its groups' messages kept for nobody yet (broky.server.shard.groups)
+    worker_owed: int  # kept by its worker, not sent: its groups' backlog, its lag (the owed word)
     group_lost: int  # its groups' messages lost for good while it carried their teller
     token: bytes  # its secret, RESUME_TOKEN_BYTES random bytes (Welcome.resume_token)
     slot: int  # byte offset of its slot's first version, or -1: no account
@@ -330,7 +330,7 @@ class AccountBook:
                 v = c.acct_ver ^ 1
                 pack(
                     table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused,
-                    c.group_owed, c.group_lost,
+                    c.worker_owed, c.group_lost,
                 )  # fmt: skip
                 c.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
@@ -346,7 +346,7 @@ class AccountBook:
             v = c.acct_ver ^ 1
             pack(
                 table, at + v * VERSION_BYTES, seq, c.msgs_in, c.msgs_out, c.dropped_total, c.refused,
-                c.group_owed, c.group_lost,
+                c.worker_owed, c.group_lost,
             )  # fmt: skip
             c.acct_ver = v
         for t in touched:
@@ -355,13 +355,13 @@ class AccountBook:
                 v = t.acct_ver ^ 1
                 pack(
                     table, at + v * VERSION_BYTES, seq, t.msgs_in, t.msgs_out, t.dropped_total, t.refused,
-                    t.group_owed, t.group_lost,
+                    t.worker_owed, t.group_lost,
                 )  # fmt: skip
                 t.acct_ver = v
         self.words[_COMMITTED] = seq  # the commit point
 
     def amend(self, c: Accounted) -> None:
-        """A closed connection's groups changed what its account owes (its `group_owed`,
+        """A closed connection's groups changed what its account owes (its `worker_owed`,
         `group_lost`; broky.server.shard.groups): a new version of its kept account, if it is
         still kept."""
         entry = self.closed.get(c.conn_id)
@@ -374,7 +374,7 @@ class AccountBook:
         older = base if a <= b else base + VERSION_BYTES  # the version not holding the latest
         self.seq = seq = self.seq + 1
         _VERSION.pack_into(
-            self.table, older, seq, processed, delivered, dropped, refused, c.group_owed, c.group_lost
+            self.table, older, seq, processed, delivered, dropped, refused, c.worker_owed, c.group_lost
         )
         self.words[_COMMITTED] = seq
 

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +17,7 @@ import pytest
 
 from bench import groups
 from tests.support import requires
-from tests.support.paths import ROOT
+from tests.support.benchrun import run_bench
 
 
 @pytest.mark.slow
@@ -29,23 +25,10 @@ from tests.support.paths import ROOT
 def test_bench_groups_quick_runs_every_section(tmp_path: Path) -> None:
     requires.program("nats-server")
     n = 2000
-    cmd = [sys.executable, "-m", "bench.groups", "--quick", "--messages", str(n), "--rate", "4000",
-           "--partitions", "64", "--cpu-rounds", "1", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=130)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the run, its servers' sessions are their own
-        proc.communicate()
-        pytest.fail("python -m bench.groups --quick took over 130 s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = stderr.decode(errors="replace")
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err[-4000:]}"
+    stdout, _ = run_bench(
+        "bench.groups", "--quick", "--messages", str(n), "--rate", "4000", "--partitions", "64",
+        "--cpu-rounds", "1", "--out", str(tmp_path), timeout=130,
+    )  # fmt: skip
 
     doc = json.loads((tmp_path / "groups.json").read_text())
     for field in ("cpu_model", "cores", "python", "broky", "nats_server"):
@@ -88,7 +71,7 @@ def test_bench_groups_quick_runs_every_section(tmp_path: Path) -> None:
     for heading in headings:
         assert heading in text, heading
     assert doc["machine"]["nats_server"] in text and f"{doc['machine']['cores']} cores" in text
-    assert stdout.decode().startswith("# Consumer groups")
+    assert stdout.startswith("# Consumer groups")
 
 
 def _member(n: int, taken: list[int], per_partition: list[int], **extra: Any) -> dict[str, Any]:

@@ -10,15 +10,11 @@ without that limit (it is not what it measures).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.benchrun import run_bench
 
 CASES = (
     "sdk per call",
@@ -33,25 +29,18 @@ CASES = (
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_http_publish_runs_every_case(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "bench.http_publish", "--runs", "1", "--messages", "2000",
-        "--seconds", "3", "--out", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    run_bench(
+        "bench.http_publish",
+        "--runs",
+        "1",
+        "--messages",
+        "2000",
+        "--seconds",
+        "3",
+        "--out",
+        str(tmp_path),
+        timeout=100,
     )
-    try:
-        _, stderr = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("python -m bench.http_publish took over 100 s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = stderr.decode(errors="replace")
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err[-4000:]}"
     doc = json.loads((tmp_path / "http.json").read_text())
     assert sorted(doc["summary"]) == sorted(CASES)
     for case in CASES:

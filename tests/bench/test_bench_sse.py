@@ -9,36 +9,17 @@ run is `python -m bench.sse` (results in bench/results/sse.md).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.benchrun import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_sse_quick_runs_every_case(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.sse", "--quick", "--out", str(tmp_path)]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=100)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the run, its readers; its servers' sessions are their own
-        proc.communicate()
-        pytest.fail("python -m bench.sse --quick took over 100 s")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = stderr.decode(errors="replace")
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err[-4000:]}"
+    run_bench("bench.sse", "--quick", "--out", str(tmp_path), timeout=100)
 
     doc = json.loads((tmp_path / "sse.json").read_text())
     for field in ("cpu_model", "cores", "python", "broky"):

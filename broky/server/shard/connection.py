@@ -79,7 +79,7 @@ class Connection(asyncio.Protocol):
         "msgs_in", "msgs_out", "dropped_total", "connected_at", "on_adopted", "slot", "acct_ver", "account",
         "resuming", "held", "map_applied", "sub_bytes", "sent", "reply_out", "reply_sent", "reply_left",
         "reply_marks", "token", "refused", "charged", "handoff_id", "bounded_read", "group_out", "user",
-        "perms", "version", "cap", "group_owed", "group_lost", "group_untold", "lag",
+        "perms", "version", "cap", "worker_owed", "group_lost", "group_untold", "lag",
     )  # fmt: skip
 
     def __init__(self, shard: Shard, initial: bytes, conn_id: int) -> None:
@@ -153,10 +153,11 @@ class Connection(asyncio.Protocol):
         self.lag: LagCursor | None = None
         self.group_out = 0  # of msgs_out, those queued to its group members (broky.server.shard.groups)
         self.group_untold = 0  # of `dropped`, deliveries to its members without ack (never replayed)
-        # Its groups' messages kept for nobody yet, and lost for good, while it carries their
-        # teller (broky.server.shard.groups): in its account, for a claim after the worker died.
-        # `group_owed` also counts what it is owed while it lags (broky.server.shard.lag).
-        self.group_owed = 0
+        # Messages this worker keeps for it and has not sent (its account's owed word, for a
+        # claim after the worker died): its groups' kept for nobody yet while it carries their
+        # teller (broky.server.shard.groups), and what it is owed while it lags
+        # (broky.server.shard.lag). `group_lost`: its groups' lost for good meanwhile.
+        self.worker_owed = 0
         self.group_lost = 0
         # Its user (--users; None: none, or the server's token) and, when that user's
         # permissions are limited, what it may do (broky.server.security.users).
@@ -316,7 +317,7 @@ class LagCursor:
         # vb -> [count, first, last, epoch]: owed offsets the buffer evicted, not told yet
         self.gone: dict[int, list[int]] = {}
         # Messages it is owed (refused, not yet sent nor told), also in the connection's
-        # `group_owed`: its account's owed word, told to a claim if the worker dies.
+        # `worker_owed`: its account's owed word, told to a claim if the worker dies.
         self.count = 0
         self.since = since  # monotonic: when it began lagging
         self.served = 0  # messages sent to it from the replay buffer

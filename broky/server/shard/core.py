@@ -1190,7 +1190,7 @@ class Shard:
         if c.lag is not None:  # what it was still owed: never sent on it (a drop, for its account)
             owed = c.lag.count
             c.lag.count = 0
-            c.group_owed -= owed  # (owed by this worker while it lagged: see broky.server.shard.lag)
+            c.worker_owed -= owed  # (owed by this worker while it lagged: see broky.server.shard.lag)
             self.stats.dropped[DropReason.SLOW_CONSUMER] += owed
             c.dropped_total += owed
         c.state = CLOSED

@@ -97,7 +97,7 @@ messages, a redelivery that waits: the Pendings without a member) was never
 queued to a connection, so no connection's account counts it, and a worker
 that dies would lose it untold. So each group keeps it on the account of one
 member's connection, its teller (its first member's; once it has none, its
-last one's): `owe` moves the count (`Connection.group_owed`) whenever it
+last one's): `owe` moves the count (`Connection.worker_owed`) whenever it
 changes, and the account is committed before anything of the read leaves
 (broky.server.accounts). A client that claims that connection after the
 worker died is told it, WORKER_RESTART (broky.server.shard.arrivals). What the group
@@ -438,7 +438,7 @@ class Group:
         self.orphan_gen = 0  # its last member left: the deadline's gen (see Groups.give_back)
         # Its teller (see "Never untold" in the module's header): the connection of its first member (of
         # its last one, once it has none), and the messages it keeps for nobody, as counted in
-        # that connection's `group_owed`.
+        # that connection's `worker_owed`.
         self.teller: Connection | None = None
         self.owed = 0
 
@@ -1158,12 +1158,12 @@ class Groups:
         old = g.teller
         if teller is not old:
             if old is not None and g.owed:
-                old.group_owed -= g.owed
+                old.worker_owed -= g.owed
                 self.amend_account(old)
             g.teller = teller
             g.owed = 0
         if teller is not None and owed != g.owed:
-            teller.group_owed += owed - g.owed
+            teller.worker_owed += owed - g.owed
             g.owed = owed
             self.amend_account(teller)
 

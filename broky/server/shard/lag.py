@@ -80,7 +80,7 @@ still owed when it ended (`Shard.lost`).
 Owed, counted. A lagging connection's `LagCursor.count` is how many messages
 it is owed: each refused message counts (`missed`: the run's count, one add),
 each sent or told one no longer does (`settle`). The same count is in its
-account's owed word (broky.server.accounts, via `group_owed`), committed with
+account's owed word (broky.server.accounts, via `worker_owed`), committed with
 every read and batch: should the worker die, a client that claims the account
 is told those as WORKER_RESTART; on a live worker they go into its drops when
 the connection ends (`Shard.lost`). A vbucket whose sequence restarted while
@@ -213,7 +213,7 @@ class Lag:
         lag = c.lag
         assert lag is not None
         lag.count += count
-        c.group_owed += count  # its account: owed by this worker ("Owed", in the header)
+        c.worker_owed += count  # its account: owed by this worker ("Owed", in the header)
         if not c.touched:  # (committed with the read)
             c.touched = True
             self.core.touched.append(c)
@@ -226,7 +226,7 @@ class Lag:
         """n messages c was owed were sent or told: no longer owed (its account too)."""
         n = min(n, lag.count)  # (a subscription changed during the lag: never below nothing)
         lag.count -= n
-        c.group_owed -= n
+        c.worker_owed -= n
 
     def seal(self, c: Connection) -> None:
         """The loop's next turn after c began lagging, every key: its cursor per vbucket."""
@@ -371,13 +371,11 @@ class Lag:
         if ranges is None:
             if told is None:  # served already (a list of an earlier batch names it)
                 return 0, 0, room, False
-            notice = self.evicted(c, vb, told[3], told[1], told[0], through=told[2])
-            out.append(notice)
+            notice = self.tell_gone(c, vb, told, out)
             return len(notice), 0, room - len(notice), False
         epoch = lag.owed_epochs[vb]
         if told is not None and told[3] != epoch:  # of an epoch before the one it is owed now
-            notice = self.evicted(c, vb, told[3], told[1], told[0], through=told[2])
-            out.append(notice)
+            notice = self.tell_gone(c, vb, told, out)
             queued += len(notice)
             room -= len(notice)
             told = None
@@ -489,6 +487,12 @@ class Lag:
         lag.evicted += gone
         last = at + gone - 1 if through is None else through
         return self.notice(c, gone, LossReason.EVICTED, vb, epoch, at, epoch, last)
+
+    def tell_gone(self, c: Connection, vb: int, told: list[int], out: list[bytes | bytearray]) -> bytes:
+        """The notice of a count `trim` kept for vb ([count, first, last, epoch]), queued."""
+        notice = self.evicted(c, vb, told[3], told[1], told[0], through=told[2])
+        out.append(notice)
+        return notice
 
     def epoch_changed(self, c: Connection, vb: int, old: int, at: int, new: int) -> int:
         """Every key: vb's sequence restarted under `new` while c lagged. Told how many of

@@ -21,7 +21,7 @@ class Conn:
         self.msgs_out = 0
         self.dropped_total = 0
         self.refused = 0
-        self.group_owed = 0
+        self.worker_owed = 0
         self.group_lost = 0
         self.token = secret_of(conn_id)
         self.slot = -1

@@ -88,12 +88,12 @@ def test_a_paused_reader_past_its_bound_lags_then_gets_everything_once_in_order(
     assert sub.lag is not None and sub.state == OPEN  # lagging, not dropping
     assert shard.stats.dropped[DropReason.SLOW_CONSUMER] == 0
     # What it is owed is in its account (owed by this worker: told WORKER_RESTART should it die).
-    assert sub.group_owed == shard.lag.behind(sub) == 3000 - sub.msgs_out > 0
+    assert sub.worker_owed == shard.lag.behind(sub) == 3000 - sub.msgs_out > 0
     resume(shard, sub)
     turns(loop, sub)
     got, notices = by_vbucket(received(sub))
     assert notices == []
-    assert sub.group_owed == 0  # sent, all of it
+    assert sub.worker_owed == 0  # sent, all of it
     assert sum(len(v) for v in got.values()) == 3000
     for vb, offsets in got.items():
         assert offsets == list(range(1, len(offsets) + 1)), vb  # every offset once, in order
@@ -187,7 +187,7 @@ def test_what_the_buffer_evicted_first_is_told_once_per_vbucket_with_the_exact_c
     assert sum(published.values()) == 4000
     assert sub.dropped_total == sum(told.values()) == shard.stats.dropped[DropReason.EVICTED]
     assert shard.stats.lag_evicted == sum(told.values())
-    assert sub.group_owed == 0  # sent or told
+    assert sub.worker_owed == 0  # sent or told
 
 
 def test_a_filtered_readers_evicted_count_is_its_own_messages(loop: asyncio.AbstractEventLoop) -> None:
@@ -300,7 +300,7 @@ def test_a_stalled_filtered_readers_evicted_ranges_are_trimmed_at_the_tick_and_t
             assert f.offset > through.get(f.vbucket, -1)
     assert len(through) == len(notices)
     assert sub.dropped_total == told == shard.stats.dropped[DropReason.EVICTED]
-    assert sub.group_owed == 0
+    assert sub.worker_owed == 0
 
 
 def test_a_stalled_filtered_reader_that_ends_counts_its_trimmed_ranges_in_its_account(
@@ -450,4 +450,4 @@ def test_a_vbucket_restarted_during_the_lag_is_told_with_what_it_was_owed_of_the
     assert notice.at is not None and notice.at.offset == had + 1  # the first it was owed
     assert len(messages) + notice.dropped == 400
     assert owed == 400 - 10  # all but the 10 its bound held when it began to lag
-    assert sub.group_owed == 0 and sub.dropped_total == notice.dropped
+    assert sub.worker_owed == 0 and sub.dropped_total == notice.dropped
